@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Idempotent environment setup: a Python 3.11 virtual environment with torch, megatron-core and this
+# package installed editable. Second run: a few seconds.
+#   DPP_VENV=/path/to/venv   where the environment lives (default: <repo>/.venv)
+#   DPP_PYTHON=python3.11    the interpreter that creates it
+set -euo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${DPP_VENV:-$REPO_ROOT/.venv}"
+PYTHON="${DPP_PYTHON:-python3.11}"
+TORCH_PIN="torch==2.13.0"
+
+if ! command -v "$PYTHON" >/dev/null 2>&1; then
+  echo "setup_env: $PYTHON not found; install Python 3.11 or set DPP_PYTHON to its path" >&2
+  exit 2
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup_env: creating $VENV"
+  # --system-site-packages keeps a CUDA torch that a GPU machine already has.
+  "$PYTHON" -m venv --system-site-packages "$VENV"
+fi
+PY="$VENV/bin/python"
+
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "setup_env: installing $TORCH_PIN"
+  "$PY" -m pip install -q "$TORCH_PIN"
+fi
+TORCH_VERSION="$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
+
+# Stamp: the install is redone only when the package metadata or the C++ sources change.
+STAMP="$VENV/.megatron_dpp_installed"
+HASH="$(cd "$REPO_ROOT" && cat pyproject.toml setup.py $(find csrc -type f 2>/dev/null | sort) | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
+  echo "setup_env: installing megatron-dpp (editable) with torch $TORCH_VERSION kept"
+  CONSTRAINTS="$(mktemp)"
+  trap 'rm -f "$CONSTRAINTS"' EXIT
+  echo "torch==$TORCH_VERSION" >"$CONSTRAINTS"
+  "$PY" -m pip install -q -c "$CONSTRAINTS" setuptools wheel ninja
+  (cd "$REPO_ROOT" && "$PY" -m pip install -q -c "$CONSTRAINTS" --no-build-isolation -e ".[test]")
+  echo "$HASH" >"$STAMP"
+fi
+echo "setup_env: ready ($VENV, torch $TORCH_VERSION)"
