@@ -4,7 +4,26 @@ Install with `pip install --no-build-isolation -e .` (run_scripts/setup_env.sh d
 extensions compile against the torch already installed instead of a fresh one pulled by pip.
 """
 from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+# shm_tensor._C: POSIX shared memory transport for CPU tensors. Plain C++ (no CUDA toolkit), so
+# one build serves CPU and GPU machines.
+shm_tensor_extension = CppExtension(
+    name="shm_tensor._C",
+    sources=[
+        "csrc/common/wire_header.cpp",
+        "csrc/common/copy_pool.cpp",
+        "csrc/shm_tensor/shm_segment.cpp",
+        "csrc/shm_tensor/dtype_codes.cpp",
+        "csrc/shm_tensor/context.cpp",
+        "csrc/shm_tensor/bindings.cpp",
+    ],
+    extra_compile_args=["-O2", "-std=c++17"],
+    extra_link_args=["-lrt", "-lpthread"],
+)
 
 setup(
     packages=find_packages(include=["megatron_dpp*", "shm_tensor*"]),
+    ext_modules=[shm_tensor_extension],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

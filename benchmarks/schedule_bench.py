@@ -1,0 +1,356 @@
+"""Pipeline schedules measured with timed stages in real processes over shm_tensor.
+
+For each scenario (uniform, varlen, straggler) and V in --virtual-stages, P ranks run one global batch
+of M microbatches under every schedule: Megatron-Core's 1F1B / interleaved 1F1B over the same
+transport (megatron_dpp.comm's P2PCommunicator), every DPP policy and 1f1b-sorted through
+forward_backward_dpp, and torch.distributed.pipelining's Schedule1F1B / ScheduleInterleaved1F1B (over
+gloo; equal-size microbatches only). Each row: measured iteration time (median of --repeats, after
+--warmup), the simulator's prediction for the same sampled durations, the lower bound (busiest rank's
+work) and the peak activation bytes a rank held. Stages sleep for their durations (benchmarks/
+timed_stage.py), so the numbers measure the schedule, not the CPU.
+
+    python benchmarks/schedule_bench.py --json runs/schedule_bench.json
+    python benchmarks/schedule_bench.py --quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SCENARIOS = ("uniform", "varlen", "straggler")
+DPP_POLICIES = ("dpp:adaptive", "dpp:breadth-first", "dpp:depth-first", "dpp:greedy")
+TORCH_SCHEDULES = {1: "torch:Schedule1F1B", 2: "torch:ScheduleInterleaved1F1B"}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    P: int
+    V: int
+    M: int
+    mean_tokens: int
+    forward_ms: float  # mean forward time of one microbatch on a whole rank (all its chunks)
+    cv: float
+    straggler_prob: float
+    straggler_factor: float
+    bytes_per_token: int
+    seed: int
+
+    @property
+    def max_tokens(self) -> int:
+        # The longest sample a batch may contain: what fixed schedules must provision memory for.
+        return 3 * self.mean_tokens if self.name == "varlen" else self.mean_tokens
+
+    def sizes(self) -> List[int]:
+        if self.name != "varlen":
+            return [self.mean_tokens] * self.M
+        rng = np.random.default_rng(self.seed)
+        sigma = math.sqrt(math.log(1.0 + self.cv ** 2))
+        draws = rng.lognormal(math.log(self.mean_tokens) - sigma ** 2 / 2, sigma, self.M)
+        return [int(min(self.max_tokens, max(1, round(x)))) for x in draws]
+
+    def act_bytes(self, sizes: List[int]) -> List[int]:
+        return [s * self.bytes_per_token for s in sizes]
+
+    def graph(self):
+        from megatron_dpp.schedule import TaskGraph
+
+        sizes = self.sizes()
+        return TaskGraph(self.P, self.V, self.M, sizes, self.act_bytes(sizes),
+                         max_act_bytes=self.max_tokens * self.bytes_per_token)
+
+    def duration_model(self):
+        from megatron_dpp.sim import DurationModel
+
+        return DurationModel(
+            linear=self.forward_ms / self.mean_tokens,
+            backward_ratio=2.0,
+            straggler_prob=self.straggler_prob if self.name == "straggler" else 0.0,
+            straggler_factor=self.straggler_factor if self.name == "straggler" else 1.0,
+            straggler_scope="task",
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# one rank
+# ------------------------------------------------------------------------------------------------
+def _build_runner(schedule: str, scenario: Scenario, model, transport):
+    """A callable(forward_step_func, data_iterator, model, num_microbatches, seq_length, ...)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_dpp.comm.megatron_p2p import TransportP2PCommunicator
+    from megatron_dpp.schedule.dpp_config import DPPConfig
+    from megatron_dpp.schedule.runtime import make_forward_backward_dpp
+
+    if schedule in ("1f1b", "interleaved-1f1b"):
+        from functools import partial
+
+        config = model[0].config
+        communicator = TransportP2PCommunicator(transport, config=config)
+        return partial(get_forward_backward_func(), p2p_communicator=communicator,
+                       pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    policy = schedule.split("@")[0]
+    return make_forward_backward_dpp(
+        DPPConfig(policy=policy, timeout_s=120.0), transport,
+        activation_bytes_fn=lambda _config, sizes, _mbs, _V, _P: scenario.act_bytes(list(sizes)))
+
+
+def _torch_pipelining_runner(schedule: str, scenario: Scenario, model, sizes: List[int]):
+    """torch.distributed.pipelining over gloo: one PipelineStage per local chunk."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    from timed_stage import HIDDEN
+
+    P, V, M = scenario.P, scenario.V, scenario.M
+    rank = model[0].rank
+
+    class _Wrapped(torch.nn.Module):
+        def __init__(self, stage):
+            super().__init__()
+            self.stage = stage
+
+        def forward(self, x):
+            return self.stage(x)
+
+    stages = [PipelineStage(_Wrapped(model[c]), c * P + rank, P * V, torch.device("cpu"))
+              for c in range(V)]
+    loss_fn = lambda output, _target: output.mean()  # noqa: E731
+    if V == 1:
+        schedule_obj = Schedule1F1B(stages[0], n_microbatches=M, loss_fn=loss_fn)
+    else:
+        schedule_obj = ScheduleInterleaved1F1B(stages, n_microbatches=M, loss_fn=loss_fn)
+
+    def run():
+        if rank == 0:
+            batch = torch.zeros(M * sizes[0], 1, HIDDEN)
+            for m in range(M):
+                batch[m * sizes[0], 0, 0] = float(m)
+            schedule_obj.step(batch.view(M, sizes[0], 1, HIDDEN).reshape(M * sizes[0], 1, HIDDEN))
+        elif rank == P - 1:
+            schedule_obj.step(target=torch.zeros(M * sizes[0], 1, HIDDEN), losses=[])
+        else:
+            schedule_obj.step()
+
+    return run
+
+
+def _worker(rank: int, scenario: Scenario, schedules: List[str], warmup: int, repeats: int,
+            port: int, results_queue) -> None:
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(scenario.P), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        from megatron_dpp.comm import make_transport
+        from megatron_dpp.platform import setup_platform
+        from megatron_dpp.sim import CommModel, simulate
+        from timed_stage import ActivationMeter, TimedStage, data_iterator, forward_step, timed_stage_config
+
+        torch.set_num_threads(1)
+        platform = setup_platform()
+        dist.init_process_group("gloo", rank=rank, world_size=scenario.P)
+        P, V, M = scenario.P, scenario.V, scenario.M
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=P,
+            virtual_pipeline_model_parallel_size=V if V > 1 else None)
+        graph = scenario.graph()
+        sizes = [int(s) for s in graph.sizes]
+        durations = scenario.duration_model().sample(graph, np.random.default_rng(scenario.seed))
+        meter = ActivationMeter()
+        config = timed_stage_config(P, V)
+        model = [TimedStage(config, rank, c, durations, graph.act_bytes, meter) for c in range(V)]
+        transport = make_transport("shm")
+        rows = []
+        for schedule in schedules:
+            if schedule.startswith("torch:"):
+                run = _torch_pipelining_runner(schedule, scenario, model, sizes)
+            else:
+                fb = _build_runner(schedule, scenario, model, transport)
+
+                def run(fb=fb):
+                    iterators = [data_iterator(sizes) if (rank == 0 and c == 0) else None for c in range(V)]
+                    fb(forward_step_func=forward_step,
+                       data_iterator=iterators if V > 1 else iterators[0],
+                       model=model if V > 1 else model[0],
+                       num_microbatches=M, seq_length=scenario.max_tokens, micro_batch_size=1,
+                       forward_only=False)
+            times, peaks = [], []
+            for repeat in range(warmup + repeats):
+                meter.reset()
+                dist.barrier()
+                start = time.perf_counter()
+                run()
+                measured = torch.tensor([time.perf_counter() - start, float(meter.peak)],
+                                        dtype=torch.float64)
+                dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+                if repeat >= warmup:
+                    times.append(measured[0].item() * 1e3)
+                    peaks.append(int(measured[1].item()))
+            if rank == 0:
+                sim_name = {"torch:Schedule1F1B": "1f1b",
+                            "torch:ScheduleInterleaved1F1B": "interleaved-1f1b"}.get(schedule, schedule)
+                prediction = simulate(graph, sim_name, scenario.duration_model(), CommModel(),
+                                      seed=scenario.seed)
+                from megatron_dpp.schedule.registry import default_budget_bytes
+
+                rows.append({
+                    "scenario": scenario.name, "P": P, "V": V, "M": M, "schedule": schedule,
+                    "time": statistics.median(times), "predicted_time": prediction.makespan,
+                    "lower_bound": prediction.lower_bound, "peak_activation": max(peaks),
+                    "megatron_budget": max(default_budget_bytes(graph, r) for r in range(P)),
+                    "times": times,
+                })
+        transport.close()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        if rank == 0:
+            results_queue.put(("ok", rows))
+    except BaseException:  # report any failure to the parent instead of dying silently
+        results_queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_scenario(scenario: Scenario, schedules: List[str], warmup: int, repeats: int,
+                 timeout_s: float) -> List[dict]:
+    """Start P processes, run every schedule, return rank 0's rows; raise on failure or timeout."""
+    import multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    processes = [context.Process(target=_worker, args=(rank, scenario, schedules, warmup, repeats,
+                                                       port, queue), daemon=True)
+                 for rank in range(scenario.P)]
+    for process in processes:
+        process.start()
+    try:
+        status, payload = queue.get(timeout=timeout_s)
+    except Exception:
+        status, payload = "error", f"no result within {timeout_s:.0f} s (scenario {scenario})"
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+    if status != "ok":
+        raise RuntimeError(f"schedule_bench {scenario.name} P={scenario.P} V={scenario.V} failed: {payload}")
+    return payload
+
+
+def schedules_for(V: int, include_torch: bool, scenario: str) -> List[str]:
+    megatron = "1f1b" if V == 1 else "interleaved-1f1b"
+    names = [megatron, "1f1b-sorted", *DPP_POLICIES]
+    # torch.distributed.pipelining splits one batch tensor into equal microbatches: uniform sizes only.
+    if include_torch and scenario != "varlen":
+        names.append(TORCH_SCHEDULES[min(V, 2)])
+    return names
+
+
+def format_table(rows: List[dict]) -> str:
+    header = (f"{'scenario':<10} {'P':>2} {'V':>2} {'M':>3} {'schedule':<30} {'time ms':>9} "
+              f"{'pred ms':>9} {'err':>6} {'/LB':>6} {'/megatron':>9} {'peak act':>10} {'budget':>10}")
+    lines = [header, "-" * len(header)]
+    reference: Dict[tuple, float] = {}
+    for row in rows:
+        if row["schedule"] in ("1f1b", "interleaved-1f1b"):
+            reference[(row["scenario"], row["P"], row["V"])] = row["time"]
+    for row in rows:
+        ref = reference.get((row["scenario"], row["P"], row["V"]))
+        ratio = f"{row['time'] / ref:9.3f}" if ref else f"{'-':>9}"
+        error = (row["time"] - row["predicted_time"]) / row["predicted_time"]
+        lines.append(
+            f"{row['scenario']:<10} {row['P']:>2} {row['V']:>2} {row['M']:>3} {row['schedule']:<30} "
+            f"{row['time']:9.1f} {row['predicted_time']:9.1f} {error:+6.1%} "
+            f"{row['time'] / row['lower_bound']:6.3f} {ratio} {row['peak_activation']:>10} "
+            f"{row['megatron_budget']:>10}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pipeline-size", "-P", type=int, default=4)
+    parser.add_argument("--virtual-stages", "-V", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--microbatches", "-M", type=int, default=16)
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    parser.add_argument("--schedules", nargs="+", default=None,
+                        help="Subset of schedules (default: Megatron's, 1f1b-sorted, every DPP policy, "
+                             "torch pipelining where it fits)")
+    parser.add_argument("--mean-tokens", type=int, default=64, help="Mean microbatch size in tokens.")
+    parser.add_argument("--forward-ms", type=float, default=20.0,
+                        help="Mean forward time of one microbatch on one rank (backward: 2x).")
+    parser.add_argument("--cv", type=float, default=0.5, help="Size coefficient of variation (varlen).")
+    parser.add_argument("--straggler-prob", type=float, default=0.1,
+                        help="Probability that a task is slowed down (straggler scenario).")
+    parser.add_argument("--straggler-factor", type=float, default=3.0)
+    parser.add_argument("--bytes-per-token", type=int, default=4096,
+                        help="Activation bytes one token holds on one chunk.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-torch-pipelining", action="store_true",
+                        help="Skip torch.distributed.pipelining's schedules.")
+    parser.add_argument("--timeout", type=float, default=900.0, help="Seconds per scenario launch.")
+    parser.add_argument("--quick", action="store_true",
+                        help="Small smoke run: P=4, V=1 and 2, M=8, 5 ms forwards, 1 repeat, no warmup.")
+    parser.add_argument("--json", type=str, default=None, help="Write {'results': [...]} here.")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.microbatches, args.forward_ms, args.repeats, args.warmup = 8, 5.0, 1, 0
+    if args.pipeline_size < 2:
+        parser.error("--pipeline-size must be at least 2")
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error("--repeats must be >= 1 and --warmup >= 0")
+    for V in args.virtual_stages:
+        if V < 1 or (V > 1 and args.microbatches % args.pipeline_size):
+            parser.error(f"V={V}: need V >= 1, and M a multiple of P for interleaving")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rows: List[dict] = []
+    for name in args.scenarios:
+        for V in args.virtual_stages:
+            scenario = Scenario(name=name, P=args.pipeline_size, V=V, M=args.microbatches,
+                                mean_tokens=args.mean_tokens, forward_ms=args.forward_ms, cv=args.cv,
+                                straggler_prob=args.straggler_prob,
+                                straggler_factor=args.straggler_factor,
+                                bytes_per_token=args.bytes_per_token, seed=args.seed)
+            schedules = args.schedules or schedules_for(V, not args.no_torch_pipelining, name)
+            started = time.time()
+            rows.extend(run_scenario(scenario, schedules, args.warmup, args.repeats, args.timeout))
+            print(f"# {name} P={args.pipeline_size} V={V}: {time.time() - started:.1f} s", flush=True)
+    print(format_table(rows))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"results": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

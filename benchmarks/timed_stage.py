@@ -1,0 +1,139 @@
+"""Timed stages: model chunks whose forward and backward hold a set duration inside real autograd.
+
+A TimedStage looks like a Megatron-Core model chunk to the schedules (config, model_type,
+set_input_tensor) but computes nothing: its forward sleeps for the duration of (rank, F, microbatch,
+chunk) and its backward for (rank, B, microbatch, chunk), both looked up in the simulator's sampled
+TaskDurations (1 time unit = 1 ms). Sleeping, not spinning, so 4-8 ranks fit on 2 cores and the
+schedule, not the CPU, decides the iteration time.
+
+The activation a microbatch carries is a float tensor [tokens, 1, hidden]; its element [0, 0, 0]
+holds the microbatch index, which each stage passes on unchanged, so a stage knows which task it is
+running whatever order a schedule chose. Each forward allocates the microbatch's activation bytes and
+keeps them until its backward; ActivationMeter records how many bytes a rank held at most.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator, List, Optional
+
+import torch
+from megatron.core.enums import ModelType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_dpp.schedule import Phase, Task
+from megatron_dpp.sim import TaskDurations
+
+HIDDEN = 4  # width of the carried activation; its bytes on the wire are not the modeled bytes
+
+
+class ActivationMeter:
+    """Activation bytes held by the timed stages of one process, and the most ever held."""
+
+    def __init__(self):
+        self.held = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+
+    def remove(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+    def reset(self) -> None:
+        self.held = 0
+        self.peak = 0
+
+
+class _Hold(torch.autograd.Function):
+    """Identity on the activation that holds the task's duration and activation bytes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, stage: "TimedStage", microbatch: int):
+        time.sleep(stage.seconds(Phase.F, microbatch))
+        nbytes = stage.act_bytes[microbatch]
+        ctx.held = torch.empty(nbytes, dtype=torch.uint8)  # the activation memory, kept to backward
+        ctx.stage, ctx.microbatch = stage, microbatch
+        stage.meter.add(nbytes)
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        stage, microbatch = ctx.stage, ctx.microbatch
+        time.sleep(stage.seconds(Phase.B, microbatch))
+        stage.meter.remove(ctx.held.numel())
+        ctx.held = None
+        return grad, torch.zeros(1), None, None
+
+
+class TimedStage(torch.nn.Module):
+    """Model chunk `chunk` of pipeline rank `rank`, for Megatron's schedules and the DPP runtime."""
+
+    def __init__(self, config: TransformerConfig, rank: int, chunk: int, durations: TaskDurations,
+                 act_bytes: List[int], meter: ActivationMeter, time_unit_s: float = 1e-3):
+        super().__init__()
+        self.config = config
+        self.model_type = ModelType.encoder_or_decoder
+        self.rank, self.chunk = rank, chunk
+        self.vp_stage = chunk if (config.virtual_pipeline_model_parallel_size or 1) > 1 else None
+        self.durations = durations
+        self.act_bytes = act_bytes
+        self.meter = meter
+        self.time_unit_s = time_unit_s
+        self.weight = torch.nn.Parameter(torch.ones(1))
+        self.input_tensor: Optional[torch.Tensor] = None
+        self.pre_process = rank == 0 and chunk == 0
+
+    def seconds(self, phase: Phase, microbatch: int) -> float:
+        return self.durations(self.rank, Task(phase, microbatch, self.chunk)) * self.time_unit_s
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        microbatch = int(x[0, 0, 0].item())
+        return _Hold.apply(x, self.weight, self, microbatch)
+
+
+def microbatch_item(microbatch: int, tokens: int) -> dict:
+    """What the data iterator yields for one microbatch: its tokens and index."""
+    return {"tokens": torch.zeros(1, tokens, dtype=torch.int64), "microbatch": microbatch}
+
+
+def data_iterator(sizes: List[int]) -> Iterator[dict]:
+    return iter([microbatch_item(m, size) for m, size in enumerate(sizes)])
+
+
+def forward_step(data_iterator, model: TimedStage):
+    """Megatron forward_step_func for timed stages: the first stage builds the activation from data."""
+    if model.pre_process:
+        item = next(data_iterator)
+        x = torch.zeros(item["tokens"].shape[1], 1, HIDDEN)
+        x[0, 0, 0] = float(item["microbatch"])
+    else:
+        x = model.input_tensor
+    output = model(x)
+
+    def loss_func(output_tensor):
+        loss = output_tensor.mean()
+        return loss, {"loss": loss.detach().clone()}
+
+    return output, loss_func
+
+
+def timed_stage_config(P: int, V: int) -> TransformerConfig:
+    """A TransformerConfig that satisfies Megatron's schedules (the layer fields are unused)."""
+    config = TransformerConfig(
+        num_layers=P * V,
+        hidden_size=HIDDEN,
+        num_attention_heads=1,
+        pipeline_model_parallel_size=P,
+        virtual_pipeline_model_parallel_size=V if V > 1 else None,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        deallocate_pipeline_outputs=False,
+    )
+    # Set after construction: the constructor ties this flag to MoE dispatcher checks we don't use.
+    # Megatron's schedules then exchange shapes per message, as varlen microbatches need.
+    config.variable_seq_lengths = True
+    return config

@@ -1,0 +1,42 @@
+// Parallel memcpy: large messages are split into pieces of at least `bytes_per_thread` bytes, copied
+// by up to `max_threads` threads (the caller is one of them). Workers sleep on a condition variable
+// when idle and are joined in the destructor.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace dpp_copy {
+
+class CopyPool {
+ public:
+  CopyPool(int max_threads, size_t bytes_per_thread);
+  ~CopyPool();
+  CopyPool(const CopyPool&) = delete;
+  CopyPool& operator=(const CopyPool&) = delete;
+
+  // Copies n bytes; returns after every piece is done.
+  void copy(void* dst, const void* src, size_t n);
+
+  int threads_for(size_t n) const;
+
+ private:
+  void worker_loop();
+
+  int max_threads_;
+  size_t bytes_per_thread_;
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable work_ready_;
+  std::condition_variable work_done_;
+  std::deque<std::function<void()>> queue_;
+  size_t pieces_left_ = 0;
+  bool stopping_ = false;
+};
+
+}  // namespace dpp_copy

@@ -1,0 +1,118 @@
+// Python bindings of shm_tensor._C. The typed, documented API is the shm_tensor package.
+#include <torch/extension.h>
+
+#include "../common/errors.h"
+#include "../common/wire_header.h"
+#include "context.h"
+#include "dtype_codes.h"
+
+namespace py = pybind11;
+using namespace shm_tensor;
+
+namespace {
+
+PyObject* g_transport_error = nullptr;
+PyObject* g_timeout = nullptr;
+PyObject* g_peer_lost = nullptr;
+PyObject* g_protocol_error = nullptr;
+PyObject* g_too_large = nullptr;
+
+PyObject* new_exception(py::module_& module, const char* name, PyObject* bases) {
+  std::string qualified = std::string("shm_tensor._C.") + name;
+  PyObject* type = PyErr_NewException(qualified.c_str(), bases, nullptr);
+  if (type == nullptr) throw py::error_already_set();
+  module.attr(name) = py::handle(type);  // the module keeps a reference
+  return type;
+}
+
+py::bytes encode_header(const at::Tensor& tensor, int64_t tag, int32_t src_rank) {
+  std::vector<int64_t> shape(tensor.sizes().begin(), tensor.sizes().end());
+  uint64_t nbytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
+  dpp_wire::WireHeader header = dpp_wire::make_header(
+      tag, wire_dtype_of(tensor.scalar_type()), shape.data(), static_cast<int>(shape.size()), nbytes,
+      src_rank);
+  return py::bytes(reinterpret_cast<const char*>(&header), sizeof(header));
+}
+
+// (tag, src_rank, an uninitialised tensor of the header's dtype and shape); raises ProtocolError.
+py::tuple decode_header(const std::string& bytes, uint64_t max_payload_bytes, int peer) {
+  if (bytes.size() != sizeof(dpp_wire::WireHeader)) {
+    throw dpp_errors::ProtocolError("decode_header(peer=" + std::to_string(peer) + "): got " +
+                                    std::to_string(bytes.size()) + " bytes, a header has " +
+                                    std::to_string(sizeof(dpp_wire::WireHeader)));
+  }
+  dpp_wire::WireHeader header;
+  std::memcpy(&header, bytes.data(), sizeof(header));
+  std::string problem = dpp_wire::validate_header(header, max_payload_bytes);
+  if (!problem.empty()) {
+    throw dpp_errors::ProtocolError(dpp_errors::describe("decode_header", peer, header.tag, problem));
+  }
+  std::vector<int64_t> shape(header.shape, header.shape + header.ndim);
+  at::Tensor tensor = at::empty(shape, at::TensorOptions().dtype(scalar_type_of(header.dtype)));
+  return py::make_tuple(header.tag, header.src_rank, tensor);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "shm_tensor: tag-matched point-to-point tensor messages over POSIX shared memory";
+
+  g_transport_error = new_exception(m, "TransportError", PyExc_RuntimeError);
+  py::tuple timeout_bases = py::make_tuple(py::handle(g_transport_error), py::handle(PyExc_TimeoutError));
+  g_timeout = new_exception(m, "TransportTimeout", timeout_bases.ptr());
+  g_peer_lost = new_exception(m, "PeerLostError", g_transport_error);
+  g_protocol_error = new_exception(m, "ProtocolError", g_transport_error);
+  g_too_large = new_exception(m, "MessageTooLargeError", g_transport_error);
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) std::rethrow_exception(error);
+    } catch (const dpp_errors::TransportTimeout& e) {
+      PyErr_SetString(g_timeout, e.what());
+    } catch (const dpp_errors::PeerLost& e) {
+      PyErr_SetString(g_peer_lost, e.what());
+    } catch (const dpp_errors::ProtocolError& e) {
+      PyErr_SetString(g_protocol_error, e.what());
+    } catch (const dpp_errors::MessageTooLarge& e) {
+      PyErr_SetString(g_too_large, e.what());
+    } catch (const dpp_errors::TransportError& e) {
+      PyErr_SetString(g_transport_error, e.what());
+    }
+  });
+
+  m.attr("HEADER_BYTES") = py::int_(sizeof(dpp_wire::WireHeader));
+  m.def("encode_header", &encode_header, py::arg("tensor"), py::arg("tag"), py::arg("src_rank"));
+  m.def("decode_header", &decode_header, py::arg("header"), py::arg("max_payload_bytes"),
+        py::arg("peer"));
+
+  py::class_<ContextConfig>(m, "ContextConfig")
+      .def(py::init<>())
+      .def_readwrite("num_slots", &ContextConfig::num_slots)
+      .def_readwrite("slot_bytes", &ContextConfig::slot_bytes)
+      .def_readwrite("copy_threads", &ContextConfig::copy_threads)
+      .def_readwrite("bytes_per_thread", &ContextConfig::bytes_per_thread)
+      .def_readwrite("timeout_s", &ContextConfig::timeout_s);
+
+  py::class_<Handle, std::shared_ptr<Handle>>(m, "Handle")
+      .def("test", &Handle::test, py::call_guard<py::gil_scoped_release>())
+      .def("wait", &Handle::wait, py::arg("timeout_s") = -1.0,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("is_send", &Handle::is_send)
+      .def_property_readonly("peer", &Handle::peer)
+      .def_property_readonly("tag", &Handle::tag);
+
+  py::class_<Context, std::shared_ptr<Context>>(m, "Context")
+      .def(py::init<int, std::vector<int>, std::string, ContextConfig>(), py::arg("rank"),
+           py::arg("peers"), py::arg("job_name"), py::arg("config"))
+      .def("connect", &Context::connect, py::call_guard<py::gil_scoped_release>())
+      .def("unlink", &Context::unlink)
+      .def("isend", &Context::isend, py::arg("tensor"), py::arg("peer"), py::arg("tag"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("irecv", &Context::irecv, py::arg("peer"), py::arg("tag"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("wait_any", &Context::wait_any, py::arg("handles"), py::arg("timeout_s") = -1.0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("send_raw_header", &Context::send_raw_header, py::arg("header"), py::arg("peer"))
+      .def("close", &Context::close, py::call_guard<py::gil_scoped_release>())
+      .def("inbox_name", &Context::inbox_name)
+      .def_property_readonly("rank", &Context::rank);
+}

@@ -1,0 +1,510 @@
+#include "context.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+#include <sstream>
+
+#include "../common/errors.h"
+#include "dtype_codes.h"
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434  // same number on every architecture
+#endif
+
+namespace shm_tensor {
+
+using dpp_errors::describe;
+using dpp_errors::MessageTooLarge;
+using dpp_errors::PeerLost;
+using dpp_errors::ProtocolError;
+using dpp_errors::TransportError;
+using dpp_errors::TransportTimeout;
+using dpp_wire::WireHeader;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr uint64_t kInboxMagic = 0x58424e4950504455ull;  // "UDPPINBX"
+constexpr uint32_t kLayoutVersion = 1;
+constexpr int kMaxPeers = 256;
+constexpr uint64_t kPage = 4096;
+constexpr uint64_t kChannelHeaderBytes = kPage;
+// Between two sleeps the waiter checks that the peers it waits on are alive.
+constexpr double kLivenessPeriodS = 0.05;
+
+uint64_t align_up(uint64_t value, uint64_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+double seconds_until(Clock::time_point when) {
+  return std::chrono::duration<double>(when - Clock::now()).count();
+}
+
+}  // namespace
+
+struct ChannelEntry {
+  int32_t sender_rank;
+  uint32_t pad;
+  uint64_t offset;
+};
+
+struct ControlBlock {
+  std::atomic<uint64_t> magic;  // written last: a peer that sees it sees the whole block
+  uint32_t layout_version;
+  int32_t owner_rank;
+  int32_t owner_pid;
+  uint32_t num_channels;
+  uint32_t num_slots;
+  uint32_t pad;
+  uint64_t slot_bytes;
+  uint64_t slot_stride;
+  alignas(64) Doorbell doorbell;
+  alignas(64) ChannelEntry channels[kMaxPeers];
+};
+
+struct ChannelHeader {
+  alignas(64) std::atomic<uint64_t> head;  // messages published, written by the sender
+  alignas(64) std::atomic<uint64_t> tail;  // messages consumed, written by the receiver
+};
+
+struct Context::Peer {
+  int rank = -1;
+  ShmSegment segment;  // the peer's inbox
+  ControlBlock* control = nullptr;
+  // Our channel in the peer's inbox (we send), with the peer's geometry.
+  ChannelHeader* out_channel = nullptr;
+  char* out_slots = nullptr;
+  uint64_t out_slot_bytes = 0;
+  uint64_t out_stride = 0;
+  uint64_t out_num_slots = 0;
+  // The peer's channel in our inbox (we receive).
+  ChannelHeader* in_channel = nullptr;
+  char* in_slots = nullptr;
+  int pid = 0;
+  int pidfd = -1;
+  bool lost = false;
+  std::string broken;  // why the inbound channel was abandoned (a rejected header)
+  std::deque<std::shared_ptr<Handle>> pending_sends;
+
+  Peer() = default;
+  Peer(const Peer&) = delete;
+  Peer& operator=(const Peer&) = delete;
+  ~Peer() {
+    if (pidfd >= 0) ::close(pidfd);
+  }
+
+  bool alive() const {
+    if (pidfd >= 0) {
+      struct pollfd entry = {pidfd, POLLIN, 0};
+      return ::poll(&entry, 1, 0) == 0;  // readable once the process has exited
+    }
+    return !(::kill(pid, 0) != 0 && errno == ESRCH);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Handle
+
+bool Handle::test() {
+  std::lock_guard<std::mutex> lock(context_->mutex_);
+  if (done_) return true;
+  context_->progress();
+  return context_->handle_done_or_throw(*this);
+}
+
+at::Tensor Handle::wait(double timeout_s) {
+  context_->wait_any({shared_from_this()}, timeout_s);
+  std::lock_guard<std::mutex> lock(context_->mutex_);
+  return tensor_;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Context setup
+
+Context::Context(int rank, std::vector<int> peers, std::string job_name, ContextConfig config)
+    : rank_(rank),
+      peer_ranks_(std::move(peers)),
+      job_name_(std::move(job_name)),
+      config_(config),
+      copy_pool_(config.copy_threads, config.bytes_per_thread) {
+  if (rank_ < 0) throw std::invalid_argument("shm_tensor: rank must be >= 0");
+  if (config_.num_slots < 1) throw std::invalid_argument("shm_tensor: num_slots must be >= 1");
+  if (config_.timeout_s <= 0) throw std::invalid_argument("shm_tensor: timeout_s must be > 0");
+  if (job_name_.empty() || job_name_.size() > 200 ||
+      job_name_.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") !=
+          std::string::npos) {
+    throw std::invalid_argument("shm_tensor: job name '" + job_name_ +
+                                "' must be 1-200 characters of [A-Za-z0-9_.-]");
+  }
+  if (static_cast<int>(peer_ranks_.size()) > kMaxPeers) {
+    throw std::invalid_argument("shm_tensor: at most " + std::to_string(kMaxPeers) + " peers");
+  }
+  std::set<int> unique(peer_ranks_.begin(), peer_ranks_.end());
+  if (unique.size() != peer_ranks_.size() || unique.count(rank_) || (!unique.empty() && *unique.begin() < 0)) {
+    throw std::invalid_argument("shm_tensor: peers must be distinct non-negative ranks other than " +
+                                std::to_string(rank_));
+  }
+
+  slot_stride_ = align_up(sizeof(WireHeader) + config_.slot_bytes, kPage);
+  uint64_t control_bytes = align_up(sizeof(ControlBlock), kPage);
+  uint64_t channel_bytes = kChannelHeaderBytes + config_.num_slots * slot_stride_;
+  uint64_t total = control_bytes + peer_ranks_.size() * channel_bytes;
+  inbox_ = ShmSegment::create(inbox_name(rank_), total);
+
+  control_ = reinterpret_cast<ControlBlock*>(inbox_.data());
+  control_->layout_version = kLayoutVersion;
+  control_->owner_rank = rank_;
+  control_->owner_pid = static_cast<int32_t>(::getpid());
+  control_->num_channels = static_cast<uint32_t>(peer_ranks_.size());
+  control_->num_slots = static_cast<uint32_t>(config_.num_slots);
+  control_->slot_bytes = config_.slot_bytes;
+  control_->slot_stride = slot_stride_;
+  for (size_t i = 0; i < peer_ranks_.size(); ++i) {
+    uint64_t offset = control_bytes + i * channel_bytes;
+    control_->channels[i].sender_rank = peer_ranks_[i];
+    control_->channels[i].offset = offset;
+    auto peer = std::make_unique<Peer>();
+    peer->rank = peer_ranks_[i];
+    peer->in_channel = reinterpret_cast<ChannelHeader*>(inbox_.data() + offset);
+    peer->in_slots = inbox_.data() + offset + kChannelHeaderBytes;
+    peer_by_rank_[peer->rank] = peer.get();
+    peers_.push_back(std::move(peer));
+  }
+  control_->magic.store(kInboxMagic, std::memory_order_release);
+}
+
+Context::~Context() {
+  try {
+    close();
+  } catch (...) {
+    // Destructors do not throw; close() only unmaps and unlinks.
+  }
+}
+
+std::string Context::inbox_name(int rank) const {
+  return "/" + job_name_ + "-r" + std::to_string(rank);
+}
+
+void Context::connect() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (closed_) throw TransportError("shm_tensor.connect: context is closed");
+  if (connected_) return;
+  for (auto& peer : peers_) {
+    peer->segment = ShmSegment::open(inbox_name(peer->rank), peer->rank);
+    if (peer->segment.size() < sizeof(ControlBlock)) {
+      throw TransportError("shm_tensor.connect: inbox of peer " + std::to_string(peer->rank) +
+                           " is too small to be one");
+    }
+    auto* control = reinterpret_cast<ControlBlock*>(peer->segment.data());
+    if (control->magic.load(std::memory_order_acquire) != kInboxMagic ||
+        control->layout_version != kLayoutVersion || control->owner_rank != peer->rank) {
+      throw TransportError("shm_tensor.connect: inbox " + peer->segment.name() + " of peer " +
+                           std::to_string(peer->rank) +
+                           " has a foreign layout; are both sides built from the same source?");
+    }
+    const ChannelEntry* entry = nullptr;
+    for (uint32_t i = 0; i < control->num_channels; ++i) {
+      if (control->channels[i].sender_rank == rank_) entry = &control->channels[i];
+    }
+    if (entry == nullptr) {
+      throw TransportError("shm_tensor.connect: peer " + std::to_string(peer->rank) +
+                           " does not list rank " + std::to_string(rank_) +
+                           " as a peer; both sides must list each other");
+    }
+    peer->control = control;
+    peer->out_channel = reinterpret_cast<ChannelHeader*>(peer->segment.data() + entry->offset);
+    peer->out_slots = peer->segment.data() + entry->offset + kChannelHeaderBytes;
+    peer->out_slot_bytes = control->slot_bytes;
+    peer->out_stride = control->slot_stride;
+    peer->out_num_slots = control->num_slots;
+    peer->pid = control->owner_pid;
+    peer->pidfd = static_cast<int>(::syscall(SYS_pidfd_open, peer->pid, 0));
+    // pidfd_open fails on old kernels or across pid namespaces; kill(pid, 0) is the fallback.
+    if (peer->pidfd < 0) peer->pidfd = -1;
+  }
+  connected_ = true;
+}
+
+void Context::unlink() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  inbox_.unlink();
+}
+
+void Context::close() {
+  std::vector<std::shared_ptr<Handle>> released;  // destroyed after the lock is dropped
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (closed_) return;
+    closed_ = true;
+    for (auto& entry : posted_recvs_) {
+      for (auto& handle : entry.second) released.push_back(std::move(handle));
+    }
+    for (auto& peer : peers_) {
+      for (auto& handle : peer->pending_sends) released.push_back(std::move(handle));
+    }
+    posted_recvs_.clear();
+    unclaimed_.clear();
+    peer_by_rank_.clear();
+    peers_.clear();
+    control_ = nullptr;
+    inbox_ = ShmSegment();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sending and receiving
+
+Context::Peer& Context::peer_or_throw(const char* call, int peer, int64_t tag) {
+  if (closed_) throw TransportError(describe(call, peer, tag, "context is closed"));
+  if (!connected_) throw TransportError(describe(call, peer, tag, "context is not connected yet"));
+  auto found = peer_by_rank_.find(peer);
+  if (found == peer_by_rank_.end()) {
+    throw std::invalid_argument(describe(call, peer, tag, "rank " + std::to_string(peer) +
+                                                              " is not a peer of this context"));
+  }
+  if (tag < 0) throw std::invalid_argument(describe(call, peer, tag, "tags must be >= 0"));
+  return *found->second;
+}
+
+std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64_t tag) {
+  const char* call = "shm_tensor.isend";
+  if (!tensor.device().is_cpu()) {
+    throw std::invalid_argument(describe(
+        call, peer, tag,
+        "tensor is on " + tensor.device().str() +
+            "; shm_tensor carries CPU tensors only (CUDA IPC is not built in this version); "
+            "use --p2p-transport torch for GPU tensors"));
+  }
+  at::Tensor source = tensor.contiguous();
+  uint64_t nbytes = static_cast<uint64_t>(source.numel()) * source.element_size();
+  int32_t dtype;
+  try {
+    dtype = wire_dtype_of(source.scalar_type());
+  } catch (const std::invalid_argument& error) {
+    throw std::invalid_argument(describe(call, peer, tag, error.what()));
+  }
+  std::vector<int64_t> shape(source.sizes().begin(), source.sizes().end());
+  WireHeader header;
+  try {
+    header = dpp_wire::make_header(tag, dtype, shape.data(), static_cast<int>(shape.size()), nbytes, rank_);
+  } catch (const std::invalid_argument& error) {
+    throw std::invalid_argument(describe(call, peer, tag, error.what()));
+  }
+
+  std::lock_guard<std::mutex> lock(mutex_);
+  Peer& target = peer_or_throw(call, peer, tag);
+  if (nbytes > target.out_slot_bytes) {
+    std::ostringstream what;
+    what << "message of " << nbytes << " B exceeds the slot size of " << target.out_slot_bytes
+         << " B; raise ShmConfig.slot_bytes (--shm-slot-mb) or send smaller tensors";
+    throw MessageTooLarge(describe(call, peer, tag, what.str()));
+  }
+  auto handle = std::make_shared<Handle>(shared_from_this(), true, peer, tag);
+  handle->tensor_ = source;
+  handle->raw_header_.assign(reinterpret_cast<const char*>(&header),
+                             reinterpret_cast<const char*>(&header) + sizeof(header));
+  target.pending_sends.push_back(handle);
+  push_sends(target);
+  return handle;
+}
+
+std::shared_ptr<Handle> Context::send_raw_header(const std::string& header, int peer) {
+  if (header.size() != sizeof(WireHeader)) {
+    throw std::invalid_argument("shm_tensor.send_raw_header: header must be " +
+                                std::to_string(sizeof(WireHeader)) + " bytes");
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  Peer& target = peer_or_throw("shm_tensor.send_raw_header", peer, 0);
+  auto handle = std::make_shared<Handle>(shared_from_this(), true, peer, 0);
+  handle->raw_header_.assign(header.begin(), header.end());
+  target.pending_sends.push_back(handle);
+  push_sends(target);
+  return handle;
+}
+
+std::shared_ptr<Handle> Context::irecv(int peer, int64_t tag) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  peer_or_throw("shm_tensor.irecv", peer, tag);
+  auto handle = std::make_shared<Handle>(shared_from_this(), false, peer, tag);
+  auto key = std::make_pair(peer, tag);
+  auto found = unclaimed_.find(key);
+  if (found != unclaimed_.end()) {
+    handle->tensor_ = std::move(found->second.front());
+    handle->done_ = true;
+    found->second.pop_front();
+    if (found->second.empty()) unclaimed_.erase(found);
+  } else {
+    posted_recvs_[key].push_back(handle);
+  }
+  return handle;
+}
+
+void Context::write_slot(Peer& peer, Handle& handle) {
+  uint64_t head = peer.out_channel->head.load(std::memory_order_relaxed);
+  char* slot = peer.out_slots + (head % peer.out_num_slots) * peer.out_stride;
+  std::memcpy(slot, handle.raw_header_.data(), sizeof(WireHeader));
+  if (handle.tensor_.defined() && handle.tensor_.numel() > 0) {
+    copy_pool_.copy(slot + sizeof(WireHeader), handle.tensor_.data_ptr(), handle.tensor_.nbytes());
+  }
+  peer.out_channel->head.store(head + 1, std::memory_order_release);
+}
+
+void Context::push_sends(Peer& peer) {
+  if (peer.lost) return;
+  while (!peer.pending_sends.empty()) {
+    uint64_t head = peer.out_channel->head.load(std::memory_order_relaxed);
+    uint64_t tail = peer.out_channel->tail.load(std::memory_order_acquire);
+    if (head - tail >= peer.out_num_slots) break;  // ring full: back-pressure
+    std::shared_ptr<Handle> handle = std::move(peer.pending_sends.front());
+    peer.pending_sends.pop_front();
+    write_slot(peer, *handle);
+    handle->done_ = true;
+    handle->tensor_ = at::Tensor();  // the caller may reuse or free its tensor now
+    ring(peer.control->doorbell);
+  }
+}
+
+void Context::deliver(int peer, int64_t tag, at::Tensor tensor) {
+  auto key = std::make_pair(peer, tag);
+  auto posted = posted_recvs_.find(key);
+  if (posted != posted_recvs_.end()) {
+    std::shared_ptr<Handle> handle = std::move(posted->second.front());
+    posted->second.pop_front();
+    if (posted->second.empty()) posted_recvs_.erase(posted);
+    handle->tensor_ = std::move(tensor);
+    handle->done_ = true;
+    return;
+  }
+  unclaimed_[key].push_back(std::move(tensor));
+}
+
+void Context::drain_inbound(Peer& peer) {
+  if (!peer.broken.empty()) return;
+  while (true) {
+    uint64_t tail = peer.in_channel->tail.load(std::memory_order_relaxed);
+    uint64_t head = peer.in_channel->head.load(std::memory_order_acquire);
+    if (tail == head) return;
+    const char* slot = peer.in_slots + (tail % config_.num_slots) * slot_stride_;
+    WireHeader header;
+    std::memcpy(&header, slot, sizeof(header));
+    std::string problem = dpp_wire::validate_header(header, config_.slot_bytes);
+    if (!problem.empty()) {
+      // The channel cannot be trusted past this slot: every later operation with this peer fails.
+      peer.broken = "message from peer " + std::to_string(peer.rank) + " (header tag " +
+                    std::to_string(header.tag) + ") rejected: " + problem;
+      return;
+    }
+    std::vector<int64_t> shape(header.shape, header.shape + header.ndim);
+    at::Tensor tensor = at::empty(shape, at::TensorOptions().dtype(scalar_type_of(header.dtype)));
+    if (header.nbytes > 0) copy_pool_.copy(tensor.data_ptr(), slot + sizeof(WireHeader), header.nbytes);
+    peer.in_channel->tail.store(tail + 1, std::memory_order_release);
+    ring(peer.control->doorbell);  // the sender may be waiting for this slot
+    deliver(peer.rank, header.tag, std::move(tensor));
+  }
+}
+
+void Context::progress() {
+  if (closed_ || !connected_) return;
+  for (auto& peer : peers_) {
+    drain_inbound(*peer);
+    push_sends(*peer);
+  }
+}
+
+bool Context::handle_done_or_throw(Handle& handle) {
+  if (handle.done_) return true;
+  const char* call = handle.is_send_ ? "shm_tensor.isend" : "shm_tensor.irecv";
+  if (closed_) throw TransportError(describe(call, handle.peer_, handle.tag_, "context is closed"));
+  Peer& peer = *peer_by_rank_.at(handle.peer_);
+  if (!peer.broken.empty()) throw ProtocolError(describe(call, handle.peer_, handle.tag_, peer.broken));
+  if (peer.lost) {
+    std::string what = "peer process (pid " + std::to_string(peer.pid) + ") exited before the message was " +
+                       (handle.is_send_ ? "accepted into its inbox" : "sent");
+    throw PeerLost(describe(call, handle.peer_, handle.tag_, what));
+  }
+  return false;
+}
+
+void Context::check_liveness(const std::vector<std::shared_ptr<Handle>>& handles) {
+  bool any_lost = false;
+  for (const auto& handle : handles) {
+    if (handle->done_) continue;
+    Peer& peer = *peer_by_rank_.at(handle->peer_);
+    if (!peer.lost && !peer.alive()) {
+      peer.lost = true;
+      any_lost = true;
+    }
+  }
+  // Messages a lost peer published before it died are still in our inbox: take them first.
+  if (any_lost) {
+    for (auto& peer : peers_) drain_inbound(*peer);
+  }
+}
+
+int Context::wait_any(const std::vector<std::shared_ptr<Handle>>& handles, double timeout_s) {
+  if (handles.empty()) throw std::invalid_argument("shm_tensor.wait_any: no handles given");
+  for (const auto& handle : handles) {
+    if (!handle || handle->context_.get() != this) {
+      throw std::invalid_argument("shm_tensor.wait_any: a handle belongs to another context");
+    }
+  }
+  double timeout = timeout_s < 0 ? config_.timeout_s : timeout_s;
+  Clock::time_point start = Clock::now();
+  Clock::time_point deadline = start + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(timeout));
+  Clock::time_point next_liveness_check = start;
+
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    if (closed_) {
+      const Handle& first = *handles.front();
+      throw TransportError(describe("shm_tensor.wait", first.peer_, first.tag_, "context is closed"));
+    }
+    Doorbell& bell = control_->doorbell;
+    // Announce the sleep before reading the counter, so a ringer either sees us or changes it first.
+    bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    struct SleeperGuard {
+      Doorbell& bell;
+      ~SleeperGuard() { bell.sleepers.fetch_sub(1, std::memory_order_seq_cst); }
+    } guard{bell};
+    uint32_t seen = bell.counter.load(std::memory_order_seq_cst);
+
+    progress();
+    for (size_t i = 0; i < handles.size(); ++i) {
+      if (handle_done_or_throw(*handles[i])) return static_cast<int>(i);
+    }
+    if (Clock::now() >= next_liveness_check) {
+      check_liveness(handles);
+      for (size_t i = 0; i < handles.size(); ++i) {
+        if (handle_done_or_throw(*handles[i])) return static_cast<int>(i);
+      }
+      next_liveness_check = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                 std::chrono::duration<double>(kLivenessPeriodS));
+    }
+    double remaining = seconds_until(deadline);
+    if (remaining <= 0) {
+      std::ostringstream what;
+      what << "timed out after " << timeout << " s waiting for";
+      size_t shown = std::min<size_t>(handles.size(), 8);
+      for (size_t i = 0; i < shown; ++i) {
+        what << (i ? ", " : " ") << (handles[i]->is_send_ ? "send to " : "receive from ")
+             << handles[i]->peer_ << " tag " << handles[i]->tag_;
+      }
+      if (shown < handles.size()) what << " and " << handles.size() - shown << " more";
+      const Handle& first = *handles.front();
+      throw TransportTimeout(describe("shm_tensor.wait", first.peer_, first.tag_, what.str()));
+    }
+    double nap = std::min(remaining, std::max(0.0, seconds_until(next_liveness_check)));
+    lock.unlock();
+    sleep_on(bell, seen, std::max(nap, 1e-4));
+    lock.lock();
+  }
+}
+
+}  // namespace shm_tensor

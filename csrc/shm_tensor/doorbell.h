@@ -1,0 +1,44 @@
+// A doorbell: a 32-bit counter in shared memory that peers bump after publishing a message or
+// freeing a slot, and that its owner sleeps on with futex(2). FUTEX_WAIT without FUTEX_PRIVATE_FLAG
+// works across processes on MAP_SHARED memory. `sleepers` lets a ringer skip the wake syscall when
+// nobody sleeps.
+#pragma once
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstdint>
+
+namespace shm_tensor {
+
+struct Doorbell {
+  std::atomic<uint32_t> counter;
+  std::atomic<uint32_t> sleepers;
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex needs a lock-free 32-bit atomic");
+
+inline void ring(Doorbell& bell) {
+  bell.counter.fetch_add(1, std::memory_order_seq_cst);
+  if (bell.sleepers.load(std::memory_order_seq_cst) > 0) {
+    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&bell.counter), FUTEX_WAKE, INT_MAX, nullptr,
+              nullptr, 0);
+  }
+}
+
+// Sleeps while the counter still equals `seen`, at most `seconds`. Spurious returns are fine: the
+// caller re-checks its condition.
+inline void sleep_on(Doorbell& bell, uint32_t seen, double seconds) {
+  if (seconds <= 0) return;
+  struct timespec timeout;
+  timeout.tv_sec = static_cast<time_t>(seconds);
+  timeout.tv_nsec = static_cast<long>((seconds - static_cast<double>(timeout.tv_sec)) * 1e9);
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&bell.counter), FUTEX_WAIT, seen, &timeout,
+            nullptr, 0);
+}
+
+}  // namespace shm_tensor

@@ -1,0 +1,14 @@
+// torch ScalarType <-> wire DType code.
+#pragma once
+
+#include <torch/extension.h>
+
+#include "../common/wire_header.h"
+
+namespace shm_tensor {
+
+// Throws std::invalid_argument naming the dtype when the wire format has no code for it.
+int32_t wire_dtype_of(c10::ScalarType type);
+c10::ScalarType scalar_type_of(int32_t wire_code);
+
+}  // namespace shm_tensor

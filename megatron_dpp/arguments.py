@@ -1,0 +1,495 @@
+"""Megatron-LM style command-line flags and their validation.
+
+One `add_<group>_args(parser)` function per flag group and one `validate_<group>_args(args)` beside it.
+Validation runs before any process group exists: a bad combination raises `ArgsError` with one line
+that says what is wrong and how to fix it; `parse_args` prints that line and exits with code 2.
+
+Names and semantics follow Megatron-LM (`--help` lists them). The parsed result is a plain
+argparse Namespace; `megatron_dpp.training.config` turns it into config dataclasses.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from typing import Callable, Optional, Sequence
+
+import torch
+
+
+class ArgsError(ValueError):
+    """A bad flag or flag combination; the message is one line that says how to fix it."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ArgsError(message)
+
+
+# ----------------------------------------------------------------------------------------------
+# model shape
+# ----------------------------------------------------------------------------------------------
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    group.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
+    group.add_argument("--ffn-hidden-size", type=int, default=None,
+                       help="MLP hidden size (default: 4 * hidden size).")
+    group.add_argument("--num-attention-heads", type=int, default=None,
+                       help="Number of attention heads.")
+    group.add_argument("--seq-length", type=int, default=None,
+                       help="Maximum sequence length of a training sample.")
+    group.add_argument("--max-position-embeddings", type=int, default=None,
+                       help="Number of position embeddings (default: --seq-length).")
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                       help="Pad the vocabulary to a multiple of this times the tensor parallel size.")
+    group.add_argument("--init-method-std", type=float, default=0.02,
+                       help="Standard deviation of the normal weight initialization.")
+    group.add_argument("--hidden-dropout", type=float, default=0.1,
+                       help="Dropout probability on the hidden state (0 disables).")
+    group.add_argument("--attention-dropout", type=float, default=0.1,
+                       help="Dropout probability on attention scores (0 disables).")
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="Give the output layer its own weights instead of sharing the embedding.")
+    group.add_argument("--use-flash-attn", action="store_true",
+                       help="Use FlashAttention (the flash-attn package) for core attention; GPU only.")
+    group.add_argument("--recompute-activations", action="store_true",
+                       help="Recompute activations (selective granularity) to save memory.")
+    group.add_argument("--recompute-granularity", type=str, default=None,
+                       choices=["full", "selective"],
+                       help="full: recompute whole transformer layers; selective: core attention only.")
+    group.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"],
+                       help="With full granularity: uniform divides the layers into recompute units "
+                            "of --recompute-num-layers; block recomputes the first "
+                            "--recompute-num-layers layers of each pipeline stage.")
+    group.add_argument("--recompute-num-layers", type=int, default=None,
+                       help="Layers per recompute unit (uniform) or layers recomputed per stage (block).")
+
+
+def validate_model_args(args: argparse.Namespace) -> None:
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        value = getattr(args, flag)
+        _require(value is not None and value > 0,
+                 f"--{flag.replace('_', '-')} is required and must be positive")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    _require(args.hidden_size % args.num_attention_heads == 0,
+             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+             f"{args.num_attention_heads}; pick a head count that divides the hidden size")
+    _require(args.seq_length <= args.max_position_embeddings,
+             f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+             f"{args.max_position_embeddings}; raise --max-position-embeddings")
+    for flag in ("hidden_dropout", "attention_dropout"):
+        value = getattr(args, flag)
+        _require(0.0 <= value < 1.0, f"--{flag.replace('_', '-')} must be in [0, 1), got {value}")
+
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "full":
+        _require(args.recompute_method is not None and args.recompute_num_layers is not None,
+                 "--recompute-granularity full needs --recompute-method {uniform,block} and "
+                 "--recompute-num-layers N")
+        _require(args.recompute_num_layers > 0, "--recompute-num-layers must be positive")
+    else:
+        _require(args.recompute_method is None and args.recompute_num_layers is None,
+                 "--recompute-method and --recompute-num-layers need --recompute-granularity full")
+
+    if args.use_flash_attn:
+        _require(torch.cuda.is_available(),
+                 "--use-flash-attn needs a CUDA GPU; remove it to use the default attention on CPU")
+        _require(importlib.util.find_spec("flash_attn") is not None,
+                 "--use-flash-attn needs the flash-attn package; `pip install flash-attn "
+                 "--no-build-isolation` or remove the flag")
+
+
+# ----------------------------------------------------------------------------------------------
+# parallel layout and distributed runtime
+# ----------------------------------------------------------------------------------------------
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallelism")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                       help="Degree of tensor model parallelism.")
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                       help="Degree of pipeline model parallelism.")
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                       help="Layers per virtual pipeline stage (enables the interleaved schedule).")
+    group.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                       help="Virtual pipeline stages (model chunks) per pipeline rank; an alternative "
+                            "to --num-layers-per-virtual-pipeline-stage.")
+    group.add_argument("--sequence-parallel", action="store_true",
+                       help="Enable sequence parallelism (only has an effect with tensor parallelism, "
+                            "as in Megatron-LM).")
+    group.add_argument("--use-distributed-optimizer", action="store_true",
+                       help="Shard optimizer state across data-parallel ranks.")
+    group.add_argument("--overlap-grad-reduce", action="store_true",
+                       help="Overlap the data-parallel gradient reduction with backward.")
+    group.add_argument("--distributed-backend", type=str, default=None, choices=["nccl", "gloo"],
+                       help="torch.distributed backend (default: nccl with CUDA, gloo without).")
+    group.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                       help="Timeout for collective operations, in minutes.")
+    group.add_argument("--use-cpu-initialization", action="store_true",
+                       help="Initialize parameters on the CPU (then move them to the device).")
+    group.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                       help="Call torch.cuda.empty_cache() each iteration: 0 off, 1 after the "
+                            "forward-backward, 2 also after the optimizer step. GPU only.")
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validate_parallel_args(args: argparse.Namespace) -> None:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _require(tp >= 1 and pp >= 1, "--tensor-model-parallel-size and --pipeline-model-parallel-size "
+                                  "must be at least 1")
+    args.world_size = _world_size()
+    args.rank = int(os.environ.get("RANK", "0"))
+    _require(args.world_size % (tp * pp) == 0,
+             f"world size {args.world_size} is not a multiple of tensor ({tp}) x pipeline ({pp}) "
+             f"parallel sizes; launch a multiple of {tp * pp} processes or change the sizes")
+    args.data_parallel_size = args.world_size // (tp * pp)
+
+    _require(args.num_layers % pp == 0,
+             f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
+             f"{pp}; use a multiple of {pp} layers")
+    layers_per_rank = args.num_layers // pp
+    _require(args.num_layers_per_virtual_pipeline_stage is None
+             or args.num_virtual_stages_per_pipeline_rank is None,
+             "give either --num-layers-per-virtual-pipeline-stage or "
+             "--num-virtual-stages-per-pipeline-rank, not both")
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = args.num_layers_per_virtual_pipeline_stage
+        _require(per_stage > 0 and layers_per_rank % per_stage == 0,
+                 f"--num-layers {args.num_layers} is not divisible by pipeline ({pp}) x layers per "
+                 f"virtual stage ({per_stage}); pick a --num-layers-per-virtual-pipeline-stage that "
+                 f"divides {layers_per_rank}")
+        args.virtual_pipeline_model_parallel_size = layers_per_rank // per_stage
+    elif args.num_virtual_stages_per_pipeline_rank is not None:
+        vpp = args.num_virtual_stages_per_pipeline_rank
+        _require(vpp > 0 and layers_per_rank % vpp == 0,
+                 f"--num-layers {args.num_layers} is not divisible by pipeline ({pp}) x virtual "
+                 f"stages ({vpp}); use a multiple of {pp * vpp} layers")
+        args.virtual_pipeline_model_parallel_size = vpp
+    if args.virtual_pipeline_model_parallel_size == 1:
+        args.virtual_pipeline_model_parallel_size = None
+    if args.virtual_pipeline_model_parallel_size is not None:
+        _require(pp > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1")
+
+    _require(args.num_attention_heads % tp == 0,
+             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+             f"--tensor-model-parallel-size {tp}")
+    _require(args.ffn_hidden_size % tp == 0,
+             f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+             f"--tensor-model-parallel-size {tp}")
+    if tp == 1:
+        # Megatron-LM semantics: sequence parallelism is meaningless without tensor parallelism.
+        args.sequence_parallel = False
+
+    cuda = torch.cuda.is_available()
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if cuda else "gloo"
+    _require(cuda or args.distributed_backend != "nccl",
+             "--distributed-backend nccl needs CUDA GPUs; use gloo (the default on CPU)")
+    _require(cuda or args.empty_unused_memory_level == 0,
+             "--empty-unused-memory-level is GPU only; remove it on CPU")
+    _require(args.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive")
+
+
+# ----------------------------------------------------------------------------------------------
+# optimization, batch, precision
+# ----------------------------------------------------------------------------------------------
+def add_training_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("training")
+    group.add_argument("--micro-batch-size", type=int, default=None,
+                       help="Samples per micro-batch on one data-parallel rank.")
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="Samples per optimizer step across all data-parallel ranks "
+                            "(default: micro-batch size x data-parallel size).")
+    group.add_argument("--train-iters", type=int, default=None, help="Optimizer steps to train.")
+    group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    group.add_argument("--min-lr", type=float, default=0.0, help="Learning rate floor of the decay.")
+    group.add_argument("--lr-decay-style", type=str, default="linear",
+                       choices=["constant", "linear", "cosine", "inverse-square-root"],
+                       help="Learning rate decay function.")
+    group.add_argument("--lr-decay-iters", type=int, default=None,
+                       help="Iterations to decay over (default: --train-iters).")
+    group.add_argument("--lr-warmup-iters", type=int, default=0,
+                       help="Iterations of linear warmup from 0 to --lr.")
+    group.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay.")
+    group.add_argument("--clip-grad", type=float, default=1.0,
+                       help="Clip gradients to this global L2 norm (0 disables clipping).")
+    group.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
+    group.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
+    group.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
+    group.add_argument("--seed", type=int, default=1234, help="Random seed.")
+    group.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (GPU only).")
+    group.add_argument("--fp16", action="store_true",
+                       help="float16 mixed precision with dynamic loss scaling (GPU only).")
+    group.add_argument("--manual-gc", action="store_true",
+                       help="Disable Python's automatic garbage collector and collect every "
+                            "--manual-gc-interval iterations, aligned across ranks.")
+    group.add_argument("--manual-gc-interval", type=int, default=0,
+                       help="Iterations between manual collections (0: only around evaluation).")
+
+
+def validate_training_args(args: argparse.Namespace) -> None:
+    _require(args.micro_batch_size is not None and args.micro_batch_size > 0,
+             "--micro-batch-size is required and must be positive")
+    _require(args.train_iters is not None and args.train_iters > 0,
+             "--train-iters is required and must be positive")
+    _require(args.lr is not None and args.lr >= 0, "--lr is required and must be >= 0")
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    _require(args.global_batch_size > 0 and args.global_batch_size % per_step == 0,
+             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+             f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}; use a "
+             f"multiple of {per_step}")
+    args.num_microbatches = args.global_batch_size // per_step
+    _require(0 <= args.min_lr <= args.lr, f"--min-lr {args.min_lr} must be in [0, --lr]")
+    _require(args.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    _require(args.lr_decay_iters > args.lr_warmup_iters,
+             f"--lr-decay-iters {args.lr_decay_iters} must exceed --lr-warmup-iters "
+             f"{args.lr_warmup_iters}")
+    _require(args.clip_grad >= 0, "--clip-grad must be >= 0")
+    _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; pick one")
+    cuda = torch.cuda.is_available()
+    if args.bf16 or args.fp16:
+        _require(cuda, f"--{'bf16' if args.bf16 else 'fp16'} needs a CUDA GPU; on CPU train in "
+                       f"fp32 (remove the flag)")
+    _require(args.manual_gc_interval >= 0, "--manual-gc-interval must be >= 0")
+    _require(args.manual_gc or args.manual_gc_interval == 0,
+             "--manual-gc-interval needs --manual-gc")
+    if args.virtual_pipeline_model_parallel_size is not None:
+        pp = args.pipeline_model_parallel_size
+        _require(args.num_microbatches % pp == 0,
+                 f"the interleaved schedule needs the number of micro-batches "
+                 f"({args.num_microbatches}) to be a multiple of --pipeline-model-parallel-size "
+                 f"{pp}; adjust --global-batch-size")
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints
+# ----------------------------------------------------------------------------------------------
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("checkpointing")
+    group.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
+    group.add_argument("--load", type=str, default=None,
+                       help="Directory to resume from (its latest checkpoint).")
+    group.add_argument("--save-interval", type=int, default=None,
+                       help="Save a checkpoint every this many iterations (needs --save).")
+
+
+def validate_checkpoint_args(args: argparse.Namespace) -> None:
+    if args.save_interval is not None:
+        _require(args.save_interval > 0, "--save-interval must be positive")
+        _require(args.save is not None, "--save-interval needs --save DIR")
+    if args.load is not None:
+        _require(os.path.isdir(args.load),
+                 f"--load {args.load}: no such directory; point it at a --save directory")
+
+
+# ----------------------------------------------------------------------------------------------
+# logging and evaluation
+# ----------------------------------------------------------------------------------------------
+def add_logging_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("logging and evaluation")
+    group.add_argument("--log-interval", type=int, default=100,
+                       help="Print an iteration line every this many iterations.")
+    group.add_argument("--eval-interval", type=int, default=1000,
+                       help="Evaluate on the validation set every this many iterations.")
+    group.add_argument("--eval-iters", type=int, default=100,
+                       help="Batches per evaluation (0 disables evaluation).")
+
+
+def validate_logging_args(args: argparse.Namespace) -> None:
+    _require(args.log_interval > 0, "--log-interval must be positive")
+    _require(args.eval_interval > 0, "--eval-interval must be positive")
+    _require(args.eval_iters >= 0, "--eval-iters must be >= 0")
+
+
+# ----------------------------------------------------------------------------------------------
+# data (flags and validation owned by the data module)
+# ----------------------------------------------------------------------------------------------
+def add_data_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("data")
+    group.add_argument("--data-path", nargs="*", default=None,
+                       help="Indexed dataset prefix (PREFIX for PREFIX.bin/.idx), or a blend "
+                            "`W1 PREFIX1 W2 PREFIX2 ...`. `python -m megatron_dpp.data.prepare_sample "
+                            "--output-dir data` makes data/sample_text_document.")
+    group.add_argument("--split", type=str, default="969, 30, 1",
+                       help="Train, validation and test weights of the documents, e.g. 969,30,1.")
+    group.add_argument("--data-cache-path", type=str, default=None,
+                       help="Where dataset index caches go (default: beside the data).")
+    group.add_argument("--tokenizer-type", type=str, default="GPT2BPETokenizer",
+                       choices=["GPT2BPETokenizer"], help="Tokenizer (byte-level BPE, GPT-2 style).")
+    group.add_argument("--vocab-file", type=str, default=None, help="Path to the BPE vocab.json.")
+    group.add_argument("--merge-file", type=str, default=None, help="Path to the BPE merges.txt.")
+    group.add_argument("--variable-seq-lengths", action="store_true",
+                       help="One document per sample, truncated to --seq-length, so micro-batches "
+                            "have different lengths (padded to the longest within a micro-batch).")
+    group.add_argument("--reset-position-ids", action="store_true",
+                       help="Restart position ids after each end-of-document token.")
+    group.add_argument("--reset-attention-mask", action="store_true",
+                       help="Block attention across end-of-document tokens (makes the data loader "
+                            "build an explicit attention mask).")
+    group.add_argument("--eod-mask-loss", action="store_true",
+                       help="Exclude end-of-document tokens from the loss.")
+    group.add_argument("--num-workers", type=int, default=0,
+                       help="Data loader worker processes (0: load in the training process).")
+
+
+def validate_data_args(args: argparse.Namespace) -> None:
+    # Imported here: the data package pulls in megatron.core only when a check needs it.
+    from megatron_dpp.data.datasets import (check_splits_have_data, dataset_files_missing,
+                                            parse_data_path, parse_split, samples_per_split)
+    from megatron_dpp.data.errors import DataInputError
+
+    _require(args.data_path, "--data-path is required; make the sample data with `python -m "
+                             "megatron_dpp.data.prepare_sample --output-dir data` and pass "
+                             "--data-path data/sample_text_document")
+    try:
+        prefixes, weights = parse_data_path(args.data_path)
+        for prefix in prefixes:
+            missing = dataset_files_missing(prefix)
+            _require(not missing, f"--data-path {prefix}: {' and '.join(missing)} not found; make "
+                                  f"it with tools/preprocess_data.py or `python -m "
+                                  f"megatron_dpp.data.prepare_sample --output-dir DIR`")
+        for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+            _require(path is not None and os.path.isfile(path),
+                     f"{flag} {path} not found; pass the file made with the data (prepare_sample "
+                     f"writes DIR/vocab.json and DIR/merges.txt)")
+        split = parse_split(args.split)
+        _require(args.num_workers >= 0, "--num-workers must be >= 0")
+        if args.variable_seq_lengths:
+            _require(not (args.reset_position_ids or args.reset_attention_mask),
+                     "--variable-seq-lengths puts one document per sample, so --reset-position-ids "
+                     "and --reset-attention-mask do not apply; remove them")
+        check_splits_have_data(prefixes, weights, split, samples_per_split(args),
+                               args.variable_seq_lengths)
+    except DataInputError as error:
+        raise ArgsError(str(error)) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# point-to-point transports (owned by the transport module)
+# ----------------------------------------------------------------------------------------------
+def add_transport_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("transport")
+
+
+def validate_transport_args(args: argparse.Namespace) -> None:
+    pass
+
+
+# ----------------------------------------------------------------------------------------------
+# dynamic pipeline parallelism (owned by the DPP runtime)
+# ----------------------------------------------------------------------------------------------
+def add_dpp_args(parser: argparse.ArgumentParser) -> None:
+    from megatron_dpp.schedule.dpp_config import DPP_POLICIES
+
+    group = parser.add_argument_group("dynamic pipeline parallelism")
+    group.add_argument("--use-dpp", action="store_true",
+                       help="Run the pipeline with the dynamic scheduler (forward_backward_dpp) instead "
+                            "of Megatron's fixed 1F1B / interleaved order.")
+    group.add_argument("--dpp-policy", type=str, default="dpp:adaptive", choices=DPP_POLICIES,
+                       help="Scheduling policy of --use-dpp (the static orders run through the same "
+                            "runtime, for comparison).")
+    group.add_argument("--dpp-memory-budget", type=str, default="auto",
+                       help="Activation bytes a pipeline rank may hold: 'auto' (what 1F1B needs in the "
+                            "worst case on that rank) or a byte count such as 2147483648 or 2GiB.")
+    group.add_argument("--dpp-timeout", type=float, default=300.0,
+                       help="Seconds without progress after which every DPP rank prints its state "
+                            "(ready tasks, awaited tags, memory held) and the job exits non-zero.")
+
+
+def validate_dpp_args(args: argparse.Namespace) -> None:
+    from megatron_dpp.schedule.dpp_config import parse_memory_budget
+
+    try:
+        args.dpp_memory_budget_bytes = parse_memory_budget(args.dpp_memory_budget)
+    except ValueError as error:
+        raise ArgsError(str(error)) from None
+    _require(args.dpp_timeout > 0, f"--dpp-timeout must be positive seconds, got {args.dpp_timeout}")
+    if not args.use_dpp:
+        return
+    _require(args.pipeline_model_parallel_size >= 2,
+             "--use-dpp schedules a pipeline; set --pipeline-model-parallel-size 2 or more, or drop "
+             "--use-dpp")
+    vpp = args.virtual_pipeline_model_parallel_size
+    _require(not (vpp is None and args.dpp_policy == "interleaved-1f1b"),
+             "--dpp-policy interleaved-1f1b needs virtual stages; add "
+             "--num-virtual-stages-per-pipeline-rank 2 or pick another policy")
+    _require(not (vpp is not None and args.dpp_policy == "1f1b"),
+             "--dpp-policy 1f1b runs one model chunk per rank; use interleaved-1f1b with virtual stages")
+    _require(getattr(args, "context_parallel_size", 1) == 1,
+             "--use-dpp does not support context parallelism; set --context-parallel-size 1")
+
+
+# ----------------------------------------------------------------------------------------------
+# entry points
+# ----------------------------------------------------------------------------------------------
+ARG_GROUPS: list[Callable[[argparse.ArgumentParser], None]] = [
+    add_model_args,
+    add_parallel_args,
+    add_training_args,
+    add_checkpoint_args,
+    add_logging_args,
+    add_data_args,
+    add_transport_args,
+    add_dpp_args,
+]
+
+# Order matters: later validators read values the earlier ones derive (world and data-parallel
+# sizes, ffn size, number of micro-batches).
+VALIDATORS: list[Callable[[argparse.Namespace], None]] = [
+    validate_model_args,
+    validate_parallel_args,
+    validate_training_args,
+    validate_checkpoint_args,
+    validate_logging_args,
+    validate_data_args,
+    validate_transport_args,
+    validate_dpp_args,
+]
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints usage plus the error; we print the error alone, on one line, exit code 2."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def build_parser(prog: str = "megatron_dpp.pretrain_gpt") -> argparse.ArgumentParser:
+    parser = _OneLineErrorParser(prog=prog, allow_abbrev=False,
+                                     description="Megatron-Core GPT pretraining with dynamic "
+                                                 "pipeline parallelism.")
+    for add_group in ARG_GROUPS:
+        add_group(parser)
+    return parser
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Check and complete `args` in place; raises ArgsError. Creates no process group."""
+    for validate in VALIDATORS:
+        validate(args)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse and validate; on a bad flag print one line to stderr and exit with code 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        validate_args(args)
+    except ArgsError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    return args

@@ -1,0 +1,236 @@
+"""Train/valid/test GPT datasets on Megatron-Core's BlendedMegatronDatasetBuilder.
+
+Two modes:
+- fixed length (default): Megatron's GPTDataset, samples of exactly --seq-length tokens cut from
+  the concatenated documents;
+- variable length (--variable-seq-lengths): one sample is one document (one sequence of the
+  indexed dataset, as preprocess_data writes them), truncated to --seq-length tokens, so
+  microbatches have different lengths.
+
+Both guard against GPTDataset's endless loop on a split with no tokens: asking samples of such a
+split is a DataInputError with a one-line message, raised on every rank before any rank builds.
+"""
+import math
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy
+import torch
+
+from megatron_dpp.data.errors import DataInputError
+
+_SPLIT_NAMES = ("train", "valid", "test")
+
+
+def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
+    """Megatron's --data-path: `PREFIX` or `W1 PREFIX1 W2 PREFIX2 ...` -> (prefixes, weights)."""
+    if len(data_path) == 1:
+        return [data_path[0]], None
+    if len(data_path) % 2 != 0:
+        raise DataInputError(f"--data-path takes one PREFIX or pairs WEIGHT PREFIX, got "
+                             f"{len(data_path)} values: {' '.join(data_path)}")
+    weights, prefixes = [], []
+    for weight, prefix in zip(data_path[0::2], data_path[1::2]):
+        try:
+            weights.append(float(weight))
+        except ValueError:
+            raise DataInputError(f"--data-path weight {weight!r} is not a number; use "
+                                 f"`--data-path W1 PREFIX1 W2 PREFIX2 ...`") from None
+        prefixes.append(prefix)
+    return prefixes, weights
+
+
+def parse_split(split: str) -> List[float]:
+    """'969,30,1' -> normalized [train, valid, test] weights; one-line error when malformed."""
+    try:
+        values = [float(v) for v in split.replace("/", ",").split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or sum(values) <= 0:
+        raise DataInputError(f"--split {split!r} must be up to three non-negative weights with a "
+                             f"positive sum, e.g. 969,30,1")
+    values += [0.0] * (3 - len(values))
+    return [v / sum(values) for v in values]
+
+
+def samples_per_split(args) -> List[int]:
+    """Samples each split must provide, by Megatron-LM's rule (train, valid, test)."""
+    train = args.train_iters * args.global_batch_size
+    eval_iters = getattr(args, "eval_iters", 0) or 0
+    eval_interval = getattr(args, "eval_interval", None) or args.train_iters
+    valid = (args.train_iters // eval_interval + 1) * eval_iters * args.global_batch_size
+    test = eval_iters * args.global_batch_size
+    return [train, valid, test]
+
+
+def split_ranges(split_weights: List[float], num_sequences: int) -> List[Optional[range]]:
+    """Sequence index ranges of each split, with the same rounding as Megatron's builder."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix)
+
+    ranges: List[Optional[range]] = []
+    for bookends in convert_split_vector_to_split_matrix(split_weights):
+        if bookends is None:
+            ranges.append(None)
+        else:
+            ranges.append(range(int(round(bookends[0] * num_sequences)),
+                                int(round(bookends[1] * num_sequences))))
+    return ranges
+
+
+def min_tokens_for_a_sample(variable_seq_lengths: bool) -> int:
+    """A sequence needs 2 tokens to give one (token, label) pair in the variable mode."""
+    return 2 if variable_seq_lengths else 1
+
+
+def check_splits_have_data(prefixes: Sequence[str], weights: Optional[Sequence[float]],
+                           split_weights: List[float], num_samples: Sequence[int],
+                           variable_seq_lengths: bool) -> None:
+    """Raise DataInputError when a split that must provide samples has no usable tokens.
+
+    GPTDataset would otherwise loop forever computing its epoch count. Deterministic and cheap
+    (reads only the .idx files), so every rank reaches the same verdict before any rank builds.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    min_tokens = min_tokens_for_a_sample(variable_seq_lengths)
+    for position, prefix in enumerate(prefixes):
+        if weights is not None and weights[position] == 0:
+            continue
+        indexed = IndexedDataset(prefix, multimodal=False, mmap=True)
+        # Copy: the lengths are a view of a memory map that closes with `indexed`.
+        lengths = numpy.array(indexed.sequence_lengths)
+        del indexed
+        for name, wanted, indices in zip(_SPLIT_NAMES, num_samples,
+                                         split_ranges(split_weights, len(lengths))):
+            if indices is None or wanted == 0:
+                continue
+            usable = lengths[indices.start:indices.stop]
+            if int(numpy.count_nonzero(usable >= min_tokens)) == 0:
+                has = (f"{len(indices)} documents but none with {min_tokens}+ tokens"
+                       if len(indices) else "no documents")
+                raise DataInputError(
+                    f"the {name} split of {prefix} has {has} yet {wanted} samples are needed; "
+                    f"give it a larger share with --split ({len(lengths)} documents in all) or "
+                    f"use more data" + (", or --eval-iters 0" if name != "train" else ""))
+
+
+def _guarded_gpt_dataset_class():
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    class GuardedGPTDataset(GPTDataset):
+        """GPTDataset that refuses, instead of looping forever, to draw samples from no tokens."""
+
+        def _get_num_epochs(self, num_tokens_per_epoch: int) -> int:
+            if num_tokens_per_epoch == 0 and self.num_samples:
+                raise DataInputError(
+                    f"the {self.index_split.name} split of {self.dataset_path} has no tokens but "
+                    f"{self.num_samples} samples are needed; change --split or use more data")
+            return super()._get_num_epochs(num_tokens_per_epoch)
+
+    return GuardedGPTDataset
+
+
+def _document_dataset_class():
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+    from megatron.core.datasets.megatron_dataset import MegatronDataset
+
+    class DocumentPerSampleGPTDataset(MegatronDataset):
+        """One sample = one sequence (document) of the indexed dataset, cut to seq_length tokens.
+
+        The sample order is a per-epoch shuffle of the split's usable documents, repeated for as
+        many epochs as num_samples needs; the same seed gives the same order on every rank.
+        """
+
+        build_low_level_dataset = staticmethod(GPTDataset.build_low_level_dataset)
+        numel_low_level_dataset = staticmethod(GPTDataset.numel_low_level_dataset)
+
+        def __init__(self, indexed_dataset, dataset_path, indexed_indices, num_samples,
+                     index_split, config):
+            super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples,
+                             index_split, config)
+            self.unique_identifiers["class"] = type(self).__name__
+            lengths = indexed_dataset.sequence_lengths[indexed_indices]
+            usable = numpy.asarray(indexed_indices)[lengths >= min_tokens_for_a_sample(True)]
+            wanted = len(usable) if num_samples is None else num_samples
+            if wanted > 0 and len(usable) == 0:
+                raise DataInputError(
+                    f"the {index_split.name} split of {dataset_path} has no document with 2 or "
+                    f"more tokens but {wanted} samples are needed; change --split or use more data")
+            rng = numpy.random.RandomState(config.random_seed)
+            epochs = math.ceil(wanted / len(usable)) if wanted else 0
+            order = [rng.permutation(usable) for _ in range(epochs)]
+            self.sample_to_sequence = (numpy.concatenate(order)[:wanted] if order
+                                       else numpy.zeros(0, dtype=numpy.int64))
+
+        def __len__(self) -> int:
+            return len(self.sample_to_sequence)
+
+        def __getitem__(self, idx: int) -> Dict[str, Optional[torch.Tensor]]:
+            sequence = int(self.sample_to_sequence[idx])
+            length = min(int(self.dataset.sequence_lengths[sequence]),
+                         self.config.sequence_length + 1)
+            text = torch.from_numpy(
+                self.dataset.get(sequence, offset=0, length=length).astype(numpy.int64))
+            tokens, labels = text[:-1].contiguous(), text[1:].contiguous()
+            loss_mask = torch.ones(tokens.numel(), dtype=torch.float)
+            if self.config.eod_mask_loss:
+                loss_mask[tokens == self.config.tokenizer.eod] = 0.0
+            return {
+                "tokens": tokens,
+                "labels": labels,
+                "loss_mask": loss_mask,
+                "position_ids": torch.arange(tokens.numel(), dtype=torch.long),
+                "attention_mask": None,  # causal; the model builds its own mask
+            }
+
+    return DocumentPerSampleGPTDataset
+
+
+def gpt_dataset_config(args, tokenizer):
+    """GPTDatasetConfig from the parsed flags."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    prefixes, weights = parse_data_path(args.data_path)
+    reset_attention_mask = bool(getattr(args, "reset_attention_mask", False))
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=(prefixes, weights),
+        split=args.split,
+        path_to_cache=getattr(args, "data_cache_path", None),
+        tokenizer=tokenizer,
+        reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
+        # Causal attention needs no mask from the data; only document-reset masks do.
+        create_attention_mask=reset_attention_mask,
+    )
+
+
+def build_train_valid_test_datasets(args, tokenizer,
+                                    train_val_test_num_samples: Optional[Sequence[int]] = None):
+    """(train, valid, test) datasets; a split with no share in --split is None.
+
+    Call on every rank (the builder synchronizes ranks while it caches its indices).
+    train_val_test_num_samples defaults to Megatron-LM's counts from the training flags.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder)
+
+    num_samples = (list(train_val_test_num_samples) if train_val_test_num_samples is not None
+                   else samples_per_split(args))
+    variable = bool(getattr(args, "variable_seq_lengths", False))
+    prefixes, weights = parse_data_path(args.data_path)
+    check_splits_have_data(prefixes, weights, parse_split(args.split), num_samples, variable)
+
+    config = gpt_dataset_config(args, tokenizer)
+    dataset_class = _document_dataset_class() if variable else _guarded_gpt_dataset_class()
+    builder = BlendedMegatronDatasetBuilder(dataset_class, num_samples, lambda: True, config)
+    train, valid, test = builder.build()
+    return train, valid, test
+
+
+def dataset_files_missing(prefix: str) -> List[str]:
+    """The .bin/.idx files of an indexed-dataset prefix that do not exist."""
+    return [prefix + suffix for suffix in (".bin", ".idx") if not os.path.isfile(prefix + suffix)]

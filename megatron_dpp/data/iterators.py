@@ -1,0 +1,147 @@
+"""Data iterators for training: Megatron's pretraining sampler semantics, batch collation.
+
+The sampler walks sample indices from `consumed_samples` on, in steps of micro_batch_size x
+data-parallel size, and hands each data-parallel rank its own micro_batch_size slice. So resuming
+at consumed_samples = iteration x global_batch_size continues the exact stream an uninterrupted run
+would have seen, and the data-parallel ranks together see each sample once.
+"""
+import functools
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+class PretrainingSampler:
+    """Megatron-LM's MegatronPretrainingSampler: batches of indices for one data-parallel rank."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
+        if total_samples <= 0:
+            raise ValueError(f"no samples to draw from (total_samples={total_samples})")
+        if not 0 <= consumed_samples < total_samples:
+            raise ValueError(f"consumed_samples {consumed_samples} is not below the dataset "
+                             f"size {total_samples}; the run already used all its data")
+        if micro_batch_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"bad sampler sizes: micro_batch_size={micro_batch_size}, "
+                             f"data_parallel_rank={data_parallel_rank}, "
+                             f"data_parallel_size={data_parallel_size}")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.step = micro_batch_size * data_parallel_size
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        return self.total_samples
+
+    def _my_slice(self, batch: List[int]) -> List[int]:
+        start = self.data_parallel_rank * self.micro_batch_size
+        return batch[start:start + self.micro_batch_size]
+
+    def __iter__(self) -> Iterator[List[int]]:
+        batch: List[int] = []
+        for index in range(self.consumed_samples, self.total_samples):
+            batch.append(index)
+            if len(batch) == self.step:
+                yield self._my_slice(batch)
+                batch = []
+        if batch and not self.drop_last:
+            yield self._my_slice(batch)
+
+
+def collate_samples(samples: Sequence[Dict[str, Optional[torch.Tensor]]],
+                    pad_token: int = 0) -> Dict[str, Optional[torch.Tensor]]:
+    """Stack samples into a [micro_batch, length] batch, padding to the longest sample.
+
+    Padding goes on the right with loss_mask 0, so under a causal mask it changes neither the
+    loss nor the real tokens' outputs. attention_mask is None unless the dataset made one.
+    """
+    longest = max(sample["tokens"].numel() for sample in samples)
+    batch: Dict[str, Optional[torch.Tensor]] = {}
+    for key in BATCH_KEYS:
+        rows = []
+        for sample in samples:
+            value = sample[key]
+            missing = longest - value.numel()
+            if missing:
+                if key == "position_ids":
+                    tail = torch.arange(value.numel(), longest, dtype=value.dtype)
+                elif key == "loss_mask":
+                    tail = torch.zeros(missing, dtype=value.dtype)
+                else:
+                    tail = torch.full((missing,), pad_token, dtype=value.dtype)
+                value = torch.cat([value, tail])
+            rows.append(value)
+        batch[key] = torch.stack(rows)
+    masks = [sample.get("attention_mask") for sample in samples]
+    batch["attention_mask"] = None if any(m is None for m in masks) else torch.stack(masks)
+    return batch
+
+
+def _data_parallel_position() -> Tuple[int, int]:
+    """(rank, size) in the data-parallel group; (0, 1) before Megatron's groups exist."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return (parallel_state.get_data_parallel_rank(),
+                parallel_state.get_data_parallel_world_size())
+    return 0, 1
+
+
+def build_data_loader(dataset, consumed_samples: int, micro_batch_size: int,
+                      data_parallel_rank: int, data_parallel_size: int, num_workers: int = 0,
+                      pad_token: int = 0) -> torch.utils.data.DataLoader:
+    """A DataLoader over `dataset` that starts at consumed_samples (see PretrainingSampler)."""
+    sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
+                                 data_parallel_rank, data_parallel_size)
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers,
+        collate_fn=functools.partial(collate_samples, pad_token=pad_token),
+        persistent_workers=num_workers > 0)
+
+
+def build_data_iterators(args, train_ds, valid_ds, test_ds,
+                         consumed_train_samples: Optional[int] = None,
+                         consumed_valid_samples: Optional[int] = None,
+                         data_parallel_rank: Optional[int] = None,
+                         data_parallel_size: Optional[int] = None,
+                         pad_token: int = 0):
+    """(train, valid, test) iterators of batch dicts; None where the dataset is None.
+
+    consumed_* default to args.consumed_train_samples / args.consumed_valid_samples (0 when
+    absent): pass iteration x global_batch_size when resuming. The data-parallel rank and size
+    default to Megatron's parallel state. valid and test cycle (evaluation restarts them), train
+    does not: it holds exactly the samples the run asked for.
+    """
+    if data_parallel_rank is None or data_parallel_size is None:
+        data_parallel_rank, data_parallel_size = _data_parallel_position()
+    if consumed_train_samples is None:
+        consumed_train_samples = getattr(args, "consumed_train_samples", 0) or 0
+    if consumed_valid_samples is None:
+        consumed_valid_samples = getattr(args, "consumed_valid_samples", 0) or 0
+    num_workers = getattr(args, "num_workers", 0)
+
+    def loader(dataset, consumed):
+        return build_data_loader(dataset, consumed, args.micro_batch_size, data_parallel_rank,
+                                 data_parallel_size, num_workers, pad_token)
+
+    train_iter = iter(loader(train_ds, consumed_train_samples)) if train_ds is not None else None
+    valid_iter = (_cycle(loader(valid_ds, consumed_valid_samples % len(valid_ds)))
+                  if valid_ds is not None and len(valid_ds) > 0 else None)
+    test_iter = _cycle(loader(test_ds, 0)) if test_ds is not None and len(test_ds) > 0 else None
+    return train_iter, valid_iter, test_iter
+
+
+def _cycle(data_loader) -> Iterator[dict]:
+    """Restart the loader when it runs out (not itertools.cycle: that replays cached batches)."""
+    while True:
+        produced = 0
+        for batch in data_loader:
+            produced += 1
+            yield batch
+        if produced == 0:
+            raise ValueError("an evaluation dataset yields no full batch: it has fewer samples "
+                             "than micro_batch_size x data-parallel size")

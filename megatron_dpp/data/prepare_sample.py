@@ -1,0 +1,153 @@
+"""Make the sample corpus, tokenizer and indexed dataset on this machine, with no download.
+
+    python -m megatron_dpp.data.prepare_sample --output-dir data
+
+writes DIR/sample_corpus.jsonl (stdlib docstrings), DIR/vocab.json + DIR/merges.txt (byte-level BPE
+trained on it) and DIR/sample_text_document.{bin,idx}. Idempotent: a step whose outputs exist is
+skipped, and once a step runs every later step runs too (its input changed). Each output is
+written under a temporary name and renamed, so an existing file is complete. A lock file makes
+concurrent runs on the same directory take turns.
+"""
+import argparse
+import fcntl
+import json
+import os
+import sys
+import time
+from typing import Iterator, Optional, Sequence
+
+from megatron_dpp.data.corpus import write_stdlib_corpus
+from megatron_dpp.data.errors import DataInputError, exit_with_input_error
+from megatron_dpp.data.preprocess_data import output_prefix_for, preprocess_jsonl
+from megatron_dpp.data.tokenizer import train_bpe_tokenizer
+
+CORPUS_NAME = "sample_corpus.jsonl"
+DATASET_PREFIX_NAME = "sample"  # -> sample_text_document.{bin,idx}, as Megatron names it
+DEFAULT_VOCAB_SIZE = 4096
+LOCK_TIMEOUT_S = 300.0
+
+
+def sample_paths(output_dir: str) -> dict:
+    """Where each output of the sample preparation lives (the data prefix has no extension)."""
+    return {
+        "corpus": os.path.join(output_dir, CORPUS_NAME),
+        "vocab_file": os.path.join(output_dir, "vocab.json"),
+        "merge_file": os.path.join(output_dir, "merges.txt"),
+        "data_prefix": output_prefix_for(os.path.join(output_dir, DATASET_PREFIX_NAME), "text"),
+    }
+
+
+def _corpus_texts(corpus_path: str) -> Iterator[str]:
+    with open(corpus_path, encoding="utf-8") as f:
+        for line in f:
+            yield json.loads(line)["text"]
+
+
+def _log(message: str) -> None:
+    print(f"[prepare_sample] {message}", flush=True)
+
+
+class _DirectoryLock:
+    """An exclusive flock on DIR/.prepare_sample.lock, waited for with a timeout."""
+
+    def __init__(self, output_dir: str, timeout_s: float):
+        self.path = os.path.join(output_dir, ".prepare_sample.lock")
+        self.timeout_s = timeout_s
+        self.file = None
+
+    def __enter__(self):
+        self.file = open(self.path, "w")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    self.file.close()
+                    raise DataInputError(f"waited {self.timeout_s:.0f}s for {self.path} held by "
+                                         f"another prepare_sample run; is one stuck?") from None
+                time.sleep(0.2)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
+
+
+def prepare_sample(output_dir: str, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                   workers: int = 1, show_progress: bool = True) -> dict:
+    """Make whatever of the sample data is missing under output_dir; returns sample_paths()."""
+    os.makedirs(output_dir, exist_ok=True)
+    paths = sample_paths(output_dir)
+    with _DirectoryLock(output_dir, LOCK_TIMEOUT_S):
+        rebuild = False
+        if not os.path.isfile(paths["corpus"]):
+            _log("step 1/3: writing the corpus from the Python standard library's docstrings")
+            started = time.monotonic()
+            last_shown = [0.0]
+
+            def progress(done, total):
+                now = time.monotonic()
+                if show_progress and (now - last_shown[0] > 1.0 or done == total):
+                    last_shown[0] = now
+                    print(f"\r  {done}/{total} source files", end="\n" if done == total else "",
+                          file=sys.stderr, flush=True)
+            documents, characters = write_stdlib_corpus(paths["corpus"], progress)
+            _log(f"  {documents} documents, {characters / 1e6:.1f} MB of text "
+                 f"in {time.monotonic() - started:.1f}s -> {paths['corpus']}")
+            rebuild = True
+        else:
+            _log(f"step 1/3: corpus exists: {paths['corpus']}")
+
+        if rebuild or not (os.path.isfile(paths["vocab_file"])
+                           and os.path.isfile(paths["merge_file"])):
+            _log(f"step 2/3: training a byte-level BPE tokenizer (vocab {vocab_size})")
+            started = time.monotonic()
+            train_bpe_tokenizer(_corpus_texts(paths["corpus"]), output_dir, vocab_size)
+            _log(f"  done in {time.monotonic() - started:.1f}s -> {paths['vocab_file']}, "
+                 f"{paths['merge_file']}")
+            rebuild = True
+        else:
+            _log("step 2/3: tokenizer exists: vocab.json, merges.txt")
+
+        prefix = paths["data_prefix"]
+        if rebuild or not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
+            _log("step 3/3: tokenizing the corpus into an indexed dataset")
+            started = time.monotonic()
+            stats = preprocess_jsonl(paths["corpus"], os.path.join(output_dir, DATASET_PREFIX_NAME),
+                                     paths["vocab_file"], paths["merge_file"], json_keys=["text"],
+                                     append_eod=True, workers=workers, show_progress=show_progress)
+            s = stats["text"]
+            _log(f"  {s['documents']} documents, {s['tokens']} tokens in "
+                 f"{time.monotonic() - started:.1f}s -> {prefix}.{{bin,idx}}")
+        else:
+            _log(f"step 3/3: indexed dataset exists: {prefix}.{{bin,idx}}")
+    return paths
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output-dir", required=True, help="Directory for the sample data.")
+    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
+                        help=f"BPE vocabulary size (default {DEFAULT_VOCAB_SIZE}).")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="Worker processes for tokenizing the corpus.")
+    parser.add_argument("--no-progress", action="store_true", help="Do not show progress bars.")
+    args = parser.parse_args(argv)
+    try:
+        if args.vocab_size < 257:
+            raise DataInputError(f"--vocab-size must be >= 257 (256 bytes + <|endoftext|>), "
+                                 f"got {args.vocab_size}")
+        if args.workers < 1:
+            raise DataInputError(f"--workers must be >= 1, got {args.workers}")
+        paths = prepare_sample(args.output_dir, args.vocab_size, args.workers,
+                               show_progress=not args.no_progress)
+    except DataInputError as e:
+        exit_with_input_error(e)
+    _log(f"ready: --data-path {paths['data_prefix']} --vocab-file {paths['vocab_file']} "
+         f"--merge-file {paths['merge_file']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

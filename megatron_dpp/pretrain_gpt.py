@@ -1,0 +1,21 @@
+"""Entry point: `torchrun ... -m megatron_dpp.pretrain_gpt <Megatron-LM flags>`.
+
+Flags are validated before any process group exists (bad input: one line, exit code 2).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from megatron_dpp.arguments import parse_args
+
+    args = parse_args(argv)
+    from megatron_dpp.training.loop import pretrain
+
+    return pretrain(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

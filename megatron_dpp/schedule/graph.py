@@ -1,0 +1,133 @@
+"""The schedule IR: tasks of a pipeline-parallel step and the dependencies between them.
+
+P pipeline ranks hold V model chunks each; chunk c on rank r is virtual stage c*P + r (Megatron's
+layout), so a microbatch's forward visits ranks 0..P-1 with chunk 0, then 0..P-1 with chunk 1, ...
+and its backward runs the same path in reverse.
+"""
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple, Sequence
+
+
+class Phase(enum.IntEnum):
+    """What a task computes. An IntEnum so Task hashes as fast as a plain tuple.
+
+    Values leave room for a weight-gradient phase W (zero-bubble style) after B.
+    """
+
+    F = 0
+    B = 1
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Task(NamedTuple):
+    """One unit of work on one rank: `phase` of `microbatch` on the rank's LOCAL `chunk` (0..V-1).
+
+    `microbatch` is always the microbatch's index in the global batch as the data iterator yields it
+    (an index into TaskGraph.sizes), whatever order a schedule processes microbatches in.
+    """
+
+    phase: Phase
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.phase.name}{self.microbatch}.{self.chunk}"
+
+
+class TaskGraph:
+    """Tasks and dependencies of one global batch on P ranks x V chunks x M microbatches.
+
+    sizes[m]: relative work of microbatch m (e.g. its token count).
+    act_bytes[m]: activation bytes one forward of m holds on ONE chunk until its backward finishes
+        (default: sizes rounded to int).
+    max_act_bytes: activation bytes of the largest microbatch a batch can contain; budgets are
+        provisioned for it (default: the largest of this batch).
+    """
+
+    def __init__(
+        self,
+        P: int,
+        V: int,
+        M: int,
+        sizes: Sequence[float] | None = None,
+        act_bytes: Sequence[int] | None = None,
+        max_act_bytes: int | None = None,
+    ):
+        if P < 1 or V < 1 or M < 1:
+            raise ValueError(f"TaskGraph needs P, V, M >= 1, got P={P} V={V} M={M}")
+        sizes = [1.0] * M if sizes is None else [float(s) for s in sizes]
+        if len(sizes) != M:
+            raise ValueError(f"TaskGraph: len(sizes)={len(sizes)} but M={M}")
+        if any(s <= 0 for s in sizes):
+            raise ValueError("TaskGraph: every microbatch size must be > 0")
+        if act_bytes is None:
+            act_bytes = [max(1, int(round(s))) for s in sizes]
+        act_bytes = [int(a) for a in act_bytes]
+        if len(act_bytes) != M:
+            raise ValueError(f"TaskGraph: len(act_bytes)={len(act_bytes)} but M={M}")
+        if any(a < 0 for a in act_bytes):
+            raise ValueError("TaskGraph: act_bytes must be >= 0")
+        largest = max(act_bytes)
+        if max_act_bytes is None:
+            max_act_bytes = largest
+        if max_act_bytes < largest:
+            raise ValueError(
+                f"TaskGraph: max_act_bytes={max_act_bytes} is below this batch's largest "
+                f"act_bytes={largest}"
+            )
+        self.P, self.V, self.M = P, V, M
+        self.sizes = sizes
+        self.act_bytes = act_bytes
+        self.max_act_bytes = int(max_act_bytes)
+        self.num_stages = P * V
+
+    # --- layout -------------------------------------------------------------------------------
+    def virtual_stage(self, rank: int, chunk: int) -> int:
+        return chunk * self.P + rank
+
+    def stage_location(self, stage: int) -> tuple[int, int]:
+        """(rank, chunk) that holds virtual stage `stage`."""
+        return stage % self.P, stage // self.P
+
+    def is_first_stage(self, rank: int, chunk: int) -> bool:
+        return rank == 0 and chunk == 0
+
+    def is_last_stage(self, rank: int, chunk: int) -> bool:
+        return rank == self.P - 1 and chunk == self.V - 1
+
+    # --- tasks and edges ----------------------------------------------------------------------
+    def tasks(self, rank: int) -> list[Task]:
+        """Every task rank `rank` runs in one global batch (unordered)."""
+        return [
+            Task(phase, m, c)
+            for phase in (Phase.F, Phase.B)
+            for c in range(self.V)
+            for m in range(self.M)
+        ]
+
+    def input_source(self, rank: int, task: Task) -> tuple[int, Task] | None:
+        """Where `task`'s input comes from: F reads the previous virtual stage's F output, B the
+        next virtual stage's B output (its input gradient). None at the ends of the pipeline."""
+        stage = self.virtual_stage(rank, task.chunk)
+        other = stage - 1 if task.phase == Phase.F else stage + 1
+        if other < 0 or other >= self.num_stages:
+            return None
+        src_rank, src_chunk = self.stage_location(other)
+        return src_rank, Task(task.phase, task.microbatch, src_chunk)
+
+    def output_target(self, rank: int, task: Task) -> tuple[int, Task] | None:
+        """Where `task`'s output goes: F to the next virtual stage's F, B to the previous virtual
+        stage's B. None at the ends of the pipeline."""
+        stage = self.virtual_stage(rank, task.chunk)
+        other = stage + 1 if task.phase == Phase.F else stage - 1
+        if other < 0 or other >= self.num_stages:
+            return None
+        dst_rank, dst_chunk = self.stage_location(other)
+        return dst_rank, Task(task.phase, task.microbatch, dst_chunk)
+
+    def __repr__(self) -> str:
+        return f"TaskGraph(P={self.P}, V={self.V}, M={self.M})"

@@ -1,0 +1,126 @@
+"""make_scheduler: schedule names -> RankScheduler objects, and the default memory budget."""
+from __future__ import annotations
+
+from typing import Callable
+
+from megatron_dpp.schedule import static_orders
+from megatron_dpp.schedule.adaptive import (
+    AdaptiveScheduler,
+    adaptive_microbatch_order,
+    profile_peak,
+    spine_group_size,
+    spine_order,
+    spine_warmup_cap,
+)
+from megatron_dpp.schedule.dynamic import BreadthFirstScheduler, DepthFirstScheduler, GreedyScheduler
+from megatron_dpp.schedule.graph import TaskGraph
+from megatron_dpp.schedule.scheduler import RankScheduler, StaticOrderScheduler
+
+
+def megatron_inflight_forwards(graph: TaskGraph, rank: int, group_size: int | None = None) -> int:
+    """Forward activations Megatron's schedule (1F1B, interleaved for V>1) holds at most on `rank`."""
+    P, V, M = graph.P, graph.V, graph.M
+    if V == 1:
+        warmup, total = static_orders.one_f_one_b_warmup(P, rank, M), M
+    else:
+        # The default budget must exist for any M, so an M Megatron rejects is clamped, not refused.
+        group = min(max(P if group_size is None else group_size, P), M)
+        warmup, total = static_orders.interleaved_warmup(P, V, rank, M, group), M * V
+    return min(warmup + 1, total)
+
+
+def default_budget_bytes(graph: TaskGraph, rank: int, group_size: int | None = None) -> int:
+    """What 1F1B (interleaved 1F1B for V>1) needs in the worst case on `rank`: its in-flight forward
+    count times the activation bytes of the largest microbatch a batch can contain. Never below
+    V * max_act_bytes, the least any dynamic policy needs to guarantee progress."""
+    count = max(megatron_inflight_forwards(graph, rank, group_size), graph.V)
+    return count * graph.max_act_bytes
+
+
+def size_sorted_order(graph: TaskGraph) -> list[int]:
+    """Microbatches largest first (ties by index): a pure function of the batch's sizes."""
+    return sorted(range(graph.M), key=lambda m: (-graph.sizes[m], m))
+
+
+def _static(name: str, graph: TaskGraph, rank: int, budget: int, order: list[int], group: int | None):
+    P, V, M = graph.P, graph.V, graph.M
+    if name == "gpipe":
+        tasks = static_orders.gpipe_order(M, V, order)
+    elif name == "interleaved-1f1b" or (name == "1f1b-sorted" and V > 1):
+        if V < 2:
+            raise ValueError(f"{name} interleaves model chunks and needs V >= 2, got V={V}; use 1f1b")
+        tasks = static_orders.interleaved_order(P, V, rank, M, order, group)
+    else:
+        if V != 1:
+            raise ValueError(f"1f1b runs one model chunk per rank, got V={V}; use interleaved-1f1b")
+        tasks = static_orders.one_f_one_b_order(P, rank, M, order)
+    return StaticOrderScheduler(name, graph, rank, budget, order, tasks)
+
+
+def _adaptive(graph: TaskGraph, rank: int, budget_bytes: int | None, group: int | None) -> RankScheduler:
+    order = adaptive_microbatch_order(graph.sizes)
+    budget = default_budget_bytes(graph, rank, group) if budget_bytes is None else int(budget_bytes)
+    if budget < graph.V * graph.max_act_bytes:
+        raise ValueError(
+            f"dpp:adaptive: budget {budget} bytes on rank {rank} is below the minimum "
+            f"V * max_act_bytes = {graph.V * graph.max_act_bytes}"
+        )
+    if graph.V == 1:
+        cap = spine_warmup_cap(graph, rank, order, budget)
+        return AdaptiveScheduler(graph, rank, budget, order, spine_order(graph, rank, order, None, cap))
+    spine_group = spine_group_size(graph.P, graph.M, group)
+    # Spines are only a deadlock-free set when every rank follows one, so the choice is global:
+    # every rank checks every rank's spine against that rank's budget.
+    def fits(r: int) -> bool:
+        b = default_budget_bytes(graph, r, group) if budget_bytes is None else int(budget_bytes)
+        return profile_peak(spine_order(graph, r, order, spine_group, None), graph.act_bytes) <= b
+
+    if all(fits(r) for r in range(graph.P)):
+        return AdaptiveScheduler(graph, rank, budget, order, spine_order(graph, rank, order, spine_group, None))
+    fallback = DepthFirstScheduler(graph, rank, budget, order)
+    fallback.name = "dpp:adaptive"
+    return fallback
+
+
+_RULE_BASED = {
+    "dpp:greedy": GreedyScheduler,
+    "dpp:breadth-first": BreadthFirstScheduler,
+    "dpp:depth-first": DepthFirstScheduler,
+}
+
+STATIC_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "1f1b-sorted")
+DYNAMIC_SCHEDULES = ("dpp:adaptive",) + tuple(_RULE_BASED)
+SCHEDULE_NAMES = STATIC_SCHEDULES + DYNAMIC_SCHEDULES
+
+
+def make_scheduler(
+    name: str, graph: TaskGraph, rank: int, budget_bytes: int | None = None, **opts
+) -> RankScheduler:
+    """Build rank `rank`'s scheduler for schedule `name` (see SCHEDULE_NAMES).
+
+    budget_bytes=None means default_budget_bytes(graph, rank). Options:
+      microbatch_group_size_per_vp_stage: interleaved 1F1B's group size (default P);
+      max_inflight: dpp:* rule-based policies admit by this count of chunk activations instead
+        of bytes;
+      sort_microbatches: dpp:* rule-based policies process microbatches largest first
+        (default False: the reference rules keep the batch order).
+    """
+    opts = dict(opts)
+    group = opts.pop("microbatch_group_size_per_vp_stage", None)
+    budget = default_budget_bytes(graph, rank, group) if budget_bytes is None else int(budget_bytes)
+    if name in STATIC_SCHEDULES:
+        order = size_sorted_order(graph) if name == "1f1b-sorted" else list(range(graph.M))
+        scheduler = _static(name, graph, rank, budget, order, group)
+    elif name == "dpp:adaptive":
+        scheduler = _adaptive(graph, rank, budget_bytes, group)
+    elif name in _RULE_BASED:
+        order = size_sorted_order(graph) if opts.pop("sort_microbatches", False) else list(range(graph.M))
+        scheduler = _RULE_BASED[name](graph, rank, budget, order, max_inflight=opts.pop("max_inflight", None))
+    else:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    if opts:
+        raise ValueError(f"schedule {name!r} does not take option(s) {', '.join(sorted(opts))}")
+    return scheduler
+
+
+SchedulerFactory = Callable[[TaskGraph, int], RankScheduler]

@@ -1,0 +1,96 @@
+"""RankScheduler: the per-rank decision object both executors (simulator, runtime) drive.
+
+An executor keeps the rank's ready set (see megatron_dpp.schedule docs), asks `next_task(ready)`
+whenever the rank is idle, and reports `on_start(task)` / `on_finish(task)`. The scheduler only
+sees what the rank knows at run time.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Collection, Sequence
+
+from megatron_dpp.schedule.graph import Phase, Task, TaskGraph
+
+
+class RankScheduler(abc.ABC):
+    """Bookkeeping shared by every schedule: memory held, history, completion.
+
+    Activation bytes are held from the start of a forward until the end of its backward.
+    """
+
+    name = "base"
+
+    def __init__(
+        self, graph: TaskGraph, rank: int, budget_bytes: int, microbatch_order: Sequence[int]
+    ):
+        if not 0 <= rank < graph.P:
+            raise ValueError(f"rank {rank} outside the pipeline of P={graph.P} ranks")
+        if sorted(microbatch_order) != list(range(graph.M)):
+            raise ValueError("microbatch_order must be a permutation of range(M)")
+        self.graph = graph
+        self.rank = rank
+        self.budget_bytes = int(budget_bytes)
+        self.microbatch_order = list(microbatch_order)
+        self.held_bytes = 0
+        self.peak_bytes = 0
+        self.history: list[Task] = []
+        self._act = graph.act_bytes
+        self._finished = 0
+        self._total = 2 * graph.M * graph.V
+
+    @property
+    def done(self) -> bool:
+        return self._finished == self._total
+
+    @abc.abstractmethod
+    def next_task(self, ready: Collection[Task]) -> Task | None:
+        """The task to run now (a member of `ready`), or None to wait for an arrival."""
+
+    def on_start(self, task: Task) -> None:
+        self.history.append(task)
+        if task.phase == Phase.F:
+            self.held_bytes += self._act[task.microbatch]
+            if self.held_bytes > self.peak_bytes:
+                self.peak_bytes = self.held_bytes
+
+    def on_finish(self, task: Task) -> None:
+        self._finished += 1
+        if task.phase == Phase.B:
+            self.held_bytes -= self._act[task.microbatch]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, rank={self.rank}, budget={self.budget_bytes})"
+
+
+class StaticOrderScheduler(RankScheduler):
+    """Runs a fixed task list: returns its next listed task iff that task is ready."""
+
+    def __init__(
+        self,
+        name: str,
+        graph: TaskGraph,
+        rank: int,
+        budget_bytes: int,
+        microbatch_order: Sequence[int],
+        order: Sequence[Task],
+    ):
+        super().__init__(graph, rank, budget_bytes, microbatch_order)
+        if len(order) != self._total or len(set(order)) != self._total:
+            raise ValueError(f"{name}: order must list each of the rank's {self._total} tasks once")
+        self.name = name
+        self.order = list(order)
+        self._position = 0
+
+    def next_task(self, ready: Collection[Task]) -> Task | None:
+        if self._position < len(self.order):
+            task = self.order[self._position]
+            if task in ready:
+                return task
+        return None
+
+    def on_start(self, task: Task) -> None:
+        expected = self.order[self._position] if self._position < len(self.order) else None
+        if task != expected:
+            raise RuntimeError(f"{self.name} rank {self.rank}: started {task}, order says {expected}")
+        self._position += 1
+        super().on_start(task)

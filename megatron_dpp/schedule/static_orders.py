@@ -1,0 +1,91 @@
+"""Static schedules as plain per-rank task lists: GPipe, 1F1B, Megatron's interleaved 1F1B.
+
+Each function takes `order`, the microbatch processing order (a permutation of range(M)), so the
+same Megatron order can run over reordered microbatches (`1f1b-sorted`). The lists reproduce
+megatron/core/pipeline_parallel/schedules.py: warmup forwards, then (forward, backward) pairs,
+then cooldown backwards.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from megatron_dpp.schedule.graph import Phase, Task
+
+
+def one_f_one_b_warmup(P: int, rank: int, M: int) -> int:
+    """Forwards 1F1B runs on `rank` before its first backward."""
+    return min(P - rank - 1, M)
+
+
+def interleaved_group_size(P: int, M: int, group_size: int | None) -> int:
+    """Megatron's microbatch_group_size_per_vp_stage (default P), validated as Megatron does."""
+    group = P if group_size is None else int(group_size)
+    if group < P or group > M:
+        raise ValueError(
+            f"interleaved-1f1b: microbatch_group_size_per_vp_stage={group} must lie in "
+            f"[P={P}, M={M}]; choose M >= P and a group size in that range"
+        )
+    remainder = M % group
+    if 0 < remainder < P:
+        raise ValueError(
+            f"interleaved-1f1b: M={M} % microbatch_group_size_per_vp_stage={group} = {remainder} "
+            f"must be 0 or >= P={P}; use M a multiple of the group size"
+        )
+    return group
+
+
+def interleaved_warmup(P: int, V: int, rank: int, M: int, group_size: int) -> int:
+    """Forwards (over all chunks) interleaved 1F1B runs on `rank` before its first backward."""
+    return min(2 * (P - rank - 1) + (V - 1) * group_size, M * V)
+
+
+def interleaved_table(M: int, V: int, group_size: int) -> list[tuple[int, int]]:
+    """Megatron's get_schedule_table: (microbatch position, chunk) of the k-th forward."""
+    table = []
+    for first in range(0, M, group_size):
+        last = M if first + group_size >= M else first + group_size
+        table.extend((m, c) for c in range(V) for m in range(first, last))
+    return table
+
+
+def gpipe_order(M: int, V: int, order: Sequence[int]) -> list[Task]:
+    """All forwards (chunk by chunk), then all backwards (deepest chunk first)."""
+    forwards = [Task(Phase.F, m, c) for c in range(V) for m in order]
+    backwards = [Task(Phase.B, m, c) for c in reversed(range(V)) for m in order]
+    return forwards + backwards
+
+
+def _warmup_steady_cooldown(forwards: list[Task], backwards: list[Task], warmup: int) -> list[Task]:
+    tasks = list(forwards[:warmup])
+    for k in range(len(forwards) - warmup):
+        tasks.append(forwards[warmup + k])
+        tasks.append(backwards[k])
+    tasks.extend(backwards[len(forwards) - warmup:])
+    return tasks
+
+
+def one_f_one_b_order(P: int, rank: int, M: int, order: Sequence[int]) -> list[Task]:
+    """Megatron's non-interleaved 1F1B on `rank` (V=1)."""
+    forwards = [Task(Phase.F, m, 0) for m in order]
+    backwards = [Task(Phase.B, m, 0) for m in order]
+    return _warmup_steady_cooldown(forwards, backwards, one_f_one_b_warmup(P, rank, M))
+
+
+def interleaved_order(
+    P: int, V: int, rank: int, M: int, order: Sequence[int], group_size: int | None = None
+) -> list[Task]:
+    """Megatron's interleaved 1F1B on `rank` (V>1), with microbatch_group_size_per_vp_stage."""
+    group = interleaved_group_size(P, M, group_size)
+    table = interleaved_table(M, V, group)
+    forwards = [Task(Phase.F, order[m], c) for m, c in table]
+    backwards = [Task(Phase.B, order[m], V - 1 - c) for m, c in table]
+    return _warmup_steady_cooldown(forwards, backwards, interleaved_warmup(P, V, rank, M, group))
+
+
+def peak_inflight_forwards(tasks: Sequence[Task]) -> int:
+    """Most forward activations a task list holds at once (a forward holds until its backward)."""
+    held = peak = 0
+    for task in tasks:
+        held += 1 if task.phase == Phase.F else -1
+        peak = max(peak, held)
+    return peak

@@ -1,0 +1,102 @@
+"""Duration and communication models for the simulator.
+
+Time is in abstract units (the trace maps 1 unit to 1 ms). A forward of microbatch m on one chunk
+of one rank takes (linear*size + quadratic*size^2) / V, times the rank's speed factor, a per-task
+jitter and a straggler slowdown; its backward takes backward_ratio times that, with its own draw.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+from megatron_dpp.schedule.graph import Phase, Task, TaskGraph
+
+
+@dataclasses.dataclass(frozen=True)
+class DurationModel:
+    linear: float = 1.0  # forward time per unit of size on a whole rank (all its chunks)
+    quadratic: float = 0.0  # attention-like term per size^2
+    backward_ratio: float = 2.0
+    jitter_sigma: float = 0.0  # per-task lognormal sigma (mean-one multiplier)
+    straggler_prob: float = 0.0
+    straggler_factor: float = 1.0
+    straggler_scope: str = "task"  # "task": each task independently; "rank": a whole rank
+    rank_speed: Sequence[float] | None = None  # per-rank time multipliers (heterogeneous stages)
+
+    def __post_init__(self):
+        if self.straggler_scope not in ("task", "rank"):
+            raise ValueError(f"straggler_scope must be 'task' or 'rank', got {self.straggler_scope!r}")
+        if not 0.0 <= self.straggler_prob <= 1.0:
+            raise ValueError(f"straggler_prob must lie in [0, 1], got {self.straggler_prob}")
+        if self.linear < 0 or self.quadratic < 0 or self.backward_ratio <= 0 or self.jitter_sigma < 0:
+            raise ValueError("DurationModel: linear, quadratic, jitter_sigma >= 0 and backward_ratio > 0")
+
+    def base_forward(self, graph: TaskGraph, m: int) -> float:
+        size = graph.sizes[m]
+        return (self.linear * size + self.quadratic * size * size) / graph.V
+
+    def sample(self, graph: TaskGraph, rng: np.random.Generator) -> "TaskDurations":
+        """Draw every task's duration once, so every schedule of one seed sees the same draws."""
+        P, V, M = graph.P, graph.V, graph.M
+        base = np.array([self.base_forward(graph, m) for m in range(M)])
+        # shape (P, phase, V, M)
+        times = np.empty((P, 2, V, M))
+        times[:, 0] = base
+        times[:, 1] = base * self.backward_ratio
+        if self.rank_speed is not None:
+            if len(self.rank_speed) != P:
+                raise ValueError(f"rank_speed has {len(self.rank_speed)} entries for P={P} ranks")
+            times *= np.asarray(self.rank_speed, dtype=float).reshape(P, 1, 1, 1)
+        if self.jitter_sigma > 0:
+            s = self.jitter_sigma
+            times *= np.exp(rng.normal(-0.5 * s * s, s, size=times.shape))
+        if self.straggler_prob > 0 and self.straggler_factor != 1.0:
+            shape = times.shape if self.straggler_scope == "task" else (P, 1, 1, 1)
+            slow = rng.random(shape) < self.straggler_prob
+            times *= np.where(slow, self.straggler_factor, 1.0)
+        return TaskDurations(graph, times.reshape(-1).tolist())
+
+
+class TaskDurations:
+    """Sampled durations, looked up by (rank, task)."""
+
+    def __init__(self, graph: TaskGraph, flat: list[float]):
+        self._V, self._M = graph.V, graph.M
+        self._P = graph.P
+        self.flat = flat
+
+    def index(self, rank: int, task: Task) -> int:
+        return ((rank * 2 + task.phase) * self._V + task.chunk) * self._M + task.microbatch
+
+    def __call__(self, rank: int, task: Task) -> float:
+        return self.flat[self.index(rank, task)]
+
+    def rank_work(self, rank: int) -> float:
+        n = 2 * self._V * self._M
+        return math.fsum(self.flat[rank * n:(rank + 1) * n])
+
+
+@dataclasses.dataclass(frozen=True)
+class CommModel:
+    """A message takes latency + bytes / bandwidth; its bytes are the microbatch's act_bytes.
+
+    Messages do not contend; a message between two chunks of the same rank (P=1) is free."""
+
+    latency: float = 0.0
+    bandwidth: float = math.inf  # bytes per time unit
+
+    def __post_init__(self):
+        if self.latency < 0 or self.bandwidth <= 0:
+            raise ValueError("CommModel: latency >= 0 and bandwidth > 0")
+
+    def transfer_time(self, nbytes: int) -> float:
+        if math.isinf(self.bandwidth):
+            return self.latency
+        return self.latency + nbytes / self.bandwidth
+
+
+def phase_name(phase: Phase) -> str:
+    return "forward" if phase == Phase.F else "backward"

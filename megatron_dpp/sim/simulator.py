@@ -1,0 +1,181 @@
+"""Discrete-event simulator that drives the SAME RankScheduler objects the runtime drives.
+
+Each rank runs one task at a time. When a rank is idle it asks its scheduler for a task among
+its ready set; finishing a forward sends the activation to the next virtual stage, finishing a
+backward sends the gradient to the previous one, each arriving after the comm model's delay.
+Events at the same instant are all applied before any rank decides, so decisions do not depend on
+the order in which simultaneous events were queued.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+from typing import Callable
+
+import numpy as np
+
+from megatron_dpp.schedule import RankScheduler, TaskGraph, make_scheduler
+from megatron_dpp.schedule.graph import Phase, Task
+from megatron_dpp.sim.models import CommModel, DurationModel, phase_name
+
+_FINISH, _ARRIVAL = 0, 1
+
+
+class SimulationDeadlock(RuntimeError):
+    """No rank can make progress and some rank still has tasks left."""
+
+
+@dataclasses.dataclass
+class SimResult:
+    schedule: str
+    makespan: float
+    busy: list[float]  # per rank: time spent running tasks
+    idle: list[float]  # per rank: makespan - busy
+    peak_bytes: list[int]  # per rank: most activation bytes held at once
+    budget_bytes: list[int]
+    lower_bound: float  # the busiest rank's total work
+    timeline: list[tuple[int, Task, float, float]]  # (rank, task, start, end)
+
+    @property
+    def peak_activation(self) -> int:
+        return max(self.peak_bytes)
+
+    def to_chrome_trace(self) -> dict:
+        """Chrome trace JSON (opens in Perfetto / chrome://tracing): one thread per rank,
+        1 time unit = 1 ms."""
+        events = [
+            {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"sim {self.schedule}"}}
+        ]
+        for rank in range(len(self.busy)):
+            events.append(
+                {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}}
+            )
+        for rank, task, start, end in self.timeline:
+            events.append(
+                {
+                    "name": str(task),
+                    "cat": phase_name(task.phase),
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": rank,
+                    "ts": start * 1000.0,
+                    "dur": (end - start) * 1000.0,
+                    "args": {"microbatch": task.microbatch, "chunk": task.chunk},
+                }
+            )
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write_chrome_trace(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_chrome_trace(), f)
+
+
+SchedulerFactory = Callable[[TaskGraph, int], RankScheduler]
+
+
+def simulate(
+    graph: TaskGraph,
+    schedule: str | SchedulerFactory,
+    duration_model: DurationModel | None = None,
+    comm_model: CommModel | None = None,
+    seed: int = 0,
+    budget_bytes: int | None = None,
+    **opts,
+) -> SimResult:
+    """Run one global batch of `graph` under `schedule` (a make_scheduler name, with budget_bytes
+    and opts passed through, or a factory (graph, rank) -> RankScheduler)."""
+    duration_model = duration_model or DurationModel()
+    comm_model = comm_model or CommModel()
+    if isinstance(schedule, str):
+        name = schedule
+
+        def factory(g: TaskGraph, rank: int) -> RankScheduler:
+            return make_scheduler(name, g, rank, budget_bytes, **opts)
+    else:
+        factory = schedule
+        name = getattr(schedule, "__name__", "custom")
+    P, V, M = graph.P, graph.V, graph.M
+    schedulers = [factory(graph, rank) for rank in range(P)]
+    durations = duration_model.sample(graph, np.random.default_rng(seed))
+    flat, index = durations.flat, durations.index
+
+    ready: list[set[Task]] = [set() for _ in range(P)]
+    ready[0].update(Task(Phase.F, m, 0) for m in range(M))
+    running: list[Task | None] = [None] * P
+    busy = [0.0] * P
+    timeline: list[tuple[int, Task, float, float]] = []
+    starts = [0.0] * P
+    events: list[tuple[float, int, int, int, Task]] = []
+    sequence = 0
+    last_rank, last_chunk = P - 1, V - 1
+
+    def dispatch(rank: int, now: float) -> None:
+        nonlocal sequence
+        task = schedulers[rank].next_task(ready[rank])
+        if task is None:
+            return
+        try:
+            ready[rank].remove(task)
+        except KeyError:
+            raise RuntimeError(f"rank {rank}: scheduler {name} chose {task}, which is not ready") from None
+        schedulers[rank].on_start(task)
+        running[rank] = task
+        starts[rank] = now
+        sequence += 1
+        heapq.heappush(events, (now + flat[index(rank, task)], sequence, _FINISH, rank, task))
+
+    for rank in range(P):
+        dispatch(rank, 0.0)
+    now = 0.0
+    while events:
+        now = events[0][0]
+        touched = []
+        while events and events[0][0] == now:
+            _, _, kind, rank, task = heapq.heappop(events)
+            touched.append(rank)
+            if kind == _ARRIVAL:
+                ready[rank].add(task)
+                continue
+            schedulers[rank].on_finish(task)
+            running[rank] = None
+            busy[rank] += now - starts[rank]
+            timeline.append((rank, task, starts[rank], now))
+            phase, m, chunk = task
+            if phase == Phase.F and rank == last_rank and chunk == last_chunk:
+                ready[rank].add(Task(Phase.B, m, chunk))  # the loss: backward starts here
+                continue
+            target = graph.output_target(rank, task)
+            if target is None:
+                continue
+            dst, dst_task = target
+            delay = 0.0 if dst == rank else comm_model.transfer_time(graph.act_bytes[m])
+            if delay == 0.0:
+                ready[dst].add(dst_task)
+                touched.append(dst)
+            else:
+                sequence += 1
+                heapq.heappush(events, (now + delay, sequence, _ARRIVAL, dst, dst_task))
+        for rank in sorted(set(touched)):
+            if running[rank] is None:
+                dispatch(rank, now)
+
+    unfinished = [r for r in range(P) if not schedulers[r].done]
+    if unfinished:
+        detail = "; ".join(
+            f"rank {r}: held {schedulers[r].held_bytes}/{schedulers[r].budget_bytes} bytes, "
+            f"ready [{' '.join(sorted(map(str, ready[r]))[:8])}]"
+            for r in unfinished
+        )
+        raise SimulationDeadlock(f"{name}: no rank can progress at t={now:g}; {detail}")
+    makespan = now
+    return SimResult(
+        schedule=name,
+        makespan=makespan,
+        busy=busy,
+        idle=[makespan - b for b in busy],
+        peak_bytes=[s.peak_bytes for s in schedulers],
+        budget_bytes=[s.budget_bytes for s in schedulers],
+        lower_bound=max(durations.rank_work(r) for r in range(P)),
+        timeline=timeline,
+    )

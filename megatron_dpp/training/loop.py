@@ -1,0 +1,300 @@
+"""GPT pretraining on Megatron-Core: setup, the iteration loop, evaluation, logging, checkpoints.
+
+`pretrain(args)` returns the process exit code: 0 when training finished, 128 + signal number when
+SIGINT/SIGTERM stopped it at an iteration boundary (after saving, if --save is given).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import random
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_dpp.data.datasets import build_train_valid_test_datasets
+from megatron_dpp.data.iterators import build_data_iterators
+from megatron_dpp.data.tokenizer import build_tokenizer
+from megatron_dpp.models.gpt import GPTShape, build_gpt_chunks
+from megatron_dpp.platform import Platform, setup_platform
+from megatron_dpp.training.checkpointing import TrainState, load_checkpoint, save_checkpoint
+from megatron_dpp.training.config import (
+    TrainingConfig,
+    ddp_config_from_args,
+    optimizer_config_from_args,
+    training_config_from_args,
+    transformer_config_from_args,
+)
+from megatron_dpp.training.gpt_step import make_forward_step
+from megatron_dpp.training.pipeline import build_forward_backward
+from megatron_dpp.training.signals import StopSignals
+
+
+def initialize_distributed(args: argparse.Namespace, platform: Platform) -> None:
+    dist.init_process_group(backend=args.distributed_backend,
+                            timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+    )
+
+
+def set_seeds(seed: int) -> None:
+    """Megatron-LM's scheme: the pipeline rank offsets the seed (dropout differs per stage)."""
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def is_logging_rank() -> bool:
+    """The rank that holds the loss and prints: last pipeline stage, first tp and dp rank."""
+    return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0)
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def log_rank0(message: str) -> None:
+    if dist.get_rank() == 0:
+        log(message)
+
+
+def build_model_and_optimizer(args, platform: Platform, seed: int):
+    config = transformer_config_from_args(args)
+    shape = GPTShape(padded_vocab_size=args.padded_vocab_size,  # set by build_tokenizer
+                     max_position_embeddings=args.max_position_embeddings,
+                     untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+    chunks = build_gpt_chunks(config, shape, seed)
+    chunks = [chunk.to(platform.device) for chunk in chunks]
+    ddp_config = ddp_config_from_args(args)
+    model = [
+        # Only the first chunk buckets its gradients (Megatron-LM does the same).
+        DistributedDataParallel(config, ddp_config, module=chunk, disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
+    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
+    config.no_sync_func = [chunk.no_sync for chunk in model]
+    if len(model) == 1:
+        config.no_sync_func = config.no_sync_func[0]
+    if args.overlap_grad_reduce:
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
+        if len(model) == 1:
+            config.grad_sync_func = config.grad_sync_func[0]
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    return config, model, optimizer
+
+
+def build_scheduler(optimizer, train: TrainingConfig) -> OptimizerParamScheduler:
+    # Steps count iterations (Megatron-LM counts samples; same schedule, smaller numbers).
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr,
+        lr_warmup_steps=train.lr_warmup_iters, lr_decay_steps=train.lr_decay_iters,
+        lr_decay_style=train.lr_decay_style,
+        start_wd=train.weight_decay, end_wd=train.weight_decay,
+        wd_incr_steps=train.train_iters, wd_incr_style="constant")
+
+
+def reduce_losses(losses_reduced: list[dict], device: torch.device) -> tuple[float, float] | None:
+    """(mean lm loss per token over the global batch, loss tokens) on last-stage ranks, else None."""
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for entry in losses_reduced:
+        total += entry["lm loss"].to(device=device, dtype=torch.float64)
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    loss_sum, tokens = total.tolist()
+    return loss_sum / max(tokens, 1.0), tokens
+
+
+def _iterators_per_chunk(args, train_ds, valid_ds, consumed_train: int, consumed_valid: int,
+                         num_chunks: int):
+    """One train and one valid iterator per model chunk, all over the same sample stream."""
+    train, valid = [], []
+    for _ in range(num_chunks):
+        train_iter, valid_iter, _test = build_data_iterators(
+            args, train_ds, valid_ds, None, consumed_train_samples=consumed_train,
+            consumed_valid_samples=consumed_valid)
+        train.append(train_iter)
+        valid.append(valid_iter)
+    return train, (valid if valid[0] is not None else None)
+
+
+def _as_schedule_input(items: list):
+    return items if len(items) > 1 else items[0]
+
+
+class Trainer:
+    """Holds the built objects of one run and runs iterations and evaluations."""
+
+    def __init__(self, args: argparse.Namespace, platform: Platform):
+        self.args = args
+        self.platform = platform
+        self.train = training_config_from_args(args)
+        self.config, self.model, self.optimizer = build_model_and_optimizer(
+            args, platform, args.seed)
+        self.scheduler = build_scheduler(self.optimizer, self.train)
+        self.forward_backward = build_forward_backward(args)
+        self.forward_step = make_forward_step(platform.device)
+        self.state = TrainState()
+        self.consumed_valid_samples = 0
+
+    def _run_schedule(self, data_iterators, forward_only: bool) -> list[dict]:
+        return self.forward_backward(
+            forward_step_func=self.forward_step,
+            data_iterator=_as_schedule_input(data_iterators),
+            model=self.model,
+            num_microbatches=self.train.num_microbatches,
+            seq_length=self.train.seq_length,
+            micro_batch_size=self.train.micro_batch_size,
+            decoder_seq_length=self.train.seq_length,
+            forward_only=forward_only,
+        )
+
+    def train_step(self, data_iterators):
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._run_schedule(data_iterators, forward_only=False)
+        if self.train.empty_unused_memory_level >= 1:
+            torch.cuda.empty_cache()
+        updated, grad_norm, _zeros = self.optimizer.step()
+        if updated:
+            self.scheduler.step(increment=1)
+        if self.train.empty_unused_memory_level >= 2:
+            torch.cuda.empty_cache()
+        self.state.iteration += 1
+        self.state.consumed_samples += self.train.global_batch_size
+        return reduce_losses(losses, self.platform.device), grad_norm, updated
+
+    def evaluate(self, valid_iterators) -> None:
+        if self.train.manual_gc:
+            gc.collect()
+        for chunk in self.model:
+            chunk.eval()
+        loss_sum = tokens = 0.0
+        with torch.no_grad():
+            for _ in range(self.train.eval_iters):
+                reduced = reduce_losses(self._run_schedule(valid_iterators, forward_only=True),
+                                        self.platform.device)
+                self.consumed_valid_samples += self.train.global_batch_size
+                if reduced is not None:
+                    loss_sum += reduced[0] * reduced[1]
+                    tokens += reduced[1]
+        for chunk in self.model:
+            chunk.train()
+        if self.train.manual_gc:
+            gc.collect()
+        if is_logging_rank():
+            loss = loss_sum / max(tokens, 1.0)
+            log(f" validation loss at iteration {self.state.iteration} | lm loss value: "
+                f"{loss:.10E} | lm loss PPL: {math.exp(min(20.0, loss)):.6E} |")
+
+    def save(self) -> None:
+        path = save_checkpoint(self.train.save, self.state, self.model, self.optimizer,
+                               self.scheduler)
+        log_rank0(f" saved checkpoint at iteration {self.state.iteration} to {path}")
+
+
+def _format_iteration(trainer: Trainer, reduced, grad_norm, elapsed_ms: float,
+                      skipped: int) -> str:
+    train = trainer.train
+    loss, tokens = reduced
+    fields = [
+        f" iteration {trainer.state.iteration:8d}/{train.train_iters:8d}",
+        f"consumed samples: {trainer.state.consumed_samples:12d}",
+        f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
+        f"learning rate: {trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]):.6E}",
+        f"global batch size: {train.global_batch_size:5d}",
+        f"lm loss: {loss:.10E}",
+    ]
+    if grad_norm is not None and train_clip_enabled(trainer):
+        fields.append(f"grad norm: {float(grad_norm):.10E}")
+    fields.append(f"number of skipped iterations: {skipped:3d}")
+    fields.append(f"tokens/s: {tokens / max(elapsed_ms / 1000.0, 1e-9):.1f}")
+    return " | ".join(fields) + " |"
+
+
+def train_clip_enabled(trainer: Trainer) -> bool:
+    return trainer.args.clip_grad > 0.0
+
+
+def pretrain(args: argparse.Namespace) -> int:
+    platform = setup_platform()
+    initialize_distributed(args, platform)
+    try:
+        return _pretrain(args, platform)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _pretrain(args: argparse.Namespace, platform: Platform) -> int:
+    set_seeds(args.seed)
+    tokenizer = build_tokenizer(args)
+    train_ds, valid_ds, _test_ds = build_train_valid_test_datasets(args, tokenizer)
+    trainer = Trainer(args, platform)
+    train = trainer.train
+    if train.load is not None:
+        loaded = load_checkpoint(train.load, trainer.model, trainer.optimizer, trainer.scheduler)
+        if loaded is not None:
+            trainer.state = loaded
+            log_rank0(f" loaded checkpoint from {train.load} at iteration {loaded.iteration}")
+    log_rank0(f" training: {train.train_iters} iterations, global batch {train.global_batch_size}"
+              f", {train.num_microbatches} micro-batches of {train.micro_batch_size} per "
+              f"data-parallel rank, device {platform.device}, backend {platform.backend}")
+    train_iters, valid_iters = _iterators_per_chunk(
+        args, train_ds, valid_ds, trainer.state.consumed_samples, 0, len(trainer.model))
+
+    if train.manual_gc:
+        gc.disable()
+        gc.collect()
+    skipped = 0
+    interval_ms = 0.0
+    last_saved = trainer.state.iteration if train.load else None
+    with StopSignals(platform.device) as signals:
+        while trainer.state.iteration < train.train_iters:
+            start = time.perf_counter()
+            reduced, grad_norm, updated = trainer.train_step(train_iters)
+            skipped += 0 if updated else 1
+            interval_ms += (time.perf_counter() - start) * 1000.0
+            iteration = trainer.state.iteration
+            if iteration % train.log_interval == 0:
+                if reduced is not None and is_logging_rank():
+                    log(_format_iteration(trainer, reduced, grad_norm,
+                                          interval_ms / train.log_interval, skipped))
+                interval_ms = 0.0
+            if train.manual_gc and train.manual_gc_interval and \
+                    iteration % train.manual_gc_interval == 0:
+                gc.collect()
+            if valid_iters is not None and train.eval_iters > 0 and \
+                    iteration % train.eval_interval == 0:
+                trainer.evaluate(valid_iters)
+            if train.save and train.save_interval and iteration % train.save_interval == 0:
+                trainer.save()
+                last_saved = iteration
+            stop = signals.agreed_stop()
+            if stop is not None:
+                if train.save and last_saved != iteration:
+                    trainer.save()
+                log_rank0(f" stopped by signal {stop} after iteration {iteration}")
+                return 128 + stop
+    if train.save and last_saved != trainer.state.iteration:
+        trainer.save()
+    if train.manual_gc:
+        gc.enable()
+    return 0

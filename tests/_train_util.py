@@ -1,0 +1,93 @@
+"""Helpers for tests that train the tiny GPT in real processes (torchrun), reused by other suites.
+
+    rc, losses, grad_norms, stdout = run_training(["--pipeline-model-parallel-size", "2"], nproc=2)
+
+The sample data is prepared once under <repo>/data/sample (idempotent, locked, git-ignored).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_DIR = REPO_ROOT / "data" / "sample"
+PYTHON = sys.executable
+
+LOSS_RE = re.compile(r"\| lm loss: ([-+0-9.eE]+)")
+GRAD_NORM_RE = re.compile(r"\| grad norm: ([-+0-9.eE]+)")
+ITERATION_RE = re.compile(r" iteration\s+(\d+)/")
+
+
+def ensure_sample_data(timeout: float = 300) -> Path:
+    """Make the sample corpus, tokenizer and indexed dataset if missing; returns the directory."""
+    if not (SAMPLE_DIR / "sample_text_document.idx").is_file():
+        subprocess.run([PYTHON, "-m", "megatron_dpp.data.prepare_sample", "--output-dir",
+                        str(SAMPLE_DIR), "--no-progress"], check=True, timeout=timeout,
+                       env=_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+    return SAMPLE_DIR
+
+
+def data_args() -> list[str]:
+    sample = ensure_sample_data()
+    return ["--data-path", str(sample / "sample_text_document"),
+            "--vocab-file", str(sample / "vocab.json"), "--merge-file", str(sample / "merges.txt"),
+            "--split", "98,2,0"]
+
+
+# A 4-layer GPT (hidden 64, seq 64), fp32, no dropout: deterministic and a few seconds per run.
+TINY_GPT_ARGS = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64",
+    "--micro-batch-size", "1", "--global-batch-size", "8",
+    "--train-iters", "5", "--lr", "1e-3", "--lr-warmup-iters", "1", "--min-lr", "1e-4",
+    "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.01",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234",
+    "--log-interval", "1", "--eval-iters", "0",
+]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    env["MKL_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def torchrun_command(args: Sequence[str], nproc: int) -> list[str]:
+    return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "megatron_dpp.pretrain_gpt", *args]
+
+
+def parse_log(stdout: str) -> tuple[list[float], list[float]]:
+    losses = [float(m.group(1)) for m in LOSS_RE.finditer(stdout)]
+    grad_norms = [float(m.group(1)) for m in GRAD_NORM_RE.finditer(stdout)]
+    return losses, grad_norms
+
+
+def run_training(extra_args: Sequence[str] = (), nproc: int = 2, timeout: float = 300,
+                 base_args: Sequence[str] | None = None, with_data: bool = True,
+                 ) -> tuple[int, list[float], list[float], str]:
+    """Train under torchrun; (returncode, lm losses, grad norms, stdout+stderr).
+
+    extra_args come last, so they override base_args (default TINY_GPT_ARGS). On timeout the whole
+    process group is killed and AssertionError is raised with the output so far.
+    """
+    base = TINY_GPT_ARGS if base_args is None else list(base_args)
+    args = [*(data_args() if with_data else []), *base, *extra_args]
+    process = subprocess.Popen(torchrun_command(args, nproc), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO_ROOT,
+                               start_new_session=True)
+    try:
+        stdout, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, _ = process.communicate()
+        raise AssertionError(f"training did not finish within {timeout}s:\n{stdout[-4000:]}")
+    losses, grad_norms = parse_log(stdout)
+    return process.returncode, losses, grad_norms, stdout

@@ -1,0 +1,93 @@
+"""Unit tests of the DPP runtime's single-process pieces: flags, budget parsing, global-batch
+prefetch and reorder, activation-byte estimates, decision messages."""
+import pytest
+import torch
+
+from megatron_dpp.schedule import Phase, Task
+from megatron_dpp.schedule.dpp_batch import GlobalBatch, agree_on_sizes, microbatch_work
+from megatron_dpp.schedule.dpp_config import DPPConfig, parse_memory_budget
+from megatron_dpp.schedule.dpp_memory import transformer_activation_bytes
+from megatron_dpp.schedule.dpp_tp import DecisionChannel
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("auto", None), ("AUTO", None), ("1024", 1024), ("2KiB", 2048), ("1.5GB", 1_500_000_000),
+    ("3MiB", 3 * 2**20),
+])
+def test_memory_budget_parses_bytes_and_auto(text, expected):
+    assert parse_memory_budget(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-5", "0", "12XB", "GiB"])
+def test_memory_budget_rejects_nonsense_with_a_hint(text):
+    with pytest.raises(ValueError, match="--dpp-memory-budget"):
+        parse_memory_budget(text)
+
+
+def test_config_rejects_nonpositive_timeout():
+    with pytest.raises(ValueError):
+        DPPConfig(timeout_s=0)
+
+
+def test_global_batch_is_fetched_once_and_served_in_any_order():
+    pulled = []
+
+    def source():
+        for i in range(4):
+            pulled.append(i)
+            yield {"tokens": torch.zeros(1, 10 + i)}
+
+    batch = GlobalBatch([source(), None], num_microbatches=4)
+    assert batch.feed(1, 0) is None  # no iterator for this chunk: forward_step gets None, as before
+    assert pulled == []  # nothing fetched until a forward reads data
+    third = next(batch.feed(0, 2))
+    assert pulled == [0, 1, 2, 3] and third["tokens"].shape[1] == 12
+    assert next(batch.feed(0, 0))["tokens"].shape[1] == 10
+    feed = batch.feed(0, 1)
+    next(feed)
+    with pytest.raises(RuntimeError, match="twice"):
+        next(feed)
+
+
+def test_global_batch_reports_a_short_iterator():
+    batch = GlobalBatch([iter([1, 2])], num_microbatches=3)
+    with pytest.raises(RuntimeError, match="ran out after 2 of 3"):
+        batch.items(0)
+
+
+def test_microbatch_work_counts_tokens():
+    assert microbatch_work({"tokens": torch.zeros(2, 7)}) == 14
+    assert microbatch_work({"labels": torch.zeros(3)}) == 1
+    assert microbatch_work(torch.zeros(5, 3)) == 15
+
+
+def test_sizes_without_any_collective_group_are_local():
+    assert agree_on_sizes([3, 1, 2], 3, []) == [3, 1, 2]
+    assert agree_on_sizes(None, 2, []) == [1, 1]
+
+
+def test_activation_estimate_grows_with_length_and_dtype():
+    short, long = transformer_activation_bytes([64, 128], 1, 32, 4, 2, torch.float32)
+    assert long > 2 * short  # the attention term is quadratic in the sequence length
+    (half,) = transformer_activation_bytes([64], 1, 32, 4, 2, torch.bfloat16)
+    assert half * 2 == short
+
+
+def test_decision_round_trip():
+    class Recorder:
+        def __init__(self):
+            self.sent = []
+
+        def isend(self, tensor, peer, tag):
+            self.sent.append((tensor.clone(), peer, tag))
+            return object()
+
+    transport = Recorder()
+    channel = DecisionChannel(transport, tp_ranks=[4, 5, 6], my_rank=4, tag_of=lambda k: 100 + k)
+    assert channel.is_leader and channel.followers == [5, 6]
+    channel.publish(Task(Phase.B, 7, 1))
+    channel.publish(Task(Phase.F, 3, 0))
+    assert [(peer, tag) for _, peer, tag in transport.sent] == [(5, 100), (6, 100), (5, 101), (6, 101)]
+    assert DecisionChannel.decode(transport.sent[2][0]) == Task(Phase.F, 3, 0)
+    follower = DecisionChannel(transport, tp_ranks=[4, 5, 6], my_rank=6, tag_of=lambda k: k)
+    assert not follower.is_leader and follower.leader == 4
