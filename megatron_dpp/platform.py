@@ -7,6 +7,8 @@ below with the reason it is needed. Call `setup_platform()` before building any 
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import logging
 import os
@@ -165,6 +167,27 @@ def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm,
         torch._foreach_mul_(grads, clip_coeff)
 
 
+@contextlib.contextmanager
+def _tensor_cuda_is_identity():
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _without_tensor_cuda(method):
+    """Run `method` with Tensor.cuda() returning the tensor itself (only during the call)."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with _tensor_cuda_is_identity():
+            return method(*args, **kwargs)
+
+    return run
+
+
 class _DropMessage(logging.Filter):
     def __init__(self, message: str):
         super().__init__()
@@ -198,4 +221,10 @@ def apply_cpu_patches() -> None:
     # Gradient clipping asserts CUDA gradients; the optimizer calls it by its imported name.
     for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
         sys.modules[name].clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+    # The pipeline's last stage copies the shared embedding with `weight.data.cuda()` before the
+    # all-reduce that makes it equal to the first stage's.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _without_tensor_cuda(
+        LanguageModule.setup_embeddings_and_output_layer)
     _APPLIED = True

@@ -43,14 +43,19 @@ def data_args(paths, **overrides):
     return argparse.Namespace(**values)
 
 
+# Each test module that imports the fixture gets its own FixtureDef, so the session scope alone
+# would prepare the data once per module; this cache makes it once per process.
+_PREPARED: dict = {}
+
+
 @pytest.fixture(scope="session")
 def sample_data(tmp_path_factory):
     from megatron_dpp.data.prepare_sample import prepare_sample
 
-    output_dir = str(tmp_path_factory.mktemp("sample_data"))
-    paths = prepare_sample(output_dir, show_progress=False)
-    paths["output_dir"] = output_dir
-    return paths
+    if not _PREPARED:
+        output_dir = str(tmp_path_factory.mktemp("sample_data"))
+        _PREPARED.update(prepare_sample(output_dir, show_progress=False), output_dir=output_dir)
+    return dict(_PREPARED)
 
 
 def output_stamps(paths):

@@ -81,16 +81,18 @@ def _run_main(capsys, argv):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", ["missing_input", "bad_json", "missing_key", "not_string",
-                                  "missing_vocab"])
+@pytest.mark.parametrize("case", ["missing_input", "bad_json", "bad_json_2_workers",
+                                  "missing_key", "not_string", "missing_vocab"])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, small_tokenizer, case):
     vocab, merges = small_tokenizer
     corpus = tmp_path / "corpus.jsonl"
     lines = ['{"text": "fine"}', '{"text": "also fine"}']
     expected = None
-    if case == "bad_json":
+    workers = "2" if case == "bad_json_2_workers" else "1"
+    if case.startswith("bad_json"):
+        lines = lines * 300 if workers == "2" else lines  # the error comes after pool batches
         lines.append('{"text": "broken')
-        expected = f"{corpus}:3: not valid JSON"
+        expected = f"{corpus}:{len(lines)}: not valid JSON"
     elif case == "missing_key":
         lines.append('{"body": "no text key"}')
         expected = f"{corpus}:3: missing key 'text'"
@@ -106,7 +108,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, small_tokenizer, case):
         expected = "--vocab-file"
 
     code, err = _run_main(capsys, ["--input", input_path, "--output-prefix", str(tmp_path / "o"),
-                                   "--vocab-file", vocab, "--merge-file", merges, "--no-progress"])
+                                   "--vocab-file", vocab, "--merge-file", merges,
+                                   "--workers", workers, "--no-progress"])
     assert code == 2
     assert len(err.splitlines()) == 1, err
     assert err.startswith("error: ") and expected in err, err

@@ -18,7 +18,7 @@
 // whether a peer it waits on is still alive (pidfd, fallback kill(pid, 0)).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <atomic>
 #include <chrono>

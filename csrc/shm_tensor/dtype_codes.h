@@ -1,7 +1,7 @@
 // torch ScalarType <-> wire DType code.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include "../common/wire_header.h"
 

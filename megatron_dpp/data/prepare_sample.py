@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from typing import Iterator, Optional, Sequence
 
 from megatron_dpp.data.corpus import write_stdlib_corpus
@@ -134,6 +135,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="Worker processes for tokenizing the corpus.")
     parser.add_argument("--no-progress", action="store_true", help="Do not show progress bars.")
     args = parser.parse_args(argv)
+    # megatron.core warns on import that it falls back to torch kernels; irrelevant here.
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
     try:
         if args.vocab_size < 257:
             raise DataInputError(f"--vocab-size must be >= 257 (256 bytes + <|endoftext|>), "

@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import sys
+import warnings
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
@@ -44,9 +45,12 @@ def read_jsonl_batches(path: str, json_keys: Sequence[str],
             where = f"{path}:{line_number}"
             try:
                 record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise DataInputError(f"{where}: not valid JSON ({e}); each line must be one JSON "
-                                     f"object like {{\"text\": \"...\"}}") from None
+            except json.JSONDecodeError as e:
+                raise DataInputError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each "
+                                     f"line must be one JSON object like {{\"text\": \"...\"}}"
+                                     ) from None
+            except UnicodeDecodeError:
+                raise DataInputError(f"{where}: not UTF-8 text; convert the file to UTF-8") from None
             if not isinstance(record, dict):
                 raise DataInputError(f"{where}: expected a JSON object, got {type(record).__name__}")
             texts = []
@@ -183,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    # megatron.core warns on import that it falls back to torch kernels; irrelevant here.
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
     try:
         if args.workers < 1:
             raise DataInputError(f"--workers must be >= 1, got {args.workers}")

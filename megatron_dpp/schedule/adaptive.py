@@ -2,11 +2,11 @@
 deviations from it under a byte budget.
 
 The spine is 1F1B (V=1) or interleaved 1F1B (V>1) over the microbatches in `microbatch_order`
-(smallest two first, then the rest largest first; see `adaptive_microbatch_order`). The rank runs
-the spine's next task whenever it is ready. When it is not, the rank runs a later spine task that
-is ready, if that is SAFE: a backward always is (it only frees memory); a forward is if, after
-running it now, finishing the rest of the spine in order would still never hold more than the
-budget. So the spine stays a witness that the rank can finish within budget, which makes the
+(a few small ones first, then the rest largest first; see `adaptive_microbatch_order`). The rank
+runs the spine's next task whenever it is ready. When it is not, the rank runs the earliest later
+spine FORWARD that is ready and SAFE: after running it now, finishing the rest of the spine in
+order would still never hold more than the budget. Backwards are never run early: that delays
+the forward the spine waits for and measured slower under jitter. So the spine stays a witness that the rank can finish within budget, which makes the
 policy deadlock-free for every budget the spine fits in (the spine itself is deadlock-free; the
 earliest unfinished spine task of the whole pipeline is always ready and fits).
 
@@ -28,22 +28,33 @@ from megatron_dpp.schedule.graph import Phase, Task, TaskGraph
 from megatron_dpp.schedule.scheduler import RankScheduler
 
 # How far past the spine's next task a deviation may reach, in spine positions per virtual stage.
-_LOOKAHEAD_PER_STAGE = 2
+_LOOKAHEAD_PER_STAGE = 4
 # Below this many ready tasks, candidates come from the ready set, above it from walking the spine.
 _SMALL_READY_SET = 32
 
 
-def adaptive_microbatch_order(sizes: Sequence[float]) -> list[int]:
-    """Largest first, except the two smallest go first: the pipeline fills behind short
-    microbatches, the steady state pairs similar sizes, and the drain runs the small tail."""
+def adaptive_microbatch_order(sizes: Sequence[float], P: int, V: int) -> list[int]:
+    """Largest first, except k small microbatches go first: every other one of the 2k smallest,
+    ascending. The pipeline fills behind short microbatches, the steady state pairs similar
+    sizes, and the drain still runs the smallest tail.
+
+    k = min(P, M // 4) for V=1, where the warmup bubble is a full pipeline traversal per rank;
+    k = 1 for V>1, where the interleaved warmup already hides most of it (measured in
+    docs/scheduling.md)."""
     by_size = sorted(range(len(sizes)), key=lambda m: (-sizes[m], m))
-    if len(by_size) < 4:
-        return by_size
-    return [by_size[-1], by_size[-2]] + by_size[:-2]
+    k = min(P, len(sizes) // 4) if V == 1 else min(1, len(sizes) // 4)
+    if k == 0 or min(sizes) == max(sizes):
+        return by_size  # equal sizes: keep the batch order
+    first = by_size[-2 * k:][1::2][::-1]
+    chosen = set(first)
+    return first + [m for m in by_size if m not in chosen]
 
 
 def spine_group_size(P: int, M: int, requested: int | None) -> int:
-    """An interleaved group size Megatron accepts for this M (the requested one if valid)."""
+    """An interleaved group size Megatron accepts for this M (the requested one if valid); for
+    M < P, where Megatron accepts none, M (one group). Spines with these groups ran without
+    deadlock for every P <= 8, V <= 4, M <= 64 (tests/test_sched_properties.py); other group
+    sizes can deadlock (e.g. P=4, V=3, M=5, group 4)."""
     if requested is not None:
         try:
             return static_orders.interleaved_group_size(P, M, requested)
@@ -55,20 +66,18 @@ def spine_group_size(P: int, M: int, requested: int | None) -> int:
     return M  # M < P: one group; the order then runs every forward before the backwards
 
 
-def spine_order(graph: TaskGraph, rank: int, order: Sequence[int], group: int | None, warmup_cap: int | None) -> list[Task]:
+def spine_order(
+    graph: TaskGraph, rank: int, order: Sequence[int], group: int | None, warmup_cap: int | None
+) -> list[Task]:
+    """1F1B (V=1, warmup capped at `warmup_cap`) or interleaved 1F1B with group size `group`,
+    which must come from spine_group_size, over `order`."""
     P, V, M = graph.P, graph.V, graph.M
     if V == 1:
         warmup = static_orders.one_f_one_b_warmup(P, rank, M)
         if warmup_cap is not None:
             warmup = min(warmup, warmup_cap)
-        forwards = [Task(Phase.F, m, 0) for m in order]
-        backwards = [Task(Phase.B, m, 0) for m in order]
-        return static_orders._warmup_steady_cooldown(forwards, backwards, warmup)
-    table = static_orders.interleaved_table(M, V, group)
-    forwards = [Task(Phase.F, order[m], c) for m, c in table]
-    backwards = [Task(Phase.B, order[m], V - 1 - c) for m, c in table]
-    warmup = static_orders.interleaved_warmup(P, V, rank, M, group)
-    return static_orders._warmup_steady_cooldown(forwards, backwards, warmup)
+        return static_orders.one_f_one_b_order(P, rank, M, order, graph.task_table, warmup)
+    return static_orders.grouped_interleaved_order(P, V, rank, M, order, group, graph.task_table)
 
 
 def profile_peak(tasks: Sequence[Task], act: Sequence[int]) -> int:
@@ -150,7 +159,7 @@ class AdaptiveScheduler(RankScheduler):
                 if not done[p] and spine[p].phase == Phase.F and spine[p] in ready
             ]
         for p in positions:
-            if self._delta[p] > 0 and self._forward_is_safe(p):
+            if self._forward_is_safe(p):
                 return self.spine[p]
         return None
 
@@ -158,26 +167,41 @@ class AdaptiveScheduler(RankScheduler):
         position = self._index[task]
         if self._done[position]:
             raise RuntimeError(f"dpp:adaptive rank {self.rank}: {task} started twice")
-        super().on_start(task)
+        # RankScheduler.on_start inlined: this runs once per task in 64-rank simulations.
+        self.history.append(task)
+        delta = self._delta[position]
+        if delta > 0:
+            self.held_bytes += delta
+            if self.held_bytes > self.peak_bytes:
+                self.peak_bytes = self.held_bytes
         self._done[position] = 1
         if position == self._next:
-            done = self._done
+            done, early = self._done, self._early
             nxt = position + 1
             while nxt < len(done) and done[nxt]:
-                self._early.pop(nxt, None)
+                if early:
+                    early.pop(nxt, None)
                 nxt += 1
             self._next = nxt
         else:
-            self._early[position] = self._delta[position]
+            self._early[position] = delta
 
 
 def spine_warmup_cap(graph: TaskGraph, rank: int, order: Sequence[int], budget: int) -> int | None:
     """For V=1: the most warmup forwards whose 1F1B spine fits `budget` (None: the full warmup).
+
+    1F1B with w warmup forwards holds at most w+1 consecutive microbatches (in `order`) at once.
     The cap depends only on the budget and the sizes, so with one budget on every rank the
-    warmups still shrink along the pipeline, as 1F1B needs."""
+    warmups still shrink along the pipeline, as 1F1B needs to stay deadlock-free."""
     full = static_orders.one_f_one_b_warmup(graph.P, rank, graph.M)
+    act = [graph.act_bytes[m] for m in order]
     for warmup in range(full, -1, -1):
-        tasks = spine_order(graph, rank, order, None, warmup)
-        if profile_peak(tasks, graph.act_bytes) <= budget:
+        window = warmup + 1
+        held = sum(act[:window])
+        peak = held
+        for i in range(window, len(act)):
+            held += act[i] - act[i - window]
+            peak = max(peak, held)
+        if peak <= budget:
             return None if warmup == full else warmup
     return 0

@@ -100,6 +100,19 @@ class TaskGraph:
         return rank == self.P - 1 and chunk == self.V - 1
 
     # --- tasks and edges ----------------------------------------------------------------------
+    @property
+    def task_table(self) -> list[list[list[Task]]]:
+        """task_table[phase][chunk][m] is Task(phase, m, chunk): one shared object per task, so
+        schedulers of many ranks (and the simulator's hot loop) do not rebuild them."""
+        table = self.__dict__.get("_task_table")
+        if table is None:
+            table = [
+                [[Task(phase, m, c) for m in range(self.M)] for c in range(self.V)]
+                for phase in (Phase.F, Phase.B)
+            ]
+            self.__dict__["_task_table"] = table
+        return table
+
     def tasks(self, rank: int) -> list[Task]:
         """Every task rank `rank` runs in one global batch (unordered)."""
         return [

@@ -45,20 +45,20 @@ def size_sorted_order(graph: TaskGraph) -> list[int]:
 def _static(name: str, graph: TaskGraph, rank: int, budget: int, order: list[int], group: int | None):
     P, V, M = graph.P, graph.V, graph.M
     if name == "gpipe":
-        tasks = static_orders.gpipe_order(M, V, order)
+        tasks = static_orders.gpipe_order(M, V, order, graph.task_table)
     elif name == "interleaved-1f1b" or (name == "1f1b-sorted" and V > 1):
         if V < 2:
             raise ValueError(f"{name} interleaves model chunks and needs V >= 2, got V={V}; use 1f1b")
-        tasks = static_orders.interleaved_order(P, V, rank, M, order, group)
+        tasks = static_orders.interleaved_order(P, V, rank, M, order, group, graph.task_table)
     else:
         if V != 1:
             raise ValueError(f"1f1b runs one model chunk per rank, got V={V}; use interleaved-1f1b")
-        tasks = static_orders.one_f_one_b_order(P, rank, M, order)
+        tasks = static_orders.one_f_one_b_order(P, rank, M, order, graph.task_table)
     return StaticOrderScheduler(name, graph, rank, budget, order, tasks)
 
 
 def _adaptive(graph: TaskGraph, rank: int, budget_bytes: int | None, group: int | None) -> RankScheduler:
-    order = adaptive_microbatch_order(graph.sizes)
+    order = adaptive_microbatch_order(graph.sizes, graph.P, graph.V)
     budget = default_budget_bytes(graph, rank, group) if budget_bytes is None else int(budget_bytes)
     if budget < graph.V * graph.max_act_bytes:
         raise ValueError(

@@ -11,6 +11,14 @@ from typing import Sequence
 
 from megatron_dpp.schedule.graph import Phase, Task
 
+TaskTable = Sequence[Sequence[Sequence[Task]]]  # [phase][chunk][m], see TaskGraph.task_table
+
+
+def _table(table: TaskTable | None, M: int, V: int) -> TaskTable:
+    if table is not None:
+        return table
+    return [[[Task(phase, m, c) for m in range(M)] for c in range(V)] for phase in (Phase.F, Phase.B)]
+
 
 def one_f_one_b_warmup(P: int, rank: int, M: int) -> int:
     """Forwards 1F1B runs on `rank` before its first backward."""
@@ -48,10 +56,11 @@ def interleaved_table(M: int, V: int, group_size: int) -> list[tuple[int, int]]:
     return table
 
 
-def gpipe_order(M: int, V: int, order: Sequence[int]) -> list[Task]:
+def gpipe_order(M: int, V: int, order: Sequence[int], table: TaskTable | None = None) -> list[Task]:
     """All forwards (chunk by chunk), then all backwards (deepest chunk first)."""
-    forwards = [Task(Phase.F, m, c) for c in range(V) for m in order]
-    backwards = [Task(Phase.B, m, c) for c in reversed(range(V)) for m in order]
+    F, B = _table(table, M, V)
+    forwards = [F[c][m] for c in range(V) for m in order]
+    backwards = [B[c][m] for c in reversed(range(V)) for m in order]
     return forwards + backwards
 
 
@@ -64,21 +73,42 @@ def _warmup_steady_cooldown(forwards: list[Task], backwards: list[Task], warmup:
     return tasks
 
 
-def one_f_one_b_order(P: int, rank: int, M: int, order: Sequence[int]) -> list[Task]:
-    """Megatron's non-interleaved 1F1B on `rank` (V=1)."""
-    forwards = [Task(Phase.F, m, 0) for m in order]
-    backwards = [Task(Phase.B, m, 0) for m in order]
-    return _warmup_steady_cooldown(forwards, backwards, one_f_one_b_warmup(P, rank, M))
+def one_f_one_b_order(
+    P: int, rank: int, M: int, order: Sequence[int], table: TaskTable | None = None, warmup: int | None = None
+) -> list[Task]:
+    """Megatron's non-interleaved 1F1B on `rank` (V=1); `warmup` overrides its warmup count
+    (fewer in-flight forwards; deadlock-free while warmups do not grow along the pipeline)."""
+    F, B = _table(table, M, 1)
+    forwards = [F[0][m] for m in order]
+    backwards = [B[0][m] for m in order]
+    if warmup is None:
+        warmup = one_f_one_b_warmup(P, rank, M)
+    return _warmup_steady_cooldown(forwards, backwards, warmup)
 
 
 def interleaved_order(
-    P: int, V: int, rank: int, M: int, order: Sequence[int], group_size: int | None = None
+    P: int,
+    V: int,
+    rank: int,
+    M: int,
+    order: Sequence[int],
+    group_size: int | None = None,
+    table: TaskTable | None = None,
 ) -> list[Task]:
     """Megatron's interleaved 1F1B on `rank` (V>1), with microbatch_group_size_per_vp_stage."""
     group = interleaved_group_size(P, M, group_size)
-    table = interleaved_table(M, V, group)
-    forwards = [Task(Phase.F, order[m], c) for m, c in table]
-    backwards = [Task(Phase.B, order[m], V - 1 - c) for m, c in table]
+    return grouped_interleaved_order(P, V, rank, M, order, group, table)
+
+
+def grouped_interleaved_order(
+    P: int, V: int, rank: int, M: int, order: Sequence[int], group: int, table: TaskTable | None = None
+) -> list[Task]:
+    """Interleaved 1F1B for any group size, including ones Megatron refuses (M < P): callers that
+    need that (the adaptive spine) check deadlock-freedom themselves."""
+    F, B = _table(table, M, V)
+    schedule = interleaved_table(M, V, group)
+    forwards = [F[c][order[m]] for m, c in schedule]
+    backwards = [B[V - 1 - c][order[m]] for m, c in schedule]
     return _warmup_steady_cooldown(forwards, backwards, interleaved_warmup(P, V, rank, M, group))
 
 

@@ -98,10 +98,20 @@ def simulate(
     P, V, M = graph.P, graph.V, graph.M
     schedulers = [factory(graph, rank) for rank in range(P)]
     durations = duration_model.sample(graph, np.random.default_rng(seed))
-    flat, index = durations.flat, durations.index
+    # Hot-loop tables: Task objects made once, durations per rank indexed by (phase*V+chunk)*M+m,
+    # the (rank, chunk) each (rank, phase, chunk) sends to, and each microbatch's message delay.
+    task_of = graph.task_table
+    per_rank = 2 * V * M
+    rank_durations = [durations.flat[r * per_rank:(r + 1) * per_rank] for r in range(P)]
+    routes = [
+        [[graph.output_target(r, task_of[phase][c][0]) for c in range(V)] for phase in (0, 1)]
+        for r in range(P)
+    ]
+    routes = [[[None if t is None else (t[0], t[1].chunk) for t in row] for row in rank] for rank in routes]
+    delays = [comm_model.transfer_time(graph.act_bytes[m]) for m in range(M)]
 
     ready: list[set[Task]] = [set() for _ in range(P)]
-    ready[0].update(Task(Phase.F, m, 0) for m in range(M))
+    ready[0].update(task_of[0][0])
     running: list[Task | None] = [None] * P
     busy = [0.0] * P
     timeline: list[tuple[int, Task, float, float]] = []
@@ -109,6 +119,7 @@ def simulate(
     events: list[tuple[float, int, int, int, Task]] = []
     sequence = 0
     last_rank, last_chunk = P - 1, V - 1
+    heappush, heappop = heapq.heappush, heapq.heappop
 
     def dispatch(rank: int, now: float) -> None:
         nonlocal sequence
@@ -123,7 +134,8 @@ def simulate(
         running[rank] = task
         starts[rank] = now
         sequence += 1
-        heapq.heappush(events, (now + flat[index(rank, task)], sequence, _FINISH, rank, task))
+        phase, m, chunk = task
+        heappush(events, (now + rank_durations[rank][(phase * V + chunk) * M + m], sequence, _FINISH, rank, task))
 
     for rank in range(P):
         dispatch(rank, 0.0)
@@ -132,7 +144,7 @@ def simulate(
         now = events[0][0]
         touched = []
         while events and events[0][0] == now:
-            _, _, kind, rank, task = heapq.heappop(events)
+            _, _, kind, rank, task = heappop(events)
             touched.append(rank)
             if kind == _ARRIVAL:
                 ready[rank].add(task)
@@ -142,20 +154,25 @@ def simulate(
             busy[rank] += now - starts[rank]
             timeline.append((rank, task, starts[rank], now))
             phase, m, chunk = task
-            if phase == Phase.F and rank == last_rank and chunk == last_chunk:
-                ready[rank].add(Task(Phase.B, m, chunk))  # the loss: backward starts here
+            if phase == 0 and rank == last_rank and chunk == last_chunk:
+                ready[rank].add(task_of[1][chunk][m])  # the loss: backward starts here
                 continue
-            target = graph.output_target(rank, task)
-            if target is None:
+            route = routes[rank][phase][chunk]
+            if route is None:
                 continue
-            dst, dst_task = target
-            delay = 0.0 if dst == rank else comm_model.transfer_time(graph.act_bytes[m])
+            dst, dst_chunk = route
+            dst_task = task_of[phase][dst_chunk][m]
+            delay = 0.0 if dst == rank else delays[m]
             if delay == 0.0:
                 ready[dst].add(dst_task)
                 touched.append(dst)
             else:
                 sequence += 1
-                heapq.heappush(events, (now + delay, sequence, _ARRIVAL, dst, dst_task))
+                heappush(events, (now + delay, sequence, _ARRIVAL, dst, dst_task))
+        if len(touched) == 1:
+            if running[touched[0]] is None:
+                dispatch(touched[0], now)
+            continue
         for rank in sorted(set(touched)):
             if running[rank] is None:
                 dispatch(rank, now)

@@ -1,0 +1,212 @@
+"""Simulated makespan of pipeline schedules: Megatron's orders vs the dynamic policies.
+
+Scenarios (each over --seeds seeds, common random numbers across schedules):
+  uniform    equal microbatches
+  varlen     lognormal microbatch sizes with CV --cv (mean 1000), activation bytes = size
+  jitter     equal microbatches, per-task lognormal duration noise with sigma --jitter
+  straggler  equal microbatches, each task slower by --straggler-factor with prob --straggler-prob
+
+Every schedule gets its default budget: what Megatron's order (1F1B, interleaved for V>1) holds at
+most on the rank, counted at the largest microbatch of the batch. Prints a Markdown table of
+time / Megatron order and time / lower bound (busiest rank's work), checks the targets, and with
+--json writes {"results": [...]}.
+
+  python benchmarks/schedule_sim.py                      # full grid, a few minutes
+  python benchmarks/schedule_sim.py --quick              # P=4, M=16, 3 seeds, seconds
+  python benchmarks/schedule_sim.py --scale              # time 64 ranks x 1024 microbatches
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import numpy as np
+
+from megatron_dpp.schedule import TaskGraph
+from megatron_dpp.sim import CommModel, DurationModel, simulate
+
+SCENARIOS = ("uniform", "varlen", "jitter", "straggler")
+POLICIES = ("dpp:adaptive", "dpp:breadth-first", "dpp:depth-first", "dpp:greedy")
+MEAN_SIZE = 1000.0
+
+
+def megatron_order(V: int) -> str:
+    return "1f1b" if V == 1 else "interleaved-1f1b"
+
+
+def schedules_for(V: int) -> list[str]:
+    return [megatron_order(V), "1f1b-sorted", "gpipe", *POLICIES]
+
+
+def batch_sizes(scenario: str, M: int, cv: float, rng: np.random.Generator) -> np.ndarray:
+    if scenario != "varlen" or cv == 0:
+        return np.full(M, MEAN_SIZE)
+    sigma = math.sqrt(math.log(1 + cv * cv))
+    return np.maximum(1.0, rng.lognormal(math.log(MEAN_SIZE) - sigma * sigma / 2, sigma, M))
+
+
+def duration_model(scenario: str, args) -> DurationModel:
+    if scenario == "jitter":
+        return DurationModel(jitter_sigma=args.jitter)
+    if scenario == "straggler":
+        return DurationModel(straggler_prob=args.straggler_prob, straggler_factor=args.straggler_factor)
+    return DurationModel()
+
+
+def run_case(scenario: str, P: int, V: int, M: int, args) -> list[dict]:
+    schedules = schedules_for(V)
+    acc = {s: {"time": [], "peak": [], "budget": [], "within": True} for s in schedules}
+    lower_bounds = []
+    comm = CommModel(latency=args.comm_latency)
+    for seed in range(args.seeds):
+        rng = np.random.default_rng(10_000 + seed)
+        graph = TaskGraph(P, V, M, batch_sizes(scenario, M, args.cv, rng))
+        model = duration_model(scenario, args)
+        for name in schedules:
+            result = simulate(graph, name, model, comm, seed=seed)
+            a = acc[name]
+            a["time"].append(result.makespan)
+            a["peak"].append(result.peak_activation)
+            a["budget"].append(max(result.budget_bytes))
+            a["within"] &= all(p <= b for p, b in zip(result.peak_bytes, result.budget_bytes))
+        lower_bounds.append(result.lower_bound)
+    rows = []
+    for name in schedules:
+        a = acc[name]
+        rows.append(
+            {
+                "scenario": scenario,
+                "P": P,
+                "V": V,
+                "M": M,
+                "schedule": name,
+                "time": float(np.mean(a["time"])),
+                "lower_bound": float(np.mean(lower_bounds)),
+                "peak_activation": float(np.mean(a["peak"])),
+                "budget": float(np.mean(a["budget"])),
+                "within_budget": bool(a["within"]),
+                "seeds": args.seeds,
+            }
+        )
+    return rows
+
+
+def print_table(results: list[dict]) -> None:
+    print("| scenario | P | V | M | schedule | time / Megatron | time / lower bound | peak / budget |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        base = megatron_time(results, r)
+        print(
+            f"| {r['scenario']} | {r['P']} | {r['V']} | {r['M']} | {r['schedule']} | "
+            f"{r['time'] / base:.3f} | {r['time'] / r['lower_bound']:.3f} | "
+            f"{r['peak_activation'] / r['budget']:.2f} |"
+        )
+
+
+def megatron_time(results: list[dict], row: dict) -> float:
+    for r in results:
+        if (r["scenario"], r["P"], r["V"], r["M"]) == (row["scenario"], row["P"], row["V"], row["M"]) and r[
+            "schedule"
+        ] == megatron_order(row["V"]):
+            return r["time"]
+    raise KeyError("no Megatron row for this case")
+
+
+def check_targets(results: list[dict]) -> list[str]:
+    """The issue's targets for dpp:adaptive, one line each."""
+    lines = []
+    for r in results:
+        if r["schedule"] != "dpp:adaptive":
+            continue
+        ratio = r["time"] / megatron_time(results, r)
+        limit = 0.85 if r["scenario"] == "varlen" else 1.01
+        ok = ratio <= limit and r["within_budget"]
+        lines.append(
+            f"{'PASS' if ok else 'FAIL'} {r['scenario']} P={r['P']} V={r['V']} M={r['M']}: "
+            f"dpp:adaptive / {megatron_order(r['V'])} = {ratio:.3f} (target <= {limit}), "
+            f"peak within budget: {r['within_budget']}"
+        )
+    return lines
+
+
+def time_scale(P: int, M: int, repeats: int = 3) -> dict:
+    rng = np.random.default_rng(0)
+    sigma = math.sqrt(math.log(1.25))
+    graph = TaskGraph(P, 1, M, rng.lognormal(math.log(MEAN_SIZE) - sigma * sigma / 2, sigma, M))
+    out = {}
+    for name in ("1f1b", "dpp:adaptive"):
+        cpu, wall = [], []
+        for _ in range(repeats):
+            c0, w0 = time.process_time(), time.perf_counter()
+            simulate(graph, name, DurationModel(jitter_sigma=0.2))
+            cpu.append(time.process_time() - c0)
+            wall.append(time.perf_counter() - w0)
+        out[name] = {"cpu_s_median": float(np.median(cpu)), "wall_s_median": float(np.median(wall))}
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--P", type=int, nargs="+", default=[4, 8], help="pipeline ranks")
+    p.add_argument("--V", type=int, nargs="+", default=[1, 2], help="model chunks per rank")
+    p.add_argument("--M", type=int, nargs="+", default=[16, 32], help="microbatches per global batch")
+    p.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    p.add_argument("--cv", type=float, default=0.5, help="varlen: coefficient of variation of sizes")
+    p.add_argument("--jitter", type=float, default=0.2, help="jitter: per-task lognormal sigma")
+    p.add_argument("--straggler-prob", type=float, default=0.1)
+    p.add_argument("--straggler-factor", type=float, default=2.0)
+    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--comm-latency", type=float, default=0.0, help="per message, in units of a mean microbatch's forward on one rank / 1000")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--quick", action="store_true", help="P=4, M=16, V=1 and 2, 3 seeds")
+    p.add_argument("--scale", action="store_true", help="only time a 64-rank x 1024-microbatch simulation")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.P, args.M, args.seeds = [4], [16], 3
+    bad = [f"--P {x}" for x in args.P if x < 1] + [f"--V {x}" for x in args.V if x < 1]
+    bad += [f"--M {x}" for x in args.M if x < 1] + ([f"--seeds {args.seeds}"] if args.seeds < 1 else [])
+    bad += [f"--cv {args.cv}"] if args.cv < 0 else []
+    bad += [f"--straggler-prob {args.straggler_prob}"] if not 0 <= args.straggler_prob <= 1 else []
+    if bad:
+        p.exit(2, f"schedule_sim: {', '.join(bad)} out of range; use positive counts, cv >= 0, probability in [0, 1]\n")
+    for P in args.P:
+        for V in args.V:
+            for M in args.M:
+                if V > 1 and (M < P or M % P):
+                    p.exit(2, f"schedule_sim: V={V} needs M a multiple of P (Megatron's interleaved 1F1B); got P={P} M={M}\n")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.scale:
+        timing = time_scale(64, 1024)
+        for name, t in timing.items():
+            print(f"64 ranks x 1024 microbatches, {name}: {t['cpu_s_median']:.2f} s CPU, {t['wall_s_median']:.2f} s wall (median of 3)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"scale": timing}, f, indent=1)
+        return 0
+    results = []
+    t0 = time.perf_counter()
+    for scenario in args.scenarios:
+        for P in args.P:
+            for V in args.V:
+                for M in args.M:
+                    results.extend(run_case(scenario, P, V, M, args))
+    print_table(results)
+    print()
+    for line in check_targets(results):
+        print(line)
+    print(f"\n{len(results)} rows in {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": {k: v for k, v in vars(args).items() if k != "json"}, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Typed Python API over shm_tensor._C: configuration, rendezvous and handles."""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from shm_tensor import _C
+
+HEADER_BYTES: int = _C.HEADER_BYTES
+
+
+@dataclass(frozen=True)
+class ShmConfig:
+    """Sizes and limits of one context. Every receiver owns, per peer, `num_slots` slots of
+    `slot_bytes` payload each; a message must fit in one slot."""
+
+    num_slots: int = 4
+    slot_bytes: int = 64 << 20
+    copy_threads: int = 2  # at most this many threads copy one message
+    bytes_per_thread: int = 8 << 20  # --workload: a message gets one copy thread per this many bytes
+    timeout_s: float = 300.0  # waits without an explicit timeout use this
+
+    def validate(self) -> None:
+        if self.num_slots < 1:
+            raise ValueError(f"ShmConfig.num_slots={self.num_slots}: need at least 1 slot")
+        if self.slot_bytes < 0:
+            raise ValueError(f"ShmConfig.slot_bytes={self.slot_bytes}: must be >= 0")
+        if self.copy_threads < 1:
+            raise ValueError(f"ShmConfig.copy_threads={self.copy_threads}: must be >= 1")
+        if self.bytes_per_thread < 4096:
+            raise ValueError(f"ShmConfig.bytes_per_thread={self.bytes_per_thread}: must be >= 4096")
+        if self.timeout_s <= 0:
+            raise ValueError(f"ShmConfig.timeout_s={self.timeout_s}: must be > 0")
+
+    def to_c(self) -> "_C.ContextConfig":
+        self.validate()
+        config = _C.ContextConfig()
+        config.num_slots = self.num_slots
+        config.slot_bytes = self.slot_bytes
+        config.copy_threads = self.copy_threads
+        config.bytes_per_thread = self.bytes_per_thread
+        config.timeout_s = self.timeout_s
+        return config
+
+
+class Handle:
+    """One outstanding isend or irecv."""
+
+    __slots__ = ("_handle",)
+
+    def __init__(self, handle: "_C.Handle") -> None:
+        self._handle = handle
+
+    @property
+    def peer(self) -> int:
+        return self._handle.peer
+
+    @property
+    def tag(self) -> int:
+        return self._handle.tag
+
+    @property
+    def is_send(self) -> bool:
+        return self._handle.is_send
+
+    def test(self) -> bool:
+        """Makes progress without blocking; True once complete. Raises on a lost peer or bad header."""
+        return self._handle.test()
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[torch.Tensor]:
+        """Blocks until complete: the received tensor, or None for a send. Raises TransportTimeout
+        after `timeout` seconds (None: the context's timeout_s)."""
+        return self._handle.wait(-1.0 if timeout is None else float(timeout))
+
+    def __repr__(self) -> str:
+        kind = "send to" if self.is_send else "recv from"
+        return f"<shm_tensor.Handle {kind} {self.peer} tag {self.tag}>"
+
+
+class Context:
+    """The shared-memory endpoints of one process towards its on-node peers."""
+
+    def __init__(self, context: "_C.Context", peers: Sequence[int], config: ShmConfig) -> None:
+        self._context = context
+        self.peers = tuple(peers)
+        self.config = config
+
+    @property
+    def rank(self) -> int:
+        return self._context.rank
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
+        return Handle(self._context.isend(tensor, peer, tag))
+
+    def irecv(self, peer: int, tag: int) -> Handle:
+        return Handle(self._context.irecv(peer, tag))
+
+    def wait_any(self, handles: Sequence[Handle], timeout: Optional[float] = None) -> int:
+        """Index of a completed handle; sleeps on this process's doorbell until one completes."""
+        return self._context.wait_any(
+            [h._handle for h in handles], -1.0 if timeout is None else float(timeout)
+        )
+
+    def _send_raw_header(self, header: bytes, peer: int) -> Handle:
+        """Sends `header` verbatim with no payload (tests of the receiver's header checks)."""
+        return Handle(self._context.send_raw_header(header, peer))
+
+    def close(self) -> None:
+        self._context.close()
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def encode_header(tensor: torch.Tensor, tag: int, src_rank: int) -> bytes:
+    """The wire header (HEADER_BYTES bytes) describing `tensor` as message `tag`."""
+    return _C.encode_header(tensor, tag, src_rank)
+
+
+def decode_header(header: bytes, max_payload_bytes: int, peer: int) -> tuple[int, int, torch.Tensor]:
+    """(tag, src_rank, empty tensor of the header's shape and dtype); ProtocolError when invalid."""
+    return _C.decode_header(header, max_payload_bytes, peer)
+
+
+def create_context(
+    *,
+    rank: int,
+    peers: Sequence[int],
+    job_name: str,
+    barrier: Callable[[], None],
+    config: ShmConfig = ShmConfig(),
+) -> Context:
+    """Collective over `rank` and its peers: creates this process's inbox `/<job_name>-r<rank>`
+    (mode 0600), maps the peers' inboxes after `barrier()`, and unlinks the names after a second
+    barrier, so nothing is left in /dev/shm however the processes end afterwards."""
+    context = _C.Context(rank, list(peers), job_name, config.to_c())
+    try:
+        barrier()
+        context.connect()
+        barrier()
+    finally:
+        context.unlink()
+    return Context(context, peers, config)
+
+
+def store_barrier(store: torch.distributed.Store, key: str, world_size: int, timeout_s: float) -> None:
+    """Every one of `world_size` processes arrives at `key` before any leaves."""
+    arrived = store.add(f"{key}/arrived", 1)
+    if arrived == world_size:
+        store.set(f"{key}/open", "1")
+    try:
+        store.wait([f"{key}/open"], timedelta(seconds=timeout_s))
+    except RuntimeError as error:
+        raise TimeoutError(
+            f"shm_tensor rendezvous: waited {timeout_s} s at barrier {key} for {world_size} "
+            f"processes: {error}"
+        ) from error
+
+
+def create_context_with_store(
+    store: torch.distributed.Store,
+    *,
+    rank: int,
+    world_size: int,
+    peers: Sequence[int],
+    config: ShmConfig = ShmConfig(),
+    prefix: str = "shm_tensor",
+    rendezvous_timeout_s: float = 120.0,
+) -> Context:
+    """create_context with the rendezvous done over a torch.distributed Store shared by
+    `world_size` processes (all of them call this). Rank 0 draws a random job token so concurrent
+    jobs on one node never share a /dev/shm name; `prefix` separates contexts of one job."""
+    token_key = f"{prefix}/job_token"
+    if rank == 0:
+        store.set(token_key, f"dpp-{secrets.token_hex(8)}")
+    try:
+        store.wait([token_key], timedelta(seconds=rendezvous_timeout_s))
+    except RuntimeError as error:
+        raise TimeoutError(
+            f"shm_tensor rendezvous: waited {rendezvous_timeout_s} s for rank 0 to publish "
+            f"{token_key}: {error}"
+        ) from error
+    job_name = store.get(token_key).decode()
+    phase = [0]
+
+    def barrier() -> None:
+        phase[0] += 1
+        store_barrier(store, f"{prefix}/barrier{phase[0]}", world_size, rendezvous_timeout_s)
+
+    return create_context(rank=rank, peers=peers, job_name=job_name, barrier=barrier, config=config)
