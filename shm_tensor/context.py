@@ -84,10 +84,13 @@ class Handle:
 class Context:
     """The shared-memory endpoints of one process towards its on-node peers."""
 
-    def __init__(self, context: "_C.Context", peers: Sequence[int], config: ShmConfig) -> None:
+    def __init__(
+        self, context: "_C.Context", peers: Sequence[int], config: ShmConfig, job_name: str
+    ) -> None:
         self._context = context
         self.peers = tuple(peers)
         self.config = config
+        self.job_name = job_name  # /dev/shm names were /<job_name>-r<rank> (unlinked after setup)
 
     @property
     def rank(self) -> int:
@@ -147,7 +150,7 @@ def create_context(
         barrier()
     finally:
         context.unlink()
-    return Context(context, peers, config)
+    return Context(context, peers, config, job_name)
 
 
 def store_barrier(store: torch.distributed.Store, key: str, world_size: int, timeout_s: float) -> None:

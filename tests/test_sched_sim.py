@@ -140,3 +140,17 @@ def test_benchmark_rejects_bad_flags():
     )
     assert proc.returncode == 2
     assert "multiple of P" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_pipeline_bound_is_a_lower_bound_and_tight_for_1f1b():
+    g = TaskGraph(4, 1, 16)
+    result = simulate(g, "1f1b")
+    # Uniform 1F1B is optimal: fill 3 forwards + 48 work + drain 3 backwards = 57.
+    assert result.pipeline_bound == pytest.approx(result.makespan)
+    rng = np.random.default_rng(1)
+    for V in (1, 2):
+        g = TaskGraph(4, V, 8, sizes=rng.lognormal(0, 0.5, 8) * 100)
+        comm = CommModel(latency=2.0)
+        for name in ("gpipe", "dpp:adaptive", "dpp:greedy"):
+            r = simulate(g, name, DurationModel(jitter_sigma=0.3), comm, seed=2)
+            assert r.lower_bound <= r.pipeline_bound <= r.makespan + 1e-9

@@ -21,6 +21,7 @@ from megatron_dpp.data.errors import DataInputError, exit_with_input_error
 from megatron_dpp.data.tokenizer import SUPPORTED_TOKENIZER_TYPES, GPT2BPETokenizer
 
 DOCUMENTS_PER_TASK = 256  # documents tokenized per worker task: big enough to amortize IPC
+BATCH_TIMEOUT_S = 300.0  # a worker that died loses its task; never wait for it forever
 
 
 def output_prefix_for(output_prefix: str, key: str) -> str:
@@ -89,6 +90,18 @@ def _tokenize_task(task: Tuple[int, List[List[str]]]) -> Tuple[int, List[List[Li
     return bytes_read, [list(per_doc) for per_doc in zip(*ids_per_key)]
 
 
+def _with_timeout(imap_results, timeout_s: float):
+    """Yield pool.imap results, failing if the next one takes longer than timeout_s."""
+    while True:
+        try:
+            yield imap_results.next(timeout_s)
+        except StopIteration:
+            return
+        except multiprocessing.TimeoutError:
+            raise RuntimeError(f"waited {timeout_s:.0f}s for the next tokenized batch from the "
+                               f"worker pool; a worker may have died (out of memory?)") from None
+
+
 def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: str, merge_file: str,
                      json_keys: Sequence[str] = ("text",), append_eod: bool = False,
                      workers: int = 1, show_progress: bool = True) -> Dict[str, dict]:
@@ -125,7 +138,7 @@ def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: str, merge
                 workers, initializer=_init_worker, initargs=(vocab_file, merge_file))
             # Parsing runs in this process (so errors name the line); a parse error surfaces,
             # in order, while iterating the results. imap keeps the document order.
-            results = pool.imap(_tokenize_task, batches)
+            results = _with_timeout(pool.imap(_tokenize_task, batches), BATCH_TIMEOUT_S)
         else:
             _init_worker(vocab_file, merge_file)
             results = map(_tokenize_task, batches)

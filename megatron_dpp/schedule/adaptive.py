@@ -98,22 +98,29 @@ class AdaptiveScheduler(RankScheduler):
         budget_bytes: int,
         microbatch_order: Sequence[int],
         spine: Sequence[Task],
+        max_inflight: int | None = None,
     ):
+        """Admission counts bytes against budget_bytes, or, with max_inflight, forwards (chunk
+        activations) against that count cap."""
         super().__init__(graph, rank, budget_bytes, microbatch_order)
-        act = self._act
+        self.max_inflight = max_inflight
+        weight = [1] * graph.M if max_inflight is not None else self._act
+        self._limit = max_inflight if max_inflight is not None else self.budget_bytes
         self.spine = list(spine)
         self._index = {task: i for i, task in enumerate(self.spine)}
-        self._delta = [act[t.microbatch] if t.phase == Phase.F else -act[t.microbatch] for t in self.spine]
+        # Admission units (bytes or 1) each spine task adds (forward) or frees (backward).
+        self._delta = [weight[t.microbatch] if t.phase == Phase.F else -weight[t.microbatch] for t in self.spine]
         held, profile = 0, []
         for d in self._delta:
             held += d
             profile.append(held)
-        if profile and max(profile) > self.budget_bytes:
+        if profile and max(profile) > self._limit:
+            unit = "forwards" if max_inflight is not None else "bytes"
             raise ValueError(
-                f"dpp:adaptive rank {rank}: budget {self.budget_bytes} bytes is below its spine's "
-                f"peak {max(profile)}"
+                f"dpp:adaptive rank {rank}: limit {self._limit} {unit} is below its spine's peak {max(profile)}"
             )
-        self._profile = profile  # held bytes after spine[i] if the spine ran in order
+        self._profile = profile  # admission units held after spine[i] if the spine ran in order
+        self._admitted = 0  # admission units held now
         self._done = bytearray(len(self.spine))
         self._next = 0  # first spine position not started
         self._early: dict[int, int] = {}  # started positions > _next -> their delta
@@ -123,8 +130,8 @@ class AdaptiveScheduler(RankScheduler):
     def _forward_is_safe(self, position: int) -> bool:
         """Would starting spine[position] now keep the in-order finish of the spine in budget?"""
         extra = self._delta[position]
-        budget = self.budget_bytes
-        if self.held_bytes + extra > budget:
+        budget = self._limit
+        if self._admitted + extra > budget:
             return False
         # Held bytes after spine[i], i in [_next, position), if the spine then runs in order:
         # profile[i] plus the deltas of tasks already run early from beyond i.
@@ -170,8 +177,9 @@ class AdaptiveScheduler(RankScheduler):
         # RankScheduler.on_start inlined: this runs once per task in 64-rank simulations.
         self.history.append(task)
         delta = self._delta[position]
-        if delta > 0:
-            self.held_bytes += delta
+        self._admitted += delta if delta > 0 else 0
+        if task.phase == Phase.F:
+            self.held_bytes += self._act[task.microbatch]
             if self.held_bytes > self.peak_bytes:
                 self.peak_bytes = self.held_bytes
         self._done[position] = 1
@@ -186,15 +194,23 @@ class AdaptiveScheduler(RankScheduler):
         else:
             self._early[position] = delta
 
+    def on_finish(self, task: Task) -> None:
+        super().on_finish(task)
+        if task.phase == Phase.B:
+            self._admitted += self._delta[self._index[task]]
 
-def spine_warmup_cap(graph: TaskGraph, rank: int, order: Sequence[int], budget: int) -> int | None:
-    """For V=1: the most warmup forwards whose 1F1B spine fits `budget` (None: the full warmup).
+
+def spine_warmup_cap(
+    graph: TaskGraph, rank: int, order: Sequence[int], limit: int, weight: Sequence[int]
+) -> int | None:
+    """For V=1: the most warmup forwards whose 1F1B spine holds at most `limit` (in the units of
+    `weight`: act bytes, or ones for a count cap); None: the full warmup fits.
 
     1F1B with w warmup forwards holds at most w+1 consecutive microbatches (in `order`) at once.
     The cap depends only on the budget and the sizes, so with one budget on every rank the
     warmups still shrink along the pipeline, as 1F1B needs to stay deadlock-free."""
     full = static_orders.one_f_one_b_warmup(graph.P, rank, graph.M)
-    act = [graph.act_bytes[m] for m in order]
+    act = [weight[m] for m in order]
     for warmup in range(full, -1, -1):
         window = warmup + 1
         held = sum(act[:window])
@@ -202,6 +218,6 @@ def spine_warmup_cap(graph: TaskGraph, rank: int, order: Sequence[int], budget: 
         for i in range(window, len(act)):
             held += act[i] - act[i - window]
             peak = max(peak, held)
-        if peak <= budget:
+        if peak <= limit:
             return None if warmup == full else warmup
     return 0

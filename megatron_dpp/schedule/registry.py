@@ -23,8 +23,9 @@ def megatron_inflight_forwards(graph: TaskGraph, rank: int, group_size: int | No
     if V == 1:
         warmup, total = static_orders.one_f_one_b_warmup(P, rank, M), M
     else:
-        # The default budget must exist for any M, so an M Megatron rejects is clamped, not refused.
-        group = min(max(P if group_size is None else group_size, P), M)
+        # The default budget must exist for any M: where Megatron rejects the group size, count
+        # with the group the adaptive spine uses instead (the smallest one Megatron accepts).
+        group = spine_group_size(P, M, group_size)
         warmup, total = static_orders.interleaved_warmup(P, V, rank, M, group), M * V
     return min(warmup + 1, total)
 
@@ -57,29 +58,49 @@ def _static(name: str, graph: TaskGraph, rank: int, budget: int, order: list[int
     return StaticOrderScheduler(name, graph, rank, budget, order, tasks)
 
 
-def _adaptive(graph: TaskGraph, rank: int, budget_bytes: int | None, group: int | None) -> RankScheduler:
+def _adaptive(
+    graph: TaskGraph, rank: int, budget_bytes: int | None, group: int | None, max_inflight: int | None
+) -> RankScheduler:
     order = adaptive_microbatch_order(graph.sizes, graph.P, graph.V)
     budget = default_budget_bytes(graph, rank, group) if budget_bytes is None else int(budget_bytes)
-    if budget < graph.V * graph.max_act_bytes:
-        raise ValueError(
-            f"dpp:adaptive: budget {budget} bytes on rank {rank} is below the minimum "
-            f"V * max_act_bytes = {graph.V * graph.max_act_bytes}"
-        )
+    if max_inflight is not None:
+        if max_inflight < graph.V:
+            raise ValueError(f"dpp:adaptive: max_inflight={max_inflight} must be >= V={graph.V}")
+        weight, limit = [1] * graph.M, int(max_inflight)
+    else:
+        if budget < graph.V * graph.max_act_bytes:
+            raise ValueError(
+                f"dpp:adaptive: budget {budget} bytes on rank {rank} is below the minimum "
+                f"V * max_act_bytes = {graph.V * graph.max_act_bytes}"
+            )
+        weight, limit = graph.act_bytes, budget
     if graph.V == 1:
-        cap = spine_warmup_cap(graph, rank, order, budget)
-        return AdaptiveScheduler(graph, rank, budget, order, spine_order(graph, rank, order, None, cap))
+        cap = spine_warmup_cap(graph, rank, order, limit, weight)
+        spine = spine_order(graph, rank, order, None, cap)
+        return AdaptiveScheduler(graph, rank, budget, order, spine, max_inflight)
     spine_group = spine_group_size(graph.P, graph.M, group)
-    # Spines are only a deadlock-free set when every rank follows one, so the choice is global:
-    # every rank checks every rank's spine against that rank's budget.
-    def fits(r: int) -> bool:
-        b = default_budget_bytes(graph, r, group) if budget_bytes is None else int(budget_bytes)
-        return profile_peak(spine_order(graph, r, order, spine_group, None), graph.act_bytes) <= b
-
-    if all(fits(r) for r in range(graph.P)):
-        return AdaptiveScheduler(graph, rank, budget, order, spine_order(graph, rank, order, spine_group, None))
-    fallback = DepthFirstScheduler(graph, rank, budget, order)
+    explicit = budget_bytes is not None or max_inflight is not None
+    if not explicit or _spines_fit(graph, order, spine_group, limit, weight):
+        spine = spine_order(graph, rank, order, spine_group, None)
+        return AdaptiveScheduler(graph, rank, budget, order, spine, max_inflight)
+    fallback = DepthFirstScheduler(graph, rank, budget, order, max_inflight)
     fallback.name = "dpp:adaptive"
     return fallback
+
+
+def _spines_fit(graph: TaskGraph, order: list[int], group: int, limit: int, weight) -> bool:
+    """Do all ranks' interleaved spines fit one explicit limit (bytes, or a count cap)? Spines are a deadlock-free set
+    only when every rank follows one, so this choice is global. (Default budgets always fit: they
+    are the spine's own in-flight count at the largest size.) Cached on the graph: every rank
+    of one batch asks the same question."""
+    cache = graph.__dict__.setdefault("_adaptive_spines_fit", {})
+    key = (tuple(order), group, limit, weight is graph.act_bytes)
+    if key not in cache:
+        cache[key] = all(
+            profile_peak(spine_order(graph, r, order, group, None), weight) <= limit
+            for r in range(graph.P)
+        )
+    return cache[key]
 
 
 _RULE_BASED = {
@@ -100,8 +121,8 @@ def make_scheduler(
 
     budget_bytes=None means default_budget_bytes(graph, rank). Options:
       microbatch_group_size_per_vp_stage: interleaved 1F1B's group size (default P);
-      max_inflight: dpp:* rule-based policies admit by this count of chunk activations instead
-        of bytes;
+      max_inflight: dpp:* policies admit by this count of chunk activations (forwards held)
+        instead of bytes; budget_bytes is then only reported;
       sort_microbatches: dpp:* rule-based policies process microbatches largest first
         (default False: the reference rules keep the batch order).
     """
@@ -112,7 +133,7 @@ def make_scheduler(
         order = size_sorted_order(graph) if name == "1f1b-sorted" else list(range(graph.M))
         scheduler = _static(name, graph, rank, budget, order, group)
     elif name == "dpp:adaptive":
-        scheduler = _adaptive(graph, rank, budget_bytes, group)
+        scheduler = _adaptive(graph, rank, budget_bytes, group, opts.pop("max_inflight", None))
     elif name in _RULE_BASED:
         order = size_sorted_order(graph) if opts.pop("sort_microbatches", False) else list(range(graph.M))
         scheduler = _RULE_BASED[name](graph, rank, budget, order, max_inflight=opts.pop("max_inflight", None))

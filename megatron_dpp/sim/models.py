@@ -78,6 +78,20 @@ class TaskDurations:
         n = 2 * self._V * self._M
         return math.fsum(self.flat[rank * n:(rank + 1) * n])
 
+    def pipeline_bound(self, delays: Sequence[float]) -> float:
+        """A makespan lower bound that counts fill and drain: rank r cannot start before some
+        microbatch's chunk-0 forward crossed ranks 0..r-1, works at least its total, and after its
+        last task some microbatch's chunk-0 backward must still cross ranks r-1..0."""
+        times = np.asarray(self.flat).reshape(self._P, 2, self._V, self._M)
+        hop = np.asarray(delays, dtype=float)  # per microbatch, one rank-to-rank message
+        work = times.reshape(self._P, -1).sum(axis=1)
+        forward_path = np.cumsum(times[:, 0, 0, :] + hop, axis=0)  # [r] = through ranks 0..r
+        backward_path = np.cumsum(times[:, 1, 0, :] + hop, axis=0)
+        best = work[0]
+        for r in range(1, self._P):
+            best = max(best, forward_path[r - 1].min() + work[r] + backward_path[r - 1].min())
+        return float(best)
+
 
 @dataclasses.dataclass(frozen=True)
 class CommModel:

@@ -35,6 +35,7 @@ class SimResult:
     peak_bytes: list[int]  # per rank: most activation bytes held at once
     budget_bytes: list[int]
     lower_bound: float  # the busiest rank's total work
+    pipeline_bound: float  # also counts the unavoidable fill and drain (TaskDurations.pipeline_bound)
     timeline: list[tuple[int, Task, float, float]]  # (rank, task, start, end)
 
     @property
@@ -194,5 +195,6 @@ def simulate(
         peak_bytes=[s.peak_bytes for s in schedulers],
         budget_bytes=[s.budget_bytes for s in schedulers],
         lower_bound=max(durations.rank_work(r) for r in range(P)),
+        pipeline_bound=durations.pipeline_bound([0.0 if P == 1 else d for d in delays]),
         timeline=timeline,
     )

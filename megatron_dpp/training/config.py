@@ -107,7 +107,15 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         pipeline_dtype=dtype,
         bf16=args.bf16,
         fp16=args.fp16,
+        # Megatron-LM's default: with virtual stages, per-direction p2p ops instead of one batch.
+        # A batch pairs messages by order, and with pp=2 both directions go to the same peer, so
+        # activations and gradients could be swapped; the unbatched path keeps them apart.
+        overlap_p2p_comm=args.virtual_pipeline_model_parallel_size is not None,
+        batch_p2p_comm=args.virtual_pipeline_model_parallel_size is None,
         variable_seq_lengths=bool(getattr(args, "variable_seq_lengths", False)),
+        # TransformerConfig rejects variable_seq_lengths with the default MoE dispatcher
+        # ("allgather"); the dispatcher is unused by dense models, so pick one that allows it.
+        moe_token_dispatcher_type="alltoall",
         # Fused CUDA kernels (bias-gelu, bias-dropout-add, masked softmax, rope) only exist on GPUs;
         # gradient accumulation fusion needs APEX/TE's CUDA extension.
         bias_activation_fusion=torch.cuda.is_available(),
