@@ -50,6 +50,10 @@ class Scenario:
     seed: int
 
     @property
+    def key(self) -> str:
+        return f"{self.name}/V{self.V}"
+
+    @property
     def max_tokens(self) -> int:
         # The longest sample a batch may contain: what fixed schedules must provision memory for.
         return 3 * self.mean_tokens if self.name == "varlen" else self.mean_tokens
@@ -89,23 +93,31 @@ class Scenario:
 # ------------------------------------------------------------------------------------------------
 def _build_runner(schedule: str, scenario: Scenario, model, transport):
     """A callable(forward_step_func, data_iterator, model, num_microbatches, seq_length, ...)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_dpp.comm.megatron_p2p import TransportP2PCommunicator
     from megatron_dpp.schedule.dpp_config import DPPConfig
     from megatron_dpp.schedule.runtime import make_forward_backward_dpp
 
     if schedule in ("1f1b", "interleaved-1f1b"):
         from functools import partial
 
+        from megatron.core.pipeline_parallel.schedules import (
+            forward_backward_pipelining_with_interleaving,
+            forward_backward_pipelining_without_interleaving,
+        )
+
+        from megatron_dpp.comm.megatron_p2p import TransportP2PCommunicator
+
         config = model[0].config
-        communicator = TransportP2PCommunicator(transport, config=config)
-        return partial(get_forward_backward_func(), p2p_communicator=communicator,
+        megatron_schedule = (forward_backward_pipelining_without_interleaving if schedule == "1f1b"
+                             else forward_backward_pipelining_with_interleaving)
+        communicator = TransportP2PCommunicator(parallel_state.get_pipeline_model_parallel_group(),
+                                                config, transport)
+        return partial(megatron_schedule, p2p_communicator=communicator,
                        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
-    policy = schedule.split("@")[0]
     return make_forward_backward_dpp(
-        DPPConfig(policy=policy, timeout_s=120.0), transport,
+        DPPConfig(policy=schedule, timeout_s=120.0), transport,
         activation_bytes_fn=lambda _config, sizes, _mbs, _V, _P: scenario.act_bytes(list(sizes)))
 
 
@@ -149,10 +161,11 @@ def _torch_pipelining_runner(schedule: str, scenario: Scenario, model, sizes: Li
     return run
 
 
-def _worker(rank: int, scenario: Scenario, schedules: List[str], warmup: int, repeats: int,
-            port: int, results_queue) -> None:
+def _worker(rank: int, scenarios: List[Scenario], schedules_of: Dict[str, List[str]], warmup: int,
+            repeats: int, port: int, results_queue) -> None:
+    P = scenarios[0].P
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(scenario.P), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      WORLD_SIZE=str(P), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         import torch
         import torch.distributed as dist
@@ -160,63 +173,19 @@ def _worker(rank: int, scenario: Scenario, schedules: List[str], warmup: int, re
 
         from megatron_dpp.comm import make_transport
         from megatron_dpp.platform import setup_platform
-        from megatron_dpp.sim import CommModel, simulate
-        from timed_stage import ActivationMeter, TimedStage, data_iterator, forward_step, timed_stage_config
 
         torch.set_num_threads(1)
-        platform = setup_platform()
-        dist.init_process_group("gloo", rank=rank, world_size=scenario.P)
-        P, V, M = scenario.P, scenario.V, scenario.M
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=1, pipeline_model_parallel_size=P,
-            virtual_pipeline_model_parallel_size=V if V > 1 else None)
-        graph = scenario.graph()
-        sizes = [int(s) for s in graph.sizes]
-        durations = scenario.duration_model().sample(graph, np.random.default_rng(scenario.seed))
-        meter = ActivationMeter()
-        config = timed_stage_config(P, V)
-        model = [TimedStage(config, rank, c, durations, graph.act_bytes, meter) for c in range(V)]
+        setup_platform()
+        dist.init_process_group("gloo", rank=rank, world_size=P)
+        # Megatron's schedules are called directly (not via get_forward_backward_func) and read the
+        # virtual size from the model config, so one process group serves V=1 and V=2 alike.
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
+                                                 pipeline_model_parallel_size=P)
         transport = make_transport("shm")
         rows = []
-        for schedule in schedules:
-            if schedule.startswith("torch:"):
-                run = _torch_pipelining_runner(schedule, scenario, model, sizes)
-            else:
-                fb = _build_runner(schedule, scenario, model, transport)
-
-                def run(fb=fb):
-                    iterators = [data_iterator(sizes) if (rank == 0 and c == 0) else None for c in range(V)]
-                    fb(forward_step_func=forward_step,
-                       data_iterator=iterators if V > 1 else iterators[0],
-                       model=model if V > 1 else model[0],
-                       num_microbatches=M, seq_length=scenario.max_tokens, micro_batch_size=1,
-                       forward_only=False)
-            times, peaks = [], []
-            for repeat in range(warmup + repeats):
-                meter.reset()
-                dist.barrier()
-                start = time.perf_counter()
-                run()
-                measured = torch.tensor([time.perf_counter() - start, float(meter.peak)],
-                                        dtype=torch.float64)
-                dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-                if repeat >= warmup:
-                    times.append(measured[0].item() * 1e3)
-                    peaks.append(int(measured[1].item()))
-            if rank == 0:
-                sim_name = {"torch:Schedule1F1B": "1f1b",
-                            "torch:ScheduleInterleaved1F1B": "interleaved-1f1b"}.get(schedule, schedule)
-                prediction = simulate(graph, sim_name, scenario.duration_model(), CommModel(),
-                                      seed=scenario.seed)
-                from megatron_dpp.schedule.registry import default_budget_bytes
-
-                rows.append({
-                    "scenario": scenario.name, "P": P, "V": V, "M": M, "schedule": schedule,
-                    "time": statistics.median(times), "predicted_time": prediction.makespan,
-                    "lower_bound": prediction.lower_bound, "peak_activation": max(peaks),
-                    "megatron_budget": max(default_budget_bytes(graph, r) for r in range(P)),
-                    "times": times,
-                })
+        for scenario in scenarios:
+            rows.extend(_run_schedules(rank, scenario, schedules_of[scenario.key], warmup, repeats,
+                                       transport))
         transport.close()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -226,38 +195,96 @@ def _worker(rank: int, scenario: Scenario, schedules: List[str], warmup: int, re
         results_queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
 
 
+def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: int, repeats: int,
+                   transport) -> List[dict]:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_dpp.schedule.registry import default_budget_bytes
+    from megatron_dpp.sim import CommModel, simulate
+    from timed_stage import ActivationMeter, TimedStage, data_iterator, forward_step, timed_stage_config
+
+    P, V, M = scenario.P, scenario.V, scenario.M
+    graph = scenario.graph()
+    sizes = [int(s) for s in graph.sizes]
+    durations = scenario.duration_model().sample(graph, np.random.default_rng(scenario.seed))
+    meter = ActivationMeter()
+    config = timed_stage_config(P, V)
+    model = [TimedStage(config, rank, c, durations, graph.act_bytes, meter) for c in range(V)]
+    rows = []
+    for schedule in schedules:
+        if schedule.startswith("torch:"):
+            run = _torch_pipelining_runner(schedule, scenario, model, sizes)
+        else:
+            fb = _build_runner(schedule, scenario, model, transport)
+
+            def run(fb=fb):
+                iterators = [data_iterator(sizes) if (rank == 0 and c == 0) else None for c in range(V)]
+                fb(forward_step_func=forward_step,
+                   data_iterator=iterators if V > 1 else iterators[0],
+                   model=model if V > 1 else model[0],
+                   num_microbatches=M, seq_length=scenario.max_tokens, micro_batch_size=1,
+                   forward_only=False)
+        times, peaks = [], []
+        for repeat in range(warmup + repeats):
+            meter.reset()
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            measured = torch.tensor([time.perf_counter() - start, float(meter.peak)], dtype=torch.float64)
+            dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+            if repeat >= warmup:
+                times.append(measured[0].item() * 1e3)
+                peaks.append(int(measured[1].item()))
+        if rank == 0:
+            sim_name = {"torch:Schedule1F1B": "1f1b",
+                        "torch:ScheduleInterleaved1F1B": "interleaved-1f1b"}.get(schedule, schedule)
+            prediction = simulate(graph, sim_name, scenario.duration_model(), CommModel(),
+                                  seed=scenario.seed)
+            rows.append({
+                "scenario": scenario.name, "P": P, "V": V, "M": M, "schedule": schedule,
+                "time": statistics.median(times), "predicted_time": prediction.makespan,
+                "lower_bound": prediction.lower_bound, "peak_activation": max(peaks),
+                "megatron_budget": max(default_budget_bytes(graph, r) for r in range(P)),
+                "times": times,
+            })
+    return rows
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def run_scenario(scenario: Scenario, schedules: List[str], warmup: int, repeats: int,
-                 timeout_s: float) -> List[dict]:
-    """Start P processes, run every schedule, return rank 0's rows; raise on failure or timeout."""
+def run_scenarios(scenarios: List[Scenario], schedules_of: Dict[str, List[str]], warmup: int,
+                  repeats: int, timeout_s: float) -> List[dict]:
+    """Start P processes, run every scenario's schedules, return rank 0's rows; raise on failure."""
     import multiprocessing as mp
 
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = _free_port()
-    processes = [context.Process(target=_worker, args=(rank, scenario, schedules, warmup, repeats,
+    processes = [context.Process(target=_worker, args=(rank, scenarios, schedules_of, warmup, repeats,
                                                        port, queue), daemon=True)
-                 for rank in range(scenario.P)]
+                 for rank in range(scenarios[0].P)]
     for process in processes:
         process.start()
+    status, payload = "error", "interrupted"
     try:
         status, payload = queue.get(timeout=timeout_s)
     except Exception:
-        status, payload = "error", f"no result within {timeout_s:.0f} s (scenario {scenario})"
+        status, payload = "error", f"no result within {timeout_s:.0f} s"
     finally:
+        # After a failure the other ranks may wait on the failed one: do not wait for them.
         for process in processes:
-            process.join(timeout=10)
+            process.join(timeout=10 if status == "ok" else 0.1)
         for process in processes:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=10)
     if status != "ok":
-        raise RuntimeError(f"schedule_bench {scenario.name} P={scenario.P} V={scenario.V} failed: {payload}")
+        raise RuntimeError(f"schedule_bench failed: {payload}")
     return payload
 
 
@@ -313,7 +340,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-torch-pipelining", action="store_true",
                         help="Skip torch.distributed.pipelining's schedules.")
-    parser.add_argument("--timeout", type=float, default=900.0, help="Seconds per scenario launch.")
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="Seconds the whole run may take before its processes are killed.")
     parser.add_argument("--quick", action="store_true",
                         help="Small smoke run: P=4, V=1 and 2, M=8, 5 ms forwards, 1 repeat, no warmup.")
     parser.add_argument("--json", type=str, default=None, help="Write {'results': [...]} here.")
@@ -332,7 +360,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rows: List[dict] = []
+    scenarios, schedules_of = [], {}
     for name in args.scenarios:
         for V in args.virtual_stages:
             scenario = Scenario(name=name, P=args.pipeline_size, V=V, M=args.microbatches,
@@ -340,11 +368,13 @@ def main(argv=None) -> int:
                                 straggler_prob=args.straggler_prob,
                                 straggler_factor=args.straggler_factor,
                                 bytes_per_token=args.bytes_per_token, seed=args.seed)
-            schedules = args.schedules or schedules_for(V, not args.no_torch_pipelining, name)
-            started = time.time()
-            rows.extend(run_scenario(scenario, schedules, args.warmup, args.repeats, args.timeout))
-            print(f"# {name} P={args.pipeline_size} V={V}: {time.time() - started:.1f} s", flush=True)
+            scenarios.append(scenario)
+            schedules_of[scenario.key] = args.schedules or schedules_for(V, not args.no_torch_pipelining,
+                                                                         name)
+    started = time.time()
+    rows = run_scenarios(scenarios, schedules_of, args.warmup, args.repeats, args.timeout)
     print(format_table(rows))
+    print(f"# {len(rows)} rows in {time.time() - started:.1f} s")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -103,6 +103,10 @@ def validate_model_args(args: argparse.Namespace) -> None:
         _require(importlib.util.find_spec("flash_attn") is not None,
                  "--use-flash-attn needs the flash-attn package; `pip install flash-attn "
                  "--no-build-isolation` or remove the flag")
+        # Megatron-Core reaches flash-attn through Transformer Engine's attention backend.
+        _require(importlib.util.find_spec("transformer_engine") is not None,
+                 "--use-flash-attn needs Transformer Engine (Megatron-Core's flash attention "
+                 "backend); install transformer-engine or remove the flag")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,6 +194,13 @@ def validate_parallel_args(args: argparse.Namespace) -> None:
         args.sequence_parallel = False
 
     cuda = torch.cuda.is_available()
+    _require(cuda or not args.use_distributed_optimizer,
+             "--use-distributed-optimizer needs CUDA GPUs (Megatron-Core's distributed optimizer "
+             "wraps CUDA tensors only); remove it on CPU")
+    te_layers = cuda and importlib.util.find_spec("transformer_engine") is not None
+    _require(te_layers or not args.sequence_parallel,
+             "--sequence-parallel needs Transformer Engine layers on a GPU (Megatron-Core's local "
+             "LayerNorm does not support it); remove it or install transformer-engine")
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda else "gloo"
     _require(cuda or args.distributed_backend != "nccl",
@@ -382,10 +393,48 @@ def validate_data_args(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------------------
 def add_transport_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("transport")
+    group.add_argument("--p2p-transport", type=str, default="torch", choices=["torch", "shm"],
+                       help="Pipeline point-to-point transport: torch (torch.distributed send/recv) or "
+                            "shm (shm_tensor shared memory between ranks of one node, torch.distributed "
+                            "to other nodes; CPU tensors only).")
+    group.add_argument("--workload", type=int, default=8 << 20,
+                       help="shm: bytes each copy thread handles; a message gets one thread per this "
+                            "many bytes, up to --shm-copy-threads (smaller messages are copied inline).")
+    group.add_argument("--shm-copy-threads", type=int, default=2,
+                       help="shm: most threads that copy one message.")
+    group.add_argument("--shm-slot-mb", type=int, default=64,
+                       help="shm: payload MiB of one slot; every pipeline message must fit in one.")
+    group.add_argument("--shm-num-slots", type=int, default=4,
+                       help="shm: slots per directed pair of ranks (messages in flight before a send "
+                            "waits for the receiver).")
+    group.add_argument("--p2p-timeout", type=float, default=300.0,
+                       help="Seconds a pipeline send or receive may wait before failing with the peer "
+                            "and tag it waited for.")
 
 
 def validate_transport_args(args: argparse.Namespace) -> None:
-    pass
+    _require(args.p2p_timeout > 0, f"--p2p-timeout must be positive seconds, got {args.p2p_timeout}")
+    if args.p2p_transport != "shm":
+        return
+    _require(args.workload >= 4096, f"--workload must be at least 4096 bytes, got {args.workload}")
+    _require(args.shm_copy_threads >= 1, "--shm-copy-threads must be at least 1")
+    _require(args.shm_slot_mb >= 1, "--shm-slot-mb must be at least 1")
+    _require(args.shm_num_slots >= 1, "--shm-num-slots must be at least 1")
+    _require(not torch.cuda.is_available(),
+             "--p2p-transport shm carries CPU tensors only (CUDA IPC is not built); use "
+             "--p2p-transport torch on GPU machines")
+    _require(importlib.util.find_spec("shm_tensor._C") is not None,
+             "--p2p-transport shm needs the compiled shm_tensor._C; run "
+             "`pip install --no-build-isolation -e .` in the repository")
+    # One activation (seq x micro-batch x hidden, fp32 at most) must fit in one slot.
+    seq, mbs, hidden = (getattr(args, name, None) for name in
+                        ("seq_length", "micro_batch_size", "hidden_size"))
+    if None not in (seq, mbs, hidden):
+        needed = seq * mbs * hidden * 4
+        _require(needed <= args.shm_slot_mb << 20,
+                 f"--shm-slot-mb {args.shm_slot_mb} is too small for one activation of {needed} B "
+                 f"(seq x micro-batch x hidden x 4); raise --shm-slot-mb to "
+                 f"{-(-needed // (1 << 20))}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -493,3 +542,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     return args
+
+
+if __name__ == "__main__":
+    # `WORLD_SIZE=N python -m megatron_dpp.arguments <flags>`: validate only (exit 0, or 2 with the
+    # one-line error), e.g. before a launcher starts N processes.
+    parse_args()

@@ -10,6 +10,8 @@
 #   DATA_DIR      sample data directory (default: <repo>/data/sample)
 #   DATA_ARGS     data flags replacing the sample data (e.g. "--data-path P --vocab-file V ...")
 #   MASTER_PORT   rendezvous port (default: a free one)
+#   USE_DPP       1 (default): dynamic pipeline schedule (--use-dpp) whenever PP >= 2; 0: Megatron's
+#                 fixed 1F1B / interleaved schedule
 # Extra arguments are passed to megatron_dpp.pretrain_gpt and override the recipe's flags.
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -54,15 +56,27 @@ if [ "$VPP" -gt 1 ]; then
   PARALLEL_FLAGS+=(--num-virtual-stages-per-pipeline-rank "$VPP")
 fi
 
+USE_DPP="${USE_DPP:-1}"
+if [ "$USE_DPP" != "0" ] && [ "$USE_DPP" != "1" ]; then
+  echo "run_single_gpt: USE_DPP=$USE_DPP; set it to 1 (dynamic pipeline schedule) or 0 (Megatron's)" >&2
+  exit 2
+fi
+if [ "$USE_DPP" = "1" ] && [ "$PP" -ge 2 ]; then
+  PARALLEL_FLAGS+=(--use-dpp)
+fi
+
 if [ -n "${MASTER_PORT:-}" ]; then
   RDZV=(--master-addr 127.0.0.1 --master-port "$MASTER_PORT")
 else
   RDZV=(--standalone)
 fi
 
-echo "run_single_gpt: $NPROC processes, TP=$TP PP=$PP VPP=$VPP, recipe $RECIPE"
+ALL_FLAGS=("${GPT_MODEL_ARGS[@]}" "${GPT_TRAINING_ARGS[@]}" "${GPT_LOGGING_ARGS[@]}"
+           "${DATA_FLAGS[@]}" "${PARALLEL_FLAGS[@]}" "$@")
+# Bad flags: one line and exit code 2 here, before torchrun starts any process.
+(cd "$REPO_ROOT" && WORLD_SIZE="$NPROC" RANK=0 "$PY" -m megatron_dpp.arguments "${ALL_FLAGS[@]}")
+
+echo "run_single_gpt: $NPROC processes, TP=$TP PP=$PP VPP=$VPP, USE_DPP=$USE_DPP, recipe $RECIPE"
 cd "$REPO_ROOT"
 exec "$PY" -m torch.distributed.run "${RDZV[@]}" --nnodes 1 --nproc-per-node "$NPROC" \
-  -m megatron_dpp.pretrain_gpt \
-  "${GPT_MODEL_ARGS[@]}" "${GPT_TRAINING_ARGS[@]}" "${GPT_LOGGING_ARGS[@]}" \
-  "${DATA_FLAGS[@]}" "${PARALLEL_FLAGS[@]}" "$@"
+  -m megatron_dpp.pretrain_gpt "${ALL_FLAGS[@]}"

@@ -32,3 +32,39 @@ def check_timeline(graph: TaskGraph, result: SimResult, comm: CommModel) -> None
         if task.phase == Phase.B:
             forward = (rank, Task(Phase.F, task.microbatch, task.chunk))
             assert start >= ends[forward] - EPS, f"{task} on rank {rank} started before its forward"
+
+
+def peak_inflight(result: SimResult, rank: int) -> int:
+    """Most forwards rank `rank` held at once (a forward holds from its start to its backward's end;
+    a backward ending at t frees before a forward starting at t, as the scheduler saw it)."""
+    events = []
+    for r, task, start, end in result.timeline:
+        if r == rank:
+            events.append((start, 1) if task.phase == Phase.F else (end, -1))
+    held = peak = 0
+    for _, change in sorted(events):
+        held += change
+        peak = max(peak, held)
+    return peak
+
+
+def naive_safe_deviation(scheduler, ready):
+    """dpp:adaptive's deviation rule written the slow, obvious way (a reference for its one-pass
+    version): the earliest ready later spine forward q such that, after starting it now, the spine
+    run in order holds at most the envelope at every step before q."""
+    nxt = scheduler._next
+    limit = min(len(scheduler.spine), nxt + scheduler._lookahead)
+    for q in range(nxt + 1, limit):
+        task = scheduler.spine[q]
+        if scheduler._done[q] or task.phase != Phase.F or task not in ready:
+            continue
+        extra = scheduler._delta[q]
+        now = scheduler._envelope[nxt - 1] if nxt > 0 else scheduler._limit
+        fits = scheduler._admitted + extra <= now
+        for i in range(nxt, q):
+            early_beyond = sum(d for j, d in scheduler._early.items() if j > i)
+            if scheduler._profile[i] + early_beyond + extra > scheduler._envelope[i]:
+                fits = False
+        if fits:
+            return task
+    return None

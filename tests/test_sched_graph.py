@@ -8,6 +8,7 @@ from megatron_dpp.schedule import (
     TaskGraph,
     default_budget_bytes,
     make_scheduler,
+    size_sorted_order,
 )
 from megatron_dpp.schedule import static_orders
 
@@ -90,7 +91,14 @@ def test_every_name_builds_and_orders_agree_across_ranks():
         orders = [make_scheduler(name, g, r).microbatch_order for r in range(4)]
         assert all(o == orders[0] for o in orders), name
     sorted_order = make_scheduler("1f1b-sorted", g, 0).microbatch_order
-    assert [g.sizes[m] for m in sorted_order] == sorted(g.sizes, reverse=True)
+    assert sorted_order == make_scheduler("dpp:adaptive", g, 0).microbatch_order
+    # V=2: largest first.
+    assert [g.sizes[m] for m in sorted_order] == [8, 7, 6, 5, 4, 3, 2, 1]
+    g1 = TaskGraph(P=4, V=1, M=8, sizes=[5, 1, 7, 3, 2, 8, 4, 6])
+    # V=1: k = min(P, M // 4) = 2 small ones first (every other of the 4 smallest), then largest first.
+    order1 = make_scheduler("dpp:adaptive", g1, 0).microbatch_order
+    assert [g1.sizes[m] for m in order1] == [1, 3, 8, 7, 6, 5, 4, 2]
+    assert size_sorted_order(g) == [5, 2, 7, 0, 6, 3, 4, 1]
 
 
 def test_make_scheduler_rejects_bad_input():

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _sched_util import check_timeline
+from _sched_util import check_timeline, peak_inflight
 from megatron_dpp.schedule import DYNAMIC_SCHEDULES, TaskGraph, default_budget_bytes
 from megatron_dpp.sim import CommModel, DurationModel, simulate
 
@@ -33,7 +33,9 @@ def pipelines(draw, equal_sizes=False, megatron_valid=False):
         sizes = [100.0] * M
     else:
         sizes = draw(st.lists(st.integers(1, 400), min_size=M, max_size=M))
-    headroom = draw(st.integers(0, 400))
+    # Budgets provisioned above this batch's largest microbatch (max_act_bytes headroom); not for
+    # equal sizes, where the claim is about the default budget of exactly that batch.
+    headroom = 0 if equal_sizes else draw(st.integers(0, 400))
     graph = TaskGraph(P, V, M, sizes, max_act_bytes=max(sizes) + headroom)
     model = DurationModel(
         backward_ratio=draw(st.sampled_from([1.0, 2.0, 3.0])),
@@ -63,6 +65,18 @@ def test_dynamic_policies_finish_within_any_feasible_budget(case, policy, data):
         expected = default_budget_bytes(graph, rank) if budget is None else budget
         assert result.budget_bytes[rank] == expected
         assert result.peak_bytes[rank] <= expected
+
+
+@pytest.mark.timeout(TIMEOUT)
+@SETTINGS
+@given(case=pipelines(), policy=st.sampled_from(DYNAMIC_SCHEDULES), data=st.data())
+def test_dynamic_policies_respect_a_count_cap(case, policy, data):
+    graph, model, comm, seed = case
+    cap = data.draw(st.integers(graph.V, 4 * graph.V * graph.P), label="max_inflight")
+    result = simulate(graph, policy, model, comm, seed=seed, max_inflight=cap)
+    check_timeline(graph, result, comm)
+    for rank in range(graph.P):
+        assert peak_inflight(result, rank) <= cap
 
 
 @pytest.mark.timeout(TIMEOUT)

@@ -154,3 +154,29 @@ def test_pipeline_bound_is_a_lower_bound_and_tight_for_1f1b():
         for name in ("gpipe", "dpp:adaptive", "dpp:greedy"):
             r = simulate(g, name, DurationModel(jitter_sigma=0.3), comm, seed=2)
             assert r.lower_bound <= r.pipeline_bound <= r.makespan + 1e-9
+
+
+def test_adaptive_one_pass_deviation_matches_the_naive_rule():
+    from _sched_util import naive_safe_deviation
+    from megatron_dpp.schedule.adaptive import AdaptiveScheduler
+
+    calls = []
+    original = AdaptiveScheduler._safe_deviation
+
+    def checked(self, ready):
+        chosen = original(self, ready)
+        assert chosen == naive_safe_deviation(self, ready)
+        calls.append(chosen)
+        return chosen
+
+    rng = np.random.default_rng(5)
+    AdaptiveScheduler._safe_deviation = checked
+    try:
+        for P, V, M in [(4, 1, 16), (3, 2, 12), (2, 3, 8), (6, 1, 40)]:
+            for headroom in (1, 3):  # budgets at this batch's largest size, and at 3x that
+                sizes = rng.lognormal(0, 0.5, M) * 100
+                g = TaskGraph(P, V, M, sizes=sizes, max_act_bytes=int(headroom * round(max(sizes))))
+                simulate(g, "dpp:adaptive", DurationModel(jitter_sigma=0.3), seed=1)
+    finally:
+        AdaptiveScheduler._safe_deviation = original
+    assert any(t is not None for t in calls) and any(t is None for t in calls)

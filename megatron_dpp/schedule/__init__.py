@@ -14,9 +14,12 @@ Interface (stable names):
   it is virtual stage 0) and it has not run; B(m,c) is ready when F(m,c) ran on this rank and its
   output gradient has arrived (or it is the last virtual stage), and it has not run.
 - `make_scheduler(name, graph, rank, budget_bytes=None, **opts) -> RankScheduler`, names in
-  `SCHEDULE_NAMES`: gpipe, 1f1b (V=1), interleaved-1f1b (V>1, option
-  microbatch_group_size_per_vp_stage), 1f1b-sorted (Megatron's order over size-sorted
-  microbatches), dpp:adaptive (the default policy), dpp:breadth-first, dpp:depth-first, dpp:greedy.
+  `SCHEDULE_NAMES`: gpipe, 1f1b (V=1), interleaved-1f1b (V>1), 1f1b-sorted (Megatron's order over
+  dpp:adaptive's size-sorted microbatch order), dpp:adaptive (the default policy),
+  dpp:breadth-first, dpp:depth-first, dpp:greedy. Options: microbatch_group_size_per_vp_stage
+  (interleaved group size, default P; also sets dpp:adaptive's spine and the V>1 default budget),
+  max_inflight (dpp:*: admit by a count of held chunk activations instead of bytes),
+  sort_microbatches (dpp:breadth-first/depth-first/greedy: largest first).
   budget_bytes=None: `default_budget_bytes(graph, rank)` = what 1F1B (interleaved for V>1) holds at
   most on that rank, counted at max_act_bytes per forward.
 - `RankScheduler`: `microbatch_order` (same list on every rank: a pure function of sizes, P, V, M

@@ -2,19 +2,22 @@
 deviations from it under a byte budget.
 
 The spine is 1F1B (V=1) or interleaved 1F1B (V>1) over the microbatches in `microbatch_order`
-(a few small ones first, then the rest largest first; see `adaptive_microbatch_order`). The rank
-runs the spine's next task whenever it is ready. When it is not, the rank runs the earliest later
-spine FORWARD that is ready and SAFE: after running it now, finishing the rest of the spine in
-order would still never hold more than the budget. Backwards are never run early: that delays
-the forward the spine waits for and measured slower under jitter. So the spine stays a witness that the rank can finish within budget, which makes the
-policy deadlock-free for every budget the spine fits in (the spine itself is deadlock-free; the
-earliest unfinished spine task of the whole pipeline is always ready and fits).
+(largest first, with a few small ones first for V=1; see `adaptive_microbatch_order`). A rank
+runs the spine's next task whenever it is ready. When it is not, it runs the earliest later spine
+FORWARD that is ready and SAFE: after running it now, finishing the rest of the spine in order
+would never hold more than the envelope, which is the budget or less (see __init__). Backwards
+never run early: that delays the forward the spine waits for, and measured slower under jitter.
 
-Why it wins with variable sizes: the budget is provisioned for the largest microbatch, so while
-smaller microbatches are in flight there is room for extra forwards; a rank fills stalls (a
-backward that has not arrived yet) with forwards that would otherwise run later, and the work
-reaches downstream ranks early. With equal sizes the spine already fills the budget, so it runs
-exactly the Megatron order.
+Deadlock-freedom: the spines of all ranks together are deadlock-free (Megatron's orders), and the
+safety check keeps "finish the spine in order" feasible on every rank, so the earliest unfinished
+spine task of the whole pipeline is always ready and fits; a rank never idles while its spine's
+next task is ready.
+
+Why it wins with variable sizes: budgets are provisioned for the largest microbatch, so while
+smaller ones are in flight there is room for extra forwards; a rank fills a stall (a backward
+that has not arrived) with a forward it would run later anyway, and the work reaches downstream
+ranks early. With equal sizes at the default budget there is no such room, so the policy runs
+exactly the Megatron order and cannot be slower than it.
 
 When the budget is below what the spine needs, the spine is 1F1B with fewer warmup forwards
 (V=1); for V>1 the policy falls back to the reservation admission of the rule-based policies.
@@ -27,24 +30,27 @@ from megatron_dpp.schedule import static_orders
 from megatron_dpp.schedule.graph import Phase, Task, TaskGraph
 from megatron_dpp.schedule.scheduler import RankScheduler
 
-# How far past the spine's next task a deviation may reach, in spine positions per virtual stage.
+# How far past the spine's next task a deviation may reach: spine positions per virtual stage, and
+# at most in all (each decision walks that far in the worst case).
 _LOOKAHEAD_PER_STAGE = 4
+_LOOKAHEAD_MAX = 64
 # Below this many ready tasks, candidates come from the ready set, above it from walking the spine.
 _SMALL_READY_SET = 32
 
 
 def adaptive_microbatch_order(sizes: Sequence[float], P: int, V: int) -> list[int]:
-    """Largest first, except k small microbatches go first: every other one of the 2k smallest,
-    ascending. The pipeline fills behind short microbatches, the steady state pairs similar
-    sizes, and the drain still runs the smallest tail.
+    """The order dpp:adaptive (and 1f1b-sorted) process microbatches in; equal sizes keep the
+    batch order.
 
-    k = min(P, M // 4) for V=1, where the warmup bubble is a full pipeline traversal per rank;
-    k = 1 for V>1, where the interleaved warmup already hides most of it (measured in
-    docs/scheduling.md)."""
+    V=1: largest first, except k = min(P, M // 4) small ones go first (every other one of the 2k
+    smallest, ascending): the pipeline fills behind short microbatches, the steady state pairs
+    similar sizes, and the drain still runs a small tail.
+    V>1: largest first. Interleaving already hides most of the fill, and the small-first variants
+    measured 0.5-1% slower there (docs/scheduling.md)."""
     by_size = sorted(range(len(sizes)), key=lambda m: (-sizes[m], m))
-    k = min(P, len(sizes) // 4) if V == 1 else min(1, len(sizes) // 4)
+    k = min(P, len(sizes) // 4) if V == 1 else 0
     if k == 0 or min(sizes) == max(sizes):
-        return by_size  # equal sizes: keep the batch order
+        return by_size
     first = by_size[-2 * k:][1::2][::-1]
     chosen = set(first)
     return first + [m for m in by_size if m not in chosen]
@@ -120,31 +126,32 @@ class AdaptiveScheduler(RankScheduler):
                 f"dpp:adaptive rank {rank}: limit {self._limit} {unit} is below its spine's peak {max(profile)}"
             )
         self._profile = profile  # admission units held after spine[i] if the spine ran in order
+        # The envelope deviations must stay under after spine[i]: the spine's own in-flight count
+        # there at the largest size, plus whatever the limit grants beyond the spine's peak count
+        # at the largest size (nothing, at the default budget). So deviations use the room that
+        # smaller-than-largest microbatches leave; with equal sizes there is none and the policy
+        # runs the Megatron order exactly.
+        largest = 1 if max_inflight is not None else graph.max_act_bytes
+        counts, count = [], 0
+        for task in self.spine:
+            count += 1 if task.phase == Phase.F else -1
+            counts.append(count)
+        surplus = max(0, self._limit - max(counts, default=0) * largest)
+        self._envelope = [min(self._limit, c * largest + surplus) for c in counts]
         self._admitted = 0  # admission units held now
         self._done = bytearray(len(self.spine))
         self._next = 0  # first spine position not started
         self._early: dict[int, int] = {}  # started positions > _next -> their delta
-        self._lookahead = _LOOKAHEAD_PER_STAGE * graph.num_stages + 2
-
-    # --- safety -------------------------------------------------------------------------------
-    def _forward_is_safe(self, position: int) -> bool:
-        """Would starting spine[position] now keep the in-order finish of the spine in budget?"""
-        extra = self._delta[position]
-        budget = self._limit
-        if self._admitted + extra > budget:
-            return False
-        # Held bytes after spine[i], i in [_next, position), if the spine then runs in order:
-        # profile[i] plus the deltas of tasks already run early from beyond i.
-        early_beyond = sum(self._early.values())
-        early = self._early
-        profile = self._profile
-        for i in range(self._next, position):
-            if i in early:
-                early_beyond -= early[i]
-                continue
-            if profile[i] + early_beyond + extra > budget:
-                return False
-        return True
+        self._lookahead = min(_LOOKAHEAD_PER_STAGE * graph.num_stages + 2, _LOOKAHEAD_MAX)
+        # smallest_after[i]: the smallest forward at spine positions >= i; once the slack is
+        # below it, no later forward can fit and the walk stops.
+        smallest, smallest_after = float("inf"), [0.0] * (len(self._delta) + 1)
+        smallest_after[-1] = smallest
+        for i in range(len(self._delta) - 1, -1, -1):
+            if 0 < self._delta[i] < smallest:
+                smallest = self._delta[i]
+            smallest_after[i] = smallest
+        self._smallest_after = smallest_after
 
     # --- decisions ----------------------------------------------------------------------------
     def next_task(self, ready: Collection[Task]) -> Task | None:
@@ -153,21 +160,41 @@ class AdaptiveScheduler(RankScheduler):
         head = self.spine[self._next]
         if head in ready:
             return head
-        limit = min(len(self.spine), self._next + self._lookahead)
+        return self._safe_deviation(ready)
+
+    def _safe_deviation(self, ready: Collection[Task]) -> Task | None:
+        """The earliest ready later spine forward whose early start keeps the in-order finish of
+        the spine under the envelope at every step until the spine reaches it.
+
+        One pass over the spine from its next task: `slack` is the least room left at the steps
+        so far (envelope minus what the spine would hold there, counting tasks already run early
+        from beyond that step); a forward at position q fits iff its size <= the slack over the
+        steps before q, and now."""
+        nxt, spine, delta = self._next, self.spine, self._delta
+        limit = min(len(spine), nxt + self._lookahead)
+        wanted = None
         if len(ready) <= _SMALL_READY_SET:
             index = self._index
-            positions = sorted(
-                p for p in (index.get(t, -1) for t in ready if t.phase == Phase.F) if self._next < p < limit
-            )
-        else:
-            done, spine = self._done, self.spine
-            positions = [
-                p for p in range(self._next + 1, limit)
-                if not done[p] and spine[p].phase == Phase.F and spine[p] in ready
-            ]
-        for p in positions:
-            if self._forward_is_safe(p):
-                return self.spine[p]
+            wanted = {p for p in (index[t] for t in ready if t.phase == Phase.F) if nxt < p < limit}
+            if not wanted:
+                return None
+            limit = max(wanted) + 1
+        early, profile, envelope, done = self._early, self._profile, self._envelope, self._done
+        early_beyond = sum(early.values()) if early else 0
+        slack = (envelope[nxt - 1] if nxt > 0 else self._limit) - self._admitted
+        smallest_after = self._smallest_after
+        for i in range(nxt, limit):
+            if slack < smallest_after[i]:
+                return None
+            if i > nxt and not done[i] and 0 < delta[i] <= slack:
+                if (i in wanted) if wanted is not None else (spine[i] in ready):
+                    return spine[i]
+            if i in early:
+                early_beyond -= early[i]  # same held value as the step before: no new bound
+                continue
+            room = envelope[i] - profile[i] - early_beyond
+            if room < slack:
+                slack = room
         return None
 
     def on_start(self, task: Task) -> None:

@@ -1,19 +1,25 @@
-"""Message tags of the DPP runtime.
+"""Message tags of the DPP runtime, in megatron_dpp.comm.tags' task-tag layout.
 
-Activations and gradients are tagged by the task that RECEIVES them (iteration, direction, microbatch,
-receiving chunk): a (rank, chunk) pair receives at most one message per (direction, microbatch), so
-tags are unique per peer. Tensor-parallel decisions use their own direction, numbered by sequence.
+An activation or gradient is tagged (iteration, direction, microbatch, SENDER's local chunk), as
+comm/tags.py defines: from one peer, one direction and one microbatch, each sender chunk sends at most
+one message per iteration, so (peer, tag) is unique.
+
+Tensor-parallel decisions travel between ranks of one tensor-parallel group, which never exchange
+pipeline messages (the groups are orthogonal), so they reuse the task-tag space with the decision's
+sequence number in the microbatch field.
 """
 from __future__ import annotations
 
-from megatron_dpp.comm.tags import Direction, encode_tag
+from megatron_dpp.comm.tags import ITERATION_BITS, Direction, encode_tag
 from megatron_dpp.schedule import Phase, Task
 
+_ITERATIONS = 1 << ITERATION_BITS
 
-def message_tag(iteration: int, receiving_task: Task) -> int:
-    direction = Direction.ACTIVATION if receiving_task.phase == Phase.F else Direction.GRADIENT
-    return encode_tag(iteration, direction, receiving_task.microbatch, receiving_task.chunk)
+
+def message_tag(iteration: int, sending_task: Task) -> int:
+    direction = Direction.FORWARD if sending_task.phase == Phase.F else Direction.BACKWARD
+    return encode_tag(iteration % _ITERATIONS, direction, sending_task.microbatch, sending_task.chunk)
 
 
 def decision_tag(iteration: int, sequence: int) -> int:
-    return encode_tag(iteration, Direction.CONTROL, sequence, 0)
+    return encode_tag(iteration % _ITERATIONS, Direction.FORWARD, sequence, 0)

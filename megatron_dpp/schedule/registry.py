@@ -125,12 +125,18 @@ def make_scheduler(
         instead of bytes; budget_bytes is then only reported;
       sort_microbatches: dpp:* rule-based policies process microbatches largest first
         (default False: the reference rules keep the batch order).
+    1f1b-sorted is Megatron's order over dpp:adaptive's microbatch order (adaptive_microbatch_order),
+    so comparing the two separates what ordering gives from what dynamic dispatch adds.
     """
     opts = dict(opts)
     group = opts.pop("microbatch_group_size_per_vp_stage", None)
     budget = default_budget_bytes(graph, rank, group) if budget_bytes is None else int(budget_bytes)
     if name in STATIC_SCHEDULES:
-        order = size_sorted_order(graph) if name == "1f1b-sorted" else list(range(graph.M))
+        # 1f1b-sorted uses exactly dpp:adaptive's order, so the two differ only by dynamic dispatch.
+        if name == "1f1b-sorted":
+            order = adaptive_microbatch_order(graph.sizes, graph.P, graph.V)
+        else:
+            order = list(range(graph.M))
         scheduler = _static(name, graph, rank, budget, order, group)
     elif name == "dpp:adaptive":
         scheduler = _adaptive(graph, rank, budget_bytes, group, opts.pop("max_inflight", None))

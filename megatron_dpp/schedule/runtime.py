@@ -76,6 +76,16 @@ class DPPSession:
         return value
 
 
+def dpp_peers() -> List[int]:
+    """Global ranks this rank exchanges DPP messages with: its pipeline neighbours (activations and
+    gradients) and its tensor-parallel group (decisions). Call after parallel_state is initialized."""
+    from megatron_dpp.comm import pipeline_neighbors
+
+    me = dist.get_rank()
+    tp_ranks = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
+    return sorted((set(pipeline_neighbors()) | set(tp_ranks)) - {me})
+
+
 def make_forward_backward_dpp(config: DPPConfig, transport: Any,
                               activation_bytes_fn: ActivationBytesFn = megatron_activation_bytes):
     """A callable with Megatron's forward_backward_func keyword signature, bound to one DPP session."""
@@ -318,7 +328,7 @@ class _IterationRunner:
                     self.ready.add(task)
                 continue
             peer = self.pp_ranks[source[0]]
-            tag = message_tag(self.iteration, task)
+            tag = message_tag(self.iteration, source[1])
             self.pending_recvs[task] = self.transport.irecv(peer, tag)
             self.pending_recv_tags[task] = (peer, tag)
 
@@ -392,8 +402,8 @@ class _IterationRunner:
         tasks = list(self.pending_recvs)
         handles = [self.pending_recvs[t] for t in tasks]
         while True:
-            index = self.transport.wait_any(handles, self._wait_slice())
-            if index is not None and index >= 0:
+            index = self._wait_any(handles, "a message to arrive")
+            if index is not None:
                 self._mark_arrived(tasks[index], handles[index].wait())
                 return
             if self.deadline.expired():
@@ -407,15 +417,26 @@ class _IterationRunner:
 
     def _wait(self, handle, what: str) -> torch.Tensor:
         while True:
-            index = self.transport.wait_any([handle], self._wait_slice())
-            if index is not None and index >= 0:
+            index = self._wait_any([handle], what)
+            if index is not None:
                 return handle.wait()
             if self.deadline.expired():
                 self._fail(f"no progress for {self.dpp.timeout_s:g} s while waiting for {what}")
 
-    def _wait_slice(self) -> float:
-        # Bounded slices so an expired deadline is noticed even if wait_any cannot be interrupted.
-        return max(0.001, min(self.deadline.remaining(), 1.0))
+    def _wait_any(self, handles: list, what: str) -> Optional[int]:
+        """Index of a completed handle, or None when this wait slice passed without one.
+
+        Slices are bounded so an expired deadline is noticed; a transport error (a peer process
+        died) ends the rank with its state report like a timeout does.
+        """
+        slice_s = max(0.001, min(self.deadline.remaining(), 1.0))
+        try:
+            index = self.transport.wait_any(handles, slice_s)
+        except TimeoutError:
+            return None
+        except RuntimeError as error:
+            self._fail(f"transport error while waiting for {what}: {error}")
+        return index if index is not None and index >= 0 else None
 
     # ---- running tasks ------------------------------------------------------------------------
     def _execute(self, task: Task):
@@ -467,7 +488,7 @@ class _IterationRunner:
         backward = Task(Phase.B, m, c)
         target = self.graph.output_target(self.rank, task)
         if target is not None:
-            self._send(output_tensor, target)
+            self._send(output_tensor, task, target)
         if not self.forward_only:
             # The transport holds the sent data through its own (detached) reference, so the
             # activation's data can go now, as in Megatron; its grad_fn stays for the backward.
@@ -488,12 +509,11 @@ class _IterationRunner:
         self.grad_sync.after_backward(c, is_last_of_chunk)
         target = self.graph.output_target(self.rank, task)
         if target is not None:
-            self._send(input_tensor_grad, target)
+            self._send(input_tensor_grad, task, target)
 
-    def _send(self, tensor: torch.Tensor, target):
-        peer_rank, peer_task = target
-        handle = self.transport.isend(tensor.detach(), self.pp_ranks[peer_rank],
-                                      message_tag(self.iteration, peer_task))
+    def _send(self, tensor: torch.Tensor, task: Task, target):
+        handle = self.transport.isend(tensor.detach(), self.pp_ranks[target[0]],
+                                      message_tag(self.iteration, task))
         self.pending_sends.append(handle)
 
     def _reap_sends(self):

@@ -18,15 +18,46 @@ def build_forward_backward(args: argparse.Namespace) -> Callable:
     """Call after parallel_state is initialized (Megatron picks its schedule from it)."""
     if getattr(args, "use_dpp", False):
         return _build_dpp(args)
+    if getattr(args, "p2p_transport", "torch") == "shm" and args.pipeline_model_parallel_size > 1:
+        return _build_megatron_over_transport(args)
     return get_forward_backward_func()
+
+
+def _build_megatron_over_transport(args: argparse.Namespace) -> Callable:
+    """--p2p-transport shm: Megatron's own 1F1B / interleaved schedule, its messages carried by
+    shm_tensor (TransportP2PCommunicator). Builds the transport now (collective)."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.utils import get_model_config
+
+    from megatron_dpp.comm import make_transport_from_args
+    from megatron_dpp.comm.megatron_p2p import TransportP2PCommunicator
+
+    schedule = get_forward_backward_func()
+    transport = make_transport_from_args(args)
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    communicators: dict[int, TransportP2PCommunicator] = {}
+
+    def forward_backward(**kwargs):
+        model = kwargs["model"]
+        config = get_model_config(model[0] if isinstance(model, list) else model)
+        # One communicator for the run: its message numbering continues across iterations.
+        if id(config) not in communicators:
+            communicators[id(config)] = TransportP2PCommunicator(
+                parallel_state.get_pipeline_model_parallel_group(), config, transport,
+                timeout_s=args.p2p_timeout)
+        return schedule(**kwargs, p2p_communicator=communicators[id(config)],
+                        pg_collection=pg_collection)
+
+    return forward_backward
 
 
 def _build_dpp(args: argparse.Namespace) -> Callable:
     """--use-dpp: forward_backward_dpp over the --p2p-transport transport."""
-    from megatron_dpp.comm import make_transport
+    from megatron_dpp.comm import make_transport_from_args
     from megatron_dpp.schedule.dpp_config import DPPConfig
-    from megatron_dpp.schedule.runtime import make_forward_backward_dpp
+    from megatron_dpp.schedule.runtime import dpp_peers, make_forward_backward_dpp
 
     config = DPPConfig(policy=args.dpp_policy, memory_budget_bytes=args.dpp_memory_budget_bytes,
                        timeout_s=args.dpp_timeout)
-    return make_forward_backward_dpp(config, make_transport(args.p2p_transport))
+    return make_forward_backward_dpp(config, make_transport_from_args(args, peers=dpp_peers()))

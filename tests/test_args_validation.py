@@ -1,0 +1,84 @@
+"""Each bad flag: one line on stderr that names the problem, exit code 2, before any process group.
+
+The processes run without torchrun and without MASTER_ADDR: had validation come after creating a
+process group, they would fail differently (or wait), not exit 2 with the line we expect.
+"""
+import os
+import subprocess
+
+import pytest
+
+from _train_util import PYTHON, REPO_ROOT, data_args
+
+TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "8",
+        "--train-iters", "5", "--lr", "1e-3"]
+
+
+def run_validation(args, world_size=1, timeout=60):
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(world_size), RANK="0")
+    env.pop("MASTER_ADDR", None)
+    env.pop("MASTER_PORT", None)
+    return subprocess.run([PYTHON, "-m", "megatron_dpp.pretrain_gpt", *args], env=env,
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+BAD_FLAGS = {
+    "layers_vs_pipeline": (["--pipeline-model-parallel-size", "4", "--num-layers", "6"], 4,
+                           "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4"),
+    "layers_vs_virtual_stages": (["--pipeline-model-parallel-size", "2",
+                                  "--num-layers-per-virtual-pipeline-stage", "3"], 2,
+                                 "layers per virtual stage (3)"),
+    "global_batch_vs_micro_batch_x_dp": (["--global-batch-size", "6", "--micro-batch-size", "4"],
+                                         1, "--global-batch-size 6 is not divisible by "
+                                            "--micro-batch-size 4 x data-parallel size 1"),
+    "global_batch_vs_dp": (["--global-batch-size", "3"], 2,
+                           "--global-batch-size 3 is not divisible by --micro-batch-size 1 x "
+                           "data-parallel size 2"),
+    "world_size_vs_parallel_sizes": (["--pipeline-model-parallel-size", "2",
+                                      "--tensor-model-parallel-size", "2"], 6,
+                                     "world size 6 is not a multiple of tensor (2) x pipeline (2)"),
+    "bf16_on_cpu": (["--bf16"], 1, "--bf16 needs a CUDA GPU"),
+    "fp16_on_cpu": (["--fp16"], 1, "--fp16 needs a CUDA GPU"),
+    "flash_attn_on_cpu": (["--use-flash-attn"], 1, "--use-flash-attn needs a CUDA GPU"),
+    "nccl_on_cpu": (["--distributed-backend", "nccl"], 1, "--distributed-backend nccl needs CUDA"),
+    "distributed_optimizer_on_cpu": (["--use-distributed-optimizer"], 1,
+                                     "--use-distributed-optimizer needs CUDA GPUs"),
+    "sequence_parallel_without_te": (["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                     2, "--sequence-parallel needs Transformer Engine"),
+    "missing_data_files": (["--data-path", "/nonexistent/corpus_text_document"], 1,
+                           "/nonexistent/corpus_text_document.bin and "
+                           "/nonexistent/corpus_text_document.idx not found"),
+    "missing_vocab_file": (["--vocab-file", "/nonexistent/vocab.json"], 1,
+                           "--vocab-file /nonexistent/vocab.json not found"),
+    "unknown_flag": (["--no-such-flag"], 1, "unrecognized arguments: --no-such-flag"),
+}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_bad_flag_is_one_line_exit_2(case):
+    if case in ("bf16_on_cpu", "fp16_on_cpu", "flash_attn_on_cpu", "nccl_on_cpu",
+                "distributed_optimizer_on_cpu", "sequence_parallel_without_te"):
+        torch = pytest.importorskip("torch")
+        if torch.cuda.is_available():
+            pytest.skip("GPU-only flags are valid on this machine")
+    extra, world_size, expected = BAD_FLAGS[case]
+    result = run_validation([*data_args(), *TINY, *extra], world_size=world_size)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("megatron_dpp.pretrain_gpt: error: "), lines[0]
+    assert expected in lines[0], lines[0]
+    assert result.stdout == ""
+
+
+@pytest.mark.timeout(90)
+def test_good_flags_pass_validation():
+    """The same base flags validate cleanly (so each bad case fails for its own reason)."""
+    result = subprocess.run(
+        [PYTHON, "-m", "megatron_dpp.arguments", *data_args(), *TINY,
+         "--pipeline-model-parallel-size", "2"],
+        env=dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2"), cwd=REPO_ROOT,
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

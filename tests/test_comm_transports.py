@@ -1,0 +1,88 @@
+"""The Transport protocol over torch.distributed (gloo) and through the router (shm_tensor on one
+node), between real processes: tag matching in any order, dtypes and shapes from the header,
+wait_any, and the flag validation of --p2p-transport."""
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_dpp import arguments
+from megatron_dpp.comm import TorchTransport, Transport, make_transport
+from _shm_util import run_ranks
+
+CASES = [
+    (torch.float32, (3, 5)),
+    (torch.bfloat16, (2, 3, 4)),
+    (torch.float16, (0,)),
+    (torch.int64, ()),
+    (torch.bool, (6,)),
+    (torch.float32, (300_000,)),
+]
+
+
+def _payload(sender: int, tag: int) -> torch.Tensor:
+    dtype, shape = CASES[tag]
+    generator = torch.Generator().manual_seed(sender * 1000 + tag)
+    return (torch.randn(shape, generator=generator) * 10).to(dtype)
+
+
+def _transport_worker(rank, world, store, kind):
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        peer = 1 - rank
+        transport = (TorchTransport([peer], timeout_s=60) if kind == "torch"
+                     else make_transport("shm", [peer], timeout_s=60))
+        assert isinstance(transport, Transport)
+        sends = [transport.isend(_payload(rank, tag), peer, tag) for tag in range(len(CASES))]
+        sends.append(transport.isend(torch.arange(12.0).view(3, 4).t(), peer, 99))  # non-contiguous
+        order = list(range(len(CASES)))
+        random.Random(rank + 7).shuffle(order)
+        receives = {transport.irecv(peer, tag): tag for tag in order}
+        receives[transport.irecv(peer, 99)] = 99
+        pending = [*receives, *sends]
+        while pending:
+            handle = pending.pop(transport.wait_any(pending, timeout=60))
+            if handle.is_send:
+                continue
+            got, tag = handle.wait(timeout=0), receives[handle]
+            expected = (torch.arange(12.0).view(3, 4).t().contiguous() if tag == 99
+                        else _payload(peer, tag))
+            assert got.dtype == expected.dtype and got.shape == expected.shape, tag
+            assert torch.equal(got, expected), tag
+        with pytest.raises(TimeoutError, match=f"peer={peer}, tag=12345"):
+            transport.irecv(peer, 12345).wait(timeout=0.3)
+        transport.close()
+    finally:
+        dist.destroy_process_group()
+    return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["torch", "shm"])
+def test_transport_any_order(kind, tmp_path):
+    assert run_ranks(_transport_worker, 2, tmp_path, kind, timeout_s=100) == {0: True, 1: True}
+
+
+def _validate(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    arguments.add_transport_args(parser)
+    args = parser.parse_args(list(flags))
+    args.seq_length, args.micro_batch_size, args.hidden_size = 4096, 4, 8192
+    arguments.validate_transport_args(args)
+    return args
+
+
+def test_transport_flags():
+    assert _validate().p2p_transport == "torch"
+    with pytest.raises(arguments.ArgsError, match="raise --shm-slot-mb to 512"):
+        _validate("--p2p-transport", "shm", "--shm-slot-mb", "64")
+    with pytest.raises(arguments.ArgsError, match="--workload"):
+        _validate("--p2p-transport", "shm", "--shm-slot-mb", "512", "--workload", "10")
+    args = _validate("--p2p-transport", "shm", "--shm-slot-mb", "512", "--workload", "1048576")
+    from megatron_dpp.comm import shm_config_from_args
+    config = shm_config_from_args(args)
+    assert config.slot_bytes == 512 << 20 and config.bytes_per_thread == 1 << 20

@@ -1,0 +1,96 @@
+"""A stuck peer makes DPP report its state and the job exit non-zero, instead of hanging.
+
+The tiny GPT trains with --use-dpp at pp=2; once it is iterating, the test freezes pipeline rank 1
+with SIGSTOP (the process stays alive, so only the no-progress deadline can notice). Rank 0 must
+print its state (ready tasks, awaited tags, bytes held) within --dpp-timeout and exit non-zero, and
+torchrun must then end the job.
+"""
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from _train_util import REPO_ROOT, _env, data_args, torchrun_command, TINY_GPT_ARGS
+
+DPP_TIMEOUT_S = 5
+
+
+def _children(pid):
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _rank_of(pid):
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    except OSError:
+        return None
+    rank = env.get(b"RANK")
+    return int(rank) if rank is not None else None
+
+
+def _find_rank(torchrun_pid, rank):
+    for child in _children(torchrun_pid):
+        if _rank_of(child) == rank:
+            return child
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_stuck_peer_reports_state_and_exits_nonzero():
+    args = [*data_args(), *TINY_GPT_ARGS, "--train-iters", "100000", "--pipeline-model-parallel-size",
+            "2", "--use-dpp", "--p2p-transport", "shm", "--dpp-timeout", str(DPP_TIMEOUT_S)]
+    process = subprocess.Popen(torchrun_command(args, 2), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO_ROOT,
+                               start_new_session=True)
+    lines = []
+    iterating = threading.Event()
+
+    def read():
+        for line in process.stdout:
+            lines.append(line)
+            if " iteration " in line and "/" in line:
+                iterating.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    stopped = None
+    try:
+        assert iterating.wait(timeout=150), "training never started:\n" + "".join(lines[-50:])
+        # torchrun -m torch.distributed.run: the ranks are children of the elastic agent process.
+        stopped = _find_rank(process.pid, 1)
+        assert stopped is not None, "could not find the process of rank 1"
+        os.kill(stopped, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        returncode = process.wait(timeout=120)
+        elapsed = time.monotonic() - frozen_at
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        reader.join(timeout=10)
+    output = "".join(lines)
+    assert returncode != 0, output[-3000:]
+    assert "[dpp rank 0] no progress for 5 s" in output, output[-3000:]
+    assert "awaited (peer, tag)" in output and "activation bytes held" in output, output[-3000:]
+    assert elapsed < DPP_TIMEOUT_S + 90, f"the job took {elapsed:.0f} s to end after the peer froze"
