@@ -15,6 +15,7 @@ shm_tensor_extension = CppExtension(
         "csrc/common/copy_pool.cpp",
         "csrc/shm_tensor/shm_segment.cpp",
         "csrc/shm_tensor/dtype_codes.cpp",
+        "csrc/shm_tensor/buffer_pool.cpp",
         "csrc/shm_tensor/context.cpp",
         "csrc/shm_tensor/bindings.cpp",
     ],

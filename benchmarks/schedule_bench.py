@@ -139,7 +139,12 @@ def _torch_pipelining_runner(schedule: str, scenario: Scenario, model, sizes: Li
         def forward(self, x):
             return self.stage(x)
 
-    stages = [PipelineStage(_Wrapped(model[c]), c * P + rank, P * V, torch.device("cpu"))
+    # Static shapes: without them the stages would infer shapes by running a forward on empty
+    # tensors, and a timed stage reads its microbatch index from its input.
+    example = torch.zeros(sizes[0], 1, HIDDEN)
+    stages = [PipelineStage(_Wrapped(model[c]), c * P + rank, P * V, torch.device("cpu"),
+                            input_args=example, output_args=example, input_grads=example,
+                            output_grads=example)
               for c in range(V)]
     loss_fn = lambda output, _target: output.mean()  # noqa: E731
     if V == 1:
@@ -152,7 +157,7 @@ def _torch_pipelining_runner(schedule: str, scenario: Scenario, model, sizes: Li
             batch = torch.zeros(M * sizes[0], 1, HIDDEN)
             for m in range(M):
                 batch[m * sizes[0], 0, 0] = float(m)
-            schedule_obj.step(batch.view(M, sizes[0], 1, HIDDEN).reshape(M * sizes[0], 1, HIDDEN))
+            schedule_obj.step(batch)
         elif rank == P - 1:
             schedule_obj.step(target=torch.zeros(M * sizes[0], 1, HIDDEN), losses=[])
         else:

@@ -119,6 +119,26 @@ def print_table(results: list[dict]) -> None:
         )
 
 
+def print_summary(results: list[dict]) -> None:
+    """One row per case: every schedule's time / Megatron's, and the bounds."""
+    names = ["1f1b-sorted", "gpipe", *POLICIES, GREEDY_COUNT_CAP]
+    short = {"1f1b-sorted": "sorted", "dpp:adaptive": "adaptive", "dpp:breadth-first": "breadth",
+             "dpp:depth-first": "depth", "dpp:greedy": "greedy", GREEDY_COUNT_CAP: "greedy+cap"}
+    print("| scenario | P | V | M | Megatron / LB | " + " | ".join(short.get(n, n) for n in names)
+          + " | adaptive / LB | pipeline bound / Megatron | adaptive peak / budget |")
+    print("|---" * (8 + len(names)) + "|")
+    cases = sorted({(r["scenario"], r["P"], r["V"], r["M"]) for r in results},
+                   key=lambda c: (SCENARIOS.index(c[0]), c[1], c[2], c[3]))
+    for case in cases:
+        rows = {r["schedule"]: r for r in results if (r["scenario"], r["P"], r["V"], r["M"]) == case}
+        base = rows[megatron_order(case[2])]
+        ours = rows["dpp:adaptive"]
+        cells = [f"{rows[n]['time'] / base['time']:.3f}" for n in names]
+        print(f"| {' | '.join(map(str, case))} | {base['time'] / base['lower_bound']:.3f} | " + " | ".join(cells)
+              + f" | {ours['time'] / ours['lower_bound']:.3f} | {base['pipeline_bound'] / base['time']:.3f} | "
+              f"{ours['peak_activation'] / ours['budget']:.2f} |")
+
+
 def megatron_time(results: list[dict], row: dict) -> float:
     for r in results:
         if (r["scenario"], r["P"], r["V"], r["M"]) == (row["scenario"], row["P"], row["V"], row["M"]) and r[
@@ -211,6 +231,8 @@ def main(argv=None) -> int:
                 for M in args.M:
                     results.extend(run_case(scenario, P, V, M, args))
     print_table(results)
+    print()
+    print_summary(results)
     print()
     for line in check_targets(results):
         print(line)

@@ -2,8 +2,9 @@
 
 With CUDA: device cuda:LOCAL_RANK and nccl, nothing patched. Without CUDA: device cpu and gloo, and
 Megatron-Core's modules see a CPU stand-in for `torch.cuda` and for `device="cuda"` factory calls.
-The patches touch only Megatron-Core's module namespaces (never torch itself), and each is listed
-below with the reason it is needed. Call `setup_platform()` before building any Megatron model.
+The patches touch only Megatron-Core's module namespaces, not torch (one exception: during
+LanguageModule.setup_embeddings_and_output_layer, Tensor.cuda() returns the tensor itself), and
+each is listed below with the reason it is needed. Call `setup_platform()` before building any Megatron model.
 """
 from __future__ import annotations
 

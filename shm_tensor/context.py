@@ -23,6 +23,8 @@ class ShmConfig:
     copy_threads: int = 2  # at most this many threads copy one message
     bytes_per_thread: int = 8 << 20  # --workload: a message gets one copy thread per this many bytes
     timeout_s: float = 300.0  # waits without an explicit timeout use this
+    recv_cache_bytes: int = 256 << 20  # recycled buffers of received tensors >= 64 KiB kept for reuse
+    spin_us: float = 20.0  # a waiter watches its doorbell this long before sleeping on it
 
     def validate(self) -> None:
         if self.num_slots < 1:
@@ -35,6 +37,8 @@ class ShmConfig:
             raise ValueError(f"ShmConfig.bytes_per_thread={self.bytes_per_thread}: must be >= 4096")
         if self.timeout_s <= 0:
             raise ValueError(f"ShmConfig.timeout_s={self.timeout_s}: must be > 0")
+        if self.recv_cache_bytes < 0 or self.spin_us < 0:
+            raise ValueError("ShmConfig.recv_cache_bytes and spin_us must be >= 0")
 
     def to_c(self) -> "_C.ContextConfig":
         self.validate()
@@ -44,6 +48,8 @@ class ShmConfig:
         config.copy_threads = self.copy_threads
         config.bytes_per_thread = self.bytes_per_thread
         config.timeout_s = self.timeout_s
+        config.recv_cache_bytes = self.recv_cache_bytes
+        config.spin_us = self.spin_us
         return config
 
 

@@ -91,3 +91,48 @@ def test_decision_round_trip():
     assert DecisionChannel.decode(transport.sent[2][0]) == Task(Phase.F, 3, 0)
     follower = DecisionChannel(transport, tp_ranks=[4, 5, 6], my_rank=6, tag_of=lambda k: k)
     assert not follower.is_leader and follower.leader == 4
+
+
+def _dpp_args(**overrides):
+    import argparse
+
+    values = dict(use_dpp=True, dpp_policy="dpp:adaptive", dpp_memory_budget="auto", dpp_timeout=30.0,
+                  pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
+                  context_parallel_size=1)
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def test_dpp_flags_validate_and_convert_the_budget():
+    from megatron_dpp.arguments import validate_dpp_args
+
+    args = _dpp_args(dpp_memory_budget="1GiB")
+    validate_dpp_args(args)
+    assert args.dpp_memory_budget_bytes == 2**30
+    args = _dpp_args()
+    validate_dpp_args(args)
+    assert args.dpp_memory_budget_bytes is None
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"dpp_memory_budget": "huge"}, "--dpp-memory-budget"),
+    ({"dpp_timeout": 0.0}, "--dpp-timeout"),
+    ({"pipeline_model_parallel_size": 1}, "--pipeline-model-parallel-size 2"),
+    ({"dpp_policy": "interleaved-1f1b"}, "virtual stages"),
+    ({"dpp_policy": "1f1b", "virtual_pipeline_model_parallel_size": 2}, "interleaved-1f1b"),
+])
+def test_bad_dpp_flags_are_one_line_errors(overrides, message):
+    from megatron_dpp.arguments import ArgsError, validate_dpp_args
+
+    with pytest.raises(ArgsError, match=message) as error:
+        validate_dpp_args(_dpp_args(**overrides))
+    assert "\n" not in str(error.value)
+
+
+def test_use_dpp_on_the_command_line_exits_2_with_one_line(capsys):
+    from megatron_dpp.arguments import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--use-dpp", "--dpp-policy", "nonsense"])
+    assert exit_info.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from _sched_util import check_timeline
-from megatron_dpp.schedule import Phase, Task, TaskGraph, make_scheduler
+from megatron_dpp.schedule import Phase, Task, TaskGraph
 from megatron_dpp.schedule.scheduler import StaticOrderScheduler
 from megatron_dpp.sim import CommModel, DurationModel, SimulationDeadlock, simulate
 

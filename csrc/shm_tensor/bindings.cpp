@@ -90,7 +90,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("slot_bytes", &ContextConfig::slot_bytes)
       .def_readwrite("copy_threads", &ContextConfig::copy_threads)
       .def_readwrite("bytes_per_thread", &ContextConfig::bytes_per_thread)
-      .def_readwrite("timeout_s", &ContextConfig::timeout_s);
+      .def_readwrite("timeout_s", &ContextConfig::timeout_s)
+      .def_readwrite("recv_cache_bytes", &ContextConfig::recv_cache_bytes)
+      .def_readwrite("spin_us", &ContextConfig::spin_us);
 
   py::class_<Handle, std::shared_ptr<Handle>>(m, "Handle")
       .def("test", &Handle::test, py::call_guard<py::gil_scoped_release>())

@@ -37,6 +37,8 @@ constexpr uint64_t kPage = 4096;
 constexpr uint64_t kChannelHeaderBytes = kPage;
 // Between two sleeps the waiter checks that the peers it waits on are alive.
 constexpr double kLivenessPeriodS = 0.05;
+// Smaller received tensors come from the ordinary allocator (no page faults to save).
+constexpr uint64_t kRecycleFromBytes = 64 * 1024;
 
 uint64_t align_up(uint64_t value, uint64_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
@@ -132,10 +134,12 @@ Context::Context(int rank, std::vector<int> peers, std::string job_name, Context
       peer_ranks_(std::move(peers)),
       job_name_(std::move(job_name)),
       config_(config),
-      copy_pool_(config.copy_threads, config.bytes_per_thread) {
+      copy_pool_(config.copy_threads, config.bytes_per_thread),
+      recv_buffers_(std::make_shared<BufferPool>(config.recv_cache_bytes)) {
   if (rank_ < 0) throw std::invalid_argument("shm_tensor: rank must be >= 0");
   if (config_.num_slots < 1) throw std::invalid_argument("shm_tensor: num_slots must be >= 1");
   if (config_.timeout_s <= 0) throw std::invalid_argument("shm_tensor: timeout_s must be > 0");
+  if (config_.spin_us < 0) throw std::invalid_argument("shm_tensor: spin_us must be >= 0");
   if (job_name_.empty() || job_name_.size() > 200 ||
       job_name_.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") !=
           std::string::npos) {
@@ -384,6 +388,17 @@ void Context::deliver(int peer, int64_t tag, at::Tensor tensor) {
   unclaimed_[key].push_back(std::move(tensor));
 }
 
+at::Tensor Context::allocate_received(const WireHeader& header) {
+  std::vector<int64_t> shape(header.shape, header.shape + header.ndim);
+  auto options = at::TensorOptions().dtype(scalar_type_of(header.dtype));
+  if (header.nbytes < kRecycleFromBytes) return at::empty(shape, options);
+  size_t capacity = 0;
+  void* buffer = recv_buffers_->take(header.nbytes, &capacity);
+  std::shared_ptr<BufferPool> pool = recv_buffers_;
+  return at::from_blob(
+      buffer, shape, [pool, capacity](void* data) { pool->give(data, capacity); }, options);
+}
+
 void Context::drain_inbound(Peer& peer) {
   if (!peer.broken.empty()) return;
   while (true) {
@@ -400,8 +415,7 @@ void Context::drain_inbound(Peer& peer) {
                     std::to_string(header.tag) + ") rejected: " + problem;
       return;
     }
-    std::vector<int64_t> shape(header.shape, header.shape + header.ndim);
-    at::Tensor tensor = at::empty(shape, at::TensorOptions().dtype(scalar_type_of(header.dtype)));
+    at::Tensor tensor = allocate_received(header);
     if (header.nbytes > 0) copy_pool_.copy(tensor.data_ptr(), slot + sizeof(WireHeader), header.nbytes);
     peer.in_channel->tail.store(tail + 1, std::memory_order_release);
     ring(peer.control->doorbell);  // the sender may be waiting for this slot
@@ -502,7 +516,7 @@ int Context::wait_any(const std::vector<std::shared_ptr<Handle>>& handles, doubl
     }
     double nap = std::min(remaining, std::max(0.0, seconds_until(next_liveness_check)));
     lock.unlock();
-    sleep_on(bell, seen, std::max(nap, 1e-4));
+    if (!spin_until_rung(bell, seen, config_.spin_us)) sleep_on(bell, seen, std::max(nap, 1e-4));
     lock.lock();
   }
 }

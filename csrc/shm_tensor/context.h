@@ -34,6 +34,7 @@
 
 #include "../common/copy_pool.h"
 #include "../common/wire_header.h"
+#include "buffer_pool.h"
 #include "doorbell.h"
 #include "shm_segment.h"
 
@@ -45,6 +46,12 @@ struct ContextConfig {
   int copy_threads = 2;                    // at most this many threads copy one message
   uint64_t bytes_per_thread = 8ull << 20;  // --workload: bytes each copy thread handles
   double timeout_s = 300.0;                // default for waits without an explicit timeout
+  // Received tensors of at least 64 KiB live in recycled buffers; at most this many bytes of
+  // buffers wait for reuse.
+  uint64_t recv_cache_bytes = 256ull << 20;
+  // Before sleeping on the doorbell a waiter watches it this long: an answer that comes within a
+  // few microseconds then costs no sleep and wake-up. Bounded, so it never occupies a core.
+  double spin_us = 20.0;
 };
 
 class Context;
@@ -107,6 +114,7 @@ class Context : public std::enable_shared_from_this<Context> {
   void write_slot(Peer& peer, Handle& handle);
   void check_liveness(const std::vector<std::shared_ptr<Handle>>& handles);  // lock held
   void deliver(int peer, int64_t tag, at::Tensor tensor);
+  at::Tensor allocate_received(const dpp_wire::WireHeader& header);
 
   int rank_;
   std::vector<int> peer_ranks_;
@@ -120,6 +128,7 @@ class Context : public std::enable_shared_from_this<Context> {
   std::map<std::pair<int, int64_t>, std::deque<at::Tensor>> unclaimed_;
   std::map<std::pair<int, int64_t>, std::deque<std::shared_ptr<Handle>>> posted_recvs_;
   dpp_copy::CopyPool copy_pool_;
+  std::shared_ptr<BufferPool> recv_buffers_;
   std::mutex mutex_;
   bool connected_ = false;
   bool closed_ = false;

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <climits>
 #include <cstdint>
@@ -28,6 +29,23 @@ inline void ring(Doorbell& bell) {
     ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&bell.counter), FUTEX_WAKE, INT_MAX, nullptr,
               nullptr, 0);
   }
+}
+
+// Watches the counter for at most `microseconds`; true as soon as it differs from `seen`.
+inline bool spin_until_rung(Doorbell& bell, uint32_t seen, double microseconds) {
+  if (microseconds <= 0) return false;
+  auto deadline = std::chrono::steady_clock::now() +
+                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                      std::chrono::duration<double, std::micro>(microseconds));
+  while (std::chrono::steady_clock::now() < deadline) {
+    for (int i = 0; i < 64; ++i) {
+      if (bell.counter.load(std::memory_order_acquire) != seen) return true;
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    }
+  }
+  return false;
 }
 
 // Sleeps while the counter still equals `seen`, at most `seconds`. Spurious returns are fine: the

@@ -1,16 +1,19 @@
-"""The Transport protocol over torch.distributed point-to-point (gloo or nccl): the baseline and the
+"""The Transport protocol over torch.distributed point-to-point (gloo): the baseline, and the
 fallback for peers on other nodes.
 
 Each message is the wire header (shm_tensor's 128-byte header, as a uint8 tensor) followed by the
 payload viewed as bytes. torch.distributed delivers the messages of one (sender, receiver) pair in
-order, so every receiver keeps one header receive posted per peer and, as headers arrive, receives
-the payloads and files them by tag: receives match by (peer, tag) in any order, and shapes and
-dtypes come from the header. Waiting polls the outstanding requests with sleeps that back off to
-1 ms (torch.distributed has no wait-for-any), so it never spins on a CPU core.
+order, so a receiver thread per peer keeps a header receive posted, receives the payload the header
+announces, and files the tensor by tag: receives match by (peer, tag) in any order, and shapes and
+dtypes come from the header. gloo's Work.is_completed() stays False until someone waits on it, so
+threads do the blocking `wait()`s and wake the caller through a condition variable: no polling.
+Tested with gloo on CPU; with nccl the header would need a device synchronisation first (untested).
 """
 from __future__ import annotations
 
 import collections
+import queue
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -30,19 +33,17 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class TorchHandle:
-    __slots__ = ("peer", "tag", "is_send", "_transport", "_works", "_keep_alive", "_tensor", "_done")
+    __slots__ = ("peer", "tag", "is_send", "_transport", "_tensor", "_done")
 
     def __init__(self, transport: "TorchTransport", peer: int, tag: int, is_send: bool) -> None:
         self.peer, self.tag, self.is_send = peer, tag, is_send
         self._transport = transport
-        self._works: list = []
-        self._keep_alive: tuple = ()
         self._tensor: Optional[torch.Tensor] = None
         self._done = False
 
     def test(self) -> bool:
-        self._transport._progress()
-        return self._transport._is_done(self)
+        with self._transport._cond:
+            return self._transport._done_or_raise(self)
 
     def wait(self, timeout: Optional[float] = None) -> Optional[torch.Tensor]:
         self._transport.wait_any([self], timeout)
@@ -53,46 +54,62 @@ class TorchHandle:
         return f"<TorchHandle {kind} {self.peer} tag {self.tag}>"
 
 
-class _InboundStream:
-    """The ordered message stream from one peer: header receive, then payload receive, repeat."""
+class _PeerLink:
+    """The threads that wait on torch.distributed requests with one peer."""
 
     def __init__(self, transport: "TorchTransport", peer: int) -> None:
         self.transport = transport
         self.peer = peer
-        self.ended = False
-        self._payload: Optional[tuple[int, torch.Tensor]] = None
-        self._header = torch.empty(shm_tensor.HEADER_BYTES, dtype=torch.uint8,
-                                   device=transport.device)
-        self._work = dist.irecv(self._header, src=peer, group=transport.group)
+        self.error: Optional[BaseException] = None
+        self.ended = False  # the peer's end-of-stream arrived
+        self.sends: queue.Queue = queue.Queue()
+        self.receiver = threading.Thread(target=self._receive_loop, daemon=True,
+                                         name=f"torch_transport-recv-{peer}")
+        self.completer = threading.Thread(target=self._complete_sends, daemon=True,
+                                          name=f"torch_transport-send-{peer}")
+        self.receiver.start()
+        self.completer.start()
 
-    def poll(self) -> bool:
-        """Advances by one step if the outstanding receive finished; True when it did."""
-        if self._work is None or not self._work.is_completed():
-            return False
-        self._work.wait()
-        if self._payload is not None:
-            tag, tensor = self._payload
-            self._payload = None
-            self.transport._deliver(self.peer, tag, tensor)
-            self._post_header()
-            return True
-        tag, _src, empty = shm_tensor.decode_header(
-            bytes(self._header.cpu().numpy()), _MAX_PAYLOAD_BYTES, self.peer)
-        if tag == END_OF_STREAM_TAG:
-            self.ended = True
-            self._work = None
-            return True
-        tensor = torch.empty(empty.shape, dtype=empty.dtype, device=self.transport.device)
-        if tensor.numel() == 0:
-            self.transport._deliver(self.peer, tag, tensor)
-            self._post_header()
-        else:
-            self._payload = (tag, tensor)
-            self._work = dist.irecv(_as_bytes(tensor), src=self.peer, group=self.transport.group)
-        return True
+    def _fail(self, error: BaseException) -> None:
+        with self.transport._cond:
+            self.error = error
+            self.transport._cond.notify_all()
 
-    def _post_header(self) -> None:
-        self._work = dist.irecv(self._header, src=self.peer, group=self.transport.group)
+    def _receive_loop(self) -> None:
+        group, device = self.transport.group, self.transport.device
+        header = torch.empty(shm_tensor.HEADER_BYTES, dtype=torch.uint8, device=device)
+        try:
+            while True:
+                dist.irecv(header, src=self.peer, group=group).wait()
+                tag, _src, empty = shm_tensor.decode_header(
+                    bytes(header.cpu().numpy()), _MAX_PAYLOAD_BYTES, self.peer)
+                if tag == END_OF_STREAM_TAG:
+                    with self.transport._cond:
+                        self.ended = True
+                        self.transport._cond.notify_all()
+                    return
+                tensor = torch.empty(empty.shape, dtype=empty.dtype, device=device)
+                if tensor.numel() > 0:
+                    dist.irecv(_as_bytes(tensor), src=self.peer, group=group).wait()
+                self.transport._deliver(self.peer, tag, tensor)
+        except BaseException as error:  # reported to whoever waits on this peer
+            self._fail(error)
+
+    def _complete_sends(self) -> None:
+        while True:
+            item = self.sends.get()
+            if item is None:
+                return
+            handle, works, _keep_alive = item
+            try:
+                for work in works:
+                    work.wait()
+            except BaseException as error:
+                self._fail(error)
+                return
+            with self.transport._cond:
+                handle._done = True
+                self.transport._cond.notify_all()
 
 
 class TorchTransport:
@@ -107,110 +124,112 @@ class TorchTransport:
         self.peers = tuple(peers)
         if self.rank in self.peers:
             raise ValueError(f"TorchTransport: rank {self.rank} lists itself as a peer")
-        self._streams = {peer: _InboundStream(self, peer) for peer in self.peers}
+        self._cond = threading.Condition()
+        self._send_lock = threading.Lock()  # a header and its payload go out back to back
         self._unclaimed: dict[tuple[int, int], collections.deque] = collections.defaultdict(
             collections.deque)
         self._posted: dict[tuple[int, int], collections.deque] = collections.defaultdict(
             collections.deque)
         self._closed = False
+        self._links = {peer: _PeerLink(self, peer) for peer in self.peers}
 
     def _check_peer(self, call: str, peer: int, tag: int) -> None:
         if self._closed:
             raise RuntimeError(f"{call}(peer={peer}, tag={tag}): transport is closed")
-        if peer not in self._streams:
+        if peer not in self._links:
             raise ValueError(f"{call}(peer={peer}, tag={tag}): rank {peer} is not a peer of this "
                              f"transport (peers: {list(self.peers)})")
         if not 0 <= tag < END_OF_STREAM_TAG:
             raise ValueError(f"{call}(peer={peer}, tag={tag}): tags are in [0, 2**63 - 1)")
 
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> TorchHandle:
-        self._check_peer("torch_transport.isend", peer, tag)
-        source = tensor.detach().contiguous()
+    def _post_send(self, source: torch.Tensor, peer: int, tag: int) -> TorchHandle:
         header = torch.frombuffer(bytearray(shm_tensor.encode_header(source, tag, self.rank)),
                                   dtype=torch.uint8).to(self.device)
         handle = TorchHandle(self, peer, tag, is_send=True)
-        handle._works.append(dist.isend(header, dst=peer, group=self.group))
-        if source.numel() > 0:
-            handle._works.append(dist.isend(_as_bytes(source), dst=peer, group=self.group))
-        handle._keep_alive = (header, source)
+        with self._send_lock:
+            works = [dist.isend(header, dst=peer, group=self.group)]
+            if source.numel() > 0:
+                works.append(dist.isend(_as_bytes(source), dst=peer, group=self.group))
+        self._links[peer].sends.put((handle, works, (header, source)))
         return handle
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> TorchHandle:
+        self._check_peer("torch_transport.isend", peer, tag)
+        return self._post_send(tensor.detach().contiguous(), peer, tag)
 
     def irecv(self, peer: int, tag: int) -> TorchHandle:
         self._check_peer("torch_transport.irecv", peer, tag)
         handle = TorchHandle(self, peer, tag, is_send=False)
-        waiting = self._unclaimed.get((peer, tag))
-        if waiting:
-            handle._tensor = waiting.popleft()
-            handle._done = True
-        else:
-            self._posted[(peer, tag)].append(handle)
+        with self._cond:
+            waiting = self._unclaimed.get((peer, tag))
+            if waiting:
+                handle._tensor = waiting.popleft()
+                handle._done = True
+            else:
+                self._posted[(peer, tag)].append(handle)
         return handle
 
     def _deliver(self, peer: int, tag: int, tensor: torch.Tensor) -> None:
-        posted = self._posted.get((peer, tag))
-        if posted:
-            handle = posted.popleft()
-            handle._tensor = tensor
-            handle._done = True
-        else:
-            self._unclaimed[(peer, tag)].append(tensor)
+        with self._cond:
+            posted = self._posted.get((peer, tag))
+            if posted:
+                handle = posted.popleft()
+                handle._tensor = tensor
+                handle._done = True
+            else:
+                self._unclaimed[(peer, tag)].append(tensor)
+            self._cond.notify_all()
 
-    def _progress(self) -> None:
-        for stream in self._streams.values():
-            while stream.poll():
-                pass
-
-    def _is_done(self, handle: TorchHandle) -> bool:
+    def _done_or_raise(self, handle: TorchHandle) -> bool:
+        """Lock held."""
         if handle._done:
             return True
-        if handle.is_send and all(work.is_completed() for work in handle._works):
-            for work in handle._works:
-                work.wait()  # surfaces a failed send
-            handle._done = True
-            handle._keep_alive = ()
-        return handle._done
+        link = self._links[handle.peer]
+        call = "torch_transport.isend" if handle.is_send else "torch_transport.irecv"
+        if link.error is not None:
+            raise RuntimeError(f"{call}(peer={handle.peer}, tag={handle.tag}): the link to peer "
+                               f"{handle.peer} failed: {link.error}") from link.error
+        if link.ended and not handle.is_send:
+            raise RuntimeError(f"{call}(peer={handle.peer}, tag={handle.tag}): peer closed its "
+                               "transport without sending this message")
+        return False
 
     def wait_any(self, handles: Sequence[TorchHandle], timeout: Optional[float] = None) -> int:
         if not handles:
             raise ValueError("torch_transport.wait_any: no handles given")
         limit = self.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + limit
-        nap = 50e-6
-        while True:
-            self._progress()
-            for index, handle in enumerate(handles):
-                if self._is_done(handle):
-                    return index
-            if time.monotonic() >= deadline:
-                waited = ", ".join(
-                    f"{'send to' if h.is_send else 'receive from'} {h.peer} tag {h.tag}"
-                    for h in handles[:8])
-                first = handles[0]
-                raise TimeoutError(f"torch_transport.wait(peer={first.peer}, tag={first.tag}): "
-                                   f"timed out after {limit} s waiting for {waited}")
-            time.sleep(nap)
-            nap = min(nap * 2, 1e-3)
+        with self._cond:
+            while True:
+                for index, handle in enumerate(handles):
+                    if self._done_or_raise(handle):
+                        return index
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    waited = ", ".join(
+                        f"{'send to' if h.is_send else 'receive from'} {h.peer} tag {h.tag}"
+                        for h in handles[:8])
+                    first = handles[0]
+                    raise TimeoutError(f"torch_transport.wait(peer={first.peer}, tag={first.tag}): "
+                                       f"timed out after {limit} s waiting for {waited}")
+                self._cond.wait(remaining)
 
     def close(self) -> None:
-        """Sends end-of-stream to every peer and drains until every peer's arrived, so no receive
-        is left posted when the process group is destroyed."""
+        """Collective with the peers: sends end-of-stream to each, waits for theirs and joins the
+        threads, so no receive is left posted when the process group is destroyed."""
         if self._closed:
             return
         marker = torch.zeros(0, device=self.device)
-        ends = []
-        for peer in self.peers:
-            header = torch.frombuffer(
-                bytearray(shm_tensor.encode_header(marker, END_OF_STREAM_TAG, self.rank)),
-                dtype=torch.uint8).to(self.device)
-            ends.append((header, dist.isend(header, dst=peer, group=self.group)))
+        ends = [self._post_send(marker, peer, END_OF_STREAM_TAG) for peer in self.peers]
         deadline = time.monotonic() + self.timeout_s
-        while not all(stream.ended for stream in self._streams.values()):
-            self._progress()
-            if time.monotonic() >= deadline:
-                missing = [p for p, s in self._streams.items() if not s.ended]
-                raise TimeoutError(f"torch_transport.close: peers {missing} did not close within "
+        for link in self._links.values():
+            link.receiver.join(max(0.0, deadline - time.monotonic()))
+            if link.receiver.is_alive():
+                raise TimeoutError(f"torch_transport.close: peer {link.peer} did not close within "
                                    f"{self.timeout_s} s; call close() on every rank")
-            time.sleep(1e-3)
-        for _header, work in ends:
-            work.wait()
+        for handle in ends:
+            handle.wait(max(0.0, deadline - time.monotonic()))
+        for link in self._links.values():
+            link.sends.put(None)
+            link.completer.join(max(0.0, deadline - time.monotonic()))
         self._closed = True

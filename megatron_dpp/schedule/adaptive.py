@@ -142,6 +142,7 @@ class AdaptiveScheduler(RankScheduler):
         self._done = bytearray(len(self.spine))
         self._next = 0  # first spine position not started
         self._early: dict[int, int] = {}  # started positions > _next -> their delta
+        self._early_total = 0  # sum of self._early's deltas
         self._lookahead = min(_LOOKAHEAD_PER_STAGE * graph.num_stages + 2, _LOOKAHEAD_MAX)
         # smallest_after[i]: the smallest forward at spine positions >= i; once the slack is
         # below it, no later forward can fit and the walk stops.
@@ -180,7 +181,7 @@ class AdaptiveScheduler(RankScheduler):
                 return None
             limit = max(wanted) + 1
         early, profile, envelope, done = self._early, self._profile, self._envelope, self._done
-        early_beyond = sum(early.values()) if early else 0
+        early_beyond = self._early_total
         slack = (envelope[nxt - 1] if nxt > 0 else self._limit) - self._admitted
         smallest_after = self._smallest_after
         for i in range(nxt, limit):
@@ -215,15 +216,18 @@ class AdaptiveScheduler(RankScheduler):
             nxt = position + 1
             while nxt < len(done) and done[nxt]:
                 if early:
-                    early.pop(nxt, None)
+                    self._early_total -= early.pop(nxt, 0)
                 nxt += 1
             self._next = nxt
         else:
             self._early[position] = delta
+            self._early_total += delta
 
     def on_finish(self, task: Task) -> None:
-        super().on_finish(task)
+        # RankScheduler.on_finish inlined, as on_start.
+        self._finished += 1
         if task.phase == Phase.B:
+            self.held_bytes -= self._act[task.microbatch]
             self._admitted += self._delta[self._index[task]]
 
 

@@ -93,12 +93,6 @@ class TaskGraph:
         """(rank, chunk) that holds virtual stage `stage`."""
         return stage % self.P, stage // self.P
 
-    def is_first_stage(self, rank: int, chunk: int) -> bool:
-        return rank == 0 and chunk == 0
-
-    def is_last_stage(self, rank: int, chunk: int) -> bool:
-        return rank == self.P - 1 and chunk == self.V - 1
-
     # --- tasks and edges ----------------------------------------------------------------------
     @property
     def task_table(self) -> list[list[list[Task]]]:

@@ -1,8 +1,6 @@
 """make_scheduler: schedule names -> RankScheduler objects, and the default memory budget."""
 from __future__ import annotations
 
-from typing import Callable
-
 from megatron_dpp.schedule import static_orders
 from megatron_dpp.schedule.adaptive import (
     AdaptiveScheduler,
@@ -149,5 +147,3 @@ def make_scheduler(
         raise ValueError(f"schedule {name!r} does not take option(s) {', '.join(sorted(opts))}")
     return scheduler
 
-
-SchedulerFactory = Callable[[TaskGraph, int], RankScheduler]

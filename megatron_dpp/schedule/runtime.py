@@ -181,8 +181,8 @@ def _check_supported(config, groups: _Groups, adjust_tensor_shapes_fn, num_chunk
         raise ValueError("forward_backward_dpp: context parallelism is not supported; "
                          "use --context-parallel-size 1 or drop --use-dpp")
     if config.num_microbatches_with_partial_activation_checkpoints is not None:
-        raise ValueError("forward_backward_dpp: --num-layers-per-virtual-pipeline-stage partial "
-                         "activation checkpointing per microbatch is not supported with --use-dpp")
+        raise ValueError("forward_backward_dpp: partial activation checkpointing per microbatch "
+                         "(num_microbatches_with_partial_activation_checkpoints) is not supported")
     if len(iterators) != num_chunks:
         raise ValueError(f"forward_backward_dpp: {num_chunks} model chunks but {len(iterators)} "
                          "data iterators (pass one per chunk, as for Megatron's interleaved schedule)")
@@ -253,8 +253,7 @@ class _IterationRunner:
 
     def __init__(self, *, session: DPPSession, config, models, iterators, groups: _Groups,
                  forward_step_func, num_microbatches: int, seq_length: int, micro_batch_size: int,
-                 forward_only: bool,
-                 collect_non_loss_data: bool, first_val_step):
+                 forward_only: bool, collect_non_loss_data: bool, first_val_step):
         self.session = session
         self.transport = session.transport
         self.dpp = session.config

@@ -105,7 +105,7 @@ def simulate(
     per_rank = 2 * V * M
     rank_durations = [durations.flat[r * per_rank:(r + 1) * per_rank] for r in range(P)]
     routes = [
-        [[graph.output_target(r, task_of[phase][c][0]) for c in range(V)] for phase in (0, 1)]
+        [[graph.output_target(r, task_of[phase][c][0]) for c in range(V)] for phase in (Phase.F, Phase.B)]
         for r in range(P)
     ]
     routes = [[[None if t is None else (t[0], t[1].chunk) for t in row] for row in rank] for rank in routes]
@@ -120,6 +120,7 @@ def simulate(
     events: list[tuple[float, int, int, int, Task]] = []
     sequence = 0
     last_rank, last_chunk = P - 1, V - 1
+    forward = Phase.F
     heappush, heappop = heapq.heappush, heapq.heappop
 
     def dispatch(rank: int, now: float) -> None:
@@ -155,7 +156,7 @@ def simulate(
             busy[rank] += now - starts[rank]
             timeline.append((rank, task, starts[rank], now))
             phase, m, chunk = task
-            if phase == 0 and rank == last_rank and chunk == last_chunk:
+            if phase == forward and rank == last_rank and chunk == last_chunk:
                 ready[rank].add(task_of[1][chunk][m])  # the loss: backward starts here
                 continue
             route = routes[rank][phase][chunk]

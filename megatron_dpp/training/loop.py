@@ -34,7 +34,7 @@ from megatron_dpp.training.config import (
     transformer_config_from_args,
 )
 from megatron_dpp.training.gpt_step import make_forward_step
-from megatron_dpp.training.pipeline import build_forward_backward
+from megatron_dpp.training.pipeline import build_forward_backward, close_forward_backward
 from megatron_dpp.training.signals import StopSignals
 
 
@@ -204,6 +204,10 @@ class Trainer:
             log(f" validation loss at iteration {self.state.iteration} | lm loss value: "
                 f"{loss:.10E} | lm loss PPL: {math.exp(min(20.0, loss)):.6E} |")
 
+    def close(self) -> None:
+        """Collective: every rank calls it after the same iteration (end or agreed stop)."""
+        close_forward_backward(self.forward_backward)
+
     def save(self) -> None:
         path = save_checkpoint(self.train.save, self.state, self.model, self.optimizer,
                                self.scheduler)
@@ -292,9 +296,11 @@ def _pretrain(args: argparse.Namespace, platform: Platform) -> int:
                 if train.save and last_saved != iteration:
                     trainer.save()
                 log_rank0(f" stopped by signal {stop} after iteration {iteration}")
+                trainer.close()
                 return 128 + stop
     if train.save and last_saved != trainer.state.iteration:
         trainer.save()
     if train.manual_gc:
         gc.enable()
+    trainer.close()
     return 0

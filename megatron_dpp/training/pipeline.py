@@ -14,8 +14,18 @@ from typing import Callable
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
+def close_forward_backward(forward_backward: Callable) -> None:
+    """Release what the callable holds (a transport's threads and peers); collective with the
+    peers, so call it on every rank at the same point, before destroying process groups."""
+    close = getattr(forward_backward, "close", None)
+    if close is not None:
+        close()
+
+
 def build_forward_backward(args: argparse.Namespace) -> Callable:
-    """Call after parallel_state is initialized (Megatron picks its schedule from it)."""
+    """Call after parallel_state is initialized (Megatron picks its schedule from it).
+
+    A callable that holds resources carries a `close()`; see close_forward_backward."""
     if getattr(args, "use_dpp", False):
         return _build_dpp(args)
     if getattr(args, "p2p_transport", "torch") == "shm" and args.pipeline_model_parallel_size > 1:
@@ -49,6 +59,7 @@ def _build_megatron_over_transport(args: argparse.Namespace) -> Callable:
         return schedule(**kwargs, p2p_communicator=communicators[id(config)],
                         pg_collection=pg_collection)
 
+    forward_backward.close = transport.close
     return forward_backward
 
 
@@ -60,4 +71,7 @@ def _build_dpp(args: argparse.Namespace) -> Callable:
 
     config = DPPConfig(policy=args.dpp_policy, memory_budget_bytes=args.dpp_memory_budget_bytes,
                        timeout_s=args.dpp_timeout)
-    return make_forward_backward_dpp(config, make_transport_from_args(args, peers=dpp_peers()))
+    transport = make_transport_from_args(args, peers=dpp_peers())
+    forward_backward = make_forward_backward_dpp(config, transport)
+    forward_backward.close = transport.close
+    return forward_backward

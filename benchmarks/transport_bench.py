@@ -1,0 +1,277 @@
+"""Point-to-point transport benchmark: shm_tensor vs torch.distributed gloo vs an in-process memcpy.
+
+Two processes on this node. For every message size:
+  latency   ping-pong (rank 0 sends, rank 1 sends the same size back); one-way latency = half the
+            round trip; p50 and p99 over --latency-iters round trips;
+  bandwidth a stream of messages (rank 0 sends, rank 1 receives every one, then acknowledges);
+            bytes / time, median over --repeats streams.
+  memcpy    one copy of the same size into a preallocated tensor in one process: the limit here.
+Prints a table and writes {"results": [{"transport", "bytes", "bandwidth_gbps", "latency_us_p50",
+"latency_us_p99"}]} to --json. bandwidth_gbps is in gigabytes per second (1e9 B/s).
+
+    python benchmarks/transport_bench.py --json runs/transport.json
+    python benchmarks/transport_bench.py --quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+KiB, MiB = 1 << 10, 1 << 20
+DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
+QUICK_SIZES = [4 * KiB, 1 * MiB]
+TRANSPORTS = ("shm", "gloo", "memcpy")
+
+
+def parse_size(text: str) -> int:
+    units = {"k": KiB, "m": MiB, "g": 1 << 30}
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=str, default=None,
+                        help="comma-separated message sizes, e.g. 4KiB,1MiB,64MiB "
+                             "(default 4KiB,64KiB,1MiB,4MiB,16MiB,64MiB)")
+    parser.add_argument("--transports", type=str, default=",".join(TRANSPORTS),
+                        help="comma-separated subset of shm,gloo,memcpy")
+    parser.add_argument("--latency-iters", type=int, default=200,
+                        help="round trips per size for latency (fewer for large sizes)")
+    parser.add_argument("--stream-bytes", type=parse_size, default=256 * MiB,
+                        help="bytes per bandwidth stream (4 to 64 messages)")
+    parser.add_argument("--repeats", type=int, default=5, help="bandwidth streams per size")
+    parser.add_argument("--workload", type=parse_size, default=8 * MiB,
+                        help="shm: bytes per copy thread")
+    parser.add_argument("--copy-threads", type=int, default=2, help="shm: most threads per copy")
+    parser.add_argument("--num-slots", type=int, default=4, help="shm: slots per directed pair")
+    parser.add_argument("--quick", action="store_true",
+                        help="sizes 4KiB and 1MiB, few iterations (for tests)")
+    parser.add_argument("--json", type=str, default=None, help="write the results here")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
+    return parser
+
+
+def _fail(message: str) -> None:
+    print(f"transport_bench: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    try:
+        args.size_list = ([parse_size(s) for s in args.sizes.split(",")] if args.sizes
+                          else (QUICK_SIZES if args.quick else DEFAULT_SIZES))
+    except ValueError:
+        _fail(f"--sizes {args.sizes!r}: use sizes like 4KiB,1MiB,65536")
+    args.transport_list = [t.strip() for t in args.transports.split(",") if t.strip()]
+    unknown = set(args.transport_list) - set(TRANSPORTS)
+    if unknown:
+        _fail(f"--transports: unknown {sorted(unknown)}; pick from {','.join(TRANSPORTS)}")
+    if any(size <= 0 for size in args.size_list):
+        _fail("--sizes must be positive")
+    if args.quick:
+        args.latency_iters = min(args.latency_iters, 50)
+        args.repeats = min(args.repeats, 2)
+        args.stream_bytes = min(args.stream_bytes, 16 * MiB)
+    if args.latency_iters < 1 or args.repeats < 1:
+        _fail("--latency-iters and --repeats must be at least 1")
+    return args
+
+
+def latency_iters(args, size: int) -> int:
+    return max(5, min(args.latency_iters, (256 * MiB) // size))
+
+
+def stream_count(args, size: int) -> int:
+    return max(4, min(64, args.stream_bytes // size))
+
+
+def summarize(name: str, size: int, bandwidth_s: list[float], one_way_s: list[float]) -> dict:
+    ordered = sorted(one_way_s)
+    return {
+        "transport": name,
+        "bytes": size,
+        "bandwidth_gbps": size / statistics.median(bandwidth_s) / 1e9,
+        "latency_us_p50": statistics.median(ordered) * 1e6,
+        "latency_us_p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e6,
+    }
+
+
+def bench_memcpy(args, size: int) -> dict:
+    src = torch.randint(0, 255, (size,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages once
+    times = []
+    for _ in range(max(args.repeats * 4, latency_iters(args, size) // 4)):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return summarize("memcpy", size, times, times)
+
+
+# ---------------------------------------------------------------------------------------------
+# two-process part
+
+
+class _Ops:
+    """send/recv of one transport in the benchmark's terms."""
+
+    def __init__(self, name, ctx, peer):
+        self.name, self.ctx, self.peer = name, ctx, peer
+        self.tag = 0
+
+    def next_tag(self) -> int:
+        self.tag += 1
+        return self.tag
+
+    def send(self, tensor, tag):
+        if self.name == "shm":
+            return self.ctx.isend(tensor, self.peer, tag)
+        return dist.isend(tensor, dst=self.peer)
+
+    def recv(self, buffer, tag):
+        if self.name == "shm":
+            return self.ctx.irecv(self.peer, tag)
+        return dist.irecv(buffer, src=self.peer)
+
+    def wait(self, handle):
+        return handle.wait(60) if self.name == "shm" else handle.wait()
+
+
+def _ping_pong(ops: _Ops, rank: int, size: int, iters: int) -> list[float]:
+    payload = torch.ones(size, dtype=torch.uint8)
+    buffer = torch.empty(size, dtype=torch.uint8)
+    one_way = []
+    for _ in range(iters + 2):  # the first two warm up
+        tag = ops.next_tag()
+        start = time.perf_counter()
+        if rank == 0:
+            ops.wait(ops.send(payload, tag))
+            ops.wait(ops.recv(buffer, tag))
+        else:
+            ops.wait(ops.recv(buffer, tag))
+            ops.wait(ops.send(payload, tag))
+        one_way.append((time.perf_counter() - start) / 2)
+    return one_way[2:]
+
+
+def _stream(ops: _Ops, rank: int, size: int, count: int, repeats: int) -> list[float]:
+    payload = torch.ones(size, dtype=torch.uint8)
+    buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(count)] if ops.name == "gloo" \
+        else [None] * count
+    ack = torch.zeros(1, dtype=torch.uint8)
+    per_message = []
+    for repeat in range(repeats + 1):  # the first warms up
+        tags = [ops.next_tag() for _ in range(count)]
+        ack_tag = ops.next_tag()
+        start = time.perf_counter()
+        if rank == 0:
+            for handle in [ops.send(payload, tag) for tag in tags]:
+                ops.wait(handle)
+            ops.wait(ops.recv(ack, ack_tag))
+        else:
+            for handle in [ops.recv(buffer, tag) for buffer, tag in zip(buffers, tags)]:
+                ops.wait(handle)
+            ops.wait(ops.send(ack, ack_tag))
+        if repeat:
+            per_message.append((time.perf_counter() - start) / count)
+    return per_message
+
+
+def _worker(rank: int, args, store_path: str, results) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import shm_tensor
+
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    peer = 1 - rank
+    ctx = None
+    if "shm" in args.transport_list:
+        config = shm_tensor.ShmConfig(num_slots=args.num_slots, slot_bytes=max(args.size_list),
+                                      copy_threads=args.copy_threads,
+                                      bytes_per_thread=args.workload, timeout_s=60)
+        ctx = shm_tensor.create_context_with_store(store, rank=rank, world_size=2, peers=[peer],
+                                                   config=config, prefix="transport_bench")
+    rows = []
+    for name in [t for t in args.transport_list if t != "memcpy"]:
+        ops = _Ops(name, ctx, peer)
+        for size in args.size_list:
+            dist.barrier()
+            one_way = _ping_pong(ops, rank, size, latency_iters(args, size))
+            per_message = _stream(ops, rank, size, stream_count(args, size), args.repeats)
+            rows.append(summarize(name, size, per_message, one_way))
+    dist.barrier()
+    if ctx is not None:
+        ctx.close()
+    dist.destroy_process_group()
+    if rank == 0:
+        results.put(rows)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    if "memcpy" in args.transport_list:
+        torch.set_num_threads(1)
+        rows += [bench_memcpy(args, size) for size in args.size_list]
+    if set(args.transport_list) - {"memcpy"}:
+        context = mp.get_context("spawn")
+        results = context.Queue()
+        with tempfile.TemporaryDirectory() as tmp:
+            processes = [context.Process(target=_worker, args=(r, args, f"{tmp}/store", results))
+                         for r in range(2)]
+            for process in processes:
+                process.start()
+            try:
+                rows += results.get(timeout=args.timeout)
+            finally:
+                for process in processes:
+                    process.join(timeout=30)
+                    if process.is_alive():
+                        process.kill()
+                        process.join()
+            if any(process.exitcode != 0 for process in processes):
+                raise RuntimeError(f"benchmark ranks exited with {[p.exitcode for p in processes]}")
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    by_key = {(row["transport"], row["bytes"]): row for row in rows}
+    print(f"{'transport':>9} {'bytes':>10} {'GB/s':>8} {'p50 us':>9} {'p99 us':>9} "
+          f"{'x memcpy':>9} {'x gloo':>7}")
+    for row in sorted(rows, key=lambda r: (TRANSPORTS.index(r["transport"]), r["bytes"])):
+        memcpy = by_key.get(("memcpy", row["bytes"]))
+        gloo = by_key.get(("gloo", row["bytes"]))
+        vs_memcpy = f"{row['bandwidth_gbps'] / memcpy['bandwidth_gbps']:.2f}" if memcpy else "-"
+        vs_gloo = f"{row['bandwidth_gbps'] / gloo['bandwidth_gbps']:.1f}" if gloo else "-"
+        print(f"{row['transport']:>9} {row['bytes']:>10} {row['bandwidth_gbps']:>8.2f} "
+              f"{row['latency_us_p50']:>9.1f} {row['latency_us_p99']:>9.1f} {vs_memcpy:>9} "
+              f"{vs_gloo:>7}")
+
+
+def main(argv=None) -> int:
+    args = resolve(build_parser().parse_args(argv))
+    rows = run(args)
+    print_table(rows)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as handle:
+            json.dump({"results": rows, "config": {
+                "sizes": args.size_list, "workload": args.workload,
+                "copy_threads": args.copy_threads, "num_slots": args.num_slots}}, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
