@@ -55,6 +55,7 @@ def _transport_worker(rank, world, store, kind):
             assert torch.equal(got, expected), tag
         with pytest.raises(TimeoutError, match=f"peer={peer}, tag=12345"):
             transport.irecv(peer, 12345).wait(timeout=0.3)
+        dist.barrier()  # a peer that closed first would turn the timeout into "peer closed"
         transport.close()
     finally:
         dist.destroy_process_group()
