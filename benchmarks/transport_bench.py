@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="shm: bytes per copy thread")
     parser.add_argument("--copy-threads", type=int, default=2, help="shm: most threads per copy")
     parser.add_argument("--num-slots", type=int, default=4, help="shm: slots per directed pair")
+    parser.add_argument("--spin-us", type=float, default=20.0,
+                        help="shm: microseconds a waiter watches its doorbell before sleeping")
     parser.add_argument("--quick", action="store_true",
                         help="sizes 4KiB and 1MiB, few iterations (for tests)")
     parser.add_argument("--json", type=str, default=None, help="write the results here")
@@ -201,7 +203,8 @@ def _worker(rank: int, args, store_path: str, results) -> None:
     if "shm" in args.transport_list:
         config = shm_tensor.ShmConfig(num_slots=args.num_slots, slot_bytes=max(args.size_list),
                                       copy_threads=args.copy_threads,
-                                      bytes_per_thread=args.workload, timeout_s=60)
+                                      bytes_per_thread=args.workload, spin_us=args.spin_us,
+                                      timeout_s=60)
         ctx = shm_tensor.create_context_with_store(store, rank=rank, world_size=2, peers=[peer],
                                                    config=config, prefix="transport_bench")
     rows = []
@@ -269,7 +272,8 @@ def main(argv=None) -> int:
         with open(args.json, "w") as handle:
             json.dump({"results": rows, "config": {
                 "sizes": args.size_list, "workload": args.workload,
-                "copy_threads": args.copy_threads, "num_slots": args.num_slots}}, handle, indent=1)
+                "copy_threads": args.copy_threads, "num_slots": args.num_slots,
+                "spin_us": args.spin_us}}, handle, indent=1)
     return 0
 
 
