@@ -6,8 +6,9 @@ extensions compile against the torch already installed instead of a fresh one pu
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-# shm_tensor._C: POSIX shared memory transport for CPU tensors. Plain C++ (no CUDA toolkit), so
-# one build serves CPU and GPU machines.
+# shm_tensor._C: POSIX shared memory transport for CPU tensors, CUDA IPC for GPU tensors. Plain C++
+# (no CUDA toolkit: libcudart is loaded with dlopen at run time), so one build serves CPU and GPU
+# machines.
 shm_tensor_extension = CppExtension(
     name="shm_tensor._C",
     sources=[
@@ -16,11 +17,13 @@ shm_tensor_extension = CppExtension(
         "csrc/shm_tensor/shm_segment.cpp",
         "csrc/shm_tensor/dtype_codes.cpp",
         "csrc/shm_tensor/buffer_pool.cpp",
+        "csrc/shm_tensor/cuda_runtime.cpp",
+        "csrc/shm_tensor/cuda_ipc.cpp",
         "csrc/shm_tensor/context.cpp",
         "csrc/shm_tensor/bindings.cpp",
     ],
     extra_compile_args=["-O2", "-std=c++17"],
-    extra_link_args=["-lrt", "-lpthread"],
+    extra_link_args=["-lrt", "-lpthread", "-ldl"],
 )
 
 setup(

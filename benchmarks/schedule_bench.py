@@ -322,6 +322,51 @@ def format_table(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------------------
+# the real tiny GPT: DPP vs Megatron's 1F1B with variable-length data
+# ------------------------------------------------------------------------------------------------
+_ELAPSED = "elapsed time per iteration (ms): "
+
+
+def gpt_comparison(args) -> List[dict]:
+    """Train the tiny GPT at pp=2 on variable-length samples under Megatron's 1F1B and under --use-dpp
+    (both over shm_tensor); median time per iteration after the first --gpt-skip iterations."""
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sample = os.path.join(repo, "data", "sample")
+    if not os.path.isfile(os.path.join(sample, "sample_text_document.idx")):
+        subprocess.run([sys.executable, "-m", "megatron_dpp.data.prepare_sample", "--output-dir", sample],
+                       check=True, cwd=repo, timeout=600)
+    base = ["--data-path", os.path.join(sample, "sample_text_document"),
+            "--vocab-file", os.path.join(sample, "vocab.json"),
+            "--merge-file", os.path.join(sample, "merges.txt"), "--split", "98,2,0",
+            "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", str(args.gpt_seq_length), "--max-position-embeddings", str(args.gpt_seq_length),
+            "--micro-batch-size", "1", "--global-batch-size", str(args.gpt_microbatches),
+            "--train-iters", str(args.gpt_iters), "--lr", "1e-3", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--log-interval", "1", "--eval-iters", "0",
+            "--pipeline-model-parallel-size", "2", "--variable-seq-lengths", "--p2p-transport", "shm"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    variants = [("megatron 1f1b", [])] + [(policy, ["--use-dpp", "--dpp-policy", policy])
+                                          for policy in args.gpt_policies]
+    measured: Dict[str, List[float]] = {label: [] for label, _ in variants}
+    # Rounds alternate the variants, so load from other jobs hits them alike.
+    for _round in range(args.gpt_rounds):
+        for label, extra in variants:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node=2", "-m", "megatron_dpp.pretrain_gpt", *base, *extra]
+            result = subprocess.run(command, capture_output=True, text=True, cwd=repo, env=env,
+                                    timeout=args.timeout)
+            if result.returncode != 0:
+                raise RuntimeError(f"GPT run {label} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+            times = [float(line.split(_ELAPSED, 1)[1].split()[0]) for line in result.stdout.splitlines()
+                     if _ELAPSED in line]
+            measured[label].extend(times[args.gpt_skip:])
+    return [{"schedule": label, "iterations": len(times), "time": statistics.median(times),
+             "times": times} for label, times in measured.items()]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pipeline-size", "-P", type=int, default=4)
@@ -350,6 +395,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="Small smoke run: P=4, V=1 and 2, M=8, 5 ms forwards, 1 repeat, no warmup.")
     parser.add_argument("--json", type=str, default=None, help="Write {'results': [...]} here.")
+    parser.add_argument("--gpt", action="store_true",
+                        help="Also train the tiny GPT (pp=2, --variable-seq-lengths) under Megatron's 1F1B "
+                             "and under --use-dpp and compare their time per iteration.")
+    parser.add_argument("--gpt-only", action="store_true", help="Only the tiny-GPT comparison.")
+    parser.add_argument("--gpt-policies", nargs="+", default=["dpp:adaptive", "1f1b-sorted"],
+                        help="DPP policies the GPT comparison runs beside Megatron's 1F1B.")
+    parser.add_argument("--gpt-rounds", type=int, default=2, help="Runs of each variant, alternated.")
+    parser.add_argument("--gpt-iters", type=int, default=40)
+    parser.add_argument("--gpt-skip", type=int, default=5, help="Warm-up iterations left out.")
+    parser.add_argument("--gpt-microbatches", type=int, default=16)
+    parser.add_argument("--gpt-seq-length", type=int, default=256)
     args = parser.parse_args(argv)
     if args.quick:
         args.microbatches, args.forward_ms, args.repeats, args.warmup = 8, 5.0, 1, 0
@@ -377,13 +433,21 @@ def main(argv=None) -> int:
             schedules_of[scenario.key] = args.schedules or schedules_for(V, not args.no_torch_pipelining,
                                                                          name)
     started = time.time()
-    rows = run_scenarios(scenarios, schedules_of, args.warmup, args.repeats, args.timeout)
-    print(format_table(rows))
-    print(f"# {len(rows)} rows in {time.time() - started:.1f} s")
+    report = {"results": []}
+    if not args.gpt_only:
+        report["results"] = run_scenarios(scenarios, schedules_of, args.warmup, args.repeats, args.timeout)
+        print(format_table(report["results"]))
+        print(f"# {len(report['results'])} rows in {time.time() - started:.1f} s")
+    if args.gpt or args.gpt_only:
+        report["gpt_varlen_pp2"] = gpt_comparison(args)
+        reference = report["gpt_varlen_pp2"][0]["time"]
+        for row in report["gpt_varlen_pp2"]:
+            print(f"tiny GPT pp=2 varlen  {row['schedule']:<14} {row['time']:8.1f} ms/iteration "
+                  f"(median of {row['iterations']})  x{row['time'] / reference:.3f}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"results": rows}, f, indent=1)
+            json.dump(report, f, indent=1)
     return 0
 
 

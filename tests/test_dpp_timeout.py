@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from _train_util import REPO_ROOT, _env, data_args, torchrun_command, TINY_GPT_ARGS
+from _train_util import ITERATION_RE, REPO_ROOT, TINY_GPT_ARGS, _env, data_args, torchrun_command
 
 DPP_TIMEOUT_S = 5
 
@@ -64,7 +64,8 @@ def test_stuck_peer_reports_state_and_exits_nonzero():
     def read():
         for line in process.stdout:
             lines.append(line)
-            if " iteration " in line and "/" in line:
+            match = ITERATION_RE.search(line)
+            if match and int(match.group(1)) >= 2:  # DPP is running (not still setting up)
                 iterating.set()
 
     reader = threading.Thread(target=read)

@@ -74,7 +74,7 @@ uint64_t header_checksum(const WireHeader& header) {
 }
 
 WireHeader make_header(int64_t tag, int32_t dtype, const int64_t* shape, int ndim, uint64_t nbytes,
-                       int32_t src_rank) {
+                       int32_t src_rank, uint32_t flags) {
   if (ndim < 0 || ndim > kMaxDims) {
     std::ostringstream msg;
     msg << "tensor has " << ndim << " dimensions; the wire header carries at most " << kMaxDims;
@@ -91,6 +91,7 @@ WireHeader make_header(int64_t tag, int32_t dtype, const int64_t* shape, int ndi
   for (int i = 0; i < ndim; ++i) header.shape[i] = shape[i];
   header.nbytes = nbytes;
   header.src_rank = src_rank;
+  header.flags = flags;
   header.checksum = header_checksum(header);
   return header;
 }
@@ -110,6 +111,11 @@ std::string validate_header(const WireHeader& header, uint64_t max_payload_bytes
   if (header.checksum != header_checksum(header)) {
     msg << "header checksum mismatch (stored 0x" << std::hex << header.checksum << ", computed 0x"
         << header_checksum(header) << "): the header was corrupted";
+    return msg.str();
+  }
+  if ((header.flags & ~kKnownFlags) != 0) {
+    msg << "unknown header flags 0x" << std::hex << (header.flags & ~kKnownFlags)
+        << "; rebuild both sides from the same source";
     return msg.str();
   }
   size_t itemsize = dtype_itemsize(header.dtype);

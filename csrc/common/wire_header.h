@@ -12,6 +12,10 @@ namespace dpp_wire {
 constexpr uint32_t kMagic = 0x54505044;  // "DPPT" read as little-endian bytes
 constexpr uint16_t kVersion = 1;
 constexpr int kMaxDims = 8;
+// flags: the tensor lives in device memory; what follows the header is a shm_tensor CUDA IPC
+// descriptor (csrc/shm_tensor/cuda_ipc.h) naming the device slot, not the payload bytes.
+constexpr uint32_t kFlagCudaIpc = 1u << 0;
+constexpr uint32_t kKnownFlags = kFlagCudaIpc;
 
 // Stable dtype codes: independent of torch's ScalarType numbering so the wire format survives a
 // torch upgrade on one side of a cross-node link.
@@ -48,7 +52,7 @@ struct WireHeader {
   int64_t shape[kMaxDims];
   uint64_t nbytes;  // payload bytes that follow the header
   int32_t src_rank;
-  uint32_t reserved;
+  uint32_t flags;  // kFlag* bits; zero for a plain host payload
   uint64_t reserved_for_extensions[2];  // zero; pads the header to 128 B (two cache lines)
   uint64_t checksum;  // FNV-1a 64 over all bytes before this field
 };
@@ -62,7 +66,7 @@ uint64_t header_checksum(const WireHeader& header);
 
 // A complete, checksummed header. Throws std::invalid_argument for ndim > kMaxDims.
 WireHeader make_header(int64_t tag, int32_t dtype, const int64_t* shape, int ndim, uint64_t nbytes,
-                       int32_t src_rank);
+                       int32_t src_rank, uint32_t flags = 0);
 
 // Empty string when the header is valid and its payload fits in max_payload_bytes, otherwise one
 // sentence saying what is wrong (bad magic, version, checksum, dtype, shape/nbytes mismatch, size).

@@ -4,6 +4,7 @@
 #include "../common/errors.h"
 #include "../common/wire_header.h"
 #include "context.h"
+#include "cuda_runtime.h"
 #include "dtype_codes.h"
 
 namespace py = pybind11;
@@ -25,12 +26,12 @@ PyObject* new_exception(py::module_& module, const char* name, PyObject* bases) 
   return type;
 }
 
-py::bytes encode_header(const at::Tensor& tensor, int64_t tag, int32_t src_rank) {
+py::bytes encode_header(const at::Tensor& tensor, int64_t tag, int32_t src_rank, uint32_t flags) {
   std::vector<int64_t> shape(tensor.sizes().begin(), tensor.sizes().end());
   uint64_t nbytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
   dpp_wire::WireHeader header = dpp_wire::make_header(
       tag, wire_dtype_of(tensor.scalar_type()), shape.data(), static_cast<int>(shape.size()), nbytes,
-      src_rank);
+      src_rank, flags);
   return py::bytes(reinterpret_cast<const char*>(&header), sizeof(header));
 }
 
@@ -50,6 +51,33 @@ py::tuple decode_header(const std::string& bytes, uint64_t max_payload_bytes, in
   std::vector<int64_t> shape(header.shape, header.shape + header.ndim);
   at::Tensor tensor = at::empty(shape, at::TensorOptions().dtype(scalar_type_of(header.dtype)));
   return py::make_tuple(header.tag, header.src_rank, tensor);
+}
+
+// The flags field of a header (checked like decode_header first).
+uint32_t header_flags(const std::string& bytes, int peer) {
+  if (bytes.size() != sizeof(dpp_wire::WireHeader)) {
+    throw dpp_errors::ProtocolError("header_flags(peer=" + std::to_string(peer) + "): got " +
+                                    std::to_string(bytes.size()) + " bytes, a header has " +
+                                    std::to_string(sizeof(dpp_wire::WireHeader)));
+  }
+  dpp_wire::WireHeader header;
+  std::memcpy(&header, bytes.data(), sizeof(header));
+  std::string problem = dpp_wire::validate_header(header, UINT64_MAX);
+  if (!problem.empty()) {
+    throw dpp_errors::ProtocolError(dpp_errors::describe("header_flags", peer, header.tag, problem));
+  }
+  return header.flags;
+}
+
+// "" when libcudart loads, otherwise what was tried and why each attempt failed.
+std::string cuda_runtime_error() {
+  std::string why;
+  return cuda::runtime(&why) != nullptr ? std::string() : why;
+}
+
+std::string cuda_runtime_library() {
+  const cuda::Runtime* loaded = cuda::runtime();
+  return loaded != nullptr ? loaded->library : std::string();
 }
 
 }  // namespace
@@ -80,7 +108,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
 
   m.attr("HEADER_BYTES") = py::int_(sizeof(dpp_wire::WireHeader));
-  m.def("encode_header", &encode_header, py::arg("tensor"), py::arg("tag"), py::arg("src_rank"));
+  m.attr("FLAG_CUDA_IPC") = py::int_(dpp_wire::kFlagCudaIpc);
+  m.def("encode_header", &encode_header, py::arg("tensor"), py::arg("tag"), py::arg("src_rank"),
+        py::arg("flags") = 0u);
+  m.def("header_flags", &header_flags, py::arg("header"), py::arg("peer"));
+  m.def("add_cuda_runtime_candidates", &cuda::add_runtime_candidates, py::arg("paths"));
+  m.def("cuda_runtime_error", &cuda_runtime_error, py::call_guard<py::gil_scoped_release>());
+  m.def("cuda_runtime_library", &cuda_runtime_library, py::call_guard<py::gil_scoped_release>());
   m.def("decode_header", &decode_header, py::arg("header"), py::arg("max_payload_bytes"),
         py::arg("peer"));
 
@@ -95,9 +129,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("spin_us", &ContextConfig::spin_us);
 
   py::class_<Handle, std::shared_ptr<Handle>>(m, "Handle")
-      .def("test", &Handle::test, py::call_guard<py::gil_scoped_release>())
-      .def("wait", &Handle::wait, py::arg("timeout_s") = -1.0,
+      .def("test", &Handle::test, py::arg("cuda_device") = -1, py::arg("cuda_stream") = 0,
            py::call_guard<py::gil_scoped_release>())
+      .def("wait", &Handle::wait, py::arg("timeout_s") = -1.0, py::arg("cuda_device") = -1,
+           py::arg("cuda_stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("is_send", &Handle::is_send)
       .def_property_readonly("peer", &Handle::peer)
       .def_property_readonly("tag", &Handle::tag);
@@ -108,10 +143,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("connect", &Context::connect, py::call_guard<py::gil_scoped_release>())
       .def("unlink", &Context::unlink)
       .def("isend", &Context::isend, py::arg("tensor"), py::arg("peer"), py::arg("tag"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("cuda_stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def("irecv", &Context::irecv, py::arg("peer"), py::arg("tag"),
            py::call_guard<py::gil_scoped_release>())
       .def("wait_any", &Context::wait_any, py::arg("handles"), py::arg("timeout_s") = -1.0,
+           py::arg("cuda_device") = -1, py::arg("cuda_stream") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def("send_raw_header", &Context::send_raw_header, py::arg("header"), py::arg("peer"))
       .def("close", &Context::close, py::call_guard<py::gil_scoped_release>())

@@ -113,15 +113,17 @@ struct Context::Peer {
 // ---------------------------------------------------------------------------------------------
 // Handle
 
-bool Handle::test() {
+bool Handle::test(int cuda_device, uintptr_t cuda_stream) {
   std::lock_guard<std::mutex> lock(context_->mutex_);
   if (done_) return true;
+  context_->caller_cuda_device_ = cuda_device;
+  context_->caller_cuda_stream_ = cuda_stream;
   context_->progress();
   return context_->handle_done_or_throw(*this);
 }
 
-at::Tensor Handle::wait(double timeout_s) {
-  context_->wait_any({shared_from_this()}, timeout_s);
+at::Tensor Handle::wait(double timeout_s, int cuda_device, uintptr_t cuda_stream) {
+  context_->wait_any({shared_from_this()}, timeout_s, cuda_device, cuda_stream);
   std::lock_guard<std::mutex> lock(context_->mutex_);
   return tensor_;
 }
@@ -256,6 +258,7 @@ void Context::close() {
     unclaimed_.clear();
     peer_by_rank_.clear();
     peers_.clear();
+    cuda_.reset();  // closes peers' mappings, frees our device slots (after their copies)
     control_ = nullptr;
     inbox_ = ShmSegment();
   }
@@ -276,15 +279,21 @@ Context::Peer& Context::peer_or_throw(const char* call, int peer, int64_t tag) {
   return *found->second;
 }
 
-std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64_t tag) {
+cuda::CudaIpc& Context::cuda_ipc(const char* call, int peer, int64_t tag) {
+  if (cuda_ == nullptr) cuda_ = std::make_unique<cuda::CudaIpc>(cuda::runtime_or_throw(call, peer, tag));
+  return *cuda_;
+}
+
+std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64_t tag,
+                                       uintptr_t cuda_stream) {
   const char* call = "shm_tensor.isend";
-  if (!tensor.device().is_cpu()) {
-    throw std::invalid_argument(describe(
-        call, peer, tag,
-        "tensor is on " + tensor.device().str() +
-            "; shm_tensor carries CPU tensors only (CUDA IPC is not built in this version); "
-            "use --p2p-transport torch for GPU tensors"));
+  bool on_cuda = tensor.device().is_cuda();
+  if (!tensor.device().is_cpu() && !on_cuda) {
+    throw std::invalid_argument(describe(call, peer, tag,
+                                         "tensor is on " + tensor.device().str() +
+                                             "; shm_tensor carries CPU and CUDA tensors only"));
   }
+  if (on_cuda) cuda::runtime_or_throw(call, peer, tag);  // before any work: a clear error
   at::Tensor source = tensor.contiguous();
   uint64_t nbytes = static_cast<uint64_t>(source.numel()) * source.element_size();
   int32_t dtype;
@@ -296,7 +305,8 @@ std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64
   std::vector<int64_t> shape(source.sizes().begin(), source.sizes().end());
   WireHeader header;
   try {
-    header = dpp_wire::make_header(tag, dtype, shape.data(), static_cast<int>(shape.size()), nbytes, rank_);
+    header = dpp_wire::make_header(tag, dtype, shape.data(), static_cast<int>(shape.size()), nbytes, rank_,
+                                   on_cuda ? dpp_wire::kFlagCudaIpc : 0u);
   } catch (const std::invalid_argument& error) {
     throw std::invalid_argument(describe(call, peer, tag, error.what()));
   }
@@ -309,8 +319,18 @@ std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64
          << " B; raise ShmConfig.slot_bytes (--shm-slot-mb) or send smaller tensors";
     throw MessageTooLarge(describe(call, peer, tag, what.str()));
   }
+  if (on_cuda && target.out_slot_bytes < sizeof(cuda::IpcDescriptor)) {
+    throw MessageTooLarge(describe(call, peer, tag,
+                                   "a CUDA message needs slots of at least " +
+                                       std::to_string(sizeof(cuda::IpcDescriptor)) +
+                                       " B for its IPC descriptor; raise ShmConfig.slot_bytes"));
+  }
   auto handle = std::make_shared<Handle>(shared_from_this(), true, peer, tag);
   handle->tensor_ = source;
+  if (on_cuda) {
+    handle->cuda_stream_ = cuda_stream;
+    handle->cuda_ready_ = cuda_ipc(call, peer, tag).record_ready(source, cuda_stream, call, peer, tag);
+  }
   handle->raw_header_.assign(reinterpret_cast<const char*>(&header),
                              reinterpret_cast<const char*>(&header) + sizeof(header));
   target.pending_sends.push_back(handle);
@@ -352,8 +372,18 @@ std::shared_ptr<Handle> Context::irecv(int peer, int64_t tag) {
 void Context::write_slot(Peer& peer, Handle& handle) {
   uint64_t head = peer.out_channel->head.load(std::memory_order_relaxed);
   char* slot = peer.out_slots + (head % peer.out_num_slots) * peer.out_stride;
-  std::memcpy(slot, handle.raw_header_.data(), sizeof(WireHeader));
-  if (handle.tensor_.defined() && handle.tensor_.numel() > 0) {
+  if (handle.cuda_ready_ != nullptr) {
+    uint64_t index = head % peer.out_num_slots;
+    cuda::IpcDescriptor descriptor =
+        cuda_ipc("shm_tensor.isend", peer.rank, handle.tag_)
+            .send(peer.rank, handle.tag_, handle.tensor_, *handle.cuda_ready_, handle.cuda_stream_, index,
+                  peer.out_slot_bytes, peer.out_num_slots);
+    std::memcpy(slot, handle.raw_header_.data(), sizeof(WireHeader));
+    std::memcpy(slot + sizeof(WireHeader), &descriptor, sizeof(descriptor));
+  } else {
+    std::memcpy(slot, handle.raw_header_.data(), sizeof(WireHeader));
+  }
+  if (handle.cuda_ready_ == nullptr && handle.tensor_.defined() && handle.tensor_.numel() > 0) {
     copy_pool_.copy(slot + sizeof(WireHeader), handle.tensor_.data_ptr(), handle.tensor_.nbytes());
   }
   peer.out_channel->head.store(head + 1, std::memory_order_release);
@@ -365,11 +395,13 @@ void Context::push_sends(Peer& peer) {
     uint64_t head = peer.out_channel->head.load(std::memory_order_relaxed);
     uint64_t tail = peer.out_channel->tail.load(std::memory_order_acquire);
     if (head - tail >= peer.out_num_slots) break;  // ring full: back-pressure
+    // Written before it leaves the queue: a failing (CUDA) copy leaves the send pending, not lost.
+    write_slot(peer, *peer.pending_sends.front());
     std::shared_ptr<Handle> handle = std::move(peer.pending_sends.front());
     peer.pending_sends.pop_front();
-    write_slot(peer, *handle);
     handle->done_ = true;
     handle->tensor_ = at::Tensor();  // the caller may reuse or free its tensor now
+    handle->cuda_ready_.reset();
     ring(peer.control->doorbell);
   }
 }
@@ -415,12 +447,39 @@ void Context::drain_inbound(Peer& peer) {
                     std::to_string(header.tag) + ") rejected: " + problem;
       return;
     }
-    at::Tensor tensor = allocate_received(header);
-    if (header.nbytes > 0) copy_pool_.copy(tensor.data_ptr(), slot + sizeof(WireHeader), header.nbytes);
+    at::Tensor tensor;
+    if (header.flags & dpp_wire::kFlagCudaIpc) {
+      try {
+        tensor = receive_device_message(peer, header, slot);
+      } catch (const PeerLost&) {
+        peer.lost = true;  // its device copy never ran; the waiting handle reports the loss
+        return;
+      } catch (const std::exception& error) {
+        peer.broken = error.what();  // the slot stays taken: nothing past it can be trusted
+        return;
+      }
+    } else {
+      tensor = allocate_received(header);
+      if (header.nbytes > 0) copy_pool_.copy(tensor.data_ptr(), slot + sizeof(WireHeader), header.nbytes);
+    }
     peer.in_channel->tail.store(tail + 1, std::memory_order_release);
     ring(peer.control->doorbell);  // the sender may be waiting for this slot
     deliver(peer.rank, header.tag, std::move(tensor));
   }
+}
+
+at::Tensor Context::receive_device_message(Peer& peer, const WireHeader& header, const char* slot) {
+  const char* call = "shm_tensor.irecv";
+  if (config_.slot_bytes < sizeof(cuda::IpcDescriptor)) {
+    throw ProtocolError(describe(call, peer.rank, header.tag,
+                                 "device message in a slot too small for its IPC descriptor"));
+  }
+  cuda::IpcDescriptor descriptor;
+  std::memcpy(&descriptor, slot + sizeof(WireHeader), sizeof(descriptor));
+  Peer* sender = &peer;
+  return cuda_ipc(call, peer.rank, header.tag)
+      .receive(peer.rank, header, descriptor, caller_cuda_device_, caller_cuda_stream_,
+               [sender] { return sender->alive(); }, config_.timeout_s, config_.spin_us);
 }
 
 void Context::progress() {
@@ -461,7 +520,8 @@ void Context::check_liveness(const std::vector<std::shared_ptr<Handle>>& handles
   }
 }
 
-int Context::wait_any(const std::vector<std::shared_ptr<Handle>>& handles, double timeout_s) {
+int Context::wait_any(const std::vector<std::shared_ptr<Handle>>& handles, double timeout_s,
+                      int cuda_device, uintptr_t cuda_stream) {
   if (handles.empty()) throw std::invalid_argument("shm_tensor.wait_any: no handles given");
   for (const auto& handle : handles) {
     if (!handle || handle->context_.get() != this) {
@@ -475,6 +535,8 @@ int Context::wait_any(const std::vector<std::shared_ptr<Handle>>& handles, doubl
   Clock::time_point next_liveness_check = start;
 
   std::unique_lock<std::mutex> lock(mutex_);
+  caller_cuda_device_ = cuda_device;
+  caller_cuda_stream_ = cuda_stream;
   while (true) {
     if (closed_) {
       const Handle& first = *handles.front();

@@ -35,6 +35,7 @@
 #include "../common/copy_pool.h"
 #include "../common/wire_header.h"
 #include "buffer_pool.h"
+#include "cuda_ipc.h"
 #include "doorbell.h"
 #include "shm_segment.h"
 
@@ -57,14 +58,17 @@ struct ContextConfig {
 class Context;
 
 // One isend or irecv. Completion: a send when its bytes are in a slot (the tensor may be reused),
-// a receive when its tensor has been copied out of the slot.
+// a receive when its tensor has been copied out of the slot. CUDA tensors: a send completes when its
+// device copy is queued (the caller's stream waits for it), a receive when the copy has finished.
+// `cuda_device`/`cuda_stream` name the caller's current device and torch stream (-1/0 when torch
+// has not initialised CUDA: the thread's current device and the legacy default stream).
 class Handle : public std::enable_shared_from_this<Handle> {
  public:
   Handle(std::shared_ptr<Context> context, bool is_send, int peer, int64_t tag)
       : context_(std::move(context)), is_send_(is_send), peer_(peer), tag_(tag) {}
-  bool test();
+  bool test(int cuda_device = -1, uintptr_t cuda_stream = 0);
   // The received tensor (an undefined tensor for a send). timeout_s < 0: the context default.
-  at::Tensor wait(double timeout_s);
+  at::Tensor wait(double timeout_s, int cuda_device = -1, uintptr_t cuda_stream = 0);
   bool is_send() const { return is_send_; }
   int peer() const { return peer_; }
   int64_t tag() const { return tag_; }
@@ -78,6 +82,9 @@ class Handle : public std::enable_shared_from_this<Handle> {
   bool done_ = false;
   at::Tensor tensor_;  // send: the contiguous source until written; recv: the result
   std::vector<char> raw_header_;  // a raw-header send (tests of the receiver's validation)
+  // A CUDA send: the caller's stream and an event recorded on it after the tensor was produced.
+  uintptr_t cuda_stream_ = 0;
+  std::shared_ptr<cuda::OwnedEvent> cuda_ready_;
 };
 
 class Context : public std::enable_shared_from_this<Context> {
@@ -90,10 +97,12 @@ class Context : public std::enable_shared_from_this<Context> {
   void connect();
   void unlink();
 
-  std::shared_ptr<Handle> isend(const at::Tensor& tensor, int peer, int64_t tag);
+  // cuda_stream: the caller's torch stream on the tensor's device (CUDA tensors only).
+  std::shared_ptr<Handle> isend(const at::Tensor& tensor, int peer, int64_t tag, uintptr_t cuda_stream = 0);
   std::shared_ptr<Handle> irecv(int peer, int64_t tag);
   // Index of a completed handle; blocks on the doorbell meanwhile. timeout_s < 0: default.
-  int wait_any(const std::vector<std::shared_ptr<Handle>>& handles, double timeout_s);
+  int wait_any(const std::vector<std::shared_ptr<Handle>>& handles, double timeout_s,
+               int cuda_device = -1, uintptr_t cuda_stream = 0);
   // Sends `header` verbatim with no payload: lets tests check that receivers reject bad headers.
   std::shared_ptr<Handle> send_raw_header(const std::string& header, int peer);
   void close();
@@ -115,6 +124,8 @@ class Context : public std::enable_shared_from_this<Context> {
   void check_liveness(const std::vector<std::shared_ptr<Handle>>& handles);  // lock held
   void deliver(int peer, int64_t tag, at::Tensor tensor);
   at::Tensor allocate_received(const dpp_wire::WireHeader& header);
+  at::Tensor receive_device_message(Peer& peer, const dpp_wire::WireHeader& header, const char* slot);
+  cuda::CudaIpc& cuda_ipc(const char* call, int peer, int64_t tag);  // lock held; loads on first use
 
   int rank_;
   std::vector<int> peer_ranks_;
@@ -129,6 +140,10 @@ class Context : public std::enable_shared_from_this<Context> {
   std::map<std::pair<int, int64_t>, std::deque<std::shared_ptr<Handle>>> posted_recvs_;
   dpp_copy::CopyPool copy_pool_;
   std::shared_ptr<BufferPool> recv_buffers_;
+  std::unique_ptr<cuda::CudaIpc> cuda_;  // created by the first CUDA message either way
+  // The caller of the progress call under way (set with the lock held): where device messages land.
+  int caller_cuda_device_ = -1;
+  uintptr_t caller_cuda_stream_ = 0;
   std::mutex mutex_;
   bool connected_ = false;
   bool closed_ = false;

@@ -92,6 +92,7 @@ def make_forward_backward_dpp(config: DPPConfig, transport: Any,
     session = DPPSession(config=config, transport=transport, activation_bytes_fn=activation_bytes_fn)
     fn = partial(forward_backward_dpp, dpp_session=session)
     fn.dpp_session = session
+    fn.close = transport.close  # training.pipeline.close_forward_backward calls it (collective)
     return fn
 
 
