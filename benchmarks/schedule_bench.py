@@ -23,8 +23,8 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List
 
 import numpy as np
 

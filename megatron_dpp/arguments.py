@@ -395,8 +395,8 @@ def add_transport_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("transport")
     group.add_argument("--p2p-transport", type=str, default="torch", choices=["torch", "shm"],
                        help="Pipeline point-to-point transport: torch (torch.distributed send/recv) or "
-                            "shm (shm_tensor shared memory between ranks of one node, torch.distributed "
-                            "to other nodes; CPU tensors only).")
+                            "shm (shm_tensor shared memory between ranks of one node, CUDA IPC for GPU "
+                            "tensors, torch.distributed to other nodes).")
     group.add_argument("--workload", type=int, default=8 << 20,
                        help="shm: bytes each copy thread handles; a message gets one thread per this "
                             "many bytes, up to --shm-copy-threads (smaller messages are copied inline).")
@@ -420,12 +420,17 @@ def validate_transport_args(args: argparse.Namespace) -> None:
     _require(args.shm_copy_threads >= 1, "--shm-copy-threads must be at least 1")
     _require(args.shm_slot_mb >= 1, "--shm-slot-mb must be at least 1")
     _require(args.shm_num_slots >= 1, "--shm-num-slots must be at least 1")
-    _require(not torch.cuda.is_available(),
-             "--p2p-transport shm carries CPU tensors only (CUDA IPC is not built); use "
-             "--p2p-transport torch on GPU machines")
     _require(importlib.util.find_spec("shm_tensor._C") is not None,
              "--p2p-transport shm needs the compiled shm_tensor._C; run "
              "`pip install --no-build-isolation -e .` in the repository")
+    if torch.cuda.is_available():
+        # GPU tensors travel by CUDA IPC, which needs libcudart loadable by shm_tensor.
+        import shm_tensor
+
+        cuda_problem = shm_tensor.cuda_runtime_error()
+        _require(not cuda_problem,
+                 "--p2p-transport shm on a CUDA machine needs the CUDA runtime, which did not load ("
+                 + cuda_problem.replace("\n", " ") + "); use --p2p-transport torch")
     # One activation (seq x micro-batch x hidden, fp32 at most) must fit in one slot.
     seq, mbs, hidden = (getattr(args, name, None) for name in
                         ("seq_length", "micro_batch_size", "hidden_size"))

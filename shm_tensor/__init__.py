@@ -7,8 +7,10 @@ node, over POSIX shared memory (compiled `shm_tensor._C`).
     tensor = handle.wait(timeout=30)           # shape and dtype come from the wire header
     index = ctx.wait_any([h1, h2], timeout=30) # sleeps on one futex doorbell, no spinning
 
-Peers and ranks are global torch.distributed ranks; tags are non-negative 63-bit ints. CPU tensors
-only: a CUDA tensor raises ValueError naming --p2p-transport torch (CUDA IPC is not built).
+Peers and ranks are global torch.distributed ranks; tags are non-negative 63-bit ints. CUDA tensors
+travel by CUDA IPC (device to device, libcudart loaded with dlopen at run time); where the CUDA
+runtime does not load, sending one raises ValueError saying why (`cuda_runtime_error()`). The CUDA
+path has not been run on a GPU yet (docs/transport.md).
 """
 from shm_tensor.context import (
     Context,
@@ -19,6 +21,9 @@ from shm_tensor.context import (
     encode_header,
     decode_header,
     HEADER_BYTES,
+    FLAG_CUDA_IPC,
+    cuda_runtime_error,
+    header_flags,
 )
 from shm_tensor._C import (
     MessageTooLargeError,
@@ -37,6 +42,9 @@ __all__ = [
     "encode_header",
     "decode_header",
     "HEADER_BYTES",
+    "FLAG_CUDA_IPC",
+    "cuda_runtime_error",
+    "header_flags",
     "TransportError",
     "TransportTimeout",
     "PeerLostError",

@@ -1,6 +1,8 @@
 """Typed Python API over shm_tensor._C: configuration, rendezvous and handles."""
 from __future__ import annotations
 
+import glob
+import os
 import secrets
 from dataclasses import dataclass
 from datetime import timedelta
@@ -11,6 +13,37 @@ import torch
 from shm_tensor import _C
 
 HEADER_BYTES: int = _C.HEADER_BYTES
+FLAG_CUDA_IPC: int = _C.FLAG_CUDA_IPC
+
+
+def _torch_cudart_candidates() -> list[str]:
+    """libcudart files next to torch (its lib dir, or the nvidia-* wheels torch's CUDA build uses)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    site_packages = os.path.dirname(torch_dir)
+    patterns = [
+        os.path.join(torch_dir, "lib", "libcudart*.so*"),
+        os.path.join(site_packages, "nvidia", "cuda_runtime", "lib", "libcudart.so*"),
+        os.path.join(site_packages, "nvidia", "cu*", "lib", "libcudart.so*"),
+    ]
+    return sorted({path for pattern in patterns for path in glob.glob(pattern)})
+
+
+_C.add_cuda_runtime_candidates(_torch_cudart_candidates())
+
+
+def cuda_runtime_error() -> str:
+    """'' when the CUDA runtime (libcudart) loads, so CUDA tensors travel by CUDA IPC; otherwise
+    what was tried and why it failed. Loads it on the first call (once per process)."""
+    return _C.cuda_runtime_error()
+
+
+def _cuda_caller() -> tuple[int, int]:
+    """(current device, its current torch stream handle) where received device tensors land;
+    (-1, 0) when torch has not initialised CUDA (no CUDA tensor exists in this process yet)."""
+    if not torch.cuda.is_initialized():
+        return -1, 0
+    device = torch.cuda.current_device()
+    return device, torch.cuda.current_stream(device).cuda_stream
 
 
 @dataclass(frozen=True)
@@ -75,12 +108,12 @@ class Handle:
 
     def test(self) -> bool:
         """Makes progress without blocking; True once complete. Raises on a lost peer or bad header."""
-        return self._handle.test()
+        return self._handle.test(*_cuda_caller())
 
     def wait(self, timeout: Optional[float] = None) -> Optional[torch.Tensor]:
         """Blocks until complete: the received tensor, or None for a send. Raises TransportTimeout
         after `timeout` seconds (None: the context's timeout_s)."""
-        return self._handle.wait(-1.0 if timeout is None else float(timeout))
+        return self._handle.wait(-1.0 if timeout is None else float(timeout), *_cuda_caller())
 
     def __repr__(self) -> str:
         kind = "send to" if self.is_send else "recv from"
@@ -103,6 +136,10 @@ class Context:
         return self._context.rank
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
+        """CUDA tensors go by CUDA IPC, ordered after the work queued on the current stream."""
+        if tensor.is_cuda:
+            stream = torch.cuda.current_stream(tensor.device).cuda_stream
+            return Handle(self._context.isend(tensor, peer, tag, stream))
         return Handle(self._context.isend(tensor, peer, tag))
 
     def irecv(self, peer: int, tag: int) -> Handle:
@@ -111,7 +148,7 @@ class Context:
     def wait_any(self, handles: Sequence[Handle], timeout: Optional[float] = None) -> int:
         """Index of a completed handle; sleeps on this process's doorbell until one completes."""
         return self._context.wait_any(
-            [h._handle for h in handles], -1.0 if timeout is None else float(timeout)
+            [h._handle for h in handles], -1.0 if timeout is None else float(timeout), *_cuda_caller()
         )
 
     def _send_raw_header(self, header: bytes, peer: int) -> Handle:
@@ -128,9 +165,15 @@ class Context:
         self.close()
 
 
-def encode_header(tensor: torch.Tensor, tag: int, src_rank: int) -> bytes:
-    """The wire header (HEADER_BYTES bytes) describing `tensor` as message `tag`."""
-    return _C.encode_header(tensor, tag, src_rank)
+def encode_header(tensor: torch.Tensor, tag: int, src_rank: int, flags: int = 0) -> bytes:
+    """The wire header (HEADER_BYTES bytes) describing `tensor` as message `tag`; `flags`:
+    FLAG_CUDA_IPC for a device message (shm_tensor sets it itself)."""
+    return _C.encode_header(tensor, tag, src_rank, flags)
+
+
+def header_flags(header: bytes, peer: int) -> int:
+    """The flags of a valid header; ProtocolError when the header is invalid."""
+    return _C.header_flags(header, peer)
 
 
 def decode_header(header: bytes, max_payload_bytes: int, peer: int) -> tuple[int, int, torch.Tensor]:

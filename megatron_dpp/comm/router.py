@@ -109,8 +109,10 @@ def make_transport(kind: str, peers: Optional[Sequence[int]] = None, *, shm_conf
         peers = pipeline_neighbors()
     peers = sorted(set(peers))
     if device is None:
+        # The torch.distributed route (every peer, or the other nodes' under "shm") moves its bytes
+        # on the backend's device; shm_tensor takes CPU and CUDA tensors as they come.
         device = torch.device("cuda", torch.cuda.current_device()) if (
-            kind == "torch" and dist.get_backend() == "nccl") else torch.device("cpu")
+            dist.get_backend() == "nccl") else torch.device("cpu")
     if kind == "torch":
         return TorchTransport(peers, device=device, timeout_s=timeout_s)
 

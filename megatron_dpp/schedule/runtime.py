@@ -18,7 +18,6 @@ launches its reductions in the same order whatever its dynamic schedule was.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
