@@ -76,10 +76,12 @@ class Scenario:
         return TaskGraph(self.P, self.V, self.M, sizes, self.act_bytes(sizes),
                          max_act_bytes=self.max_tokens * self.bytes_per_token)
 
-    def duration_model(self):
+    def duration_model(self, forward_overhead: float = 0.0, backward_overhead: float = 0.0):
         from megatron_dpp.sim import DurationModel
 
         return DurationModel(
+            forward_overhead=forward_overhead,
+            backward_overhead=backward_overhead,
             linear=self.forward_ms / self.mean_tokens,
             backward_ratio=2.0,
             straggler_prob=self.straggler_prob if self.name == "straggler" else 0.0,
@@ -205,6 +207,7 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
     import torch
     import torch.distributed as dist
 
+    from megatron_dpp.schedule import Phase
     from megatron_dpp.schedule.registry import default_budget_bytes
     from megatron_dpp.sim import CommModel, simulate
     from timed_stage import ActivationMeter, TimedStage, data_iterator, forward_step, timed_stage_config
@@ -217,7 +220,10 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
     config = timed_stage_config(P, V)
     model = [TimedStage(config, rank, c, durations, graph.act_bytes, meter) for c in range(V)]
     rows = []
+    # Per phase, the measured cost of each DPP-runtime task beyond its requested sleep (ms).
+    overheads: Dict[int, List[float]] = {int(Phase.F): [], int(Phase.B): []}
     for schedule in schedules:
+        fb = None
         if schedule.startswith("torch:"):
             run = _torch_pipelining_runner(schedule, scenario, model, sizes)
         else:
@@ -241,19 +247,56 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
             if repeat >= warmup:
                 times.append(measured[0].item() * 1e3)
                 peaks.append(int(measured[1].item()))
+                record = getattr(getattr(fb, "dpp_session", None), "last_record", None)
+                if record is not None:
+                    for task, seconds in zip(record.tasks, record.task_seconds):
+                        requested = model[task.chunk].seconds(task.phase, task.microbatch)
+                        overheads[int(task.phase)].append((seconds - requested) * 1e3)
         if rank == 0:
-            sim_name = {"torch:Schedule1F1B": "1f1b",
-                        "torch:ScheduleInterleaved1F1B": "interleaved-1f1b"}.get(schedule, schedule)
-            prediction = simulate(graph, sim_name, scenario.duration_model(), CommModel(),
-                                  seed=scenario.seed)
             rows.append({
                 "scenario": scenario.name, "P": P, "V": V, "M": M, "schedule": schedule,
-                "time": statistics.median(times), "predicted_time": prediction.makespan,
-                "lower_bound": prediction.lower_bound, "peak_activation": max(peaks),
+                "executor": executor_of(schedule), "time": statistics.median(times),
+                "peak_activation": max(peaks),
                 "megatron_budget": max(default_budget_bytes(graph, r) for r in range(P)),
                 "times": times,
             })
+    # Late wake-ups from sleep, over every schedule of this scenario (all executors pay them).
+    oversleep = {int(phase): [x for stage in model for x in stage.oversleep_ms[phase]]
+                 for phase in (Phase.F, Phase.B)}
+    gathered = [None] * P
+    dist.all_gather_object(gathered, (overheads, oversleep))
+    if rank != 0:
+        return []
+
+    def pooled_median(which: int, phase: Phase) -> float:
+        return statistics.median([x for per_rank in gathered for x in per_rank[which][int(phase)]] or [0.0])
+
+    # Pooled over every rank, task and DPP-runtime schedule of this scenario: one calibration that
+    # predicts every row, rather than one fitted to each row's own time.
+    forward_ms, backward_ms = pooled_median(0, Phase.F), pooled_median(0, Phase.B)
+    oversleep_ms = {"forward": pooled_median(1, Phase.F), "backward": pooled_median(1, Phase.B)}
+    for row in rows:
+        sim_name = {"torch:Schedule1F1B": "1f1b",
+                    "torch:ScheduleInterleaved1F1B": "interleaved-1f1b"}.get(row["schedule"], row["schedule"])
+        plain = simulate(graph, sim_name, scenario.duration_model(), CommModel(), seed=scenario.seed)
+        with_overhead = simulate(graph, sim_name,
+                                 scenario.duration_model(max(0.0, forward_ms), max(0.0, backward_ms)),
+                                 CommModel(), seed=scenario.seed)
+        row.update({
+            "predicted_time": with_overhead.makespan,
+            "predicted_time_no_overhead": plain.makespan,
+            "task_overhead_ms": {"forward": forward_ms, "backward": backward_ms},
+            "oversleep_ms": oversleep_ms,
+            "lower_bound": plain.lower_bound,
+        })
     return rows
+
+
+def executor_of(schedule: str) -> str:
+    """Who runs the schedule: Megatron's own loop, torch.distributed.pipelining, or our runtime."""
+    if schedule in ("1f1b", "interleaved-1f1b"):
+        return "megatron"
+    return "torch" if schedule.startswith("torch:") else "dpp"
 
 
 def _free_port() -> int:
@@ -303,8 +346,11 @@ def schedules_for(V: int, include_torch: bool, scenario: str) -> List[str]:
 
 
 def format_table(rows: List[dict]) -> str:
-    header = (f"{'scenario':<10} {'P':>2} {'V':>2} {'M':>3} {'schedule':<30} {'time ms':>9} "
-              f"{'pred ms':>9} {'err':>6} {'/LB':>6} {'/megatron':>9} {'peak act':>10} {'budget':>10}")
+    """pred0/err0: the simulator on the sampled durations alone; pred/err: plus the measured
+    per-task overhead of the DPP runtime (task_overhead_ms, the same for every row of a scenario)."""
+    header = (f"{'scenario':<10} {'P':>2} {'V':>2} {'M':>3} {'schedule':<30} {'exec':<8} {'time ms':>9} "
+              f"{'pred0 ms':>9} {'err0':>6} {'pred ms':>9} {'err':>6} {'/LB':>6} {'/megatron':>9} "
+              f"{'peak act':>10} {'budget':>10}")
     lines = [header, "-" * len(header)]
     reference: Dict[tuple, float] = {}
     for row in rows:
@@ -314,11 +360,19 @@ def format_table(rows: List[dict]) -> str:
         ref = reference.get((row["scenario"], row["P"], row["V"]))
         ratio = f"{row['time'] / ref:9.3f}" if ref else f"{'-':>9}"
         error = (row["time"] - row["predicted_time"]) / row["predicted_time"]
+        plain = row["predicted_time_no_overhead"]
         lines.append(
             f"{row['scenario']:<10} {row['P']:>2} {row['V']:>2} {row['M']:>3} {row['schedule']:<30} "
-            f"{row['time']:9.1f} {row['predicted_time']:9.1f} {error:+6.1%} "
+            f"{row['executor']:<8} {row['time']:9.1f} {plain:9.1f} {(row['time'] - plain) / plain:+6.1%} "
+            f"{row['predicted_time']:9.1f} {error:+6.1%} "
             f"{row['time'] / row['lower_bound']:6.3f} {ratio} {row['peak_activation']:>10} "
             f"{row['megatron_budget']:>10}")
+    overheads = {(row["scenario"], row["V"]): (row["task_overhead_ms"], row["oversleep_ms"]) for row in rows}
+    for (scenario, V), (cost, late) in overheads.items():
+        lines.append(f"# {scenario} V={V}: DPP runtime per-task overhead (median, all ranks) "
+                     f"forward {cost['forward']:.2f} ms, backward {cost['backward']:.2f} ms; "
+                     f"of which sleeps ending late: forward {late['forward']:.2f} ms, "
+                     f"backward {late['backward']:.2f} ms")
     return "\n".join(lines)
 
 
@@ -351,6 +405,7 @@ def gpt_comparison(args) -> List[dict]:
     variants = [("megatron 1f1b", [])] + [(policy, ["--use-dpp", "--dpp-policy", policy])
                                           for policy in args.gpt_policies]
     measured: Dict[str, List[float]] = {label: [] for label, _ in variants}
+    round_medians: Dict[str, List[float]] = {label: [] for label, _ in variants}
     # Rounds alternate the variants, so load from other jobs hits them alike.
     for _round in range(args.gpt_rounds):
         for label, extra in variants:
@@ -363,8 +418,17 @@ def gpt_comparison(args) -> List[dict]:
             times = [float(line.split(_ELAPSED, 1)[1].split()[0]) for line in result.stdout.splitlines()
                      if _ELAPSED in line]
             measured[label].extend(times[args.gpt_skip:])
-    return [{"schedule": label, "iterations": len(times), "time": statistics.median(times),
-             "times": times} for label, times in measured.items()]
+            round_medians[label].append(statistics.median(times[args.gpt_skip:]))
+    reference = round_medians[variants[0][0]]
+    rows = []
+    for label, times in measured.items():
+        # Per round, the ratio to Megatron's run of the same round: the spread of the comparison.
+        ratios = [mine / theirs for mine, theirs in zip(round_medians[label], reference)]
+        quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+        rows.append({"schedule": label, "iterations": len(times), "time": statistics.median(times),
+                     "time_q1": quartiles[0], "time_q3": quartiles[2],
+                     "round_medians": round_medians[label], "round_ratios": ratios, "times": times})
+    return rows
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -401,7 +465,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gpt-only", action="store_true", help="Only the tiny-GPT comparison.")
     parser.add_argument("--gpt-policies", nargs="+", default=["dpp:adaptive", "1f1b-sorted"],
                         help="DPP policies the GPT comparison runs beside Megatron's 1F1B.")
-    parser.add_argument("--gpt-rounds", type=int, default=2, help="Runs of each variant, alternated.")
+    parser.add_argument("--gpt-rounds", type=int, default=3, help="Runs of each variant, alternated.")
     parser.add_argument("--gpt-iters", type=int, default=40)
     parser.add_argument("--gpt-skip", type=int, default=5, help="Warm-up iterations left out.")
     parser.add_argument("--gpt-microbatches", type=int, default=16)
@@ -442,8 +506,10 @@ def main(argv=None) -> int:
         report["gpt_varlen_pp2"] = gpt_comparison(args)
         reference = report["gpt_varlen_pp2"][0]["time"]
         for row in report["gpt_varlen_pp2"]:
+            ratios = row["round_ratios"]
             print(f"tiny GPT pp=2 varlen  {row['schedule']:<14} {row['time']:8.1f} ms/iteration "
-                  f"(median of {row['iterations']})  x{row['time'] / reference:.3f}")
+                  f"(median of {row['iterations']}, quartiles {row['time_q1']:.1f}-{row['time_q3']:.1f})  "
+                  f"x{row['time'] / reference:.3f}  per-round ratios {min(ratios):.3f}-{max(ratios):.3f}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -10,6 +10,8 @@ The activation a microbatch carries is a float tensor [tokens, 1, hidden]; its e
 holds the microbatch index, which each stage passes on unchanged, so a stage knows which task it is
 running whatever order a schedule chose. Each forward allocates the microbatch's activation bytes and
 keeps them until its backward; ActivationMeter records how many bytes a rank held at most.
+Each stage also records how much later than asked its sleeps end (`oversleep_ms`, per phase): on
+loaded cores a sleeping process wakes late, a per-task cost every executor pays alike.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ class _Hold(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, stage: "TimedStage", microbatch: int):
-        time.sleep(stage.seconds(Phase.F, microbatch))
+        stage.hold(Phase.F, microbatch)
         nbytes = stage.act_bytes[microbatch]
         ctx.held = torch.empty(nbytes, dtype=torch.uint8)  # the activation memory, kept to backward
         ctx.stage, ctx.microbatch = stage, microbatch
@@ -60,7 +62,7 @@ class _Hold(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         stage, microbatch = ctx.stage, ctx.microbatch
-        time.sleep(stage.seconds(Phase.B, microbatch))
+        stage.hold(Phase.B, microbatch)
         stage.meter.remove(ctx.held.numel())
         ctx.held = None
         return grad, torch.zeros(1), None, None
@@ -83,9 +85,17 @@ class TimedStage(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(1))
         self.input_tensor: Optional[torch.Tensor] = None
         self.pre_process = rank == 0 and chunk == 0
+        self.oversleep_ms = {Phase.F: [], Phase.B: []}
 
     def seconds(self, phase: Phase, microbatch: int) -> float:
         return self.durations(self.rank, Task(phase, microbatch, self.chunk)) * self.time_unit_s
+
+    def hold(self, phase: Phase, microbatch: int) -> None:
+        """Sleep for the task's duration; record how late the sleep ended."""
+        requested = self.seconds(phase, microbatch)
+        start = time.perf_counter()
+        time.sleep(requested)
+        self.oversleep_ms[phase].append((time.perf_counter() - start - requested) * 1e3)
 
     def set_input_tensor(self, input_tensor) -> None:
         self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor

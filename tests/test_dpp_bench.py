@@ -33,4 +33,7 @@ def test_quick_benchmark_writes_every_row(tmp_path):
         assert row["time"] > 0 and row["predicted_time"] >= row["lower_bound"] > 0, row
         if row["schedule"].startswith("dpp:"):
             assert row["peak_activation"] <= row["megatron_budget"], row
+        # The measured per-task overhead of the runtime only ever adds to the prediction.
+        assert row["task_overhead_ms"]["forward"] > 0 and row["task_overhead_ms"]["backward"] > 0, row
+        assert row["predicted_time"] > row["predicted_time_no_overhead"], row
     assert "dpp:adaptive" in result.stdout  # the table is printed

@@ -450,12 +450,18 @@ void Context::drain_inbound(Peer& peer) {
     at::Tensor tensor;
     if (header.flags & dpp_wire::kFlagCudaIpc) {
       try {
-        tensor = receive_device_message(peer, header, slot);
+        tensor = receive_device_message(peer, header, slot, tail % config_.num_slots);
       } catch (const PeerLost&) {
         peer.lost = true;  // its device copy never ran; the waiting handle reports the loss
         return;
       } catch (const std::exception& error) {
-        peer.broken = error.what();  // the slot stays taken: nothing past it can be trusted
+        // The slot stays taken: nothing past it can be trusted. The reason loses its own
+        // "call(peer, tag): " prefix; the failing handle adds one.
+        std::string what = error.what();
+        std::string prefix = describe("shm_tensor.irecv", peer.rank, header.tag, "");
+        if (what.compare(0, prefix.size(), prefix) == 0) what.erase(0, prefix.size());
+        peer.broken = "device message from peer " + std::to_string(peer.rank) + " (header tag " +
+                      std::to_string(header.tag) + ") rejected: " + what;
         return;
       }
     } else {
@@ -468,7 +474,8 @@ void Context::drain_inbound(Peer& peer) {
   }
 }
 
-at::Tensor Context::receive_device_message(Peer& peer, const WireHeader& header, const char* slot) {
+at::Tensor Context::receive_device_message(Peer& peer, const WireHeader& header, const char* slot,
+                                           uint64_t slot_index) {
   const char* call = "shm_tensor.irecv";
   if (config_.slot_bytes < sizeof(cuda::IpcDescriptor)) {
     throw ProtocolError(describe(call, peer.rank, header.tag,
@@ -476,6 +483,12 @@ at::Tensor Context::receive_device_message(Peer& peer, const WireHeader& header,
   }
   cuda::IpcDescriptor descriptor;
   std::memcpy(&descriptor, slot + sizeof(WireHeader), sizeof(descriptor));
+  // The sender's device ring mirrors our host ring: device slot i travels in host slot i.
+  if (descriptor.magic == cuda::kDescriptorMagic && descriptor.slot != slot_index) {
+    throw ProtocolError(describe(call, peer.rank, header.tag,
+                                 "device slot " + std::to_string(descriptor.slot) + " arrived in host slot " +
+                                     std::to_string(slot_index)));
+  }
   Peer* sender = &peer;
   return cuda_ipc(call, peer.rank, header.tag)
       .receive(peer.rank, header, descriptor, caller_cuda_device_, caller_cuda_stream_,

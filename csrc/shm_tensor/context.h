@@ -124,7 +124,8 @@ class Context : public std::enable_shared_from_this<Context> {
   void check_liveness(const std::vector<std::shared_ptr<Handle>>& handles);  // lock held
   void deliver(int peer, int64_t tag, at::Tensor tensor);
   at::Tensor allocate_received(const dpp_wire::WireHeader& header);
-  at::Tensor receive_device_message(Peer& peer, const dpp_wire::WireHeader& header, const char* slot);
+  at::Tensor receive_device_message(Peer& peer, const dpp_wire::WireHeader& header, const char* slot,
+                                    uint64_t slot_index);
   cuda::CudaIpc& cuda_ipc(const char* call, int peer, int64_t tag);  // lock held; loads on first use
 
   int rank_;

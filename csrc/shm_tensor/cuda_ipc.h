@@ -40,6 +40,7 @@ struct IpcDescriptor {
   IpcMemHandle memory;
   IpcEventHandle event;  // the slot's event, recorded after the copy into the slot
 };
+static_assert(sizeof(IpcDescriptor) == 168, "IPC descriptor layout changed");
 constexpr uint64_t kDescriptorMagic = 0x4350494144555044ull;  // "DPPUDAIPC" cut to 8 bytes
 
 // Sets the current device for the scope and restores the previous one.

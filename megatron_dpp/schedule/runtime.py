@@ -18,6 +18,7 @@ launches its reductions in the same order whatever its dynamic schedule was.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
@@ -55,6 +56,9 @@ class IterationRecord:
     microbatch_order: List[int]
     sizes: List[int]
     tasks: List[Task] = field(default_factory=list)
+    # Wall seconds of the loop turn that ran each task (harvest arrivals, decide, run, send), in the
+    # order of `tasks`: what a task costs beyond its own compute is measured from these.
+    task_seconds: List[float] = field(default_factory=list)
     peak_held_bytes: int = 0
     budget_bytes: int = 0
 
@@ -354,6 +358,7 @@ class _IterationRunner:
 
     def _lead(self):
         while len(self.ran) < len(self.tasks):
+            turn_start = time.perf_counter()
             self._collect_arrivals()
             self._reap_sends()
             task = self._choose()
@@ -361,7 +366,7 @@ class _IterationRunner:
                 self._wait_for_arrival()
                 continue
             self.channel.publish(task)
-            self._execute(task)
+            self._execute(task, turn_start)
 
     def _follow(self):
         while len(self.ran) < len(self.tasks):
@@ -371,7 +376,7 @@ class _IterationRunner:
             task = self.channel.decode(decision)
             if task not in self.ready:
                 self._await_input(task)
-            self._execute(task)
+            self._execute(task, time.perf_counter())
 
     def _choose(self) -> Optional[Task]:
         if self.forward_only:
@@ -379,7 +384,8 @@ class _IterationRunner:
             if not self.ready:
                 return None
             return min(self.ready, key=lambda t: (self.order_position[t.microbatch], t.chunk))
-        return self.scheduler.next_task(frozenset(self.ready))
+        # The live set, not a copy per decision: schedulers only read it during the call.
+        return self.scheduler.next_task(self.ready)
 
     # ---- arrivals and waiting ------------------------------------------------------------------
     def _mark_arrived(self, task: Task, tensor: torch.Tensor):
@@ -438,7 +444,7 @@ class _IterationRunner:
         return index if index is not None and index >= 0 else None
 
     # ---- running tasks ------------------------------------------------------------------------
-    def _execute(self, task: Task):
+    def _execute(self, task: Task, turn_start: float):
         self.ready.discard(task)
         if self.channel.is_leader and not self.forward_only:
             self.scheduler.on_start(task)
@@ -452,6 +458,7 @@ class _IterationRunner:
             self.record.peak_held_bytes = max(self.record.peak_held_bytes, self.scheduler.held_bytes)
         self.ran.add(task)
         self.record.tasks.append(task)
+        self.record.task_seconds.append(time.perf_counter() - turn_start)
         self.deadline.progressed()
 
     def _is_last_virtual_stage(self, chunk: int) -> bool:

@@ -3,6 +3,8 @@
 Time is in abstract units (the trace maps 1 unit to 1 ms). A forward of microbatch m on one chunk
 of one rank takes (linear*size + quadratic*size^2) / V, times the rank's speed factor, a per-task
 jitter and a straggler slowdown; its backward takes backward_ratio times that, with its own draw.
+Every forward and backward then pays a fixed forward_overhead / backward_overhead: the executor's own
+cost per task (its loop, the framework's step wrappers, posting a message), unscaled by size or speed.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ class DurationModel:
     straggler_factor: float = 1.0
     straggler_scope: str = "task"  # "task": each task independently; "rank": a whole rank
     rank_speed: Sequence[float] | None = None  # per-rank time multipliers (heterogeneous stages)
+    forward_overhead: float = 0.0  # fixed executor cost added to every forward task
+    backward_overhead: float = 0.0  # fixed executor cost added to every backward task
 
     def __post_init__(self):
         if self.straggler_scope not in ("task", "rank"):
@@ -33,6 +37,8 @@ class DurationModel:
             raise ValueError(f"straggler_prob must lie in [0, 1], got {self.straggler_prob}")
         if self.linear < 0 or self.quadratic < 0 or self.backward_ratio <= 0 or self.jitter_sigma < 0:
             raise ValueError("DurationModel: linear, quadratic, jitter_sigma >= 0 and backward_ratio > 0")
+        if self.forward_overhead < 0 or self.backward_overhead < 0:
+            raise ValueError("DurationModel: forward_overhead and backward_overhead must be >= 0")
 
     def base_forward(self, graph: TaskGraph, m: int) -> float:
         size = graph.sizes[m]
@@ -57,6 +63,9 @@ class DurationModel:
             shape = times.shape if self.straggler_scope == "task" else (P, 1, 1, 1)
             slow = rng.random(shape) < self.straggler_prob
             times *= np.where(slow, self.straggler_factor, 1.0)
+        # Added after the random draws, so a zero overhead leaves every draw (and seed) unchanged.
+        times[:, 0] += self.forward_overhead
+        times[:, 1] += self.backward_overhead
         return TaskDurations(graph, times.reshape(-1).tolist())
 
 
