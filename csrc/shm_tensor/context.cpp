@@ -371,9 +371,10 @@ std::shared_ptr<Handle> Context::irecv(int peer, int64_t tag) {
 
 void Context::write_slot(Peer& peer, Handle& handle) {
   uint64_t head = peer.out_channel->head.load(std::memory_order_relaxed);
-  char* slot = peer.out_slots + (head % peer.out_num_slots) * peer.out_stride;
+  uint64_t index = head % peer.out_num_slots;
+  char* slot = peer.out_slots + index * peer.out_stride;
   if (handle.cuda_ready_ != nullptr) {
-    uint64_t index = head % peer.out_num_slots;
+    // Device copy first: if it fails nothing has been written to the slot.
     cuda::IpcDescriptor descriptor =
         cuda_ipc("shm_tensor.isend", peer.rank, handle.tag_)
             .send(peer.rank, handle.tag_, handle.tensor_, *handle.cuda_ready_, handle.cuda_stream_, index,
@@ -382,9 +383,9 @@ void Context::write_slot(Peer& peer, Handle& handle) {
     std::memcpy(slot + sizeof(WireHeader), &descriptor, sizeof(descriptor));
   } else {
     std::memcpy(slot, handle.raw_header_.data(), sizeof(WireHeader));
-  }
-  if (handle.cuda_ready_ == nullptr && handle.tensor_.defined() && handle.tensor_.numel() > 0) {
-    copy_pool_.copy(slot + sizeof(WireHeader), handle.tensor_.data_ptr(), handle.tensor_.nbytes());
+    if (handle.tensor_.defined() && handle.tensor_.numel() > 0) {
+      copy_pool_.copy(slot + sizeof(WireHeader), handle.tensor_.data_ptr(), handle.tensor_.nbytes());
+    }
   }
   peer.out_channel->head.store(head + 1, std::memory_order_release);
 }

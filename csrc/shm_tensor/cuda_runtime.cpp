@@ -53,13 +53,11 @@ bool resolve_all(void* library, Runtime* runtime, std::string* missing) {
   ok &= resolve(library, "cudaStreamCreateWithFlags", &runtime->StreamCreateWithFlags, missing);
   ok &= resolve(library, "cudaStreamDestroy", &runtime->StreamDestroy, missing);
   ok &= resolve(library, "cudaStreamWaitEvent", &runtime->StreamWaitEvent, missing);
-  ok &= resolve(library, "cudaStreamSynchronize", &runtime->StreamSynchronize, missing);
   ok &= resolve(library, "cudaMemcpyAsync", &runtime->MemcpyAsync, missing);
   ok &= resolve(library, "cudaEventCreateWithFlags", &runtime->EventCreateWithFlags, missing);
   ok &= resolve(library, "cudaEventDestroy", &runtime->EventDestroy, missing);
   ok &= resolve(library, "cudaEventRecord", &runtime->EventRecord, missing);
   ok &= resolve(library, "cudaEventQuery", &runtime->EventQuery, missing);
-  ok &= resolve(library, "cudaEventSynchronize", &runtime->EventSynchronize, missing);
   ok &= resolve(library, "cudaIpcGetEventHandle", &runtime->IpcGetEventHandle, missing);
   ok &= resolve(library, "cudaIpcOpenEventHandle", &runtime->IpcOpenEventHandle, missing);
   ok &= resolve(library, "cudaGetErrorString", &runtime->GetErrorString, missing);

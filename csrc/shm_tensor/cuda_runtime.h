@@ -45,13 +45,11 @@ struct Runtime {
   Error (*StreamCreateWithFlags)(Stream*, unsigned);
   Error (*StreamDestroy)(Stream);
   Error (*StreamWaitEvent)(Stream, Event, unsigned);
-  Error (*StreamSynchronize)(Stream);
   Error (*MemcpyAsync)(void*, const void*, size_t, int, Stream);
   Error (*EventCreateWithFlags)(Event*, unsigned);
   Error (*EventDestroy)(Event);
   Error (*EventRecord)(Event, Stream);
   Error (*EventQuery)(Event);
-  Error (*EventSynchronize)(Event);
   Error (*IpcGetEventHandle)(IpcEventHandle*, Event);
   Error (*IpcOpenEventHandle)(Event*, IpcEventHandle);
   const char* (*GetErrorString)(Error);
