@@ -136,3 +136,48 @@ def test_use_dpp_on_the_command_line_exits_2_with_one_line(capsys):
         parse_args(["--use-dpp", "--dpp-policy", "nonsense"])
     assert exit_info.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+# ---- the stall watchdog around a training step ------------------------------------------------
+def test_stall_watchdog_reports_an_armed_phase_that_stops_progressing(capsys):
+    import threading
+
+    from megatron_dpp.schedule.dpp_watchdog import ProgressClock, StallWatchdog
+
+    exited = threading.Event()
+    codes = []
+
+    def fake_exit(code):
+        codes.append(code)
+        exited.set()
+
+    clock = ProgressClock()
+    watchdog = StallWatchdog(0.4, exit_code=3, clock=clock, exit_fn=fake_exit)
+    try:
+        watchdog.arm("the optimizer step")
+        assert exited.wait(timeout=10), "the watchdog never fired on a stalled phase"
+    finally:
+        watchdog.close()
+    assert codes[0] == 3
+    err = capsys.readouterr().err
+    assert "no progress for 0.4 s (watchdog)" in err and "stuck in: the optimizer step" in err
+
+
+def test_stall_watchdog_is_quiet_when_disarmed_or_progressing():
+    import time
+
+    from megatron_dpp.schedule.dpp_watchdog import ProgressClock, StallWatchdog
+
+    codes = []
+    clock = ProgressClock()
+    watchdog = StallWatchdog(0.4, exit_code=3, clock=clock, exit_fn=codes.append)
+    try:
+        watchdog.arm("the pipeline schedule")
+        for _ in range(10):  # 1 s of steady progress, longer than the timeout
+            time.sleep(0.1)
+            clock.tick()
+        watchdog.disarm()
+        time.sleep(0.8)  # stalled, but not watched
+    finally:
+        watchdog.close()
+    assert codes == []

@@ -25,6 +25,8 @@ from megatron_dpp.data.iterators import build_data_iterators
 from megatron_dpp.data.tokenizer import build_tokenizer
 from megatron_dpp.models.gpt import GPTShape, build_gpt_chunks
 from megatron_dpp.platform import Platform, setup_platform
+from megatron_dpp.schedule.dpp_config import DPPConfig
+from megatron_dpp.schedule.dpp_watchdog import StallWatchdog
 from megatron_dpp.training.checkpointing import TrainState, load_checkpoint, save_checkpoint
 from megatron_dpp.training.config import (
     TrainingConfig,
@@ -152,6 +154,7 @@ class Trainer:
         self.forward_step = make_forward_step(platform.device)
         self.state = TrainState()
         self.consumed_valid_samples = 0
+        self.watchdog = _stall_watchdog(args)
 
     def _run_schedule(self, data_iterators, forward_only: bool) -> list[dict]:
         return self.forward_backward(
@@ -169,9 +172,11 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self.watch("the pipeline schedule (forward, backward, gradient all-reduces)")
         losses = self._run_schedule(data_iterators, forward_only=False)
         if self.train.empty_unused_memory_level >= 1:
             torch.cuda.empty_cache()
+        self.watch("the optimizer step (gradient-norm all-reduce over the model-parallel group)")
         updated, grad_norm, _zeros = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)
@@ -179,7 +184,19 @@ class Trainer:
             torch.cuda.empty_cache()
         self.state.iteration += 1
         self.state.consumed_samples += self.train.global_batch_size
-        return reduce_losses(losses, self.platform.device), grad_norm, updated
+        self.watch("the loss all-reduce over the data-parallel group")
+        reduced = reduce_losses(losses, self.platform.device)
+        self.unwatch()
+        return reduced, grad_norm, updated
+
+    def watch(self, phase: str) -> None:
+        """Arm the stall watchdog (with --use-dpp) for a phase that blocks on other ranks."""
+        if self.watchdog is not None:
+            self.watchdog.arm(phase)
+
+    def unwatch(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.disarm()
 
     def evaluate(self, valid_iterators) -> None:
         if self.train.manual_gc:
@@ -189,8 +206,10 @@ class Trainer:
         loss_sum = tokens = 0.0
         with torch.no_grad():
             for _ in range(self.train.eval_iters):
+                self.watch("an evaluation step (forward-only schedule, loss all-reduce)")
                 reduced = reduce_losses(self._run_schedule(valid_iterators, forward_only=True),
                                         self.platform.device)
+                self.unwatch()
                 self.consumed_valid_samples += self.train.global_batch_size
                 if reduced is not None:
                     loss_sum += reduced[0] * reduced[1]
@@ -212,6 +231,17 @@ class Trainer:
         path = save_checkpoint(self.train.save, self.state, self.model, self.optimizer,
                                self.scheduler)
         log_rank0(f" saved checkpoint at iteration {self.state.iteration} to {path}")
+
+
+def _stall_watchdog(args: argparse.Namespace) -> StallWatchdog | None:
+    """With --use-dpp, --dpp-timeout also bounds the blocking collectives of a training step: a
+    peer that stops while this rank waits in one ends the job with a report instead of a hang. It
+    fires a little after the runtime's own deadline, whose report (awaited tags, ready tasks) is
+    more precise when the stall is inside the schedule."""
+    if not getattr(args, "use_dpp", False):
+        return None
+    margin_s = max(2.0, 0.25 * args.dpp_timeout)
+    return StallWatchdog(args.dpp_timeout + margin_s, DPPConfig.timeout_exit_code)
 
 
 def _format_iteration(trainer: Trainer, reduced, grad_norm, elapsed_ms: float,
@@ -252,6 +282,15 @@ def _pretrain(args: argparse.Namespace, platform: Platform) -> int:
     tokenizer = build_tokenizer(args)
     train_ds, valid_ds, _test_ds = build_train_valid_test_datasets(args, tokenizer)
     trainer = Trainer(args, platform)
+    try:
+        return _train(args, trainer, train_ds, valid_ds)
+    finally:
+        # Joins the watchdog thread on every path, an exception included (close() is idempotent).
+        if trainer.watchdog is not None:
+            trainer.watchdog.close()
+
+
+def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds) -> int:
     train = trainer.train
     if train.load is not None:
         loaded = load_checkpoint(train.load, trainer.model, trainer.optimizer, trainer.scheduler)
@@ -260,7 +299,7 @@ def _pretrain(args: argparse.Namespace, platform: Platform) -> int:
             log_rank0(f" loaded checkpoint from {train.load} at iteration {loaded.iteration}")
     log_rank0(f" training: {train.train_iters} iterations, global batch {train.global_batch_size}"
               f", {train.num_microbatches} micro-batches of {train.micro_batch_size} per "
-              f"data-parallel rank, device {platform.device}, backend {platform.backend}")
+              f"data-parallel rank, device {trainer.platform.device}, backend {trainer.platform.backend}")
     train_iters, valid_iters = _iterators_per_chunk(
         args, train_ds, valid_ds, trainer.state.consumed_samples, 0, len(trainer.model))
 
@@ -270,7 +309,7 @@ def _pretrain(args: argparse.Namespace, platform: Platform) -> int:
     skipped = 0
     interval_ms = 0.0
     last_saved = trainer.state.iteration if train.load else None
-    with StopSignals(platform.device) as signals:
+    with StopSignals(trainer.platform.device) as signals:
         while trainer.state.iteration < train.train_iters:
             start = time.perf_counter()
             reduced, grad_norm, updated = trainer.train_step(train_iters)
@@ -291,7 +330,9 @@ def _pretrain(args: argparse.Namespace, platform: Platform) -> int:
             if train.save and train.save_interval and iteration % train.save_interval == 0:
                 trainer.save()
                 last_saved = iteration
+            trainer.watch("agreeing on a stop signal (all-reduce over every rank)")
             stop = signals.agreed_stop()
+            trainer.unwatch()
             if stop is not None:
                 if train.save and last_saved != iteration:
                     trainer.save()
