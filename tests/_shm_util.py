@@ -7,6 +7,7 @@ import queue
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -62,3 +63,13 @@ def run_ranks(
 
 def shm_names(prefix: str = "dpp-") -> list[str]:
     return sorted(name for name in os.listdir("/dev/shm") if name.startswith(prefix))
+
+
+def payload(sender: int, tag: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    """The deterministic tensor `sender` sends under `tag`: the receiver rebuilds it to compare."""
+    generator = torch.Generator().manual_seed(sender * 100_003 + tag)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    return torch.randint(0, 100, shape, generator=generator).to(dtype)

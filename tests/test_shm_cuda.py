@@ -16,7 +16,7 @@ import torch
 import shm_tensor
 from shm_tensor import ShmConfig
 from shm_tensor.context import store_barrier
-from _shm_util import run_ranks
+from _shm_util import payload, run_ranks
 
 MiB = 1 << 20
 FLAGS_OFFSET = 100  # of WireHeader.flags: after magic..src_rank (csrc/common/wire_header.h)
@@ -156,15 +156,6 @@ GPU_CASES = [
 CPU_TAG, OVERWRITTEN_TAG, TRANSPOSED_TAG = 500, 501, 502
 
 
-def _payload(sender: int, tag: int, dtype: torch.dtype, shape) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(sender * 100_003 + tag)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=generator).to(dtype)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=generator).bool()
-    return torch.randint(0, 100, shape, generator=generator).to(dtype)
-
-
 def _gpu_exchange_worker(rank, world, store):
     device = rank % torch.cuda.device_count()  # two GPUs when there are, one shared otherwise
     torch.cuda.set_device(device)
@@ -177,11 +168,11 @@ def _gpu_exchange_worker(rank, world, store):
     sends = []
     with torch.cuda.stream(side_stream):  # produced and sent on a non-default stream
         for tag, (dtype, shape) in enumerate(GPU_CASES):
-            sends.append(ctx.isend(_payload(rank, tag, dtype, shape).cuda(), peer, tag))
-    sends.append(ctx.isend(_payload(rank, CPU_TAG, torch.float32, (6,)), peer, CPU_TAG))
-    base = _payload(rank, TRANSPOSED_TAG, torch.float32, (4, 6)).cuda()
+            sends.append(ctx.isend(payload(rank, tag, dtype, shape).cuda(), peer, tag))
+    sends.append(ctx.isend(payload(rank, CPU_TAG, torch.float32, (6,)), peer, CPU_TAG))
+    base = payload(rank, TRANSPOSED_TAG, torch.float32, (4, 6)).cuda()
     sends.append(ctx.isend(base.t(), peer, TRANSPOSED_TAG))
-    overwritten = _payload(rank, OVERWRITTEN_TAG, torch.float32, (1 << 20,)).cuda()
+    overwritten = payload(rank, OVERWRITTEN_TAG, torch.float32, (1 << 20,)).cuda()
     handle = ctx.isend(overwritten, peer, OVERWRITTEN_TAG)
     sends.append(handle)
 
@@ -202,16 +193,16 @@ def _gpu_exchange_worker(rank, world, store):
         got = received[tag]
         if got.device != torch.device("cuda", device) or got.dtype != dtype:
             problems.append(f"tag {tag}: {got.device} {got.dtype}")
-        elif not torch.equal(got.cpu(), _payload(peer, tag, dtype, shape)):
+        elif not torch.equal(got.cpu(), payload(peer, tag, dtype, shape)):
             problems.append(f"tag {tag}: wrong values")
     if received[CPU_TAG].device.type != "cpu" or not torch.equal(
-            received[CPU_TAG], _payload(peer, CPU_TAG, torch.float32, (6,))):
+            received[CPU_TAG], payload(peer, CPU_TAG, torch.float32, (6,))):
         problems.append("CPU message")
     if not torch.equal(received[TRANSPOSED_TAG].cpu(),
-                       _payload(peer, TRANSPOSED_TAG, torch.float32, (4, 6)).t()):
+                       payload(peer, TRANSPOSED_TAG, torch.float32, (4, 6)).t()):
         problems.append("transposed message")
     if not torch.equal(received[OVERWRITTEN_TAG].cpu(),
-                       _payload(peer, OVERWRITTEN_TAG, torch.float32, (1 << 20,))):
+                       payload(peer, OVERWRITTEN_TAG, torch.float32, (1 << 20,))):
         problems.append("overwritten-after-send message")
     store_barrier(store, "gpu/done", world, timeout_s=60)  # the peer's pool outlives its reads
     ctx.close()

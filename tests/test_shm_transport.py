@@ -13,7 +13,7 @@ import torch
 
 import shm_tensor
 from shm_tensor import ShmConfig
-from _shm_util import run_ranks, shm_names
+from _shm_util import payload, run_ranks, shm_names
 
 MiB = 1 << 20
 
@@ -51,22 +51,13 @@ CASES = [
 TRANSPOSED_TAG = 1000
 
 
-def _payload(sender: int, tag: int, dtype: torch.dtype, shape) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(sender * 100_003 + tag)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=generator).to(dtype)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=generator).bool()
-    return torch.randint(0, 100, shape, generator=generator).to(dtype)
-
-
 def _exchange_worker(rank, world, store):
     peer = 1 - rank
     ctx = _context(rank, world, store, [peer], num_slots=4, slot_bytes=64 * MiB,
                    copy_threads=2, bytes_per_thread=4 * MiB, timeout_s=60)
-    sends = [ctx.isend(_payload(rank, tag, dtype, shape), peer, tag)
+    sends = [ctx.isend(payload(rank, tag, dtype, shape), peer, tag)
              for tag, (dtype, shape) in enumerate(CASES)]
-    base = _payload(rank, TRANSPOSED_TAG, torch.float32, (4, 6))
+    base = payload(rank, TRANSPOSED_TAG, torch.float32, (4, 6))
     sends.append(ctx.isend(base.t(), peer, TRANSPOSED_TAG))  # non-contiguous input
 
     order = list(range(len(CASES)))
@@ -82,9 +73,9 @@ def _exchange_worker(rank, world, store):
         got = done.wait(timeout=0)
         tag = receives[done]
         if tag == TRANSPOSED_TAG:
-            expected = _payload(peer, TRANSPOSED_TAG, torch.float32, (4, 6)).t().contiguous()
+            expected = payload(peer, TRANSPOSED_TAG, torch.float32, (4, 6)).t().contiguous()
         else:
-            expected = _payload(peer, tag, *CASES[tag])
+            expected = payload(peer, tag, *CASES[tag])
         assert got.dtype == expected.dtype and got.shape == expected.shape, (tag, got.dtype, got.shape)
         assert torch.equal(got, expected), f"payload of tag {tag} differs"
     job = ctx.job_name
