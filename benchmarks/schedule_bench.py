@@ -5,12 +5,15 @@ of M microbatches under every schedule: Megatron-Core's 1F1B / interleaved 1F1B 
 transport (megatron_dpp.comm's P2PCommunicator), every DPP policy and 1f1b-sorted through
 forward_backward_dpp, and torch.distributed.pipelining's Schedule1F1B / ScheduleInterleaved1F1B (over
 gloo; equal-size microbatches only). Each row: measured iteration time (median of --repeats, after
---warmup), the simulator's prediction for the same sampled durations, the lower bound (busiest rank's
-work) and the peak activation bytes a rank held. Stages sleep for their durations (benchmarks/
+--warmup; the repeats run in rounds, every schedule once per round), the simulator's prediction for
+the same sampled durations, the lower bound (busiest rank's work) and the peak activation bytes a rank
+held. --trace also keeps every DPP repeat's executed task order per rank and replays it in the
+simulator, which separates what a dynamic policy's run-time decisions cost from timing noise. Stages sleep for their durations (benchmarks/
 timed_stage.py), so the numbers measure the schedule, not the CPU.
 
     python benchmarks/schedule_bench.py --json runs/schedule_bench.json
     python benchmarks/schedule_bench.py --quick
+    python benchmarks/schedule_bench.py --scenarios varlen -V 1 --trace --json runs/varlen_trace.json
 """
 from __future__ import annotations
 
@@ -169,7 +172,7 @@ def _torch_pipelining_runner(schedule: str, scenario: Scenario, model, sizes: Li
 
 
 def _worker(rank: int, scenarios: List[Scenario], schedules_of: Dict[str, List[str]], warmup: int,
-            repeats: int, port: int, results_queue) -> None:
+            repeats: int, trace: bool, port: int, results_queue) -> None:
     P = scenarios[0].P
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(P), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -192,7 +195,7 @@ def _worker(rank: int, scenarios: List[Scenario], schedules_of: Dict[str, List[s
         rows = []
         for scenario in scenarios:
             rows.extend(_run_schedules(rank, scenario, schedules_of[scenario.key], warmup, repeats,
-                                       transport))
+                                       transport, trace))
         transport.close()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -202,8 +205,30 @@ def _worker(rank: int, scenarios: List[Scenario], schedules_of: Dict[str, List[s
         results_queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
 
 
+def _gather_timeline(record, start: float, P: int) -> List[List[list]]:
+    """Every rank's executed tasks of one repeat as [phase, microbatch, chunk, start ms, end ms]
+    from the earliest rank's start (perf_counter is one clock for all processes of a machine)."""
+    import torch.distributed as dist
+
+    mine = (start, [(int(t.phase), t.microbatch, t.chunk, begin, end)
+                    for t, begin, end in zip(record.tasks, record.task_started, record.task_ended)])
+    gathered = [None] * P
+    dist.all_gather_object(gathered, mine)
+    origin = min(rank_start for rank_start, _ in gathered)
+    return [[[phase, m, c, (begin - origin) * 1e3, (end - origin) * 1e3] for phase, m, c, begin, end in tasks]
+            for _, tasks in gathered]
+
+
+def simulated_timeline(result, P: int) -> List[List[list]]:
+    """A SimResult's timeline in _gather_timeline's format."""
+    per_rank: List[List[list]] = [[] for _ in range(P)]
+    for rank, task, begin, end in sorted(result.timeline, key=lambda item: item[2]):
+        per_rank[rank].append([int(task.phase), task.microbatch, task.chunk, begin, end])
+    return per_rank
+
+
 def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: int, repeats: int,
-                   transport) -> List[dict]:
+                   transport, trace: bool) -> List[dict]:
     import torch
     import torch.distributed as dist
 
@@ -219,9 +244,11 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
     meter = ActivationMeter()
     config = timed_stage_config(P, V)
     model = [TimedStage(config, rank, c, durations, graph.act_bytes, meter) for c in range(V)]
-    rows = []
-    # Per phase, the measured cost of each DPP-runtime task beyond its requested sleep (ms).
+    # Per phase, the measured cost of each DPP-runtime task beyond its requested sleep (ms), and the
+    # DPP runtime's setup before the first task (agreeing on sizes, building the schedule).
     overheads: Dict[int, List[float]] = {int(Phase.F): [], int(Phase.B): []}
+    setups: List[float] = []
+    runs = {}
     for schedule in schedules:
         fb = None
         if schedule.startswith("torch:"):
@@ -236,30 +263,46 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
                    model=model if V > 1 else model[0],
                    num_microbatches=M, seq_length=scenario.max_tokens, micro_batch_size=1,
                    forward_only=False)
-        times, peaks = [], []
-        for repeat in range(warmup + repeats):
+        runs[schedule] = (run, fb)
+    times = {schedule: [] for schedule in schedules}
+    peaks = {schedule: [] for schedule in schedules}
+    timelines = {schedule: [] for schedule in schedules}
+    # Rounds: every schedule runs once per round, so a burst of load from other jobs (seconds long)
+    # falls on one repeat of several schedules, not on consecutive repeats of one.
+    for repeat in range(warmup + repeats):
+        for schedule in schedules:
+            run, fb = runs[schedule]
             meter.reset()
             dist.barrier()
             start = time.perf_counter()
             run()
             measured = torch.tensor([time.perf_counter() - start, float(meter.peak)], dtype=torch.float64)
             dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-            if repeat >= warmup:
-                times.append(measured[0].item() * 1e3)
-                peaks.append(int(measured[1].item()))
-                record = getattr(getattr(fb, "dpp_session", None), "last_record", None)
-                if record is not None:
-                    for task, seconds in zip(record.tasks, record.task_seconds):
-                        requested = model[task.chunk].seconds(task.phase, task.microbatch)
-                        overheads[int(task.phase)].append((seconds - requested) * 1e3)
-        if rank == 0:
+            if repeat < warmup:
+                continue
+            times[schedule].append(measured[0].item() * 1e3)
+            peaks[schedule].append(int(measured[1].item()))
+            record = getattr(getattr(fb, "dpp_session", None), "last_record", None)
+            if record is not None:
+                for task, seconds in zip(record.tasks, record.task_seconds):
+                    requested = model[task.chunk].seconds(task.phase, task.microbatch)
+                    overheads[int(task.phase)].append((seconds - requested) * 1e3)
+                if rank == 0:
+                    setups.append((record.task_started[0] - start) * 1e3)
+                if trace:
+                    timelines[schedule].append(_gather_timeline(record, start, P))
+    rows = []
+    if rank == 0:
+        for schedule in schedules:
             rows.append({
                 "scenario": scenario.name, "P": P, "V": V, "M": M, "schedule": schedule,
-                "executor": executor_of(schedule), "time": statistics.median(times),
-                "peak_activation": max(peaks),
+                "executor": executor_of(schedule), "time": statistics.median(times[schedule]),
+                "peak_activation": max(peaks[schedule]),
                 "megatron_budget": max(default_budget_bytes(graph, r) for r in range(P)),
-                "times": times,
+                "times": times[schedule],
             })
+            if timelines[schedule]:
+                rows[-1]["timelines"] = timelines[schedule]
     # Late wake-ups from sleep, over every schedule of this scenario (all executors pay them).
     oversleep = {int(phase): [x for stage in model for x in stage.oversleep_ms[phase]]
                  for phase in (Phase.F, Phase.B)}
@@ -274,22 +317,46 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
     # Pooled over every rank, task and DPP-runtime schedule of this scenario: one calibration that
     # predicts every row, rather than one fitted to each row's own time.
     forward_ms, backward_ms = pooled_median(0, Phase.F), pooled_median(0, Phase.B)
+    setup_ms = max(0.0, statistics.median(setups)) if setups else 0.0
     oversleep_ms = {"forward": pooled_median(1, Phase.F), "backward": pooled_median(1, Phase.B)}
+    calibrated = scenario.duration_model(max(0.0, forward_ms), max(0.0, backward_ms))
     for row in rows:
         sim_name = {"torch:Schedule1F1B": "1f1b",
                     "torch:ScheduleInterleaved1F1B": "interleaved-1f1b"}.get(row["schedule"], row["schedule"])
         plain = simulate(graph, sim_name, scenario.duration_model(), CommModel(), seed=scenario.seed)
-        with_overhead = simulate(graph, sim_name,
-                                 scenario.duration_model(max(0.0, forward_ms), max(0.0, backward_ms)),
-                                 CommModel(), seed=scenario.seed)
+        with_overhead = simulate(graph, sim_name, calibrated, CommModel(), seed=scenario.seed)
         row.update({
-            "predicted_time": with_overhead.makespan,
+            # The simulator starts at the first task; the runtime's setup comes before it.
+            "predicted_time": setup_ms + with_overhead.makespan,
             "predicted_time_no_overhead": plain.makespan,
             "task_overhead_ms": {"forward": forward_ms, "backward": backward_ms},
+            "setup_ms": setup_ms,
             "oversleep_ms": oversleep_ms,
             "lower_bound": plain.lower_bound,
         })
+        if "timelines" in row:
+            row["simulated_timeline"] = simulated_timeline(with_overhead, P)
+            row["replayed_times"] = [setup_ms + replay_executed_order(graph, timeline, calibrated, scenario.seed)
+                                     for timeline in row["timelines"]]
     return rows
+
+
+def replay_executed_order(graph, timeline: List[List[list]], duration_model, seed: int) -> float:
+    """The simulator's makespan when every rank runs the task order it executed in `timeline` (a
+    _gather_timeline result) with the modelled durations: what the executed order costs, apart
+    from the timing noise of the run itself."""
+    from megatron_dpp.schedule import Phase, Task
+    from megatron_dpp.schedule.registry import default_budget_bytes
+    from megatron_dpp.schedule.scheduler import StaticOrderScheduler
+    from megatron_dpp.sim import CommModel, simulate
+
+    orders = [[Task(Phase(phase), m, c) for phase, m, c, _begin, _end in tasks] for tasks in timeline]
+
+    def executed(g, rank):
+        return StaticOrderScheduler("executed", g, rank, default_budget_bytes(g, rank), list(range(g.M)),
+                                    orders[rank])
+
+    return simulate(graph, executed, duration_model, CommModel(), seed=seed).makespan
 
 
 def executor_of(schedule: str) -> str:
@@ -306,7 +373,7 @@ def _free_port() -> int:
 
 
 def run_scenarios(scenarios: List[Scenario], schedules_of: Dict[str, List[str]], warmup: int,
-                  repeats: int, timeout_s: float) -> List[dict]:
+                  repeats: int, timeout_s: float, trace: bool = False) -> List[dict]:
     """Start P processes, run every scenario's schedules, return rank 0's rows; raise on failure."""
     import multiprocessing as mp
 
@@ -314,7 +381,7 @@ def run_scenarios(scenarios: List[Scenario], schedules_of: Dict[str, List[str]],
     queue = context.Queue()
     port = _free_port()
     processes = [context.Process(target=_worker, args=(rank, scenarios, schedules_of, warmup, repeats,
-                                                       port, queue), daemon=True)
+                                                       trace, port, queue), daemon=True)
                  for rank in range(scenarios[0].P)]
     for process in processes:
         process.start()
@@ -347,7 +414,9 @@ def schedules_for(V: int, include_torch: bool, scenario: str) -> List[str]:
 
 def format_table(rows: List[dict]) -> str:
     """pred0/err0: the simulator on the sampled durations alone; pred/err: plus the measured
-    per-task overhead of the DPP runtime (task_overhead_ms, the same for every row of a scenario)."""
+    per-task overhead and setup of the DPP runtime (task_overhead_ms, setup_ms: the same for every
+    row of a scenario). Then each row's repeats, and for traced rows what each repeat's executed
+    order costs when the simulator replays it."""
     header = (f"{'scenario':<10} {'P':>2} {'V':>2} {'M':>3} {'schedule':<30} {'exec':<8} {'time ms':>9} "
               f"{'pred0 ms':>9} {'err0':>6} {'pred ms':>9} {'err':>6} {'/LB':>6} {'/megatron':>9} "
               f"{'peak act':>10} {'budget':>10}")
@@ -367,12 +436,20 @@ def format_table(rows: List[dict]) -> str:
             f"{row['predicted_time']:9.1f} {error:+6.1%} "
             f"{row['time'] / row['lower_bound']:6.3f} {ratio} {row['peak_activation']:>10} "
             f"{row['megatron_budget']:>10}")
-    overheads = {(row["scenario"], row["V"]): (row["task_overhead_ms"], row["oversleep_ms"]) for row in rows}
-    for (scenario, V), (cost, late) in overheads.items():
+    overheads = {(row["scenario"], row["V"]): (row["task_overhead_ms"], row["oversleep_ms"], row["setup_ms"])
+                 for row in rows}
+    for (scenario, V), (cost, late, setup) in overheads.items():
         lines.append(f"# {scenario} V={V}: DPP runtime per-task overhead (median, all ranks) "
                      f"forward {cost['forward']:.2f} ms, backward {cost['backward']:.2f} ms; "
                      f"of which sleeps ending late: forward {late['forward']:.2f} ms, "
-                     f"backward {late['backward']:.2f} ms")
+                     f"backward {late['backward']:.2f} ms; setup before the first task {setup:.1f} ms")
+    for row in rows:
+        repeats = " ".join(f"{t:.0f}" for t in row["times"])
+        lines.append(f"# {row['scenario']} V={row['V']} {row['schedule']}: repeats {repeats} ms")
+        if "replayed_times" in row:
+            replayed = " ".join(f"{t:.0f}" for t in row["replayed_times"])
+            lines.append(f"#   executed orders replayed by the simulator: {replayed} ms "
+                         f"(the simulator's own order: {row['predicted_time']:.0f} ms)")
     return "\n".join(lines)
 
 
@@ -451,7 +528,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Activation bytes one token holds on one chunk.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
+    # Five: a median of five repeats stays put when two of them catch a burst of load from other
+    # jobs, which on shared cores adds 5-70% to single repeats of any schedule.
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-torch-pipelining", action="store_true",
                         help="Skip torch.distributed.pipelining's schedules.")
     parser.add_argument("--timeout", type=float, default=1800.0,
@@ -459,6 +538,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="Small smoke run: P=4, V=1 and 2, M=8, 5 ms forwards, 1 repeat, no warmup.")
     parser.add_argument("--json", type=str, default=None, help="Write {'results': [...]} here.")
+    parser.add_argument("--trace", action="store_true",
+                        help="For each DPP-runtime row, keep every repeat's executed tasks per rank with start "
+                             "and end times ('timelines' in --json, beside the simulator's "
+                             "'simulated_timeline') and print the simulator's time for each executed order.")
     parser.add_argument("--gpt", action="store_true",
                         help="Also train the tiny GPT (pp=2, --variable-seq-lengths) under Megatron's 1F1B "
                              "and under --use-dpp and compare their time per iteration.")
@@ -499,7 +582,8 @@ def main(argv=None) -> int:
     started = time.time()
     report = {"results": []}
     if not args.gpt_only:
-        report["results"] = run_scenarios(scenarios, schedules_of, args.warmup, args.repeats, args.timeout)
+        report["results"] = run_scenarios(scenarios, schedules_of, args.warmup, args.repeats, args.timeout,
+                                          args.trace)
         print(format_table(report["results"]))
         print(f"# {len(report['results'])} rows in {time.time() - started:.1f} s")
     if args.gpt or args.gpt_only:

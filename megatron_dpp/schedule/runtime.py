@@ -59,6 +59,10 @@ class IterationRecord:
     # Wall seconds of the loop turn that ran each task (harvest arrivals, decide, run, send), in the
     # order of `tasks`: what a task costs beyond its own compute is measured from these.
     task_seconds: List[float] = field(default_factory=list)
+    # time.perf_counter() when each task's step began (after the decision) and ended (its output
+    # posted): one clock for all processes of a machine, so ranks' timelines line up.
+    task_started: List[float] = field(default_factory=list)
+    task_ended: List[float] = field(default_factory=list)
     peak_held_bytes: int = 0
     budget_bytes: int = 0
 
@@ -449,10 +453,12 @@ class _IterationRunner:
         if self.channel.is_leader and not self.forward_only:
             self.scheduler.on_start(task)
             self.record.peak_held_bytes = max(self.record.peak_held_bytes, self.scheduler.held_bytes)
+        self.record.task_started.append(time.perf_counter())
         if task.phase is Phase.F:
             self._run_forward(task)
         else:
             self._run_backward(task)
+        self.record.task_ended.append(time.perf_counter())
         if self.channel.is_leader and not self.forward_only:
             self.scheduler.on_finish(task)
             self.record.peak_held_bytes = max(self.record.peak_held_bytes, self.scheduler.held_bytes)
