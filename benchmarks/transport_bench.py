@@ -1,6 +1,8 @@
 """Point-to-point transport benchmark: shm_tensor vs torch.distributed gloo vs an in-process memcpy.
 
-Two processes on this node. For every message size:
+Two processes on this node. `shm` is shm_tensor as configured (messages of at least
+--single-copy-min-bytes in one copy where the probe allows it), `shm-2copy` the same with
+single_copy=False (every message copied into a slot and out of it). For every message size:
   latency   ping-pong (rank 0 sends, rank 1 sends the same size back); one-way latency = half the
             round trip; p50 and p99 over --latency-iters round trips;
   bandwidth a stream of messages (rank 0 sends, rank 1 receives every one, then acknowledges);
@@ -29,7 +31,8 @@ import torch.multiprocessing as mp
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 QUICK_SIZES = [4 * KiB, 1 * MiB]
-TRANSPORTS = ("shm", "gloo", "memcpy")
+TRANSPORTS = ("shm", "shm-2copy", "gloo", "memcpy")
+SHM_TRANSPORTS = ("shm", "shm-2copy")
 
 
 def parse_size(text: str) -> int:
@@ -46,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated message sizes, e.g. 4KiB,1MiB,64MiB "
                              "(default 4KiB,64KiB,1MiB,4MiB,16MiB,64MiB)")
     parser.add_argument("--transports", type=str, default=",".join(TRANSPORTS),
-                        help="comma-separated subset of shm,gloo,memcpy")
+                        help="comma-separated subset of shm,shm-2copy,gloo,memcpy")
     parser.add_argument("--latency-iters", type=int, default=200,
                         help="round trips per size for latency (fewer for large sizes)")
     parser.add_argument("--stream-bytes", type=parse_size, default=256 * MiB,
@@ -58,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-slots", type=int, default=4, help="shm: slots per directed pair")
     parser.add_argument("--spin-us", type=float, default=20.0,
                         help="shm: microseconds a waiter watches its doorbell before sleeping")
+    parser.add_argument("--single-copy-min-bytes", type=parse_size, default=None,
+                        help="shm: smallest message the receiver pulls in one copy "
+                             "(default: ShmConfig's)")
     parser.add_argument("--quick", action="store_true",
                         help="sizes 4KiB and 1MiB, few iterations (for tests)")
     parser.add_argument("--json", type=str, default=None, help="write the results here")
@@ -80,6 +86,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     unknown = set(args.transport_list) - set(TRANSPORTS)
     if unknown:
         _fail(f"--transports: unknown {sorted(unknown)}; pick from {','.join(TRANSPORTS)}")
+    if args.single_copy_min_bytes is None:
+        from shm_tensor import ShmConfig
+
+        args.single_copy_min_bytes = ShmConfig().single_copy_min_bytes
+    if args.single_copy_min_bytes < 4096:
+        _fail("--single-copy-min-bytes must be at least 4096")
     if any(size <= 0 for size in args.size_list):
         _fail("--sizes must be positive")
     if args.quick:
@@ -138,17 +150,17 @@ class _Ops:
         return self.tag
 
     def send(self, tensor, tag):
-        if self.name == "shm":
+        if self.ctx is not None:
             return self.ctx.isend(tensor, self.peer, tag)
         return dist.isend(tensor, dst=self.peer)
 
     def recv(self, buffer, tag):
-        if self.name == "shm":
+        if self.ctx is not None:
             return self.ctx.irecv(self.peer, tag)
         return dist.irecv(buffer, src=self.peer)
 
     def wait(self, handle):
-        return handle.wait(60) if self.name == "shm" else handle.wait()
+        return handle.wait(60) if self.ctx is not None else handle.wait()
 
 
 def _ping_pong(ops: _Ops, rank: int, size: int, iters: int) -> list[float]:
@@ -170,7 +182,7 @@ def _ping_pong(ops: _Ops, rank: int, size: int, iters: int) -> list[float]:
 
 def _stream(ops: _Ops, rank: int, size: int, count: int, repeats: int) -> list[float]:
     payload = torch.ones(size, dtype=torch.uint8)
-    buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(count)] if ops.name == "gloo" \
+    buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(count)] if ops.ctx is None \
         else [None] * count
     ack = torch.zeros(1, dtype=torch.uint8)
     per_message = []
@@ -199,28 +211,35 @@ def _worker(rank: int, args, store_path: str, results) -> None:
     store = dist.FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     peer = 1 - rank
-    ctx = None
-    if "shm" in args.transport_list:
+    contexts = {}
+    for name in [t for t in args.transport_list if t in SHM_TRANSPORTS]:
         config = shm_tensor.ShmConfig(num_slots=args.num_slots, slot_bytes=max(args.size_list),
                                       copy_threads=args.copy_threads,
                                       bytes_per_thread=args.workload, spin_us=args.spin_us,
-                                      timeout_s=60)
-        ctx = shm_tensor.create_context_with_store(store, rank=rank, world_size=2, peers=[peer],
-                                                   config=config, prefix="transport_bench")
+                                      timeout_s=60, single_copy=name == "shm",
+                                      single_copy_min_bytes=args.single_copy_min_bytes)
+        contexts[name] = shm_tensor.create_context_with_store(
+            store, rank=rank, world_size=2, peers=[peer], config=config,
+            prefix=f"transport_bench/{name}")
     rows = []
     for name in [t for t in args.transport_list if t != "memcpy"]:
-        ops = _Ops(name, ctx, peer)
+        ops = _Ops(name, contexts.get(name), peer)
         for size in args.size_list:
             dist.barrier()
             one_way = _ping_pong(ops, rank, size, latency_iters(args, size))
             per_message = _stream(ops, rank, size, stream_count(args, size), args.repeats)
             rows.append(summarize(name, size, per_message, one_way))
     dist.barrier()
-    if ctx is not None:
+    # Which path the shm rows took (rank 1's probe and counts: it receives the streams).
+    paths = {name: {"single_copy_peers": list(ctx.single_copy_peers()),
+                    "fallbacks": {str(k): v for k, v in ctx.single_copy_fallbacks().items()},
+                    "message_counts": ctx.message_counts()}
+             for name, ctx in contexts.items()}
+    for ctx in contexts.values():
         ctx.close()
     dist.destroy_process_group()
-    if rank == 0:
-        results.put(rows)
+    # Rank 0's clock times the streams it sends.
+    results.put(("rows", rows) if rank == 0 else ("paths", paths))
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -237,7 +256,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             for process in processes:
                 process.start()
             try:
-                rows += results.get(timeout=args.timeout)
+                reports = dict(results.get(timeout=args.timeout) for _ in range(2))
+                rows += reports["rows"]
+                args.shm_paths = reports["paths"]
             finally:
                 for process in processes:
                     process.join(timeout=30)
@@ -263,17 +284,31 @@ def print_table(rows: list[dict]) -> None:
               f"{vs_gloo:>7}")
 
 
+def describe_paths(args) -> None:
+    """One line per shm transport: did the receiver pull in one copy, and how many messages did."""
+    for name, path in getattr(args, "shm_paths", {}).items():
+        counts = path["message_counts"]
+        if path["single_copy_peers"]:
+            how = f"single copy from {args.single_copy_min_bytes} B"
+        else:
+            how = "two copies (" + "; ".join(path["fallbacks"].values()) + ")"
+        print(f"{name}: {how}; receiver took {counts['received_single_copy']} messages in one copy, "
+              f"{counts['received_two_copy']} in two")
+
+
 def main(argv=None) -> int:
     args = resolve(build_parser().parse_args(argv))
     rows = run(args)
     print_table(rows)
+    describe_paths(args)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as handle:
             json.dump({"results": rows, "config": {
                 "sizes": args.size_list, "workload": args.workload,
                 "copy_threads": args.copy_threads, "num_slots": args.num_slots,
-                "spin_us": args.spin_us}}, handle, indent=1)
+                "spin_us": args.spin_us, "single_copy_min_bytes": args.single_copy_min_bytes},
+                "shm_paths": getattr(args, "shm_paths", {})}, handle, indent=1)
     return 0
 
 

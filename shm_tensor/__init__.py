@@ -2,7 +2,8 @@
 node, over POSIX shared memory (compiled `shm_tensor._C`).
 
     ctx = create_context_with_store(store, rank=r, world_size=n, peers=[...])
-    handle = ctx.isend(tensor, peer, tag)      # complete once the bytes sit in the peer's slot
+    handle = ctx.isend(tensor, peer, tag)      # complete once the bytes sit in the peer's slot, or
+                                               # (large CPU tensors) once the peer pulled them
     handle = ctx.irecv(peer, tag)              # matched by (peer, tag), in any order
     tensor = handle.wait(timeout=30)           # shape and dtype come from the wire header
     index = ctx.wait_any([h1, h2], timeout=30) # sleeps on one futex doorbell, no spinning
@@ -22,6 +23,7 @@ from shm_tensor.context import (
     decode_header,
     HEADER_BYTES,
     FLAG_CUDA_IPC,
+    FLAG_SINGLE_COPY,
     cuda_runtime_error,
     header_flags,
 )
@@ -43,6 +45,7 @@ __all__ = [
     "decode_header",
     "HEADER_BYTES",
     "FLAG_CUDA_IPC",
+    "FLAG_SINGLE_COPY",
     "cuda_runtime_error",
     "header_flags",
     "TransportError",

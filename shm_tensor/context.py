@@ -14,6 +14,7 @@ from shm_tensor import _C
 
 HEADER_BYTES: int = _C.HEADER_BYTES
 FLAG_CUDA_IPC: int = _C.FLAG_CUDA_IPC
+FLAG_SINGLE_COPY: int = _C.FLAG_SINGLE_COPY
 
 
 def _torch_cudart_candidates() -> list[str]:
@@ -49,7 +50,11 @@ def _cuda_caller() -> tuple[int, int]:
 @dataclass(frozen=True)
 class ShmConfig:
     """Sizes and limits of one context. Every receiver owns, per peer, `num_slots` slots of
-    `slot_bytes` payload each; a message must fit in one slot."""
+    `slot_bytes` payload each; a message must fit in one slot (single-copy messages too).
+
+    CPU messages of at least `single_copy_min_bytes` travel in one copy: the receiver pulls them
+    from the sender's memory (process_vm_readv), where its probe at connect() allowed it, and the
+    send completes once pulled. `single_copy=False` sends and receives everything in two copies."""
 
     num_slots: int = 4
     slot_bytes: int = 64 << 20
@@ -58,6 +63,8 @@ class ShmConfig:
     timeout_s: float = 300.0  # waits without an explicit timeout use this
     recv_cache_bytes: int = 256 << 20  # recycled buffers of received tensors >= 64 KiB kept for reuse
     spin_us: float = 20.0  # a waiter watches its doorbell this long before sleeping on it
+    single_copy: bool = True  # large CPU messages pulled from the sender's memory where allowed
+    single_copy_min_bytes: int = 2 << 20  # smaller CPU messages always take two copies
 
     def validate(self) -> None:
         if self.num_slots < 1:
@@ -72,6 +79,9 @@ class ShmConfig:
             raise ValueError(f"ShmConfig.timeout_s={self.timeout_s}: must be > 0")
         if self.recv_cache_bytes < 0 or self.spin_us < 0:
             raise ValueError("ShmConfig.recv_cache_bytes and spin_us must be >= 0")
+        if self.single_copy_min_bytes < 4096:
+            raise ValueError(f"ShmConfig.single_copy_min_bytes={self.single_copy_min_bytes}: "
+                             "must be >= 4096")
 
     def to_c(self) -> "_C.ContextConfig":
         self.validate()
@@ -83,6 +93,8 @@ class ShmConfig:
         config.timeout_s = self.timeout_s
         config.recv_cache_bytes = self.recv_cache_bytes
         config.spin_us = self.spin_us
+        config.single_copy = bool(self.single_copy)
+        config.single_copy_min_bytes = self.single_copy_min_bytes
         return config
 
 
@@ -151,9 +163,25 @@ class Context:
             [h._handle for h in handles], -1.0 if timeout is None else float(timeout), *_cuda_caller()
         )
 
-    def _send_raw_header(self, header: bytes, peer: int) -> Handle:
-        """Sends `header` verbatim with no payload (tests of the receiver's header checks)."""
-        return Handle(self._context.send_raw_header(header, peer))
+    def single_copy_peers(self) -> tuple[int, ...]:
+        """Peers whose large CPU messages this process pulls in one copy (its probe at connect()
+        could read their memory, and single_copy is on here)."""
+        return tuple(self._context.single_copy_peers())
+
+    def single_copy_fallbacks(self) -> dict[int, str]:
+        """Peers whose messages to this process take two copies, with the reason (the failed probe:
+        process_vm_readv's errno, or single copy disabled)."""
+        return dict(self._context.single_copy_fallbacks())
+
+    def message_counts(self) -> dict[str, int]:
+        """CPU messages sent and received so far by path: sent_single_copy, sent_two_copy,
+        received_single_copy, received_two_copy."""
+        return dict(self._context.message_counts())
+
+    def _send_raw_header(self, header: bytes, peer: int, body: bytes = b"") -> Handle:
+        """Sends `header` verbatim, then `body`, with no tensor payload (tests of the receiver's
+        header and descriptor checks)."""
+        return Handle(self._context.send_raw_header(header, peer, body))
 
     def close(self) -> None:
         self._context.close()
@@ -167,7 +195,8 @@ class Context:
 
 def encode_header(tensor: torch.Tensor, tag: int, src_rank: int, flags: int = 0) -> bytes:
     """The wire header (HEADER_BYTES bytes) describing `tensor` as message `tag`; `flags`:
-    FLAG_CUDA_IPC for a device message (shm_tensor sets it itself)."""
+    FLAG_CUDA_IPC for a device message, FLAG_SINGLE_COPY for a payload the receiver pulls from the
+    sender's memory (shm_tensor sets both itself)."""
     return _C.encode_header(tensor, tag, src_rank, flags)
 
 

@@ -73,3 +73,52 @@ def payload(sender: int, tag: int, dtype: torch.dtype, shape) -> torch.Tensor:
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=generator).bool()
     return torch.randint(0, 100, shape, generator=generator).to(dtype)
+
+
+def block_process_vm_readv() -> None:
+    """Makes process_vm_readv fail with ENOSYS in this thread and the threads it starts later, as a
+    restrictive seccomp profile would (x86_64 only): a seccomp filter, installed without privileges
+    after PR_SET_NO_NEW_PRIVS."""
+    import ctypes
+    import platform
+
+    if platform.machine() != "x86_64":
+        raise RuntimeError("block_process_vm_readv knows the x86_64 syscall number only")
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                    ("k", ctypes.c_uint32)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    nr_process_vm_readv, enosys = 310, 38
+    program = (SockFilter * 4)(
+        SockFilter(0x20, 0, 0, 0),  # load seccomp_data.nr
+        SockFilter(0x15, 0, 1, nr_process_vm_readv),  # equal? next : skip one
+        SockFilter(0x06, 0, 0, 0x00050000 | enosys),  # SECCOMP_RET_ERRNO | ENOSYS
+        SockFilter(0x06, 0, 0, 0x7FFF0000),  # SECCOMP_RET_ALLOW
+    )
+    fprog = SockFprog(len(program), program)
+    pr_set_no_new_privs, pr_set_seccomp, seccomp_mode_filter = 38, 22, 2
+    if libc.prctl(pr_set_no_new_privs, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    if libc.prctl(pr_set_seccomp, seccomp_mode_filter, ctypes.byref(fprog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+
+
+def wait_until_dead(pid: int, timeout_s: float) -> None:
+    """Until process `pid` has exited (gone or a zombie nobody reaped yet)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} still alive after {timeout_s} s")

@@ -17,16 +17,22 @@ def test_transport_bench_quick(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benchmarks" / "transport_bench.py"), "--quick",
-         "--json", str(out)],
+         "--single-copy-min-bytes", "1MiB", "--json", str(out)],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=220)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = json.loads(out.read_text())["results"]
     keys = {(row["transport"], row["bytes"]) for row in rows}
-    assert keys == {(t, s) for t in ("shm", "gloo", "memcpy") for s in (4096, 1 << 20)}
+    assert keys == {(t, s) for t in ("shm", "shm-2copy", "gloo", "memcpy") for s in (4096, 1 << 20)}
     for row in rows:
         assert row["bandwidth_gbps"] > 0
         assert 0 < row["latency_us_p50"] <= row["latency_us_p99"]
     assert "x memcpy" in result.stdout  # the table
+    # Which path the shm rows took, said and recorded.
+    paths = json.loads(out.read_text())["shm_paths"]
+    assert paths["shm-2copy"]["message_counts"]["received_single_copy"] == 0
+    assert paths["shm"]["single_copy_peers"] == [0]
+    assert paths["shm"]["message_counts"]["received_single_copy"] > 0
+    assert "shm: single copy from" in result.stdout
 
 
 def test_transport_bench_rejects_bad_sizes():

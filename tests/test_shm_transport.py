@@ -51,10 +51,10 @@ CASES = [
 TRANSPOSED_TAG = 1000
 
 
-def _exchange_worker(rank, world, store):
+def _exchange_worker(rank, world, store, single_copy):
     peer = 1 - rank
     ctx = _context(rank, world, store, [peer], num_slots=4, slot_bytes=64 * MiB,
-                   copy_threads=2, bytes_per_thread=4 * MiB, timeout_s=60)
+                   copy_threads=2, bytes_per_thread=4 * MiB, timeout_s=60, single_copy=single_copy)
     sends = [ctx.isend(payload(rank, tag, dtype, shape), peer, tag)
              for tag, (dtype, shape) in enumerate(CASES)]
     base = payload(rank, TRANSPOSED_TAG, torch.float32, (4, 6))
@@ -79,14 +79,19 @@ def _exchange_worker(rank, world, store):
         assert got.dtype == expected.dtype and got.shape == expected.shape, (tag, got.dtype, got.shape)
         assert torch.equal(got, expected), f"payload of tag {tag} differs"
     job = ctx.job_name
+    single_copy_sends = ctx.message_counts()["sent_single_copy"]
     ctx.close()
-    return job
+    return job, single_copy_sends
 
 
+# single_copy=False: every message in two copies, as on a machine whose probe fails.
+@pytest.mark.parametrize("single_copy", [True, False], ids=["single-copy", "two-copy"])
 @pytest.mark.timeout(180)
-def test_exchange_any_order_all_dtypes_and_sizes(tmp_path):
-    jobs = run_ranks(_exchange_worker, 2, tmp_path, timeout_s=150)
-    assert shm_names(jobs[0]) == [], "inboxes left in /dev/shm after a normal exit"
+def test_exchange_any_order_all_dtypes_and_sizes(tmp_path, single_copy):
+    results = run_ranks(_exchange_worker, 2, tmp_path, single_copy, timeout_s=150)
+    job, single_copy_sends = results[0]
+    assert shm_names(job) == [], "inboxes left in /dev/shm after a normal exit"
+    assert (single_copy_sends > 0) == single_copy, single_copy_sends
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,30 +39,35 @@ void CopyPool::worker_loop() {
 }
 
 void CopyPool::copy(void* dst, const void* src, size_t n) {
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  for_each_piece(n, [d, s](int, size_t begin, size_t end) { std::memcpy(d + begin, s + begin, end - begin); });
+}
+
+void CopyPool::for_each_piece(size_t n, const std::function<void(int, size_t, size_t)>& piece) {
   int threads = threads_for(n);
   if (threads <= 1) {
-    std::memcpy(dst, src, n);
+    piece(0, 0, n);
     return;
   }
   // Pieces are multiples of 4 KiB so that no two threads write the same page.
-  size_t piece = ((n / threads) + 4095) & ~size_t(4095);
-  auto* d = static_cast<char*>(dst);
-  const auto* s = static_cast<const char*>(src);
+  size_t length = ((n / threads) + 4095) & ~size_t(4095);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     while (static_cast<int>(workers_.size()) < threads - 1) {
       workers_.emplace_back([this] { worker_loop(); });
     }
     for (int i = 1; i < threads; ++i) {
-      size_t begin = std::min(n, piece * i);
-      size_t end = std::min(n, piece * (i + 1));
+      size_t begin = std::min(n, length * i);
+      size_t end = std::min(n, length * (i + 1));
       if (begin >= end) continue;
       ++pieces_left_;
-      queue_.emplace_back([d, s, begin, end] { std::memcpy(d + begin, s + begin, end - begin); });
+      // `piece` outlives the task: this call returns only when pieces_left_ is back to zero.
+      queue_.emplace_back([&piece, i, begin, end] { piece(i, begin, end); });
     }
   }
   work_ready_.notify_all();
-  std::memcpy(d, s, std::min(n, piece));
+  piece(0, 0, std::min(n, length));
   std::unique_lock<std::mutex> lock(mutex_);
   work_done_.wait(lock, [this] { return pieces_left_ == 0; });
 }

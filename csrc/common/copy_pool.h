@@ -1,5 +1,6 @@
-// Parallel memcpy: large messages are split into pieces of at least `bytes_per_thread` bytes, copied
-// by up to `max_threads` threads (the caller is one of them). Workers sleep on a condition variable
+// Parallel copies: large messages are split into page-aligned pieces of at least `bytes_per_thread`
+// bytes, handled by up to `max_threads` threads (the caller is one of them). Used for memcpy into and
+// out of shared-memory slots and for process_vm_readv pulls. Workers sleep on a condition variable
 // when idle and are joined in the destructor.
 #pragma once
 
@@ -22,6 +23,11 @@ class CopyPool {
 
   // Copies n bytes; returns after every piece is done.
   void copy(void* dst, const void* src, size_t n);
+
+  // Calls piece(index, begin, end) for the pieces of [0, n), index 0 on the calling thread, and
+  // returns after every piece is done. Pieces start at multiples of 4 KiB. `piece` must not throw
+  // (it reports failures through what it captures); index < threads_for(n).
+  void for_each_piece(size_t n, const std::function<void(int index, size_t begin, size_t end)>& piece);
 
   int threads_for(size_t n) const;
 

@@ -118,6 +118,10 @@ std::string validate_header(const WireHeader& header, uint64_t max_payload_bytes
         << "; rebuild both sides from the same source";
     return msg.str();
   }
+  if ((header.flags & kFlagCudaIpc) && (header.flags & kFlagSingleCopy)) {
+    msg << "header flags CUDA IPC and single copy exclude each other";
+    return msg.str();
+  }
   size_t itemsize = dtype_itemsize(header.dtype);
   if (itemsize == 0) {
     msg << "unknown dtype code " << header.dtype;

@@ -15,7 +15,11 @@ constexpr int kMaxDims = 8;
 // flags: the tensor lives in device memory; what follows the header is a shm_tensor CUDA IPC
 // descriptor (csrc/shm_tensor/cuda_ipc.h) naming the device slot, not the payload bytes.
 constexpr uint32_t kFlagCudaIpc = 1u << 0;
-constexpr uint32_t kKnownFlags = kFlagCudaIpc;
+// flags: the payload stays in the sender's memory; what follows the header is a shm_tensor
+// single-copy descriptor (csrc/shm_tensor/single_copy.h: address and byte count) from which the
+// receiver pulls the payload with process_vm_readv.
+constexpr uint32_t kFlagSingleCopy = 1u << 1;
+constexpr uint32_t kKnownFlags = kFlagCudaIpc | kFlagSingleCopy;
 
 // Stable dtype codes: independent of torch's ScalarType numbering so the wire format survives a
 // torch upgrade on one side of a cross-node link.

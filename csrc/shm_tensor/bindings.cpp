@@ -109,6 +109,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.attr("HEADER_BYTES") = py::int_(sizeof(dpp_wire::WireHeader));
   m.attr("FLAG_CUDA_IPC") = py::int_(dpp_wire::kFlagCudaIpc);
+  m.attr("FLAG_SINGLE_COPY") = py::int_(dpp_wire::kFlagSingleCopy);
   m.def("encode_header", &encode_header, py::arg("tensor"), py::arg("tag"), py::arg("src_rank"),
         py::arg("flags") = 0u);
   m.def("header_flags", &header_flags, py::arg("header"), py::arg("peer"));
@@ -126,7 +127,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("bytes_per_thread", &ContextConfig::bytes_per_thread)
       .def_readwrite("timeout_s", &ContextConfig::timeout_s)
       .def_readwrite("recv_cache_bytes", &ContextConfig::recv_cache_bytes)
-      .def_readwrite("spin_us", &ContextConfig::spin_us);
+      .def_readwrite("spin_us", &ContextConfig::spin_us)
+      .def_readwrite("single_copy", &ContextConfig::single_copy)
+      .def_readwrite("single_copy_min_bytes", &ContextConfig::single_copy_min_bytes);
 
   py::class_<Handle, std::shared_ptr<Handle>>(m, "Handle")
       .def("test", &Handle::test, py::arg("cuda_device") = -1, py::arg("cuda_stream") = 0,
@@ -149,8 +152,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("wait_any", &Context::wait_any, py::arg("handles"), py::arg("timeout_s") = -1.0,
            py::arg("cuda_device") = -1, py::arg("cuda_stream") = 0,
            py::call_guard<py::gil_scoped_release>())
-      .def("send_raw_header", &Context::send_raw_header, py::arg("header"), py::arg("peer"))
+      .def("send_raw_header", &Context::send_raw_header, py::arg("header"), py::arg("peer"),
+           py::arg("body") = py::bytes())
       .def("close", &Context::close, py::call_guard<py::gil_scoped_release>())
       .def("inbox_name", &Context::inbox_name)
+      .def("single_copy_peers", &Context::single_copy_peers, py::call_guard<py::gil_scoped_release>())
+      .def("single_copy_fallbacks", &Context::single_copy_fallbacks,
+           py::call_guard<py::gil_scoped_release>())
+      .def("message_counts",
+           [](Context& context) {
+             MessageCounts counts = context.message_counts();
+             py::dict result;
+             result["sent_single_copy"] = counts.sent_single_copy;
+             result["sent_two_copy"] = counts.sent_two_copy;
+             result["received_single_copy"] = counts.received_single_copy;
+             result["received_two_copy"] = counts.received_two_copy;
+             return result;
+           })
       .def_property_readonly("rank", &Context::rank);
 }

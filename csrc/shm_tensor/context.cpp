@@ -7,11 +7,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <random>
 #include <set>
 #include <sstream>
 
 #include "../common/errors.h"
 #include "dtype_codes.h"
+#include "single_copy.h"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434  // same number on every architecture
@@ -31,7 +33,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 constexpr uint64_t kInboxMagic = 0x58424e4950504455ull;  // "UDPPINBX"
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;  // 2: single-copy probe token, closed flag, channel decision
 constexpr int kMaxPeers = 256;
 constexpr uint64_t kPage = 4096;
 constexpr uint64_t kChannelHeaderBytes = kPage;
@@ -39,6 +41,10 @@ constexpr uint64_t kChannelHeaderBytes = kPage;
 constexpr double kLivenessPeriodS = 0.05;
 // Smaller received tensors come from the ordinary allocator (no page faults to save).
 constexpr uint64_t kRecycleFromBytes = 64 * 1024;
+// ChannelHeader::single_copy: the receiver's decision, written at its connect().
+constexpr uint32_t kSingleCopyUndecided = 0;
+constexpr uint32_t kSingleCopyAccepted = 1;
+constexpr uint32_t kSingleCopyRefused = 2;
 
 uint64_t align_up(uint64_t value, uint64_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
@@ -66,6 +72,12 @@ struct ControlBlock {
   uint32_t pad;
   uint64_t slot_bytes;
   uint64_t slot_stride;
+  // A token in the owner's private memory, which peers pull at connect() to probe single copy.
+  uint64_t probe_address;
+  uint64_t probe_value;
+  // Set by the owner's close() before it releases the sources of unpulled single-copy sends: a
+  // receiver that sees it after a pull discards what it pulled; a sender stops waiting for a pull.
+  alignas(64) std::atomic<uint32_t> closed;
   alignas(64) Doorbell doorbell;
   alignas(64) ChannelEntry channels[kMaxPeers];
 };
@@ -73,6 +85,13 @@ struct ControlBlock {
 struct ChannelHeader {
   alignas(64) std::atomic<uint64_t> head;  // messages published, written by the sender
   alignas(64) std::atomic<uint64_t> tail;  // messages consumed, written by the receiver
+  alignas(64) std::atomic<uint32_t> single_copy;  // kSingleCopy*: may the sender use single copy?
+};
+
+// A single-copy send written into the ring at `position`, complete once the tail has passed it.
+struct InFlightSend {
+  uint64_t position;
+  std::shared_ptr<Handle> handle;
 };
 
 struct Context::Peer {
@@ -91,8 +110,15 @@ struct Context::Peer {
   int pid = 0;
   int pidfd = -1;
   bool lost = false;
-  std::string broken;  // why the inbound channel was abandoned (a rejected header)
+  std::string lost_detail;  // receive side: the single-copy message the peer took with it
+  std::string broken;       // why the inbound channel was abandoned
+  bool broken_by_pull = false;  // a failed pull (TransportError), else a rejected message (ProtocolError)
+  // Single copy: does the peer pull our messages (its decision, read once decided), and why do we
+  // not pull its messages ("" when we do).
+  uint32_t receiver_single_copy = kSingleCopyUndecided;
+  std::string single_copy_refusal;
   std::deque<std::shared_ptr<Handle>> pending_sends;
+  std::deque<InFlightSend> in_flight_sends;  // in ring order
 
   Peer() = default;
   Peer(const Peer&) = delete;
@@ -142,6 +168,9 @@ Context::Context(int rank, std::vector<int> peers, std::string job_name, Context
   if (config_.num_slots < 1) throw std::invalid_argument("shm_tensor: num_slots must be >= 1");
   if (config_.timeout_s <= 0) throw std::invalid_argument("shm_tensor: timeout_s must be > 0");
   if (config_.spin_us < 0) throw std::invalid_argument("shm_tensor: spin_us must be >= 0");
+  if (config_.single_copy_min_bytes < 4096) {
+    throw std::invalid_argument("shm_tensor: single_copy_min_bytes must be >= 4096");
+  }
   if (job_name_.empty() || job_name_.size() > 200 ||
       job_name_.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") !=
           std::string::npos) {
@@ -171,6 +200,10 @@ Context::Context(int rank, std::vector<int> peers, std::string job_name, Context
   control_->num_slots = static_cast<uint32_t>(config_.num_slots);
   control_->slot_bytes = config_.slot_bytes;
   control_->slot_stride = slot_stride_;
+  std::random_device entropy;
+  probe_token_ = (static_cast<uint64_t>(entropy()) << 32) ^ entropy() ^ 0x5a5a5a5a00000001ull;
+  control_->probe_address = reinterpret_cast<uint64_t>(&probe_token_);
+  control_->probe_value = probe_token_;
   for (size_t i = 0; i < peer_ranks_.size(); ++i) {
     uint64_t offset = control_bytes + i * channel_bytes;
     control_->channels[i].sender_rank = peer_ranks_[i];
@@ -233,6 +266,13 @@ void Context::connect() {
     peer->pidfd = static_cast<int>(::syscall(SYS_pidfd_open, peer->pid, 0));
     // pidfd_open fails on old kernels or across pid namespaces; kill(pid, 0) is the fallback.
     if (peer->pidfd < 0) peer->pidfd = -1;
+    // May we pull this peer's messages? Written into our inbox, where the peer reads it after the
+    // rendezvous barrier (Context::use_single_copy).
+    peer->single_copy_refusal = config_.single_copy
+                                    ? probe_single_copy(peer->pid, control->probe_address, control->probe_value)
+                                    : "single copy disabled here (ShmConfig.single_copy=False)";
+    peer->in_channel->single_copy.store(
+        peer->single_copy_refusal.empty() ? kSingleCopyAccepted : kSingleCopyRefused, std::memory_order_release);
   }
   connected_ = true;
 }
@@ -248,11 +288,17 @@ void Context::close() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (closed_) return;
     closed_ = true;
+    // Before the sources of unpulled single-copy sends are released (after the lock is dropped):
+    // a receiver that pulls one of them afterwards sees the flag and discards what it read.
+    if (control_ != nullptr) control_->closed.store(1, std::memory_order_seq_cst);
     for (auto& entry : posted_recvs_) {
       for (auto& handle : entry.second) released.push_back(std::move(handle));
     }
     for (auto& peer : peers_) {
       for (auto& handle : peer->pending_sends) released.push_back(std::move(handle));
+      for (auto& sent : peer->in_flight_sends) released.push_back(std::move(sent.handle));
+      // A peer waiting for us to take its message learns at once that we will not.
+      if (peer->control != nullptr) ring(peer->control->doorbell);
     }
     posted_recvs_.clear();
     unclaimed_.clear();
@@ -303,12 +349,11 @@ std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64
     throw std::invalid_argument(describe(call, peer, tag, error.what()));
   }
   std::vector<int64_t> shape(source.sizes().begin(), source.sizes().end());
-  WireHeader header;
-  try {
-    header = dpp_wire::make_header(tag, dtype, shape.data(), static_cast<int>(shape.size()), nbytes, rank_,
-                                   on_cuda ? dpp_wire::kFlagCudaIpc : 0u);
-  } catch (const std::invalid_argument& error) {
-    throw std::invalid_argument(describe(call, peer, tag, error.what()));
+  if (shape.size() > static_cast<size_t>(dpp_wire::kMaxDims)) {
+    throw std::invalid_argument(describe(call, peer, tag,
+                                         "tensor has " + std::to_string(shape.size()) +
+                                             " dimensions; the wire header carries at most " +
+                                             std::to_string(dpp_wire::kMaxDims)));
   }
 
   std::lock_guard<std::mutex> lock(mutex_);
@@ -325,8 +370,16 @@ std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64
                                        std::to_string(sizeof(cuda::IpcDescriptor)) +
                                        " B for its IPC descriptor; raise ShmConfig.slot_bytes"));
   }
+  bool single_copy = !on_cuda && use_single_copy(target, nbytes);
+  uint32_t flags = on_cuda ? dpp_wire::kFlagCudaIpc : (single_copy ? dpp_wire::kFlagSingleCopy : 0u);
+  WireHeader header =
+      dpp_wire::make_header(tag, dtype, shape.data(), static_cast<int>(shape.size()), nbytes, rank_, flags);
   auto handle = std::make_shared<Handle>(shared_from_this(), true, peer, tag);
-  handle->tensor_ = source;
+  // An alias, not `source` itself: Megatron's deallocate_output_tensor sets `tensor.data` right after
+  // the send, which swaps the storage of that TensorImpl; the alias keeps the original storage alive
+  // and unchanged until the send completes.
+  handle->tensor_ = source.detach();
+  handle->single_copy_ = single_copy;
   if (on_cuda) {
     handle->cuda_stream_ = cuda_stream;
     handle->cuda_ready_ = cuda_ipc(call, peer, tag).record_ready(source, cuda_stream, call, peer, tag);
@@ -338,15 +391,20 @@ std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64
   return handle;
 }
 
-std::shared_ptr<Handle> Context::send_raw_header(const std::string& header, int peer) {
+std::shared_ptr<Handle> Context::send_raw_header(const std::string& header, int peer, const std::string& body) {
   if (header.size() != sizeof(WireHeader)) {
     throw std::invalid_argument("shm_tensor.send_raw_header: header must be " +
                                 std::to_string(sizeof(WireHeader)) + " bytes");
   }
   std::lock_guard<std::mutex> lock(mutex_);
   Peer& target = peer_or_throw("shm_tensor.send_raw_header", peer, 0);
+  if (body.size() > target.out_slot_bytes) {
+    throw std::invalid_argument("shm_tensor.send_raw_header: body of " + std::to_string(body.size()) +
+                                " B exceeds the slot size");
+  }
   auto handle = std::make_shared<Handle>(shared_from_this(), true, peer, 0);
   handle->raw_header_.assign(header.begin(), header.end());
+  handle->raw_header_.insert(handle->raw_header_.end(), body.begin(), body.end());
   target.pending_sends.push_back(handle);
   push_sends(target);
   return handle;
@@ -369,7 +427,17 @@ std::shared_ptr<Handle> Context::irecv(int peer, int64_t tag) {
   return handle;
 }
 
-void Context::write_slot(Peer& peer, Handle& handle) {
+bool Context::use_single_copy(Peer& peer, uint64_t nbytes) {
+  if (!config_.single_copy || nbytes < config_.single_copy_min_bytes) return false;
+  if (peer.receiver_single_copy == kSingleCopyUndecided) {
+    // Decided at the receiver's connect(), before the rendezvous barrier that precedes any send; a
+    // send without that barrier (undecided) takes two copies and asks again next time.
+    peer.receiver_single_copy = peer.out_channel->single_copy.load(std::memory_order_acquire);
+  }
+  return peer.receiver_single_copy == kSingleCopyAccepted;
+}
+
+uint64_t Context::write_slot(Peer& peer, Handle& handle) {
   uint64_t head = peer.out_channel->head.load(std::memory_order_relaxed);
   uint64_t index = head % peer.out_num_slots;
   char* slot = peer.out_slots + index * peer.out_stride;
@@ -381,30 +449,66 @@ void Context::write_slot(Peer& peer, Handle& handle) {
                   peer.out_slot_bytes, peer.out_num_slots);
     std::memcpy(slot, handle.raw_header_.data(), sizeof(WireHeader));
     std::memcpy(slot + sizeof(WireHeader), &descriptor, sizeof(descriptor));
-  } else {
+  } else if (handle.single_copy_) {
+    SingleCopyDescriptor descriptor = {};
+    descriptor.magic = kSingleCopyMagic;
+    descriptor.address = reinterpret_cast<uint64_t>(handle.tensor_.data_ptr());
+    descriptor.nbytes = handle.tensor_.nbytes();
+    descriptor.sender_pid = control_->owner_pid;
     std::memcpy(slot, handle.raw_header_.data(), sizeof(WireHeader));
+    std::memcpy(slot + sizeof(WireHeader), &descriptor, sizeof(descriptor));
+  } else {
+    // A raw send's body (tests: a descriptor) follows its header; a tensor send's is the header only.
+    std::memcpy(slot, handle.raw_header_.data(), handle.raw_header_.size());
     if (handle.tensor_.defined() && handle.tensor_.numel() > 0) {
       copy_pool_.copy(slot + sizeof(WireHeader), handle.tensor_.data_ptr(), handle.tensor_.nbytes());
     }
   }
   peer.out_channel->head.store(head + 1, std::memory_order_release);
+  return head;
 }
 
 void Context::push_sends(Peer& peer) {
+  complete_pulled_sends(peer);
   if (peer.lost) return;
   while (!peer.pending_sends.empty()) {
     uint64_t head = peer.out_channel->head.load(std::memory_order_relaxed);
     uint64_t tail = peer.out_channel->tail.load(std::memory_order_acquire);
     if (head - tail >= peer.out_num_slots) break;  // ring full: back-pressure
     // Written before it leaves the queue: a failing (CUDA) copy leaves the send pending, not lost.
-    write_slot(peer, *peer.pending_sends.front());
+    uint64_t position = write_slot(peer, *peer.pending_sends.front());
     std::shared_ptr<Handle> handle = std::move(peer.pending_sends.front());
     peer.pending_sends.pop_front();
-    handle->done_ = true;
-    handle->tensor_ = at::Tensor();  // the caller may reuse or free its tensor now
-    handle->cuda_ready_.reset();
+    if (handle->single_copy_) {
+      // The receiver reads our memory until it frees the slot: keep the source until then.
+      ++counts_.sent_single_copy;
+      peer.in_flight_sends.push_back({position, std::move(handle)});
+    } else {
+      if (handle->cuda_ready_ == nullptr && handle->tensor_.defined()) ++counts_.sent_two_copy;
+      handle->done_ = true;
+      handle->tensor_ = at::Tensor();  // the caller may reuse or free its tensor now
+      handle->cuda_ready_.reset();
+    }
     ring(peer.control->doorbell);
   }
+}
+
+void Context::complete_pulled_sends(Peer& peer) {
+  if (peer.in_flight_sends.empty()) return;
+  uint64_t tail = peer.out_channel->tail.load(std::memory_order_acquire);
+  while (!peer.in_flight_sends.empty() && peer.in_flight_sends.front().position < tail) {
+    Handle& handle = *peer.in_flight_sends.front().handle;
+    handle.done_ = true;
+    handle.tensor_ = at::Tensor();  // pulled: the caller may reuse or free its tensor now
+    peer.in_flight_sends.pop_front();
+  }
+}
+
+bool Context::receiver_closed(Peer& peer) {
+  if (peer.control->closed.load(std::memory_order_acquire) == 0) return false;
+  // Whatever it took before closing is final now (it freed slots before setting the flag).
+  complete_pulled_sends(peer);
+  return true;
 }
 
 void Context::deliver(int peer, int64_t tag, at::Tensor tensor) {
@@ -432,8 +536,57 @@ at::Tensor Context::allocate_received(const WireHeader& header) {
       buffer, shape, [pool, capacity](void* data) { pool->give(data, capacity); }, options);
 }
 
+// The outcome of pulling one single-copy payload.
+struct Context::Pull {
+  enum Kind { kDone, kRejected, kFailed, kSenderLost } kind = kDone;
+  std::string why;  // for all but kDone
+};
+
+Context::Pull Context::pull_payload(Peer& peer, const WireHeader& header, const char* slot,
+                                    const at::Tensor& tensor) {
+  std::string message = "single-copy message from peer " + std::to_string(peer.rank) + " (header tag " +
+                        std::to_string(header.tag) + ")";
+  if (peer.in_channel->single_copy.load(std::memory_order_relaxed) != kSingleCopyAccepted) {
+    return {Pull::kRejected, message + " rejected: this channel refused single copy at connect()"};
+  }
+  SingleCopyDescriptor descriptor;
+  std::memcpy(&descriptor, slot + sizeof(WireHeader), sizeof(descriptor));
+  if (descriptor.magic != kSingleCopyMagic || descriptor.nbytes != header.nbytes ||
+      descriptor.sender_pid != peer.pid) {
+    std::ostringstream why;
+    why << message << " rejected: bad descriptor (magic 0x" << std::hex << descriptor.magic << std::dec
+        << ", " << descriptor.nbytes << " B from pid " << descriptor.sender_pid << "; expected " << header.nbytes
+        << " B from pid " << peer.pid << ")";
+    return {Pull::kRejected, why.str()};
+  }
+  int error = pull_bytes(copy_pool_, peer.pid, tensor.data_ptr(), descriptor.address, descriptor.nbytes);
+  // Read after the pull (the fence orders it): if the sender had not closed by now, it had not
+  // released the source before or during the pull either.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  bool sender_closed = peer.control->closed.load(std::memory_order_acquire) != 0;
+  // A sender that has exited may have died before the pull, its pid reused: nothing read counts.
+  if (error == ESRCH || !peer.alive()) {
+    return {Pull::kSenderLost, "peer process (pid " + std::to_string(peer.pid) + ") exited before its " +
+                                   message + " was pulled"};
+  }
+  if (sender_closed) {
+    return {Pull::kFailed, "peer " + std::to_string(peer.rank) + " closed its shm_tensor context before its " +
+                               message + " was pulled; wait for sends to complete before close()"};
+  }
+  if (error != 0) {
+    std::ostringstream why;
+    why << "pulling " << message << " failed: process_vm_readv(pid " << peer.pid << ", " << descriptor.nbytes
+        << " B at 0x" << std::hex << descriptor.address << std::dec << ") failed: " << std::strerror(error)
+        << " (errno " << error << ")";
+    return {Pull::kFailed, why.str()};
+  }
+  return {};
+}
+
 void Context::drain_inbound(Peer& peer) {
-  if (!peer.broken.empty()) return;
+  // A rejected message, a failed pull, or a pull the dead sender can no longer serve: the ring is
+  // stuck at that slot.
+  if (!peer.broken.empty() || !peer.lost_detail.empty()) return;
   while (true) {
     uint64_t tail = peer.in_channel->tail.load(std::memory_order_relaxed);
     uint64_t head = peer.in_channel->head.load(std::memory_order_acquire);
@@ -465,9 +618,25 @@ void Context::drain_inbound(Peer& peer) {
                       std::to_string(header.tag) + ") rejected: " + what;
         return;
       }
+    } else if (header.flags & dpp_wire::kFlagSingleCopy) {
+      tensor = allocate_received(header);
+      Pull pull = pull_payload(peer, header, slot, tensor);
+      if (pull.kind == Pull::kSenderLost) {
+        peer.lost = true;
+        peer.lost_detail = pull.why;
+        complete_pulled_sends(peer);  // what it pulled before dying stays delivered
+        return;
+      }
+      if (pull.kind != Pull::kDone) {
+        peer.broken = pull.why;
+        peer.broken_by_pull = pull.kind == Pull::kFailed;
+        return;
+      }
+      ++counts_.received_single_copy;
     } else {
       tensor = allocate_received(header);
       if (header.nbytes > 0) copy_pool_.copy(tensor.data_ptr(), slot + sizeof(WireHeader), header.nbytes);
+      ++counts_.received_two_copy;
     }
     peer.in_channel->tail.store(tail + 1, std::memory_order_release);
     ring(peer.control->doorbell);  // the sender may be waiting for this slot
@@ -509,13 +678,53 @@ bool Context::handle_done_or_throw(Handle& handle) {
   const char* call = handle.is_send_ ? "shm_tensor.isend" : "shm_tensor.irecv";
   if (closed_) throw TransportError(describe(call, handle.peer_, handle.tag_, "context is closed"));
   Peer& peer = *peer_by_rank_.at(handle.peer_);
-  if (!peer.broken.empty()) throw ProtocolError(describe(call, handle.peer_, handle.tag_, peer.broken));
+  if (!peer.broken.empty()) {  // every later operation with this peer fails, sends included
+    std::string what = describe(call, handle.peer_, handle.tag_, peer.broken);
+    if (peer.broken_by_pull) throw TransportError(what);
+    throw ProtocolError(what);
+  }
   if (peer.lost) {
-    std::string what = "peer process (pid " + std::to_string(peer.pid) + ") exited before the message was " +
-                       (handle.is_send_ ? "accepted into its inbox" : "sent");
+    std::string what;
+    if (!handle.is_send_ && !peer.lost_detail.empty()) {
+      what = peer.lost_detail;
+    } else {
+      what = "peer process (pid " + std::to_string(peer.pid) + ") exited before the message was " +
+             (!handle.is_send_ ? "sent" : handle.single_copy_ ? "pulled from this process" : "accepted into its inbox");
+    }
     throw PeerLost(describe(call, handle.peer_, handle.tag_, what));
   }
+  if (handle.is_send_ && receiver_closed(peer)) {
+    if (handle.done_) return true;
+    throw TransportError(describe(call, handle.peer_, handle.tag_,
+                                  "peer " + std::to_string(peer.rank) +
+                                      " closed its shm_tensor context before taking the message"));
+  }
   return false;
+}
+
+std::vector<int> Context::single_copy_peers() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int> ranks;
+  if (!connected_) return ranks;
+  for (const auto& peer : peers_) {
+    if (peer->single_copy_refusal.empty()) ranks.push_back(peer->rank);
+  }
+  return ranks;
+}
+
+std::map<int, std::string> Context::single_copy_fallbacks() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::map<int, std::string> reasons;
+  if (!connected_) return reasons;
+  for (const auto& peer : peers_) {
+    if (!peer->single_copy_refusal.empty()) reasons[peer->rank] = peer->single_copy_refusal;
+  }
+  return reasons;
+}
+
+MessageCounts Context::message_counts() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return counts_;
 }
 
 void Context::check_liveness(const std::vector<std::shared_ptr<Handle>>& handles) {
@@ -525,6 +734,7 @@ void Context::check_liveness(const std::vector<std::shared_ptr<Handle>>& handles
     Peer& peer = *peer_by_rank_.at(handle->peer_);
     if (!peer.lost && !peer.alive()) {
       peer.lost = true;
+      complete_pulled_sends(peer);  // pulled before it died: those sends did complete
       any_lost = true;
     }
   }

@@ -1,21 +1,36 @@
 // shm_tensor context: tag-matched, non-blocking point-to-point messages between the processes of one
 // node through POSIX shared memory.
 //
-// Layout. Every process owns one "inbox" segment: a control block (owner pid, doorbell) and, per
-// peer that may send to it, a channel = a bounded ring of `num_slots` slots of `slot_bytes` payload
-// each (the per-directed-pair slot pool). The sender writes a wire header and the payload into the
-// next free slot of its channel in the receiver's inbox and rings the receiver's doorbell; the
-// receiver copies the message out into a fresh tensor, frees the slot and rings the sender's
-// doorbell. Channels are single-producer single-consumer rings (head written by the sender, tail by
-// the receiver), so no lock is shared between processes.
+// Layout. Every process owns one "inbox" segment: a control block (owner pid, doorbell, the
+// single-copy probe token, a closed flag) and, per peer that may send to it, a channel = a bounded
+// ring of `num_slots` slots of `slot_bytes` payload each (the per-directed-pair slot pool). Channels
+// are single-producer single-consumer rings (head written by the sender, tail by the receiver), so no
+// lock is shared between processes.
 //
-// Matching. Every progress call drains all inbound channels into private tensors, matched to posted
-// receives by (peer, tag) or kept until one is posted. Because slots never wait for a matching
-// receive, any order of sends and receives completes: back-pressure (a full ring) only delays a
-// send until the receiver next makes progress, it cannot deadlock.
+// Two ways to carry a CPU payload. Two copies (small messages, or where single copy is off or
+// refused): the sender writes the wire header and the payload into the next free slot and rings the
+// receiver's doorbell; the receiver copies the message out into a fresh tensor, frees the slot and
+// rings the sender's doorbell; the send is complete once its bytes are in the slot. Single copy
+// (messages of at least `single_copy_min_bytes`, single_copy.h): the slot gets the header and a
+// descriptor (address, byte count) only; the receiver pulls the payload from the sender's memory with
+// process_vm_readv into the fresh tensor, then frees the slot as above; the send completes only when
+// the ring tail has passed its slot, and until then the handle holds its own alias of the source
+// storage.
+//
+// Matching and deadlock freedom. Every progress call (test, wait, wait_any, whatever handle it is
+// made for) drains all inbound channels into private tensors, pulling single-copy payloads as it
+// goes, and matches them to posted receives by (peer, tag) or keeps them until one is posted. No
+// slot ever waits for a matching receive. So a send, of either kind, waits at most for the receiver's
+// next progress call: a two-copy send only when the ring is full, a single-copy send always. That
+// is the same condition a full ring always imposed, and it holds in any order of sends and receives:
+// as long as every process keeps making progress calls while it has an incomplete handle (any
+// wait does), every message is drained and every send completes. What single copy adds is that a
+// send may not complete while its receiver is blocked outside this transport (a collective, say);
+// a send that found the ring full was already in that position.
 //
 // Waiting. A process blocks on its own doorbell with futex(2), in slices, checking between slices
-// whether a peer it waits on is still alive (pidfd, fallback kill(pid, 0)).
+// whether a peer it waits on is still alive (pidfd, fallback kill(pid, 0)); waiting single-copy sends
+// are handles like any other, so a dead receiver is noticed the same way.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -53,13 +68,27 @@ struct ContextConfig {
   // Before sleeping on the doorbell a waiter watches it this long: an answer that comes within a
   // few microseconds then costs no sleep and wake-up. Bounded, so it never occupies a core.
   double spin_us = 20.0;
+  // CPU messages of at least single_copy_min_bytes go in one copy (the receiver pulls them from the
+  // sender's memory) to receivers whose probe allowed it; false: always two copies.
+  bool single_copy = true;
+  uint64_t single_copy_min_bytes = 2ull << 20;  // the crossover on the 2-vCPU VM (docs/transport.md)
+};
+
+// Host messages this context sent and received, by path (CUDA messages are not counted).
+struct MessageCounts {
+  uint64_t sent_single_copy = 0;
+  uint64_t sent_two_copy = 0;
+  uint64_t received_single_copy = 0;
+  uint64_t received_two_copy = 0;
 };
 
 class Context;
 
-// One isend or irecv. Completion: a send when its bytes are in a slot (the tensor may be reused),
-// a receive when its tensor has been copied out of the slot. CUDA tensors: a send completes when its
-// device copy is queued (the caller's stream waits for it), a receive when the copy has finished.
+// One isend or irecv. Completion: a two-copy send when its bytes are in a slot, a single-copy send
+// when the receiver has pulled them (its slot was freed); either way the tensor may be reused then.
+// A receive completes when its tensor has been copied out of the slot or pulled from the sender.
+// CUDA tensors: a send completes when its device copy is queued (the caller's stream waits for it),
+// a receive when the copy has finished.
 // `cuda_device`/`cuda_stream` name the caller's current device and torch stream (-1/0 when torch
 // has not initialised CUDA: the thread's current device and the legacy default stream).
 class Handle : public std::enable_shared_from_this<Handle> {
@@ -80,8 +109,12 @@ class Handle : public std::enable_shared_from_this<Handle> {
   int peer_;
   int64_t tag_;
   bool done_ = false;
-  at::Tensor tensor_;  // send: the contiguous source until written; recv: the result
-  std::vector<char> raw_header_;  // a raw-header send (tests of the receiver's validation)
+  // send: an alias of the contiguous source (its own TensorImpl, so `tensor.data = ...` by the
+  // caller cannot swap the storage under us) until the send completes; recv: the result
+  at::Tensor tensor_;
+  bool single_copy_ = false;  // a send whose payload the receiver pulls from our memory
+  // The wire header; for a raw send (tests of the receiver's validation) also the bytes after it.
+  std::vector<char> raw_header_;
   // A CUDA send: the caller's stream and an event recorded on it after the tensor was produced.
   uintptr_t cuda_stream_ = 0;
   std::shared_ptr<cuda::OwnedEvent> cuda_ready_;
@@ -103,9 +136,16 @@ class Context : public std::enable_shared_from_this<Context> {
   // Index of a completed handle; blocks on the doorbell meanwhile. timeout_s < 0: default.
   int wait_any(const std::vector<std::shared_ptr<Handle>>& handles, double timeout_s,
                int cuda_device = -1, uintptr_t cuda_stream = 0);
-  // Sends `header` verbatim with no payload: lets tests check that receivers reject bad headers.
-  std::shared_ptr<Handle> send_raw_header(const std::string& header, int peer);
+  // Sends `header` verbatim followed by `body` (no tensor payload): lets tests check that receivers
+  // reject bad headers and descriptors.
+  std::shared_ptr<Handle> send_raw_header(const std::string& header, int peer, const std::string& body = "");
   void close();
+
+  // Peers whose messages this process pulls in one copy (its probe at connect() succeeded).
+  std::vector<int> single_copy_peers();
+  // Peers whose messages to this process take two copies, with the reason (probe failure, disabled).
+  std::map<int, std::string> single_copy_fallbacks();
+  MessageCounts message_counts();
 
   int rank() const { return rank_; }
   const ContextConfig& config() const { return config_; }
@@ -120,10 +160,15 @@ class Context : public std::enable_shared_from_this<Context> {
   void progress();                            // lock held
   void drain_inbound(Peer& peer);             // lock held
   void push_sends(Peer& peer);                // lock held
-  void write_slot(Peer& peer, Handle& handle);
+  void complete_pulled_sends(Peer& peer);     // lock held
+  bool receiver_closed(Peer& peer);           // lock held
+  bool use_single_copy(Peer& peer, uint64_t nbytes);  // lock held
+  uint64_t write_slot(Peer& peer, Handle& handle);   // returns the ring position written
   void check_liveness(const std::vector<std::shared_ptr<Handle>>& handles);  // lock held
   void deliver(int peer, int64_t tag, at::Tensor tensor);
   at::Tensor allocate_received(const dpp_wire::WireHeader& header);
+  struct Pull;
+  Pull pull_payload(Peer& peer, const dpp_wire::WireHeader& header, const char* slot, const at::Tensor& tensor);
   at::Tensor receive_device_message(Peer& peer, const dpp_wire::WireHeader& header, const char* slot,
                                     uint64_t slot_index);
   cuda::CudaIpc& cuda_ipc(const char* call, int peer, int64_t tag);  // lock held; loads on first use
@@ -141,6 +186,9 @@ class Context : public std::enable_shared_from_this<Context> {
   std::map<std::pair<int, int64_t>, std::deque<std::shared_ptr<Handle>>> posted_recvs_;
   dpp_copy::CopyPool copy_pool_;
   std::shared_ptr<BufferPool> recv_buffers_;
+  MessageCounts counts_;
+  // Peers pull this token at connect() to find out whether they may read our memory.
+  uint64_t probe_token_ = 0;
   std::unique_ptr<cuda::CudaIpc> cuda_;  // created by the first CUDA message either way
   // The caller of the progress call under way (set with the lock held): where device messages land.
   int caller_cuda_device_ = -1;
