@@ -323,8 +323,12 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
     for row in rows:
         sim_name = {"torch:Schedule1F1B": "1f1b",
                     "torch:ScheduleInterleaved1F1B": "interleaved-1f1b"}.get(row["schedule"], row["schedule"])
-        plain = simulate(graph, sim_name, scenario.duration_model(), CommModel(), seed=scenario.seed)
-        with_overhead = simulate(graph, sim_name, calibrated, CommModel(), seed=scenario.seed)
+        # Megatron's interleaved loop receives a forward's and a backward's inputs together: the
+        # simulator runs its order with that pairing (PairedReceiveScheduler) to predict that loop.
+        sim_schedule = (paired_receive_factory(sim_name) if row["executor"] == "megatron" and V > 1
+                        else sim_name)
+        plain = simulate(graph, sim_schedule, scenario.duration_model(), CommModel(), seed=scenario.seed)
+        with_overhead = simulate(graph, sim_schedule, calibrated, CommModel(), seed=scenario.seed)
         row.update({
             # The simulator starts at the first task; the runtime's setup comes before it.
             "predicted_time": setup_ms + with_overhead.makespan,
@@ -357,6 +361,17 @@ def replay_executed_order(graph, timeline: List[List[list]], duration_model, see
                                     orders[rank])
 
     return simulate(graph, executed, duration_model, CommModel(), seed=seed).makespan
+
+
+def paired_receive_factory(name: str):
+    """Scheduler factory for the simulator: static order `name` run as Megatron's interleaved loop runs it."""
+    from megatron_dpp.schedule import make_scheduler
+    from megatron_dpp.schedule.scheduler import PairedReceiveScheduler
+
+    def factory(graph, rank: int):
+        return PairedReceiveScheduler(make_scheduler(name, graph, rank))
+    factory.__name__ = name
+    return factory
 
 
 def executor_of(schedule: str) -> str:

@@ -64,7 +64,7 @@ class ShmConfig:
     recv_cache_bytes: int = 256 << 20  # recycled buffers of received tensors >= 64 KiB kept for reuse
     spin_us: float = 20.0  # a waiter watches its doorbell this long before sleeping on it
     single_copy: bool = True  # large CPU messages pulled from the sender's memory where allowed
-    single_copy_min_bytes: int = 2 << 20  # smaller CPU messages always take two copies
+    single_copy_min_bytes: int = 16 << 20  # the measured crossover (docs/transport.md); smaller CPU messages always take two copies
 
     def validate(self) -> None:
         if self.num_slots < 1:

@@ -180,3 +180,50 @@ def test_adaptive_one_pass_deviation_matches_the_naive_rule():
     finally:
         AdaptiveScheduler._safe_deviation = original
     assert any(t is not None for t in calls) and any(t is None for t in calls)
+
+
+def _paired(name):
+    from megatron_dpp.schedule import make_scheduler
+    from megatron_dpp.schedule.scheduler import PairedReceiveScheduler
+
+    def factory(graph, rank):
+        return PairedReceiveScheduler(make_scheduler(name, graph, rank))
+    return factory
+
+
+def test_paired_receives_gate_forwards_on_the_next_backward_input():
+    from megatron_dpp.schedule.scheduler import PairedReceiveScheduler
+    from megatron_dpp.schedule import make_scheduler
+
+    graph = TaskGraph(4, 2, 8)
+    for rank in range(4):
+        scheduler = PairedReceiveScheduler(make_scheduler("interleaved-1f1b", graph, rank))
+        order = scheduler.order
+        gated = {f: b for f, b in zip(order, order[1:]) if f.phase == Phase.F and b.phase == Phase.B}
+        # Every steady-state forward is gated, except on the last virtual stage, whose backward
+        # input is made locally from the loss.
+        expected = {f: b for f, b in gated.items() if not (rank == 3 and b.chunk == 1)}
+        assert scheduler._gate == expected
+        assert expected, "interleaved 1F1B at M=8 has a steady state on every rank"
+        first_forward, its_backward = next(iter(expected.items()))
+        # Ready alone is not enough: the paired backward's input must have arrived too.
+        scheduler._position = order.index(first_forward)
+        assert scheduler.next_task({first_forward}) is None
+        assert scheduler.next_task({first_forward, its_backward}) == first_forward
+
+
+def test_paired_receives_complete_and_never_beat_the_plain_order():
+    for P, V, M, cv_seed in [(2, 2, 4, 0), (4, 2, 8, 1), (4, 2, 16, 2), (8, 2, 16, 3), (4, 3, 8, 4)]:
+        sizes = np.random.default_rng(cv_seed).lognormal(0.0, 0.5, M) * 10
+        graph = TaskGraph(P, V, M, sizes=sizes, act_bytes=[int(s) for s in sizes])
+        model = DurationModel(linear=0.1, jitter_sigma=0.2)
+        comm = CommModel(latency=0.05)
+        plain = simulate(graph, "interleaved-1f1b", model, comm, seed=cv_seed)
+        paired = simulate(graph, _paired("interleaved-1f1b"), model, comm, seed=cv_seed)
+        check_timeline(graph, paired, comm)
+        # Pairing only adds waits to the same order, so it can only delay.
+        assert paired.makespan >= plain.makespan - 1e-9
+    # With equal sizes and no jitter the pairing costs nothing: each backward input is due anyway.
+    equal = TaskGraph(4, 2, 8)
+    assert simulate(equal, _paired("interleaved-1f1b")).makespan == pytest.approx(
+        simulate(equal, "interleaved-1f1b").makespan)

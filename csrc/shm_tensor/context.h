@@ -71,7 +71,7 @@ struct ContextConfig {
   // CPU messages of at least single_copy_min_bytes go in one copy (the receiver pulls them from the
   // sender's memory) to receivers whose probe allowed it; false: always two copies.
   bool single_copy = true;
-  uint64_t single_copy_min_bytes = 2ull << 20;  // the crossover on the 2-vCPU VM (docs/transport.md)
+  uint64_t single_copy_min_bytes = 16ull << 20;  // the crossover on the 2-vCPU VM (docs/transport.md)
 };
 
 // Host messages this context sent and received, by path (CUDA messages are not counted).

@@ -94,3 +94,31 @@ class StaticOrderScheduler(RankScheduler):
             raise RuntimeError(f"{self.name} rank {self.rank}: started {task}, order says {expected}")
         self._position += 1
         super().on_start(task)
+
+
+class PairedReceiveScheduler(StaticOrderScheduler):
+    """A static order executed the way Megatron-Core's interleaved loop executes it.
+
+    In its steady state that loop runs a forward and a backward, then receives the inputs of the
+    next forward *and* the next backward in one call (send_forward_backward_recv_forward_backward).
+    So a forward that the order follows with a backward also waits for that backward's input, when
+    it comes from another rank (the last virtual stage makes its own from the loss). The simulator
+    uses this to predict Megatron's own loop; the DPP runtime does not pair its receives.
+    """
+
+    def __init__(self, scheduler: StaticOrderScheduler):
+        super().__init__(scheduler.name, scheduler.graph, scheduler.rank, scheduler.budget_bytes,
+                         scheduler.microbatch_order, scheduler.order)
+        last_stage_here = self.rank == self.graph.P - 1
+        self._gate: dict[Task, Task] = {}
+        for task, following in zip(self.order, self.order[1:]):
+            local_input = last_stage_here and following.chunk == self.graph.V - 1
+            if task.phase == Phase.F and following.phase == Phase.B and not local_input:
+                self._gate[task] = following
+
+    def next_task(self, ready: Collection[Task]) -> Task | None:
+        task = super().next_task(ready)
+        if task is None:
+            return None
+        gate = self._gate.get(task)
+        return task if gate is None or gate in ready else None
