@@ -25,6 +25,8 @@ SINGLE_COPY_MAGIC = 0x59504F43454C4753  # csrc/shm_tensor/single_copy.h
 
 def _context(rank, world, store, peer, prefix="shm_tensor", **config):
     config.setdefault("timeout_s", 60)
+    # Below the default (16 MiB, tuned for bandwidth) so that small test messages take the path.
+    config.setdefault("single_copy_min_bytes", THRESHOLD)
     return shm_tensor.create_context_with_store(
         store, rank=rank, world_size=world, peers=[peer], config=ShmConfig(**config), prefix=prefix)
 
