@@ -39,7 +39,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from schedule_sim import batch_sizes, duration_model, megatron_order  # noqa: E402
+from schedule_sim import (  # noqa: E402
+    batch_sizes, check_interleavable, duration_model, megatron_order, pipeline_arg_problems)
 
 from megatron_dpp.schedule import Phase, Task, TaskGraph, default_budget_bytes, static_orders  # noqa: E402
 from megatron_dpp.schedule.scheduler import StaticOrderScheduler  # noqa: E402
@@ -549,16 +550,10 @@ def parse_args(argv=None):
     p.add_argument("--seconds", type=float, default=60.0, help="CPU seconds of annealing per seed")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
-    bad = [f"--P {x}" for x in args.P if x < 1] + [f"--V {x}" for x in args.V if x < 1]
-    bad += [f"--M {x}" for x in args.M if x < 1] + ([f"--seeds {args.seeds}"] if args.seeds < 1 else [])
-    bad += ([f"--cv {args.cv}"] if args.cv < 0 else []) + ([f"--seconds {args.seconds}"] if args.seconds <= 0 else [])
+    bad = pipeline_arg_problems(args) + ([f"--seconds {args.seconds}"] if args.seconds <= 0 else [])
     if bad:
         p.exit(2, f"schedule_search: {', '.join(bad)} out of range\n")
-    for P in args.P:
-        for V in args.V:
-            for M in args.M:
-                if V > 1 and (M < P or M % P):
-                    p.exit(2, f"schedule_search: V={V} needs M a multiple of P (Megatron's interleaved 1F1B); got P={P} M={M}\n")
+    check_interleavable(p, args, "schedule_search")
     return args
 
 

@@ -181,6 +181,22 @@ def time_scale(P: int, M: int, repeats: int = 3) -> dict:
     return out
 
 
+def pipeline_arg_problems(args) -> list:
+    """The --P/--V/--M/--seeds/--cv values out of range (shared with schedule_search.py)."""
+    bad = [f"--P {x}" for x in args.P if x < 1] + [f"--V {x}" for x in args.V if x < 1]
+    bad += [f"--M {x}" for x in args.M if x < 1] + ([f"--seeds {args.seeds}"] if args.seeds < 1 else [])
+    return bad + ([f"--cv {args.cv}"] if args.cv < 0 else [])
+
+
+def check_interleavable(p, args, prog: str) -> None:
+    """Exit 2 unless every V>1 configuration has M a multiple of P, as interleaved 1F1B needs."""
+    for P in args.P:
+        for V in args.V:
+            for M in args.M:
+                if V > 1 and (M < P or M % P):
+                    p.exit(2, f"{prog}: V={V} needs M a multiple of P (Megatron's interleaved 1F1B); got P={P} M={M}\n")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--P", type=int, nargs="+", default=[4, 8], help="pipeline ranks")
@@ -199,17 +215,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.P, args.M, args.seeds = [4], [16], 3
-    bad = [f"--P {x}" for x in args.P if x < 1] + [f"--V {x}" for x in args.V if x < 1]
-    bad += [f"--M {x}" for x in args.M if x < 1] + ([f"--seeds {args.seeds}"] if args.seeds < 1 else [])
-    bad += [f"--cv {args.cv}"] if args.cv < 0 else []
+    bad = pipeline_arg_problems(args)
     bad += [f"--straggler-prob {args.straggler_prob}"] if not 0 <= args.straggler_prob <= 1 else []
     if bad:
         p.exit(2, f"schedule_sim: {', '.join(bad)} out of range; use positive counts, cv >= 0, probability in [0, 1]\n")
-    for P in args.P:
-        for V in args.V:
-            for M in args.M:
-                if V > 1 and (M < P or M % P):
-                    p.exit(2, f"schedule_sim: V={V} needs M a multiple of P (Megatron's interleaved 1F1B); got P={P} M={M}\n")
+    check_interleavable(p, args, "schedule_sim")
     return args
 
 
