@@ -1,12 +1,17 @@
 """Point-to-point transport benchmark: shm_tensor vs torch.distributed gloo vs an in-process memcpy.
 
-Two processes on this node. `shm` is shm_tensor as configured (messages of at least
---single-copy-min-bytes in one copy where the probe allows it), `shm-2copy` the same with
-single_copy=False (every message copied into a slot and out of it). For every message size:
+Two processes on this node. `shm` is shm_tensor as configured by default: the sender copies a
+message into a slot and the receiver lends that slot to the received tensor (messages of at least
+256 KiB while it has a loan left), else pulls messages of at least --single-copy-min-bytes in one
+copy where the probe allows it, else copies out. `shm-1copy` turns lending off (single copy from
+--single-copy-min-bytes, two copies below), `shm-2copy` turns both off (every message copied into a
+slot and out of it): what a receiver that holds on to every large received tensor gets, with and
+without single copy. For every message size:
   latency   ping-pong (rank 0 sends, rank 1 sends the same size back); one-way latency = half the
             round trip; p50 and p99 over --latency-iters round trips;
-  bandwidth a stream of messages (rank 0 sends, rank 1 receives every one, then acknowledges);
-            bytes / time, median over --repeats streams.
+  bandwidth a stream of 4 to 64 messages (rank 0 sends, rank 1 has posted every receive and
+            drops each message once it has arrived, then acknowledges); bytes / time, median over
+            --repeats streams.
   memcpy    one copy of the same size into a preallocated tensor in one process: the limit here.
 Prints a table and writes {"results": [{"transport", "bytes", "bandwidth_gbps", "latency_us_p50",
 "latency_us_p99"}]} to --json. bandwidth_gbps is in gigabytes per second (1e9 B/s).
@@ -29,10 +34,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 KiB, MiB = 1 << 10, 1 << 20
+MIN_STREAM = 4  # messages per bandwidth stream, at least
 DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 QUICK_SIZES = [4 * KiB, 1 * MiB]
-TRANSPORTS = ("shm", "shm-2copy", "gloo", "memcpy")
-SHM_TRANSPORTS = ("shm", "shm-2copy")
+TRANSPORTS = ("shm", "shm-1copy", "shm-2copy", "gloo", "memcpy")
+# ShmConfig of each shm row: lending (zero_copy_receive) and single copy on or off.
+SHM_TRANSPORTS = {
+    "shm": dict(zero_copy_receive=True, single_copy=True),
+    "shm-1copy": dict(zero_copy_receive=False, single_copy=True),
+    "shm-2copy": dict(zero_copy_receive=False, single_copy=False),
+}
 
 
 def parse_size(text: str) -> int:
@@ -49,11 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated message sizes, e.g. 4KiB,1MiB,64MiB "
                              "(default 4KiB,64KiB,1MiB,4MiB,16MiB,64MiB)")
     parser.add_argument("--transports", type=str, default=",".join(TRANSPORTS),
-                        help="comma-separated subset of shm,shm-2copy,gloo,memcpy")
+                        help="comma-separated subset of " + ",".join(TRANSPORTS))
     parser.add_argument("--latency-iters", type=int, default=200,
                         help="round trips per size for latency (fewer for large sizes)")
     parser.add_argument("--stream-bytes", type=parse_size, default=256 * MiB,
-                        help="bytes per bandwidth stream (4 to 64 messages)")
+                        help=f"bytes per bandwidth stream ({MIN_STREAM} to 64 messages)")
     parser.add_argument("--repeats", type=int, default=5, help="bandwidth streams per size")
     parser.add_argument("--workload", type=parse_size, default=8 * MiB,
                         help="shm: bytes per copy thread")
@@ -108,7 +119,7 @@ def latency_iters(args, size: int) -> int:
 
 
 def stream_count(args, size: int) -> int:
-    return max(4, min(64, args.stream_bytes // size))
+    return max(MIN_STREAM, min(64, args.stream_bytes // size))
 
 
 def summarize(name: str, size: int, bandwidth_s: list[float], one_way_s: list[float]) -> dict:
@@ -195,8 +206,12 @@ def _stream(ops: _Ops, rank: int, size: int, count: int, repeats: int) -> list[f
                 ops.wait(handle)
             ops.wait(ops.recv(ack, ack_tag))
         else:
-            for handle in [ops.recv(buffer, tag) for buffer, tag in zip(buffers, tags)]:
-                ops.wait(handle)
+            # Every receive posted up front; each message is dropped once it has arrived, as a
+            # consumer that is done with it would (gloo's receive buffers are reused instead).
+            handles = [ops.recv(buffer, tag) for buffer, tag in zip(buffers, tags)]
+            for i in range(count):
+                ops.wait(handles[i])
+                handles[i] = None
             ops.wait(ops.send(ack, ack_tag))
         if repeat:
             per_message.append((time.perf_counter() - start) / count)
@@ -216,8 +231,8 @@ def _worker(rank: int, args, store_path: str, results) -> None:
         config = shm_tensor.ShmConfig(num_slots=args.num_slots, slot_bytes=max(args.size_list),
                                       copy_threads=args.copy_threads,
                                       bytes_per_thread=args.workload, spin_us=args.spin_us,
-                                      timeout_s=60, single_copy=name == "shm",
-                                      single_copy_min_bytes=args.single_copy_min_bytes)
+                                      timeout_s=60, single_copy_min_bytes=args.single_copy_min_bytes,
+                                      **SHM_TRANSPORTS[name])
         contexts[name] = shm_tensor.create_context_with_store(
             store, rank=rank, world_size=2, peers=[peer], config=config,
             prefix=f"transport_bench/{name}")
@@ -288,12 +303,13 @@ def describe_paths(args) -> None:
     """One line per shm transport: did the receiver pull in one copy, and how many messages did."""
     for name, path in getattr(args, "shm_paths", {}).items():
         counts = path["message_counts"]
+        how = "slots lent from 256 KiB, " if SHM_TRANSPORTS[name]["zero_copy_receive"] else ""
         if path["single_copy_peers"]:
-            how = f"single copy from {args.single_copy_min_bytes} B"
+            how += f"single copy from {args.single_copy_min_bytes} B"
         else:
-            how = "two copies (" + "; ".join(path["fallbacks"].values()) + ")"
-        print(f"{name}: {how}; receiver took {counts['received_single_copy']} messages in one copy, "
-              f"{counts['received_two_copy']} in two")
+            how += "two copies (" + "; ".join(path["fallbacks"].values()) + ")"
+        print(f"{name}: {how}; receiver took {counts['received_zero_copy']} messages in a lent slot, "
+              f"{counts['received_single_copy']} in one copy, {counts['received_two_copy']} in two")
 
 
 def main(argv=None) -> int:

@@ -405,8 +405,9 @@ def add_transport_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shm-slot-mb", type=int, default=64,
                        help="shm: payload MiB of one slot; every pipeline message must fit in one.")
     group.add_argument("--shm-num-slots", type=int, default=4,
-                       help="shm: slots per directed pair of ranks (messages in flight before a send "
-                            "waits for the receiver).")
+                       help="shm: slots per directed pair of ranks, 1..64 (messages in flight before a "
+                            "send waits for the receiver; up to half of them may be lent to received "
+                            "tensors of 256 KiB or more instead of copied out).")
     group.add_argument("--p2p-timeout", type=float, default=300.0,
                        help="Seconds a pipeline send or receive may wait before failing with the peer "
                             "and tag it waited for.")
@@ -419,7 +420,7 @@ def validate_transport_args(args: argparse.Namespace) -> None:
     _require(args.workload >= 4096, f"--workload must be at least 4096 bytes, got {args.workload}")
     _require(args.shm_copy_threads >= 1, "--shm-copy-threads must be at least 1")
     _require(args.shm_slot_mb >= 1, "--shm-slot-mb must be at least 1")
-    _require(args.shm_num_slots >= 1, "--shm-num-slots must be at least 1")
+    _require(1 <= args.shm_num_slots <= 64, "--shm-num-slots must be 1..64")
     _require(importlib.util.find_spec("shm_tensor._C") is not None,
              "--p2p-transport shm needs the compiled shm_tensor._C; run "
              "`pip install --no-build-isolation -e .` in the repository")

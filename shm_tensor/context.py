@@ -52,9 +52,16 @@ class ShmConfig:
     """Sizes and limits of one context. Every receiver owns, per peer, `num_slots` slots of
     `slot_bytes` payload each; a message must fit in one slot (single-copy messages too).
 
-    CPU messages of at least `single_copy_min_bytes` travel in one copy: the receiver pulls them
-    from the sender's memory (process_vm_readv), where its probe at connect() allowed it, and the
-    send completes once pulled. `single_copy=False` sends and receives everything in two copies."""
+    Other CPU messages go through a slot: the sender copies them in, and the receiver either copies
+    them out or, for messages of at least `zero_copy_min_bytes`, lends the slot: the received
+    tensor points into shared memory (no second copy) and the slot returns to the sender when that
+    tensor's storage is freed. At most num_slots // 2 slots per sender are lent at a time; later
+    messages are copied out, so received tensors held for long (activations kept for backward)
+    never stall the sender. `zero_copy_receive=False` always copies out.
+
+    CPU messages of at least `single_copy_min_bytes` travel in one copy when the receiver has no
+    slot left to lend: it pulls them from the sender's memory (process_vm_readv), where its probe at
+    connect() allowed it, and the send completes once pulled. `single_copy=False` turns that off."""
 
     num_slots: int = 4
     slot_bytes: int = 64 << 20
@@ -64,11 +71,13 @@ class ShmConfig:
     recv_cache_bytes: int = 256 << 20  # recycled buffers of received tensors >= 64 KiB kept for reuse
     spin_us: float = 20.0  # a waiter watches its doorbell this long before sleeping on it
     single_copy: bool = True  # large CPU messages pulled from the sender's memory where allowed
-    single_copy_min_bytes: int = 16 << 20  # the measured crossover (docs/transport.md); smaller CPU messages always take two copies
+    single_copy_min_bytes: int = 16 << 20  # the measured crossover (docs/transport.md)
+    zero_copy_receive: bool = True  # received CPU messages may borrow their slot instead of a copy out
+    zero_copy_min_bytes: int = 256 << 10  # smaller messages are copied out (cheap, and keep loans free)
 
     def validate(self) -> None:
-        if self.num_slots < 1:
-            raise ValueError(f"ShmConfig.num_slots={self.num_slots}: need at least 1 slot")
+        if not 1 <= self.num_slots <= 64:
+            raise ValueError(f"ShmConfig.num_slots={self.num_slots}: must be 1..64 (one 64-bit free mask)")
         if self.slot_bytes < 0:
             raise ValueError(f"ShmConfig.slot_bytes={self.slot_bytes}: must be >= 0")
         if self.copy_threads < 1:
@@ -82,6 +91,8 @@ class ShmConfig:
         if self.single_copy_min_bytes < 4096:
             raise ValueError(f"ShmConfig.single_copy_min_bytes={self.single_copy_min_bytes}: "
                              "must be >= 4096")
+        if self.zero_copy_min_bytes < 1:
+            raise ValueError(f"ShmConfig.zero_copy_min_bytes={self.zero_copy_min_bytes}: must be >= 1")
 
     def to_c(self) -> "_C.ContextConfig":
         self.validate()
@@ -95,6 +106,8 @@ class ShmConfig:
         config.spin_us = self.spin_us
         config.single_copy = bool(self.single_copy)
         config.single_copy_min_bytes = self.single_copy_min_bytes
+        config.zero_copy_receive = bool(self.zero_copy_receive)
+        config.zero_copy_min_bytes = self.zero_copy_min_bytes
         return config
 
 
@@ -174,8 +187,9 @@ class Context:
         return dict(self._context.single_copy_fallbacks())
 
     def message_counts(self) -> dict[str, int]:
-        """CPU messages sent and received so far by path: sent_single_copy, sent_two_copy,
-        received_single_copy, received_two_copy."""
+        """CPU messages sent and received so far by path: sent_single_copy, sent_two_copy (copied
+        into a slot), received_single_copy, received_two_copy (copied out of a slot),
+        received_zero_copy (the received tensor borrows its slot)."""
         return dict(self._context.message_counts())
 
     def _send_raw_header(self, header: bytes, peer: int, body: bytes = b"") -> Handle:

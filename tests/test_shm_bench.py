@@ -22,17 +22,21 @@ def test_transport_bench_quick(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = json.loads(out.read_text())["results"]
     keys = {(row["transport"], row["bytes"]) for row in rows}
-    assert keys == {(t, s) for t in ("shm", "shm-2copy", "gloo", "memcpy") for s in (4096, 1 << 20)}
+    assert keys == {(t, s) for t in ("shm", "shm-1copy", "shm-2copy", "gloo", "memcpy")
+                    for s in (4096, 1 << 20)}
     for row in rows:
         assert row["bandwidth_gbps"] > 0
         assert 0 < row["latency_us_p50"] <= row["latency_us_p99"]
     assert "x memcpy" in result.stdout  # the table
     # Which path the shm rows took, said and recorded.
     paths = json.loads(out.read_text())["shm_paths"]
-    assert paths["shm-2copy"]["message_counts"]["received_single_copy"] == 0
-    assert paths["shm"]["single_copy_peers"] == [0]
-    assert paths["shm"]["message_counts"]["received_single_copy"] > 0
-    assert "shm: single copy from" in result.stdout
+    counts = {name: path["message_counts"] for name, path in paths.items()}
+    assert counts["shm"]["received_zero_copy"] > 0, counts  # 1 MiB messages lent their slot
+    assert paths["shm-1copy"]["single_copy_peers"] == [0]
+    assert counts["shm-1copy"]["received_single_copy"] > 0 and counts["shm-1copy"]["received_zero_copy"] == 0
+    assert counts["shm-2copy"]["received_single_copy"] == counts["shm-2copy"]["received_zero_copy"] == 0
+    assert "shm: slots lent from 256 KiB, single copy from" in result.stdout
+    assert "shm-1copy: single copy from" in result.stdout
 
 
 def test_transport_bench_rejects_bad_sizes():

@@ -129,7 +129,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("recv_cache_bytes", &ContextConfig::recv_cache_bytes)
       .def_readwrite("spin_us", &ContextConfig::spin_us)
       .def_readwrite("single_copy", &ContextConfig::single_copy)
-      .def_readwrite("single_copy_min_bytes", &ContextConfig::single_copy_min_bytes);
+      .def_readwrite("single_copy_min_bytes", &ContextConfig::single_copy_min_bytes)
+      .def_readwrite("zero_copy_receive", &ContextConfig::zero_copy_receive)
+      .def_readwrite("zero_copy_min_bytes", &ContextConfig::zero_copy_min_bytes);
 
   py::class_<Handle, std::shared_ptr<Handle>>(m, "Handle")
       .def("test", &Handle::test, py::arg("cuda_device") = -1, py::arg("cuda_stream") = 0,
@@ -167,6 +169,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              result["sent_two_copy"] = counts.sent_two_copy;
              result["received_single_copy"] = counts.received_single_copy;
              result["received_two_copy"] = counts.received_two_copy;
+             result["received_zero_copy"] = counts.received_zero_copy;
              return result;
            })
       .def_property_readonly("rank", &Context::rank);

@@ -33,7 +33,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 constexpr uint64_t kInboxMagic = 0x58424e4950504455ull;  // "UDPPINBX"
-constexpr uint32_t kLayoutVersion = 2;  // 2: single-copy probe token, closed flag, channel decision
+constexpr uint32_t kLayoutVersion = 3;  // 3: slot pool with free mask and lending
 constexpr int kMaxPeers = 256;
 constexpr uint64_t kPage = 4096;
 constexpr uint64_t kChannelHeaderBytes = kPage;
@@ -75,6 +75,9 @@ struct ControlBlock {
   // A token in the owner's private memory, which peers pull at connect() to probe single copy.
   uint64_t probe_address;
   uint64_t probe_value;
+  // The owner lends slots for messages of at least this many bytes (UINT64_MAX: never). Senders read
+  // it with the channel's loans_left to prefer a lent slot over single copy.
+  uint64_t lend_min_bytes;
   // Set by the owner's close() before it releases the sources of unpulled single-copy sends: a
   // receiver that sees it after a pull discards what it pulled; a sender stops waiting for a pull.
   alignas(64) std::atomic<uint32_t> closed;
@@ -86,7 +89,16 @@ struct ChannelHeader {
   alignas(64) std::atomic<uint64_t> head;  // messages published, written by the sender
   alignas(64) std::atomic<uint64_t> tail;  // messages consumed, written by the receiver
   alignas(64) std::atomic<uint32_t> single_copy;  // kSingleCopy*: may the sender use single copy?
+  // Bit i set: slot i is free. Only the sender clears bits (taking a slot), only the receiver sets
+  // them (after copying out, or when a lent tensor is freed, from whatever thread frees it).
+  alignas(64) std::atomic<uint64_t> free_slots;
+  // How many more slots the receiver may lend (it takes loans, freed tensors give them back).
+  alignas(64) std::atomic<int32_t> loans_left;
+  // The slot of the message at ring position p is slot_of[p % num_slots]; written by the sender
+  // before it publishes p (head), read by the receiver after.
+  alignas(64) uint32_t slot_of[kMaxSlots];
 };
+static_assert(sizeof(ChannelHeader) <= kChannelHeaderBytes, "channel header outgrew its page");
 
 // A single-copy send written into the ring at `position`, complete once the tail has passed it.
 struct InFlightSend {
@@ -96,7 +108,7 @@ struct InFlightSend {
 
 struct Context::Peer {
   int rank = -1;
-  ShmSegment segment;  // the peer's inbox
+  std::shared_ptr<ShmSegment> segment;  // the peer's inbox (shared with tensors in our lent slots)
   ControlBlock* control = nullptr;
   // Our channel in the peer's inbox (we send), with the peer's geometry.
   ChannelHeader* out_channel = nullptr;
@@ -144,7 +156,7 @@ bool Handle::test(int cuda_device, uintptr_t cuda_stream) {
   if (done_) return true;
   context_->caller_cuda_device_ = cuda_device;
   context_->caller_cuda_stream_ = cuda_stream;
-  context_->progress();
+  context_->progress({shared_from_this()});
   return context_->handle_done_or_throw(*this);
 }
 
@@ -165,7 +177,10 @@ Context::Context(int rank, std::vector<int> peers, std::string job_name, Context
       copy_pool_(config.copy_threads, config.bytes_per_thread),
       recv_buffers_(std::make_shared<BufferPool>(config.recv_cache_bytes)) {
   if (rank_ < 0) throw std::invalid_argument("shm_tensor: rank must be >= 0");
-  if (config_.num_slots < 1) throw std::invalid_argument("shm_tensor: num_slots must be >= 1");
+  if (config_.num_slots < 1 || config_.num_slots > kMaxSlots) {
+    throw std::invalid_argument("shm_tensor: num_slots must be 1.." + std::to_string(kMaxSlots));
+  }
+  if (config_.zero_copy_min_bytes < 1) throw std::invalid_argument("shm_tensor: zero_copy_min_bytes must be >= 1");
   if (config_.timeout_s <= 0) throw std::invalid_argument("shm_tensor: timeout_s must be > 0");
   if (config_.spin_us < 0) throw std::invalid_argument("shm_tensor: spin_us must be >= 0");
   if (config_.single_copy_min_bytes < 4096) {
@@ -190,9 +205,9 @@ Context::Context(int rank, std::vector<int> peers, std::string job_name, Context
   uint64_t control_bytes = align_up(sizeof(ControlBlock), kPage);
   uint64_t channel_bytes = kChannelHeaderBytes + config_.num_slots * slot_stride_;
   uint64_t total = control_bytes + peer_ranks_.size() * channel_bytes;
-  inbox_ = ShmSegment::create(inbox_name(rank_), total);
+  inbox_ = std::make_shared<ShmSegment>(ShmSegment::create(inbox_name(rank_), total));
 
-  control_ = reinterpret_cast<ControlBlock*>(inbox_.data());
+  control_ = reinterpret_cast<ControlBlock*>(inbox_->data());
   control_->layout_version = kLayoutVersion;
   control_->owner_rank = rank_;
   control_->owner_pid = static_cast<int32_t>(::getpid());
@@ -204,14 +219,19 @@ Context::Context(int rank, std::vector<int> peers, std::string job_name, Context
   probe_token_ = (static_cast<uint64_t>(entropy()) << 32) ^ entropy() ^ 0x5a5a5a5a00000001ull;
   control_->probe_address = reinterpret_cast<uint64_t>(&probe_token_);
   control_->probe_value = probe_token_;
+  int max_loans = config_.zero_copy_receive ? config_.num_slots / 2 : 0;
+  control_->lend_min_bytes = max_loans > 0 ? config_.zero_copy_min_bytes : UINT64_MAX;
+  uint64_t all_free = config_.num_slots == 64 ? ~0ull : (1ull << config_.num_slots) - 1;
   for (size_t i = 0; i < peer_ranks_.size(); ++i) {
     uint64_t offset = control_bytes + i * channel_bytes;
     control_->channels[i].sender_rank = peer_ranks_[i];
     control_->channels[i].offset = offset;
     auto peer = std::make_unique<Peer>();
     peer->rank = peer_ranks_[i];
-    peer->in_channel = reinterpret_cast<ChannelHeader*>(inbox_.data() + offset);
-    peer->in_slots = inbox_.data() + offset + kChannelHeaderBytes;
+    peer->in_channel = reinterpret_cast<ChannelHeader*>(inbox_->data() + offset);
+    peer->in_channel->free_slots.store(all_free, std::memory_order_relaxed);
+    peer->in_channel->loans_left.store(max_loans, std::memory_order_relaxed);
+    peer->in_slots = inbox_->data() + offset + kChannelHeaderBytes;
     peer_by_rank_[peer->rank] = peer.get();
     peers_.push_back(std::move(peer));
   }
@@ -235,15 +255,16 @@ void Context::connect() {
   if (closed_) throw TransportError("shm_tensor.connect: context is closed");
   if (connected_) return;
   for (auto& peer : peers_) {
-    peer->segment = ShmSegment::open(inbox_name(peer->rank), peer->rank);
-    if (peer->segment.size() < sizeof(ControlBlock)) {
+    peer->segment = std::make_shared<ShmSegment>(ShmSegment::open(inbox_name(peer->rank), peer->rank));
+    if (peer->segment->size() < sizeof(ControlBlock)) {
       throw TransportError("shm_tensor.connect: inbox of peer " + std::to_string(peer->rank) +
                            " is too small to be one");
     }
-    auto* control = reinterpret_cast<ControlBlock*>(peer->segment.data());
+    auto* control = reinterpret_cast<ControlBlock*>(peer->segment->data());
     if (control->magic.load(std::memory_order_acquire) != kInboxMagic ||
-        control->layout_version != kLayoutVersion || control->owner_rank != peer->rank) {
-      throw TransportError("shm_tensor.connect: inbox " + peer->segment.name() + " of peer " +
+        control->layout_version != kLayoutVersion || control->owner_rank != peer->rank ||
+        control->num_slots < 1 || control->num_slots > kMaxSlots) {
+      throw TransportError("shm_tensor.connect: inbox " + peer->segment->name() + " of peer " +
                            std::to_string(peer->rank) +
                            " has a foreign layout; are both sides built from the same source?");
     }
@@ -257,8 +278,8 @@ void Context::connect() {
                            " as a peer; both sides must list each other");
     }
     peer->control = control;
-    peer->out_channel = reinterpret_cast<ChannelHeader*>(peer->segment.data() + entry->offset);
-    peer->out_slots = peer->segment.data() + entry->offset + kChannelHeaderBytes;
+    peer->out_channel = reinterpret_cast<ChannelHeader*>(peer->segment->data() + entry->offset);
+    peer->out_slots = peer->segment->data() + entry->offset + kChannelHeaderBytes;
     peer->out_slot_bytes = control->slot_bytes;
     peer->out_stride = control->slot_stride;
     peer->out_num_slots = control->num_slots;
@@ -279,7 +300,7 @@ void Context::connect() {
 
 void Context::unlink() {
   std::lock_guard<std::mutex> lock(mutex_);
-  inbox_.unlink();
+  if (inbox_ != nullptr) inbox_->unlink();
 }
 
 void Context::close() {
@@ -306,7 +327,7 @@ void Context::close() {
     peers_.clear();
     cuda_.reset();  // closes peers' mappings, frees our device slots (after their copies)
     control_ = nullptr;
-    inbox_ = ShmSegment();
+    inbox_.reset();  // unmapped once no received tensor borrows a slot any more
   }
 }
 
@@ -370,8 +391,9 @@ std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64
                                        std::to_string(sizeof(cuda::IpcDescriptor)) +
                                        " B for its IPC descriptor; raise ShmConfig.slot_bytes"));
   }
-  bool single_copy = !on_cuda && use_single_copy(target, nbytes);
-  uint32_t flags = on_cuda ? dpp_wire::kFlagCudaIpc : (single_copy ? dpp_wire::kFlagSingleCopy : 0u);
+  // Single copy or not is decided when the message gets its slot (push_sends), with the receiver's
+  // loans as they are then.
+  uint32_t flags = on_cuda ? dpp_wire::kFlagCudaIpc : 0u;
   WireHeader header =
       dpp_wire::make_header(tag, dtype, shape.data(), static_cast<int>(shape.size()), nbytes, rank_, flags);
   auto handle = std::make_shared<Handle>(shared_from_this(), true, peer, tag);
@@ -379,7 +401,6 @@ std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64
   // the send, which swaps the storage of that TensorImpl; the alias keeps the original storage alive
   // and unchanged until the send completes.
   handle->tensor_ = source.detach();
-  handle->single_copy_ = single_copy;
   if (on_cuda) {
     handle->cuda_stream_ = cuda_stream;
     handle->cuda_ready_ = cuda_ipc(call, peer, tag).record_ready(source, cuda_stream, call, peer, tag);
@@ -429,6 +450,12 @@ std::shared_ptr<Handle> Context::irecv(int peer, int64_t tag) {
 
 bool Context::use_single_copy(Peer& peer, uint64_t nbytes) {
   if (!config_.single_copy || nbytes < config_.single_copy_min_bytes) return false;
+  // A slot the receiver will lend costs one copy too (ours into the slot), completes the send
+  // sooner and needs no cross-memory attach. A hint: if the loan is gone by the time the receiver
+  // drains the message, it copies out.
+  if (nbytes >= peer.control->lend_min_bytes && peer.out_channel->loans_left.load(std::memory_order_acquire) > 0) {
+    return false;
+  }
   if (peer.receiver_single_copy == kSingleCopyUndecided) {
     // Decided at the receiver's connect(), before the rendezvous barrier that precedes any send; a
     // send without that barrier (undecided) takes two copies and asks again next time.
@@ -437,9 +464,8 @@ bool Context::use_single_copy(Peer& peer, uint64_t nbytes) {
   return peer.receiver_single_copy == kSingleCopyAccepted;
 }
 
-uint64_t Context::write_slot(Peer& peer, Handle& handle) {
+uint64_t Context::write_slot(Peer& peer, Handle& handle, uint32_t index) {
   uint64_t head = peer.out_channel->head.load(std::memory_order_relaxed);
-  uint64_t index = head % peer.out_num_slots;
   char* slot = peer.out_slots + index * peer.out_stride;
   if (handle.cuda_ready_ != nullptr) {
     // Device copy first: if it fails nothing has been written to the slot.
@@ -464,19 +490,49 @@ uint64_t Context::write_slot(Peer& peer, Handle& handle) {
       copy_pool_.copy(slot + sizeof(WireHeader), handle.tensor_.data_ptr(), handle.tensor_.nbytes());
     }
   }
+  peer.out_channel->slot_of[head % peer.out_num_slots] = index;
   peer.out_channel->head.store(head + 1, std::memory_order_release);
   return head;
+}
+
+void Context::choose_payload_path(Peer& peer, Handle& handle) {
+  // Raw sends (tests) keep their header as given; CUDA messages always go by IPC.
+  if (!handle.tensor_.defined() || handle.cuda_ready_ != nullptr) return;
+  bool single_copy = use_single_copy(peer, handle.tensor_.nbytes());
+  if (single_copy == handle.single_copy_) return;
+  handle.single_copy_ = single_copy;
+  WireHeader header;
+  std::memcpy(&header, handle.raw_header_.data(), sizeof(header));
+  header.flags = single_copy ? dpp_wire::kFlagSingleCopy : 0u;
+  header.checksum = dpp_wire::header_checksum(header);
+  std::memcpy(handle.raw_header_.data(), &header, sizeof(header));
 }
 
 void Context::push_sends(Peer& peer) {
   complete_pulled_sends(peer);
   if (peer.lost) return;
   while (!peer.pending_sends.empty()) {
+    // Acquire: the receiver set the bit after it finished with the slot (copied out, pulled, or the
+    // lent tensor was freed).
+    uint64_t free = peer.out_channel->free_slots.load(std::memory_order_acquire);
+    if (free == 0) break;  // every slot taken: back-pressure
+    // Every message in the ring holds a slot, so a free slot implies ring room; checked anyway, as
+    // slot_of[head % num_slots] must not overwrite an unread entry.
     uint64_t head = peer.out_channel->head.load(std::memory_order_relaxed);
-    uint64_t tail = peer.out_channel->tail.load(std::memory_order_acquire);
-    if (head - tail >= peer.out_num_slots) break;  // ring full: back-pressure
-    // Written before it leaves the queue: a failing (CUDA) copy leaves the send pending, not lost.
-    uint64_t position = write_slot(peer, *peer.pending_sends.front());
+    if (head - peer.out_channel->tail.load(std::memory_order_acquire) >= peer.out_num_slots) break;
+    choose_payload_path(peer, *peer.pending_sends.front());
+    uint32_t index = static_cast<uint32_t>(__builtin_ctzll(free));  // lowest: the warmest in cache
+    uint64_t bit = 1ull << index;
+    // Taken before the message is published (the receiver may free it right after).
+    peer.out_channel->free_slots.fetch_and(~bit, std::memory_order_relaxed);
+    uint64_t position;
+    try {
+      // Written before it leaves the queue: a failing (CUDA) copy leaves the send pending, not lost.
+      position = write_slot(peer, *peer.pending_sends.front(), index);
+    } catch (...) {
+      peer.out_channel->free_slots.fetch_or(bit, std::memory_order_relaxed);  // never published
+      throw;
+    }
     std::shared_ptr<Handle> handle = std::move(peer.pending_sends.front());
     peer.pending_sends.pop_front();
     if (handle->single_copy_) {
@@ -536,6 +592,35 @@ at::Tensor Context::allocate_received(const WireHeader& header) {
       buffer, shape, [pool, capacity](void* data) { pool->give(data, capacity); }, options);
 }
 
+bool Context::lend_slot(Peer& peer, const WireHeader& header) {
+  if (!config_.zero_copy_receive || header.nbytes == 0 || header.nbytes < config_.zero_copy_min_bytes) return false;
+  // Only this thread (under the lock) takes loans; freed tensors give them back from any thread.
+  if (peer.in_channel->loans_left.load(std::memory_order_acquire) <= 0) return false;
+  peer.in_channel->loans_left.fetch_sub(1, std::memory_order_acq_rel);
+  return true;
+}
+
+at::Tensor Context::lent_tensor(Peer& peer, const WireHeader& header, char* slot, uint32_t index) {
+  std::vector<int64_t> shape(header.shape, header.shape + header.ndim);
+  auto options = at::TensorOptions().dtype(scalar_type_of(header.dtype));
+  // The storage's deleter may run on any thread, after close(), after the sender died: it touches
+  // only shared memory, and keeps both mappings (our inbox holds the slot, the sender's inbox its
+  // doorbell) until it has run.
+  std::shared_ptr<ShmSegment> inbox = inbox_;
+  std::shared_ptr<ShmSegment> sender_inbox = peer.segment;
+  ChannelHeader* channel = peer.in_channel;
+  Doorbell* sender_bell = &peer.control->doorbell;
+  uint64_t bit = 1ull << index;
+  return at::from_blob(
+      slot + sizeof(WireHeader), shape,
+      [inbox, sender_inbox, channel, sender_bell, bit](void*) {
+        channel->free_slots.fetch_or(bit, std::memory_order_release);
+        channel->loans_left.fetch_add(1, std::memory_order_release);
+        ring(*sender_bell);  // the sender may be waiting for a free slot
+      },
+      options);
+}
+
 // The outcome of pulling one single-copy payload.
 struct Context::Pull {
   enum Kind { kDone, kRejected, kFailed, kSenderLost } kind = kDone;
@@ -583,7 +668,7 @@ Context::Pull Context::pull_payload(Peer& peer, const WireHeader& header, const 
   return {};
 }
 
-void Context::drain_inbound(Peer& peer) {
+void Context::drain_inbound(Peer& peer, const std::vector<std::shared_ptr<Handle>>& awaited) {
   // A rejected message, a failed pull, or a pull the dead sender can no longer serve: the ring is
   // stuck at that slot.
   if (!peer.broken.empty() || !peer.lost_detail.empty()) return;
@@ -591,7 +676,15 @@ void Context::drain_inbound(Peer& peer) {
     uint64_t tail = peer.in_channel->tail.load(std::memory_order_relaxed);
     uint64_t head = peer.in_channel->head.load(std::memory_order_acquire);
     if (tail == head) return;
-    const char* slot = peer.in_slots + (tail % config_.num_slots) * slot_stride_;
+    uint32_t index = peer.in_channel->slot_of[tail % config_.num_slots];
+    uint64_t bit = index < static_cast<uint32_t>(config_.num_slots) ? 1ull << index : 0;
+    if (bit == 0 || (peer.in_channel->free_slots.load(std::memory_order_relaxed) & bit) != 0) {
+      peer.broken = "message from peer " + std::to_string(peer.rank) + " at ring position " +
+                    std::to_string(tail) + " names slot " + std::to_string(index) +
+                    ", which is not one it took (" + std::to_string(config_.num_slots) + " slots)";
+      return;
+    }
+    char* slot = peer.in_slots + index * slot_stride_;
     WireHeader header;
     std::memcpy(&header, slot, sizeof(header));
     std::string problem = dpp_wire::validate_header(header, config_.slot_bytes);
@@ -604,7 +697,7 @@ void Context::drain_inbound(Peer& peer) {
     at::Tensor tensor;
     if (header.flags & dpp_wire::kFlagCudaIpc) {
       try {
-        tensor = receive_device_message(peer, header, slot, tail % config_.num_slots);
+        tensor = receive_device_message(peer, header, slot, index);
       } catch (const PeerLost&) {
         peer.lost = true;  // its device copy never ran; the waiting handle reports the loss
         return;
@@ -633,11 +726,19 @@ void Context::drain_inbound(Peer& peer) {
         return;
       }
       ++counts_.received_single_copy;
+    } else if (lend_slot(peer, header)) {
+      tensor = lent_tensor(peer, header, slot, index);  // frees the slot when its storage goes
+      bit = 0;
+      ++counts_.received_zero_copy;
+    } else if (header.nbytes >= config_.zero_copy_min_bytes && config_.zero_copy_receive &&
+               std::any_of(awaited.begin(), awaited.end(), [](const auto& h) { return h->done_; })) {
+      return;  // a message that could be lent later; the caller has what it waited for
     } else {
       tensor = allocate_received(header);
       if (header.nbytes > 0) copy_pool_.copy(tensor.data_ptr(), slot + sizeof(WireHeader), header.nbytes);
       ++counts_.received_two_copy;
     }
+    if (bit != 0) peer.in_channel->free_slots.fetch_or(bit, std::memory_order_release);
     peer.in_channel->tail.store(tail + 1, std::memory_order_release);
     ring(peer.control->doorbell);  // the sender may be waiting for this slot
     deliver(peer.rank, header.tag, std::move(tensor));
@@ -645,7 +746,7 @@ void Context::drain_inbound(Peer& peer) {
 }
 
 at::Tensor Context::receive_device_message(Peer& peer, const WireHeader& header, const char* slot,
-                                           uint64_t slot_index) {
+                                           uint32_t slot_index) {
   const char* call = "shm_tensor.irecv";
   if (config_.slot_bytes < sizeof(cuda::IpcDescriptor)) {
     throw ProtocolError(describe(call, peer.rank, header.tag,
@@ -665,10 +766,10 @@ at::Tensor Context::receive_device_message(Peer& peer, const WireHeader& header,
                [sender] { return sender->alive(); }, config_.timeout_s, config_.spin_us);
 }
 
-void Context::progress() {
+void Context::progress(const std::vector<std::shared_ptr<Handle>>& awaited) {
   if (closed_ || !connected_) return;
   for (auto& peer : peers_) {
-    drain_inbound(*peer);
+    drain_inbound(*peer, awaited);
     push_sends(*peer);
   }
 }
@@ -740,7 +841,7 @@ void Context::check_liveness(const std::vector<std::shared_ptr<Handle>>& handles
   }
   // Messages a lost peer published before it died are still in our inbox: take them first.
   if (any_lost) {
-    for (auto& peer : peers_) drain_inbound(*peer);
+    for (auto& peer : peers_) drain_inbound(*peer, {});  // everything, copied out if need be
   }
 }
 
@@ -775,7 +876,7 @@ int Context::wait_any(const std::vector<std::shared_ptr<Handle>>& handles, doubl
     } guard{bell};
     uint32_t seen = bell.counter.load(std::memory_order_seq_cst);
 
-    progress();
+    progress(handles);
     for (size_t i = 0; i < handles.size(); ++i) {
       if (handle_done_or_throw(*handles[i])) return static_cast<int>(i);
     }

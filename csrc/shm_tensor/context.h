@@ -2,31 +2,41 @@
 // node through POSIX shared memory.
 //
 // Layout. Every process owns one "inbox" segment: a control block (owner pid, doorbell, the
-// single-copy probe token, a closed flag) and, per peer that may send to it, a channel = a bounded
-// ring of `num_slots` slots of `slot_bytes` payload each (the per-directed-pair slot pool). Channels
-// are single-producer single-consumer rings (head written by the sender, tail by the receiver), so no
-// lock is shared between processes.
+// single-copy probe token, a closed flag) and, per peer that may send to it, a channel = a pool of
+// `num_slots` slots of `slot_bytes` payload each (the per-directed-pair slot pool, at most 64) with a
+// bitmask of free slots, and a ring of messages in send order, each naming its slot. The sender
+// clears free bits and advances the ring head; the receiver sets free bits and advances the tail, so
+// no lock is shared between processes. The sender takes the lowest free slot, so a stream of
+// messages reuses the same, cache-warm slots.
 //
-// Two ways to carry a CPU payload. Two copies (small messages, or where single copy is off or
-// refused): the sender writes the wire header and the payload into the next free slot and rings the
-// receiver's doorbell; the receiver copies the message out into a fresh tensor, frees the slot and
-// rings the sender's doorbell; the send is complete once its bytes are in the slot. Single copy
-// (messages of at least `single_copy_min_bytes`, single_copy.h): the slot gets the header and a
-// descriptor (address, byte count) only; the receiver pulls the payload from the sender's memory with
-// process_vm_readv into the fresh tensor, then frees the slot as above; the send completes only when
-// the ring tail has passed its slot, and until then the handle holds its own alias of the source
-// storage.
+// Three ways to carry a CPU payload. Through a slot (messages below `single_copy_min_bytes`, or where
+// single copy is off or refused): the sender writes the wire header and the payload into a free slot
+// and rings the receiver's doorbell; the send is complete once its bytes are in the slot. The
+// receiver then either copies the message out into a fresh tensor and frees the slot at once, or,
+// for messages of at least `zero_copy_min_bytes` while it has loans left, *lends* the slot: the
+// received tensor points into the slot (zero copies on this side) and the slot is freed when that
+// tensor's storage is. Single copy (messages of at least `single_copy_min_bytes` to a receiver with
+// no loan left, single_copy.h): the slot gets the header and a descriptor (address, byte count)
+// only; the receiver pulls the payload from the sender's memory with process_vm_readv into a fresh
+// tensor, then frees the slot; the send completes only when the ring tail has passed its message,
+// and until then the handle holds its own alias of the source storage.
 //
 // Matching and deadlock freedom. Every progress call (test, wait, wait_any, whatever handle it is
-// made for) drains all inbound channels into private tensors, pulling single-copy payloads as it
-// goes, and matches them to posted receives by (peer, tag) or keeps them until one is posted. No
-// slot ever waits for a matching receive. So a send, of either kind, waits at most for the receiver's
-// next progress call: a two-copy send only when the ring is full, a single-copy send always. That
-// is the same condition a full ring always imposed, and it holds in any order of sends and receives:
-// as long as every process keeps making progress calls while it has an incomplete handle (any
-// wait does), every message is drained and every send completes. What single copy adds is that a
-// send may not complete while its receiver is blocked outside this transport (a collective, say);
-// a send that found the ring full was already in that position.
+// made for) drains all inbound channels into tensors, pulling single-copy payloads as it goes, and
+// matches them to posted receives by (peer, tag) or keeps them until one is posted. No message ever
+// waits in a slot for a matching receive beyond the receiver's next progress call. A lent slot stays
+// taken for as long as the program holds its tensor, which may be forever (an activation kept for
+// the backward pass); so a receiver lends at most num_slots / 2 slots per sender at a time and the
+// other slots circulate as in a pool without lending. Once no loan is left, a progress call copies
+// messages out only while none of the handles it was called for is complete (it stops at the one it
+// waits for); later messages stay in their slots for the next call, which may lend them by then: a
+// receiver that consumes messages one by one keeps lending instead of copying out bursts. So a
+// send, of any kind, waits at most for the receiver's next progress call: a send through a slot only
+// when no slot is free, a single-copy send always. That is the condition a full pool always imposed,
+// and it holds in any order of sends and receives: as long as every process keeps making progress
+// calls while it has an incomplete handle (any wait does), every message is drained and every send
+// completes. What it implies: a send may not complete while its receiver is blocked outside this
+// transport (a collective, say) and has no free slot left for it.
 //
 // Waiting. A process blocks on its own doorbell with futex(2), in slices, checking between slices
 // whether a peer it waits on is still alive (pidfd, fallback kill(pid, 0)); waiting single-copy sends
@@ -72,7 +82,13 @@ struct ContextConfig {
   // sender's memory) to receivers whose probe allowed it; false: always two copies.
   bool single_copy = true;
   uint64_t single_copy_min_bytes = 16ull << 20;  // the crossover on the 2-vCPU VM (docs/transport.md)
+  // Received CPU messages of at least zero_copy_min_bytes borrow their slot (no copy out) while
+  // fewer than num_slots / 2 of that sender's slots are lent; false: always copy out.
+  bool zero_copy_receive = true;
+  uint64_t zero_copy_min_bytes = 256ull << 10;
 };
+
+constexpr int kMaxSlots = 64;  // the free-slot bitmask is one 64-bit word
 
 // Host messages this context sent and received, by path (CUDA messages are not counted).
 struct MessageCounts {
@@ -80,13 +96,15 @@ struct MessageCounts {
   uint64_t sent_two_copy = 0;
   uint64_t received_single_copy = 0;
   uint64_t received_two_copy = 0;
+  uint64_t received_zero_copy = 0;  // through a slot, which the received tensor borrows
 };
 
 class Context;
 
-// One isend or irecv. Completion: a two-copy send when its bytes are in a slot, a single-copy send
-// when the receiver has pulled them (its slot was freed); either way the tensor may be reused then.
-// A receive completes when its tensor has been copied out of the slot or pulled from the sender.
+// One isend or irecv. Completion: a send through a slot when its bytes are in the slot, a single-copy
+// send when the receiver has pulled them (its slot was freed); either way the tensor may be reused
+// then. A receive completes when its tensor has been copied out of the slot, lent the slot, or been
+// pulled from the sender.
 // CUDA tensors: a send completes when its device copy is queued (the caller's stream waits for it),
 // a receive when the copy has finished.
 // `cuda_device`/`cuda_stream` name the caller's current device and torch stream (-1/0 when torch
@@ -157,20 +175,25 @@ class Context : public std::enable_shared_from_this<Context> {
 
   Peer& peer_or_throw(const char* call, int peer, int64_t tag);
   bool handle_done_or_throw(Handle& handle);  // lock held
-  void progress();                            // lock held
-  void drain_inbound(Peer& peer);             // lock held
+  // `awaited`: the handles of the call (test, wait_any). Once no slot is left to lend, messages are
+  // copied out only while none of them is complete; the rest wait for the next progress call.
+  void progress(const std::vector<std::shared_ptr<Handle>>& awaited);  // lock held
+  void drain_inbound(Peer& peer, const std::vector<std::shared_ptr<Handle>>& awaited);  // lock held
   void push_sends(Peer& peer);                // lock held
   void complete_pulled_sends(Peer& peer);     // lock held
   bool receiver_closed(Peer& peer);           // lock held
   bool use_single_copy(Peer& peer, uint64_t nbytes);  // lock held
-  uint64_t write_slot(Peer& peer, Handle& handle);   // returns the ring position written
+  void choose_payload_path(Peer& peer, Handle& handle);  // lock held; sets single_copy_ and the header
+  bool lend_slot(Peer& peer, const dpp_wire::WireHeader& header);  // lock held; takes a loan if so
+  at::Tensor lent_tensor(Peer& peer, const dpp_wire::WireHeader& header, char* slot, uint32_t index);
+  uint64_t write_slot(Peer& peer, Handle& handle, uint32_t index);  // returns the ring position written
   void check_liveness(const std::vector<std::shared_ptr<Handle>>& handles);  // lock held
   void deliver(int peer, int64_t tag, at::Tensor tensor);
   at::Tensor allocate_received(const dpp_wire::WireHeader& header);
   struct Pull;
   Pull pull_payload(Peer& peer, const dpp_wire::WireHeader& header, const char* slot, const at::Tensor& tensor);
   at::Tensor receive_device_message(Peer& peer, const dpp_wire::WireHeader& header, const char* slot,
-                                    uint64_t slot_index);
+                                    uint32_t slot_index);
   cuda::CudaIpc& cuda_ipc(const char* call, int peer, int64_t tag);  // lock held; loads on first use
 
   int rank_;
@@ -178,7 +201,8 @@ class Context : public std::enable_shared_from_this<Context> {
   std::string job_name_;
   ContextConfig config_;
   uint64_t slot_stride_;
-  ShmSegment inbox_;
+  // Shared with the tensors that borrow its slots: the mapping outlives close() until they are freed.
+  std::shared_ptr<ShmSegment> inbox_;
   struct ControlBlock* control_ = nullptr;
   std::vector<std::unique_ptr<Peer>> peers_;
   std::unordered_map<int, Peer*> peer_by_rank_;

@@ -55,13 +55,13 @@ inline int pull_bytes(int pid, void* local, uint64_t remote_address, size_t n) {
   return 0;
 }
 
-// The same, split over the pool's threads (one piece per `bytes_per_thread`); the errno of the
-// first failing piece, 0 when every piece arrived.
+// The same, split over the pool's threads; the errno of a failing piece, 0 when every piece arrived.
 inline int pull_bytes(dpp_copy::CopyPool& pool, int pid, void* local, uint64_t remote_address, size_t n) {
-  std::vector<int> errors(static_cast<size_t>(pool.threads_for(n)), 0);
+  std::vector<int> errors(static_cast<size_t>(pool.threads_for(n)), 0);  // per thread: its first failure
   auto* destination = static_cast<char*>(local);
   pool.for_each_piece(n, [&](int index, size_t begin, size_t end) {
-    errors[static_cast<size_t>(index)] = pull_bytes(pid, destination + begin, remote_address + begin, end - begin);
+    int& error = errors[static_cast<size_t>(index)];
+    if (error == 0) error = pull_bytes(pid, destination + begin, remote_address + begin, end - begin);
   });
   for (int error : errors) {
     if (error != 0) return error;
