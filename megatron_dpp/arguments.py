@@ -407,7 +407,11 @@ def add_transport_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shm-num-slots", type=int, default=4,
                        help="shm: slots per directed pair of ranks, 1..64 (messages in flight before a "
                             "send waits for the receiver; up to half of them may be lent to received "
-                            "tensors of 256 KiB or more instead of copied out).")
+                            "tensors, see --shm-zero-copy-min-kb).")
+    group.add_argument("--shm-zero-copy-min-kb", type=int, default=256,
+                       help="shm: a received CPU message of at least this many KiB borrows the slot it "
+                            "arrived in (no copy out) while fewer than half the slots from that sender "
+                            "are lent; 0 copies every message out.")
     group.add_argument("--p2p-timeout", type=float, default=300.0,
                        help="Seconds a pipeline send or receive may wait before failing with the peer "
                             "and tag it waited for.")
@@ -421,6 +425,8 @@ def validate_transport_args(args: argparse.Namespace) -> None:
     _require(args.shm_copy_threads >= 1, "--shm-copy-threads must be at least 1")
     _require(args.shm_slot_mb >= 1, "--shm-slot-mb must be at least 1")
     _require(1 <= args.shm_num_slots <= 64, "--shm-num-slots must be 1..64")
+    _require(args.shm_zero_copy_min_kb >= 0,
+             f"--shm-zero-copy-min-kb must be >= 0 (0 turns zero-copy receive off), got {args.shm_zero_copy_min_kb}")
     _require(importlib.util.find_spec("shm_tensor._C") is not None,
              "--p2p-transport shm needs the compiled shm_tensor._C; run "
              "`pip install --no-build-isolation -e .` in the repository")

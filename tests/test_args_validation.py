@@ -52,6 +52,10 @@ BAD_FLAGS = {
     "missing_vocab_file": (["--vocab-file", "/nonexistent/vocab.json"], 1,
                            "--vocab-file /nonexistent/vocab.json not found"),
     "unknown_flag": (["--no-such-flag"], 1, "unrecognized arguments: --no-such-flag"),
+    "shm_zero_copy_negative": (["--p2p-transport", "shm", "--shm-zero-copy-min-kb", "-1"], 1,
+                               "--shm-zero-copy-min-kb must be >= 0"),
+    "shm_too_many_slots": (["--p2p-transport", "shm", "--shm-num-slots", "65"], 1,
+                           "--shm-num-slots must be 1..64"),
 }
 
 

@@ -24,6 +24,9 @@ LAYOUTS = {
     "pp4": (["--pipeline-model-parallel-size", "4"], 4),
     "vpp2_pp2": (["--pipeline-model-parallel-size", "2",
                   "--num-layers-per-virtual-pipeline-stage", "1"], 2),
+    # The test model's 16 KiB activations are below the default 256 KiB: lend from 1 KiB, so that
+    # received activations and gradients live in lent slots (the first ones always are).
+    "pp2_lent_slots": (["--pipeline-model-parallel-size", "2", "--shm-zero-copy-min-kb", "1"], 2),
 }
 
 

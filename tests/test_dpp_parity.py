@@ -37,6 +37,8 @@ LAYOUTS = {
     "pp2_vpp2": ("pp2", PP2 + VPP2, 2),
     "dp2_pp2": ("pp2", PP2, 4),
     "dp2_pp2_overlap_grad_reduce": ("pp2", PP2 + ["--overlap-grad-reduce"], 4),
+    # Received activations and gradients in lent slots (the test model's 16 KiB are below the default).
+    "pp2_vpp2_lent_slots": ("pp2", PP2 + VPP2 + ["--shm-zero-copy-min-kb", "1"], 2),
     "pp4_vpp2": ("pp4_vpp2", PP4 + EIGHT_LAYERS + VPP2, 4),
     "tp2_pp2": ("tp2_pp2", REFERENCES["tp2_pp2"][0], 4),
     "varlen_pp2": ("varlen_pp2", REFERENCES["varlen_pp2"][0], 2),

@@ -1,4 +1,4 @@
-"""Transport settings from the command line (--p2p-transport, --workload, --shm-*)."""
+"""Transport settings from the command line (--p2p-transport, --workload, --shm-*, --p2p-timeout)."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +16,8 @@ def shm_config_from_args(args: argparse.Namespace):
         copy_threads=args.shm_copy_threads,
         bytes_per_thread=args.workload,
         timeout_s=args.p2p_timeout,
+        zero_copy_receive=args.shm_zero_copy_min_kb > 0,
+        zero_copy_min_bytes=max(1, args.shm_zero_copy_min_kb) << 10,
     )
 
 
