@@ -135,6 +135,38 @@ def test_a_receiver_that_consumes_one_by_one_gets_every_message_lent(tmp_path):
     assert report == {"intact": True, "lent": 24, "copied": 0}
 
 
+def _forked_child_worker(rank, world, store):
+    ctx = _context(rank, world, store, single_copy=False)
+    if rank == 0:
+        for tag in range(2):
+            ctx.isend(payload(0, tag, torch.float32, LARGE), 1, tag).wait(timeout=30)
+        _wait_key(store, "forked")
+        for handle in [ctx.isend(payload(0, tag, torch.float32, LARGE), 1, tag) for tag in range(2, 8)]:
+            handle.wait(timeout=30)
+        _wait_key(store, "done")
+        ctx.close()
+        return None
+    held = {tag: ctx.irecv(0, tag).wait(timeout=30) for tag in range(2)}  # both loans taken
+    child = os.fork()
+    if child == 0:  # frees its copies of the lent tensors, which must not give the slots back
+        held.clear()
+        os._exit(0)
+    os.waitpid(child, 0)
+    store.set("forked", "1")
+    later = {tag: ctx.irecv(0, tag).wait(timeout=30) for tag in range(2, 8)}
+    report = {"held_intact": _received_ok(held, 0), "later_ok": _received_ok(later, 0),
+              "lent": ctx.message_counts()["received_zero_copy"]}
+    store.set("done", "1")
+    ctx.close()
+    return report
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_freeing_lent_tensors_returns_nothing(tmp_path):
+    report = run_ranks(_forked_child_worker, 2, tmp_path, timeout_s=90)[1]
+    assert report == {"held_intact": True, "later_ok": True, "lent": 2}
+
+
 def _killed_sender_worker(rank, world, store):
     ctx = _context(rank, world, store)
     if rank == 0:

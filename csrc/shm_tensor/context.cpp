@@ -611,9 +611,12 @@ at::Tensor Context::lent_tensor(Peer& peer, const WireHeader& header, char* slot
   ChannelHeader* channel = peer.in_channel;
   Doorbell* sender_bell = &peer.control->doorbell;
   uint64_t bit = 1ull << index;
+  pid_t lender = control_->owner_pid;
   return at::from_blob(
       slot + sizeof(WireHeader), shape,
-      [inbox, sender_inbox, channel, sender_bell, bit](void*) {
+      [inbox, sender_inbox, channel, sender_bell, bit, lender](void*) {
+        // A forked child freeing its copy of the tensor must not return the parent's slot.
+        if (::getpid() != lender) return;
         channel->free_slots.fetch_or(bit, std::memory_order_release);
         channel->loans_left.fetch_add(1, std::memory_order_release);
         ring(*sender_bell);  // the sender may be waiting for a free slot
