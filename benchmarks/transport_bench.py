@@ -34,7 +34,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 KiB, MiB = 1 << 10, 1 << 20
-MIN_STREAM = 4  # messages per bandwidth stream, at least
 DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 QUICK_SIZES = [4 * KiB, 1 * MiB]
 TRANSPORTS = ("shm", "shm-1copy", "shm-2copy", "gloo", "memcpy")
@@ -64,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--latency-iters", type=int, default=200,
                         help="round trips per size for latency (fewer for large sizes)")
     parser.add_argument("--stream-bytes", type=parse_size, default=256 * MiB,
-                        help=f"bytes per bandwidth stream ({MIN_STREAM} to 64 messages)")
+                        help="bytes per bandwidth stream (4 to 64 messages)")
     parser.add_argument("--repeats", type=int, default=5, help="bandwidth streams per size")
     parser.add_argument("--workload", type=parse_size, default=8 * MiB,
                         help="shm: bytes per copy thread")
@@ -119,7 +118,7 @@ def latency_iters(args, size: int) -> int:
 
 
 def stream_count(args, size: int) -> int:
-    return max(MIN_STREAM, min(64, args.stream_bytes // size))
+    return max(4, min(64, args.stream_bytes // size))
 
 
 def summarize(name: str, size: int, bandwidth_s: list[float], one_way_s: list[float]) -> dict:

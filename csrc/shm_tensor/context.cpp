@@ -592,8 +592,12 @@ at::Tensor Context::allocate_received(const WireHeader& header) {
       buffer, shape, [pool, capacity](void* data) { pool->give(data, capacity); }, options);
 }
 
+bool Context::lendable(const WireHeader& header) const {
+  return config_.zero_copy_receive && header.nbytes > 0 && header.nbytes >= config_.zero_copy_min_bytes;
+}
+
 bool Context::lend_slot(Peer& peer, const WireHeader& header) {
-  if (!config_.zero_copy_receive || header.nbytes == 0 || header.nbytes < config_.zero_copy_min_bytes) return false;
+  if (!lendable(header)) return false;
   // Only this thread (under the lock) takes loans; freed tensors give them back from any thread.
   if (peer.in_channel->loans_left.load(std::memory_order_acquire) <= 0) return false;
   peer.in_channel->loans_left.fetch_sub(1, std::memory_order_acq_rel);
@@ -733,7 +737,7 @@ void Context::drain_inbound(Peer& peer, const std::vector<std::shared_ptr<Handle
       tensor = lent_tensor(peer, header, slot, index);  // frees the slot when its storage goes
       bit = 0;
       ++counts_.received_zero_copy;
-    } else if (header.nbytes >= config_.zero_copy_min_bytes && config_.zero_copy_receive &&
+    } else if (lendable(header) &&
                std::any_of(awaited.begin(), awaited.end(), [](const auto& h) { return h->done_; })) {
       return;  // a message that could be lent later; the caller has what it waited for
     } else {

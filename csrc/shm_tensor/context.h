@@ -184,6 +184,7 @@ class Context : public std::enable_shared_from_this<Context> {
   bool receiver_closed(Peer& peer);           // lock held
   bool use_single_copy(Peer& peer, uint64_t nbytes);  // lock held
   void choose_payload_path(Peer& peer, Handle& handle);  // lock held; sets single_copy_ and the header
+  bool lendable(const dpp_wire::WireHeader& header) const;  // large enough, lending on
   bool lend_slot(Peer& peer, const dpp_wire::WireHeader& header);  // lock held; takes a loan if so
   at::Tensor lent_tensor(Peer& peer, const dpp_wire::WireHeader& header, char* slot, uint32_t index);
   uint64_t write_slot(Peer& peer, Handle& handle, uint32_t index);  // returns the ring position written
