@@ -7,9 +7,13 @@ Scenarios (each over --seeds seeds, common random numbers across schedules):
   straggler  equal microbatches, each task slower by --straggler-factor with prob --straggler-prob
 
 Every schedule gets its default budget: what Megatron's order (1F1B, interleaved for V>1) holds at
-most on the rank, counted at the largest microbatch of the batch. Prints a Markdown table of
-time / Megatron order and time / lower bound (busiest rank's work), checks the targets, and with
---json writes {"results": [...]}.
+most on the rank, counted at the largest microbatch of the batch. Schedules marked "+W" run the
+same batch with split backwards (B sends the input gradient, a local W task computes the weight
+gradient; --weight-grad-fraction of the backward's time): Megatron's order with each W right after
+its B, 1f1b-sorted likewise, and dpp:adaptive, which defers W into waits. Their rows carry
+"split_backward": true. Prints a Markdown table of time / Megatron order (fused backward, as
+Megatron runs) and time / lower bound (busiest rank's work), checks the targets, and with --json
+writes {"results": [...]}.
 
   python benchmarks/schedule_sim.py                      # full grid, a few minutes
   python benchmarks/schedule_sim.py --quick              # P=4, M=16, 3 seeds, seconds
@@ -51,6 +55,14 @@ def schedules_for(V: int) -> list[str]:
     return [megatron_order(V), "1f1b-sorted", "gpipe", *POLICIES, GREEDY_COUNT_CAP]
 
 
+# Run on the split-backward graph of the same batch; the row's schedule is the name + SPLIT_SUFFIX.
+SPLIT_SUFFIX = "+W"
+
+
+def split_schedules_for(V: int) -> list[str]:
+    return [megatron_order(V), "1f1b-sorted", "dpp:adaptive"]
+
+
 def batch_sizes(scenario: str, M: int, cv: float, rng: np.random.Generator) -> np.ndarray:
     if scenario != "varlen" or cv == 0:
         return np.full(M, MEAN_SIZE)
@@ -59,45 +71,52 @@ def batch_sizes(scenario: str, M: int, cv: float, rng: np.random.Generator) -> n
 
 
 def duration_model(scenario: str, args) -> DurationModel:
+    # schedule_search.py shares this and searches fused backwards only: it has no such flag.
+    split = {"weight_grad_fraction": getattr(args, "weight_grad_fraction", 0.5)}
     if scenario == "jitter":
-        return DurationModel(jitter_sigma=args.jitter)
+        return DurationModel(jitter_sigma=args.jitter, **split)
     if scenario == "straggler":
-        return DurationModel(straggler_prob=args.straggler_prob, straggler_factor=args.straggler_factor)
-    return DurationModel()
+        return DurationModel(straggler_prob=args.straggler_prob, straggler_factor=args.straggler_factor, **split)
+    return DurationModel(**split)
 
 
 def run_case(scenario: str, P: int, V: int, M: int, args) -> list[dict]:
-    schedules = schedules_for(V)
-    acc = {s: {"time": [], "peak": [], "budget": [], "within": True} for s in schedules}
-    lower_bounds, pipeline_bounds = [], []
+    runs = [(name, False) for name in schedules_for(V)] + [(name, True) for name in split_schedules_for(V)]
+    label = {run: run[0] + (SPLIT_SUFFIX if run[1] else "") for run in runs}
+    acc = {run: {"time": [], "peak": [], "budget": [], "within": True} for run in runs}
+    lower_bounds = {False: [], True: []}
+    pipeline_bounds = {False: [], True: []}
     comm = CommModel(latency=args.comm_latency)
+    model = duration_model(scenario, args)
     for seed in range(args.seeds):
         rng = np.random.default_rng(10_000 + seed)
-        graph = TaskGraph(P, V, M, batch_sizes(scenario, M, args.cv, rng))
-        model = duration_model(scenario, args)
-        for name in schedules:
+        sizes = batch_sizes(scenario, M, args.cv, rng)
+        graphs = {split: TaskGraph(P, V, M, sizes, split_backward=split) for split in (False, True)}
+        for name, split in runs:
             schedule = greedy_count_cap if name == GREEDY_COUNT_CAP else name
-            result = simulate(graph, schedule, model, comm, seed=seed)
-            a = acc[name]
+            result = simulate(graphs[split], schedule, model, comm, seed=seed)
+            a = acc[(name, split)]
             a["time"].append(result.makespan)
             a["peak"].append(result.peak_activation)
             a["budget"].append(max(result.budget_bytes))
             a["within"] &= all(p <= b for p, b in zip(result.peak_bytes, result.budget_bytes))
-        lower_bounds.append(result.lower_bound)
-        pipeline_bounds.append(result.pipeline_bound)
+            if name == megatron_order(V):  # the bounds depend on the batch and the graph only
+                lower_bounds[split].append(result.lower_bound)
+                pipeline_bounds[split].append(result.pipeline_bound)
     rows = []
-    for name in schedules:
-        a = acc[name]
+    for run in runs:
+        a = acc[run]
         rows.append(
             {
                 "scenario": scenario,
                 "P": P,
                 "V": V,
                 "M": M,
-                "schedule": name,
+                "schedule": label[run],
+                "split_backward": run[1],
                 "time": float(np.mean(a["time"])),
-                "lower_bound": float(np.mean(lower_bounds)),
-                "pipeline_bound": float(np.mean(pipeline_bounds)),
+                "lower_bound": float(np.mean(lower_bounds[run[1]])),
+                "pipeline_bound": float(np.mean(pipeline_bounds[run[1]])),
                 "peak_activation": float(np.mean(a["peak"])),
                 "budget": float(np.mean(a["budget"])),
                 "within_budget": bool(a["within"]),
@@ -120,7 +139,8 @@ def print_table(results: list[dict]) -> None:
 
 
 def print_summary(results: list[dict]) -> None:
-    """One row per case: every schedule's time / Megatron's, and the bounds."""
+    """Two rows per case: every fused-backward schedule's time / Megatron's and the bounds, then
+    the split-backward (+W) ones, all over Megatron's fused order."""
     names = ["1f1b-sorted", "gpipe", *POLICIES, GREEDY_COUNT_CAP]
     short = {"1f1b-sorted": "sorted", "dpp:adaptive": "adaptive", "dpp:breadth-first": "breadth",
              "dpp:depth-first": "depth", "dpp:greedy": "greedy", GREEDY_COUNT_CAP: "greedy+cap"}
@@ -129,6 +149,7 @@ def print_summary(results: list[dict]) -> None:
     print("|---" * (8 + len(names)) + "|")
     cases = sorted({(r["scenario"], r["P"], r["V"], r["M"]) for r in results},
                    key=lambda c: (SCENARIOS.index(c[0]), c[1], c[2], c[3]))
+    split_rows = []
     for case in cases:
         rows = {r["schedule"]: r for r in results if (r["scenario"], r["P"], r["V"], r["M"]) == case}
         base = rows[megatron_order(case[2])]
@@ -136,6 +157,22 @@ def print_summary(results: list[dict]) -> None:
         cells = [f"{rows[n]['time'] / base['time']:.3f}" for n in names]
         print(f"| {' | '.join(map(str, case))} | {base['time'] / base['lower_bound']:.3f} | " + " | ".join(cells)
               + f" | {ours['time'] / ours['lower_bound']:.3f} | {base['pipeline_bound'] / base['time']:.3f} | "
+              f"{ours['peak_activation'] / ours['budget']:.2f} |")
+        split = [rows.get(n + SPLIT_SUFFIX) for n in (megatron_order(case[2]), "1f1b-sorted", "dpp:adaptive")]
+        if all(split):
+            split_rows.append((case, base, split))
+    if not split_rows:
+        return
+    print()
+    print("Split backwards (+W), each ÷ Megatron's order with its fused backward:")
+    print()
+    print("| scenario | P | V | M | Megatron+W | sorted+W | adaptive+W | adaptive+W / LB "
+          "| pipeline bound+W / Megatron | adaptive+W peak / budget |")
+    print("|---" * 10 + "|")
+    for case, base, (megatron, sorted_, ours) in split_rows:
+        cells = [f"{r['time'] / base['time']:.3f}" for r in (megatron, sorted_, ours)]
+        print(f"| {' | '.join(map(str, case))} | " + " | ".join(cells)
+              + f" | {ours['time'] / ours['lower_bound']:.3f} | {ours['pipeline_bound'] / base['time']:.3f} | "
               f"{ours['peak_activation'] / ours['budget']:.2f} |")
 
 
@@ -152,14 +189,14 @@ def check_targets(results: list[dict]) -> list[str]:
     """The issue's targets for dpp:adaptive, one line each."""
     lines = []
     for r in results:
-        if r["schedule"] != "dpp:adaptive":
+        if r["schedule"] not in ("dpp:adaptive", "dpp:adaptive" + SPLIT_SUFFIX):
             continue
         ratio = r["time"] / megatron_time(results, r)
         limit = 0.85 if r["scenario"] == "varlen" else 1.01
         ok = ratio <= limit and r["within_budget"]
         lines.append(
             f"{'PASS' if ok else 'FAIL'} {r['scenario']} P={r['P']} V={r['V']} M={r['M']}: "
-            f"dpp:adaptive / {megatron_order(r['V'])} = {ratio:.3f} (target <= {limit}), "
+            f"{r['schedule']} / {megatron_order(r['V'])} = {ratio:.3f} (target <= {limit}), "
             f"peak within budget: {r['within_budget']}"
         )
     return lines
@@ -207,6 +244,8 @@ def parse_args(argv=None):
     p.add_argument("--jitter", type=float, default=0.2, help="jitter: per-task lognormal sigma")
     p.add_argument("--straggler-prob", type=float, default=0.1)
     p.add_argument("--straggler-factor", type=float, default=2.0)
+    p.add_argument("--weight-grad-fraction", type=float, default=0.5,
+                   help="+W rows: the share of a backward's time that is its weight gradient (W)")
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--comm-latency", type=float, default=0.0, help="per message, in units of a mean microbatch's forward on one rank / 1000")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -217,8 +256,10 @@ def parse_args(argv=None):
         args.P, args.M, args.seeds = [4], [16], 3
     bad = pipeline_arg_problems(args)
     bad += [f"--straggler-prob {args.straggler_prob}"] if not 0 <= args.straggler_prob <= 1 else []
+    bad += [f"--weight-grad-fraction {args.weight_grad_fraction}"] if not 0 < args.weight_grad_fraction < 1 else []
     if bad:
-        p.exit(2, f"schedule_sim: {', '.join(bad)} out of range; use positive counts, cv >= 0, probability in [0, 1]\n")
+        p.exit(2, f"schedule_sim: {', '.join(bad)} out of range; use positive counts, cv >= 0, "
+                  "probability in [0, 1], weight-grad fraction in (0, 1)\n")
     check_interleavable(p, args, "schedule_sim")
     return args
 

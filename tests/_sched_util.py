@@ -32,15 +32,24 @@ def check_timeline(graph: TaskGraph, result: SimResult, comm: CommModel) -> None
         if task.phase == Phase.B:
             forward = (rank, Task(Phase.F, task.microbatch, task.chunk))
             assert start >= ends[forward] - EPS, f"{task} on rank {rank} started before its forward"
+        if task.phase == Phase.W:
+            backward = (rank, Task(Phase.B, task.microbatch, task.chunk))
+            assert start >= ends[backward] - EPS, f"{task} on rank {rank} started before its B"
 
 
 def peak_inflight(result: SimResult, rank: int) -> int:
-    """Most forwards rank `rank` held at once (a forward holds from its start to its backward's end;
-    a backward ending at t frees before a forward starting at t, as the scheduler saw it)."""
+    """Most forwards rank `rank` held at once (a forward holds from its start to its backward's end,
+    or its W's end when backwards are split; a release at t comes before a forward starting at t,
+    as the scheduler saw it)."""
+    split = any(task.phase == Phase.W for _, task, _, _ in result.timeline)
+    release = Phase.W if split else Phase.B
     events = []
     for r, task, start, end in result.timeline:
         if r == rank:
-            events.append((start, 1) if task.phase == Phase.F else (end, -1))
+            if task.phase == Phase.F:
+                events.append((start, 1))
+            elif task.phase == release:
+                events.append((end, -1))
     held = peak = 0
     for _, change in sorted(events):
         held += change

@@ -1,5 +1,6 @@
-"""Property tests over random pipelines: every schedule completes, respects every dependency and
-its budget; with equal microbatches dpp:adaptive is never slower than Megatron's order.
+"""Property tests over random pipelines, with fused and split (W) backwards: every schedule
+completes, respects every dependency and its budget; with equal microbatches dpp:adaptive is never
+slower than Megatron's order.
 
 SCHED_PROPERTY_EXAMPLES=N raises the number of random cases per property (default 60) for a deep
 run, e.g. SCHED_PROPERTY_EXAMPLES=3000 (see docs/scheduling.md for the last deep run).
@@ -36,8 +37,10 @@ def pipelines(draw, equal_sizes=False, megatron_valid=False):
     # Budgets provisioned above this batch's largest microbatch (max_act_bytes headroom); not for
     # equal sizes, where the claim is about the default budget of exactly that batch.
     headroom = 0 if equal_sizes else draw(st.integers(0, 400))
-    graph = TaskGraph(P, V, M, sizes, max_act_bytes=max(sizes) + headroom)
+    split = draw(st.booleans())
+    graph = TaskGraph(P, V, M, sizes, max_act_bytes=max(sizes) + headroom, split_backward=split)
     model = DurationModel(
+        weight_grad_fraction=draw(st.sampled_from([0.3, 0.5, 0.7])),
         backward_ratio=draw(st.sampled_from([1.0, 2.0, 3.0])),
         quadratic=draw(st.sampled_from([0.0, 0.002])),
         jitter_sigma=draw(st.sampled_from([0.0, 0.3])),

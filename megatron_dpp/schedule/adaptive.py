@@ -21,9 +21,16 @@ exactly the Megatron order and cannot be slower than it.
 
 When the budget is below what the spine needs, the spine is 1F1B with fewer warmup forwards
 (V=1); for V>1 the policy falls back to the reservation admission of the rule-based policies.
+
+Split backwards (TaskGraph(split_backward=True)): the spine holds F and B; each W joins a queue
+when its B ends. W runs when the rank would otherwise wait (no spine task and no safe deviation
+ready), or first when the spine's next forward does not fit because queued W tasks still hold
+memory. W needs nothing from other ranks, so the queue can always be emptied: the spine's
+in-order finish stays feasible and the argument above still holds.
 """
 from __future__ import annotations
 
+import collections
 from typing import Collection, Sequence
 
 from megatron_dpp.schedule import static_orders
@@ -38,20 +45,31 @@ _LOOKAHEAD_MAX = 64
 _SMALL_READY_SET = 32
 
 
-def adaptive_microbatch_order(sizes: Sequence[float], P: int, V: int) -> list[int]:
+def adaptive_microbatch_order(
+    sizes: Sequence[float], P: int, V: int, split_backward: bool = False
+) -> list[int]:
     """The order dpp:adaptive (and 1f1b-sorted) process microbatches in; equal sizes keep the
     batch order.
 
-    V=1: largest first, except k = min(P, M // 4) small ones go first (every other one of the 2k
-    smallest, ascending): the pipeline fills behind short microbatches, the steady state pairs
-    similar sizes, and the drain still runs a small tail.
-    V>1: largest first. Interleaving already hides most of the fill, and the small-first variants
-    measured 0.5-1% slower there (docs/scheduling.md)."""
+    Fused backwards, V=1: largest first, except k = min(P, M // 4) small ones go first (every
+    other one of the 2k smallest, ascending): the pipeline fills behind short microbatches, the
+    steady state pairs similar sizes, and the drain still runs a small tail.
+    Fused backwards, V>1: largest first. Interleaving already hides most of the fill, and the
+    small-first variants measured 0.5-1% slower there.
+    Split backwards: the smallest 3M/8 ascending, then the rest largest first. W tasks fill the
+    waits of the drain, so a long cheap fill pays; chosen on other seeds than the benchmark's
+    (docs/scheduling.md)."""
     by_size = sorted(range(len(sizes)), key=lambda m: (-sizes[m], m))
-    k = min(P, len(sizes) // 4) if V == 1 else 0
-    if k == 0 or min(sizes) == max(sizes):
+    if min(sizes) == max(sizes):
         return by_size
-    first = by_size[-2 * k:][1::2][::-1]
+    if split_backward:
+        k = 3 * len(sizes) // 8
+        first = by_size[len(by_size) - k:][::-1]
+    else:
+        k = min(P, len(sizes) // 4) if V == 1 else 0
+        if k == 0:
+            return by_size
+        first = by_size[-2 * k:][1::2][::-1]
     chosen = set(first)
     return first + [m for m in by_size if m not in chosen]
 
@@ -153,15 +171,25 @@ class AdaptiveScheduler(RankScheduler):
                 smallest = self._delta[i]
             smallest_after[i] = smallest
         self._smallest_after = smallest_after
+        # Split backwards: W tasks whose B has ended, oldest first (they hold memory until run).
+        self._weight_grads: collections.deque[Task] = collections.deque()
 
     # --- decisions ----------------------------------------------------------------------------
     def next_task(self, ready: Collection[Task]) -> Task | None:
-        if self._next >= len(self.spine) or not ready:
+        if not ready:
             return None
+        weight_grads = self._weight_grads
+        if self._next >= len(self.spine):
+            return weight_grads[0] if weight_grads else None
         head = self.spine[self._next]
         if head in ready:
+            if weight_grads and self._admitted + self._delta[self._next] > self._limit:
+                return weight_grads[0]  # queued W tasks hold the memory this forward needs
             return head
-        return self._safe_deviation(ready)
+        task = self._safe_deviation(ready)
+        if task is None and weight_grads:
+            return weight_grads[0]  # fill the wait with work that needs no other rank
+        return task
 
     def _safe_deviation(self, ready: Collection[Task]) -> Task | None:
         """The earliest ready later spine forward whose early start keeps the in-order finish of
@@ -199,6 +227,10 @@ class AdaptiveScheduler(RankScheduler):
         return None
 
     def on_start(self, task: Task) -> None:
+        if task.phase == Phase.W:
+            self._weight_grads.remove(task)
+            self.history.append(task)
+            return
         position = self._index[task]
         if self._done[position]:
             raise RuntimeError(f"dpp:adaptive rank {self.rank}: {task} started twice")
@@ -226,9 +258,16 @@ class AdaptiveScheduler(RankScheduler):
     def on_finish(self, task: Task) -> None:
         # RankScheduler.on_finish inlined, as on_start.
         self._finished += 1
-        if task.phase == Phase.B:
-            self.held_bytes -= self._act[task.microbatch]
-            self._admitted += self._delta[self._index[task]]
+        if task.phase == Phase.F:
+            return
+        backward = task
+        if self.graph.split_backward:
+            if task.phase == Phase.B:
+                self._weight_grads.append(self.graph.task_table[Phase.W][task.chunk][task.microbatch])
+                return
+            backward = self.graph.task_table[Phase.B][task.chunk][task.microbatch]
+        self.held_bytes -= self._act[task.microbatch]
+        self._admitted += self._delta[self._index[backward]]
 
 
 def spine_warmup_cap(

@@ -3,7 +3,8 @@
 `greedy` is the reference MegatronDPP's rule (first ready backward, else first ready forward);
 `breadth-first` prefers forwards, shallow chunks first; `depth-first` prefers backwards and the
 deepest chunk. All three admit a new microbatch only under the rank's byte budget (or a count
-cap), with a reservation that rules out deadlock for V > 1 (see `_admits`).
+cap), with a reservation that rules out deadlock for V > 1 (see `_admits`). On graphs that split
+backwards they run each W as soon as its B ends, as the reference's fused backward did.
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class RuleBasedScheduler(RankScheduler):
         # Per chunk: forwards not started yet, walked in priority order from a moving pointer.
         self._forward_started = [bytearray(graph.M) for _ in range(V)]
         self._forward_pointer = [0] * V
+        self._weight_grad_due: Task | None = None  # split backwards: the W of the B that just ended
 
     # --- admission ----------------------------------------------------------------------------
     def _admits(self, task: Task) -> bool:
@@ -79,7 +81,7 @@ class RuleBasedScheduler(RankScheduler):
                     current = best[task.chunk]
                     if current is None or position[task.microbatch] < position[current.microbatch]:
                         best[task.chunk] = task
-                else:
+                elif task.phase == Phase.B:
                     backwards.append(task)
             return backwards, best
         backwards = [
@@ -112,18 +114,24 @@ class RuleBasedScheduler(RankScheduler):
             while pointer < len(order) and started[order[pointer]]:
                 pointer += 1
             self._forward_pointer[chunk] = pointer
-        else:
+        elif task.phase == Phase.B:
             del self._inflight[Task(Phase.F, m, chunk)]
+        else:
+            self._weight_grad_due = None
 
     def on_finish(self, task: Task) -> None:
         super().on_finish(task)
-        if task.phase == Phase.B:
+        if task.phase == self._release:
             self._reserved_bytes -= self._act[task.microbatch]
             self._reserved_count -= 1
+        if task.phase == Phase.B and self.graph.split_backward:
+            self._weight_grad_due = self.graph.task_table[Phase.W][task.chunk][task.microbatch]
 
     def next_task(self, ready: Collection[Task]) -> Task | None:
         if not ready:
             return None
+        if self._weight_grad_due is not None:
+            return self._weight_grad_due
         backwards, forwards = self._candidates(ready)
         return self._choose(backwards, [t for t in forwards if t is not None and self._admits(t)])
 

@@ -13,11 +13,14 @@ from typing import NamedTuple, Sequence
 class Phase(enum.IntEnum):
     """What a task computes. An IntEnum so Task hashes as fast as a plain tuple.
 
-    Values leave room for a weight-gradient phase W (zero-bubble style) after B.
+    F: forward. B: backward; with a split backward (TaskGraph(split_backward=True)) only the input
+    gradient, which the previous stage waits for. W: the weight gradient of a split backward, a
+    local task that nothing downstream waits for (zero-bubble style).
     """
 
     F = 0
     B = 1
+    W = 2
 
     def __str__(self) -> str:
         return self.name
@@ -46,6 +49,10 @@ class TaskGraph:
         (default: sizes rounded to int).
     max_act_bytes: activation bytes of the largest microbatch a batch can contain; budgets are
         provisioned for it (default: the largest of this batch).
+    split_backward: each backward is two tasks, B (input gradient, sent to the previous stage)
+        and W (weight gradient, local, after B). Activations are then held until W ends, since
+        W still needs the layer inputs. Only the simulator executes such graphs so far: the
+        runtime (forward_backward_dpp) runs Megatron's fused backward.
     """
 
     def __init__(
@@ -56,6 +63,7 @@ class TaskGraph:
         sizes: Sequence[float] | None = None,
         act_bytes: Sequence[int] | None = None,
         max_act_bytes: int | None = None,
+        split_backward: bool = False,
     ):
         if P < 1 or V < 1 or M < 1:
             raise ValueError(f"TaskGraph needs P, V, M >= 1, got P={P} V={V} M={M}")
@@ -84,6 +92,10 @@ class TaskGraph:
         self.act_bytes = act_bytes
         self.max_act_bytes = int(max_act_bytes)
         self.num_stages = P * V
+        self.split_backward = bool(split_backward)
+        self.phases = (Phase.F, Phase.B, Phase.W) if self.split_backward else (Phase.F, Phase.B)
+        # The task whose end frees a forward's activations.
+        self.release_phase = Phase.W if self.split_backward else Phase.B
 
     # --- layout -------------------------------------------------------------------------------
     def virtual_stage(self, rank: int, chunk: int) -> int:
@@ -102,7 +114,7 @@ class TaskGraph:
         if table is None:
             table = [
                 [[Task(phase, m, c) for m in range(self.M)] for c in range(self.V)]
-                for phase in (Phase.F, Phase.B)
+                for phase in self.phases
             ]
             self.__dict__["_task_table"] = table
         return table
@@ -111,14 +123,17 @@ class TaskGraph:
         """Every task rank `rank` runs in one global batch (unordered)."""
         return [
             Task(phase, m, c)
-            for phase in (Phase.F, Phase.B)
+            for phase in self.phases
             for c in range(self.V)
             for m in range(self.M)
         ]
 
     def input_source(self, rank: int, task: Task) -> tuple[int, Task] | None:
         """Where `task`'s input comes from: F reads the previous virtual stage's F output, B the
-        next virtual stage's B output (its input gradient). None at the ends of the pipeline."""
+        next virtual stage's B output (its input gradient). None at the ends of the pipeline, and
+        for W, whose only dependency is its own B on this rank."""
+        if task.phase == Phase.W:
+            return None
         stage = self.virtual_stage(rank, task.chunk)
         other = stage - 1 if task.phase == Phase.F else stage + 1
         if other < 0 or other >= self.num_stages:
@@ -128,7 +143,9 @@ class TaskGraph:
 
     def output_target(self, rank: int, task: Task) -> tuple[int, Task] | None:
         """Where `task`'s output goes: F to the next virtual stage's F, B to the previous virtual
-        stage's B. None at the ends of the pipeline."""
+        stage's B. None at the ends of the pipeline, and for W (it only updates weight grads)."""
+        if task.phase == Phase.W:
+            return None
         stage = self.virtual_stage(rank, task.chunk)
         other = stage + 1 if task.phase == Phase.F else stage - 1
         if other < 0 or other >= self.num_stages:
@@ -137,4 +154,5 @@ class TaskGraph:
         return dst_rank, Task(task.phase, task.microbatch, dst_chunk)
 
     def __repr__(self) -> str:
-        return f"TaskGraph(P={self.P}, V={self.V}, M={self.M})"
+        split = ", split_backward=True" if self.split_backward else ""
+        return f"TaskGraph(P={self.P}, V={self.V}, M={self.M}{split})"

@@ -53,13 +53,15 @@ def _static(name: str, graph: TaskGraph, rank: int, budget: int, order: list[int
         if V != 1:
             raise ValueError(f"1f1b runs one model chunk per rank, got V={V}; use interleaved-1f1b")
         tasks = static_orders.one_f_one_b_order(P, rank, M, order, graph.task_table)
+    if graph.split_backward:
+        tasks = static_orders.with_weight_grads(tasks, graph.task_table)
     return StaticOrderScheduler(name, graph, rank, budget, order, tasks)
 
 
 def _adaptive(
     graph: TaskGraph, rank: int, budget_bytes: int | None, group: int | None, max_inflight: int | None
 ) -> RankScheduler:
-    order = adaptive_microbatch_order(graph.sizes, graph.P, graph.V)
+    order = adaptive_microbatch_order(graph.sizes, graph.P, graph.V, graph.split_backward)
     budget = default_budget_bytes(graph, rank, group) if budget_bytes is None else int(budget_bytes)
     if max_inflight is not None:
         if max_inflight < graph.V:
@@ -132,7 +134,7 @@ def make_scheduler(
     if name in STATIC_SCHEDULES:
         # 1f1b-sorted uses exactly dpp:adaptive's order, so the two differ only by dynamic dispatch.
         if name == "1f1b-sorted":
-            order = adaptive_microbatch_order(graph.sizes, graph.P, graph.V)
+            order = adaptive_microbatch_order(graph.sizes, graph.P, graph.V, graph.split_backward)
         else:
             order = list(range(graph.M))
         scheduler = _static(name, graph, rank, budget, order, group)

@@ -15,7 +15,8 @@ from megatron_dpp.schedule.graph import Phase, Task, TaskGraph
 class RankScheduler(abc.ABC):
     """Bookkeeping shared by every schedule: memory held, history, completion.
 
-    Activation bytes are held from the start of a forward until the end of its backward.
+    Activation bytes are held from the start of a forward until the end of its backward (of its
+    W task, when the graph splits backwards).
     """
 
     name = "base"
@@ -36,7 +37,8 @@ class RankScheduler(abc.ABC):
         self.history: list[Task] = []
         self._act = graph.act_bytes
         self._finished = 0
-        self._total = 2 * graph.M * graph.V
+        self._total = len(graph.phases) * graph.M * graph.V
+        self._release = graph.release_phase
 
     @property
     def done(self) -> bool:
@@ -55,7 +57,7 @@ class RankScheduler(abc.ABC):
 
     def on_finish(self, task: Task) -> None:
         self._finished += 1
-        if task.phase == Phase.B:
+        if task.phase == self._release:
             self.held_bytes -= self._act[task.microbatch]
 
     def __repr__(self) -> str:

@@ -58,7 +58,7 @@ def interleaved_table(M: int, V: int, group_size: int) -> list[tuple[int, int]]:
 
 def gpipe_order(M: int, V: int, order: Sequence[int], table: TaskTable | None = None) -> list[Task]:
     """All forwards (chunk by chunk), then all backwards (deepest chunk first)."""
-    F, B = _table(table, M, V)
+    F, B = _table(table, M, V)[:2]
     forwards = [F[c][m] for c in range(V) for m in order]
     backwards = [B[c][m] for c in reversed(range(V)) for m in order]
     return forwards + backwards
@@ -78,7 +78,7 @@ def one_f_one_b_order(
 ) -> list[Task]:
     """Megatron's non-interleaved 1F1B on `rank` (V=1); `warmup` overrides its warmup count
     (fewer in-flight forwards; deadlock-free while warmups do not grow along the pipeline)."""
-    F, B = _table(table, M, 1)
+    F, B = _table(table, M, 1)[:2]
     forwards = [F[0][m] for m in order]
     backwards = [B[0][m] for m in order]
     if warmup is None:
@@ -105,17 +105,35 @@ def grouped_interleaved_order(
 ) -> list[Task]:
     """Interleaved 1F1B for any group size, including ones Megatron refuses (M < P): callers that
     need that (the adaptive spine) check deadlock-freedom themselves."""
-    F, B = _table(table, M, V)
+    F, B = _table(table, M, V)[:2]
     schedule = interleaved_table(M, V, group)
     forwards = [F[c][order[m]] for m, c in schedule]
     backwards = [B[V - 1 - c][order[m]] for m, c in schedule]
     return _warmup_steady_cooldown(forwards, backwards, interleaved_warmup(P, V, rank, M, group))
 
 
+def with_weight_grads(tasks: Sequence[Task], table: TaskTable) -> list[Task]:
+    """A static order on a graph with split backwards: each W right after its B. Megatron's
+    orders then keep their shape and memory, and the input gradient leaves before the weight
+    gradient is computed."""
+    W = table[Phase.W]
+    result = []
+    for task in tasks:
+        result.append(task)
+        if task.phase == Phase.B:
+            result.append(W[task.chunk][task.microbatch])
+    return result
+
+
 def peak_inflight_forwards(tasks: Sequence[Task]) -> int:
-    """Most forward activations a task list holds at once (a forward holds until its backward)."""
+    """Most forward activations a task list holds at once (a forward holds until its backward,
+    or until its W when the list has W tasks)."""
+    release = Phase.W if any(task.phase == Phase.W for task in tasks) else Phase.B
     held = peak = 0
     for task in tasks:
-        held += 1 if task.phase == Phase.F else -1
-        peak = max(peak, held)
+        if task.phase == Phase.F:
+            held += 1
+            peak = max(peak, held)
+        elif task.phase == release:
+            held -= 1
     return peak

@@ -5,6 +5,9 @@ of one rank takes (linear*size + quadratic*size^2) / V, times the rank's speed f
 jitter and a straggler slowdown; its backward takes backward_ratio times that, with its own draw.
 Every forward and backward then pays a fixed forward_overhead / backward_overhead: the executor's own
 cost per task (its loop, the framework's step wrappers, posting a message), unscaled by size or speed.
+When the graph splits backwards, the backward's draw is divided between B and W by
+weight_grad_fraction (so a seed's total work is the same split or not), and W pays backward_overhead
+too: one more task to run.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ class DurationModel:
     rank_speed: Sequence[float] | None = None  # per-rank time multipliers (heterogeneous stages)
     forward_overhead: float = 0.0  # fixed executor cost added to every forward task
     backward_overhead: float = 0.0  # fixed executor cost added to every backward task
+    weight_grad_fraction: float = 0.5  # share of a backward that is W, for graphs that split it
 
     def __post_init__(self):
         if self.straggler_scope not in ("task", "rank"):
@@ -39,6 +43,8 @@ class DurationModel:
             raise ValueError("DurationModel: linear, quadratic, jitter_sigma >= 0 and backward_ratio > 0")
         if self.forward_overhead < 0 or self.backward_overhead < 0:
             raise ValueError("DurationModel: forward_overhead and backward_overhead must be >= 0")
+        if not 0.0 < self.weight_grad_fraction < 1.0:
+            raise ValueError(f"weight_grad_fraction must lie in (0, 1), got {self.weight_grad_fraction}")
 
     def base_forward(self, graph: TaskGraph, m: int) -> float:
         size = graph.sizes[m]
@@ -63,9 +69,15 @@ class DurationModel:
             shape = times.shape if self.straggler_scope == "task" else (P, 1, 1, 1)
             slow = rng.random(shape) < self.straggler_prob
             times *= np.where(slow, self.straggler_factor, 1.0)
+        if graph.split_backward:
+            backward = times[:, 1]
+            times = np.stack(
+                [times[:, 0], backward * (1.0 - self.weight_grad_fraction), backward * self.weight_grad_fraction],
+                axis=1,
+            )
         # Added after the random draws, so a zero overhead leaves every draw (and seed) unchanged.
         times[:, 0] += self.forward_overhead
-        times[:, 1] += self.backward_overhead
+        times[:, 1:] += self.backward_overhead
         return TaskDurations(graph, times.reshape(-1).tolist())
 
 
@@ -75,30 +87,39 @@ class TaskDurations:
     def __init__(self, graph: TaskGraph, flat: list[float]):
         self._V, self._M = graph.V, graph.M
         self._P = graph.P
+        self._phases = len(graph.phases)
         self.flat = flat
 
     def index(self, rank: int, task: Task) -> int:
-        return ((rank * 2 + task.phase) * self._V + task.chunk) * self._M + task.microbatch
+        return ((rank * self._phases + task.phase) * self._V + task.chunk) * self._M + task.microbatch
 
     def __call__(self, rank: int, task: Task) -> float:
         return self.flat[self.index(rank, task)]
 
     def rank_work(self, rank: int) -> float:
-        n = 2 * self._V * self._M
+        n = self._phases * self._V * self._M
         return math.fsum(self.flat[rank * n:(rank + 1) * n])
 
     def pipeline_bound(self, delays: Sequence[float]) -> float:
         """A makespan lower bound that counts fill and drain: rank r cannot start before some
         microbatch's chunk-0 forward crossed ranks 0..r-1, works at least its total, and after its
-        last task some microbatch's chunk-0 backward must still cross ranks r-1..0."""
-        times = np.asarray(self.flat).reshape(self._P, 2, self._V, self._M)
+        last task some microbatch's chunk-0 backward must still cross ranks r-1..0.
+
+        With split backwards only B crosses ranks, and W tasks can run during that last crossing:
+        rank r's F and B work must end before it, and all its work before the end. The crossing
+        then ends with rank 0 computing that microbatch's chunk-0 W."""
+        times = np.asarray(self.flat).reshape(self._P, self._phases, self._V, self._M)
         hop = np.asarray(delays, dtype=float)  # per microbatch, one rank-to-rank message
         work = times.reshape(self._P, -1).sum(axis=1)
+        crossing_work = times[:, :2].reshape(self._P, -1).sum(axis=1)  # F and B: equals work unsplit
         forward_path = np.cumsum(times[:, 0, 0, :] + hop, axis=0)  # [r] = through ranks 0..r
         backward_path = np.cumsum(times[:, 1, 0, :] + hop, axis=0)
+        if self._phases == 3:
+            backward_path = backward_path + times[0, 2, 0, :]
         best = work[0]
         for r in range(1, self._P):
-            best = max(best, forward_path[r - 1].min() + work[r] + backward_path[r - 1].min())
+            fill, drain = forward_path[r - 1].min(), backward_path[r - 1].min()
+            best = max(best, fill + max(crossing_work[r] + drain, work[r]))
         return float(best)
 
 
@@ -122,4 +143,4 @@ class CommModel:
 
 
 def phase_name(phase: Phase) -> str:
-    return "forward" if phase == Phase.F else "backward"
+    return {Phase.F: "forward", Phase.B: "backward", Phase.W: "weight-grad"}[phase]

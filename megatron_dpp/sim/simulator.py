@@ -2,7 +2,8 @@
 
 Each rank runs one task at a time. When a rank is idle it asks its scheduler for a task among
 its ready set; finishing a forward sends the activation to the next virtual stage, finishing a
-backward sends the gradient to the previous one, each arriving after the comm model's delay.
+backward (its B, when the graph splits backwards) sends the gradient to the previous one, each
+arriving after the comm model's delay; finishing a split B makes its W ready on the same rank.
 Events at the same instant are all applied before any rank decides, so decisions do not depend on
 the order in which simultaneous events were queued.
 """
@@ -102,7 +103,8 @@ def simulate(
     # Hot-loop tables: Task objects made once, durations per rank indexed by (phase*V+chunk)*M+m,
     # the (rank, chunk) each (rank, phase, chunk) sends to, and each microbatch's message delay.
     task_of = graph.task_table
-    per_rank = 2 * V * M
+    per_rank = len(graph.phases) * V * M
+    split = graph.split_backward
     rank_durations = [durations.flat[r * per_rank:(r + 1) * per_rank] for r in range(P)]
     routes = [
         [[graph.output_target(r, task_of[phase][c][0]) for c in range(V)] for phase in (Phase.F, Phase.B)]
@@ -120,7 +122,7 @@ def simulate(
     events: list[tuple[float, int, int, int, Task]] = []
     sequence = 0
     last_rank, last_chunk = P - 1, V - 1
-    forward = Phase.F
+    forward, weight_grad = Phase.F, Phase.W
     heappush, heappop = heapq.heappush, heapq.heappop
 
     def dispatch(rank: int, now: float) -> None:
@@ -159,6 +161,10 @@ def simulate(
             if phase == forward and rank == last_rank and chunk == last_chunk:
                 ready[rank].add(task_of[1][chunk][m])  # the loss: backward starts here
                 continue
+            if split and phase != forward:
+                if phase == weight_grad:
+                    continue  # W sends nothing
+                ready[rank].add(task_of[2][chunk][m])
             route = routes[rank][phase][chunk]
             if route is None:
                 continue
