@@ -72,7 +72,7 @@ def batch_sizes(scenario: str, M: int, cv: float, rng: np.random.Generator) -> n
 
 def duration_model(scenario: str, args) -> DurationModel:
     # schedule_search.py shares this and searches fused backwards only: it has no such flag.
-    split = {"weight_grad_fraction": getattr(args, "weight_grad_fraction", 0.5)}
+    split = {"weight_grad_fraction": getattr(args, "weight_grad_fraction", DurationModel.weight_grad_fraction)}
     if scenario == "jitter":
         return DurationModel(jitter_sigma=args.jitter, **split)
     if scenario == "straggler":
@@ -158,7 +158,7 @@ def print_summary(results: list[dict]) -> None:
         print(f"| {' | '.join(map(str, case))} | {base['time'] / base['lower_bound']:.3f} | " + " | ".join(cells)
               + f" | {ours['time'] / ours['lower_bound']:.3f} | {base['pipeline_bound'] / base['time']:.3f} | "
               f"{ours['peak_activation'] / ours['budget']:.2f} |")
-        split = [rows.get(n + SPLIT_SUFFIX) for n in (megatron_order(case[2]), "1f1b-sorted", "dpp:adaptive")]
+        split = [rows.get(n + SPLIT_SUFFIX) for n in split_schedules_for(case[2])]
         if all(split):
             split_rows.append((case, base, split))
     if not split_rows:

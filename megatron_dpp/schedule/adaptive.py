@@ -175,6 +175,7 @@ class AdaptiveScheduler(RankScheduler):
         self._smallest_after = smallest_after
         # Split backwards: W tasks whose B has ended, oldest first (they hold memory until run).
         self._weight_grads: collections.deque[Task] = collections.deque()
+        self._split = graph.split_backward
 
     # --- decisions ----------------------------------------------------------------------------
     def next_task(self, ready: Collection[Task]) -> Task | None:
@@ -263,7 +264,7 @@ class AdaptiveScheduler(RankScheduler):
         if task.phase == _F:
             return
         backward = task
-        if self.graph.split_backward:
+        if self._split:
             if task.phase == _B:
                 self._weight_grads.append(self.graph.task_table[_W][task.chunk][task.microbatch])
                 return
