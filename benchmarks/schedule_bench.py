@@ -34,7 +34,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SCENARIOS = ("uniform", "varlen", "straggler")
-DPP_POLICIES = ("dpp:adaptive", "dpp:breadth-first", "dpp:depth-first", "dpp:greedy")
 TORCH_SCHEDULES = {1: "torch:Schedule1F1B", 2: "torch:ScheduleInterleaved1F1B"}
 
 
@@ -73,7 +72,7 @@ class Scenario:
         return [s * self.bytes_per_token for s in sizes]
 
     def graph(self):
-        from megatron_dpp.schedule import TaskGraph
+        from megatron_dpp.pipeline import TaskGraph
 
         sizes = self.sizes()
         return TaskGraph(self.P, self.V, self.M, sizes, self.act_bytes(sizes),
@@ -101,8 +100,10 @@ def _build_runner(schedule: str, scenario: Scenario, model, transport):
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_dpp.schedule.dpp_config import DPPConfig
-    from megatron_dpp.schedule.runtime import make_forward_backward_dpp
+    from timed_stage import microbatch_work
+
+    from megatron_dpp.runtime.config import DPPConfig
+    from megatron_dpp.runtime.executor import make_forward_backward_dpp
 
     if schedule in ("1f1b", "interleaved-1f1b"):
         from functools import partial
@@ -122,7 +123,7 @@ def _build_runner(schedule: str, scenario: Scenario, model, transport):
         return partial(megatron_schedule, p2p_communicator=communicator,
                        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     return make_forward_backward_dpp(
-        DPPConfig(policy=schedule, timeout_s=120.0), transport,
+        DPPConfig(policy=schedule, timeout_s=120.0), transport, microbatch_work,
         activation_bytes_fn=lambda _config, sizes, _mbs, _V, _P: scenario.act_bytes(list(sizes)))
 
 
@@ -232,8 +233,8 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
     import torch
     import torch.distributed as dist
 
-    from megatron_dpp.schedule import Phase
-    from megatron_dpp.schedule.registry import default_budget_bytes
+    from megatron_dpp.pipeline import Phase
+    from megatron_dpp.pipeline.budget import default_budget_bytes
     from megatron_dpp.sim import CommModel, simulate
     from timed_stage import ActivationMeter, TimedStage, data_iterator, forward_step, timed_stage_config
 
@@ -349,9 +350,9 @@ def replay_executed_order(graph, timeline: List[List[list]], duration_model, see
     """The simulator's makespan when every rank runs the task order it executed in `timeline` (a
     _gather_timeline result) with the modelled durations: what the executed order costs, apart
     from the timing noise of the run itself."""
-    from megatron_dpp.schedule import Phase, Task
-    from megatron_dpp.schedule.registry import default_budget_bytes
-    from megatron_dpp.schedule.scheduler import StaticOrderScheduler
+    from megatron_dpp.pipeline import Phase, Task
+    from megatron_dpp.pipeline.budget import default_budget_bytes
+    from megatron_dpp.pipeline.scheduler import StaticOrderScheduler
     from megatron_dpp.sim import CommModel, simulate
 
     orders = [[Task(Phase(phase), m, c) for phase, m, c, _begin, _end in tasks] for tasks in timeline]
@@ -365,8 +366,8 @@ def replay_executed_order(graph, timeline: List[List[list]], duration_model, see
 
 def paired_receive_factory(name: str):
     """Scheduler factory for the simulator: static order `name` run as Megatron's interleaved loop runs it."""
-    from megatron_dpp.schedule import make_scheduler
-    from megatron_dpp.schedule.scheduler import PairedReceiveScheduler
+    from megatron_dpp.pipeline import make_scheduler
+    from megatron_dpp.pipeline.scheduler import PairedReceiveScheduler
 
     def factory(graph, rank: int):
         return PairedReceiveScheduler(make_scheduler(name, graph, rank))
@@ -420,7 +421,9 @@ def run_scenarios(scenarios: List[Scenario], schedules_of: Dict[str, List[str]],
 
 def schedules_for(V: int, include_torch: bool, scenario: str) -> List[str]:
     megatron = "1f1b" if V == 1 else "interleaved-1f1b"
-    names = [megatron, "1f1b-sorted", *DPP_POLICIES]
+    from megatron_dpp.pipeline import DYNAMIC_SCHEDULES
+
+    names = [megatron, "1f1b-sorted", *DYNAMIC_SCHEDULES]
     # torch.distributed.pipelining splits one batch tensor into equal microbatches: uniform sizes only.
     if include_torch and scenario != "varlen":
         names.append(TORCH_SCHEDULES[min(V, 2)])

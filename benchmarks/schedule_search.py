@@ -42,8 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from schedule_sim import (  # noqa: E402
     batch_sizes, check_interleavable, duration_model, megatron_order, pipeline_arg_problems)
 
-from megatron_dpp.schedule import Phase, Task, TaskGraph, default_budget_bytes, static_orders  # noqa: E402
-from megatron_dpp.schedule.scheduler import StaticOrderScheduler  # noqa: E402
+from megatron_dpp.pipeline import Phase, Task, TaskGraph, default_budget_bytes, static_orders  # noqa: E402
+from megatron_dpp.pipeline.scheduler import StaticOrderScheduler  # noqa: E402
 from megatron_dpp.sim import DurationModel, simulate  # noqa: E402
 
 # Annealing starts from each of these and from the best other starting point, --seconds in all.

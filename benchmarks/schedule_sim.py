@@ -29,11 +29,11 @@ import time
 
 import numpy as np
 
-from megatron_dpp.schedule import TaskGraph, make_scheduler, megatron_inflight_forwards
+from megatron_dpp.pipeline import DYNAMIC_SCHEDULES, TaskGraph, make_scheduler, megatron_inflight_forwards
 from megatron_dpp.sim import CommModel, DurationModel, simulate
 
 SCENARIOS = ("uniform", "varlen", "jitter", "straggler")
-POLICIES = ("dpp:adaptive", "dpp:breadth-first", "dpp:depth-first", "dpp:greedy")
+POLICIES = DYNAMIC_SCHEDULES
 MEAN_SIZE = 1000.0
 
 

@@ -22,7 +22,7 @@ import torch
 from megatron.core.enums import ModelType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_dpp.schedule import Phase, Task
+from megatron_dpp.pipeline import Phase, Task
 from megatron_dpp.sim import TaskDurations
 
 HIDDEN = 4  # width of the carried activation; its bytes on the wire are not the modeled bytes
@@ -108,6 +108,11 @@ class TimedStage(torch.nn.Module):
 def microbatch_item(microbatch: int, tokens: int) -> dict:
     """What the data iterator yields for one microbatch: its tokens and index."""
     return {"tokens": torch.zeros(1, tokens, dtype=torch.int64), "microbatch": microbatch}
+
+
+def microbatch_work(item: dict) -> int:
+    """The relative work of a microbatch item: its token count (the runtime's policy sizes)."""
+    return int(item["tokens"].numel())
 
 
 def data_iterator(sizes: List[int]) -> Iterator[dict]:

@@ -392,41 +392,49 @@ def validate_data_args(args: argparse.Namespace) -> None:
 # point-to-point transports (owned by the transport module)
 # ----------------------------------------------------------------------------------------------
 def add_transport_args(parser: argparse.ArgumentParser) -> None:
+    from megatron_dpp.comm.router import TRANSPORT_KINDS
+    from megatron_dpp.comm.settings import SHM_DEFAULTS
+    from megatron_dpp.comm.transport import DEFAULT_TIMEOUT_S
+
     group = parser.add_argument_group("transport")
-    group.add_argument("--p2p-transport", type=str, default="torch", choices=["torch", "shm"],
+    group.add_argument("--p2p-transport", type=str, default="torch", choices=TRANSPORT_KINDS,
                        help="Pipeline point-to-point transport: torch (torch.distributed send/recv) or "
                             "shm (shm_tensor shared memory between ranks of one node, CUDA IPC for GPU "
                             "tensors, torch.distributed to other nodes).")
-    group.add_argument("--workload", type=int, default=8 << 20,
+    group.add_argument("--workload", type=int, default=SHM_DEFAULTS.bytes_per_thread,
                        help="shm: bytes each copy thread handles; a message gets one thread per this "
                             "many bytes, up to --shm-copy-threads (smaller messages are copied inline).")
-    group.add_argument("--shm-copy-threads", type=int, default=2,
+    group.add_argument("--shm-copy-threads", type=int, default=SHM_DEFAULTS.copy_threads,
                        help="shm: most threads that copy one message.")
-    group.add_argument("--shm-slot-mb", type=int, default=64,
+    group.add_argument("--shm-slot-mb", type=int, default=SHM_DEFAULTS.slot_bytes >> 20,
                        help="shm: payload MiB of one slot; every pipeline message must fit in one.")
-    group.add_argument("--shm-num-slots", type=int, default=4,
+    group.add_argument("--shm-num-slots", type=int, default=SHM_DEFAULTS.num_slots,
                        help="shm: slots per directed pair of ranks, 1..64 (messages in flight before a "
                             "send waits for the receiver; up to half of them may be lent to received "
                             "tensors, see --shm-zero-copy-min-kb).")
-    group.add_argument("--shm-zero-copy-min-kb", type=int, default=256,
+    group.add_argument("--shm-zero-copy-min-kb", type=int, default=SHM_DEFAULTS.zero_copy_min_bytes >> 10,
                        help="shm: a received CPU message of at least this many KiB borrows the slot it "
                             "arrived in (no copy out) while fewer than half the slots from that sender "
                             "are lent; 0 copies every message out.")
-    group.add_argument("--p2p-timeout", type=float, default=300.0,
+    group.add_argument("--p2p-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                        help="Seconds a pipeline send or receive may wait before failing with the peer "
                             "and tag it waited for.")
 
 
 def validate_transport_args(args: argparse.Namespace) -> None:
+    from megatron_dpp.comm.settings import check_shm_args
+
     _require(args.p2p_timeout > 0, f"--p2p-timeout must be positive seconds, got {args.p2p_timeout}")
     if args.p2p_transport != "shm":
         return
-    _require(args.workload >= 4096, f"--workload must be at least 4096 bytes, got {args.workload}")
-    _require(args.shm_copy_threads >= 1, "--shm-copy-threads must be at least 1")
+    # Flag units first (MiB, KiB), then the transport's own checks of the values they set.
     _require(args.shm_slot_mb >= 1, "--shm-slot-mb must be at least 1")
-    _require(1 <= args.shm_num_slots <= 64, "--shm-num-slots must be 1..64")
     _require(args.shm_zero_copy_min_kb >= 0,
              f"--shm-zero-copy-min-kb must be >= 0 (0 turns zero-copy receive off), got {args.shm_zero_copy_min_kb}")
+    try:
+        check_shm_args(args)
+    except ValueError as error:
+        raise ArgsError(str(error)) from None
     _require(importlib.util.find_spec("shm_tensor._C") is not None,
              "--p2p-transport shm needs the compiled shm_tensor._C; run "
              "`pip install --no-build-isolation -e .` in the repository")
@@ -453,28 +461,30 @@ def validate_transport_args(args: argparse.Namespace) -> None:
 # dynamic pipeline parallelism (owned by the DPP runtime)
 # ----------------------------------------------------------------------------------------------
 def add_dpp_args(parser: argparse.ArgumentParser) -> None:
-    from megatron_dpp.schedule.dpp_config import DPP_POLICIES
+    from megatron_dpp.pipeline import AUTO_BUDGET, DEFAULT_POLICY, SCHEDULE_NAMES
+    from megatron_dpp.runtime.config import DPPConfig
 
     group = parser.add_argument_group("dynamic pipeline parallelism")
     group.add_argument("--use-dpp", action="store_true",
                        help="Run the pipeline with the dynamic scheduler (forward_backward_dpp) instead "
                             "of Megatron's fixed 1F1B / interleaved order.")
-    group.add_argument("--dpp-policy", type=str, default="dpp:adaptive", choices=DPP_POLICIES,
+    group.add_argument("--dpp-policy", type=str, default=DEFAULT_POLICY, choices=SCHEDULE_NAMES,
                        help="Scheduling policy of --use-dpp (the static orders run through the same "
                             "runtime, for comparison).")
-    group.add_argument("--dpp-memory-budget", type=str, default="auto",
-                       help="Activation bytes a pipeline rank may hold: 'auto' (what 1F1B needs in the "
-                            "worst case on that rank) or a byte count such as 2147483648 or 2GiB.")
-    group.add_argument("--dpp-timeout", type=float, default=300.0,
+    group.add_argument("--dpp-memory-budget", type=str, default=AUTO_BUDGET,
+                       help=f"Activation bytes a pipeline rank may hold: '{AUTO_BUDGET}' (what 1F1B needs "
+                            "in the worst case on that rank) or a byte count such as 2147483648 or 2GiB.")
+    group.add_argument("--dpp-timeout", type=float, default=DPPConfig.timeout_s,
                        help="Seconds without progress after which every DPP rank prints its state "
                             "(ready tasks, awaited tags, memory held) and the job exits non-zero.")
 
 
 def validate_dpp_args(args: argparse.Namespace) -> None:
-    from megatron_dpp.schedule.dpp_config import parse_memory_budget
+    from megatron_dpp.pipeline import check_policy_layout, parse_memory_budget
 
     try:
-        args.dpp_memory_budget_bytes = parse_memory_budget(args.dpp_memory_budget)
+        args.dpp_memory_budget_bytes = parse_memory_budget(args.dpp_memory_budget,
+                                                           what="--dpp-memory-budget")
     except ValueError as error:
         raise ArgsError(str(error)) from None
     _require(args.dpp_timeout > 0, f"--dpp-timeout must be positive seconds, got {args.dpp_timeout}")
@@ -483,12 +493,10 @@ def validate_dpp_args(args: argparse.Namespace) -> None:
     _require(args.pipeline_model_parallel_size >= 2,
              "--use-dpp schedules a pipeline; set --pipeline-model-parallel-size 2 or more, or drop "
              "--use-dpp")
-    vpp = args.virtual_pipeline_model_parallel_size
-    _require(not (vpp is None and args.dpp_policy == "interleaved-1f1b"),
-             "--dpp-policy interleaved-1f1b needs virtual stages; add "
-             "--num-virtual-stages-per-pipeline-rank 2 or pick another policy")
-    _require(not (vpp is not None and args.dpp_policy == "1f1b"),
-             "--dpp-policy 1f1b runs one model chunk per rank; use interleaved-1f1b with virtual stages")
+    try:
+        check_policy_layout(args.dpp_policy, args.virtual_pipeline_model_parallel_size or 1)
+    except ValueError as error:
+        raise ArgsError(f"--dpp-policy {error}") from None
     _require(getattr(args, "context_parallel_size", 1) == 1,
              "--use-dpp does not support context parallelism; set --context-parallel-size 1")
 

@@ -4,7 +4,9 @@ With CUDA: device cuda:LOCAL_RANK and nccl, nothing patched. Without CUDA: devic
 Megatron-Core's modules see a CPU stand-in for `torch.cuda` and for `device="cuda"` factory calls.
 The patches touch only Megatron-Core's module namespaces, not torch (one exception: during
 LanguageModule.setup_embeddings_and_output_layer, Tensor.cuda() returns the tensor itself), and
-each is listed below with the reason it is needed. Call `setup_platform()` before building any Megatron model.
+each is listed below with the reason it is needed; the modules of one model come from its
+ModelSpec (cpu_patched_modules), with their reasons there. Call
+`setup_platform(spec.cpu_patched_modules)` before building any Megatron model.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import os
 import sys
 import types
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -30,13 +33,16 @@ class Platform:
         return self.device.type == "cuda"
 
 
-def setup_platform() -> Platform:
-    """Pick device and backend for this process; on CPU patch Megatron-Core (idempotent)."""
+def setup_platform(extra_patched_modules: Sequence[str] = ()) -> Platform:
+    """Pick device and backend for this process; on CPU patch Megatron-Core (idempotent).
+
+    extra_patched_modules: the model's own Megatron-Core modules to patch on CPU
+    (ModelSpec.cpu_patched_modules)."""
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         return Platform(device=torch.device("cuda", local_rank), backend="nccl")
-    apply_cpu_patches()
+    apply_cpu_patches(extra_patched_modules)
     return Platform(device=torch.device("cpu"), backend="gloo")
 
 
@@ -113,9 +119,13 @@ class _CpuTorch(types.ModuleType):
         return value
 
 
-# Megatron-Core modules whose code paths (GPT model, local layer spec, tensor-parallel layers,
-# DDP buffers, optimizers, gradient clipping, pipeline schedules, RNG tracker) call torch.cuda or
-# create tensors with device="cuda". Their `torch` global is replaced by the CPU stand-in.
+# One stand-in for every patched module, so they share its cached lookups.
+_CPU_TORCH = _CpuTorch()
+
+# Megatron-Core modules whose code paths (local layer spec, tensor-parallel layers, DDP buffers,
+# optimizers, gradient clipping, pipeline schedules, RNG tracker) call torch.cuda or create tensors
+# with device="cuda", whatever the model. Their `torch` global is replaced by the CPU stand-in, as
+# is that of the model's own modules (ModelSpec.cpu_patched_modules).
 _PATCHED_MODULES = (
     "megatron.core.tensor_parallel.random",          # RNG tracker on torch.cuda generator states
     "megatron.core.tensor_parallel.layers",          # weights/buffers on current_device()
@@ -129,8 +139,6 @@ _PATCHED_MODULES = (
     "megatron.core.transformer.transformer_layer",   # current_device() buffers
     "megatron.core.transformer.transformer_block",   # current_device() buffers
     "megatron.core.transformer.utils",               # causal mask created with device="cuda"
-    "megatron.core.models.gpt.gpt_model",            # current_device() buffers
-    "megatron.core.models.common.embeddings.language_model_embedding",  # current_device()
     "megatron.core.distributed.param_and_grad_buffer",  # grad buffers on current_device()
     "megatron.core.distributed.distributed_data_parallel",  # current_device()
     "megatron.core.distributed.finalize_model_grads",  # reduction buffers
@@ -143,6 +151,7 @@ _PATCHED_MODULES = (
     "megatron.core.utils",                           # current_device() helpers
 )
 
+# Whether the patches beyond the `torch` globals are applied (they must be applied once).
 _APPLIED = False
 
 
@@ -198,18 +207,20 @@ class _DropMessage(logging.Filter):
         return record.getMessage() != self.message
 
 
-def apply_cpu_patches() -> None:
-    """Patch Megatron-Core for a CUDA-less process. Never call when CUDA is available."""
+def apply_cpu_patches(extra_patched_modules: Sequence[str] = ()) -> None:
+    """Patch Megatron-Core for a CUDA-less process. Never call when CUDA is available.
+
+    Idempotent: a module is patched once; a later call patches only the extra modules it adds."""
     global _APPLIED
-    if _APPLIED:
-        return
     if torch.cuda.is_available():
         raise RuntimeError("apply_cpu_patches() called on a machine with CUDA; use setup_platform()")
-    cpu_torch = _CpuTorch()
-    for name in _PATCHED_MODULES:
+    for name in (*_PATCHED_MODULES, *extra_patched_modules):
         module = importlib.import_module(name)
+        # A patched module's `torch` is already the stand-in.
         if getattr(module, "torch", None) is torch:
-            module.torch = cpu_torch
+            module.torch = _CPU_TORCH
+    if _APPLIED:
+        return
     random_module = sys.modules["megatron.core.tensor_parallel.random"]
     # torch's CUDA RNG setter queues the call until CUDA initializes, which never happens on CPU:
     # the tracker's fork would silently not restore states. Use the CPU generator instead.

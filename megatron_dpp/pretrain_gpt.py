@@ -17,9 +17,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_dpp.arguments import parse_args
 
     args = parse_args(argv)
+    from megatron_dpp.models import MODEL_SPECS
     from megatron_dpp.training.loop import pretrain
 
-    return pretrain(args)
+    return pretrain(args, MODEL_SPECS["gpt"])
 
 
 if __name__ == "__main__":

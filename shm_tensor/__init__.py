@@ -12,45 +12,39 @@ Peers and ranks are global torch.distributed ranks; tags are non-negative 63-bit
 travel by CUDA IPC (device to device, libcudart loaded with dlopen at run time); where the CUDA
 runtime does not load, sending one raises ValueError saying why (`cuda_runtime_error()`). The CUDA
 path has not been run on a GPU yet (docs/transport.md).
+
+`ShmConfig` (shm_tensor.config) is pure Python. Every other name loads the compiled transport on
+first use, so `import shm_tensor.config` (a parser showing the defaults) does not.
 """
-from shm_tensor.context import (
-    Context,
-    Handle,
-    ShmConfig,
-    create_context,
-    create_context_with_store,
-    encode_header,
-    decode_header,
-    HEADER_BYTES,
-    FLAG_CUDA_IPC,
-    FLAG_SINGLE_COPY,
-    cuda_runtime_error,
-    header_flags,
+from __future__ import annotations
+
+import importlib
+
+# The compiled _C links against torch's libraries (libc10, libtorch): importing torch loads them, so
+# `import shm_tensor._C` works even when nothing else imported torch first.
+import torch  # noqa: F401
+
+from shm_tensor.config import ShmConfig
+
+_CONTEXT_NAMES = (
+    "Context", "Handle", "create_context", "create_context_with_store", "encode_header",
+    "decode_header", "HEADER_BYTES", "FLAG_CUDA_IPC", "FLAG_SINGLE_COPY", "cuda_runtime_error",
+    "header_flags",
 )
-from shm_tensor._C import (
-    MessageTooLargeError,
-    PeerLostError,
-    ProtocolError,
-    TransportError,
-    TransportTimeout,
+_ERROR_NAMES = (
+    "TransportError", "TransportTimeout", "PeerLostError", "ProtocolError", "MessageTooLargeError",
 )
 
-__all__ = [
-    "Context",
-    "Handle",
-    "ShmConfig",
-    "create_context",
-    "create_context_with_store",
-    "encode_header",
-    "decode_header",
-    "HEADER_BYTES",
-    "FLAG_CUDA_IPC",
-    "FLAG_SINGLE_COPY",
-    "cuda_runtime_error",
-    "header_flags",
-    "TransportError",
-    "TransportTimeout",
-    "PeerLostError",
-    "ProtocolError",
-    "MessageTooLargeError",
-]
+__all__ = ["ShmConfig", *_CONTEXT_NAMES, *_ERROR_NAMES]
+
+
+def __getattr__(name: str):
+    if name in _CONTEXT_NAMES:
+        module = importlib.import_module("shm_tensor.context")
+    elif name in _ERROR_NAMES:
+        module = importlib.import_module("shm_tensor._C")
+    else:
+        raise AttributeError(f"module 'shm_tensor' has no attribute {name!r}")
+    value = getattr(module, name)
+    globals()[name] = value
+    return value

@@ -4,13 +4,13 @@ from __future__ import annotations
 import glob
 import os
 import secrets
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from shm_tensor import _C
+from shm_tensor.config import ShmConfig
 
 HEADER_BYTES: int = _C.HEADER_BYTES
 FLAG_CUDA_IPC: int = _C.FLAG_CUDA_IPC
@@ -47,68 +47,21 @@ def _cuda_caller() -> tuple[int, int]:
     return device, torch.cuda.current_stream(device).cuda_stream
 
 
-@dataclass(frozen=True)
-class ShmConfig:
-    """Sizes and limits of one context. Every receiver owns, per peer, `num_slots` slots of
-    `slot_bytes` payload each; a message must fit in one slot (single-copy messages too).
-
-    Other CPU messages go through a slot: the sender copies them in, and the receiver either copies
-    them out or, for messages of at least `zero_copy_min_bytes`, lends the slot: the received
-    tensor points into shared memory (no second copy) and the slot returns to the sender when that
-    tensor's storage is freed. At most num_slots // 2 slots per sender are lent at a time; later
-    messages are copied out, so received tensors held for long (activations kept for backward)
-    never stall the sender. `zero_copy_receive=False` always copies out.
-
-    CPU messages of at least `single_copy_min_bytes` travel in one copy when the receiver has no
-    slot left to lend: it pulls them from the sender's memory (process_vm_readv), where its probe at
-    connect() allowed it, and the send completes once pulled. `single_copy=False` turns that off."""
-
-    num_slots: int = 4
-    slot_bytes: int = 64 << 20
-    copy_threads: int = 2  # at most this many threads copy one message
-    bytes_per_thread: int = 8 << 20  # --workload: a message gets one copy thread per this many bytes
-    timeout_s: float = 300.0  # waits without an explicit timeout use this
-    recv_cache_bytes: int = 256 << 20  # recycled buffers of received tensors >= 64 KiB kept for reuse
-    spin_us: float = 20.0  # a waiter watches its doorbell this long before sleeping on it
-    single_copy: bool = True  # large CPU messages pulled from the sender's memory where allowed
-    single_copy_min_bytes: int = 16 << 20  # the measured crossover (docs/transport.md)
-    zero_copy_receive: bool = True  # received CPU messages may borrow their slot instead of a copy out
-    zero_copy_min_bytes: int = 256 << 10  # smaller messages are copied out (cheap, and keep loans free)
-
-    def validate(self) -> None:
-        if not 1 <= self.num_slots <= 64:
-            raise ValueError(f"ShmConfig.num_slots={self.num_slots}: must be 1..64 (one 64-bit free mask)")
-        if self.slot_bytes < 0:
-            raise ValueError(f"ShmConfig.slot_bytes={self.slot_bytes}: must be >= 0")
-        if self.copy_threads < 1:
-            raise ValueError(f"ShmConfig.copy_threads={self.copy_threads}: must be >= 1")
-        if self.bytes_per_thread < 4096:
-            raise ValueError(f"ShmConfig.bytes_per_thread={self.bytes_per_thread}: must be >= 4096")
-        if self.timeout_s <= 0:
-            raise ValueError(f"ShmConfig.timeout_s={self.timeout_s}: must be > 0")
-        if self.recv_cache_bytes < 0 or self.spin_us < 0:
-            raise ValueError("ShmConfig.recv_cache_bytes and spin_us must be >= 0")
-        if self.single_copy_min_bytes < 4096:
-            raise ValueError(f"ShmConfig.single_copy_min_bytes={self.single_copy_min_bytes}: "
-                             "must be >= 4096")
-        if self.zero_copy_min_bytes < 1:
-            raise ValueError(f"ShmConfig.zero_copy_min_bytes={self.zero_copy_min_bytes}: must be >= 1")
-
-    def to_c(self) -> "_C.ContextConfig":
-        self.validate()
-        config = _C.ContextConfig()
-        config.num_slots = self.num_slots
-        config.slot_bytes = self.slot_bytes
-        config.copy_threads = self.copy_threads
-        config.bytes_per_thread = self.bytes_per_thread
-        config.timeout_s = self.timeout_s
-        config.recv_cache_bytes = self.recv_cache_bytes
-        config.spin_us = self.spin_us
-        config.single_copy = bool(self.single_copy)
-        config.single_copy_min_bytes = self.single_copy_min_bytes
-        config.zero_copy_receive = bool(self.zero_copy_receive)
-        config.zero_copy_min_bytes = self.zero_copy_min_bytes
-        return config
+def _to_c(settings: ShmConfig) -> "_C.ContextConfig":
+    settings.validate()
+    config = _C.ContextConfig()
+    config.num_slots = settings.num_slots
+    config.slot_bytes = settings.slot_bytes
+    config.copy_threads = settings.copy_threads
+    config.bytes_per_thread = settings.bytes_per_thread
+    config.timeout_s = settings.timeout_s
+    config.recv_cache_bytes = settings.recv_cache_bytes
+    config.spin_us = settings.spin_us
+    config.single_copy = bool(settings.single_copy)
+    config.single_copy_min_bytes = settings.single_copy_min_bytes
+    config.zero_copy_receive = bool(settings.zero_copy_receive)
+    config.zero_copy_min_bytes = settings.zero_copy_min_bytes
+    return config
 
 
 class Handle:
@@ -235,7 +188,7 @@ def create_context(
     """Collective over `rank` and its peers: creates this process's inbox `/<job_name>-r<rank>`
     (mode 0600), maps the peers' inboxes after `barrier()`, and unlinks the names after a second
     barrier, so nothing is left in /dev/shm however the processes end afterwards."""
-    context = _C.Context(rank, list(peers), job_name, config.to_c())
+    context = _C.Context(rank, list(peers), job_name, _to_c(config))
     try:
         barrier()
         context.connect()

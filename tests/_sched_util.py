@@ -1,7 +1,7 @@
 """Helpers for the scheduler tests: check a simulated timeline against the task graph."""
 from __future__ import annotations
 
-from megatron_dpp.schedule import Phase, Task, TaskGraph
+from megatron_dpp.pipeline import Phase, Task, TaskGraph
 from megatron_dpp.sim import CommModel, SimResult
 
 EPS = 1e-9

@@ -55,7 +55,7 @@ BAD_FLAGS = {
     "shm_zero_copy_negative": (["--p2p-transport", "shm", "--shm-zero-copy-min-kb", "-1"], 1,
                                "--shm-zero-copy-min-kb must be >= 0"),
     "shm_too_many_slots": (["--p2p-transport", "shm", "--shm-num-slots", "65"], 1,
-                           "--shm-num-slots must be 1..64"),
+                           "--shm-num-slots: ShmConfig.num_slots=65: must be 1..64"),
 }
 
 

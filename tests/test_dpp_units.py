@@ -3,11 +3,11 @@ prefetch and reorder, activation-byte estimates, decision messages."""
 import pytest
 import torch
 
-from megatron_dpp.schedule import Phase, Task
-from megatron_dpp.schedule.dpp_batch import GlobalBatch, agree_on_sizes, microbatch_work
-from megatron_dpp.schedule.dpp_config import DPPConfig, parse_memory_budget
-from megatron_dpp.schedule.dpp_memory import transformer_activation_bytes
-from megatron_dpp.schedule.dpp_tp import DecisionChannel
+from megatron_dpp.pipeline import Phase, Task, parse_memory_budget
+from megatron_dpp.runtime.batch import GlobalBatch, agree_on_sizes
+from megatron_dpp.runtime.config import DPPConfig
+from megatron_dpp.runtime.memory import transformer_activation_bytes
+from megatron_dpp.runtime.tensor_parallel import DecisionChannel
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -21,7 +21,7 @@ def test_memory_budget_parses_bytes_and_auto(text, expected):
 @pytest.mark.parametrize("text", ["", "lots", "-5", "0", "12XB", "GiB"])
 def test_memory_budget_rejects_nonsense_with_a_hint(text):
     with pytest.raises(ValueError, match="--dpp-memory-budget"):
-        parse_memory_budget(text)
+        parse_memory_budget(text, what="--dpp-memory-budget")
 
 
 def test_config_rejects_nonpositive_timeout():
@@ -56,6 +56,8 @@ def test_global_batch_reports_a_short_iterator():
 
 
 def test_microbatch_work_counts_tokens():
+    from megatron_dpp.models.gpt import gpt_microbatch_work as microbatch_work
+
     assert microbatch_work({"tokens": torch.zeros(2, 7)}) == 14
     assert microbatch_work({"labels": torch.zeros(3)}) == 1
     assert microbatch_work(torch.zeros(5, 3)) == 15
@@ -142,7 +144,7 @@ def test_use_dpp_on_the_command_line_exits_2_with_one_line(capsys):
 def test_stall_watchdog_reports_an_armed_phase_that_stops_progressing(capsys):
     import threading
 
-    from megatron_dpp.schedule.dpp_watchdog import ProgressClock, StallWatchdog
+    from megatron_dpp.runtime.watchdog import ProgressClock, StallWatchdog
 
     exited = threading.Event()
     codes = []
@@ -166,7 +168,7 @@ def test_stall_watchdog_reports_an_armed_phase_that_stops_progressing(capsys):
 def test_stall_watchdog_is_quiet_when_disarmed_or_progressing():
     import time
 
-    from megatron_dpp.schedule.dpp_watchdog import ProgressClock, StallWatchdog
+    from megatron_dpp.runtime.watchdog import ProgressClock, StallWatchdog
 
     codes = []
     clock = ProgressClock()

@@ -1,7 +1,7 @@
 """Task graph, static orders and make_scheduler: structure and Megatron parity."""
 import pytest
 
-from megatron_dpp.schedule import (
+from megatron_dpp.pipeline import (
     SCHEDULE_NAMES,
     Phase,
     Task,
@@ -10,7 +10,7 @@ from megatron_dpp.schedule import (
     make_scheduler,
     size_sorted_order,
 )
-from megatron_dpp.schedule import static_orders
+from megatron_dpp.pipeline import static_orders
 
 
 def test_task_is_hashable_and_tuple_like():
@@ -105,7 +105,7 @@ def test_make_scheduler_rejects_bad_input():
     g = TaskGraph(P=2, V=1, M=4)
     with pytest.raises(ValueError, match="unknown schedule"):
         make_scheduler("zigzag", g, 0)
-    with pytest.raises(ValueError, match="needs V >= 2"):
+    with pytest.raises(ValueError, match="needs virtual stages"):
         make_scheduler("interleaved-1f1b", g, 0)
     with pytest.raises(ValueError, match="does not take"):
         make_scheduler("1f1b", g, 0, max_inflight=2)

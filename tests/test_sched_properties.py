@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _sched_util import check_timeline, peak_inflight
-from megatron_dpp.schedule import DYNAMIC_SCHEDULES, TaskGraph, default_budget_bytes
+from megatron_dpp.pipeline import DYNAMIC_SCHEDULES, TaskGraph, default_budget_bytes
 from megatron_dpp.sim import CommModel, DurationModel, simulate
 
 EXAMPLES = int(os.environ.get("SCHED_PROPERTY_EXAMPLES", "60"))

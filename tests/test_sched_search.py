@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from _sched_util import check_timeline
-from megatron_dpp.schedule import Phase, Task, TaskGraph, default_budget_bytes
+from megatron_dpp.pipeline import Phase, Task, TaskGraph, default_budget_bytes
 from megatron_dpp.sim import CommModel, DurationModel, SimulationDeadlock, simulate
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from _sched_util import check_timeline
-from megatron_dpp.schedule import Phase, Task, TaskGraph
-from megatron_dpp.schedule.scheduler import StaticOrderScheduler
+from megatron_dpp.pipeline import Phase, Task, TaskGraph
+from megatron_dpp.pipeline.scheduler import StaticOrderScheduler
 from megatron_dpp.sim import CommModel, DurationModel, SimulationDeadlock, simulate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,7 +158,7 @@ def test_pipeline_bound_is_a_lower_bound_and_tight_for_1f1b():
 
 def test_adaptive_one_pass_deviation_matches_the_naive_rule():
     from _sched_util import naive_safe_deviation
-    from megatron_dpp.schedule.adaptive import AdaptiveScheduler
+    from megatron_dpp.pipeline.adaptive import AdaptiveScheduler
 
     calls = []
     original = AdaptiveScheduler._safe_deviation
@@ -183,8 +183,8 @@ def test_adaptive_one_pass_deviation_matches_the_naive_rule():
 
 
 def _paired(name):
-    from megatron_dpp.schedule import make_scheduler
-    from megatron_dpp.schedule.scheduler import PairedReceiveScheduler
+    from megatron_dpp.pipeline import make_scheduler
+    from megatron_dpp.pipeline.scheduler import PairedReceiveScheduler
 
     def factory(graph, rank):
         return PairedReceiveScheduler(make_scheduler(name, graph, rank))
@@ -192,8 +192,8 @@ def _paired(name):
 
 
 def test_paired_receives_gate_forwards_on_the_next_backward_input():
-    from megatron_dpp.schedule.scheduler import PairedReceiveScheduler
-    from megatron_dpp.schedule import make_scheduler
+    from megatron_dpp.pipeline.scheduler import PairedReceiveScheduler
+    from megatron_dpp.pipeline import make_scheduler
 
     graph = TaskGraph(4, 2, 8)
     for rank in range(4):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from _sched_util import check_timeline
-from megatron_dpp.schedule import Phase, Task, TaskGraph, make_scheduler
-from megatron_dpp.schedule import static_orders
+from megatron_dpp.pipeline import Phase, Task, TaskGraph, make_scheduler
+from megatron_dpp.pipeline import static_orders
 from megatron_dpp.sim import CommModel, DurationModel, simulate
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,6 +22,11 @@ from megatron_dpp.comm.tags import Direction, encode_sequence_tag
 from megatron_dpp.comm.transport import Transport, TransportHandle
 
 
+def _compute_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
 class _PendingReceive:
     """What Megatron's overlapped schedule calls .wait() on: fills the buffer it already holds."""
 
@@ -103,6 +108,8 @@ class TransportP2PCommunicator(P2PCommunicator):
         reqs = {key: _PendingSend(handle, self.timeout_s) for key, handle in sends.items()}
         buffers = {}
         for key, handle in receives.items():
-            buffers[key] = torch.empty(tensor_shape, requires_grad=True, dtype=config.pipeline_dtype)
+            # On the device the schedule computes on, as Megatron's own receive buffers are.
+            buffers[key] = torch.empty(tensor_shape, requires_grad=True, dtype=config.pipeline_dtype,
+                                       device=_compute_device())
             reqs[key] = _PendingReceive(handle, buffers[key], self.timeout_s)
         return buffers.get("recv_prev"), buffers.get("recv_next"), reqs

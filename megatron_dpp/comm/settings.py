@@ -1,16 +1,32 @@
-"""Transport settings from the command line (--p2p-transport, --workload, --shm-*, --p2p-timeout)."""
+"""Transport settings from the command line (--p2p-transport, --workload, --shm-*, --p2p-timeout).
+
+The shm flags' defaults are shm_tensor.ShmConfig's (pure Python, shm_tensor/config.py), and their
+checks are ShmConfig.validate(): each lives once. Reading them loads no compiled code.
+"""
 from __future__ import annotations
 
 import argparse
 
+from shm_tensor.config import ShmConfig
+
 from megatron_dpp.comm.router import make_transport
 from megatron_dpp.comm.transport import Transport
 
+SHM_DEFAULTS = ShmConfig()
 
-def shm_config_from_args(args: argparse.Namespace):
-    import shm_tensor
+# ShmConfig field -> the flag that sets it, so a failed check names the flag.
+SHM_FLAG_OF_FIELD = {
+    "num_slots": "--shm-num-slots",
+    "slot_bytes": "--shm-slot-mb",
+    "copy_threads": "--shm-copy-threads",
+    "bytes_per_thread": "--workload",
+    "timeout_s": "--p2p-timeout",
+    "zero_copy_min_bytes": "--shm-zero-copy-min-kb",
+}
 
-    return shm_tensor.ShmConfig(
+
+def shm_config_from_args(args: argparse.Namespace) -> ShmConfig:
+    return ShmConfig(
         num_slots=args.shm_num_slots,
         slot_bytes=args.shm_slot_mb << 20,
         copy_threads=args.shm_copy_threads,
@@ -19,6 +35,18 @@ def shm_config_from_args(args: argparse.Namespace):
         zero_copy_receive=args.shm_zero_copy_min_kb > 0,
         zero_copy_min_bytes=max(1, args.shm_zero_copy_min_kb) << 10,
     )
+
+
+def check_shm_args(args: argparse.Namespace) -> None:
+    """ShmConfig.validate() on the flags' values; ValueError whose message starts with the flag."""
+    try:
+        shm_config_from_args(args).validate()
+    except ValueError as error:
+        message = str(error)
+        for field, flag in SHM_FLAG_OF_FIELD.items():
+            if message.startswith(f"ShmConfig.{field}="):
+                raise ValueError(f"{flag}: {message}") from None
+        raise
 
 
 def make_transport_from_args(args: argparse.Namespace, peers=None) -> Transport:

@@ -1,7 +1,7 @@
 """The Transport protocol over torch.distributed point-to-point (gloo): the baseline, and the
 fallback for peers on other nodes.
 
-Each message is the wire header (shm_tensor's 128-byte header, as a uint8 tensor) followed by the
+Each message is the wire header (comm/codec.py's 128 bytes, as a uint8 tensor) followed by the
 payload viewed as bytes. torch.distributed delivers the messages of one (sender, receiver) pair in
 order, so a receiver thread per peer keeps a header receive posted, receives the payload the header
 announces, and files the tensor by tag: receives match by (peer, tag) in any order, and shapes and
@@ -20,7 +20,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-import shm_tensor
+from megatron_dpp.comm import codec
+from megatron_dpp.comm.errors import PeerLostError, TransportError, TransportTimeout
+from megatron_dpp.comm.transport import DEFAULT_TIMEOUT_S, wait_any_on_condition
 
 # The largest tag value is the end-of-stream marker that close() sends; user tags stay below it.
 END_OF_STREAM_TAG = (1 << 63) - 1
@@ -77,18 +79,19 @@ class _PeerLink:
 
     def _receive_loop(self) -> None:
         group, device = self.transport.group, self.transport.device
-        header = torch.empty(shm_tensor.HEADER_BYTES, dtype=torch.uint8, device=device)
+        header = torch.empty(codec.HEADER_BYTES, dtype=torch.uint8, device=device)
         try:
             while True:
                 dist.irecv(header, src=self.peer, group=group).wait()
-                tag, _src, empty = shm_tensor.decode_header(
-                    bytes(header.cpu().numpy()), _MAX_PAYLOAD_BYTES, self.peer)
+                announced = codec.decode_header(bytes(header.cpu().numpy()), _MAX_PAYLOAD_BYTES,
+                                                self.peer)
+                tag = announced.tag
                 if tag == END_OF_STREAM_TAG:
                     with self.transport._cond:
                         self.ended = True
                         self.transport._cond.notify_all()
                     return
-                tensor = torch.empty(empty.shape, dtype=empty.dtype, device=device)
+                tensor = torch.empty(announced.shape, dtype=announced.dtype, device=device)
                 if tensor.numel() > 0:
                     dist.irecv(_as_bytes(tensor), src=self.peer, group=group).wait()
                 self.transport._deliver(self.peer, tag, tensor)
@@ -116,7 +119,8 @@ class TorchTransport:
     """Collective constructor and close() over `peers` (each side lists the other)."""
 
     def __init__(self, peers: Sequence[int], *, group: Optional[dist.ProcessGroup] = None,
-                 device: torch.device = torch.device("cpu"), timeout_s: float = 300.0) -> None:
+                 device: torch.device = torch.device("cpu"),
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.rank = dist.get_rank()
         self.group = group
         self.device = torch.device(device)
@@ -135,7 +139,7 @@ class TorchTransport:
 
     def _check_peer(self, call: str, peer: int, tag: int) -> None:
         if self._closed:
-            raise RuntimeError(f"{call}(peer={peer}, tag={tag}): transport is closed")
+            raise TransportError(f"{call}(peer={peer}, tag={tag}): transport is closed")
         if peer not in self._links:
             raise ValueError(f"{call}(peer={peer}, tag={tag}): rank {peer} is not a peer of this "
                              f"transport (peers: {list(self.peers)})")
@@ -143,7 +147,7 @@ class TorchTransport:
             raise ValueError(f"{call}(peer={peer}, tag={tag}): tags are in [0, 2**63 - 1)")
 
     def _post_send(self, source: torch.Tensor, peer: int, tag: int) -> TorchHandle:
-        header = torch.frombuffer(bytearray(shm_tensor.encode_header(source, tag, self.rank)),
+        header = torch.frombuffer(bytearray(codec.encode_header(source, tag, self.rank)),
                                   dtype=torch.uint8).to(self.device)
         handle = TorchHandle(self, peer, tag, is_send=True)
         with self._send_lock:
@@ -187,32 +191,17 @@ class TorchTransport:
         link = self._links[handle.peer]
         call = "torch_transport.isend" if handle.is_send else "torch_transport.irecv"
         if link.error is not None:
-            raise RuntimeError(f"{call}(peer={handle.peer}, tag={handle.tag}): the link to peer "
-                               f"{handle.peer} failed: {link.error}") from link.error
+            raise PeerLostError(f"{call}(peer={handle.peer}, tag={handle.tag}): the link to peer "
+                                f"{handle.peer} failed: {link.error}") from link.error
         if link.ended and not handle.is_send:
-            raise RuntimeError(f"{call}(peer={handle.peer}, tag={handle.tag}): peer closed its "
-                               "transport without sending this message")
+            raise PeerLostError(f"{call}(peer={handle.peer}, tag={handle.tag}): peer closed its "
+                                "transport without sending this message")
         return False
 
     def wait_any(self, handles: Sequence[TorchHandle], timeout: Optional[float] = None) -> int:
-        if not handles:
-            raise ValueError("torch_transport.wait_any: no handles given")
         limit = self.timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        with self._cond:
-            while True:
-                for index, handle in enumerate(handles):
-                    if self._done_or_raise(handle):
-                        return index
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    waited = ", ".join(
-                        f"{'send to' if h.is_send else 'receive from'} {h.peer} tag {h.tag}"
-                        for h in handles[:8])
-                    first = handles[0]
-                    raise TimeoutError(f"torch_transport.wait(peer={first.peer}, tag={first.tag}): "
-                                       f"timed out after {limit} s waiting for {waited}")
-                self._cond.wait(remaining)
+        return wait_any_on_condition("torch_transport", self._cond, handles, self._done_or_raise,
+                                     limit)
 
     def close(self) -> None:
         """Collective with the peers: sends end-of-stream to each, waits for theirs and joins the
@@ -225,8 +214,8 @@ class TorchTransport:
         for link in self._links.values():
             link.receiver.join(max(0.0, deadline - time.monotonic()))
             if link.receiver.is_alive():
-                raise TimeoutError(f"torch_transport.close: peer {link.peer} did not close within "
-                                   f"{self.timeout_s} s; call close() on every rank")
+                raise TransportTimeout(f"torch_transport.close: peer {link.peer} did not close within "
+                                       f"{self.timeout_s} s; call close() on every rank")
         for handle in ends:
             handle.wait(max(0.0, deadline - time.monotonic()))
         for link in self._links.values():

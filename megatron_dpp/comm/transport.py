@@ -10,12 +10,22 @@ Semantics shared by every implementation (shm_tensor, torch.distributed, the rou
 - Every wait has a timeout (None: the transport's default) and raises TimeoutError naming what it
   waited for; a lost peer or a corrupted message raises naming peer and tag.
 - `close()` is collective with the peers: call it on every rank after the last message.
+
+Errors: comm/errors.py (TransportError, a RuntimeError; TransportTimeout, also a TimeoutError;
+PeerLostError; ProtocolError); the compiled transports raise classes of the same shape.
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence, runtime_checkable
+import threading
+import time
+from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
+
+from megatron_dpp.comm.errors import TransportTimeout
+
+# How long a wait without an explicit timeout lasts (--p2p-timeout's default).
+DEFAULT_TIMEOUT_S = 300.0
 
 
 @runtime_checkable
@@ -43,3 +53,27 @@ class Transport(Protocol):
     def wait_any(self, handles: Sequence[TransportHandle], timeout: Optional[float] = None) -> int: ...
 
     def close(self) -> None: ...
+
+
+def wait_any_on_condition(name: str, cond: threading.Condition, handles: Sequence[TransportHandle],
+                          done_or_raise: Callable[[TransportHandle], bool], limit_s: float) -> int:
+    """wait_any for transports written in Python: sleep on `cond` (notified whenever a handle may
+    have completed) until `done_or_raise(handle)`, called with the lock held, is true for one of
+    `handles`; TransportTimeout naming them after `limit_s` seconds."""
+    if not handles:
+        raise ValueError(f"{name}.wait_any: no handles given")
+    deadline = time.monotonic() + limit_s
+    with cond:
+        while True:
+            for index, handle in enumerate(handles):
+                if done_or_raise(handle):
+                    return index
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                waited = ", ".join(
+                    f"{'send to' if h.is_send else 'receive from'} {h.peer} tag {h.tag}"
+                    for h in handles[:8])
+                first = handles[0]
+                raise TransportTimeout(f"{name}.wait(peer={first.peer}, tag={first.tag}): timed out "
+                                       f"after {limit_s} s waiting for {waited}")
+            cond.wait(remaining)

@@ -1,16 +1,14 @@
-"""GPT on Megatron-Core: layer spec choice, model chunks per pipeline rank, layout-independent init.
+"""GPT on Megatron-Core: layer spec choice, model chunks per pipeline rank, forward step and loss.
 
-Weights are initialized from a seed per *global* parameter name (global layer number, full unsharded
-shape, then the tensor-parallel slice), with Megatron's distributions. So every parallel layout
-(pp, vpp, tp, dp) starts from the very same model: losses of different layouts agree, which is what
-the parity tests check and what makes a schedule comparison fair.
+GPT_SPEC is the ModelSpec the training loop, the runtime and the platform use.
 """
 from __future__ import annotations
 
-import hashlib
+import argparse
 import importlib.util
-import math
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 from megatron.core import parallel_state
@@ -18,6 +16,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_dpp.data.datasets import build_train_valid_test_datasets
+from megatron_dpp.models.init import initialize_layout_independent
+from megatron_dpp.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -62,17 +64,20 @@ def build_gpt_chunks(config: TransformerConfig, shape: GPTShape, seed: int) -> l
             position_embedding_type="learned_absolute",
             vp_stage=stage,
         )
-        initialize_layout_independent(model, config, seed)
+        initialize_layout_independent(model, config, seed, _global_name)
         chunks.append(model)
     return chunks
 
 
-# ----------------------------------------------------------------------------------------------
-# layout-independent initialization
-# ----------------------------------------------------------------------------------------------
+def _build_chunks_from_args(args: argparse.Namespace, config: TransformerConfig,
+                            seed: int) -> list[GPTModel]:
+    shape = GPTShape(padded_vocab_size=args.padded_vocab_size,  # set by build_tokenizer
+                     max_position_embeddings=args.max_position_embeddings,
+                     untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
+    return build_gpt_chunks(config, shape, seed)
+
+
 _LAYERS_PREFIX = "decoder.layers."
-# Megatron scales the init of the layers that write into the residual stream by 1/sqrt(2L).
-_SCALED_INIT = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 
 
 def _global_name(model: GPTModel, local_name: str) -> str:
@@ -87,40 +92,61 @@ def _global_name(model: GPTModel, local_name: str) -> str:
     return local_name
 
 
-def _name_seed(seed: int, global_name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{global_name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+# ----------------------------------------------------------------------------------------------
+# forward step and loss (called by Megatron's schedules and the DPP runtime once per micro-batch)
+# ----------------------------------------------------------------------------------------------
+def gpt_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron-LM's 3-tuple form: (summed loss, token count, {"lm loss": [sum, count]})."""
+    losses = output_tensor.float()
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses.view(-1) * mask)
+    num_tokens = mask.sum().to(torch.int)
+    # The schedule divides the returned loss in place: report a detached copy.
+    report = torch.cat([loss_sum.detach().clone().view(1), num_tokens.detach().float().view(1)])
+    return loss_sum, num_tokens, {"lm loss": report}
 
 
-def _full_shape(param: torch.nn.Parameter, tp_size: int) -> tuple[list[int], int | None]:
-    shape = list(param.shape)
-    if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
-        if getattr(param, "partition_stride", 1) != 1:
-            raise ValueError("layout-independent init supports partition stride 1 only")
-        dim = param.partition_dim
-        shape[dim] *= tp_size
-        return shape, dim
-    return shape, None
+def gpt_forward_step(data_iterator, model, device: torch.device):
+    """Reads exactly one micro-batch; ranks that need no tokens or labels still consume one."""
+    batch = next(data_iterator)
+    tokens = batch["tokens"].to(device, non_blocking=True)
+    position_ids = batch["position_ids"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+    attention_mask = batch.get("attention_mask")
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device, non_blocking=True)
+    output = model(tokens, position_ids, attention_mask, labels=labels)
+    return output, partial(gpt_loss, loss_mask)
 
 
-@torch.no_grad()
-def initialize_layout_independent(model: GPTModel, config: TransformerConfig, seed: int) -> None:
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
-    for local_name, param in model.named_parameters():
-        name = _global_name(model, local_name)
-        if name.endswith("bias"):
-            param.zero_()
-            continue
-        if "layernorm" in name:
-            param.fill_(1.0)
-            continue
-        std = scaled_std if name.endswith(_SCALED_INIT) else config.init_method_std
-        shape, split_dim = _full_shape(param, tp_size)
-        generator = torch.Generator(device=param.device).manual_seed(_name_seed(seed, name))
-        full = torch.empty(shape, dtype=torch.float32, device=param.device)
-        full.normal_(mean=0.0, std=std, generator=generator)
-        if split_dim is not None:
-            full = full.chunk(tp_size, dim=split_dim)[tp_rank]
-        param.copy_(full)
+def make_gpt_forward_step(device: torch.device):
+    """forward_step_func(data_iterator, model) for Megatron's schedules, tensors moved to device."""
+    return partial(gpt_forward_step, device=device)
+
+
+def gpt_microbatch_work(item: Any) -> int:
+    """Relative work of one microbatch: its token count (tokens.numel()); 1 without tokens."""
+    if isinstance(item, dict):
+        tokens = item.get("tokens")
+        if isinstance(tokens, torch.Tensor):
+            return int(tokens.numel())
+        return 1
+    if isinstance(item, torch.Tensor):
+        return int(item.numel())
+    return 1
+
+
+GPT_SPEC = ModelSpec(
+    name="gpt",
+    build_chunks=_build_chunks_from_args,
+    make_forward_step=make_gpt_forward_step,
+    microbatch_work=gpt_microbatch_work,
+    build_datasets=build_train_valid_test_datasets,
+    # GPT's own Megatron-Core modules that call torch.cuda; the platform patches them on CPU.
+    cpu_patched_modules=(
+        "megatron.core.models.gpt.gpt_model",            # current_device() buffers
+        "megatron.core.models.common.embeddings.language_model_embedding",  # current_device()
+    ),
+    global_parameter_name=_global_name,
+)

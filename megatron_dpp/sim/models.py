@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_dpp.schedule.graph import Phase, Task, TaskGraph
+from megatron_dpp.pipeline import Phase, Task, TaskGraph
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Discrete-event simulator that drives the SAME RankScheduler objects the runtime drives.
 
 Each rank runs one task at a time. When a rank is idle it asks its scheduler for a task among
-its ready set; finishing a forward sends the activation to the next virtual stage, finishing a
-backward (its B, when the graph splits backwards) sends the gradient to the previous one, each
-arriving after the comm model's delay; finishing a split B makes its W ready on the same rank.
+its ready set, which a ReadyTracker keeps by the same rule the runtime uses; finishing a forward
+sends the activation to the next virtual stage, finishing a backward (its B, when the graph splits
+backwards) sends the gradient to the previous one, each arriving after the comm model's delay.
 Events at the same instant are all applied before any rank decides, so decisions do not depend on
 the order in which simultaneous events were queued.
 """
@@ -16,8 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from megatron_dpp.schedule import RankScheduler, TaskGraph, make_scheduler
-from megatron_dpp.schedule.graph import Phase, Task
+from megatron_dpp.pipeline import Phase, RankScheduler, ReadyTracker, Task, TaskGraph, make_scheduler
 from megatron_dpp.sim.models import CommModel, DurationModel, phase_name
 
 _FINISH, _ARRIVAL = 0, 1
@@ -104,7 +103,6 @@ def simulate(
     # the (rank, chunk) each (rank, phase, chunk) sends to, and each microbatch's message delay.
     task_of = graph.task_table
     per_rank = len(graph.phases) * V * M
-    split = graph.split_backward
     rank_durations = [durations.flat[r * per_rank:(r + 1) * per_rank] for r in range(P)]
     routes = [
         [[graph.output_target(r, task_of[phase][c][0]) for c in range(V)] for phase in (Phase.F, Phase.B)]
@@ -113,16 +111,15 @@ def simulate(
     routes = [[[None if t is None else (t[0], t[1].chunk) for t in row] for row in rank] for rank in routes]
     delays = [comm_model.transfer_time(graph.act_bytes[m]) for m in range(M)]
 
-    ready: list[set[Task]] = [set() for _ in range(P)]
-    ready[0].update(task_of[0][0])
+    trackers = [ReadyTracker(graph, rank) for rank in range(P)]
+    ready = [tracker.ready for tracker in trackers]
     running: list[Task | None] = [None] * P
     busy = [0.0] * P
     timeline: list[tuple[int, Task, float, float]] = []
     starts = [0.0] * P
     events: list[tuple[float, int, int, int, Task]] = []
     sequence = 0
-    last_rank, last_chunk = P - 1, V - 1
-    forward, weight_grad = Phase.F, Phase.W
+    weight_grad = Phase.W
     heappush, heappop = heapq.heappush, heapq.heappop
 
     def dispatch(rank: int, now: float) -> None:
@@ -131,9 +128,9 @@ def simulate(
         if task is None:
             return
         try:
-            ready[rank].remove(task)
-        except KeyError:
-            raise RuntimeError(f"rank {rank}: scheduler {name} chose {task}, which is not ready") from None
+            trackers[rank].start(task)
+        except RuntimeError as error:
+            raise RuntimeError(f"scheduler {name}: {error}") from None
         schedulers[rank].on_start(task)
         running[rank] = task
         starts[rank] = now
@@ -151,20 +148,16 @@ def simulate(
             _, _, kind, rank, task = heappop(events)
             touched.append(rank)
             if kind == _ARRIVAL:
-                ready[rank].add(task)
+                trackers[rank].input_arrived(task)
                 continue
             schedulers[rank].on_finish(task)
             running[rank] = None
             busy[rank] += now - starts[rank]
             timeline.append((rank, task, starts[rank], now))
+            trackers[rank].finish(task)
             phase, m, chunk = task
-            if phase == forward and rank == last_rank and chunk == last_chunk:
-                ready[rank].add(task_of[1][chunk][m])  # the loss: backward starts here
-                continue
-            if split and phase != forward:
-                if phase == weight_grad:
-                    continue  # W sends nothing
-                ready[rank].add(task_of[2][chunk][m])
+            if phase == weight_grad:
+                continue  # W sends nothing
             route = routes[rank][phase][chunk]
             if route is None:
                 continue
@@ -172,7 +165,7 @@ def simulate(
             dst_task = task_of[phase][dst_chunk][m]
             delay = 0.0 if dst == rank else delays[m]
             if delay == 0.0:
-                ready[dst].add(dst_task)
+                trackers[dst].input_arrived(dst_task)
                 touched.append(dst)
             else:
                 sequence += 1

@@ -1,7 +1,9 @@
-"""GPT pretraining on Megatron-Core: setup, the iteration loop, evaluation, logging, checkpoints.
+"""Pretraining on Megatron-Core: setup, the iteration loop, evaluation, logging, checkpoints.
 
-`pretrain(args)` returns the process exit code: 0 when training finished, 128 + signal number when
-SIGINT/SIGTERM stopped it at an iteration boundary (after saving, if --save is given).
+The model comes from a ModelSpec (megatron_dpp.models): its chunks, forward step, datasets and
+CPU patches. `pretrain(args, spec)` returns the process exit code: 0 when training finished,
+128 + signal number when SIGINT/SIGTERM stopped it at an iteration boundary (after saving, if
+--save is given).
 """
 from __future__ import annotations
 
@@ -20,13 +22,12 @@ from megatron.core.distributed import DistributedDataParallel, finalize_model_gr
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_dpp.data.datasets import build_train_valid_test_datasets
 from megatron_dpp.data.iterators import build_data_iterators
 from megatron_dpp.data.tokenizer import build_tokenizer
-from megatron_dpp.models.gpt import GPTShape, build_gpt_chunks
+from megatron_dpp.models import ModelSpec
 from megatron_dpp.platform import Platform, setup_platform
-from megatron_dpp.schedule.dpp_config import DPPConfig
-from megatron_dpp.schedule.dpp_watchdog import StallWatchdog
+from megatron_dpp.runtime.config import DPPConfig
+from megatron_dpp.runtime.watchdog import StallWatchdog
 from megatron_dpp.training.checkpointing import TrainState, load_checkpoint, save_checkpoint
 from megatron_dpp.training.config import (
     TrainingConfig,
@@ -35,7 +36,6 @@ from megatron_dpp.training.config import (
     training_config_from_args,
     transformer_config_from_args,
 )
-from megatron_dpp.training.gpt_step import make_forward_step
 from megatron_dpp.training.pipeline import build_forward_backward, close_forward_backward
 from megatron_dpp.training.signals import StopSignals
 
@@ -75,12 +75,9 @@ def log_rank0(message: str) -> None:
         log(message)
 
 
-def build_model_and_optimizer(args, platform: Platform, seed: int):
+def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSpec):
     config = transformer_config_from_args(args)
-    shape = GPTShape(padded_vocab_size=args.padded_vocab_size,  # set by build_tokenizer
-                     max_position_embeddings=args.max_position_embeddings,
-                     untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
-    chunks = build_gpt_chunks(config, shape, seed)
+    chunks = spec.build_chunks(args, config, seed)  # args.padded_vocab_size: set by build_tokenizer
     chunks = [chunk.to(platform.device) for chunk in chunks]
     ddp_config = ddp_config_from_args(args)
     model = [
@@ -143,15 +140,15 @@ def _as_schedule_input(items: list):
 class Trainer:
     """Holds the built objects of one run and runs iterations and evaluations."""
 
-    def __init__(self, args: argparse.Namespace, platform: Platform):
+    def __init__(self, args: argparse.Namespace, platform: Platform, spec: ModelSpec):
         self.args = args
         self.platform = platform
         self.train = training_config_from_args(args)
         self.config, self.model, self.optimizer = build_model_and_optimizer(
-            args, platform, args.seed)
+            args, platform, args.seed, spec)
         self.scheduler = build_scheduler(self.optimizer, self.train)
-        self.forward_backward = build_forward_backward(args)
-        self.forward_step = make_forward_step(platform.device)
+        self.forward_backward = build_forward_backward(args, spec)
+        self.forward_step = spec.make_forward_step(platform.device)
         self.state = TrainState()
         self.consumed_valid_samples = 0
         self.watchdog = _stall_watchdog(args)
@@ -267,21 +264,21 @@ def train_clip_enabled(trainer: Trainer) -> bool:
     return trainer.args.clip_grad > 0.0
 
 
-def pretrain(args: argparse.Namespace) -> int:
-    platform = setup_platform()
+def pretrain(args: argparse.Namespace, spec: ModelSpec) -> int:
+    platform = setup_platform(spec.cpu_patched_modules)
     initialize_distributed(args, platform)
     try:
-        return _pretrain(args, platform)
+        return _pretrain(args, platform, spec)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
 
-def _pretrain(args: argparse.Namespace, platform: Platform) -> int:
+def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec) -> int:
     set_seeds(args.seed)
     tokenizer = build_tokenizer(args)
-    train_ds, valid_ds, _test_ds = build_train_valid_test_datasets(args, tokenizer)
-    trainer = Trainer(args, platform)
+    train_ds, valid_ds, _test_ds = spec.build_datasets(args, tokenizer)
+    trainer = Trainer(args, platform, spec)
     try:
         return _train(args, trainer, train_ds, valid_ds)
     finally:

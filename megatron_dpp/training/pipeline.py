@@ -13,6 +13,8 @@ from typing import Callable
 
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_dpp.models.spec import ModelSpec
+
 
 def close_forward_backward(forward_backward: Callable) -> None:
     """Release what the callable holds (a transport's threads and peers); collective with the
@@ -22,12 +24,12 @@ def close_forward_backward(forward_backward: Callable) -> None:
         close()
 
 
-def build_forward_backward(args: argparse.Namespace) -> Callable:
+def build_forward_backward(args: argparse.Namespace, spec: ModelSpec) -> Callable:
     """Call after parallel_state is initialized (Megatron picks its schedule from it).
 
     A callable that holds resources carries a `close()`; see close_forward_backward."""
     if getattr(args, "use_dpp", False):
-        return _build_dpp(args)
+        return _build_dpp(args, spec)
     if getattr(args, "p2p_transport", "torch") == "shm" and args.pipeline_model_parallel_size > 1:
         return _build_megatron_over_transport(args)
     return get_forward_backward_func()
@@ -63,15 +65,14 @@ def _build_megatron_over_transport(args: argparse.Namespace) -> Callable:
     return forward_backward
 
 
-def _build_dpp(args: argparse.Namespace) -> Callable:
-    """--use-dpp: forward_backward_dpp over the --p2p-transport transport."""
+def _build_dpp(args: argparse.Namespace, spec: ModelSpec) -> Callable:
+    """--use-dpp: forward_backward_dpp over the --p2p-transport transport; the model's spec says
+    how much work each microbatch is (the policy's sizes)."""
     from megatron_dpp.comm import make_transport_from_args
-    from megatron_dpp.schedule.dpp_config import DPPConfig
-    from megatron_dpp.schedule.runtime import dpp_peers, make_forward_backward_dpp
+    from megatron_dpp.runtime.config import DPPConfig
+    from megatron_dpp.runtime.executor import dpp_peers, make_forward_backward_dpp
 
     config = DPPConfig(policy=args.dpp_policy, memory_budget_bytes=args.dpp_memory_budget_bytes,
                        timeout_s=args.dpp_timeout)
     transport = make_transport_from_args(args, peers=dpp_peers())
-    forward_backward = make_forward_backward_dpp(config, transport)
-    forward_backward.close = transport.close
-    return forward_backward
+    return make_forward_backward_dpp(config, transport, spec.microbatch_work)

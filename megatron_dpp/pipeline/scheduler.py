@@ -1,6 +1,6 @@
 """RankScheduler: the per-rank decision object both executors (simulator, runtime) drive.
 
-An executor keeps the rank's ready set (see megatron_dpp.schedule docs), asks `next_task(ready)`
+An executor keeps the rank's ready set (kept by a ReadyTracker, megatron_dpp.pipeline.ready), asks `next_task(ready)`
 whenever the rank is idle, and reports `on_start(task)` / `on_finish(task)`. The scheduler only
 sees what the rank knows at run time.
 """
@@ -9,7 +9,8 @@ from __future__ import annotations
 import abc
 from typing import Collection, Sequence
 
-from megatron_dpp.schedule.graph import Phase, Task, TaskGraph
+from megatron_dpp.pipeline.graph import TaskGraph
+from megatron_dpp.pipeline.task import Phase, Task
 
 
 class RankScheduler(abc.ABC):
@@ -19,7 +20,10 @@ class RankScheduler(abc.ABC):
     W task, when the graph splits backwards).
     """
 
-    name = "base"
+    # Set by make_scheduler to the policy name the user chose; `strategy` says how the policy runs
+    # when that is not its usual way (dpp:adaptive's fallback), else it is None.
+    name = "unnamed"
+    strategy: str | None = None
 
     def __init__(
         self, graph: TaskGraph, rank: int, budget_bytes: int, microbatch_order: Sequence[int]

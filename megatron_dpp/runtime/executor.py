@@ -1,23 +1,22 @@
 """forward_backward_dpp: Megatron's forward_backward_func, run by a dynamic pipeline scheduler.
 
 Each pipeline rank posts a tag-matched receive for every message it expects in this iteration, then
-loops: take what has arrived, ask the RankScheduler (the same object the simulator drives) for the next
-ready task, run it with Megatron-Core's own forward_step / backward_step, send its output. When the
-policy has nothing to run, the rank blocks in the transport's wait_any until a message arrives; a
-deadline without progress reports the rank's state and ends the job.
+loops: take what has arrived (the ReadyTracker applies the one ready rule the simulator also uses),
+ask the policy's RankScheduler (the same object the simulator drives) for the next ready task, run it
+with the handler of its kind (runtime/handlers.py: Megatron-Core's own forward_step / backward_step),
+send its output. When the policy has nothing to run, the rank blocks in the transport's wait_any
+until a message arrives; a deadline without progress, or a lost peer, ends the iteration with a
+`DPPFailure` carrying the rank's state, which forward_backward_dpp prints before exiting the job.
 
 Tensor parallelism: the ranks of a tensor-parallel group must run the same task sequence (their
 forward steps share collectives). Rank 0 of the group decides and sends each decision point-to-point
-to the others, which follow it.
+to the others, which follow it (runtime/tensor_parallel.py).
 
 Data parallelism: gradient reduction is held back (Megatron's no_sync_func) until the last backward of
-each model chunk, as in Megatron's schedules. The chunks of a rank always finish their backwards in the
-order V-1, ..., 0 (backward of virtual stage s depends on that of s+1), so every data-parallel replica
-launches its reductions in the same order whatever its dynamic schedule was.
+each model chunk, as in Megatron's schedules (runtime/grad_sync.py).
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,26 +26,41 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import (
-    backward_step,
-    check_first_val_step,
     clear_embedding_activation_buffer,
-    deallocate_output_tensor,
     finish_embedding_wgrad_compute,
-    forward_step,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
-from megatron_dpp.schedule import Phase, Task, TaskGraph, make_scheduler
-from megatron_dpp.schedule.dpp_batch import GlobalBatch, agree_on_sizes, microbatch_work
-from megatron_dpp.schedule.dpp_config import DPPConfig
-from megatron_dpp.schedule.dpp_memory import megatron_activation_bytes
-from megatron_dpp.schedule.dpp_tags import decision_tag, message_tag
-from megatron_dpp.schedule.dpp_tp import DecisionChannel
-from megatron_dpp.schedule.dpp_watchdog import ProgressDeadline, report_and_exit
+from megatron_dpp.pipeline import Phase, ReadyTracker, Task, TaskGraph, make_scheduler
+from megatron_dpp.pipeline.registry import INTERLEAVED_1F1B
+from megatron_dpp.runtime.batch import GlobalBatch
+from megatron_dpp.runtime.config import DPPConfig
+from megatron_dpp.runtime.grad_sync import GradSync
+from megatron_dpp.runtime.handlers import make_handlers
+from megatron_dpp.runtime.layout import RankLayout
+from megatron_dpp.runtime.memory import megatron_activation_bytes
+from megatron_dpp.runtime.tags import decision_tag, message_tag
+from megatron_dpp.runtime.tensor_parallel import DecisionChannel
+from megatron_dpp.runtime.watchdog import ProgressDeadline, report_and_exit
 
 # (model_config, sizes, micro_batch_size, num_model_chunks, pipeline_size) -> bytes per microbatch
 ActivationBytesFn = Callable[[Any, Sequence[int], int, int, int], List[int]]
+# One microbatch item, as the data iterator yields it -> its relative work (ModelSpec.microbatch_work)
+MicrobatchWorkFn = Callable[[Any], int]
+
+
+class DPPFailure(RuntimeError):
+    """The iteration cannot go on (no progress before the deadline, a lost peer, a scheduler bug).
+    `state_lines` describe the rank: tasks run and ready, awaited tags, memory held."""
+
+    def __init__(self, reason: str, state_lines: List[str]):
+        super().__init__(reason)
+        self.reason = reason
+        self.state_lines = state_lines
+
+    def __str__(self) -> str:
+        return "\n".join([self.reason, *self.state_lines])
 
 
 @dataclass
@@ -55,6 +69,9 @@ class IterationRecord:
 
     microbatch_order: List[int]
     sizes: List[int]
+    policy: str = ""
+    # How the policy ran when that is not its usual way (RankScheduler.strategy), else None.
+    strategy: Optional[str] = None
     tasks: List[Task] = field(default_factory=list)
     # Wall seconds of the loop turn that ran each task (harvest arrivals, decide, run, send), in the
     # order of `tasks`: what a task costs beyond its own compute is measured from these.
@@ -73,6 +90,7 @@ class DPPSession:
 
     config: DPPConfig
     transport: Any
+    microbatch_work: MicrobatchWorkFn
     activation_bytes_fn: ActivationBytesFn = megatron_activation_bytes
     iteration: int = 0
     last_record: Optional[IterationRecord] = None
@@ -93,99 +111,23 @@ def dpp_peers() -> List[int]:
     return sorted((set(pipeline_neighbors()) | set(tp_ranks)) - {me})
 
 
-def make_forward_backward_dpp(config: DPPConfig, transport: Any,
+def make_forward_backward_dpp(config: DPPConfig, transport: Any, microbatch_work: MicrobatchWorkFn,
                               activation_bytes_fn: ActivationBytesFn = megatron_activation_bytes):
-    """A callable with Megatron's forward_backward_func keyword signature, bound to one DPP session."""
-    session = DPPSession(config=config, transport=transport, activation_bytes_fn=activation_bytes_fn)
+    """A callable with Megatron's forward_backward_func keyword signature, bound to one DPP session.
+    Its `close()` closes the transport (collective; training.pipeline.close_forward_backward)."""
+    session = DPPSession(config=config, transport=transport, microbatch_work=microbatch_work,
+                         activation_bytes_fn=activation_bytes_fn)
     fn = partial(forward_backward_dpp, dpp_session=session)
     fn.dpp_session = session
-    fn.close = transport.close  # training.pipeline.close_forward_backward calls it (collective)
+    fn.close = transport.close
     return fn
 
 
-@dataclass
-class _Groups:
-    pp: dist.ProcessGroup
-    tp: dist.ProcessGroup
-    cp: dist.ProcessGroup
-    mp: Optional[dist.ProcessGroup]
-    collection: ProcessGroupCollection
-
-
-def _resolve_groups(pg_collection: Optional[ProcessGroupCollection]) -> _Groups:
-    if pg_collection is None:
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    return _Groups(
-        pp=pg_collection.pp,
-        tp=pg_collection.tp,
-        cp=pg_collection.cp,
-        mp=getattr(pg_collection, "mp", None),
-        collection=pg_collection,
-    )
-
-
-class _GradSync:
-    """Megatron's no_sync / grad_sync_func protocol, driven by when each chunk's last backward runs."""
-
-    def __init__(self, config, models, forward_only: bool):
-        self.config = config
-        self.models = models
-        no_sync = config.no_sync_func
-        if isinstance(no_sync, list):
-            funcs = list(no_sync)
-
-            def all_chunks_no_sync():
-                stack = contextlib.ExitStack()
-                for chunk_no_sync in funcs:
-                    stack.enter_context(chunk_no_sync())
-                return stack
-
-            no_sync = all_chunks_no_sync
-        self._no_sync_func = no_sync or contextlib.nullcontext
-        self._context = None
-        grad_sync = None if forward_only else config.grad_sync_func
-        if grad_sync is not None and not isinstance(grad_sync, list):
-            grad_sync = [grad_sync for _ in models]
-        self.grad_sync_funcs = grad_sync
-        self.synchronized = set()
-
-    def disable(self):
-        if self._context is None:
-            self._context = self._no_sync_func()
-            self._context.__enter__()
-
-    def enable(self):
-        if self._context is not None:
-            self._context.__exit__(None, None, None)
-            self._context = None
-
-    def before_backward(self, chunk: int, is_last_of_chunk: bool):
-        # Default DDP path: the hooks of the chunk's last backward launch its reductions.
-        if self.grad_sync_funcs is None and is_last_of_chunk:
-            self.enable()
-            self.synchronized.add(chunk)
-
-    def after_backward(self, chunk: int, is_last_of_chunk: bool):
-        if self.grad_sync_funcs is not None and is_last_of_chunk:
-            self.enable()
-            self.grad_sync_funcs[chunk](self.models[chunk].parameters())
-            self.synchronized.add(chunk)
-        self.disable()
-
-    def finish(self):
-        self.enable()
-        if self.grad_sync_funcs is not None:
-            for chunk in range(len(self.models)):
-                if chunk not in self.synchronized:
-                    self.grad_sync_funcs[chunk](self.models[chunk].parameters())
-                    self.synchronized.add(chunk)
-
-
-def _check_supported(config, groups: _Groups, adjust_tensor_shapes_fn, num_chunks: int, iterators):
+def _check_supported(config, cp_size: int, adjust_tensor_shapes_fn, num_chunks: int, iterators):
     if adjust_tensor_shapes_fn is not None:
         raise ValueError("forward_backward_dpp: adjust_tensor_shapes_fn is not supported "
                          "(DPP takes shapes from the message headers)")
-    if groups.cp.size() > 1:
+    if cp_size > 1:
         raise ValueError("forward_backward_dpp: context parallelism is not supported; "
                          "use --context-parallel-size 1 or drop --use-dpp")
     if config.num_microbatches_with_partial_activation_checkpoints is not None:
@@ -225,30 +167,38 @@ def forward_backward_dpp(
     models = model if isinstance(model, list) else [model]
     iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
     config = get_model_config(models[0])
-    groups = _resolve_groups(pg_collection)
-    _check_supported(config, groups, adjust_tensor_shapes_fn, len(models), iterators)
-
-    runner = _IterationRunner(
-        session=dpp_session, config=config, models=models, iterators=iterators, groups=groups,
-        forward_step_func=forward_step_func, num_microbatches=num_microbatches,
-        seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only,
-        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-    )
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    layout = RankLayout.from_process_groups(pg_collection.pp, pg_collection.tp,
+                                            getattr(pg_collection, "mp", None),
+                                            pg_collection.cp.size())
+    _check_supported(config, layout.cp_size, adjust_tensor_shapes_fn, len(models), iterators)
+    is_last_pipeline_rank = layout.pp_rank == layout.pp_size - 1
 
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
     embedding_module = None
     if config.finalize_model_grads_func is not None and not forward_only:
-        embedding_module = clear_embedding_activation_buffer(config, models, runner.rank == runner.P - 1)
+        embedding_module = clear_embedding_activation_buffer(config, models, is_last_pipeline_rank)
 
-    forward_data_store = runner.run()
+    runner = IterationRunner(
+        session=dpp_session, layout=layout, config=config, models=models, iterators=iterators,
+        forward_step_func=forward_step_func, num_microbatches=num_microbatches,
+        seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+    )
+    try:
+        forward_data_store = runner.run()
+    except DPPFailure as failure:
+        # os._exit inside: interpreter shutdown could block on the very peer that stopped.
+        report_and_exit(failure.reason, failure.state_lines, dpp_session.config.timeout_exit_code)
 
     if config.finalize_model_grads_func is not None and not forward_only:
-        finish_embedding_wgrad_compute(config, embedding_module, runner.rank == runner.P - 1, groups.tp)
+        finish_embedding_wgrad_compute(config, embedding_module, is_last_pipeline_rank, pg_collection.tp)
         config.finalize_model_grads_func(
             models,
             runner.total_num_tokens if config.calculate_per_token_loss else None,
-            pg_collection=groups.collection,
+            pg_collection=pg_collection,
             force_all_reduce=force_all_reduce,
         )
     if config.timers is not None:
@@ -256,24 +206,27 @@ def forward_backward_dpp(
     return forward_data_store
 
 
-class _IterationRunner:
-    """One call of forward_backward_dpp on one rank."""
+class IterationRunner:
+    """One global batch on one rank: the loop around the policy, the ready rule and the handlers.
 
-    def __init__(self, *, session: DPPSession, config, models, iterators, groups: _Groups,
+    Needs no process group (RankLayout says where the rank sits), so it also runs in one process
+    against an in-memory transport (tests/_runtime_harness.py)."""
+
+    def __init__(self, *, session: DPPSession, layout: RankLayout, config, models, iterators,
                  forward_step_func, num_microbatches: int, seq_length: int, micro_batch_size: int,
-                 forward_only: bool, collect_non_loss_data: bool, first_val_step):
+                 forward_only: bool = False, collect_non_loss_data: bool = False,
+                 first_val_step=None):
         self.session = session
         self.transport = session.transport
         self.dpp = session.config
+        self.layout = layout
         self.config = config
         self.models = models
-        self.groups = groups
         self.forward_step_func = forward_step_func
         self.M = num_microbatches
         self.V = len(models)
-        self.P = groups.pp.size()
-        self.rank = groups.pp.rank()
-        self.pp_ranks = dist.get_process_group_ranks(groups.pp)
+        self.P = layout.pp_size
+        self.rank = layout.pp_rank
         self.forward_only = forward_only
         self.collect_non_loss_data = collect_non_loss_data
         self.first_val_step = first_val_step
@@ -284,8 +237,7 @@ class _IterationRunner:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
 
-        sizes = agree_on_sizes(self._local_sizes(), self.M,
-                               [groups.mp] if groups.mp is not None else [groups.pp, groups.tp])
+        sizes = layout.agree_sizes(self._local_sizes(), self.M)
         act_bytes = session.activation_bytes_fn(config, sizes, micro_batch_size, self.V, self.P)
         # Budgets are provisioned for the largest microbatch any batch can hold (a full sequence),
         # as Megatron's fixed schedules must be, not for the largest of this batch.
@@ -293,48 +245,48 @@ class _IterationRunner:
             config, [seq_length * micro_batch_size], micro_batch_size, self.V, self.P)[0]
         self.graph = TaskGraph(self.P, self.V, self.M, sizes, act_bytes,
                                max_act_bytes=max(largest_possible, max(act_bytes)))
-        self.channel = DecisionChannel(self.transport, dist.get_process_group_ranks(groups.tp),
-                                       dist.get_rank(), partial(decision_tag, self.iteration))
+        self.channel = DecisionChannel(self.transport, layout.tp_ranks, layout.global_rank,
+                                       partial(decision_tag, self.iteration))
         options = {}
-        if self.dpp.policy == "interleaved-1f1b":
+        if self.dpp.policy == INTERLEAVED_1F1B:
             options["microbatch_group_size_per_vp_stage"] = config.microbatch_group_size_per_vp_stage
         self.scheduler = make_scheduler(self.dpp.policy, self.graph, self.rank,
                                         budget_bytes=self.dpp.memory_budget_bytes, **options)
-        self.record = IterationRecord(microbatch_order=list(self.scheduler.microbatch_order), sizes=sizes,
+        self.record = IterationRecord(microbatch_order=list(self.scheduler.microbatch_order),
+                                      sizes=sizes, policy=self.scheduler.name,
+                                      strategy=self.scheduler.strategy,
                                       budget_bytes=self.scheduler.budget_bytes)
         self.order_position = {m: i for i, m in enumerate(self.scheduler.microbatch_order)}
 
+        self.tracker = ReadyTracker(self.graph, self.rank, forward_only=forward_only)
         self.tasks = [t for t in self.graph.tasks(self.rank)
                       if not (forward_only and t.phase is Phase.B)]
-        self.backwards_left = [self.M] * self.V
-        self.ran_forward_on_chunk = [False] * self.V
         self.pending_recvs: Dict[Task, Any] = {}
         self.pending_recv_tags: Dict[Task, tuple] = {}
         self.arrived: Dict[Task, torch.Tensor] = {}
         self.ran: set = set()
-        self.ready: set = set()
         self.pending_sends: List[Any] = []
         self.saved: Dict[tuple, tuple] = {}  # (microbatch, chunk) -> (input, output) until backward
         self.outputs_by_microbatch: Dict[int, list] = {}
-        self.grad_sync = _GradSync(config, models, forward_only)
+        self.grad_sync = GradSync(config, models, forward_only)
+        self.handlers = make_handlers(self)
 
     # ---- setup ------------------------------------------------------------------------------
     def _local_sizes(self) -> Optional[List[int]]:
         """Sizes from the ranks that read data: the first and the last virtual stage."""
+        work = self.session.microbatch_work
         if self.rank == 0 and self.batch.has_source(0):
-            return [microbatch_work(item) for item in self.batch.items(0)]
+            return [work(item) for item in self.batch.items(0)]
         if self.rank == self.P - 1 and self.batch.has_source(self.V - 1):
-            return [microbatch_work(item) for item in self.batch.items(self.V - 1)]
+            return [work(item) for item in self.batch.items(self.V - 1)]
         return None
 
     def _post_receives(self):
         for task in self.tasks:
             source = self.graph.input_source(self.rank, task)
             if source is None:
-                if task.phase is Phase.F:
-                    self.ready.add(task)
                 continue
-            peer = self.pp_ranks[source[0]]
+            peer = self.layout.pp_ranks[source[0]]
             tag = message_tag(self.iteration, source[1])
             self.pending_recvs[task] = self.transport.irecv(peer, tag)
             self.pending_recv_tags[task] = (peer, tag)
@@ -378,32 +330,39 @@ class _IterationRunner:
             decision = self._wait(handle, f"decision #{self.channel.sequence} from tensor-parallel "
                                           f"rank {self.channel.leader}")
             task = self.channel.decode(decision)
-            if task not in self.ready:
+            if task not in self.tracker.ready:
                 self._await_input(task)
             self._execute(task, time.perf_counter())
 
     def _choose(self) -> Optional[Task]:
+        ready = self.tracker.ready
         if self.forward_only:
             # No activations are kept, so no budget: the earliest ready forward in the agreed order.
-            if not self.ready:
+            if not ready:
                 return None
-            return min(self.ready, key=lambda t: (self.order_position[t.microbatch], t.chunk))
+            return min(ready, key=lambda t: (self.order_position[t.microbatch], t.chunk))
         # The live set, not a copy per decision: schedulers only read it during the call.
-        return self.scheduler.next_task(self.ready)
+        return self.scheduler.next_task(ready)
 
     # ---- arrivals and waiting ------------------------------------------------------------------
     def _mark_arrived(self, task: Task, tensor: torch.Tensor):
         del self.pending_recvs[task]
         del self.pending_recv_tags[task]
         self.arrived[task] = tensor
-        if task.phase is Phase.F or Task(Phase.F, task.microbatch, task.chunk) in self.ran:
-            self.ready.add(task)
+        self.tracker.input_arrived(task)
         self.deadline.progressed()
 
     def _collect_arrivals(self):
         for task, handle in list(self.pending_recvs.items()):
-            if handle.test():
+            if self._test(handle, f"input of {task}"):
                 self._mark_arrived(task, handle.wait())
+
+    def _test(self, handle, what: str) -> bool:
+        """handle.test(); a transport error (a lost peer) ends the iteration with the rank's state."""
+        try:
+            return handle.test()
+        except RuntimeError as error:
+            self._fail(f"transport error while waiting for {what}: {error}")
 
     def _wait_for_arrival(self):
         if not self.pending_recvs:
@@ -436,7 +395,7 @@ class _IterationRunner:
         """Index of a completed handle, or None when this wait slice passed without one.
 
         Slices are bounded so an expired deadline is noticed; a transport error (a peer process
-        died) ends the rank with its state report like a timeout does.
+        died) ends the iteration with the rank's state, like a timeout does.
         """
         slice_s = max(0.001, min(self.deadline.remaining(), 1.0))
         try:
@@ -449,17 +408,16 @@ class _IterationRunner:
 
     # ---- running tasks ------------------------------------------------------------------------
     def _execute(self, task: Task, turn_start: float):
-        self.ready.discard(task)
-        if self.channel.is_leader and not self.forward_only:
+        self.tracker.start(task)
+        accounts_memory = self.channel.is_leader and not self.forward_only
+        if accounts_memory:
             self.scheduler.on_start(task)
             self.record.peak_held_bytes = max(self.record.peak_held_bytes, self.scheduler.held_bytes)
         self.record.task_started.append(time.perf_counter())
-        if task.phase is Phase.F:
-            self._run_forward(task)
-        else:
-            self._run_backward(task)
+        self.handlers[task.phase].run(task)
         self.record.task_ended.append(time.perf_counter())
-        if self.channel.is_leader and not self.forward_only:
+        self.tracker.finish(task)
+        if accounts_memory:
             self.scheduler.on_finish(task)
             self.record.peak_held_bytes = max(self.record.peak_held_bytes, self.scheduler.held_bytes)
         self.ran.add(task)
@@ -467,69 +425,27 @@ class _IterationRunner:
         self.record.task_seconds.append(time.perf_counter() - turn_start)
         self.deadline.progressed()
 
-    def _is_last_virtual_stage(self, chunk: int) -> bool:
+    # ---- what handlers call -------------------------------------------------------------------
+    def is_last_virtual_stage(self, chunk: int) -> bool:
         return self.rank == self.P - 1 and chunk == self.V - 1
 
-    def _run_forward(self, task: Task):
-        m, c = task.microbatch, task.chunk
-        input_tensor = self.arrived.pop(task, None)
-        if input_tensor is not None:
-            input_tensor.requires_grad_(True)
-        store: list = []
-        is_last = self._is_last_virtual_stage(c)
-        output_tensor, num_tokens = forward_step(
-            self.forward_step_func,
-            self.batch.feed(c, m),
-            self.models[c],
-            self.M,
-            input_tensor,
-            store,
-            self.config,
-            cp_group_size=self.groups.cp.size(),
-            collect_non_loss_data=self.collect_non_loss_data,
-            checkpoint_activations_microbatch=None,
-            is_first_microbatch=check_first_val_step(
-                self.first_val_step, self.forward_only, not self.ran_forward_on_chunk[c]),
-            current_microbatch=m,
-            vp_stage=c if self.V > 1 else None,
-            is_last_stage=is_last,
-        )
-        self.ran_forward_on_chunk[c] = True
-        self.outputs_by_microbatch.setdefault(m, []).extend(store)
-        self.total_num_tokens += num_tokens
-        backward = Task(Phase.B, m, c)
-        target = self.graph.output_target(self.rank, task)
-        if target is not None:
-            self._send(output_tensor, task, target)
-        if not self.forward_only:
-            # The transport holds the sent data through its own (detached) reference, so the
-            # activation's data can go now, as in Megatron; its grad_fn stays for the backward.
-            deallocate_output_tensor(output_tensor, self.config.deallocate_pipeline_outputs)
-            self.saved[(m, c)] = (input_tensor, output_tensor)
-            if self.graph.input_source(self.rank, backward) is None or backward in self.arrived:
-                self.ready.add(backward)
+    def take_input(self, task: Task) -> Optional[torch.Tensor]:
+        """The message `task` reads (None where it reads data or the loss), handed over once."""
+        return self.arrived.pop(task, None)
 
-    def _run_backward(self, task: Task):
-        m, c = task.microbatch, task.chunk
-        self.backwards_left[c] -= 1
-        is_last_of_chunk = self.backwards_left[c] == 0
-        input_tensor, output_tensor = self.saved.pop((m, c))
-        output_tensor_grad = self.arrived.pop(task, None)
-        self.grad_sync.before_backward(c, is_last_of_chunk)
-        input_tensor_grad = backward_step(input_tensor, output_tensor, output_tensor_grad,
-                                          self.model_type, self.config)
-        self.grad_sync.after_backward(c, is_last_of_chunk)
+    def send(self, task: Task, tensor: Optional[torch.Tensor]) -> None:
+        """Post `task`'s output to the stage that reads it, if any (the ends of the pipeline send
+        nothing)."""
         target = self.graph.output_target(self.rank, task)
-        if target is not None:
-            self._send(input_tensor_grad, task, target)
-
-    def _send(self, tensor: torch.Tensor, task: Task, target):
-        handle = self.transport.isend(tensor.detach(), self.pp_ranks[target[0]],
+        if target is None:
+            return
+        handle = self.transport.isend(tensor.detach(), self.layout.pp_ranks[target[0]],
                                       message_tag(self.iteration, task))
         self.pending_sends.append(handle)
 
     def _reap_sends(self):
-        self.pending_sends = [handle for handle in self.pending_sends if not handle.test()]
+        self.pending_sends = [handle for handle in self.pending_sends
+                              if not self._test(handle, "a send to finish")]
 
     def _drain_sends(self):
         self.channel.drain(self._wait)
@@ -540,12 +456,16 @@ class _IterationRunner:
     # ---- failure ------------------------------------------------------------------------------
     def _state_lines(self) -> List[str]:
         role = "decides" if self.channel.is_leader else f"follows tensor-parallel rank {self.channel.leader}"
+        policy = self.scheduler.name
+        if self.scheduler.strategy:
+            policy += f" ({self.scheduler.strategy})"
         lines = [
             f"iteration tag {self.iteration}, pipeline rank {self.rank}/{self.P}, V={self.V}, M={self.M}, "
-            f"policy {self.dpp.policy}, {role}",
-            f"tasks run {len(self.ran)}/{len(self.tasks)}; last: {self.record.tasks[-3:]}",
-            f"ready: {sorted(self.ready, key=str)}",
-            f"awaited (peer, tag) -> task: "
+            f"policy {policy}, {role}",
+            f"tasks run {len(self.ran)}/{len(self.tasks)}; last: "
+            + " ".join(str(t) for t in self.record.tasks[-3:]),
+            "ready: " + " ".join(sorted(str(t) for t in self.tracker.ready)),
+            "awaited (peer, tag) -> task: "
             + ", ".join(f"{self.pending_recv_tags[t]} -> {t}" for t in sorted(self.pending_recvs, key=str)),
             f"sends not finished: {len(self.pending_sends)}",
         ]
@@ -555,4 +475,4 @@ class _IterationRunner:
         return lines
 
     def _fail(self, reason: str):
-        report_and_exit(reason, self._state_lines(), self.dpp.timeout_exit_code)
+        raise DPPFailure(reason, self._state_lines())

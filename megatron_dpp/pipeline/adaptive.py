@@ -33,9 +33,10 @@ from __future__ import annotations
 import collections
 from typing import Collection, Sequence
 
-from megatron_dpp.schedule import static_orders
-from megatron_dpp.schedule.graph import Phase, Task, TaskGraph
-from megatron_dpp.schedule.scheduler import RankScheduler
+from megatron_dpp.pipeline import static_orders
+from megatron_dpp.pipeline.graph import TaskGraph
+from megatron_dpp.pipeline.scheduler import RankScheduler
+from megatron_dpp.pipeline.task import Phase, Task
 
 # How far past the spine's next task a deviation may reach: spine positions per virtual stage, and
 # at most in all (each decision walks that far in the worst case).
@@ -115,8 +116,6 @@ def profile_peak(tasks: Sequence[Task], act: Sequence[int]) -> int:
 
 
 class AdaptiveScheduler(RankScheduler):
-    name = "dpp:adaptive"
-
     def __init__(
         self,
         graph: TaskGraph,
@@ -143,7 +142,7 @@ class AdaptiveScheduler(RankScheduler):
         if profile and max(profile) > self._limit:
             unit = "forwards" if max_inflight is not None else "bytes"
             raise ValueError(
-                f"dpp:adaptive rank {rank}: limit {self._limit} {unit} is below its spine's peak {max(profile)}"
+                f"{type(self).__name__} rank {rank}: limit {self._limit} {unit} is below its spine's peak {max(profile)}"
             )
         self._profile = profile  # admission units held after spine[i] if the spine ran in order
         # The envelope deviations must stay under after spine[i]: the spine's own in-flight count
@@ -236,7 +235,7 @@ class AdaptiveScheduler(RankScheduler):
             return
         position = self._index[task]
         if self._done[position]:
-            raise RuntimeError(f"dpp:adaptive rank {self.rank}: {task} started twice")
+            raise RuntimeError(f"{self.name} rank {self.rank}: {task} started twice")
         # RankScheduler.on_start inlined: this runs once per task in 64-rank simulations.
         self.history.append(task)
         delta = self._delta[position]

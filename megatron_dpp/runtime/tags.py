@@ -11,7 +11,7 @@ sequence number in the microbatch field.
 from __future__ import annotations
 
 from megatron_dpp.comm.tags import ITERATION_BITS, Direction, encode_tag
-from megatron_dpp.schedule import Phase, Task
+from megatron_dpp.pipeline import Phase, Task
 
 _ITERATIONS = 1 << ITERATION_BITS
 

@@ -1,8 +1,8 @@
-"""DurationModel's per-task overhead: zero changes nothing, a positive one adds exactly its cost to
+"""The simulator's DurationModel per-task overhead: zero changes nothing, a positive one adds exactly its cost to
 every task and, on a pipeline, to the simulated makespan."""
 import pytest
 
-from megatron_dpp.schedule import Phase, TaskGraph
+from megatron_dpp.pipeline import Phase, TaskGraph
 from megatron_dpp.sim import DurationModel, simulate
 
 
@@ -12,12 +12,23 @@ def _graph():
 
 
 def test_zero_overhead_leaves_the_draws_unchanged():
+    """With no overhead every duration is the model's own draw: without jitter exactly the
+    formula (forward = linear*size/V, backward = ratio x that); with jitter and stragglers the
+    draws a positive overhead shifts are the very same ones (the seed's stream is unchanged)."""
+    import numpy as np
+
     graph = _graph()
-    plain = DurationModel(linear=0.3, jitter_sigma=0.2, straggler_prob=0.2, straggler_factor=3.0)
-    explicit = DurationModel(linear=0.3, jitter_sigma=0.2, straggler_prob=0.2, straggler_factor=3.0,
-                             forward_overhead=0.0, backward_overhead=0.0)
-    assert simulate(graph, "dpp:adaptive", plain, seed=3).makespan == \
-        simulate(graph, "dpp:adaptive", explicit, seed=3).makespan
+    exact = DurationModel(linear=0.3, backward_ratio=2.0).sample(graph, np.random.default_rng(3))
+    for rank in range(graph.P):
+        for task in graph.tasks(rank):
+            forward = 0.3 * graph.sizes[task.microbatch] / graph.V
+            expected = forward if task.phase is Phase.F else 2.0 * forward
+            assert exact(rank, task) == pytest.approx(expected, rel=1e-12)
+    noisy = dict(linear=0.3, jitter_sigma=0.2, straggler_prob=0.2, straggler_factor=3.0)
+    plain = DurationModel(**noisy).sample(graph, np.random.default_rng(3))
+    shifted = DurationModel(**noisy, forward_overhead=1.0, backward_overhead=1.0).sample(
+        graph, np.random.default_rng(3))
+    assert [d + 1.0 for d in plain.flat] == pytest.approx(shifted.flat, rel=1e-12)
 
 
 def test_overhead_is_added_once_per_task_and_phase():

@@ -11,8 +11,9 @@ from __future__ import annotations
 import abc
 from typing import Collection, Sequence
 
-from megatron_dpp.schedule.graph import Phase, Task, TaskGraph
-from megatron_dpp.schedule.scheduler import RankScheduler
+from megatron_dpp.pipeline.graph import TaskGraph
+from megatron_dpp.pipeline.scheduler import RankScheduler
+from megatron_dpp.pipeline.task import Phase, Task
 
 # Below this many ready tasks, candidates are read off the ready set; above it (a first stage with
 # the whole batch ready) each chunk's next forwards are found by walking the priority order.
@@ -146,8 +147,6 @@ class RuleBasedScheduler(RankScheduler):
 class GreedyScheduler(RuleBasedScheduler):
     """The reference rule: first ready backward, else first ready forward (earliest microbatch)."""
 
-    name = "dpp:greedy"
-
     def _choose(self, backwards, forwards):
         if backwards:
             return min(backwards, key=self._key)
@@ -159,8 +158,6 @@ class GreedyScheduler(RuleBasedScheduler):
 class BreadthFirstScheduler(RuleBasedScheduler):
     """Forwards first, shallowest chunk first (fill the pipeline wide); backwards when none admits."""
 
-    name = "dpp:breadth-first"
-
     def _choose(self, backwards, forwards):
         if forwards:
             return min(forwards, key=lambda t: (t.chunk, self._position[t.microbatch]))
@@ -171,8 +168,6 @@ class BreadthFirstScheduler(RuleBasedScheduler):
 
 class DepthFirstScheduler(RuleBasedScheduler):
     """Backwards first; forwards of the deepest chunk first (finish microbatches before new ones)."""
-
-    name = "dpp:depth-first"
 
     def _choose(self, backwards, forwards):
         if backwards:

@@ -1,8 +1,13 @@
-"""make_scheduler: schedule names -> RankScheduler objects, and the default memory budget."""
+"""The one registry of schedule policies: every policy name, the default, what layouts each
+accepts, and `make_scheduler` (name -> a rank's RankScheduler).
+
+Names are spelled here and nowhere else in megatron_dpp: the flags, the runtime, the simulator and
+the benchmarks read them from this module.
+"""
 from __future__ import annotations
 
-from megatron_dpp.schedule import static_orders
-from megatron_dpp.schedule.adaptive import (
+from megatron_dpp.pipeline import static_orders
+from megatron_dpp.pipeline.adaptive import (
     AdaptiveScheduler,
     adaptive_microbatch_order,
     profile_peak,
@@ -10,48 +15,51 @@ from megatron_dpp.schedule.adaptive import (
     spine_order,
     spine_warmup_cap,
 )
-from megatron_dpp.schedule.dynamic import BreadthFirstScheduler, DepthFirstScheduler, GreedyScheduler
-from megatron_dpp.schedule.graph import TaskGraph
-from megatron_dpp.schedule.scheduler import RankScheduler, StaticOrderScheduler
+from megatron_dpp.pipeline.budget import default_budget_bytes
+from megatron_dpp.pipeline.graph import TaskGraph
+from megatron_dpp.pipeline.rule_based import BreadthFirstScheduler, DepthFirstScheduler, GreedyScheduler
+from megatron_dpp.pipeline.scheduler import RankScheduler, StaticOrderScheduler
+
+GPIPE = "gpipe"
+ONE_F_ONE_B = "1f1b"
+INTERLEAVED_1F1B = "interleaved-1f1b"
+ONE_F_ONE_B_SORTED = "1f1b-sorted"
+ADAPTIVE = "dpp:adaptive"
+BREADTH_FIRST = "dpp:breadth-first"
+DEPTH_FIRST = "dpp:depth-first"
+GREEDY = "dpp:greedy"
+
+DEFAULT_POLICY = ADAPTIVE
+
+STATIC_SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED_1F1B, ONE_F_ONE_B_SORTED)
+DYNAMIC_SCHEDULES = (ADAPTIVE, BREADTH_FIRST, DEPTH_FIRST, GREEDY)
+SCHEDULE_NAMES = STATIC_SCHEDULES + DYNAMIC_SCHEDULES
+
+# What make_scheduler reports in `scheduler.strategy` when dpp:adaptive cannot use its spines.
+ADAPTIVE_FALLBACK_STRATEGY = (
+    "reservation admission with depth-first preference: the interleaved spines do not fit the "
+    "explicit budget")
 
 
-def megatron_inflight_forwards(graph: TaskGraph, rank: int, group_size: int | None = None) -> int:
-    """Forward activations Megatron's schedule (1F1B, interleaved for V>1) holds at most on `rank`."""
-    P, V, M = graph.P, graph.V, graph.M
-    if V == 1:
-        warmup, total = static_orders.one_f_one_b_warmup(P, rank, M), M
-    else:
-        # The default budget must exist for any M: where Megatron rejects the group size, count
-        # with the group the adaptive spine uses instead (the smallest one Megatron accepts).
-        group = spine_group_size(P, M, group_size)
-        warmup, total = static_orders.interleaved_warmup(P, V, rank, M, group), M * V
-    return min(warmup + 1, total)
-
-
-def default_budget_bytes(graph: TaskGraph, rank: int, group_size: int | None = None) -> int:
-    """What 1F1B (interleaved 1F1B for V>1) needs in the worst case on `rank`: its in-flight forward
-    count times the activation bytes of the largest microbatch a batch can contain. Never below
-    V * max_act_bytes, the least any dynamic policy needs to guarantee progress."""
-    count = max(megatron_inflight_forwards(graph, rank, group_size), graph.V)
-    return count * graph.max_act_bytes
-
-
-def size_sorted_order(graph: TaskGraph) -> list[int]:
-    """Microbatches largest first (ties by index): a pure function of the batch's sizes."""
-    return sorted(range(graph.M), key=lambda m: (-graph.sizes[m], m))
+def check_policy_layout(name: str, V: int) -> None:
+    """Raise ValueError (one line, with the fix) when policy `name` cannot run V chunks per rank."""
+    if name not in SCHEDULE_NAMES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    if name == INTERLEAVED_1F1B and V < 2:
+        raise ValueError(f"{name} interleaves model chunks and needs virtual stages (V >= 2), got "
+                         f"V={V}; add virtual stages or use {ONE_F_ONE_B}")
+    if name == ONE_F_ONE_B and V != 1:
+        raise ValueError(f"{name} runs one model chunk per rank, got V={V}; use {INTERLEAVED_1F1B} "
+                         "with virtual stages")
 
 
 def _static(name: str, graph: TaskGraph, rank: int, budget: int, order: list[int], group: int | None):
     P, V, M = graph.P, graph.V, graph.M
-    if name == "gpipe":
+    if name == GPIPE:
         tasks = static_orders.gpipe_order(M, V, order, graph.task_table)
-    elif name == "interleaved-1f1b" or (name == "1f1b-sorted" and V > 1):
-        if V < 2:
-            raise ValueError(f"{name} interleaves model chunks and needs V >= 2, got V={V}; use 1f1b")
+    elif V > 1:  # interleaved-1f1b, or 1f1b-sorted over virtual stages
         tasks = static_orders.interleaved_order(P, V, rank, M, order, group, graph.task_table)
     else:
-        if V != 1:
-            raise ValueError(f"1f1b runs one model chunk per rank, got V={V}; use interleaved-1f1b")
         tasks = static_orders.one_f_one_b_order(P, rank, M, order, graph.task_table)
     if graph.split_backward:
         tasks = static_orders.with_weight_grads(tasks, graph.task_table)
@@ -65,12 +73,12 @@ def _adaptive(
     budget = default_budget_bytes(graph, rank, group) if budget_bytes is None else int(budget_bytes)
     if max_inflight is not None:
         if max_inflight < graph.V:
-            raise ValueError(f"dpp:adaptive: max_inflight={max_inflight} must be >= V={graph.V}")
+            raise ValueError(f"{ADAPTIVE}: max_inflight={max_inflight} must be >= V={graph.V}")
         weight, limit = [1] * graph.M, int(max_inflight)
     else:
         if budget < graph.V * graph.max_act_bytes:
             raise ValueError(
-                f"dpp:adaptive: budget {budget} bytes on rank {rank} is below the minimum "
+                f"{ADAPTIVE}: budget {budget} bytes on rank {rank} is below the minimum "
                 f"V * max_act_bytes = {graph.V * graph.max_act_bytes}"
             )
         weight, limit = graph.act_bytes, budget
@@ -84,15 +92,15 @@ def _adaptive(
         spine = spine_order(graph, rank, order, spine_group, None)
         return AdaptiveScheduler(graph, rank, budget, order, spine, max_inflight)
     fallback = DepthFirstScheduler(graph, rank, budget, order, max_inflight)
-    fallback.name = "dpp:adaptive"
+    fallback.strategy = ADAPTIVE_FALLBACK_STRATEGY
     return fallback
 
 
 def _spines_fit(graph: TaskGraph, order: list[int], group: int, limit: int, weight) -> bool:
-    """Do all ranks' interleaved spines fit one explicit limit (bytes, or a count cap)? Spines are a deadlock-free set
-    only when every rank follows one, so this choice is global. (Default budgets always fit: they
-    are the spine's own in-flight count at the largest size.) Cached on the graph: every rank
-    of one batch asks the same question."""
+    """Do all ranks' interleaved spines fit one explicit limit (bytes, or a count cap)? Spines are a
+    deadlock-free set only when every rank follows one, so this choice is global. (Default budgets
+    always fit: they are the spine's own in-flight count at the largest size.) Cached on the graph:
+    every rank of one batch asks the same question."""
     cache = graph.__dict__.setdefault("_adaptive_spines_fit", {})
     key = (tuple(order), group, limit, weight is graph.act_bytes)
     if key not in cache:
@@ -104,14 +112,10 @@ def _spines_fit(graph: TaskGraph, order: list[int], group: int, limit: int, weig
 
 
 _RULE_BASED = {
-    "dpp:greedy": GreedyScheduler,
-    "dpp:breadth-first": BreadthFirstScheduler,
-    "dpp:depth-first": DepthFirstScheduler,
+    GREEDY: GreedyScheduler,
+    BREADTH_FIRST: BreadthFirstScheduler,
+    DEPTH_FIRST: DepthFirstScheduler,
 }
-
-STATIC_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "1f1b-sorted")
-DYNAMIC_SCHEDULES = ("dpp:adaptive",) + tuple(_RULE_BASED)
-SCHEDULE_NAMES = STATIC_SCHEDULES + DYNAMIC_SCHEDULES
 
 
 def make_scheduler(
@@ -127,25 +131,32 @@ def make_scheduler(
         (default False: the reference rules keep the batch order).
     1f1b-sorted is Megatron's order over dpp:adaptive's microbatch order (adaptive_microbatch_order),
     so comparing the two separates what ordering gives from what dynamic dispatch adds.
+
+    The scheduler's `name` is `name`, whatever class runs it; `strategy` says how it runs when
+    that is not the policy's usual way (dpp:adaptive's fallback).
     """
+    check_policy_layout(name, graph.V)
     opts = dict(opts)
     group = opts.pop("microbatch_group_size_per_vp_stage", None)
     budget = default_budget_bytes(graph, rank, group) if budget_bytes is None else int(budget_bytes)
     if name in STATIC_SCHEDULES:
         # 1f1b-sorted uses exactly dpp:adaptive's order, so the two differ only by dynamic dispatch.
-        if name == "1f1b-sorted":
+        if name == ONE_F_ONE_B_SORTED:
             order = adaptive_microbatch_order(graph.sizes, graph.P, graph.V, graph.split_backward)
         else:
             order = list(range(graph.M))
         scheduler = _static(name, graph, rank, budget, order, group)
-    elif name == "dpp:adaptive":
+    elif name == ADAPTIVE:
         scheduler = _adaptive(graph, rank, budget_bytes, group, opts.pop("max_inflight", None))
-    elif name in _RULE_BASED:
+    else:
         order = size_sorted_order(graph) if opts.pop("sort_microbatches", False) else list(range(graph.M))
         scheduler = _RULE_BASED[name](graph, rank, budget, order, max_inflight=opts.pop("max_inflight", None))
-    else:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
     if opts:
         raise ValueError(f"schedule {name!r} does not take option(s) {', '.join(sorted(opts))}")
+    scheduler.name = name
     return scheduler
 
+
+def size_sorted_order(graph: TaskGraph) -> list[int]:
+    """Microbatches largest first (ties by index): a pure function of the batch's sizes."""
+    return sorted(range(graph.M), key=lambda m: (-graph.sizes[m], m))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megatron_dpp.schedule.graph import Phase, Task
+from megatron_dpp.pipeline.task import Phase, Task
 
 TaskTable = Sequence[Sequence[Sequence[Task]]]  # [phase][chunk][m], see TaskGraph.task_table
 
@@ -30,13 +30,13 @@ def interleaved_group_size(P: int, M: int, group_size: int | None) -> int:
     group = P if group_size is None else int(group_size)
     if group < P or group > M:
         raise ValueError(
-            f"interleaved-1f1b: microbatch_group_size_per_vp_stage={group} must lie in "
+            f"interleaved 1F1B: microbatch_group_size_per_vp_stage={group} must lie in "
             f"[P={P}, M={M}]; choose M >= P and a group size in that range"
         )
     remainder = M % group
     if 0 < remainder < P:
         raise ValueError(
-            f"interleaved-1f1b: M={M} % microbatch_group_size_per_vp_stage={group} = {remainder} "
+            f"interleaved 1F1B: M={M} % microbatch_group_size_per_vp_stage={group} = {remainder} "
             f"must be 0 or >= P={P}; use M a multiple of the group size"
         )
     return group

@@ -6,39 +6,9 @@ and its backward runs the same path in reverse.
 """
 from __future__ import annotations
 
-import enum
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
-
-class Phase(enum.IntEnum):
-    """What a task computes. An IntEnum so Task hashes as fast as a plain tuple.
-
-    F: forward. B: backward; with a split backward (TaskGraph(split_backward=True)) only the input
-    gradient, which the previous stage waits for. W: the weight gradient of a split backward, a
-    local task that nothing downstream waits for (zero-bubble style).
-    """
-
-    F = 0
-    B = 1
-    W = 2
-
-    def __str__(self) -> str:
-        return self.name
-
-
-class Task(NamedTuple):
-    """One unit of work on one rank: `phase` of `microbatch` on the rank's LOCAL `chunk` (0..V-1).
-
-    `microbatch` is always the microbatch's index in the global batch as the data iterator yields it
-    (an index into TaskGraph.sizes), whatever order a schedule processes microbatches in.
-    """
-
-    phase: Phase
-    microbatch: int
-    chunk: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.phase.name}{self.microbatch}.{self.chunk}"
+from megatron_dpp.pipeline.task import Phase, Task
 
 
 class TaskGraph:
@@ -52,7 +22,7 @@ class TaskGraph:
     split_backward: each backward is two tasks, B (input gradient, sent to the previous stage)
         and W (weight gradient, local, after B). Activations are then held until W ends, since
         W still needs the layer inputs. Only the simulator executes such graphs so far: the
-        runtime (forward_backward_dpp) runs Megatron's fused backward.
+        runtime (megatron_dpp.runtime) runs Megatron's fused backward.
     """
 
     def __init__(

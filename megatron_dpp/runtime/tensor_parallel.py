@@ -11,7 +11,7 @@ from typing import Any, Callable, List
 
 import torch
 
-from megatron_dpp.schedule import Phase, Task
+from megatron_dpp.pipeline import Phase, Task
 
 
 class DecisionChannel:

@@ -73,18 +73,6 @@ class GlobalBatch:
         return MicrobatchFeed(self, chunk, microbatch)
 
 
-def microbatch_work(item: Any) -> int:
-    """Relative work of one microbatch: its token count (tokens.numel()); 1 when it has no tokens."""
-    if isinstance(item, dict):
-        tokens = item.get("tokens")
-        if isinstance(tokens, torch.Tensor):
-            return int(tokens.numel())
-        return 1
-    if isinstance(item, torch.Tensor):
-        return int(item.numel())
-    return 1
-
-
 def agree_on_sizes(local_sizes: Optional[List[int]], num_microbatches: int,
                    groups: Sequence[Optional[dist.ProcessGroup]]) -> List[int]:
     """Every rank of the model-parallel group gets the same microbatch sizes.

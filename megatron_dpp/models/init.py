@@ -1,0 +1,61 @@
+"""Layout-independent initialization of a Megatron-Core model chunk.
+
+Weights are initialized from a seed per *global* parameter name (global layer number, full unsharded
+shape, then the tensor-parallel slice), with Megatron's distributions. So every parallel layout
+(pp, vpp, tp, dp) starts from the very same model: losses of different layouts agree, which is what
+the parity tests check and what makes a schedule comparison fair. The model supplies the mapping
+from a chunk-local parameter name to its global name (ModelSpec.global_parameter_name).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Callable
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer import TransformerConfig
+
+# Megatron scales the init of the layers that write into the residual stream by 1/sqrt(2L).
+_SCALED_INIT = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+
+
+def _name_seed(seed: int, global_name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{global_name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _full_shape(param: torch.nn.Parameter, tp_size: int) -> tuple[list[int], int | None]:
+    shape = list(param.shape)
+    if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+        if getattr(param, "partition_stride", 1) != 1:
+            raise ValueError("layout-independent init supports partition stride 1 only")
+        dim = param.partition_dim
+        shape[dim] *= tp_size
+        return shape, dim
+    return shape, None
+
+
+@torch.no_grad()
+def initialize_layout_independent(model: torch.nn.Module, config: TransformerConfig, seed: int,
+                                  global_name: Callable[[torch.nn.Module, str], str]) -> None:
+    """Overwrite every parameter of `model` (one chunk) with its layout-independent value."""
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
+    for local_name, param in model.named_parameters():
+        name = global_name(model, local_name)
+        if name.endswith("bias"):
+            param.zero_()
+            continue
+        if "layernorm" in name:
+            param.fill_(1.0)
+            continue
+        std = scaled_std if name.endswith(_SCALED_INIT) else config.init_method_std
+        shape, split_dim = _full_shape(param, tp_size)
+        generator = torch.Generator(device=param.device).manual_seed(_name_seed(seed, name))
+        full = torch.empty(shape, dtype=torch.float32, device=param.device)
+        full.normal_(mean=0.0, std=std, generator=generator)
+        if split_dim is not None:
+            full = full.chunk(tp_size, dim=split_dim)[tp_rank]
+        param.copy_(full)

@@ -1,0 +1,45 @@
+"""ModelSpec: what the training loop, the pipeline runtime and the platform need from a model."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family (GPT, ...) as the rest of megatron_dpp sees it."""
+
+    name: str
+    """Short name of the model, as registered in MODEL_SPECS (e.g. "gpt")."""
+
+    build_chunks: Callable[[argparse.Namespace, TransformerConfig, int], list[torch.nn.Module]]
+    """(args, config, seed) -> the model chunks of this pipeline rank, one per virtual stage.
+
+    Call after parallel_state is initialized. The weights depend on the seed only, not on the
+    parallel layout. args carries padded_vocab_size, max_position_embeddings and
+    untie_embeddings_and_output_weights."""
+
+    make_forward_step: Callable[[torch.device], Callable]
+    """device -> forward_step_func(data_iterator, model) for Megatron's schedules and the DPP
+    runtime: reads one micro-batch, moves it to device, returns (output, loss_func)."""
+
+    microbatch_work: Callable[[Any], int]
+    """Relative work of one micro-batch item as the data iterator yields it (the runtime balances
+    and orders micro-batches by it); 1 when the item carries nothing to measure."""
+
+    build_datasets: Callable[[argparse.Namespace, Any], tuple]
+    """(args, tokenizer) -> (train, valid, test) datasets; a split with no share is None."""
+
+    cpu_patched_modules: tuple[str, ...]
+    """Megatron-Core modules specific to this model that call torch.cuda or create tensors on
+    "cuda": on CPU, the platform replaces their `torch` global (see megatron_dpp.platform)."""
+
+    global_parameter_name: Callable[[torch.nn.Module, str], str]
+    """(chunk, chunk-local parameter name) -> the parameter's name in the unsplit model; the
+    layout-independent init (megatron_dpp.models.init) seeds each parameter by this name."""

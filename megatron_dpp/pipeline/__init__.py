@@ -1,0 +1,79 @@
+"""The pure pipeline core (standard library only): tasks, the task graph, the ready rule, budgets,
+policies and their one registry, static orders. The simulator (megatron_dpp.sim) and the runtime
+(megatron_dpp.runtime) both drive these objects, so one policy decides the same way in both.
+
+Interface (stable names):
+
+- `Phase` (IntEnum: F, B, W) and `Task(phase, microbatch, chunk)`, a hashable tuple that prints
+  and parses back: `str(Task(Phase.F, 3, 1)) == "F3.1"`, `Task.parse("F3.1")`.
+  `chunk` is the LOCAL model chunk on the rank (0..V-1); its virtual stage is chunk*P + rank.
+  `microbatch` is always the index into the global batch as the data iterator yields it.
+- `TaskGraph(P, V, M, sizes, act_bytes, max_act_bytes=None, split_backward=False)`: sizes[m] =
+  relative work of microbatch m; act_bytes[m] = bytes one forward of m holds on ONE chunk until
+  its backward ends; max_act_bytes = the largest a batch can contain (default: this batch's
+  largest). split_backward: each backward is B (input gradient, sent on) plus a local W (weight
+  gradient), and activations are held until W ends; only the simulator runs such graphs.
+  `tasks(rank)`, `input_source(rank, task)` and `output_target(rank, task)` -> (rank, Task) | None.
+- `ReadyTracker(graph, rank, forward_only=False)`: the one ready rule (see ready.py); executors
+  report `input_arrived`, `start`, `finish` and pass its `ready` set to `next_task`.
+- `make_scheduler(name, graph, rank, budget_bytes=None, **opts) -> RankScheduler`, names in
+  `SCHEDULE_NAMES` (registry.py, the only place they are spelled): gpipe, 1f1b (V=1),
+  interleaved-1f1b (V>1), 1f1b-sorted (Megatron's order over dpp:adaptive's size-sorted microbatch
+  order), dpp:adaptive (`DEFAULT_POLICY`), dpp:breadth-first, dpp:depth-first, dpp:greedy.
+  Options: microbatch_group_size_per_vp_stage (interleaved group size, default P; also sets
+  dpp:adaptive's spine and the V>1 default budget), max_inflight (dpp:*: admit by a count of held
+  chunk activations instead of bytes), sort_microbatches (dpp:breadth-first/depth-first/greedy:
+  largest first). budget_bytes=None: `default_budget_bytes(graph, rank)` = what 1F1B (interleaved
+  for V>1) holds at most on that rank, counted at max_act_bytes per forward.
+  `parse_memory_budget(text)` reads a budget as users write it ('auto', '2GiB', '1073741824').
+- `RankScheduler`: `name` (the policy chosen), `strategy` (None, or how it runs when that is not
+  the policy's usual way), `microbatch_order` (same list on every rank: a pure function of sizes,
+  P, V, M and the policy), `next_task(ready) -> Task | None` (None: wait for an arrival; a static
+  order returns its next listed task iff it is ready), `on_start(task)`, `on_finish(task)`, `done`,
+  `held_bytes`, `budget_bytes`, `peak_bytes`, `history`.
+  One task runs at a time per rank: call next_task when idle, on_start before running the
+  returned task, on_finish when it completes. Activations count as held from on_start(F) to
+  on_finish(B), or on_finish(W) with split backwards.
+"""
+from megatron_dpp.pipeline.budget import (
+    AUTO_BUDGET,
+    default_budget_bytes,
+    megatron_inflight_forwards,
+    parse_memory_budget,
+)
+from megatron_dpp.pipeline.graph import TaskGraph
+from megatron_dpp.pipeline.ready import ReadyTracker
+from megatron_dpp.pipeline.registry import (
+    DEFAULT_POLICY,
+    DYNAMIC_SCHEDULES,
+    SCHEDULE_NAMES,
+    STATIC_SCHEDULES,
+    check_policy_layout,
+    make_scheduler,
+    size_sorted_order,
+)
+from megatron_dpp.pipeline.scheduler import PairedReceiveScheduler, RankScheduler, StaticOrderScheduler
+from megatron_dpp.pipeline.task import Phase, Task, format_tasks, parse_tasks
+
+__all__ = [
+    "AUTO_BUDGET",
+    "DEFAULT_POLICY",
+    "DYNAMIC_SCHEDULES",
+    "PairedReceiveScheduler",
+    "Phase",
+    "RankScheduler",
+    "ReadyTracker",
+    "SCHEDULE_NAMES",
+    "STATIC_SCHEDULES",
+    "StaticOrderScheduler",
+    "Task",
+    "TaskGraph",
+    "check_policy_layout",
+    "default_budget_bytes",
+    "format_tasks",
+    "make_scheduler",
+    "megatron_inflight_forwards",
+    "parse_memory_budget",
+    "parse_tasks",
+    "size_sorted_order",
+]

@@ -1,0 +1,112 @@
+"""The house rules of megatron_dpp/, checked on the source: imports point one way, the pure core
+needs nothing but the standard library, every policy name is spelled once, and the torch transport
+path loads no compiled shm_tensor code."""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dpp.pipeline import SCHEDULE_NAMES
+
+PACKAGE = Path(__file__).resolve().parents[1] / "megatron_dpp"
+
+# package -> the megatron_dpp packages it must not import (directly; indirect imports go through
+# a package that is itself checked).
+FORBIDDEN = {
+    "pipeline": {"sim", "comm", "runtime", "trace", "models", "training", "data", "search",
+                 "arguments", "platform"},
+    "sim": {"comm", "runtime", "models", "training", "data"},
+    "comm": {"runtime", "models", "training", "data"},
+    "runtime": {"models", "training", "data"},
+    "models": {"runtime", "training"},
+}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_imports_point_one_way(package):
+    offenders = []
+    for path in sorted((PACKAGE / package).rglob("*.py")):
+        for module in _imported_modules(path):
+            parts = module.split(".")
+            if parts[0] == "megatron_dpp" and len(parts) > 1 and parts[1] in FORBIDDEN[package]:
+                offenders.append(f"{path.relative_to(PACKAGE.parent)} imports {module}")
+    assert not offenders, "\n".join(offenders)
+
+
+_BLOCKER = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "numpy", "megatron"):
+            raise ImportError(f"blocked: {name}")
+        return None
+sys.meta_path.insert(0, Block())
+import pkgutil, importlib, megatron_dpp.pipeline as pipeline
+for info in pkgutil.iter_modules(pipeline.__path__):
+    importlib.import_module(f"megatron_dpp.pipeline.{info.name}")
+from megatron_dpp.pipeline import TaskGraph, make_scheduler
+print(make_scheduler("dpp:adaptive", TaskGraph(4, 2, 8), 1).name)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_pipeline_core_imports_without_torch_numpy_or_megatron():
+    result = subprocess.run([sys.executable, "-c", _BLOCKER], capture_output=True, text=True,
+                            timeout=50)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "dpp:adaptive"
+
+
+def test_each_policy_name_is_spelled_once():
+    sources = {path: path.read_text() for path in PACKAGE.rglob("*.py")}
+    for name in SCHEDULE_NAMES:
+        literal = re.compile(rf"""["']{re.escape(name)}["']""")
+        places = [f"{path.relative_to(PACKAGE.parent)}:{text[:match.start()].count(chr(10)) + 1}"
+                  for path, text in sources.items() for match in literal.finditer(text)]
+        assert len(places) == 1, f"{name!r} is spelled in {places}"
+        assert places[0].startswith("megatron_dpp/pipeline/registry.py"), places
+
+
+_TORCH_TRANSPORT = """
+import sys, tempfile, torch.distributed as dist
+from megatron_dpp import arguments
+from megatron_dpp.comm import make_transport
+from megatron_dpp.runtime.executor import make_forward_backward_dpp
+parser = arguments.build_parser()
+args = parser.parse_args(["--p2p-transport", "torch"])
+arguments.validate_transport_args(args)
+store = dist.FileStore(tempfile.mktemp(), 1)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+transport = make_transport(args.p2p_transport, peers=[], timeout_s=5)
+transport.close()
+dist.destroy_process_group()
+loaded = sorted(m for m in sys.modules if m.startswith("shm_tensor"))
+print(" ".join(loaded))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_torch_transport_loads_no_compiled_shm_code():
+    """shm_tensor.config (pure Python) holds the shm flags' defaults; the transport itself
+    (shm_tensor.context over the compiled _C) must stay unloaded under --p2p-transport torch."""
+    result = subprocess.run([sys.executable, "-c", _TORCH_TRANSPORT], capture_output=True,
+                            text=True, timeout=110)
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = result.stdout.split()
+    assert "shm_tensor._C" not in loaded and "shm_tensor.context" not in loaded, loaded
