@@ -537,10 +537,13 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def build_parser(prog: str = "megatron_dpp.pretrain_gpt") -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(prog=prog, allow_abbrev=False,
-                                     description="Megatron-Core GPT pretraining with dynamic "
-                                                 "pipeline parallelism.")
+DEFAULT_DESCRIPTION = "Megatron-Core pretraining with dynamic pipeline parallelism."
+
+
+def build_parser(prog: str = "megatron_dpp", description: str = DEFAULT_DESCRIPTION
+                 ) -> argparse.ArgumentParser:
+    """Every flag group; `prog` and `description` are the entry point's (pretrain_gpt passes its own)."""
+    parser = _OneLineErrorParser(prog=prog, allow_abbrev=False, description=description)
     for add_group in ARG_GROUPS:
         add_group(parser)
     return parser
@@ -552,9 +555,10 @@ def validate_args(args: argparse.Namespace) -> None:
         validate(args)
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "megatron_dpp",
+               description: str = DEFAULT_DESCRIPTION) -> argparse.Namespace:
     """Parse and validate; on a bad flag print one line to stderr and exit with code 2."""
-    parser = build_parser()
+    parser = build_parser(prog, description)
     args = parser.parse_args(argv)
     try:
         validate_args(args)

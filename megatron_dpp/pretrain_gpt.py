@@ -16,7 +16,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
     from megatron_dpp.arguments import parse_args
 
-    args = parse_args(argv)
+    args = parse_args(argv, prog="megatron_dpp.pretrain_gpt",
+                      description="Megatron-Core GPT pretraining with dynamic pipeline parallelism.")
     from megatron_dpp.models import MODEL_SPECS
     from megatron_dpp.training.loop import pretrain
 
