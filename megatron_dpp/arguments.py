@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import os
 import sys
+import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -558,6 +559,10 @@ def validate_args(args: argparse.Namespace) -> None:
 def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "megatron_dpp",
                description: str = DEFAULT_DESCRIPTION) -> argparse.Namespace:
     """Parse and validate; on a bad flag print one line to stderr and exit with code 2."""
+    # Megatron-Core warns on import when Transformer Engine and Apex are absent (always on CPU) and
+    # falls back to torch, which is what we use; the warning would also break the one-line error of
+    # a flag checked after the data validator imports Megatron.
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
     parser = build_parser(prog, description)
     args = parser.parse_args(argv)
     try:

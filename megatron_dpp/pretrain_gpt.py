@@ -5,15 +5,10 @@ Flags are validated before any process group exists (bad input: one line, exit c
 from __future__ import annotations
 
 import sys
-import warnings
 from typing import Optional, Sequence
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    # Megatron-Core warns on import when Transformer Engine and Apex are absent (always on CPU) and
-    # falls back to torch, which is what we use; the warning would also break the one-line error of
-    # a flag checked after the data validator imports Megatron.
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
     from megatron_dpp.arguments import parse_args
 
     args = parse_args(argv, prog="megatron_dpp.pretrain_gpt",
