@@ -1,14 +1,16 @@
 """One handler per task kind: what running a task means on this rank.
 
 A handler computes its task with Megatron-Core's own step functions (forward_step, backward_step)
-and hands its output to `IterationRunner.send`; the runner does everything around it (choosing the
-task, the ready rule, memory accounting, the record). A new task kind (the weight-gradient W of
+and hands its output to the runner's `send`; the runner does everything around it (choosing the
+task, the ready rule, memory accounting, the record). `IterationView` lists what a handler may use
+of the runner. A new task kind (the weight-gradient W of
 split backwards) is one new handler registered in `make_handlers`.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
+import torch
 from megatron.core.pipeline_parallel.schedules import (
     backward_step,
     check_first_val_step,
@@ -17,16 +19,42 @@ from megatron.core.pipeline_parallel.schedules import (
 )
 
 from megatron_dpp.pipeline import Phase, Task
+from megatron_dpp.runtime.batch import GlobalBatch
+from megatron_dpp.runtime.grad_sync import GradSync
+from megatron_dpp.runtime.layout import RankLayout
 
-if TYPE_CHECKING:
-    from megatron_dpp.runtime.executor import IterationRunner
+
+class IterationView(Protocol):
+    """What a handler reads and writes of the iteration it runs in (IterationRunner provides it)."""
+
+    M: int  # microbatches in the global batch
+    V: int  # model chunks on this rank
+    models: List[torch.nn.Module]
+    config: Any  # Megatron's model config
+    model_type: Any
+    layout: RankLayout
+    batch: GlobalBatch
+    forward_step_func: Callable
+    forward_only: bool
+    collect_non_loss_data: bool
+    first_val_step: Optional[bool]
+    grad_sync: GradSync
+    saved: Dict[Tuple[int, int], tuple]  # (microbatch, chunk) -> (input, output) until backward
+    outputs_by_microbatch: Dict[int, list]
+    total_num_tokens: torch.Tensor
+
+    def is_last_virtual_stage(self, chunk: int) -> bool: ...
+
+    def take_input(self, task: Task) -> Optional[torch.Tensor]: ...
+
+    def send(self, task: Task, tensor: Optional[torch.Tensor]) -> None: ...
 
 
 class ForwardHandler:
     """F(m, c): run the chunk's forward on its input (data on the first stage), send the output on,
     and keep input and output until the backward."""
 
-    def __init__(self, runner: "IterationRunner"):
+    def __init__(self, runner: IterationView):
         self.runner = runner
         self.ran_on_chunk = [False] * runner.V  # Megatron's is_first_microbatch, per chunk
 
@@ -70,7 +98,7 @@ class BackwardHandler:
     send the input gradient back, and drive the data-parallel gradient sync at each chunk's last
     backward."""
 
-    def __init__(self, runner: "IterationRunner"):
+    def __init__(self, runner: IterationView):
         self.runner = runner
         self.backwards_left = [runner.M] * runner.V
 
@@ -88,6 +116,6 @@ class BackwardHandler:
         runner.send(task, input_tensor_grad)
 
 
-def make_handlers(runner: "IterationRunner") -> Dict[Phase, object]:
+def make_handlers(runner: IterationView) -> Dict[Phase, object]:
     """The handler of each task kind the runner executes."""
     return {Phase.F: ForwardHandler(runner), Phase.B: BackwardHandler(runner)}
