@@ -503,6 +503,33 @@ def validate_dpp_args(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# tracing
+# ----------------------------------------------------------------------------------------------
+def add_trace_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("tracing")
+    group.add_argument("--trace", action="store_true",
+                       help="Record what every rank of the DPP runtime did (each task, each wait and "
+                            "its reason, each message, the activation bytes held) as one Chrome trace "
+                            "per rank: TRACE_DIR/<run>/benchmark-rank<R>.json, written when training "
+                            "ends. Needs --use-dpp.")
+    group.add_argument("--trace-dir", type=str, default="benchmark",
+                       help="Directory that gets one sub-directory per traced run, named by its start "
+                            "time and layout (e.g. 20261124-153000-pp2-dpp).")
+
+
+def validate_trace_args(args: argparse.Namespace) -> None:
+    if not args.trace:
+        return
+    _require(args.use_dpp, "--trace records the dynamic pipeline runtime; add --use-dpp (Megatron's "
+                           "own schedules are not traced yet)")
+    _require(not os.path.exists(args.trace_dir) or os.path.isdir(args.trace_dir),
+             f"--trace-dir {args.trace_dir} exists and is not a directory; pick another path")
+    parent = os.path.dirname(os.path.abspath(args.trace_dir))
+    _require(os.path.isdir(args.trace_dir) or os.access(parent, os.W_OK),
+             f"--trace-dir {args.trace_dir}: cannot create it in {parent}; pick a writable path")
+
+
+# ----------------------------------------------------------------------------------------------
 # entry points
 # ----------------------------------------------------------------------------------------------
 ARG_GROUPS: list[Callable[[argparse.ArgumentParser], None]] = [
@@ -514,6 +541,7 @@ ARG_GROUPS: list[Callable[[argparse.ArgumentParser], None]] = [
     add_data_args,
     add_transport_args,
     add_dpp_args,
+    add_trace_args,
 ]
 
 # Order matters: later validators read values the earlier ones derive (world and data-parallel
@@ -527,6 +555,7 @@ VALIDATORS: list[Callable[[argparse.Namespace], None]] = [
     validate_data_args,
     validate_transport_args,
     validate_dpp_args,
+    validate_trace_args,
 ]
 
 

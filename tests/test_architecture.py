@@ -24,6 +24,7 @@ FORBIDDEN = {
     "comm": {"runtime", "models", "training", "data"},
     "runtime": {"models", "training", "data"},
     "models": {"runtime", "training"},
+    "trace": {"sim", "comm", "runtime", "models", "training", "data"},
 }
 
 

@@ -54,6 +54,8 @@ BAD_FLAGS = {
     "unknown_flag": (["--no-such-flag"], 1, "unrecognized arguments: --no-such-flag"),
     "shm_zero_copy_negative": (["--p2p-transport", "shm", "--shm-zero-copy-min-kb", "-1"], 1,
                                "--shm-zero-copy-min-kb must be >= 0"),
+    "trace_without_dpp": (["--pipeline-model-parallel-size", "2", "--trace"], 2,
+                          "--trace records the dynamic pipeline runtime; add --use-dpp"),
     "shm_too_many_slots": (["--p2p-transport", "shm", "--shm-num-slots", "65"], 1,
                            "--shm-num-slots: ShmConfig.num_slots=65: must be 1..64"),
 }

@@ -26,6 +26,13 @@ class Phase(enum.IntEnum):
     def __str__(self) -> str:
         return self.name
 
+    @property
+    def label(self) -> str:
+        """The phase in words, as traces categorise tasks: forward, backward, weight-grad."""
+        return _PHASE_LABELS[self]
+
+
+_PHASE_LABELS = {Phase.F: "forward", Phase.B: "backward", Phase.W: "weight-grad"}
 
 _TASK_FORM = re.compile(r"([FBW])(\d+)\.(\d+)")
 

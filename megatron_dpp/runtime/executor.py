@@ -43,6 +43,7 @@ from megatron_dpp.runtime.memory import megatron_activation_bytes
 from megatron_dpp.runtime.tags import decision_tag, message_tag
 from megatron_dpp.runtime.tensor_parallel import DecisionChannel
 from megatron_dpp.runtime.watchdog import ProgressDeadline, report_and_exit
+from megatron_dpp.trace.recorder import TraceRecorder
 
 # (model_config, sizes, micro_batch_size, num_model_chunks, pipeline_size) -> bytes per microbatch
 ActivationBytesFn = Callable[[Any, Sequence[int], int, int, int], List[int]]
@@ -92,6 +93,7 @@ class DPPSession:
     transport: Any
     microbatch_work: MicrobatchWorkFn
     activation_bytes_fn: ActivationBytesFn = megatron_activation_bytes
+    recorder: Optional[TraceRecorder] = None  # --trace: what each iteration did, per rank
     iteration: int = 0
     last_record: Optional[IterationRecord] = None
 
@@ -112,11 +114,13 @@ def dpp_peers() -> List[int]:
 
 
 def make_forward_backward_dpp(config: DPPConfig, transport: Any, microbatch_work: MicrobatchWorkFn,
-                              activation_bytes_fn: ActivationBytesFn = megatron_activation_bytes):
+                              activation_bytes_fn: ActivationBytesFn = megatron_activation_bytes,
+                              recorder: Optional[TraceRecorder] = None):
     """A callable with Megatron's forward_backward_func keyword signature, bound to one DPP session.
-    Its `close()` closes the transport (collective; training.pipeline.close_forward_backward)."""
+    Its `close()` closes the transport (collective; training.pipeline.close_forward_backward).
+    With a recorder, every iteration's tasks, waits, messages and memory go into it."""
     session = DPPSession(config=config, transport=transport, microbatch_work=microbatch_work,
-                         activation_bytes_fn=activation_bytes_fn)
+                         activation_bytes_fn=activation_bytes_fn, recorder=recorder)
     fn = partial(forward_backward_dpp, dpp_session=session)
     fn.dpp_session = session
     fn.close = transport.close
@@ -270,6 +274,7 @@ class IterationRunner:
         self.outputs_by_microbatch: Dict[int, list] = {}
         self.grad_sync = GradSync(config, models, forward_only)
         self.handlers = make_handlers(self)
+        self.recorder = session.recorder
 
     # ---- setup ------------------------------------------------------------------------------
     def _local_sizes(self) -> Optional[List[int]]:
@@ -300,6 +305,9 @@ class IterationRunner:
                 (param_sync[chunk] if isinstance(param_sync, list) else param_sync)(
                     self.models[chunk].parameters())
         self._post_receives()
+        if self.recorder is not None:
+            self.recorder.mark(f"iteration {self.iteration}", time.perf_counter(),
+                               {"forward_only": self.forward_only, "policy": self.scheduler.name})
         if self.channel.is_leader:
             self._lead()
         else:
@@ -319,7 +327,11 @@ class IterationRunner:
             self._reap_sends()
             task = self._choose()
             if task is None:
+                reason = self._wait_reason() if self.recorder is not None else None
+                waited_from = time.perf_counter()
                 self._wait_for_arrival()
+                if reason is not None:
+                    self.recorder.wait(waited_from, time.perf_counter(), reason)
                 continue
             self.channel.publish(task)
             self._execute(task, turn_start)
@@ -327,8 +339,12 @@ class IterationRunner:
     def _follow(self):
         while len(self.ran) < len(self.tasks):
             handle = self.channel.expect_next()
+            waited_from = time.perf_counter()
             decision = self._wait(handle, f"decision #{self.channel.sequence} from tensor-parallel "
                                           f"rank {self.channel.leader}")
+            if self.recorder is not None:
+                self.recorder.wait(waited_from, time.perf_counter(),
+                                   f"the decision of tensor-parallel rank {self.channel.leader}")
             task = self.channel.decode(decision)
             if task not in self.tracker.ready:
                 self._await_input(task)
@@ -346,6 +362,10 @@ class IterationRunner:
 
     # ---- arrivals and waiting ------------------------------------------------------------------
     def _mark_arrived(self, task: Task, tensor: torch.Tensor):
+        if self.recorder is not None:
+            peer, tag = self.pending_recv_tags[task]
+            self.recorder.message(f"recv {task}", time.perf_counter(),
+                                  {"peer": peer, "tag": tag, "bytes": _nbytes(tensor)})
         del self.pending_recvs[task]
         del self.pending_recv_tags[task]
         self.arrived[task] = tensor
@@ -420,6 +440,8 @@ class IterationRunner:
         if accounts_memory:
             self.scheduler.on_finish(task)
             self.record.peak_held_bytes = max(self.record.peak_held_bytes, self.scheduler.held_bytes)
+        if self.recorder is not None:
+            self._record_task(task, accounts_memory)
         self.ran.add(task)
         self.record.tasks.append(task)
         self.record.task_seconds.append(time.perf_counter() - turn_start)
@@ -439,9 +461,13 @@ class IterationRunner:
         target = self.graph.output_target(self.rank, task)
         if target is None:
             return
-        handle = self.transport.isend(tensor.detach(), self.layout.pp_ranks[target[0]],
-                                      message_tag(self.iteration, task))
+        peer, tag = self.layout.pp_ranks[target[0]], message_tag(self.iteration, task)
+        posted = time.perf_counter()  # before isend: the peer may take the message in at once
+        handle = self.transport.isend(tensor.detach(), peer, tag)
         self.pending_sends.append(handle)
+        if self.recorder is not None:
+            self.recorder.message(f"send {task}", posted,
+                                  {"peer": peer, "tag": tag, "bytes": _nbytes(tensor)})
 
     def _reap_sends(self):
         self.pending_sends = [handle for handle in self.pending_sends
@@ -452,6 +478,26 @@ class IterationRunner:
         for handle in self.pending_sends:
             self._wait(handle, "a send to finish")
         self.pending_sends = []
+
+    # ---- tracing ------------------------------------------------------------------------------
+    def _record_task(self, task: Task, with_memory: bool) -> None:
+        m = task.microbatch
+        self.recorder.task(str(task), task.phase.label, self.record.task_started[-1],
+                           self.record.task_ended[-1],
+                           {"iteration": self.iteration, "microbatch": m, "chunk": task.chunk,
+                            "virtual_stage": self.graph.virtual_stage(self.rank, task.chunk),
+                            "tokens": int(self.graph.sizes[m])})
+        if with_memory:
+            self.recorder.memory(self.record.task_ended[-1], self.scheduler.held_bytes,
+                                 self.scheduler.budget_bytes)
+
+    def _wait_reason(self) -> str:
+        """Why the rank just waited: nothing was ready, or the policy held ready tasks back."""
+        ready = self.tracker.ready
+        if not ready:
+            return "no task ready: waiting for an input"
+        return ("the policy held back ready tasks (memory budget or its order): "
+                + " ".join(sorted(str(t) for t in ready)[:8]))
 
     # ---- failure ------------------------------------------------------------------------------
     def _state_lines(self) -> List[str]:
@@ -476,3 +522,7 @@ class IterationRunner:
 
     def _fail(self, reason: str):
         raise DPPFailure(reason, self._state_lines())
+
+
+def _nbytes(tensor: Optional[torch.Tensor]) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()

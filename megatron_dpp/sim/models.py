@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_dpp.pipeline import Phase, Task, TaskGraph
+from megatron_dpp.pipeline import Task, TaskGraph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +140,3 @@ class CommModel:
         if math.isinf(self.bandwidth):
             return self.latency
         return self.latency + nbytes / self.bandwidth
-
-
-def phase_name(phase: Phase) -> str:
-    return {Phase.F: "forward", Phase.B: "backward", Phase.W: "weight-grad"}[phase]

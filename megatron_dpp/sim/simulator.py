@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import json
 from typing import Callable
 
 import numpy as np
 
 from megatron_dpp.pipeline import Phase, RankScheduler, ReadyTracker, Task, TaskGraph, make_scheduler
-from megatron_dpp.sim.models import CommModel, DurationModel, phase_name
+from megatron_dpp.sim.models import CommModel, DurationModel
+from megatron_dpp.trace import chrome
 
 _FINISH, _ARRIVAL = 0, 1
 
@@ -42,34 +42,23 @@ class SimResult:
     def peak_activation(self) -> int:
         return max(self.peak_bytes)
 
-    def to_chrome_trace(self) -> dict:
-        """Chrome trace JSON (opens in Perfetto / chrome://tracing): one thread per rank,
-        1 time unit = 1 ms."""
-        events = [
-            {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"sim {self.schedule}"}}
+    def chrome_trace_events(self) -> list[dict]:
+        """Chrome trace events: one thread per rank, 1 time unit = 1 ms."""
+        events = [chrome.process_name(0, f"sim {self.schedule}")]
+        events += [chrome.thread_name(0, rank, f"rank {rank}") for rank in range(len(self.busy))]
+        events += [
+            chrome.span(str(task), task.phase.label, 0, rank, start * 1000.0,
+                        (end - start) * 1000.0, {"microbatch": task.microbatch, "chunk": task.chunk})
+            for rank, task, start, end in self.timeline
         ]
-        for rank in range(len(self.busy)):
-            events.append(
-                {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}}
-            )
-        for rank, task, start, end in self.timeline:
-            events.append(
-                {
-                    "name": str(task),
-                    "cat": phase_name(task.phase),
-                    "ph": "X",
-                    "pid": 0,
-                    "tid": rank,
-                    "ts": start * 1000.0,
-                    "dur": (end - start) * 1000.0,
-                    "args": {"microbatch": task.microbatch, "chunk": task.chunk},
-                }
-            )
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+        return events
+
+    def to_chrome_trace(self) -> dict:
+        """The Chrome trace document (opens in Perfetto / chrome://tracing)."""
+        return chrome.trace_document(self.chrome_trace_events())
 
     def write_chrome_trace(self, path: str) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_chrome_trace(), f)
+        chrome.write_trace(path, self.chrome_trace_events())
 
 
 SchedulerFactory = Callable[[TaskGraph, int], RankScheduler]

@@ -1,4 +1,6 @@
-"""Where run-time recording will live: per-rank task events with clock alignment across ranks and
-nodes, NVTX ranges on GPUs, the Chrome-trace writer the simulator also uses, and the aggregation
-behind `profiling/aggregate.py`. Nothing is recorded yet; today the runtime keeps one
-IterationRecord per call (megatron_dpp.runtime) and the simulator writes its own Chrome trace."""
+"""Run-time recording (standard library only): `chrome.py`, the one Chrome-trace writer (the
+simulator's timelines use it too), and `recorder.py`, the per-rank recorder the DPP runtime fills
+under --trace (tasks, waits with their reason, messages, activation memory).
+
+Not here yet: clock alignment across nodes, NVTX ranges, recording Megatron's own schedules, and
+the aggregation behind `profiling/aggregate.py`."""

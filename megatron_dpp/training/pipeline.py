@@ -75,4 +75,17 @@ def _build_dpp(args: argparse.Namespace, spec: ModelSpec) -> Callable:
     config = DPPConfig(policy=args.dpp_policy, memory_budget_bytes=args.dpp_memory_budget_bytes,
                        timeout_s=args.dpp_timeout)
     transport = make_transport_from_args(args, peers=dpp_peers())
-    return make_forward_backward_dpp(config, transport, spec.microbatch_work)
+    if not args.trace:
+        return make_forward_backward_dpp(config, transport, spec.microbatch_work)
+    from megatron_dpp.training.tracing import start_trace
+
+    trace = start_trace(args)
+    forward_backward = make_forward_backward_dpp(config, transport, spec.microbatch_work,
+                                                 recorder=trace.recorder)
+
+    def close() -> None:
+        trace.write()
+        transport.close()
+
+    forward_backward.close = close
+    return forward_backward
