@@ -37,20 +37,32 @@ class ShmConfig:
     zero_copy_min_bytes: int = 256 << 10  # smaller messages are copied out (cheap, and keep loans free)
 
     def validate(self) -> None:
+        """Raise ShmConfigError (a ValueError naming the field) for a value the transport refuses."""
         if not 1 <= self.num_slots <= 64:
-            raise ValueError(f"ShmConfig.num_slots={self.num_slots}: must be 1..64 (one 64-bit free mask)")
+            raise ShmConfigError("num_slots", f"ShmConfig.num_slots={self.num_slots}: must be 1..64 (one 64-bit free mask)")
         if self.slot_bytes < 0:
-            raise ValueError(f"ShmConfig.slot_bytes={self.slot_bytes}: must be >= 0")
+            raise ShmConfigError("slot_bytes", f"ShmConfig.slot_bytes={self.slot_bytes}: must be >= 0")
         if self.copy_threads < 1:
-            raise ValueError(f"ShmConfig.copy_threads={self.copy_threads}: must be >= 1")
+            raise ShmConfigError("copy_threads", f"ShmConfig.copy_threads={self.copy_threads}: must be >= 1")
         if self.bytes_per_thread < 4096:
-            raise ValueError(f"ShmConfig.bytes_per_thread={self.bytes_per_thread}: must be >= 4096")
+            raise ShmConfigError("bytes_per_thread",
+                                 f"ShmConfig.bytes_per_thread={self.bytes_per_thread}: must be >= 4096")
         if self.timeout_s <= 0:
-            raise ValueError(f"ShmConfig.timeout_s={self.timeout_s}: must be > 0")
+            raise ShmConfigError("timeout_s", f"ShmConfig.timeout_s={self.timeout_s}: must be > 0")
         if self.recv_cache_bytes < 0 or self.spin_us < 0:
-            raise ValueError("ShmConfig.recv_cache_bytes and spin_us must be >= 0")
+            raise ShmConfigError("recv_cache_bytes", "ShmConfig.recv_cache_bytes and spin_us must be >= 0")
         if self.single_copy_min_bytes < 4096:
-            raise ValueError(f"ShmConfig.single_copy_min_bytes={self.single_copy_min_bytes}: "
-                             "must be >= 4096")
+            raise ShmConfigError("single_copy_min_bytes",
+                                 f"ShmConfig.single_copy_min_bytes={self.single_copy_min_bytes}: "
+                                 "must be >= 4096")
         if self.zero_copy_min_bytes < 1:
-            raise ValueError(f"ShmConfig.zero_copy_min_bytes={self.zero_copy_min_bytes}: must be >= 1")
+            raise ShmConfigError("zero_copy_min_bytes",
+                                 f"ShmConfig.zero_copy_min_bytes={self.zero_copy_min_bytes}: must be >= 1")
+
+
+class ShmConfigError(ValueError):
+    """A ShmConfig value the transport refuses; `field` names it (a flag parser maps it to its flag)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from shm_tensor.config import ShmConfig
+from shm_tensor.config import ShmConfig, ShmConfigError
 
 from megatron_dpp.comm.router import make_transport
 from megatron_dpp.comm.transport import Transport
@@ -41,12 +41,11 @@ def check_shm_args(args: argparse.Namespace) -> None:
     """ShmConfig.validate() on the flags' values; ValueError whose message starts with the flag."""
     try:
         shm_config_from_args(args).validate()
-    except ValueError as error:
-        message = str(error)
-        for field, flag in SHM_FLAG_OF_FIELD.items():
-            if message.startswith(f"ShmConfig.{field}="):
-                raise ValueError(f"{flag}: {message}") from None
-        raise
+    except ShmConfigError as error:
+        flag = SHM_FLAG_OF_FIELD.get(error.field)
+        if flag is None:  # a setting no flag sets: the flags cannot have caused it
+            raise
+        raise ValueError(f"{flag}: {error}") from None
 
 
 def make_transport_from_args(args: argparse.Namespace, peers=None) -> Transport:

@@ -374,14 +374,16 @@ class IterationRunner:
 
     def _collect_arrivals(self):
         for task, handle in list(self.pending_recvs.items()):
-            if self._test(handle, f"input of {task}"):
+            if self._test(handle, task):
                 self._mark_arrived(task, handle.wait())
 
-    def _test(self, handle, what: str) -> bool:
-        """handle.test(); a transport error (a lost peer) ends the iteration with the rank's state."""
+    def _test(self, handle, awaited: Optional[Task]) -> bool:
+        """handle.test() of the input of `awaited`, or of a send (None); a transport error (a lost
+        peer) ends the iteration with the rank's state."""
         try:
             return handle.test()
         except RuntimeError as error:
+            what = "a send to finish" if awaited is None else f"input of {awaited}"
             self._fail(f"transport error while waiting for {what}: {error}")
 
     def _wait_for_arrival(self):
@@ -471,7 +473,7 @@ class IterationRunner:
 
     def _reap_sends(self):
         self.pending_sends = [handle for handle in self.pending_sends
-                              if not self._test(handle, "a send to finish")]
+                              if not self._test(handle, None)]
 
     def _drain_sends(self):
         self.channel.drain(self._wait)
