@@ -3,6 +3,8 @@
 Install with `pip install --no-build-isolation -e .` (run_scripts/setup_env.sh does this) so the
 extensions compile against the torch already installed instead of a fresh one pulled by pip.
 """
+import os
+
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
@@ -15,7 +17,7 @@ shm_tensor_extension = CppExtension(
         "csrc/common/wire_header.cpp",
         "csrc/common/copy_pool.cpp",
         "csrc/shm_tensor/shm_segment.cpp",
-        "csrc/shm_tensor/dtype_codes.cpp",
+        "csrc/common/dtype_codes.cpp",
         "csrc/shm_tensor/buffer_pool.cpp",
         "csrc/shm_tensor/cuda_runtime.cpp",
         "csrc/shm_tensor/cuda_ipc.cpp",
@@ -26,8 +28,33 @@ shm_tensor_extension = CppExtension(
     extra_link_args=["-lrt", "-lpthread", "-ldl"],
 )
 
+# rdma_tensor._C: cross-node transport on UCX's tag API, built against the system UCX (Debian's
+# libucx-dev: verbs and rdmacm, so one binary uses InfiniBand/RoCE on a cluster and TCP elsewhere).
+# run_scripts/setup_env.sh installs libucx-dev; without its headers the extension is left out and
+# `--p2p-transport rdma` says so (see rdma_tensor/__init__.py).
+UCX_HEADER = "/usr/include/ucp/api/ucp.h"
+rdma_tensor_extension = CppExtension(
+    name="rdma_tensor._C",
+    sources=[
+        "csrc/common/wire_header.cpp",
+        "csrc/common/dtype_codes.cpp",
+        "csrc/rdma_tensor/ucx_objects.cpp",
+        "csrc/rdma_tensor/buffer_pool.cpp",
+        "csrc/rdma_tensor/context.cpp",
+        "csrc/rdma_tensor/bindings.cpp",
+    ],
+    extra_compile_args=["-O2", "-std=c++17"],
+    libraries=["ucp", "uct", "ucs"],
+    extra_link_args=["-lpthread"],
+)
+extensions = [shm_tensor_extension]
+if os.path.exists(UCX_HEADER):
+    extensions.append(rdma_tensor_extension)
+else:
+    print(f"setup.py: {UCX_HEADER} not found: building without rdma_tensor (install libucx-dev)")
+
 setup(
-    packages=find_packages(include=["megatron_dpp*", "shm_tensor*"]),
-    ext_modules=[shm_tensor_extension],
+    packages=find_packages(include=["megatron_dpp*", "shm_tensor*", "rdma_tensor*"]),
+    ext_modules=extensions,
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

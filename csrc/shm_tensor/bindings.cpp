@@ -1,36 +1,24 @@
 // Python bindings of shm_tensor._C. The typed, documented API is the shm_tensor package.
 #include <torch/extension.h>
 
+#include "../common/dtype_codes.h"
 #include "../common/errors.h"
+#include "../common/python_errors.h"
 #include "../common/wire_header.h"
 #include "context.h"
 #include "cuda_runtime.h"
-#include "dtype_codes.h"
+
 
 namespace py = pybind11;
 using namespace shm_tensor;
 
 namespace {
 
-PyObject* g_transport_error = nullptr;
-PyObject* g_timeout = nullptr;
-PyObject* g_peer_lost = nullptr;
-PyObject* g_protocol_error = nullptr;
-PyObject* g_too_large = nullptr;
-
-PyObject* new_exception(py::module_& module, const char* name, PyObject* bases) {
-  std::string qualified = std::string("shm_tensor._C.") + name;
-  PyObject* type = PyErr_NewException(qualified.c_str(), bases, nullptr);
-  if (type == nullptr) throw py::error_already_set();
-  module.attr(name) = py::handle(type);  // the module keeps a reference
-  return type;
-}
-
 py::bytes encode_header(const at::Tensor& tensor, int64_t tag, int32_t src_rank, uint32_t flags) {
   std::vector<int64_t> shape(tensor.sizes().begin(), tensor.sizes().end());
   uint64_t nbytes = static_cast<uint64_t>(tensor.numel()) * tensor.element_size();
   dpp_wire::WireHeader header = dpp_wire::make_header(
-      tag, wire_dtype_of(tensor.scalar_type()), shape.data(), static_cast<int>(shape.size()), nbytes,
+      tag, dpp_wire::wire_dtype_of(tensor.scalar_type()), shape.data(), static_cast<int>(shape.size()), nbytes,
       src_rank, flags);
   return py::bytes(reinterpret_cast<const char*>(&header), sizeof(header));
 }
@@ -49,7 +37,7 @@ py::tuple decode_header(const std::string& bytes, uint64_t max_payload_bytes, in
     throw dpp_errors::ProtocolError(dpp_errors::describe("decode_header", peer, header.tag, problem));
   }
   std::vector<int64_t> shape(header.shape, header.shape + header.ndim);
-  at::Tensor tensor = at::empty(shape, at::TensorOptions().dtype(scalar_type_of(header.dtype)));
+  at::Tensor tensor = at::empty(shape, at::TensorOptions().dtype(dpp_wire::scalar_type_of(header.dtype)));
   return py::make_tuple(header.tag, header.src_rank, tensor);
 }
 
@@ -85,27 +73,7 @@ std::string cuda_runtime_library() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "shm_tensor: tag-matched point-to-point tensor messages over POSIX shared memory";
 
-  g_transport_error = new_exception(m, "TransportError", PyExc_RuntimeError);
-  py::tuple timeout_bases = py::make_tuple(py::handle(g_transport_error), py::handle(PyExc_TimeoutError));
-  g_timeout = new_exception(m, "TransportTimeout", timeout_bases.ptr());
-  g_peer_lost = new_exception(m, "PeerLostError", g_transport_error);
-  g_protocol_error = new_exception(m, "ProtocolError", g_transport_error);
-  g_too_large = new_exception(m, "MessageTooLargeError", g_transport_error);
-  py::register_exception_translator([](std::exception_ptr error) {
-    try {
-      if (error) std::rethrow_exception(error);
-    } catch (const dpp_errors::TransportTimeout& e) {
-      PyErr_SetString(g_timeout, e.what());
-    } catch (const dpp_errors::PeerLost& e) {
-      PyErr_SetString(g_peer_lost, e.what());
-    } catch (const dpp_errors::ProtocolError& e) {
-      PyErr_SetString(g_protocol_error, e.what());
-    } catch (const dpp_errors::MessageTooLarge& e) {
-      PyErr_SetString(g_too_large, e.what());
-    } catch (const dpp_errors::TransportError& e) {
-      PyErr_SetString(g_transport_error, e.what());
-    }
-  });
+  register_transport_errors(m, "shm_tensor._C");
 
   m.attr("HEADER_BYTES") = py::int_(sizeof(dpp_wire::WireHeader));
   m.attr("FLAG_CUDA_IPC") = py::int_(dpp_wire::kFlagCudaIpc);

@@ -12,7 +12,7 @@
 #include <sstream>
 
 #include "../common/errors.h"
-#include "dtype_codes.h"
+#include "../common/dtype_codes.h"
 #include "single_copy.h"
 
 #ifndef SYS_pidfd_open
@@ -365,7 +365,7 @@ std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64
   uint64_t nbytes = static_cast<uint64_t>(source.numel()) * source.element_size();
   int32_t dtype;
   try {
-    dtype = wire_dtype_of(source.scalar_type());
+    dtype = dpp_wire::wire_dtype_of(source.scalar_type());
   } catch (const std::invalid_argument& error) {
     throw std::invalid_argument(describe(call, peer, tag, error.what()));
   }
@@ -583,7 +583,7 @@ void Context::deliver(int peer, int64_t tag, at::Tensor tensor) {
 
 at::Tensor Context::allocate_received(const WireHeader& header) {
   std::vector<int64_t> shape(header.shape, header.shape + header.ndim);
-  auto options = at::TensorOptions().dtype(scalar_type_of(header.dtype));
+  auto options = at::TensorOptions().dtype(dpp_wire::scalar_type_of(header.dtype));
   if (header.nbytes < kRecycleFromBytes) return at::empty(shape, options);
   size_t capacity = 0;
   void* buffer = recv_buffers_->take(header.nbytes, &capacity);
@@ -606,7 +606,7 @@ bool Context::lend_slot(Peer& peer, const WireHeader& header) {
 
 at::Tensor Context::lent_tensor(Peer& peer, const WireHeader& header, char* slot, uint32_t index) {
   std::vector<int64_t> shape(header.shape, header.shape + header.ndim);
-  auto options = at::TensorOptions().dtype(scalar_type_of(header.dtype));
+  auto options = at::TensorOptions().dtype(dpp_wire::scalar_type_of(header.dtype));
   // The storage's deleter may run on any thread, after close(), after the sender died: it touches
   // only shared memory, and keeps both mappings (our inbox holds the slot, the sender's inbox its
   // doorbell) until it has run.

@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "../common/errors.h"
-#include "dtype_codes.h"
+#include "../common/dtype_codes.h"
 
 namespace shm_tensor {
 namespace cuda {
@@ -228,7 +228,7 @@ at::Tensor CudaIpc::receive(int peer, const dpp_wire::WireHeader& header,
 
   std::vector<int64_t> shape(header.shape, header.shape + header.ndim);
   at::Tensor tensor = at::empty(
-      shape, at::TensorOptions().dtype(scalar_type_of(header.dtype)).device(at::kCUDA, device));
+      shape, at::TensorOptions().dtype(dpp_wire::scalar_type_of(header.dtype)).device(at::kCUDA, device));
   if (header.nbytes == 0) return tensor;
 
   auto& cache_entry = receive_caches_[peer];

@@ -1,15 +1,23 @@
 """Picks a transport per peer from a table of routes. `make_transport` is collective: every rank
 calls it once, in the same order.
 
-A route table lists (which peers, which transport) rows; each peer takes the first row that
-serves it. `--p2p-transport shm`: peers on this node -> shm_tensor, every other peer ->
-torch.distributed. `--p2p-transport torch`: every peer -> torch.distributed (and shm_tensor is
-never imported). A cross-node transport is one more row, before the fallback.
+A route table lists (which peers, which transport) rows; each peer takes the first row that serves
+it and whose transport can run here. `--p2p-transport auto` (the default): peers on this node ->
+shm_tensor, peers on other nodes -> rdma_tensor, torch.distributed only where neither can run.
+`shm`: same node -> shm_tensor, the rest -> torch.distributed. `rdma`: every peer -> rdma_tensor.
+`torch`: every peer -> torch.distributed (no compiled transport is imported). Each rank logs one
+line per peer: the route it got and why.
+
+Which node a rank is on: with --multi-node, its node rank (torchrun's GROUP_RANK) and that node's
+--node-ips address; otherwise its host name. (Host names cannot tell nodes apart when they are
+network namespaces of one machine, as in the tests; node ranks can.)
 """
 from __future__ import annotations
 
 import itertools
+import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -81,12 +89,30 @@ def _default_store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
+@dataclass(frozen=True)
+class NodeIdentity:
+    """Where a rank runs: `node` tells nodes apart, `address` is what error messages and logs show."""
+
+    node: str
+    address: str
+
+
+def this_node(node_ips: Optional[Sequence[str]] = None) -> NodeIdentity:
+    """This process's node: with --node-ips, node rank (torchrun's GROUP_RANK) and its address;
+    otherwise the host name for both."""
+    if node_ips:
+        node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
+        return NodeIdentity(f"node {node_rank}", node_ips[node_rank])
+    host = socket.gethostname()
+    return NodeIdentity(host, host)
+
+
 def _node_of_every_rank(store: dist.Store, prefix: str, rank: int, world_size: int,
-                        timeout_s: float) -> list[str]:
-    store.set(f"{prefix}/host/{rank}", socket.gethostname())
-    keys = [f"{prefix}/host/{r}" for r in range(world_size)]
+                        timeout_s: float, mine: NodeIdentity) -> list[NodeIdentity]:
+    store.set(f"{prefix}/node/{rank}", f"{mine.node}\n{mine.address}")
+    keys = [f"{prefix}/node/{r}" for r in range(world_size)]
     store.wait(keys, timedelta(seconds=timeout_s))
-    return [store.get(key).decode() for key in keys]
+    return [NodeIdentity(*store.get(key).decode().split("\n", 1)) for key in keys]
 
 
 def pipeline_neighbors() -> list[int]:
@@ -108,24 +134,73 @@ class RouteSetup:
 
     rank: int
     world_size: int
-    nodes: Optional[list[str]]  # host name of every rank; None when no route asks for it
+    nodes: Optional[list[NodeIdentity]]  # node of every rank; None when no route asks for it
     store: Optional[dist.Store]
     prefix: str  # a key prefix unique to this make_transport call
     device: torch.device
     timeout_s: float
     shm_config: object = None
+    rdma_config: object = None
+    # The largest pipeline message (one activation), when known: shm_tensor needs it to fit a slot.
+    max_message_bytes: Optional[int] = None
 
 
 def _same_node(setup: RouteSetup, peer: int) -> bool:
-    return setup.nodes[peer] == setup.nodes[setup.rank]
+    return setup.nodes[peer].node == setup.nodes[setup.rank].node
+
+
+def _other_node(setup: RouteSetup, peer: int) -> bool:
+    return not _same_node(setup, peer)
 
 
 def _any_peer(_setup: RouteSetup, _peer: int) -> bool:
     return True
 
 
+def _shm_unavailable(setup: RouteSetup) -> str:
+    """Why shm_tensor cannot carry this job's messages here; "" when it can."""
+    import importlib.util
+
+    if importlib.util.find_spec("shm_tensor._C") is None:
+        return "shm_tensor._C is not built"
+    from shm_tensor.config import ShmConfig
+
+    slot_bytes = (setup.shm_config or ShmConfig()).slot_bytes
+    if setup.max_message_bytes is not None and setup.max_message_bytes > slot_bytes:
+        return (f"one activation ({setup.max_message_bytes} B) exceeds a shm slot ({slot_bytes} B; "
+                "raise --shm-slot-mb to use shm_tensor)")
+    if setup.device.type == "cuda":
+        import shm_tensor
+
+        problem = shm_tensor.cuda_runtime_error()
+        if problem:
+            return "the CUDA runtime does not load for CUDA IPC: " + problem.replace("\n", " ")
+    return ""
+
+
+def _rdma_unavailable(_setup: RouteSetup) -> str:
+    import rdma_tensor
+
+    return rdma_tensor.unavailable_reason()
+
+
+def _always_available(_setup: RouteSetup) -> str:
+    return ""
+
+
 def _build_torch(setup: RouteSetup, peers: list[int]) -> Transport:
     return TorchTransport(peers, device=setup.device, timeout_s=setup.timeout_s)
+
+
+def _build_rdma(setup: RouteSetup, peers: list[int]) -> Transport:
+    import rdma_tensor  # only when a route to another node uses it
+
+    config = setup.rdma_config if setup.rdma_config is not None else rdma_tensor.RdmaConfig(
+        timeout_s=setup.timeout_s)
+    return rdma_tensor.create_context_with_store(
+        setup.store, rank=setup.rank, world_size=setup.world_size, peers=peers,
+        node_address=setup.nodes[setup.rank].address, config=config, prefix=f"{setup.prefix}/rdma",
+        rendezvous_timeout_s=setup.timeout_s, device=setup.device)
 
 
 def _build_shm(setup: RouteSetup, peers: list[int]) -> Transport:
@@ -143,45 +218,87 @@ class Route:
     """One row of a route table: the peers it serves, and the transport they get."""
 
     name: str
+    transport: str  # what the log calls it
     serves: Callable[[RouteSetup, int], bool]
     build: Callable[[RouteSetup, list[int]], Transport]
+    # "" when the transport can run here; else why not (the peer then takes a later row).
+    unavailable: Callable[[RouteSetup], str] = _always_available
     needs_nodes: bool = False  # serves() reads RouteSetup.nodes
     # Built on every rank even when it serves no peer there: its setup is collective.
     collective: bool = False
 
 
 # shm_tensor's rendezvous runs over every rank of the job, so every rank builds it.
-SAME_NODE_SHM = Route("same node: shm_tensor", _same_node, _build_shm, needs_nodes=True,
-                      collective=True)
-FALLBACK_TORCH = Route("fallback: torch.distributed", _any_peer, _build_torch)
+SAME_NODE_SHM = Route("same node", "shm_tensor", _same_node, _build_shm, _shm_unavailable,
+                      needs_nodes=True, collective=True)
+# rdma_tensor's rendezvous runs between each rank and its peers only.
+OTHER_NODE_RDMA = Route("other node", "rdma_tensor", _other_node, _build_rdma, _rdma_unavailable,
+                        needs_nodes=True)
+ANY_PEER_RDMA = Route("--p2p-transport rdma", "rdma_tensor", _any_peer, _build_rdma,
+                      _rdma_unavailable, needs_nodes=True)
+FALLBACK_TORCH = Route("fallback", "torch.distributed", _any_peer, _build_torch)
 
-# --p2p-transport value -> its route table, first match wins.
+# --p2p-transport value -> its route table, first available match wins.
 ROUTE_TABLES: dict[str, tuple[Route, ...]] = {
+    "auto": (SAME_NODE_SHM, OTHER_NODE_RDMA, FALLBACK_TORCH),
     "torch": (FALLBACK_TORCH,),
     "shm": (SAME_NODE_SHM, FALLBACK_TORCH),
+    "rdma": (ANY_PEER_RDMA,),
 }
 TRANSPORT_KINDS = tuple(ROUTE_TABLES)
+DEFAULT_TRANSPORT_KIND = "auto"
 
 
-def assign_routes(table: Sequence[Route], setup: RouteSetup, peers: Sequence[int]) -> dict[int, Route]:
-    """Each peer's route: the first row of `table` that serves it."""
+@dataclass(frozen=True)
+class Assignment:
+    """A peer's route and why: the row that took it, and the rows it skipped with their reasons."""
+
+    route: Route
+    skipped: tuple[str, ...] = ()
+
+    def reason(self) -> str:
+        why = self.route.name
+        if self.skipped:
+            why += "; " + "; ".join(self.skipped)
+        return why
+
+
+def assign_routes(table: Sequence[Route], setup: RouteSetup, peers: Sequence[int]) -> dict[int, Assignment]:
+    """Each peer's route: the first row of `table` that serves it and can run here."""
+    unavailable = {route.name: route.unavailable(setup) for route in table}
     assignment = {}
     for peer in peers:
+        skipped = []
         for route in table:
-            if route.serves(setup, peer):
-                assignment[peer] = route
-                break
+            if not route.serves(setup, peer):
+                continue
+            if unavailable[route.name]:
+                skipped.append(f"{route.transport} not used: {unavailable[route.name]}")
+                continue
+            assignment[peer] = Assignment(route, tuple(skipped))
+            break
         else:
-            raise ValueError(f"transport: no route serves rank {peer}; the table ends without a "
-                             "fallback row")
+            raise ValueError(f"transport: no route serves rank {peer}: " + ("; ".join(skipped) or
+                             "the table ends without a fallback row"))
     return assignment
 
 
+def _log_routes(setup: RouteSetup, assignment: dict[int, Assignment]) -> None:
+    for peer, chosen in sorted(assignment.items()):
+        where = f" on {setup.nodes[peer].address}" if setup.nodes is not None else ""
+        print(f"[transport rank {setup.rank}] peer {peer}{where}: {chosen.route.transport} "
+              f"({chosen.reason()})", file=sys.stderr, flush=True)
+
+
 def make_transport(kind: str, peers: Optional[Sequence[int]] = None, *, shm_config=None,
-                   timeout_s: float = DEFAULT_TIMEOUT_S, device: Optional[torch.device] = None,
-                   store: Optional[dist.Store] = None) -> Transport:
+                   rdma_config=None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                   device: Optional[torch.device] = None, store: Optional[dist.Store] = None,
+                   node_ips: Optional[Sequence[str]] = None, max_message_bytes: Optional[int] = None,
+                   log: bool = True) -> Transport:
     """A Transport for `peers` (default: this rank's pipeline neighbours), routed by the table of
-    `kind` (see ROUTE_TABLES). Collective over the whole default process group."""
+    `kind` (see ROUTE_TABLES). Collective over the whole default process group.
+    `node_ips`: --node-ips (nodes told apart by node rank); `max_message_bytes`: the largest message
+    (shm_tensor is skipped when it exceeds a slot); `log`: one line per peer on stderr."""
     if kind not in ROUTE_TABLES:
         raise ValueError(f"unknown transport kind {kind!r}; pick one of {TRANSPORT_KINDS}")
     table = ROUTE_TABLES[kind]
@@ -196,17 +313,22 @@ def make_transport(kind: str, peers: Optional[Sequence[int]] = None, *, shm_conf
     rank, world_size = dist.get_rank(), dist.get_world_size()
     prefix = f"megatron_dpp/transport{next(_instance_counter)}"
     setup = RouteSetup(rank=rank, world_size=world_size, nodes=None, store=None, prefix=prefix,
-                       device=device, timeout_s=timeout_s, shm_config=shm_config)
+                       device=device, timeout_s=timeout_s, shm_config=shm_config,
+                       rdma_config=rdma_config, max_message_bytes=max_message_bytes)
     if any(route.needs_nodes for route in table):
         # Every rank takes part, whatever its own peers are: the exchange is collective.
         setup.store = store if store is not None else _default_store()
-        setup.nodes = _node_of_every_rank(setup.store, prefix, rank, world_size, timeout_s)
+        setup.nodes = _node_of_every_rank(setup.store, prefix, rank, world_size, timeout_s,
+                                          this_node(node_ips))
     assignment = assign_routes(table, setup, peers)
+    if log:
+        _log_routes(setup, assignment)
     routes: dict[int, Transport] = {}
     owned: list[Transport] = []
     for route in table:
-        served = [peer for peer in peers if assignment[peer] is route]
-        if not served and not route.collective:
+        served = [peer for peer in peers if assignment[peer].route is route]
+        # A collective route is built on every rank that can run it (all ranks of one install can).
+        if not served and not (route.collective and not route.unavailable(setup)):
             continue
         transport = route.build(setup, served)
         owned.append(transport)

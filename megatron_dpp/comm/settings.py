@@ -1,4 +1,5 @@
-"""Transport settings from the command line (--p2p-transport, --workload, --shm-*, --p2p-timeout).
+"""Transport settings from the command line (--p2p-transport, --workload, --shm-*, --p2p-timeout,
+--multi-node/--node-ips).
 
 The shm flags' defaults are shm_tensor.ShmConfig's (pure Python, shm_tensor/config.py), and their
 checks are ShmConfig.validate(): each lives once. Reading them loads no compiled code.
@@ -6,7 +7,9 @@ checks are ShmConfig.validate(): each lives once. Reading them loads no compiled
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
+from rdma_tensor.config import RdmaConfig
 from shm_tensor.config import ShmConfig, ShmConfigError
 
 from megatron_dpp.comm.router import make_transport
@@ -48,8 +51,28 @@ def check_shm_args(args: argparse.Namespace) -> None:
         raise ValueError(f"{flag}: {error}") from None
 
 
+def largest_message_bytes(args: argparse.Namespace) -> Optional[int]:
+    """One activation (seq x micro-batch x hidden, fp32 at most): the largest pipeline message;
+    None when the flags do not say (a transport test without a model)."""
+    sizes = [getattr(args, name, None) for name in ("seq_length", "micro_batch_size", "hidden_size")]
+    if None in sizes:
+        return None
+    seq, mbs, hidden = sizes
+    return seq * mbs * hidden * 4
+
+
+def rdma_config_from_args(args: argparse.Namespace) -> RdmaConfig:
+    return RdmaConfig(timeout_s=args.p2p_timeout)
+
+
 def make_transport_from_args(args: argparse.Namespace, peers=None) -> Transport:
-    """make_transport(args.p2p_transport) with the --workload/--shm-*/--p2p-timeout settings."""
-    shm_config = shm_config_from_args(args) if args.p2p_transport == "shm" else None
-    return make_transport(args.p2p_transport, peers, shm_config=shm_config,
-                          timeout_s=args.p2p_timeout)
+    """make_transport(args.p2p_transport) with the --workload/--shm-*/--p2p-timeout settings and,
+    with --multi-node, the nodes of --node-ips."""
+    kind = args.p2p_transport
+    return make_transport(
+        kind, peers,
+        shm_config=shm_config_from_args(args) if kind in ("shm", "auto") else None,
+        rdma_config=rdma_config_from_args(args) if kind in ("rdma", "auto") else None,
+        timeout_s=args.p2p_timeout,
+        node_ips=args.node_ips if getattr(args, "multi_node", False) else None,
+        max_message_bytes=largest_message_bytes(args))

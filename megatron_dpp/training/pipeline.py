@@ -30,14 +30,14 @@ def build_forward_backward(args: argparse.Namespace, spec: ModelSpec) -> Callabl
     A callable that holds resources carries a `close()`; see close_forward_backward."""
     if getattr(args, "use_dpp", False):
         return _build_dpp(args, spec)
-    if getattr(args, "p2p_transport", "torch") == "shm" and args.pipeline_model_parallel_size > 1:
+    if args.p2p_transport != "torch" and args.pipeline_model_parallel_size > 1:
         return _build_megatron_over_transport(args)
     return get_forward_backward_func()
 
 
 def _build_megatron_over_transport(args: argparse.Namespace) -> Callable:
-    """--p2p-transport shm: Megatron's own 1F1B / interleaved schedule, its messages carried by
-    shm_tensor (TransportP2PCommunicator). Builds the transport now (collective)."""
+    """--p2p-transport auto/shm/rdma: Megatron's own 1F1B / interleaved schedule, its messages
+    carried by our transports (TransportP2PCommunicator). Builds the transport now (collective)."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.utils import get_model_config

@@ -3,9 +3,7 @@
 #include <stdexcept>
 #include <string>
 
-namespace shm_tensor {
-
-using dpp_wire::DType;
+namespace dpp_wire {
 
 namespace {
 struct Pair {
@@ -51,4 +49,4 @@ c10::ScalarType scalar_type_of(int32_t wire_code) {
   throw std::invalid_argument("unknown wire dtype code " + std::to_string(wire_code));
 }
 
-}  // namespace shm_tensor
+}  // namespace dpp_wire

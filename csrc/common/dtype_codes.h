@@ -3,12 +3,12 @@
 
 #include <ATen/ATen.h>
 
-#include "../common/wire_header.h"
+#include "wire_header.h"
 
-namespace shm_tensor {
+namespace dpp_wire {
 
 // Throws std::invalid_argument naming the dtype when the wire format has no code for it.
 int32_t wire_dtype_of(c10::ScalarType type);
 c10::ScalarType scalar_type_of(int32_t wire_code);
 
-}  // namespace shm_tensor
+}  // namespace dpp_wire
