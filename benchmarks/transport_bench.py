@@ -16,8 +16,13 @@ without single copy. For every message size:
 Prints a table and writes {"results": [{"transport", "bytes", "bandwidth_gbps", "latency_us_p50",
 "latency_us_p99"}]} to --json. bandwidth_gbps is in gigabytes per second (1e9 B/s).
 
+--cross-namespace instead runs the two ranks in two network namespaces joined by a veth pair (root
+and iproute2 needed) with the transports rdma (rdma_tensor), gloo and tcp (a plain socket), rounds
+interleaved; see cross_namespace_bench.py.
+
     python benchmarks/transport_bench.py --json runs/transport.json
     python benchmarks/transport_bench.py --quick
+    python benchmarks/transport_bench.py --cross-namespace --json runs/transport_xns.json
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 QUICK_SIZES = [4 * KiB, 1 * MiB]
 TRANSPORTS = ("shm", "shm-1copy", "shm-2copy", "gloo", "memcpy")
+CROSS_NAMESPACE_TRANSPORTS = ("rdma", "gloo", "tcp")  # cross_namespace_bench.TRANSPORTS
 # ShmConfig of each shm row: lending (zero_copy_receive) and single copy on or off.
 SHM_TRANSPORTS = {
     "shm": dict(zero_copy_receive=True, single_copy=True),
@@ -58,13 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sizes", type=str, default=None,
                         help="comma-separated message sizes, e.g. 4KiB,1MiB,64MiB "
                              "(default 4KiB,64KiB,1MiB,4MiB,16MiB,64MiB)")
-    parser.add_argument("--transports", type=str, default=",".join(TRANSPORTS),
-                        help="comma-separated subset of " + ",".join(TRANSPORTS))
+    parser.add_argument("--transports", type=str, default=None,
+                        help=f"comma-separated subset of {','.join(TRANSPORTS)} (default all; with "
+                             f"--cross-namespace of {','.join(CROSS_NAMESPACE_TRANSPORTS)})")
     parser.add_argument("--latency-iters", type=int, default=200,
                         help="round trips per size for latency (fewer for large sizes)")
     parser.add_argument("--stream-bytes", type=parse_size, default=256 * MiB,
                         help="bytes per bandwidth stream (4 to 64 messages)")
-    parser.add_argument("--repeats", type=int, default=5, help="bandwidth streams per size")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="bandwidth streams per size (--cross-namespace: rounds)")
     parser.add_argument("--workload", type=parse_size, default=8 * MiB,
                         help="shm: bytes per copy thread")
     parser.add_argument("--copy-threads", type=int, default=2, help="shm: most threads per copy")
@@ -76,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: ShmConfig's)")
     parser.add_argument("--quick", action="store_true",
                         help="sizes 4KiB and 1MiB, few iterations (for tests)")
+    parser.add_argument("--cross-namespace", action="store_true",
+                        help="the two ranks in two network namespaces over a veth pair: rdma, gloo "
+                             "and plain tcp, UCX_TLS=tcp")
     parser.add_argument("--json", type=str, default=None, help="write the results here")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
     return parser
@@ -92,10 +103,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
                           else (QUICK_SIZES if args.quick else DEFAULT_SIZES))
     except ValueError:
         _fail(f"--sizes {args.sizes!r}: use sizes like 4KiB,1MiB,65536")
-    args.transport_list = [t.strip() for t in args.transports.split(",") if t.strip()]
-    unknown = set(args.transport_list) - set(TRANSPORTS)
+    known = CROSS_NAMESPACE_TRANSPORTS if args.cross_namespace else TRANSPORTS
+    args.transport_list = ([t.strip() for t in args.transports.split(",") if t.strip()]
+                           if args.transports else list(known))
+    unknown = set(args.transport_list) - set(known)
     if unknown:
-        _fail(f"--transports: unknown {sorted(unknown)}; pick from {','.join(TRANSPORTS)}")
+        _fail(f"--transports: unknown {sorted(unknown)}; pick from {','.join(known)}")
     if args.single_copy_min_bytes is None:
         from shm_tensor import ShmConfig
 
@@ -148,7 +161,7 @@ def bench_memcpy(args, size: int) -> dict:
 # two-process part
 
 
-class _Ops:
+class MessageOps:
     """send/recv of one transport in the benchmark's terms."""
 
     def __init__(self, name, ctx, peer):
@@ -170,10 +183,10 @@ class _Ops:
         return dist.irecv(buffer, src=self.peer)
 
     def wait(self, handle):
-        return handle.wait(60) if self.ctx is not None else handle.wait()
+        return handle.wait(timeout=60) if self.ctx is not None else handle.wait()
 
 
-def _ping_pong(ops: _Ops, rank: int, size: int, iters: int) -> list[float]:
+def ping_pong(ops: MessageOps, rank: int, size: int, iters: int) -> list[float]:
     payload = torch.ones(size, dtype=torch.uint8)
     buffer = torch.empty(size, dtype=torch.uint8)
     one_way = []
@@ -190,7 +203,7 @@ def _ping_pong(ops: _Ops, rank: int, size: int, iters: int) -> list[float]:
     return one_way[2:]
 
 
-def _stream(ops: _Ops, rank: int, size: int, count: int, repeats: int) -> list[float]:
+def _stream(ops: MessageOps, rank: int, size: int, count: int, repeats: int) -> list[float]:
     payload = torch.ones(size, dtype=torch.uint8)
     buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(count)] if ops.ctx is None \
         else [None] * count
@@ -237,10 +250,10 @@ def _worker(rank: int, args, store_path: str, results) -> None:
             prefix=f"transport_bench/{name}")
     rows = []
     for name in [t for t in args.transport_list if t != "memcpy"]:
-        ops = _Ops(name, contexts.get(name), peer)
+        ops = MessageOps(name, contexts.get(name), peer)
         for size in args.size_list:
             dist.barrier()
-            one_way = _ping_pong(ops, rank, size, latency_iters(args, size))
+            one_way = ping_pong(ops, rank, size, latency_iters(args, size))
             per_message = _stream(ops, rank, size, stream_count(args, size), args.repeats)
             rows.append(summarize(name, size, per_message, one_way))
     dist.barrier()
@@ -313,6 +326,10 @@ def describe_paths(args) -> None:
 
 def main(argv=None) -> int:
     args = resolve(build_parser().parse_args(argv))
+    if args.cross_namespace:
+        import cross_namespace_bench
+
+        return cross_namespace_bench.main(args)
     rows = run(args)
     print_table(rows)
     describe_paths(args)
