@@ -212,6 +212,46 @@ def validate_parallel_args(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# multi-node (the node list and its checks live in megatron_dpp.comm.nodes)
+# ----------------------------------------------------------------------------------------------
+def add_multinode_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("multi-node")
+    group.add_argument("--multi-node", action="store_true",
+                       help="The job spans several nodes (torchrun --nnodes N): each node checks at "
+                            "startup that its --node-ips address is one of its own and points gloo "
+                            "and NCCL at that interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, "
+                            "unless already set). Needs --node-ips.")
+    group.add_argument("--node-ips", type=str, default=None, metavar="IP[,IP...]",
+                       help="With --multi-node: the address of each node, InfiniBand or Ethernet, "
+                            "IPv4 or IPv6, comma-separated in node-rank order (torchrun's "
+                            "--node-rank), exactly one per node (torchrun's --nnodes).")
+
+
+def validate_multinode_args(args: argparse.Namespace) -> None:
+    from megatron_dpp.comm.nodes import check_node_count, num_nodes, parse_node_ips
+
+    if not args.multi_node:
+        _require(args.node_ips is None, "--node-ips needs --multi-node; add it, or drop --node-ips "
+                                        "on one node")
+        return
+    _require(args.node_ips is not None, "--multi-node needs --node-ips IP[,IP...], the address of "
+                                        "each node in node-rank order")
+    text = args.node_ips
+    try:
+        args.node_ips = parse_node_ips(text)
+    except ValueError as error:
+        raise ArgsError(f"--node-ips {text}: {error}") from None
+    try:
+        node_count = num_nodes()
+    except ValueError as error:
+        raise ArgsError(f"--multi-node: {error}") from None
+    try:
+        check_node_count(args.node_ips, node_count)
+    except ValueError as error:
+        raise ArgsError(f"--node-ips {text}: {error}") from None
+
+
+# ----------------------------------------------------------------------------------------------
 # optimization, batch, precision
 # ----------------------------------------------------------------------------------------------
 def add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -393,15 +433,19 @@ def validate_data_args(args: argparse.Namespace) -> None:
 # point-to-point transports (owned by the transport module)
 # ----------------------------------------------------------------------------------------------
 def add_transport_args(parser: argparse.ArgumentParser) -> None:
-    from megatron_dpp.comm.router import TRANSPORT_KINDS
+    from megatron_dpp.comm.router import DEFAULT_TRANSPORT_KIND, TRANSPORT_KINDS
     from megatron_dpp.comm.settings import SHM_DEFAULTS
     from megatron_dpp.comm.transport import DEFAULT_TIMEOUT_S
 
     group = parser.add_argument_group("transport")
-    group.add_argument("--p2p-transport", type=str, default="torch", choices=TRANSPORT_KINDS,
-                       help="Pipeline point-to-point transport: torch (torch.distributed send/recv) or "
-                            "shm (shm_tensor shared memory between ranks of one node, CUDA IPC for GPU "
-                            "tensors, torch.distributed to other nodes).")
+    group.add_argument("--p2p-transport", type=str, default=DEFAULT_TRANSPORT_KIND,
+                       choices=TRANSPORT_KINDS,
+                       help="Pipeline point-to-point transport. auto (default): shm_tensor between "
+                            "ranks of one node (shared memory; CUDA IPC for GPU tensors), rdma_tensor "
+                            "between nodes (UCX: InfiniBand/RoCE or TCP), torch.distributed only where "
+                            "neither can run; each rank logs the route every peer got and why. shm: "
+                            "shm_tensor on the node, torch.distributed across nodes. rdma: rdma_tensor "
+                            "for every peer. torch: torch.distributed send/recv for every peer.")
     group.add_argument("--workload", type=int, default=SHM_DEFAULTS.bytes_per_thread,
                        help="shm: bytes each copy thread handles; a message gets one thread per this "
                             "many bytes, up to --shm-copy-threads (smaller messages are copied inline).")
@@ -423,10 +467,15 @@ def add_transport_args(parser: argparse.ArgumentParser) -> None:
 
 
 def validate_transport_args(args: argparse.Namespace) -> None:
-    from megatron_dpp.comm.settings import check_shm_args
+    from megatron_dpp.comm.settings import check_shm_args, largest_message_bytes
 
     _require(args.p2p_timeout > 0, f"--p2p-timeout must be positive seconds, got {args.p2p_timeout}")
-    if args.p2p_transport != "shm":
+    if args.p2p_transport == "rdma":
+        import rdma_tensor
+
+        problem = rdma_tensor.unavailable_reason()
+        _require(not problem, f"--p2p-transport rdma: {problem}")
+    if args.p2p_transport not in ("shm", "auto"):
         return
     # Flag units first (MiB, KiB), then the transport's own checks of the values they set.
     _require(args.shm_slot_mb >= 1, "--shm-slot-mb must be at least 1")
@@ -436,6 +485,8 @@ def validate_transport_args(args: argparse.Namespace) -> None:
         check_shm_args(args)
     except ValueError as error:
         raise ArgsError(str(error)) from None
+    if args.p2p_transport == "auto":
+        return  # auto falls back to torch.distributed where shm_tensor cannot run, and logs why
     _require(importlib.util.find_spec("shm_tensor._C") is not None,
              "--p2p-transport shm needs the compiled shm_tensor._C; run "
              "`pip install --no-build-isolation -e .` in the repository")
@@ -448,10 +499,8 @@ def validate_transport_args(args: argparse.Namespace) -> None:
                  "--p2p-transport shm on a CUDA machine needs the CUDA runtime, which did not load ("
                  + cuda_problem.replace("\n", " ") + "); use --p2p-transport torch")
     # One activation (seq x micro-batch x hidden, fp32 at most) must fit in one slot.
-    seq, mbs, hidden = (getattr(args, name, None) for name in
-                        ("seq_length", "micro_batch_size", "hidden_size"))
-    if None not in (seq, mbs, hidden):
-        needed = seq * mbs * hidden * 4
+    needed = largest_message_bytes(args)
+    if needed is not None:
         _require(needed <= args.shm_slot_mb << 20,
                  f"--shm-slot-mb {args.shm_slot_mb} is too small for one activation of {needed} B "
                  f"(seq x micro-batch x hidden x 4); raise --shm-slot-mb to "
@@ -535,6 +584,7 @@ def validate_trace_args(args: argparse.Namespace) -> None:
 ARG_GROUPS: list[Callable[[argparse.ArgumentParser], None]] = [
     add_model_args,
     add_parallel_args,
+    add_multinode_args,
     add_training_args,
     add_checkpoint_args,
     add_logging_args,
@@ -549,6 +599,7 @@ ARG_GROUPS: list[Callable[[argparse.ArgumentParser], None]] = [
 VALIDATORS: list[Callable[[argparse.Namespace], None]] = [
     validate_model_args,
     validate_parallel_args,
+    validate_multinode_args,
     validate_training_args,
     validate_checkpoint_args,
     validate_logging_args,

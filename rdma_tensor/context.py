@@ -19,6 +19,7 @@ def _to_c(settings: RdmaConfig) -> "_C.ContextConfig":
     config.timeout_s = float(settings.timeout_s)
     config.pool_cache_bytes = int(settings.pool_cache_bytes)
     config.close_timeout_s = float(settings.close_timeout_s)
+    config.spin_us = float(settings.spin_us)
     return config
 
 

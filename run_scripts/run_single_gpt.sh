@@ -13,70 +13,16 @@
 #   USE_DPP       1 (default): dynamic pipeline schedule (--use-dpp) whenever PP >= 2; 0: Megatron's
 #                 fixed 1F1B / interleaved schedule
 # Extra arguments are passed to megatron_dpp.pretrain_gpt and override the recipe's flags.
+# --dry-run (anywhere among them) checks everything and prints the torchrun command instead of
+# running it. Several nodes: run_master_gpt.sh and run_worker_gpt.sh, or run_slurm_gpt.sh.
 set -euo pipefail
-REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${DPP_VENV:-$REPO_ROOT/.venv}"
+LAUNCH_NAME=run_single_gpt
+# shellcheck source=run_scripts/_launch_gpt.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_launch_gpt.sh"
 
-if [ ! -x "$VENV/bin/python" ]; then
-  bash "$REPO_ROOT/run_scripts/setup_env.sh"
-fi
-PY="$VENV/bin/python"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-
-GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
-if [ "$GPUS" -gt 0 ]; then
-  NPROC="${NPROC:-$GPUS}"; PP="${PP:-1}"; RECIPE="${RECIPE:-gpt3_125m}"
-else
-  NPROC="${NPROC:-2}"; PP="${PP:-2}"; RECIPE="${RECIPE:-gpt3_tiny}"
-fi
-TP="${TP:-1}"
-VPP="${VPP:-1}"
-
-RECIPE_FILE="$REPO_ROOT/examples/gpt3/$RECIPE.sh"
-if [ ! -f "$RECIPE_FILE" ]; then
-  echo "run_single_gpt: no recipe $RECIPE_FILE; set RECIPE to one of: $(cd "$REPO_ROOT/examples/gpt3" && ls *.sh | sed 's/\.sh$//' | tr '\n' ' ')" >&2
-  exit 2
-fi
-# shellcheck source=/dev/null
-source "$RECIPE_FILE"
-
-if [ -n "${DATA_ARGS:-}" ]; then
-  read -r -a DATA_FLAGS <<<"$DATA_ARGS"
-else
-  DATA_DIR="${DATA_DIR:-$REPO_ROOT/data/sample}"
-  if [ ! -f "$DATA_DIR/sample_text_document.idx" ]; then
-    (cd "$REPO_ROOT" && "$PY" -m megatron_dpp.data.prepare_sample --output-dir "$DATA_DIR")
-  fi
-  DATA_FLAGS=(--data-path "$DATA_DIR/sample_text_document" --vocab-file "$DATA_DIR/vocab.json"
-              --merge-file "$DATA_DIR/merges.txt" --split 98,2,0)
-fi
-
-PARALLEL_FLAGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
-if [ "$VPP" -gt 1 ]; then
-  PARALLEL_FLAGS+=(--num-virtual-stages-per-pipeline-rank "$VPP")
-fi
-
-USE_DPP="${USE_DPP:-1}"
-if [ "$USE_DPP" != "0" ] && [ "$USE_DPP" != "1" ]; then
-  echo "run_single_gpt: USE_DPP=$USE_DPP; set it to 1 (dynamic pipeline schedule) or 0 (Megatron's)" >&2
-  exit 2
-fi
-if [ "$USE_DPP" = "1" ] && [ "$PP" -ge 2 ]; then
-  PARALLEL_FLAGS+=(--use-dpp)
-fi
-
-if [ -n "${MASTER_PORT:-}" ]; then
-  RDZV=(--master-addr 127.0.0.1 --master-port "$MASTER_PORT")
-else
-  RDZV=(--standalone)
-fi
-
-ALL_FLAGS=("${GPT_MODEL_ARGS[@]}" "${GPT_TRAINING_ARGS[@]}" "${GPT_LOGGING_ARGS[@]}"
-           "${DATA_FLAGS[@]}" "${PARALLEL_FLAGS[@]}" "$@")
-# Bad flags: one line and exit code 2 here, before torchrun starts any process.
-(cd "$REPO_ROOT" && WORLD_SIZE="$NPROC" RANK=0 "$PY" -m megatron_dpp.arguments "${ALL_FLAGS[@]}")
-
-echo "run_single_gpt: $NPROC processes, TP=$TP PP=$PP VPP=$VPP, USE_DPP=$USE_DPP, recipe $RECIPE"
-cd "$REPO_ROOT"
-exec "$PY" -m torch.distributed.run "${RDZV[@]}" --nnodes 1 --nproc-per-node "$NPROC" \
-  -m megatron_dpp.pretrain_gpt "${ALL_FLAGS[@]}"
+launch_parse_args "$@"
+launch_check_layout_env
+launch_check_nodes single
+launch_prepare
+launch_precheck
+launch_start 0

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent environment setup: a Python 3.11 virtual environment with torch, megatron-core and this
-# package installed editable. Second run: a few seconds.
+# package installed editable (with the compiled shm_tensor and rdma_tensor), and UCX from the system
+# packages. Second run: a few seconds.
 #   DPP_VENV=/path/to/venv   where the environment lives (default: <repo>/.venv)
 #   DPP_PYTHON=python3.11    the interpreter that creates it
 set -euo pipefail
@@ -20,6 +21,19 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv --system-site-packages "$VENV"
 fi
 PY="$VENV/bin/python"
+
+# UCX for rdma_tensor (the cross-node transport): Debian's libucx-dev, built with verbs and rdmacm,
+# so one build uses InfiniBand/RoCE on a cluster and TCP elsewhere. (PyPI's UCX wheel lacks verbs.)
+if [ ! -f /usr/include/ucp/api/ucp.h ]; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup_env: installing libucx-dev (UCX, for rdma_tensor)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q libucx-dev >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q libucx-dev >/dev/null; }
+  else
+    echo "setup_env: UCX headers missing; install them first (Debian/Ubuntu: sudo apt-get install libucx-dev), then run this again" >&2
+    exit 2
+  fi
+fi
 
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   echo "setup_env: installing $TORCH_PIN"

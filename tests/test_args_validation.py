@@ -17,8 +17,8 @@ TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
 
 def run_validation(args, world_size=1, timeout=60):
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(world_size), RANK="0")
-    env.pop("MASTER_ADDR", None)
-    env.pop("MASTER_PORT", None)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE", "GROUP_RANK"):
+        env.pop(name, None)
     return subprocess.run([PYTHON, "-m", "megatron_dpp.pretrain_gpt", *args], env=env,
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
@@ -58,6 +58,20 @@ BAD_FLAGS = {
                           "--trace records the dynamic pipeline runtime; add --use-dpp"),
     "shm_too_many_slots": (["--p2p-transport", "shm", "--shm-num-slots", "65"], 1,
                            "--shm-num-slots: ShmConfig.num_slots=65: must be 1..64"),
+    "node_ips_without_multi_node": (["--node-ips", "10.0.0.1"], 1,
+                                    "--node-ips needs --multi-node"),
+    "multi_node_without_node_ips": (["--multi-node"], 1, "--multi-node needs --node-ips"),
+    "node_ips_malformed": (["--multi-node", "--node-ips", "10.0.0.1,10.0.0"], 1,
+                           "--node-ips 10.0.0.1,10.0.0: '10.0.0' is not an IPv4 or IPv6 address"),
+    "node_ips_empty_entry": (["--multi-node", "--node-ips", "10.0.0.1,,10.0.0.2"], 1,
+                             "entry 2 of '10.0.0.1,,10.0.0.2' is empty"),
+    "node_ips_duplicate": (["--multi-node", "--node-ips", "10.0.0.1,10.0.0.1"], 1,
+                           "10.0.0.1 is listed twice"),
+    # Outside torchrun nothing says how many nodes the job has (tests/test_launch_multinode.py
+    # checks the count with GROUP_WORLD_SIZE set).
+    "multi_node_without_node_count": (["--multi-node", "--node-ips", "10.0.0.1"], 1,
+                                      "--multi-node: GROUP_WORLD_SIZE (the number of nodes) is "
+                                      "not set"),
 }
 
 

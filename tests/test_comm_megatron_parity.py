@@ -12,8 +12,8 @@ REL_TOL = 1e-6
 
 @pytest.fixture(scope="module")
 def gloo_losses():
-    rc, losses, _grad_norms, out = run_training(["--pipeline-model-parallel-size", "2"], nproc=2,
-                                                timeout=240)
+    rc, losses, _grad_norms, out = run_training(["--pipeline-model-parallel-size", "2",
+                                                 "--p2p-transport", "torch"], nproc=2, timeout=240)
     assert rc == 0, out[-3000:]
     assert len(losses) == ITERATIONS, out[-3000:]
     return losses
@@ -47,7 +47,7 @@ def test_shm_losses_match_gloo(layout, gloo_losses):
 def test_shm_variable_seq_lengths_match_gloo():
     """Shapes come from the wire header: no separate shape exchange, same losses as gloo's."""
     extra = ["--pipeline-model-parallel-size", "2", "--variable-seq-lengths"]
-    rc, gloo, _g, out = run_training(extra, nproc=2, timeout=180)
+    rc, gloo, _g, out = run_training([*extra, "--p2p-transport", "torch"], nproc=2, timeout=180)
     assert rc == 0 and len(gloo) == ITERATIONS, out[-3000:]
     rc, shm, _g, out = run_training([*extra, "--p2p-transport", "shm"], nproc=2, timeout=180)
     assert rc == 0 and len(shm) == ITERATIONS, out[-3000:]

@@ -78,7 +78,12 @@ def _validate(*flags: str) -> argparse.Namespace:
 
 
 def test_transport_flags():
-    assert _validate().p2p_transport == "torch"
+    # auto (the default) validates the shm values but does not need one activation to fit a slot:
+    # it routes same-node peers to torch.distributed then, and logs why.
+    assert _validate().p2p_transport == "auto"
+    assert _validate("--shm-slot-mb", "64").p2p_transport == "auto"
+    with pytest.raises(arguments.ArgsError, match="--shm-num-slots"):
+        _validate("--shm-num-slots", "65")
     with pytest.raises(arguments.ArgsError, match="raise --shm-slot-mb to 512"):
         _validate("--p2p-transport", "shm", "--shm-slot-mb", "64")
     with pytest.raises(arguments.ArgsError, match="--workload"):
@@ -87,3 +92,39 @@ def test_transport_flags():
     from megatron_dpp.comm import shm_config_from_args
     config = shm_config_from_args(args)
     assert config.slot_bytes == 512 << 20 and config.bytes_per_thread == 1 << 20
+
+
+def _setup(nodes, **overrides):
+    from megatron_dpp.comm.router import NodeIdentity, RouteSetup
+
+    fields = dict(rank=0, world_size=len(nodes), nodes=[NodeIdentity(n, f"10.0.0.{n[-1]}") for n in nodes],
+                  store=None, prefix="test", device=torch.device("cpu"), timeout_s=10.0)
+    fields.update(overrides)
+    return RouteSetup(**fields)
+
+
+def test_auto_routes_same_node_to_shm_other_node_to_rdma():
+    from megatron_dpp.comm.router import ROUTE_TABLES, assign_routes
+
+    assignment = assign_routes(ROUTE_TABLES["auto"], _setup(["node 0", "node 0", "node 1"]), [1, 2])
+    assert assignment[1].route.transport == "shm_tensor" and assignment[1].reason() == "same node"
+    assert assignment[2].route.transport == "rdma_tensor" and assignment[2].reason() == "other node"
+
+
+def test_auto_falls_back_to_torch_and_says_why():
+    from megatron_dpp.comm.router import ROUTE_TABLES, assign_routes
+
+    setup = _setup(["node 0", "node 0"], max_message_bytes=1 << 40)
+    chosen = assign_routes(ROUTE_TABLES["auto"], setup, [1])[1]
+    assert chosen.route.transport == "torch.distributed"
+    assert "shm_tensor not used: one activation (1099511627776 B) exceeds a shm slot" in chosen.reason()
+
+
+def test_rdma_unavailable_is_a_reason_not_a_crash(monkeypatch):
+    import rdma_tensor
+    from megatron_dpp.comm.router import ROUTE_TABLES, assign_routes
+
+    monkeypatch.setattr(rdma_tensor, "unavailable_reason", lambda: "rdma_tensor._C is not built")
+    chosen = assign_routes(ROUTE_TABLES["auto"], _setup(["node 0", "node 1"]), [1])[1]
+    assert chosen.route.transport == "torch.distributed"
+    assert chosen.reason() == "fallback; rdma_tensor not used: rdma_tensor._C is not built"

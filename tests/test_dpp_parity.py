@@ -50,7 +50,9 @@ _reference_cache = {}
 def megatron_reference(name):
     if name not in _reference_cache:
         flags, nproc = REFERENCES[name]
-        rc, losses, grad_norms, out = run_training(COMMON + flags, nproc=nproc, timeout=240)
+        # Megatron's own schedule and P2P (torch.distributed), not our transports.
+        rc, losses, grad_norms, out = run_training(COMMON + flags + ["--p2p-transport", "torch"],
+                                                   nproc=nproc, timeout=240)
         assert rc == 0, out[-3000:]
         assert len(losses) == ITERATIONS and len(grad_norms) == ITERATIONS, out[-3000:]
         _reference_cache[name] = (losses, grad_norms)

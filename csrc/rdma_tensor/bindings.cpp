@@ -25,7 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<>())
       .def_readwrite("timeout_s", &ContextConfig::timeout_s)
       .def_readwrite("pool_cache_bytes", &ContextConfig::pool_cache_bytes)
-      .def_readwrite("close_timeout_s", &ContextConfig::close_timeout_s);
+      .def_readwrite("close_timeout_s", &ContextConfig::close_timeout_s)
+      .def_readwrite("spin_us", &ContextConfig::spin_us);
 
   py::class_<Handle, std::shared_ptr<Handle>>(m, "Handle")
       .def("test", &Handle::test, py::call_guard<py::gil_scoped_release>())

@@ -249,13 +249,16 @@ std::shared_ptr<Handle> Context::irecv(int peer, int64_t tag) {
 }
 
 void Context::run_on_worker(std::function<void()> work) {
+  bool sleeping;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!fatal_.empty()) throw dpp_errors::TransportError("rdma_tensor: " + fatal_);
     work_.push_back(std::move(work));
+    sleeping = worker_sleeping_;
   }
-  // Thread-safe by UCX's contract: wakes the progress thread from its event-fd poll.
-  ucp_worker_signal(worker_);
+  // Thread-safe by UCX's contract: wakes the progress thread from its event-fd poll. An awake
+  // progress thread takes the work on its next turn (it checks work_ under mutex_ before it sleeps).
+  if (sleeping) ucp_worker_signal(worker_);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -268,7 +271,7 @@ void Context::fail_handle(Handle& handle, FailureKind kind, const std::string& e
   text << "rdma_tensor." << (handle.is_send_ ? "isend" : "irecv") << "(" << peer_description(handle.peer_)
        << ", tag=" << handle.tag_ << "): " << error;
   handle.error_ = text.str();
-  changed_.notify_all();
+  notify_changed();
 }
 
 bool Context::done_or_throw(Handle& handle) {
@@ -282,10 +285,24 @@ int Context::wait_any(const std::vector<std::shared_ptr<Handle>>& handles, doubl
   if (handles.empty()) throw std::invalid_argument("rdma_tensor.wait_any: no handles given");
   double limit = timeout_s < 0 ? config_.timeout_s : timeout_s;
   auto deadline = deadline_after(limit);
+  // A bounded spin first (spin_us, capped by the deadline): a completion within it costs no
+  // futex wake-up. It watches changes_ without the mutex and yields the core meanwhile.
+  const auto spin_until = std::min(
+      deadline, Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                   std::chrono::duration<double, std::micro>(config_.spin_us)));
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     for (size_t index = 0; index < handles.size(); ++index) {
       if (done_or_throw(*handles[index])) return static_cast<int>(index);
+    }
+    if (Clock::now() < spin_until) {
+      const uint64_t seen = changes_.load(std::memory_order_acquire);
+      lock.unlock();
+      while (changes_.load(std::memory_order_acquire) == seen && Clock::now() < spin_until) {
+        std::this_thread::yield();
+      }
+      lock.lock();
+      continue;
     }
     if (changed_.wait_until(lock, deadline) == std::cv_status::timeout) {
       bool any_done = false;
@@ -311,6 +328,8 @@ int Context::wait_any(const std::vector<std::shared_ptr<Handle>>& handles, doubl
 // Progress thread
 
 void Context::progress_loop() {
+  const auto spin = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::micro>(config_.spin_us));
+  auto last_activity = Clock::now();
   try {
     while (true) {
       std::deque<std::function<void()>> work;
@@ -323,7 +342,14 @@ void Context::progress_loop() {
       bool busy = !work.empty();
       while (ucp_worker_progress(worker_) != 0) busy = true;
       busy = receive_probed_messages() || busy;
-      if (busy) continue;
+      if (busy) {
+        last_activity = Clock::now();
+        continue;
+      }
+      if (Clock::now() - last_activity < spin) {
+        std::this_thread::yield();
+        continue;
+      }
       // Nothing to do: arm the event fd and sleep on it. BUSY means events came in meanwhile.
       ucs_status_t status = ucp_worker_arm(worker_);
       if (status == UCS_ERR_BUSY) continue;
@@ -331,16 +357,25 @@ void Context::progress_loop() {
       {
         std::lock_guard<std::mutex> lock(mutex_);
         if (stopping_ || !work_.empty()) continue;
+        worker_sleeping_ = true;  // from now on callers signal the worker when they queue work
       }
       pollfd event{event_fd_, POLLIN, 0};
-      if (poll(&event, 1, kPollSliceMs) < 0 && errno != EINTR) {
+      int polled = poll(&event, 1, kPollSliceMs);
+      int poll_errno = errno;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        worker_sleeping_ = false;
+      }
+      last_activity = Clock::now();  // woken: spin again before the next sleep
+      if (polled < 0 && poll_errno != EINTR) {
+        errno = poll_errno;
         throw dpp_errors::TransportError(dpp_errors::syscall_failure("poll", "UCX worker event fd"));
       }
     }
   } catch (const std::exception& error) {
     std::lock_guard<std::mutex> lock(mutex_);
     fatal_ = std::string("the progress thread stopped: ") + error.what();
-    changed_.notify_all();
+    notify_changed();
   }
   shut_down_worker();
 }
@@ -434,7 +469,7 @@ void Context::complete(uint64_t id, ucs_status_t status) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (status == UCS_OK) {
       done->handle->done_ = true;
-      changed_.notify_all();
+      notify_changed();
     } else {
       Peer& target = *peer_by_rank_.at(done->peer);
       bool lost = target.failed || status == UCS_ERR_CONNECTION_RESET || status == UCS_ERR_ENDPOINT_TIMEOUT ||
@@ -483,7 +518,7 @@ void Context::deliver(InFlight& received) {
     auto source = peer_by_rank_.find(received.peer);
     if (source == peer_by_rank_.end()) {
       fatal_ = "protocol error: " + problem;
-      changed_.notify_all();
+      notify_changed();
       return;
     }
     // The stream from this peer can no longer be trusted: its pending receives fail with the cause.
@@ -512,7 +547,7 @@ void Context::deliver(InFlight& received) {
     if (posted->second.empty()) posted_recvs_.erase(posted);
     handle->tensor_ = std::move(tensor);
     handle->done_ = true;
-    changed_.notify_all();
+    notify_changed();
   } else {
     unclaimed_[key].push_back(std::move(tensor));
   }
@@ -527,7 +562,7 @@ void Context::peer_failed(Peer& peer, const std::string& why) {
     for (auto& handle : handles) fail_handle(*handle, FailureKind::kPeerLost, why);
     handles.clear();
   }
-  changed_.notify_all();
+  notify_changed();
 }
 
 void Context::on_endpoint_error(void* arg, ucp_ep_h, ucs_status_t status) {

@@ -24,6 +24,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -46,6 +47,11 @@ struct ContextConfig {
   double timeout_s = 300.0;                 // default for waits without an explicit timeout
   uint64_t pool_cache_bytes = 512ull << 20;  // free registered buffers kept for reuse
   double close_timeout_s = 10.0;            // longest close() waits for endpoints to flush
+  // After its last activity the progress thread keeps polling the worker this long before it
+  // sleeps on the event fd: a reply within a few tens of microseconds then costs no wake-up.
+  // A waiter likewise watches for a completion this long before it sleeps on the condition
+  // variable. Bounded, and both yield the core while they poll.
+  double spin_us = 50.0;
 };
 
 enum class FailureKind { kNone, kTimeout, kPeerLost, kProtocol, kTransport };
@@ -121,6 +127,10 @@ class Context : public std::enable_shared_from_this<Context> {
                                      int64_t tag);
   bool done_or_throw(Handle& handle);  // lock held
   void fail_handle(Handle& handle, FailureKind kind, const std::string& error);  // lock held
+  void notify_changed() {  // lock held
+    changes_.fetch_add(1, std::memory_order_release);
+    changed_.notify_all();
+  }
   void run_on_worker(std::function<void()> work);  // queue for the progress thread; wakes it
   void progress_loop();
   bool receive_probed_messages();  // progress thread
@@ -148,6 +158,13 @@ class Context : public std::enable_shared_from_this<Context> {
   // Shared between the callers and the progress thread, under mutex_.
   std::mutex mutex_;
   std::condition_variable changed_;  // a handle completed or failed
+  // Bumped (under mutex_) with every notify of changed_: a waiter's bounded spin watches it
+  // without taking the mutex.
+  std::atomic<uint64_t> changes_{0};
+  // The progress thread is (about to be) asleep on the event fd: callers that queue work must
+  // signal the worker. Written under mutex_; while it is false queued work is seen without a
+  // wake-up (a signal is a syscall on each side).
+  bool worker_sleeping_ = false;
   std::deque<std::function<void()>> work_;
   std::map<std::pair<int, int64_t>, std::deque<at::Tensor>> unclaimed_;
   std::map<std::pair<int, int64_t>, std::deque<std::shared_ptr<Handle>>> posted_recvs_;

@@ -15,7 +15,6 @@ network namespaces of one machine, as in the tests; node ranks can.)
 from __future__ import annotations
 
 import itertools
-import os
 import socket
 import sys
 import time
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dpp.comm.errors import TransportTimeout
+from megatron_dpp.comm.nodes import this_node_rank
 from megatron_dpp.comm.torch_transport import TorchTransport
 from megatron_dpp.comm.transport import DEFAULT_TIMEOUT_S, Transport, TransportHandle
 
@@ -101,7 +101,7 @@ def this_node(node_ips: Optional[Sequence[str]] = None) -> NodeIdentity:
     """This process's node: with --node-ips, node rank (torchrun's GROUP_RANK) and its address;
     otherwise the host name for both."""
     if node_ips:
-        node_rank = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
+        node_rank = this_node_rank()
         return NodeIdentity(f"node {node_rank}", node_ips[node_rank])
     host = socket.gethostname()
     return NodeIdentity(host, host)

@@ -3,14 +3,16 @@
 The model comes from a ModelSpec (megatron_dpp.models): its chunks, forward step, datasets and
 CPU patches. `pretrain(args, spec)` returns the process exit code: 0 when training finished,
 128 + signal number when SIGINT/SIGTERM stopped it at an iteration boundary (after saving, if
---save is given).
+--save is given), 2 when --multi-node finds this node's --node-ips address on none of its interfaces.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import math
+import os
 import random
+import sys
 import time
 from datetime import timedelta
 
@@ -22,12 +24,13 @@ from megatron.core.distributed import DistributedDataParallel, finalize_model_gr
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_dpp.comm.nodes import this_node_rank, use_node_network
 from megatron_dpp.data.iterators import build_data_iterators
 from megatron_dpp.data.tokenizer import build_tokenizer
 from megatron_dpp.models import ModelSpec
 from megatron_dpp.platform import Platform, setup_platform
 from megatron_dpp.runtime.config import DPPConfig
-from megatron_dpp.runtime.watchdog import StallWatchdog
+from megatron_dpp.runtime.watchdog import StallWatchdog, report_and_exit
 from megatron_dpp.training.checkpointing import TrainState, load_checkpoint, save_checkpoint
 from megatron_dpp.training.config import (
     TrainingConfig,
@@ -37,7 +40,21 @@ from megatron_dpp.training.config import (
     transformer_config_from_args,
 )
 from megatron_dpp.training.pipeline import build_forward_backward, close_forward_backward
+from megatron_dpp.training.failures import is_lost_peer_error, lost_peer_report
 from megatron_dpp.training.signals import StopSignals
+
+
+def setup_node_network(args: argparse.Namespace) -> bool:
+    """--multi-node: make gloo and NCCL use this node's --node-ips interface, before any process
+    group exists. False (after one line on stderr) when that address is not on this node."""
+    try:
+        network = use_node_network(args.node_ips, this_node_rank())
+    except ValueError as error:  # NodeNetworkError, or torchrun's GROUP_RANK missing
+        print(f"megatron_dpp: error: {error}", file=sys.stderr, flush=True)
+        return False
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one line per node
+        log(network.describe())
+    return True
 
 
 def initialize_distributed(args: argparse.Namespace, platform: Platform) -> None:
@@ -152,6 +169,7 @@ class Trainer:
         self.state = TrainState()
         self.consumed_valid_samples = 0
         self.watchdog = _stall_watchdog(args)
+        self.phase: str | None = None  # what the rank waits in, for reports
 
     def _run_schedule(self, data_iterators, forward_only: bool) -> list[dict]:
         return self.forward_backward(
@@ -188,10 +206,12 @@ class Trainer:
 
     def watch(self, phase: str) -> None:
         """Arm the stall watchdog (with --use-dpp) for a phase that blocks on other ranks."""
+        self.phase = phase
         if self.watchdog is not None:
             self.watchdog.arm(phase)
 
     def unwatch(self) -> None:
+        self.phase = None
         if self.watchdog is not None:
             self.watchdog.disarm()
 
@@ -265,6 +285,8 @@ def train_clip_enabled(trainer: Trainer) -> bool:
 
 
 def pretrain(args: argparse.Namespace, spec: ModelSpec) -> int:
+    if args.multi_node and not setup_node_network(args):
+        return 2
     platform = setup_platform(spec.cpu_patched_modules)
     initialize_distributed(args, platform)
     try:
@@ -309,7 +331,15 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds) -> in
     with StopSignals(trainer.platform.device) as signals:
         while trainer.state.iteration < train.train_iters:
             start = time.perf_counter()
-            reduced, grad_norm, updated = trainer.train_step(train_iters)
+            try:
+                reduced, grad_norm, updated = trainer.train_step(train_iters)
+            except RuntimeError as error:
+                if not is_lost_peer_error(error):
+                    raise
+                # A peer died while this rank waited in a collective: say who, then end at once
+                # (interpreter shutdown could block on the same dead peer).
+                reason, lines = lost_peer_report(error, trainer.phase, getattr(args, "node_ips", None))
+                report_and_exit(reason, lines, exit_code=1)
             skipped += 0 if updated else 1
             interval_ms += (time.perf_counter() - start) * 1000.0
             iteration = trainer.state.iteration

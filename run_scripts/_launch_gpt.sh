@@ -1,0 +1,219 @@
+# Shared by the run_*_gpt.sh launchers; sourced, never run. It holds every default and check of
+# their environment variables, builds the trainer's flags, runs the flag pre-check and starts (or,
+# with --dry-run, prints) torchrun. A launcher sets LAUNCH_NAME (the prefix of its messages),
+# sources this file and calls, in this order:
+#   launch_parse_args "$@"     --dry-run (anywhere) -> DRY_RUN=1; the other arguments -> EXTRA_ARGS
+#   launch_check_layout_env    USE_DPP, PP, TP, VPP, NPROC as given (before any slow setup)
+#   launch_check_nodes ROLE    single | master | worker | slurm: NNODES, NODE_RANK, MASTER_ADDR,
+#                              MASTER_PORT, NODE_IPS (slurm: after setting NNODES and NODE_IPS)
+#   launch_prepare             Python environment, GPU-dependent defaults, recipe, data -> ALL_FLAGS
+#   launch_precheck            bad flags: one line, exit 2, before torchrun starts
+#   launch_start NODE_RANK     prints the layout and execs torchrun, or prints its command (DRY_RUN)
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${DPP_VENV:-$REPO_ROOT/.venv}"
+PY="$VENV/bin/python"
+# Both sides of a multi-node job must agree on the port, so it cannot be picked at random.
+DEFAULT_MULTINODE_MASTER_PORT=29500
+
+launch_fail() {
+  echo "$LAUNCH_NAME: $*" >&2
+  exit 2
+}
+
+# launch_require_int NAME MIN MAX DESCRIPTION: the variable NAME holds a whole number in MIN..MAX
+# (MAX empty: no upper bound); else "NAME=VALUE is not DESCRIPTION" and exit 2.
+launch_require_int() {
+  local name="$1" min="$2" max="$3" description="$4" value="${!1}"
+  if ! [[ "$value" =~ ^[0-9]+$ ]] || [ "$((10#$value))" -lt "$min" ] \
+     || { [ -n "$max" ] && [ "$((10#$value))" -gt "$max" ]; }; then
+    launch_fail "$name=$value is not $description"
+  fi
+}
+
+launch_parse_args() {
+  DRY_RUN=0
+  EXTRA_ARGS=()
+  local arg
+  for arg in "$@"; do
+    if [ "$arg" = "--dry-run" ]; then DRY_RUN=1; else EXTRA_ARGS+=("$arg"); fi
+  done
+}
+
+launch_check_layout_env() {
+  USE_DPP="${USE_DPP:-1}"
+  if [ "$USE_DPP" != "0" ] && [ "$USE_DPP" != "1" ]; then
+    launch_fail "USE_DPP=$USE_DPP; set it to 1 (dynamic pipeline schedule) or 0 (Megatron's)"
+  fi
+  local name
+  for name in PP TP VPP NPROC; do
+    if [ -n "${!name:-}" ]; then
+      launch_require_int "$name" 1 "" "a positive whole number"
+    fi
+  done
+}
+
+launch_check_nodes() {
+  local role="$1"
+  LAUNCH_ROLE="$role"
+  if [ "$role" = single ]; then
+    NNODES=1; NODE_RANK=0; NODE_IPS=""
+    if [ -n "${MASTER_PORT:-}" ]; then
+      launch_require_int MASTER_PORT 1 65535 "a TCP port (1..65535; unset: torchrun picks a free one)"
+    fi
+    return
+  fi
+  if [ "$role" != slurm ]; then  # run_slurm_gpt.sh takes NNODES from SLURM
+    NNODES="${NNODES:-2}"
+  fi
+  launch_require_int NNODES 1 "" "a number of nodes (1 or more)"
+  NODE_IPS="${NODE_IPS:-}"
+  if [ "$NNODES" -gt 1 ] && [ -z "$NODE_IPS" ]; then
+    launch_fail "NODE_IPS is not set; set it to the $NNODES nodes' addresses in node-rank order, e.g. NODE_IPS=10.0.0.1,10.0.0.2"
+  fi
+  case "$role" in
+    master)
+      NODE_RANK="${NODE_RANK:-0}"
+      if [ "$NODE_RANK" != 0 ]; then
+        launch_fail "NODE_RANK=$NODE_RANK; the master is node 0 (start the other nodes with run_worker_gpt.sh)"
+      fi
+      if [ -z "${MASTER_ADDR:-}" ]; then
+        if [ -n "$NODE_IPS" ]; then
+          MASTER_ADDR="${NODE_IPS%%,*}"
+        else
+          MASTER_ADDR="$(hostname -I 2>/dev/null | awk '{print $1}')" || true
+        fi
+      fi
+      if [ -z "$MASTER_ADDR" ]; then
+        launch_fail "MASTER_ADDR is not set and hostname -I gives no address; set it to this node's address"
+      fi
+      ;;
+    worker)
+      if [ "$NNODES" -lt 2 ]; then
+        launch_fail "NNODES=$NNODES; a worker joins a job of 2 or more nodes"
+      fi
+      if [ -z "${NODE_RANK:-}" ]; then
+        launch_fail "NODE_RANK is not set; set it to this worker's node rank, 1..$((NNODES - 1))"
+      fi
+      launch_require_int NODE_RANK 1 "$((NNODES - 1))" \
+        "a worker's node rank (1..$((NNODES - 1)) with NNODES=$NNODES; the master is node 0)"
+      if [ -z "${MASTER_ADDR:-}" ]; then
+        launch_fail "MASTER_ADDR is not set; set it to the master's address (node 0, the first of NODE_IPS)"
+      fi
+      ;;
+    slurm)
+      MASTER_ADDR="${MASTER_ADDR:-${NODE_IPS%%,*}}"
+      ;;
+  esac
+  MASTER_PORT="${MASTER_PORT:-$DEFAULT_MULTINODE_MASTER_PORT}"
+  launch_require_int MASTER_PORT 1 65535 "a TCP port (1..65535), free on the master"
+}
+
+launch_prepare() {
+  if [ ! -x "$PY" ]; then
+    bash "$REPO_ROOT/run_scripts/setup_env.sh"
+  fi
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+  local gpus
+  gpus="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
+  if [ "$gpus" -gt 0 ]; then
+    NPROC="${NPROC:-$gpus}"; PP="${PP:-1}"; RECIPE="${RECIPE:-gpt3_125m}"
+  else
+    NPROC="${NPROC:-2}"; PP="${PP:-2}"; RECIPE="${RECIPE:-gpt3_tiny}"
+  fi
+  TP="${TP:-1}"
+  VPP="${VPP:-1}"
+
+  local recipe_file="$REPO_ROOT/examples/gpt3/$RECIPE.sh"
+  if [ ! -f "$recipe_file" ]; then
+    launch_fail "no recipe $recipe_file; set RECIPE to one of: $(cd "$REPO_ROOT/examples/gpt3" && ls *.sh | sed 's/\.sh$//' | tr '\n' ' ')"
+  fi
+  # shellcheck source=/dev/null
+  source "$recipe_file"
+
+  local data_flags
+  if [ -n "${DATA_ARGS:-}" ]; then
+    read -r -a data_flags <<<"$DATA_ARGS"
+  else
+    DATA_DIR="${DATA_DIR:-$REPO_ROOT/data/sample}"
+    if [ ! -f "$DATA_DIR/sample_text_document.idx" ]; then
+      (cd "$REPO_ROOT" && "$PY" -m megatron_dpp.data.prepare_sample --output-dir "$DATA_DIR")
+    fi
+    data_flags=(--data-path "$DATA_DIR/sample_text_document" --vocab-file "$DATA_DIR/vocab.json"
+                --merge-file "$DATA_DIR/merges.txt" --split 98,2,0)
+  fi
+
+  local parallel_flags=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
+  if [ "$VPP" -gt 1 ]; then
+    parallel_flags+=(--num-virtual-stages-per-pipeline-rank "$VPP")
+  fi
+  if [ "$USE_DPP" = "1" ] && [ "$PP" -ge 2 ]; then
+    parallel_flags+=(--use-dpp)
+  fi
+  local node_flags=()
+  if [ -n "$NODE_IPS" ]; then
+    node_flags=(--multi-node --node-ips "$NODE_IPS")
+  fi
+
+  # Extra arguments come last, so they override the recipe's flags.
+  ALL_FLAGS=("${GPT_MODEL_ARGS[@]}" "${GPT_TRAINING_ARGS[@]}" "${GPT_LOGGING_ARGS[@]}"
+             "${data_flags[@]}" "${parallel_flags[@]}" "${node_flags[@]}" "${EXTRA_ARGS[@]}")
+}
+
+launch_precheck() {
+  # torchrun's variables as every rank will see them; megatron_dpp.comm.nodes counts the nodes
+  # with GROUP_WORLD_SIZE.
+  (cd "$REPO_ROOT" && WORLD_SIZE="$((NNODES * NPROC))" LOCAL_WORLD_SIZE="$NPROC" \
+     GROUP_WORLD_SIZE="$NNODES" RANK=0 "$PY" -m megatron_dpp.arguments "${ALL_FLAGS[@]}")
+}
+
+# launch_torchrun_command NODE_RANK -> TORCHRUN (the command line of that node)
+launch_torchrun_command() {
+  local node_rank="$1" rendezvous
+  if [ "$LAUNCH_ROLE" = single ]; then
+    if [ -n "${MASTER_PORT:-}" ]; then
+      rendezvous=(--master-addr 127.0.0.1 --master-port "$MASTER_PORT")
+    else
+      rendezvous=(--standalone)
+    fi
+  else
+    # Static rendezvous: every node names the master and its own rank.
+    rendezvous=(--node-rank "$node_rank" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+  fi
+  TORCHRUN=("$PY" -m torch.distributed.run --nnodes "$NNODES" "${rendezvous[@]}"
+            --nproc-per-node "$NPROC" -m megatron_dpp.pretrain_gpt "${ALL_FLAGS[@]}")
+}
+
+# launch_print_command NODE_RANK: "node R: <that node's torchrun command>", quoted for a shell
+# only where a word needs it (printf %q alone would also escape the commas of --node-ips).
+launch_print_command() {
+  local line="" word quoted
+  launch_torchrun_command "$1"
+  for word in "${TORCHRUN[@]}"; do
+    if [[ "$word" =~ ^[A-Za-z0-9_./,:=@%+-]+$ ]]; then quoted="$word"; else printf -v quoted '%q' "$word"; fi
+    line+="${line:+ }$quoted"
+  done
+  echo "node $1: $line"
+}
+
+launch_describe() {
+  local node_rank="$1"
+  if [ "$LAUNCH_ROLE" = single ]; then
+    echo "$LAUNCH_NAME: $NPROC processes, TP=$TP PP=$PP VPP=$VPP, USE_DPP=$USE_DPP, recipe $RECIPE"
+  else
+    echo "$LAUNCH_NAME: node $node_rank of $NNODES, $NPROC processes per node, TP=$TP PP=$PP" \
+         "VPP=$VPP, USE_DPP=$USE_DPP, recipe $RECIPE, master $MASTER_ADDR:$MASTER_PORT"
+  fi
+}
+
+launch_start() {
+  local node_rank="$1"
+  launch_describe "$node_rank"
+  if [ "$DRY_RUN" = 1 ]; then
+    launch_print_command "$node_rank"
+    exit 0
+  fi
+  launch_torchrun_command "$node_rank"
+  cd "$REPO_ROOT"
+  exec "${TORCHRUN[@]}"
+}

@@ -1,0 +1,172 @@
+"""Two nodes for real: the master in one network namespace, the worker in another, joined by a veth
+pair (tests/_netns.py), started by run_master_gpt.sh and run_worker_gpt.sh. Pipeline messages
+between the nodes go through rdma_tensor (UCX over TCP here), same-node ones through shm_tensor.
+
+Losses and grad norms must equal a single-node run (run_single_gpt.sh with the same flags) to 1e-5
+relative, every iteration; a worker rank killed with SIGKILL must end every rank on both nodes within
+the timeout, with an error naming the dead peer, and leave nothing in /dev/shm.
+
+UCX_TLS=tcp: both namespaces share one kernel and /dev/shm, so UCX could otherwise carry the
+cross-"node" messages through shared memory; on real nodes nothing needs setting.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from _netns import netns_skip_reason, two_node_network
+from _train_util import REPO_ROOT, TINY_GPT_ARGS, ensure_sample_data, parse_log
+
+SCRIPTS = REPO_ROOT / "run_scripts"
+BASE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "UCX_TLS": "tcp"}
+TRAIN_ARGS = [*TINY_GPT_ARGS, "--train-iters", "3", "--p2p-timeout", "60", "--dpp-timeout", "60"]
+
+
+def _skip_unless_two_nodes() -> None:
+    reason = netns_skip_reason()
+    if reason:
+        pytest.skip(f"two network namespaces cannot be made here: {reason}")
+    if not __import__("rdma_tensor").unavailable_reason() == "":
+        pytest.skip("rdma_tensor is not built (libucx-dev missing)")
+
+
+def _env(**layout: str) -> dict:
+    env = dict(os.environ)
+    env.update(BASE_ENV)
+    env.update(layout)
+    return env
+
+
+def _single_node(layout: dict, extra: list[str], timeout: float) -> tuple[list[float], list[float]]:
+    """run_single_gpt.sh on this machine (one node, shm_tensor between its ranks)."""
+    result = subprocess.run(["bash", str(SCRIPTS / "run_single_gpt.sh"), *TRAIN_ARGS, *extra],
+                            env=_env(**layout), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:]
+    losses, grad_norms = parse_log(result.stdout)
+    assert losses and grad_norms, result.stdout[-2000:]
+    return losses, grad_norms
+
+
+def _start_nodes(net, layout: dict, extra: list[str], logs: Path, port: int):
+    """run_master_gpt.sh in namespace 0 and run_worker_gpt.sh in namespace 1; their output goes to
+    files (a pipe nobody reads could fill and stall a rank)."""
+    common = dict(layout, NNODES="2", NODE_IPS=",".join(net.ips), MASTER_ADDR=net.ips[0],
+                  MASTER_PORT=str(port))
+    processes = []
+    for node, script in enumerate(("run_master_gpt.sh", "run_worker_gpt.sh")):
+        out = open(logs / f"node{node}.log", "w")
+        env = _env(**common, NODE_RANK=str(node))
+        processes.append(net.popen(node, ["bash", str(SCRIPTS / script), *TRAIN_ARGS, *extra],
+                                   env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT))
+        out.close()
+    return processes
+
+
+def _wait_all(processes, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for process in processes:
+        try:
+            codes.append(process.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    return codes
+
+
+def _assert_close(name: str, got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want), f"{name}: {got} vs single node {want}"
+    for index, (a, b) in enumerate(zip(got, want)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"{name} at iteration {index + 1}: {a} vs single node {b}"
+
+
+def _run_two_nodes(tmp_path: Path, layout: dict, extra: list[str], timeout: float):
+    port = 29400 + os.getpid() % 400
+    with two_node_network() as net:
+        processes = _start_nodes(net, layout, extra, tmp_path, port)
+        codes = _wait_all(processes, timeout)
+    logs = [(tmp_path / f"node{node}.log").read_text() for node in range(2)]
+    assert codes == [0, 0], f"exit codes {codes}\n--- master\n{logs[0][-3000:]}\n--- worker\n{logs[1][-3000:]}"
+    return logs
+
+
+# (name, per-node layout env, extra flags, single-node layout env)
+CASES = [
+    ("pp2_dpp", dict(PP="2", NPROC="1", USE_DPP="1"), [], dict(PP="2", NPROC="2", USE_DPP="0")),
+    ("pp2_1f1b", dict(PP="2", NPROC="1", USE_DPP="0"), [], dict(PP="2", NPROC="2", USE_DPP="0")),
+    ("pp4_vpp2_varlen_dpp", dict(PP="4", VPP="2", NPROC="2", USE_DPP="1"),
+     ["--num-layers", "8", "--variable-seq-lengths"], dict(PP="4", VPP="2", NPROC="4", USE_DPP="1")),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name,layout,extra,single_layout", CASES, ids=[case[0] for case in CASES])
+def test_two_nodes_match_single_node(tmp_path, name, layout, extra, single_layout):
+    _skip_unless_two_nodes()
+    ensure_sample_data()
+    want_losses, want_norms = _single_node(single_layout, extra, timeout=280)
+    logs = _run_two_nodes(tmp_path, layout, extra, timeout=280)
+    # The last pipeline stage logs the loss; it runs on the worker node (node 1).
+    losses, norms = parse_log(logs[1] + logs[0])
+    _assert_close(f"{name} lm loss", losses[:len(want_losses)], want_losses)
+    _assert_close(f"{name} grad norm", norms[:len(want_norms)], want_norms)
+    routes = "\n".join(logs)
+    assert "rdma_tensor (other node)" in routes, routes[-3000:]
+    if layout["NPROC"] == "2":
+        assert "shm_tensor (same node)" in routes, routes[-3000:]
+
+
+def _rank_pid(net, node: int) -> int | None:
+    """The pid of the training process (not torchrun) inside namespace `node`."""
+    listed = subprocess.run(["ip", "netns", "pids", net.names[node]], capture_output=True, text=True,
+                            timeout=10).stdout.split()
+    for pid in listed:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"megatron_dpp.pretrain_gpt" in cmdline and b"torch.distributed.run" not in cmdline:
+            return int(pid)
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_killed_worker_ends_every_rank(tmp_path):
+    _skip_unless_two_nodes()
+    ensure_sample_data()
+    shm_before = set(os.listdir("/dev/shm"))
+    timeout_s = 20
+    extra = ["--train-iters", "500", "--p2p-timeout", str(timeout_s), "--dpp-timeout", str(timeout_s)]
+    layout = dict(PP="2", NPROC="1", USE_DPP="1")
+    with two_node_network() as net:
+        processes = _start_nodes(net, layout, extra, tmp_path, 29800 + os.getpid() % 100)
+        worker_log = tmp_path / "node1.log"
+        deadline = time.monotonic() + 200
+        while not re.search(r"iteration\s+3/", worker_log.read_text()):
+            assert time.monotonic() < deadline, worker_log.read_text()[-3000:]
+            assert all(p.poll() is None for p in processes), worker_log.read_text()[-3000:]
+            time.sleep(0.5)
+        victim = _rank_pid(net, 1)
+        assert victim is not None, "no training process found in the worker's namespace"
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        codes = _wait_all(processes, timeout=3 * timeout_s + 30)
+        elapsed = time.monotonic() - killed_at
+    master_log = (tmp_path / "node0.log").read_text()
+    print(f"both nodes exited {elapsed:.1f} s after the kill, codes {codes}; master's error:\n"
+          + "\n".join(line for line in master_log.splitlines() if "[dpp rank" in line)[:1500])
+    assert None not in codes, f"a node did not exit {elapsed:.0f} s after the kill:\n{master_log[-3000:]}"
+    assert codes[0] != 0 and codes[1] != 0, codes
+    # The master's rank names the dead peer: rank 1 and its node's address when it waited for a
+    # pipeline message, its node when it waited in a collective (gradient all-reduce).
+    named = (re.search(r"rank 1 at 10\.\d+\.\d+\.2.*peer lost", master_log)
+             or re.search(r"lost the peer at 10\.\d+\.\d+\.2 \(node 1 of --node-ips\)", master_log))
+    assert named, master_log[-3000:]
+    leftover = set(os.listdir("/dev/shm")) - shm_before
+    assert not [name for name in leftover if name.startswith("dpp-")], leftover
