@@ -557,20 +557,24 @@ def validate_dpp_args(args: argparse.Namespace) -> None:
 def add_trace_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("tracing")
     group.add_argument("--trace", action="store_true",
-                       help="Record what every rank of the DPP runtime did (each task, each wait and "
-                            "its reason, each message, the activation bytes held) as one Chrome trace "
-                            "per rank: TRACE_DIR/<run>/benchmark-rank<R>.json, written when training "
-                            "ends. Needs --use-dpp.")
+                       help="Record what every pipeline rank did (each task, each wait and its reason, "
+                            "each message; with --use-dpp also the activation bytes held) as one "
+                            "Chrome trace per rank, on rank 0's clock: "
+                            "TRACE_DIR/<run>/benchmark-rank<R>.json, written when training ends. "
+                            "Records the DPP runtime with --use-dpp, else Megatron's own 1F1B or "
+                            "interleaved schedule (run over --p2p-transport, torch included).")
     group.add_argument("--trace-dir", type=str, default="benchmark",
                        help="Directory that gets one sub-directory per traced run, named by its start "
-                            "time and layout (e.g. 20261124-153000-pp2-dpp).")
+                            "time, layout and schedule (e.g. 20261124-153000-pp2-dpp, "
+                            "20261124-153000-pp2-vpp2-interleaved).")
 
 
 def validate_trace_args(args: argparse.Namespace) -> None:
     if not args.trace:
         return
-    _require(args.use_dpp, "--trace records the dynamic pipeline runtime; add --use-dpp (Megatron's "
-                           "own schedules are not traced yet)")
+    _require(args.pipeline_model_parallel_size >= 2,
+             "--trace records a pipeline schedule; set --pipeline-model-parallel-size 2 or more, or "
+             "drop --trace")
     _require(not os.path.exists(args.trace_dir) or os.path.isdir(args.trace_dir),
              f"--trace-dir {args.trace_dir} exists and is not a directory; pick another path")
     parent = os.path.dirname(os.path.abspath(args.trace_dir))

@@ -54,8 +54,9 @@ BAD_FLAGS = {
     "unknown_flag": (["--no-such-flag"], 1, "unrecognized arguments: --no-such-flag"),
     "shm_zero_copy_negative": (["--p2p-transport", "shm", "--shm-zero-copy-min-kb", "-1"], 1,
                                "--shm-zero-copy-min-kb must be >= 0"),
-    "trace_without_dpp": (["--pipeline-model-parallel-size", "2", "--trace"], 2,
-                          "--trace records the dynamic pipeline runtime; add --use-dpp"),
+    "trace_without_pipeline": (["--trace"], 1,
+                               "--trace records a pipeline schedule; set "
+                               "--pipeline-model-parallel-size 2 or more"),
     "shm_too_many_slots": (["--p2p-transport", "shm", "--shm-num-slots", "65"], 1,
                            "--shm-num-slots: ShmConfig.num_slots=65: must be 1..64"),
     "node_ips_without_multi_node": (["--node-ips", "10.0.0.1"], 1,
@@ -94,11 +95,13 @@ def test_bad_flag_is_one_line_exit_2(case):
 
 
 @pytest.mark.timeout(90)
-def test_good_flags_pass_validation():
-    """The same base flags validate cleanly (so each bad case fails for its own reason)."""
+@pytest.mark.parametrize("extra", [[], ["--trace"]], ids=["plain", "trace_without_dpp"])
+def test_good_flags_pass_validation(extra):
+    """The same base flags validate cleanly (so each bad case fails for its own reason); --trace
+    without --use-dpp records Megatron's own schedule."""
     result = subprocess.run(
         [PYTHON, "-m", "megatron_dpp.arguments", *data_args(), *TINY,
-         "--pipeline-model-parallel-size", "2"],
+         "--pipeline-model-parallel-size", "2", *extra],
         env=dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2"), cwd=REPO_ROOT,
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -4,7 +4,8 @@ between the nodes go through rdma_tensor (UCX over TCP here), same-node ones thr
 
 Losses and grad norms must equal a single-node run (run_single_gpt.sh with the same flags) to 1e-5
 relative, every iteration; a worker rank killed with SIGKILL must end every rank on both nodes within
-the timeout, with an error naming the dead peer, and leave nothing in /dev/shm.
+the timeout, with an error naming the dead peer, and leave nothing in /dev/shm. The two-node runs
+are traced (--trace): each rank's trace must be on rank 0's clock, no receive before its send.
 
 UCX_TLS=tcp: both namespaces share one kernel and /dev/shm, so UCX could otherwise carry the
 cross-"node" messages through shared memory; on real nodes nothing needs setting.
@@ -21,11 +22,13 @@ from pathlib import Path
 import pytest
 
 from _netns import netns_skip_reason, two_node_network
+from _trace_checks import check_clock_alignment, check_messages, load_traces
 from _train_util import REPO_ROOT, TINY_GPT_ARGS, ensure_sample_data, parse_log
 
 SCRIPTS = REPO_ROOT / "run_scripts"
 BASE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "UCX_TLS": "tcp"}
 TRAIN_ARGS = [*TINY_GPT_ARGS, "--train-iters", "3", "--p2p-timeout", "60", "--dpp-timeout", "60"]
+MICROBATCHES = 8  # TINY_GPT_ARGS: global batch 8 of micro-batches of 1, no data parallelism
 
 
 def _skip_unless_two_nodes() -> None:
@@ -111,7 +114,11 @@ def test_two_nodes_match_single_node(tmp_path, name, layout, extra, single_layou
     _skip_unless_two_nodes()
     ensure_sample_data()
     want_losses, want_norms = _single_node(single_layout, extra, timeout=280)
-    logs = _run_two_nodes(tmp_path, layout, extra, timeout=280)
+    # The two-node run is also traced: the same losses, and every rank's trace on rank 0's clock,
+    # aligned across the nodes by ping-pong (no receive before its send).
+    traces_dir = tmp_path / "traces"
+    logs = _run_two_nodes(tmp_path, layout, [*extra, "--trace", "--trace-dir", str(traces_dir)],
+                          timeout=280)
     # The last pipeline stage logs the loss; it runs on the worker node (node 1).
     losses, norms = parse_log(logs[1] + logs[0])
     _assert_close(f"{name} lm loss", losses[:len(want_losses)], want_losses)
@@ -120,6 +127,10 @@ def test_two_nodes_match_single_node(tmp_path, name, layout, extra, single_layou
     assert "rdma_tensor (other node)" in routes, routes[-3000:]
     if layout["NPROC"] == "2":
         assert "shm_tensor (same node)" in routes, routes[-3000:]
+    _, traces = load_traces(traces_dir, world_size=2 * int(layout["NPROC"]))
+    assert {trace["otherData"]["node"] for trace in traces.values()} == {0, 1}
+    check_clock_alignment(traces)
+    check_messages(traces, chunks=int(layout.get("VPP", "1")), microbatches=MICROBATCHES)
 
 
 def _rank_pid(net, node: int) -> int | None:

@@ -1,6 +1,7 @@
 """Run-time recording (standard library only): `chrome.py`, the one Chrome-trace writer (the
-simulator's timelines use it too), and `recorder.py`, the per-rank recorder the DPP runtime fills
-under --trace (tasks, waits with their reason, messages, activation memory).
+simulator's timelines use it too); `recorder.py`, the per-rank recorder that the DPP runtime and
+Megatron's own schedules (training/megatron_tracing.py) fill under --trace (tasks, waits with their
+reason, messages, activation memory); `clock.py`, the arithmetic that puts every rank's events on
+rank 0's clock (the ping-pong itself is training/clock_sync.py).
 
-Not here yet: clock alignment across nodes, NVTX ranges, recording Megatron's own schedules, and
-the aggregation behind `profiling/aggregate.py`."""
+Not here yet: NVTX ranges. The aggregation lives in `profiling/`."""

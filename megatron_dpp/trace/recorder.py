@@ -1,11 +1,11 @@
-"""Per-rank recording of what the DPP runtime did: a Chrome trace per rank.
+"""Per-rank recording of what a pipeline schedule did (the DPP runtime's, or Megatron-Core's own
+1F1B and interleaved): a Chrome trace per rank.
 
 Lanes (threads) of a rank's process: `compute` holds every task as a span named in the task's
 short form (`F3.1`), and the waits between them with their reason; `messages` holds every send as
 it is posted and every receive as it is taken in. A counter tracks the activation bytes held
-against the budget. Timestamps are time.perf_counter() in microseconds: CLOCK_MONOTONIC, one clock
-for every process of a node, so ranks of one node line up without correction; ranks on different
-nodes are not aligned yet (the file's `otherData.clock` says so).
+against the budget (DPP only). Events are recorded in time.perf_counter() microseconds of this
+rank; `write` puts them on the reference rank's clock (trace/clock.py's ClockAlignment).
 
 Recording costs a list append per event; with no recorder the runtime skips it entirely.
 """
@@ -14,9 +14,11 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from megatron_dpp.trace import chrome
+from megatron_dpp.trace.clock import ClockAlignment
 
 COMPUTE_LANE, MESSAGE_LANE = 0, 1
-CLOCK = "time.perf_counter (CLOCK_MONOTONIC): aligned across the ranks of one node only"
+CLOCK = ("time.perf_counter (CLOCK_MONOTONIC) of each rank, moved onto the reference rank's clock "
+         "(otherData.clock_alignment)")
 
 
 def _us(seconds: float) -> float:
@@ -53,5 +55,7 @@ class TraceRecorder:
         self.events.append(chrome.counter("activation bytes", self.rank, _us(time),
                                           {"held": held_bytes, "budget": budget_bytes}))
 
-    def write(self, path: str, metadata: Dict[str, Any]) -> None:
-        chrome.write_trace(path, self.events, {"clock": CLOCK, **metadata})
+    def write(self, path: str, metadata: Dict[str, Any], alignment: ClockAlignment) -> None:
+        """The events on the reference clock; the alignment goes into otherData.clock_alignment."""
+        chrome.write_trace(path, alignment.correct_events(self.events),
+                           {"clock": CLOCK, "clock_alignment": alignment.metadata(), **metadata})

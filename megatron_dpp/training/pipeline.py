@@ -3,12 +3,13 @@
 `build_forward_backward(args)` returns a callable with Megatron-Core's forward_backward_func keyword
 signature (forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
 decoder_seq_length, forward_only, ...). The choice depends on the flags: Megatron's own schedule
-(no pipelining, 1F1B or interleaved 1F1B, picked from parallel_state), a transport-backed variant,
-or the dynamic pipeline runtime.
+(no pipelining, 1F1B or interleaved 1F1B, picked from parallel_state), a transport-backed variant
+(also what --trace records Megatron's schedule through), or the dynamic pipeline runtime.
 """
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from typing import Callable
 
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -30,14 +31,17 @@ def build_forward_backward(args: argparse.Namespace, spec: ModelSpec) -> Callabl
     A callable that holds resources carries a `close()`; see close_forward_backward."""
     if getattr(args, "use_dpp", False):
         return _build_dpp(args, spec)
-    if args.p2p_transport != "torch" and args.pipeline_model_parallel_size > 1:
-        return _build_megatron_over_transport(args)
+    # --trace records Megatron's schedule through our P2P adapter, so a traced run takes that path
+    # with every transport, torch.distributed (TorchTransport) included.
+    if args.pipeline_model_parallel_size > 1 and (args.p2p_transport != "torch" or args.trace):
+        return _build_megatron_over_transport(args, spec)
     return get_forward_backward_func()
 
 
-def _build_megatron_over_transport(args: argparse.Namespace) -> Callable:
-    """--p2p-transport auto/shm/rdma: Megatron's own 1F1B / interleaved schedule, its messages
-    carried by our transports (TransportP2PCommunicator). Builds the transport now (collective)."""
+def _build_megatron_over_transport(args: argparse.Namespace, spec: ModelSpec) -> Callable:
+    """Megatron's own 1F1B / interleaved schedule, its messages carried by our transports
+    (TransportP2PCommunicator); with --trace, its steps, messages and waits recorded. Builds the
+    transport (and starts the trace) now: collective."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.utils import get_model_config
@@ -49,6 +53,16 @@ def _build_megatron_over_transport(args: argparse.Namespace) -> Callable:
     transport = make_transport_from_args(args)
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     communicators: dict[int, TransportP2PCommunicator] = {}
+    trace, tracer = None, None
+    if args.trace:
+        from megatron_dpp.training.megatron_tracing import MegatronScheduleTracer
+        from megatron_dpp.training.tracing import policy_label, start_trace
+
+        trace = start_trace(args)
+        tracer = MegatronScheduleTracer(
+            trace.recorder, parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_world_size(), spec.microbatch_work,
+            policy_label(args))
 
     def forward_backward(**kwargs):
         model = kwargs["model"]
@@ -57,12 +71,26 @@ def _build_megatron_over_transport(args: argparse.Namespace) -> Callable:
         if id(config) not in communicators:
             communicators[id(config)] = TransportP2PCommunicator(
                 parallel_state.get_pipeline_model_parallel_group(), config, transport,
-                timeout_s=args.p2p_timeout)
-        return schedule(**kwargs, p2p_communicator=communicators[id(config)],
-                        pg_collection=pg_collection)
+                timeout_s=args.p2p_timeout, observer=tracer)
+        call = partial(schedule, p2p_communicator=communicators[id(config)],
+                       pg_collection=pg_collection)
+        if tracer is None:
+            return call(**kwargs)
+        return tracer.run(call, config, kwargs)
 
-    forward_backward.close = transport.close
+    forward_backward.close = _closer(trace, transport)
     return forward_backward
+
+
+def _closer(trace, transport) -> Callable[[], None]:
+    """close(): write the trace (collective: the end-of-run clock measurement), then close the
+    transport (collective with the peers)."""
+    def close() -> None:
+        if trace is not None:
+            trace.write()
+        transport.close()
+
+    return close
 
 
 def _build_dpp(args: argparse.Namespace, spec: ModelSpec) -> Callable:
@@ -75,17 +103,12 @@ def _build_dpp(args: argparse.Namespace, spec: ModelSpec) -> Callable:
     config = DPPConfig(policy=args.dpp_policy, memory_budget_bytes=args.dpp_memory_budget_bytes,
                        timeout_s=args.dpp_timeout)
     transport = make_transport_from_args(args, peers=dpp_peers())
-    if not args.trace:
-        return make_forward_backward_dpp(config, transport, spec.microbatch_work)
-    from megatron_dpp.training.tracing import start_trace
+    trace = None
+    if args.trace:
+        from megatron_dpp.training.tracing import start_trace
 
-    trace = start_trace(args)
-    forward_backward = make_forward_backward_dpp(config, transport, spec.microbatch_work,
-                                                 recorder=trace.recorder)
-
-    def close() -> None:
-        trace.write()
-        transport.close()
-
-    forward_backward.close = close
+        trace = start_trace(args)
+    forward_backward = make_forward_backward_dpp(
+        config, transport, spec.microbatch_work, recorder=None if trace is None else trace.recorder)
+    forward_backward.close = _closer(trace, transport)
     return forward_backward

@@ -1,7 +1,10 @@
-"""--trace: where a run's per-rank traces go and what they say about the run.
+"""--trace: where a run's per-rank traces go, what they say about the run, and their common clock.
 
 Every rank of a traced run writes TRACE_DIR/<run>/benchmark-rank<R>.json (megatron_dpp.trace's
-recorder) when training ends; <run> is the start time and the layout, agreed on by all ranks.
+recorder) when training ends; <run> is the start time, the layout and the schedule, agreed on by all
+ranks. The DPP runtime and Megatron's own schedules (training/megatron_tracing.py) fill the same
+recorder. Each rank measures its clock against rank 0's at start and at end (training/clock_sync.py)
+and writes its events on rank 0's clock.
 """
 from __future__ import annotations
 
@@ -9,15 +12,39 @@ import argparse
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_dpp.comm.nodes import this_node_rank
+from megatron_dpp.pipeline.registry import ONE_F_ONE_B
+from megatron_dpp.trace.clock import ClockAlignment, OffsetSample
 from megatron_dpp.trace.recorder import TraceRecorder
+from megatron_dpp.training.clock_sync import REFERENCE_RANK, clock_group, measure_offset
+
+# What ordered the tasks, as the run name ends: the DPP runtime, or Megatron's own schedule.
+DPP_SCHEDULE = "dpp"
+MEGATRON_INTERLEAVED_SCHEDULE = "interleaved"
+MEGATRON_1F1B_SCHEDULE = ONE_F_ONE_B
+
+
+def schedule_name(args: argparse.Namespace) -> str:
+    if getattr(args, "use_dpp", False):
+        return DPP_SCHEDULE
+    if args.virtual_pipeline_model_parallel_size:
+        return MEGATRON_INTERLEAVED_SCHEDULE
+    return MEGATRON_1F1B_SCHEDULE
+
+
+def policy_label(args: argparse.Namespace) -> str:
+    """otherData.policy and each iteration mark's: the DPP policy, or `megatron <schedule>`."""
+    schedule = schedule_name(args)
+    return args.dpp_policy if schedule == DPP_SCHEDULE else f"megatron {schedule}"
 
 
 def run_name(args: argparse.Namespace, started: float) -> str:
-    """E.g. 20261124-153000-pp2-vpp2-tp2-dpp: the start time and the parallel layout."""
+    """E.g. 20261124-153000-pp2-vpp2-tp2-dpp: the start time, the parallel layout, the schedule."""
     parts = [time.strftime("%Y%m%d-%H%M%S", time.localtime(started)),
              f"pp{args.pipeline_model_parallel_size}"]
     if args.virtual_pipeline_model_parallel_size:
@@ -26,8 +53,16 @@ def run_name(args: argparse.Namespace, started: float) -> str:
         parts.append(f"tp{args.tensor_model_parallel_size}")
     if args.data_parallel_size > 1:
         parts.append(f"dp{args.data_parallel_size}")
-    parts.append("dpp")
+    parts.append(schedule_name(args))
     return "-".join(parts)
+
+
+def _node_metadata() -> dict:
+    """otherData.node: torchrun's node rank, where torchrun says it."""
+    try:
+        return {"node": this_node_rank()}
+    except ValueError:
+        return {}
 
 
 @dataclass
@@ -35,13 +70,19 @@ class RunTrace:
     recorder: TraceRecorder
     path: str
     metadata: dict
+    clock_group: dist.ProcessGroup
+    clock_at_start: OffsetSample
 
     def write(self) -> None:
-        self.recorder.write(self.path, self.metadata)
+        """Collective (the end-of-trace clock measurement): every rank, at the same point."""
+        at_end = measure_offset(self.clock_group)
+        alignment = ClockAlignment.from_samples(REFERENCE_RANK, self.clock_at_start, at_end)
+        self.recorder.write(self.path, self.metadata, alignment)
 
 
 def start_trace(args: argparse.Namespace) -> RunTrace:
-    """Collective: rank 0 names the run, every rank makes the directory and its recorder."""
+    """Collective: rank 0 names the run, every rank makes the directory and its recorder, and
+    measures its clock against rank 0's."""
     name = [run_name(args, time.time())]
     dist.broadcast_object_list(name, src=0)
     directory = os.path.join(args.trace_dir, name[0])
@@ -51,6 +92,9 @@ def start_trace(args: argparse.Namespace) -> RunTrace:
     tp = parallel_state.get_tensor_model_parallel_rank()
     dp = parallel_state.get_data_parallel_rank()
     recorder = TraceRecorder(rank, f"rank {rank} (pp {pp}, tp {tp}, dp {dp})")
-    metadata = {"run": name[0], "rank": rank, "pipeline_rank": pp, "tensor_rank": tp,
-                "data_rank": dp, "policy": args.dpp_policy}
-    return RunTrace(recorder, os.path.join(directory, f"benchmark-rank{rank}.json"), metadata)
+    metadata = {"run": name[0], "rank": rank, "world_size": dist.get_world_size(),
+                "pipeline_rank": pp, "tensor_rank": tp, "data_rank": dp,
+                "schedule": schedule_name(args), "policy": policy_label(args), **_node_metadata()}
+    group = clock_group(timedelta(minutes=args.distributed_timeout_minutes))
+    return RunTrace(recorder, os.path.join(directory, f"benchmark-rank{rank}.json"), metadata,
+                    group, measure_offset(group))

@@ -1,0 +1,141 @@
+"""Typed records out of a rank's Chrome-trace events (the format megatron_dpp/trace/recorder.py
+writes): its tasks, waits, messages and activation-memory samples. Times stay in microseconds."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set
+
+from megatron_dpp.pipeline.task import Task
+from profiling.load import RankTrace, RunTraces, TraceInputError
+
+TASK_CATEGORIES = ("forward", "backward", "weight-grad")
+
+
+@dataclass(frozen=True)
+class TaskSpan:
+    rank: int
+    name: str  # short form, F3.0
+    phase: str  # F, B or W
+    microbatch: int
+    chunk: int
+    iteration: int
+    start: float
+    end: float
+    tokens: Optional[int]
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Wait:
+    rank: int
+    start: float
+    end: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Message:
+    rank: int  # where it was recorded
+    kind: str  # send or recv
+    task: str  # the recording rank's task: the sender's for a send, the receiver's for a recv
+    peer: int
+    tag: int
+    nbytes: Optional[int]
+    time: float
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    time: float
+    held: int
+    budget: int
+
+
+@dataclass
+class RankTimeline:
+    rank: int
+    pipeline_rank: int
+    tensor_rank: int
+    data_rank: int
+    node: Optional[int]  # otherData.node when the trace says; None otherwise
+    tasks: List[TaskSpan] = field(default_factory=list)  # by start time
+    waits: List[Wait] = field(default_factory=list)
+    messages: List[Message] = field(default_factory=list)
+    memory: List[MemorySample] = field(default_factory=list)
+    forward_only_iterations: Set[int] = field(default_factory=set)
+
+    @property
+    def label(self) -> str:
+        node = "?" if self.node is None else self.node
+        return (f"rank {self.rank} (pp {self.pipeline_rank}, tp {self.tensor_rank}, "
+                f"dp {self.data_rank}, node {node})")
+
+    def tasks_of(self, iteration: int) -> List[TaskSpan]:
+        return [task for task in self.tasks if task.iteration == iteration]
+
+
+@dataclass
+class RunTimeline:
+    name: str
+    policy: str  # otherData.policy: the DPP policy, or "megatron 1f1b" for Megatron's own schedule
+    schedule: Optional[str]  # otherData.schedule: "dpp", "1f1b" or "interleaved" (None in older traces)
+    ranks: List[RankTimeline]
+
+    @property
+    def pipeline_size(self) -> int:
+        return max(rank.pipeline_rank for rank in self.ranks) + 1
+
+    @property
+    def training_iterations(self) -> List[int]:
+        """Iterations with tasks, without forward-only ones (evaluation)."""
+        skipped = set().union(*(rank.forward_only_iterations for rank in self.ranks))
+        return sorted({task.iteration for rank in self.ranks for task in rank.tasks} - skipped)
+
+
+def rank_timeline(trace: RankTrace) -> RankTimeline:
+    meta = trace.metadata
+    timeline = RankTimeline(trace.rank, meta.get("pipeline_rank", trace.rank), meta.get("tensor_rank", 0),
+                            meta.get("data_rank", 0), meta.get("node"))
+    try:
+        for event in trace.events:
+            _add_event(timeline, event)
+    except (KeyError, TypeError, ValueError) as error:
+        raise TraceInputError(f"{trace.path}: malformed event ({type(error).__name__}: {error})") from None
+    timeline.tasks.sort(key=lambda task: task.start)
+    timeline.waits.sort(key=lambda wait: wait.start)
+    timeline.messages.sort(key=lambda message: message.time)
+    timeline.memory.sort(key=lambda sample: sample.time)
+    return timeline
+
+
+def _add_event(timeline: RankTimeline, event: Dict) -> None:
+    phase, category, args = event.get("ph"), event.get("cat"), event.get("args") or {}
+    if phase == "X" and category in TASK_CATEGORIES:
+        task = Task.parse(event["name"])
+        start = float(event["ts"])
+        timeline.tasks.append(TaskSpan(
+            timeline.rank, event["name"], task.phase.name, task.microbatch, task.chunk,
+            int(args["iteration"]), start, start + float(event["dur"]), args.get("tokens")))
+    elif phase == "X" and category == "idle":
+        start = float(event["ts"])
+        timeline.waits.append(Wait(timeline.rank, start, start + float(event["dur"]),
+                                   str(args.get("reason", ""))))
+    elif phase == "i" and category == "message":
+        kind, _, task = event["name"].partition(" ")
+        timeline.messages.append(Message(timeline.rank, kind, task, int(args["peer"]), int(args["tag"]),
+                                         args.get("bytes"), float(event["ts"])))
+    elif phase == "i" and category == "iteration" and args.get("forward_only"):
+        timeline.forward_only_iterations.add(int(event["name"].split()[-1]))
+    elif phase == "C" and event.get("name") == "activation bytes":
+        timeline.memory.append(MemorySample(float(event["ts"]), int(args["held"]), int(args["budget"])))
+
+
+def run_timeline(run: RunTraces) -> RunTimeline:
+    policies = {trace.metadata.get("policy") for trace in run.ranks} - {None}
+    schedules = {trace.metadata.get("schedule") for trace in run.ranks} - {None}
+    return RunTimeline(run.name, ", ".join(sorted(policies)) or "unknown",
+                       schedules.pop() if len(schedules) == 1 else None,
+                       [rank_timeline(trace) for trace in run.ranks])

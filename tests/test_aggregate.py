@@ -1,0 +1,252 @@
+"""profiling/aggregate.py: a synthetic pp=2 trace with hand-computed busy, idle, bubble and critical
+path; a real traced tiny GPT run merged (each task once, no overlap, every receive with its send's
+flow arrow, the plots); --compare; the input errors (one line, exit 2)."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _train_util import PYTHON, REPO_ROOT, run_training
+
+sys.path.insert(0, str(REPO_ROOT))
+
+from megatron_dpp.trace import chrome  # noqa: E402
+from megatron_dpp.trace.recorder import TraceRecorder  # noqa: E402
+from profiling.analysis import HELD_BACK, INPUT, OTHER, TENSOR_PARALLEL, iteration_time  # noqa: E402
+from profiling.critical_path import critical_path  # noqa: E402
+from profiling.load import load_run  # noqa: E402
+from profiling.replay import replay  # noqa: E402
+from profiling.timeline import run_timeline  # noqa: E402
+
+AGGREGATE = str(REPO_ROOT / "profiling" / "aggregate.py")
+INPUT_WAIT = "no task ready: waiting for an input"
+HELD = "the policy held back ready tasks (memory budget or its order): B0.0"
+
+# One iteration of a pp=2 run, M=2, in ms from the iteration's start: (name, start, end) per rank;
+# each task's send is posted 1 ms before its end. Window 0..90; each rank is busy 60 ms.
+RANK0 = [("F0.0", 0, 10), ("F1.0", 10, 20), ("B0.0", 41, 61), ("B1.0", 70, 90)]
+RANK1 = [("F0.0", 10, 20), ("B0.0", 20, 40), ("F1.0", 40, 50), ("B1.0", 50, 70)]
+WAITS0 = [(20, 30, HELD), (30, 40, INPUT_WAIT), (61, 70, INPUT_WAIT)]  # 40..41 recorded by nothing
+WAITS1 = [(0, 10, INPUT_WAIT)]  # 70..90, after its last task, recorded by nothing
+RECEIVED0 = {"B0.0": 40, "B1.0": 70}  # when rank 0 took each input in
+RECEIVED1 = {"F0.0": 10, "F1.0": 40}
+BUDGETS = (200, 100)  # the default budgets at 100 activation bytes per microbatch (1F1B: 2 and 1 held)
+
+
+def _tag(iteration: int, task: str) -> int:
+    return iteration * 1000 + int(task[1]) * 10 + (task[0] == "B")
+
+
+def write_synthetic_run(directory: Path, name: str = "synthetic-pp2-dpp", scale: float = 1.0,
+                        iterations: int = 2, world_size=None, rank1_clock_offset_us: float = 0.0) -> Path:
+    """Iteration i starts at 1 s * i and runs the schedule above; iteration 0 twice as slow (a
+    warm-up), every iteration `scale` times as slow. With rank1_clock_offset_us, rank 1's events are
+    written on a clock that far ahead, with the uncorrected alignment that says so."""
+    run = directory / name
+    run.mkdir(parents=True)
+    for rank, (tasks, waits, received) in enumerate(((RANK0, WAITS0, RECEIVED0), (RANK1, WAITS1, RECEIVED1))):
+        recorder = TraceRecorder(rank, f"rank {rank} (pp {rank}, tp 0, dp 0)")
+        held = 0
+        for iteration in range(iterations):
+            factor = scale * (2.0 if iteration == 0 else 1.0)
+
+            def at(ms: float) -> float:
+                return 1.0 * iteration + ms * factor / 1000.0
+
+            recorder.mark(f"iteration {iteration}", at(0), {"forward_only": False, "policy": "1f1b"})
+            for start, end, reason in waits:
+                recorder.wait(at(start), at(end), reason)
+            for task, time in received.items():
+                recorder.message(f"recv {task}", at(time), {"peer": 1 - rank, "tag": _tag(iteration, task),
+                                                            "bytes": 64})
+            for task, start, end in tasks:
+                recorder.task(task, "forward" if task[0] == "F" else "backward", at(start), at(end),
+                              {"iteration": iteration, "microbatch": int(task[1]), "chunk": 0,
+                               "virtual_stage": rank, "tokens": 100})
+                held += 100 if task[0] == "F" else -100
+                recorder.memory(at(end), held, BUDGETS[rank])
+                sends = (task[0] == "F" and rank == 0) or (task[0] == "B" and rank == 1)
+                if sends:
+                    recorder.message(f"send {task}", at(end - 1), {"peer": 1 - rank, "tag": _tag(iteration, task),
+                                                                   "bytes": 64})
+        metadata = {"run": name, "rank": rank, "pipeline_rank": rank, "tensor_rank": 0, "data_rank": 0,
+                    "policy": "1f1b"}
+        if world_size is not None:
+            metadata["world_size"] = world_size
+        events = recorder.events
+        if rank == 1 and rank1_clock_offset_us:
+            events = [{**e, "ts": e["ts"] + rank1_clock_offset_us} if "ts" in e else e for e in events]
+            metadata["clock_alignment"] = {"offset_us": rank1_clock_offset_us, "drift": 0.0,
+                                           "measured_at_us": 0.0, "timestamps_corrected": False}
+        chrome.write_trace(str(run / f"benchmark-rank{rank}.json"), events, metadata)
+    return run
+
+
+def aggregate(*args, timeout=180):
+    return subprocess.run([PYTHON, AGGREGATE, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO_ROOT)
+
+
+def test_synthetic_run_busy_idle_bubble_and_critical_path(tmp_path):
+    run = run_timeline(load_run(write_synthetic_run(tmp_path)))
+    assert run.training_iterations == [0, 1]
+    it = iteration_time(run, 1)
+    assert it.duration == pytest.approx(90_000, abs=1e-3)
+    rank0, rank1 = it.ranks
+    assert rank0.busy == pytest.approx(60_000) and rank1.busy == pytest.approx(60_000)
+    assert rank0.idle[HELD_BACK] == pytest.approx(10_000)
+    assert rank0.idle[INPUT] == pytest.approx(19_000)
+    assert rank0.idle[OTHER] == pytest.approx(1_000, abs=1e-3)
+    assert rank1.idle[INPUT] == pytest.approx(10_000)
+    assert rank1.idle[OTHER] == pytest.approx(20_000, abs=1e-3)
+    assert rank0.idle[TENSOR_PARALLEL] == rank1.idle[TENSOR_PARALLEL] == 0
+    assert it.bubble == pytest.approx(1 / 3)
+    # Outputs are there at their sends (1 ms before the end), so with the order the ranks ran:
+    # r0 F0 0-10 (sent 9), r1 F0 9-19, r1 B0 19-39 (sent 38), r1 F1 39-49, r1 B1 49-69 (sent 68),
+    # r0 B1 68-88.
+    path = critical_path(run, 1)
+    assert path.length == pytest.approx(88_000, abs=1e-3)
+    assert [(t.rank, t.name) for t in path.tasks] == [
+        (0, "F0.0"), (1, "F0.0"), (1, "B0.0"), (1, "F1.0"), (1, "B1.0"), (0, "B1.0")]
+    # The warm-up iteration is the same schedule, twice as slow.
+    assert iteration_time(run, 0).duration == pytest.approx(180_000, abs=1e-3)
+    # 1F1B replayed on these durations with free messages: the measured schedule minus the 1 ms
+    # the runtime lost before rank 0's B0.0 (B0 starts at 40, not 41; B1 ends at 90 either way).
+    replayed = {p.policy: p for p in replay(run, [1]).policies}
+    assert replayed["1f1b"].makespans == [pytest.approx(90.0)]
+    assert not replayed["dpp:adaptive"].problem
+
+
+def test_uncorrected_clock_alignment_is_applied(tmp_path):
+    run = run_timeline(load_run(write_synthetic_run(tmp_path, rank1_clock_offset_us=5e6)))
+    it = iteration_time(run, 1)
+    assert it.duration == pytest.approx(90_000, abs=1e-3)
+    assert critical_path(run, 1).length == pytest.approx(88_000, abs=1e-3)
+
+
+@pytest.mark.timeout(240)
+def test_synthetic_run_table_plots_and_compare(tmp_path):
+    a = write_synthetic_run(tmp_path / "a", "run-a")
+    b = write_synthetic_run(tmp_path / "b", "run-b", scale=1.5)
+    result = aggregate("--benchmark_dir", tmp_path / "a", "--compare", b, "--replay")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert f"{tmp_path / 'a'} holds one run: taking run-a" in out
+    lines = out.splitlines()
+    # busy, input wait, held back, tp decision, other, bubble: summed over iteration 1, both ranks
+    totals = [line.split() for line in lines if line.startswith("total")]
+    assert totals[0] == ["total", "120.0", "29.0", "10.0", "0.0", "21.0", "33.3%"]
+    assert totals[1] == ["total", "180.0", "43.5", "15.0", "0.0", "31.5", "33.3%"]
+    assert ["1", "90.0", "88.0", "1.02", "33.3%"] in [line.split() for line in lines]
+    assert "critical path of iteration 1 (88.0 ms, 6 tasks): rank 0: F0.0 | rank 1: F0.0 B0.0 F1.0 B1.0 " \
+           "| rank 0: B1.0" in out
+    assert ["1", "90.0", "135.0", "1.50", "33.3%", "33.3%", "1.00"] in [line.split() for line in lines]
+    assert ["1f1b", "*", "90.0", "1.00", "1.00"] in [line.split() for line in lines]
+    for png in (a / "run-a-timeline.png", a / "run-a-bubble.png", a / "run-a-vs-run-b-timeline.png",
+                a / "run-a-vs-run-b-iterations.png", b / "run-b-timeline.png"):
+        assert png.stat().st_size > 1000, png
+    merged = json.loads((a / "run-a-aggregated.json").read_text())
+    flows = [e for e in merged["traceEvents"] if e["ph"] in "sf"]
+    assert len(flows) == 2 * 4 * 2  # 4 messages per iteration, 2 iterations, a start and an end each
+
+
+def _error(result) -> str:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.mark.timeout(300)
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no benchmark-rank*.json" in _error(aggregate("--benchmark_dir", empty))
+    assert "no such directory" in _error(aggregate("--benchmark_dir", tmp_path / "nowhere"))
+
+    gap = write_synthetic_run(tmp_path / "gap")
+    (gap / "benchmark-rank1.json").rename(gap / "benchmark-rank2.json")
+    assert "missing for rank(s) 1" in _error(aggregate("--benchmark_dir", gap))
+
+    short = write_synthetic_run(tmp_path / "short", world_size=4)
+    assert "2 rank files, but the run had 4 ranks" in _error(aggregate("--benchmark_dir", short))
+
+    mixed = write_synthetic_run(tmp_path / "mixed", "run-one")
+    other = write_synthetic_run(tmp_path / "other", "run-two")
+    shutil.copy(other / "benchmark-rank1.json", mixed / "benchmark-rank1.json")
+    assert "files from different runs" in _error(aggregate("--benchmark_dir", mixed))
+
+    cut = write_synthetic_run(tmp_path / "cut")
+    text = (cut / "benchmark-rank1.json").read_text()
+    (cut / "benchmark-rank1.json").write_text(text[: len(text) // 2])
+    message = _error(aggregate("--benchmark_dir", cut))
+    assert "benchmark-rank1.json: truncated or invalid JSON" in message
+
+    two = tmp_path / "two"
+    write_synthetic_run(two, "run-x")
+    write_synthetic_run(two, "run-y")
+    assert "holds 2 runs (run-x, run-y)" in _error(aggregate("--benchmark_dir", two))
+
+    good = write_synthetic_run(tmp_path / "good")
+    assert "--iterations 'x'" in _error(aggregate("--benchmark_dir", good, "--iterations", "x"))
+    assert "selects none" in _error(aggregate("--benchmark_dir", good, "--iterations", "5:9"))
+    assert "--no-such-flag" in _error(aggregate("--benchmark_dir", good, "--no-such-flag"))
+
+
+ITERATIONS, MICROBATCHES = 3, 8
+
+
+@pytest.mark.timeout(420)
+def test_real_traced_run_aggregates(tmp_path):
+    rc, _, _, out = run_training(
+        ["--pipeline-model-parallel-size", "2", "--use-dpp", "--p2p-transport", "shm",
+         "--variable-seq-lengths", "--train-iters", str(ITERATIONS), "--trace",
+         "--trace-dir", str(tmp_path / "traces")], nproc=2, timeout=240)
+    assert rc == 0, out[-3000:]
+    (run_dir,) = (tmp_path / "traces").iterdir()
+    result = aggregate("--benchmark_dir", run_dir, "--iterations", "0:", "--replay", "--compare", run_dir)
+    assert result.returncode == 0, result.stderr
+    assert "every send matched to its receive" in result.stdout
+    assert "dpp:adaptive *" in result.stdout
+
+    merged = json.loads((run_dir / f"{run_dir.name}-aggregated.json").read_text())
+    events = merged["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert sorted(names) == [0, 1]
+    assert all(names[r].startswith(f"rank {r} (pp {r}, tp 0, dp 0, node ") for r in range(2)), names
+    for rank in range(2):
+        tasks = [e for e in events if e["pid"] == rank and e.get("cat") in ("forward", "backward")]
+        for iteration in range(ITERATIONS):
+            got = sorted(e["name"] for e in tasks if e["args"]["iteration"] == iteration)
+            assert got == sorted(f"{p}{m}.0" for p in "FB" for m in range(MICROBATCHES)), (rank, iteration)
+        spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in tasks)
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            assert start >= end - 1.0, f"rank {rank}: {second} starts before {first} ends"
+
+    starts = {e["id"]: e for e in events if e["ph"] == "s"}
+    ends = {e["id"]: e for e in events if e["ph"] == "f"}
+    assert starts and starts.keys() == ends.keys()
+    messages = [e for e in events if e.get("cat") == "message" and e["ph"] == "i"]
+    receives = [e for e in messages if e["name"].startswith("recv")]
+    send_of = {e["args"]["flow_id"]: e for e in messages if e["name"].startswith("send")}
+    assert len(receives) == len(send_of) == len(starts) == ITERATIONS * 2 * MICROBATCHES  # F and B each way
+    for recv in receives:
+        send = send_of[recv["args"]["flow_id"]]  # KeyError: a receive without its send
+        assert (send["pid"], send["args"]["peer"]) == (recv["args"]["peer"], recv["pid"])
+        assert send["args"]["tag"] == recv["args"]["tag"] and send["ts"] <= recv["ts"]
+        assert starts[recv["args"]["flow_id"]]["pid"] == send["pid"]
+        assert ends[recv["args"]["flow_id"]]["pid"] == recv["pid"]
+    # Each arrow end lies inside the task it names, on the compute lane, so it binds to that slice.
+    task_spans = [e for e in events if e.get("cat") in ("forward", "backward")]
+    for flow in [*starts.values(), *ends.values()]:
+        task = flow["name"].split(" -> ")[0 if flow["ph"] == "s" else 1]
+        enclosing = [e["name"] for e in task_spans if (e["pid"], e["tid"]) == (flow["pid"], flow["tid"])
+                     and e["ts"] < flow["ts"] < e["ts"] + e["dur"]]
+        assert enclosing == [task], (flow, enclosing)
+    for suffix in ("timeline", "bubble", f"vs-{run_dir.name}-timeline", f"vs-{run_dir.name}-iterations"):
+        png = run_dir / f"{run_dir.name}-{suffix}.png"
+        assert png.stat().st_size > 1000, png
