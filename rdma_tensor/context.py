@@ -59,8 +59,10 @@ class Handle:
         tensor = self._handle.wait(_timeout_arg(timeout))
         if tensor is None or self._handle.is_send:
             return None
-        if self._device is not None and self._device.type != "cpu":
-            return tensor.to(self._device)
+        if self._device is not None and self._device.type == "cuda":
+            # Pinned host staging: the host-to-device copy goes by DMA from page-locked memory
+            # (torch's cached pinned allocator keeps the buffer until the copy has run).
+            return tensor.pin_memory().to(self._device, non_blocking=True)
         return tensor
 
     def __repr__(self) -> str:
@@ -84,7 +86,12 @@ class Context:
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
         """Copies `tensor` (any device, any layout) into a registered host buffer before it returns:
-        the caller may reuse the tensor at once. The handle completes when UCX is done with it."""
+        the caller may reuse the tensor at once. The handle completes when UCX is done with it.
+        A GPU tensor is first copied to pinned host memory (UCX here has no CUDA support)."""
+        if tensor.is_cuda:
+            staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            staged.copy_(tensor)  # waits for the current stream: the tensor is complete
+            tensor = staged
         return Handle(self._context.isend(tensor, peer, tag), self.device)
 
     def irecv(self, peer: int, tag: int) -> Handle:

@@ -42,7 +42,7 @@ def scenario_dtypes(ctx, rank, _store):
     return {"wrong": wrong, "received": len(handles)}
 
 
-def scenario_any_order(ctx, rank, _store):
+def scenario_any_order(ctx, rank, store):
     """Both sides send and receive 40 messages of varying length, receives posted before and after
     the sends arrive, in shuffled order; buffers are reused, not registered per message."""
     order = list(range(40))
@@ -62,6 +62,10 @@ def scenario_any_order(ctx, rank, _store):
         sends.pop(ctx.wait_any(sends, 60)).wait(0)
     # A handle keeps its received tensor, which keeps its buffer: drop them, the buffers return.
     del early, late, handle, tensor
+    # Both sides have given their buffers back before either sends again (else a message of the
+    # second round could arrive while the receiver still holds the first round's buffers).
+    store.set(f"round1-freed/{rank}", "1")
+    store.wait([f"round1-freed/{peer}"])
     # The same 40 lengths again: every buffer comes from the pool.
     before = ctx.buffer_registrations()
     again = [ctx.irecv(peer, tag) for tag in order]
