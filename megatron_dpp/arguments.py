@@ -564,7 +564,8 @@ def add_trace_args(parser: argparse.ArgumentParser) -> None:
                             "Records the DPP runtime with --use-dpp, else Megatron's own 1F1B or "
                             "interleaved schedule (run over --p2p-transport, torch included).")
     group.add_argument("--trace-dir", type=str, default="benchmark",
-                       help="Directory that gets one sub-directory per traced run, named by its start "
+                       help="Directory that gets one sub-directory per traced or profiled run (--trace, "
+                            "--profile), named by its start "
                             "time, layout and schedule (e.g. 20261124-153000-pp2-dpp, "
                             "20261124-153000-pp2-vpp2-interleaved).")
 
@@ -575,11 +576,79 @@ def validate_trace_args(args: argparse.Namespace) -> None:
     _require(args.pipeline_model_parallel_size >= 2,
              "--trace records a pipeline schedule; set --pipeline-model-parallel-size 2 or more, or "
              "drop --trace")
-    _require(not os.path.exists(args.trace_dir) or os.path.isdir(args.trace_dir),
-             f"--trace-dir {args.trace_dir} exists and is not a directory; pick another path")
-    parent = os.path.dirname(os.path.abspath(args.trace_dir))
-    _require(os.path.isdir(args.trace_dir) or os.access(parent, os.W_OK),
-             f"--trace-dir {args.trace_dir}: cannot create it in {parent}; pick a writable path")
+    _check_trace_dir(args.trace_dir)
+
+
+def _check_trace_dir(trace_dir: str) -> None:
+    """--trace-dir, where --trace and --profile write: a directory, or one that can be made."""
+    _require(not os.path.exists(trace_dir) or os.path.isdir(trace_dir),
+             f"--trace-dir {trace_dir} exists and is not a directory; pick another path")
+    parent = os.path.dirname(os.path.abspath(trace_dir))
+    _require(os.path.isdir(trace_dir) or os.access(parent, os.W_OK),
+             f"--trace-dir {trace_dir}: cannot create it in {parent}; pick a writable path")
+
+
+# ----------------------------------------------------------------------------------------------
+# profiling (Megatron-LM's --profile flags; training/profiling.py)
+# ----------------------------------------------------------------------------------------------
+PROFILE_STEP_START, PROFILE_STEP_END, PROFILE_RANKS = 10, 12, [0]
+
+
+def add_profile_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("profiling")
+    group.add_argument("--profile", action="store_true",
+                       help="Run torch.profiler (CPU activities; CUDA too on a GPU; with shapes) "
+                            "over iterations [--profile-step-start, --profile-step-end) on each "
+                            "rank of --profile-ranks, which writes "
+                            "TRACE_DIR/<run>/profile-rank<R>.json (a Chrome trace) when the window "
+                            "closes. Unlike Megatron-LM, where --profile alone opens an nsys capture "
+                            "range and --use-pytorch-profiler selects torch.profiler, this is always "
+                            "torch.profiler (use --nvtx for nsys).")
+    group.add_argument("--profile-step-start", type=int, default=None,
+                       help=f"With --profile: the first profiled iteration, counted as Megatron-LM "
+                            f"does (iterations completed before it; default {PROFILE_STEP_START}, "
+                            f"i.e. the one logged as iteration {PROFILE_STEP_START + 1}).")
+    group.add_argument("--profile-step-end", type=int, default=None,
+                       help=f"With --profile: profiling stops before this iteration (default "
+                            f"{PROFILE_STEP_END}); at most --train-iters.")
+    group.add_argument("--profile-ranks", type=int, nargs="+", default=None, metavar="RANK",
+                       help=f"With --profile: the global ranks that profile (default "
+                            f"{' '.join(map(str, PROFILE_RANKS))}).")
+    group.add_argument("--nvtx", action="store_true",
+                       help="With --use-dpp on a CUDA GPU: an NVTX range around each task the DPP "
+                            "runtime runs, named like the task (F3.0, B3.0), for nsys or Nsight.")
+
+
+def validate_profile_args(args: argparse.Namespace) -> None:
+    window = {"--profile-step-start": args.profile_step_start,
+              "--profile-step-end": args.profile_step_end, "--profile-ranks": args.profile_ranks}
+    if not args.profile:
+        given = [flag for flag, value in window.items() if value is not None]
+        _require(not given, f"{' and '.join(given)} need --profile; add it or drop them")
+    else:
+        if args.profile_step_start is None:
+            args.profile_step_start = PROFILE_STEP_START
+        if args.profile_step_end is None:
+            args.profile_step_end = PROFILE_STEP_END
+        if args.profile_ranks is None:
+            args.profile_ranks = list(PROFILE_RANKS)
+        start, end = args.profile_step_start, args.profile_step_end
+        _require(0 <= start < end, f"--profile-step-start {start} must be >= 0 and below "
+                                   f"--profile-step-end {end}")
+        _require(end <= args.train_iters,
+                 f"--profile-step-end {end} is past --train-iters {args.train_iters}; lower it (the "
+                 f"profiled iterations are [--profile-step-start, --profile-step-end))")
+        outside = [rank for rank in args.profile_ranks if not 0 <= rank < args.world_size]
+        _require(not outside, f"--profile-ranks {' '.join(map(str, outside))}: not a rank of a "
+                              f"world of {args.world_size} (0..{args.world_size - 1})")
+        args.profile_ranks = sorted(set(args.profile_ranks))
+        _check_trace_dir(args.trace_dir)
+    if args.nvtx:
+        _require(torch.cuda.is_available(),
+                 "--nvtx annotates CUDA work for nsys and there is no CUDA GPU here; drop --nvtx "
+                 "(--trace and --profile work on CPU)")
+        _require(args.use_dpp, "--nvtx names the DPP runtime's tasks; add --use-dpp (for Megatron's "
+                               "own schedules use --profile)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -596,6 +665,7 @@ ARG_GROUPS: list[Callable[[argparse.ArgumentParser], None]] = [
     add_transport_args,
     add_dpp_args,
     add_trace_args,
+    add_profile_args,
 ]
 
 # Order matters: later validators read values the earlier ones derive (world and data-parallel
@@ -611,6 +681,7 @@ VALIDATORS: list[Callable[[argparse.Namespace], None]] = [
     validate_transport_args,
     validate_dpp_args,
     validate_trace_args,
+    validate_profile_args,
 ]
 
 

@@ -5,22 +5,26 @@ the pipeline's part of the step (the optimizer step and logging between iteratio
 A rank's idle time is the window minus its task time, so the fill before its first task and the
 drain after its last count as bubble. Idle is split by the recorded waits' reasons, clipped to the
 window; `other` is waits with another reason plus the time no wait covers (the runtime's loop,
-decisions, posting messages between tasks).
+decisions between tasks). Posting a task's output send (the transport's isend, after the task's
+span) is its own group: with the shm transport it can take tens of milliseconds.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
+from megatron_dpp.trace.recorder import POSTING_SEND
 from profiling.load import TraceInputError
 from profiling.timeline import RankTimeline, RunTimeline
 
-INPUT, HELD_BACK, TENSOR_PARALLEL, OTHER = "input wait", "held back", "tp decision", "other"
-IDLE_GROUPS = (INPUT, HELD_BACK, TENSOR_PARALLEL, OTHER)
+INPUT, HELD_BACK, TENSOR_PARALLEL, POSTING, OTHER = (
+    "input wait", "held back", "tp decision", "send posting", "other")
+IDLE_GROUPS = (INPUT, HELD_BACK, TENSOR_PARALLEL, POSTING, OTHER)
+KNOWN_GROUPS = IDLE_GROUPS[:-1]
 
 
 def reason_group(reason: str) -> str:
-    """The recorded wait reasons in four groups: the DPP runtime's (runtime/executor.py) and those
+    """The recorded wait reasons in five groups: the DPP runtime's (runtime/executor.py) and those
     of Megatron's own schedules (comm/megatron_p2p.py: "waiting for an input from rank N")."""
     if "waiting for an input" in reason:
         return INPUT  # nothing to run until a message arrives
@@ -28,6 +32,8 @@ def reason_group(reason: str) -> str:
         return HELD_BACK  # ready tasks existed; the memory budget or the policy's order kept them
     if reason.startswith("the decision of tensor-parallel rank"):
         return TENSOR_PARALLEL  # a tensor-parallel follower waiting to be told the next task
+    if reason.startswith(POSTING_SEND):
+        return POSTING  # the transport's isend of the last task's output, both runtimes
     return OTHER
 
 
@@ -84,7 +90,7 @@ def rank_time(rank: RankTimeline, iteration: int, start: float, end: float) -> R
         if overlap > 0:
             time.idle[reason_group(wait.reason)] += overlap
     # Whatever idle time no wait of a known reason covers is `other`; rounding may make it -0.
-    known = sum(time.idle[group] for group in (INPUT, HELD_BACK, TENSOR_PARALLEL))
+    known = sum(time.idle[group] for group in KNOWN_GROUPS)
     time.idle[OTHER] = max(0.0, time.idle_total - known)
     return time
 

@@ -6,9 +6,9 @@ A task depends on
     ranks), W(m) on its own B(m);
   - its activations: B(m) on stage s on F(m) on stage s;
   - the rank's order: the task the rank ran just before it (a rank runs one task at a time).
-An input from another rank is there from the moment its task posted it (the `send` instant), not
-from that task's end: the recorded span goes on after the send (the transport's isend, freeing the
-output), and the next stage may already have started.
+An input from another rank is there from the moment its task posted it (the `send` instant, at or
+after that task's end: the span is the compute, the posting follows it), not from that task's end:
+the runtime's loop may come in between.
 
 With the order each rank actually chose held fixed, the longest path through this graph is how
 long the iteration would have taken had every message arrived the moment it was posted and every
@@ -37,13 +37,16 @@ class CriticalPath:
 
 def _send_offsets(run: RunTimeline, iteration: int) -> Dict[Tuple[int, str], float]:
     """(rank, task name) -> microseconds from the task's start to its send: names are unique per
-    rank within an iteration, and a task's send lies inside its span."""
+    rank within an iteration, and a task's send is posted after it starts and before the rank's
+    next task starts (Megatron's and the DPP runtime's alike)."""
     offsets = {}
     for rank in run.ranks:
         tasks = {task.name: task for task in rank.tasks_of(iteration)}
+        next_start = {task: following.start for task, following in zip(rank.tasks, rank.tasks[1:])}
         for message in rank.messages:
             task = tasks.get(message.task)
-            if message.kind == "send" and task is not None and task.start <= message.time <= task.end:
+            if (message.kind == "send" and task is not None
+                    and task.start <= message.time <= next_start.get(task, float("inf"))):
                 offsets[(rank.rank, task.name)] = message.time - task.start
     return offsets
 

@@ -1,8 +1,8 @@
 """One Chrome trace for the whole run: every rank's events as one process each, and a flow arrow
 from each send to its receive, so Perfetto draws the pipeline as one picture.
 
-Each arrow starts on the task that posted the message (its `send` instant lies inside that task)
-and ends on the task that consumed it (the first task of that name on the receiver at or after
+Each arrow starts on the task that posted the message (the last task of that name to start at or
+before its `send` instant, which comes at or after the task's end) and ends on the task that consumed it (the first task of that name on the receiver at or after
 the `recv` instant). Both ends bind to the enclosing slice (`bp: e`) on the compute lane: the
 instants of the messages lane are zero-length and nothing reliably encloses them. The send and
 recv instants themselves stay on the messages lane, each with the arrow's `flow_id` in its args.

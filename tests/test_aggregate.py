@@ -14,8 +14,9 @@ from _train_util import PYTHON, REPO_ROOT, run_training
 sys.path.insert(0, str(REPO_ROOT))
 
 from megatron_dpp.trace import chrome  # noqa: E402
-from megatron_dpp.trace.recorder import TraceRecorder  # noqa: E402
-from profiling.analysis import HELD_BACK, INPUT, OTHER, TENSOR_PARALLEL, iteration_time  # noqa: E402
+from megatron_dpp.trace.recorder import POSTING_SEND, TraceRecorder  # noqa: E402
+from profiling.analysis import (HELD_BACK, INPUT, OTHER, POSTING, TENSOR_PARALLEL,  # noqa: E402
+                               iteration_time)
 from profiling.critical_path import critical_path  # noqa: E402
 from profiling.load import load_run  # noqa: E402
 from profiling.replay import replay  # noqa: E402
@@ -25,8 +26,9 @@ AGGREGATE = str(REPO_ROOT / "profiling" / "aggregate.py")
 INPUT_WAIT = "no task ready: waiting for an input"
 HELD = "the policy held back ready tasks (memory budget or its order): B0.0"
 
-# One iteration of a pp=2 run, M=2, in ms from the iteration's start: (name, start, end) per rank;
-# each task's send is posted 1 ms before its end. Window 0..90; each rank is busy 60 ms.
+# One iteration of a pp=2 run, M=2, in ms from the iteration's start: (name, start, end) per rank,
+# the end including the posting of the output send where the task sends one: the last 1 ms, after
+# the compute span (rank 0's F, rank 1's B). Window 0..90; each rank computes 58 ms.
 RANK0 = [("F0.0", 0, 10), ("F1.0", 10, 20), ("B0.0", 41, 61), ("B1.0", 70, 90)]
 RANK1 = [("F0.0", 10, 20), ("B0.0", 20, 40), ("F1.0", 40, 50), ("B1.0", 50, 70)]
 WAITS0 = [(20, 30, HELD), (30, 40, INPUT_WAIT), (61, 70, INPUT_WAIT)]  # 40..41 recorded by nothing
@@ -63,15 +65,17 @@ def write_synthetic_run(directory: Path, name: str = "synthetic-pp2-dpp", scale:
                 recorder.message(f"recv {task}", at(time), {"peer": 1 - rank, "tag": _tag(iteration, task),
                                                             "bytes": 64})
             for task, start, end in tasks:
-                recorder.task(task, "forward" if task[0] == "F" else "backward", at(start), at(end),
+                sends = (task[0] == "F" and rank == 0) or (task[0] == "B" and rank == 1)
+                computed = end - 1 if sends else end
+                recorder.task(task, "forward" if task[0] == "F" else "backward", at(start), at(computed),
                               {"iteration": iteration, "microbatch": int(task[1]), "chunk": 0,
                                "virtual_stage": rank, "tokens": 100})
                 held += 100 if task[0] == "F" else -100
-                recorder.memory(at(end), held, BUDGETS[rank])
-                sends = (task[0] == "F" and rank == 0) or (task[0] == "B" and rank == 1)
+                recorder.memory(at(computed), held, BUDGETS[rank])
                 if sends:
-                    recorder.message(f"send {task}", at(end - 1), {"peer": 1 - rank, "tag": _tag(iteration, task),
-                                                                   "bytes": 64})
+                    recorder.message(f"send {task}", at(computed), {"peer": 1 - rank, "tag": _tag(iteration, task),
+                                                                    "bytes": 64})
+                    recorder.wait(at(computed), at(end), f"{POSTING_SEND} {task}")
         metadata = {"run": name, "rank": rank, "pipeline_rank": rank, "tensor_rank": 0, "data_rank": 0,
                     "policy": "1f1b"}
         if world_size is not None:
@@ -96,27 +100,29 @@ def test_synthetic_run_busy_idle_bubble_and_critical_path(tmp_path):
     it = iteration_time(run, 1)
     assert it.duration == pytest.approx(90_000, abs=1e-3)
     rank0, rank1 = it.ranks
-    assert rank0.busy == pytest.approx(60_000) and rank1.busy == pytest.approx(60_000)
+    assert rank0.busy == pytest.approx(58_000) and rank1.busy == pytest.approx(58_000)
     assert rank0.idle[HELD_BACK] == pytest.approx(10_000)
     assert rank0.idle[INPUT] == pytest.approx(19_000)
+    assert rank0.idle[POSTING] == pytest.approx(2_000) and rank1.idle[POSTING] == pytest.approx(2_000)
     assert rank0.idle[OTHER] == pytest.approx(1_000, abs=1e-3)
     assert rank1.idle[INPUT] == pytest.approx(10_000)
     assert rank1.idle[OTHER] == pytest.approx(20_000, abs=1e-3)
     assert rank0.idle[TENSOR_PARALLEL] == rank1.idle[TENSOR_PARALLEL] == 0
-    assert it.bubble == pytest.approx(1 / 3)
-    # Outputs are there at their sends (1 ms before the end), so with the order the ranks ran:
-    # r0 F0 0-10 (sent 9), r1 F0 9-19, r1 B0 19-39 (sent 38), r1 F1 39-49, r1 B1 49-69 (sent 68),
-    # r0 B1 68-88.
+    assert it.bubble == pytest.approx(64 / 180)
+    # Outputs are there at their sends (at the compute's end, 1 ms before the posting ends), and a
+    # rank's next task may start at its last one's compute end, so with the order the ranks ran:
+    # r0 F0 0-9 (sent 9), r1 F0 9-19, r1 B0 19-38 (sent 38), r1 F1 38-48, r1 B1 48-67 (sent 67),
+    # r0 B1 67-87.
     path = critical_path(run, 1)
-    assert path.length == pytest.approx(88_000, abs=1e-3)
+    assert path.length == pytest.approx(87_000, abs=1e-3)
     assert [(t.rank, t.name) for t in path.tasks] == [
         (0, "F0.0"), (1, "F0.0"), (1, "B0.0"), (1, "F1.0"), (1, "B1.0"), (0, "B1.0")]
     # The warm-up iteration is the same schedule, twice as slow.
     assert iteration_time(run, 0).duration == pytest.approx(180_000, abs=1e-3)
-    # 1F1B replayed on these durations with free messages: the measured schedule minus the 1 ms
-    # the runtime lost before rank 0's B0.0 (B0 starts at 40, not 41; B1 ends at 90 either way).
+    # 1F1B replayed on these compute durations with free messages and free posting: the critical
+    # path's 87 ms (r0 B0.0 fits in 38-58, before B1.0's input at 67).
     replayed = {p.policy: p for p in replay(run, [1]).policies}
-    assert replayed["1f1b"].makespans == [pytest.approx(90.0)]
+    assert replayed["1f1b"].makespans == [pytest.approx(87.0)]
     assert not replayed["dpp:adaptive"].problem
 
 
@@ -124,7 +130,7 @@ def test_uncorrected_clock_alignment_is_applied(tmp_path):
     run = run_timeline(load_run(write_synthetic_run(tmp_path, rank1_clock_offset_us=5e6)))
     it = iteration_time(run, 1)
     assert it.duration == pytest.approx(90_000, abs=1e-3)
-    assert critical_path(run, 1).length == pytest.approx(88_000, abs=1e-3)
+    assert critical_path(run, 1).length == pytest.approx(87_000, abs=1e-3)
 
 
 @pytest.mark.timeout(240)
@@ -136,15 +142,16 @@ def test_synthetic_run_table_plots_and_compare(tmp_path):
     out = result.stdout
     assert f"{tmp_path / 'a'} holds one run: taking run-a" in out
     lines = out.splitlines()
-    # busy, input wait, held back, tp decision, other, bubble: summed over iteration 1, both ranks
+    # busy, input wait, held back, tp decision, send posting, other, bubble: summed over iteration
+    # 1, both ranks
     totals = [line.split() for line in lines if line.startswith("total")]
-    assert totals[0] == ["total", "120.0", "29.0", "10.0", "0.0", "21.0", "33.3%"]
-    assert totals[1] == ["total", "180.0", "43.5", "15.0", "0.0", "31.5", "33.3%"]
-    assert ["1", "90.0", "88.0", "1.02", "33.3%"] in [line.split() for line in lines]
-    assert "critical path of iteration 1 (88.0 ms, 6 tasks): rank 0: F0.0 | rank 1: F0.0 B0.0 F1.0 B1.0 " \
+    assert totals[0] == ["total", "116.0", "29.0", "10.0", "0.0", "4.0", "21.0", "35.6%"]
+    assert totals[1] == ["total", "174.0", "43.5", "15.0", "0.0", "6.0", "31.5", "35.6%"]
+    assert ["1", "90.0", "87.0", "1.03", "35.6%"] in [line.split() for line in lines]
+    assert "critical path of iteration 1 (87.0 ms, 6 tasks): rank 0: F0.0 | rank 1: F0.0 B0.0 F1.0 B1.0 " \
            "| rank 0: B1.0" in out
-    assert ["1", "90.0", "135.0", "1.50", "33.3%", "33.3%", "1.00"] in [line.split() for line in lines]
-    assert ["1f1b", "*", "90.0", "1.00", "1.00"] in [line.split() for line in lines]
+    assert ["1", "90.0", "135.0", "1.50", "35.6%", "35.6%", "1.00"] in [line.split() for line in lines]
+    assert ["1f1b", "*", "87.0", "0.97", "1.00"] in [line.split() for line in lines]
     for png in (a / "run-a-timeline.png", a / "run-a-bubble.png", a / "run-a-vs-run-b-timeline.png",
                 a / "run-a-vs-run-b-iterations.png", b / "run-b-timeline.png"):
         assert png.stat().st_size > 1000, png

@@ -57,6 +57,17 @@ BAD_FLAGS = {
     "trace_without_pipeline": (["--trace"], 1,
                                "--trace records a pipeline schedule; set "
                                "--pipeline-model-parallel-size 2 or more"),
+    "profile_window_empty": (["--profile", "--profile-step-start", "3", "--profile-step-end",
+                              "3"], 1, "--profile-step-start 3 must be >= 0 and below "
+                                       "--profile-step-end 3"),
+    "profile_window_past_training": (["--profile"], 1,
+                                     "--profile-step-end 12 is past --train-iters 5"),
+    "profile_rank_outside_world": (["--profile", "--profile-step-start", "1", "--profile-step-end",
+                                    "3", "--profile-ranks", "0", "2"], 2,
+                                   "--profile-ranks 2: not a rank of a world of 2 (0..1)"),
+    "profile_flags_without_profile": (["--profile-ranks", "1"], 1,
+                                      "--profile-ranks need --profile"),
+    "nvtx_on_cpu": (["--nvtx"], 1, "--nvtx annotates CUDA work"),
     "shm_too_many_slots": (["--p2p-transport", "shm", "--shm-num-slots", "65"], 1,
                            "--shm-num-slots: ShmConfig.num_slots=65: must be 1..64"),
     "node_ips_without_multi_node": (["--node-ips", "10.0.0.1"], 1,
@@ -80,7 +91,7 @@ BAD_FLAGS = {
 @pytest.mark.parametrize("case", list(BAD_FLAGS))
 def test_bad_flag_is_one_line_exit_2(case):
     if case in ("bf16_on_cpu", "fp16_on_cpu", "flash_attn_on_cpu", "nccl_on_cpu",
-                "distributed_optimizer_on_cpu", "sequence_parallel_without_te"):
+                "distributed_optimizer_on_cpu", "sequence_parallel_without_te", "nvtx_on_cpu"):
         torch = pytest.importorskip("torch")
         if torch.cuda.is_available():
             pytest.skip("GPU-only flags are valid on this machine")
@@ -95,7 +106,10 @@ def test_bad_flag_is_one_line_exit_2(case):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("extra", [[], ["--trace"]], ids=["plain", "trace_without_dpp"])
+@pytest.mark.parametrize("extra", [[], ["--trace"], ["--profile", "--profile-step-start", "2",
+                                                      "--profile-step-end", "4", "--profile-ranks",
+                                                      "0", "1"]],
+                         ids=["plain", "trace_without_dpp", "profile"])
 def test_good_flags_pass_validation(extra):
     """The same base flags validate cleanly (so each bad case fails for its own reason); --trace
     without --use-dpp records Megatron's own schedule."""

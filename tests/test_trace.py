@@ -10,6 +10,7 @@ import pytest
 from _trace_checks import check_clock_alignment, check_messages, load_traces
 from _train_util import run_training
 from megatron_dpp.pipeline import Phase, Task, TaskGraph
+from megatron_dpp.trace.recorder import POSTING_SEND
 from megatron_dpp.trace.clock import ClockAlignment, OffsetSample, offset_from_rounds
 
 ITERATIONS, MICROBATCHES = 3, 8
@@ -61,14 +62,20 @@ def _check_rank(rank, trace, run_name, chunks):
 
 def _check_messages_sit_at_their_tasks(rank, events):
     """Ties the names of tasks to the names of messages: `recv X` comes before X starts, and
-    `send X` after X starts and before the rank's next task starts. (The pairing of messages across
-    ranks is by tag, which the transport matched, so a wrong task order would show up here.)"""
+    `send X` at or after X's end (a span is compute only) and before the rank's next task starts,
+    with the posting's wait starting at the send. (The pairing of messages across ranks is by tag,
+    which the transport matched, so a wrong task order would show up here.)"""
     marks = sorted(e["ts"] for e in events if e.get("cat") == "iteration")
-    tasks = sorted((e["ts"], e["args"]["iteration"], e["name"]) for e in events
+    tasks = sorted((e["ts"], e["args"]["iteration"], e["name"], e["ts"] + e["dur"]) for e in events
                    if e.get("cat") in ("forward", "backward"))
-    starts = {(iteration, name): start for start, iteration, name in tasks}
-    next_start = {(iteration, name): following[0] for (_, iteration, name), following
+    starts = {(iteration, name): start for start, iteration, name, _ in tasks}
+    ends = {(iteration, name): end for _, iteration, name, end in tasks}
+    next_start = {(iteration, name): following[0] for (_, iteration, name, _), following
                   in zip(tasks, tasks[1:])}
+    # Each send's posting is a wait that starts at the send instant (one time value recorded twice).
+    postings = [(e["args"]["reason"], e["ts"]) for e in events
+                if e.get("cat") == "idle" and e["args"]["reason"].startswith(POSTING_SEND)]
+    sends = 0
     for e in events:
         if e.get("cat") != "message":
             continue
@@ -77,9 +84,13 @@ def _check_messages_sit_at_their_tasks(rank, events):
         start = starts[(iteration, name)]
         if kind == "recv":
             assert e["ts"] <= start, f"rank {rank}: {e['name']} after {name} started"
-        else:
-            assert start <= e["ts"] <= next_start.get((iteration, name), float("inf")), (
-                f"rank {rank}: {e['name']} not between {name}'s start and the next task's")
+            continue
+        sends += 1
+        # 1 us: the clock correction rounds each event on its own.
+        assert ends[(iteration, name)] - 1.0 <= e["ts"] <= next_start.get((iteration, name), float("inf")), (
+            f"rank {rank}: {e['name']} not between {name}'s end and the next task's start")
+        assert (f"{POSTING_SEND} {name}", e["ts"]) in postings, f"rank {rank}: no posting wait of {name}"
+    assert len(postings) == sends, (rank, len(postings), sends)
 
 
 @pytest.mark.timeout(300)

@@ -43,7 +43,7 @@ from megatron_dpp.runtime.memory import megatron_activation_bytes
 from megatron_dpp.runtime.tags import decision_tag, message_tag
 from megatron_dpp.runtime.tensor_parallel import DecisionChannel
 from megatron_dpp.runtime.watchdog import ProgressDeadline, report_and_exit
-from megatron_dpp.trace.recorder import TraceRecorder
+from megatron_dpp.trace.recorder import POSTING_SEND, TraceRecorder
 
 # (model_config, sizes, micro_batch_size, num_model_chunks, pipeline_size) -> bytes per microbatch
 ActivationBytesFn = Callable[[Any, Sequence[int], int, int, int], List[int]]
@@ -77,8 +77,9 @@ class IterationRecord:
     # Wall seconds of the loop turn that ran each task (harvest arrivals, decide, run, send), in the
     # order of `tasks`: what a task costs beyond its own compute is measured from these.
     task_seconds: List[float] = field(default_factory=list)
-    # time.perf_counter() when each task's step began (after the decision) and ended (its output
-    # posted): one clock for all processes of a machine, so ranks' timelines line up.
+    # time.perf_counter() when each task's step began (after the decision) and its compute ended
+    # (before its output is posted): one clock for all processes of a machine, so ranks' timelines
+    # line up.
     task_started: List[float] = field(default_factory=list)
     task_ended: List[float] = field(default_factory=list)
     peak_held_bytes: int = 0
@@ -94,6 +95,7 @@ class DPPSession:
     microbatch_work: MicrobatchWorkFn
     activation_bytes_fn: ActivationBytesFn = megatron_activation_bytes
     recorder: Optional[TraceRecorder] = None  # --trace: what each iteration did, per rank
+    nvtx: bool = False  # --nvtx: an NVTX range named like the task around each task's step
     iteration: int = 0
     last_record: Optional[IterationRecord] = None
 
@@ -115,12 +117,12 @@ def dpp_peers() -> List[int]:
 
 def make_forward_backward_dpp(config: DPPConfig, transport: Any, microbatch_work: MicrobatchWorkFn,
                               activation_bytes_fn: ActivationBytesFn = megatron_activation_bytes,
-                              recorder: Optional[TraceRecorder] = None):
+                              recorder: Optional[TraceRecorder] = None, nvtx: bool = False):
     """A callable with Megatron's forward_backward_func keyword signature, bound to one DPP session.
     Its `close()` closes the transport (collective; training.pipeline.close_forward_backward).
     With a recorder, every iteration's tasks, waits, messages and memory go into it."""
     session = DPPSession(config=config, transport=transport, microbatch_work=microbatch_work,
-                         activation_bytes_fn=activation_bytes_fn, recorder=recorder)
+                         activation_bytes_fn=activation_bytes_fn, recorder=recorder, nvtx=nvtx)
     fn = partial(forward_backward_dpp, dpp_session=session)
     fn.dpp_session = session
     fn.close = transport.close
@@ -270,6 +272,7 @@ class IterationRunner:
         self.arrived: Dict[Task, torch.Tensor] = {}
         self.ran: set = set()
         self.pending_sends: List[Any] = []
+        self.outgoing: Optional[tuple] = None  # (task, output) handed to `send`, posted after the task
         self.saved: Dict[tuple, tuple] = {}  # (microbatch, chunk) -> (input, output) until backward
         self.outputs_by_microbatch: Dict[int, list] = {}
         self.grad_sync = GradSync(config, models, forward_only)
@@ -436,8 +439,13 @@ class IterationRunner:
             self.scheduler.on_start(task)
             self.record.peak_held_bytes = max(self.record.peak_held_bytes, self.scheduler.held_bytes)
         self.record.task_started.append(time.perf_counter())
+        if self.session.nvtx:
+            torch.cuda.nvtx.range_push(str(task))
         self.handlers[task.phase].run(task)
+        if self.session.nvtx:
+            torch.cuda.nvtx.range_pop()
         self.record.task_ended.append(time.perf_counter())
+        self._post_output()
         self.tracker.finish(task)
         if accounts_memory:
             self.scheduler.on_finish(task)
@@ -458,18 +466,30 @@ class IterationRunner:
         return self.arrived.pop(task, None)
 
     def send(self, task: Task, tensor: Optional[torch.Tensor]) -> None:
-        """Post `task`'s output to the stage that reads it, if any (the ends of the pipeline send
-        nothing)."""
-        target = self.graph.output_target(self.rank, task)
-        if target is None:
+        """Hand over `task`'s output for the stage that reads it, if any (the ends of the pipeline
+        send nothing). It is posted as soon as the task returns (_post_output), so the task's
+        recorded span is its compute alone, as Megatron's compute timers measure theirs."""
+        if self.graph.output_target(self.rank, task) is None:
             return
+        # Detached now: the forward handler frees the output's data next (deallocate_output_tensor
+        # gives the output a new storage; the detached tensor keeps the computed one).
+        self.outgoing = (task, tensor.detach())
+
+    def _post_output(self) -> None:
+        """isend the output the task just run handed to `send`. Posting can take long (up to tens
+        of ms with shm_tensor on a loaded machine), so the trace records it as its own wait."""
+        if self.outgoing is None:
+            return
+        task, tensor = self.outgoing
+        self.outgoing = None
+        target = self.graph.output_target(self.rank, task)
         peer, tag = self.layout.pp_ranks[target[0]], message_tag(self.iteration, task)
         posted = time.perf_counter()  # before isend: the peer may take the message in at once
-        handle = self.transport.isend(tensor.detach(), peer, tag)
-        self.pending_sends.append(handle)
+        self.pending_sends.append(self.transport.isend(tensor, peer, tag))
         if self.recorder is not None:
             self.recorder.message(f"send {task}", posted,
                                   {"peer": peer, "tag": tag, "bytes": _nbytes(tensor)})
+            self.recorder.wait(posted, time.perf_counter(), f"{POSTING_SEND} {task}")
 
     def _reap_sends(self):
         self.pending_sends = [handle for handle in self.pending_sends

@@ -87,7 +87,7 @@ class ForwardHandler:
         runner.total_num_tokens += num_tokens
         runner.send(task, output_tensor)
         if not runner.forward_only:
-            # The transport holds the sent data through its own (detached) reference, so the
+            # `send` took its own (detached) reference to the output for the transport, so the
             # activation's data can go now, as in Megatron; its grad_fn stays for the backward.
             deallocate_output_tensor(output_tensor, runner.config.deallocate_pipeline_outputs)
             runner.saved[(m, c)] = (input_tensor, output_tensor)

@@ -4,4 +4,5 @@ Megatron's own schedules (training/megatron_tracing.py) fill under --trace (task
 reason, messages, activation memory); `clock.py`, the arithmetic that puts every rank's events on
 rank 0's clock (the ping-pong itself is training/clock_sync.py).
 
-Not here yet: NVTX ranges. The aggregation lives in `profiling/`."""
+NVTX ranges (--nvtx) are pushed by the runtime itself (runtime/executor.py), torch.profiler
+(--profile) runs from training/profiling.py, and the aggregation lives in `profiling/`."""

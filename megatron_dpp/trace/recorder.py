@@ -2,8 +2,9 @@
 1F1B and interleaved): a Chrome trace per rank.
 
 Lanes (threads) of a rank's process: `compute` holds every task as a span named in the task's
-short form (`F3.1`), and the waits between them with their reason; `messages` holds every send as
-it is posted and every receive as it is taken in. A counter tracks the activation bytes held
+short form (`F3.1`) and covering its compute alone, and the waits between them with their reason
+(posting a task's output send is one: POSTING_SEND); `messages` holds every send as it is posted
+and every receive as it is taken in. A counter tracks the activation bytes held
 against the budget (DPP only). Events are recorded in time.perf_counter() microseconds of this
 rank; `write` puts them on the reference rank's clock (trace/clock.py's ClockAlignment).
 
@@ -17,6 +18,9 @@ from megatron_dpp.trace import chrome
 from megatron_dpp.trace.clock import ClockAlignment
 
 COMPUTE_LANE, MESSAGE_LANE = 0, 1
+# The reason of the wait that follows a task's span while its output send is posted (the
+# transport's isend): not compute, so a task's span is its compute alone on both sides.
+POSTING_SEND = "posting the output send of"
 CLOCK = ("time.perf_counter (CLOCK_MONOTONIC) of each rank, moved onto the reference rank's clock "
          "(otherData.clock_alignment)")
 

@@ -40,8 +40,10 @@ from megatron_dpp.training.config import (
     transformer_config_from_args,
 )
 from megatron_dpp.training.pipeline import build_forward_backward, close_forward_backward
+from megatron_dpp.training.profiling import make_profiler
 from megatron_dpp.training.failures import is_lost_peer_error, lost_peer_report
 from megatron_dpp.training.signals import StopSignals
+from megatron_dpp.training.tracing import agree_run_directory
 
 
 def setup_node_network(args: argparse.Namespace) -> bool:
@@ -164,7 +166,10 @@ class Trainer:
         self.config, self.model, self.optimizer = build_model_and_optimizer(
             args, platform, args.seed, spec)
         self.scheduler = build_scheduler(self.optimizer, self.train)
-        self.forward_backward = build_forward_backward(args, spec)
+        # --trace and --profile write into one directory per run, agreed on by all ranks.
+        run_directory = agree_run_directory(args) if args.trace or args.profile else None
+        self.forward_backward = build_forward_backward(args, spec, run_directory)
+        self.profiler = make_profiler(args, dist.get_rank(), run_directory)
         self.forward_step = spec.make_forward_step(platform.device)
         self.state = TrainState()
         self.consumed_valid_samples = 0
@@ -184,6 +189,8 @@ class Trainer:
         )
 
     def train_step(self, data_iterators):
+        if self.profiler is not None:
+            self.profiler.iteration_starts(self.state.iteration)
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -202,6 +209,8 @@ class Trainer:
         self.watch("the loss all-reduce over the data-parallel group")
         reduced = reduce_losses(losses, self.platform.device)
         self.unwatch()
+        if self.profiler is not None:
+            self.profiler.iteration_ended(self.state.iteration)
         return reduced, grad_norm, updated
 
     def watch(self, phase: str) -> None:
@@ -242,6 +251,8 @@ class Trainer:
 
     def close(self) -> None:
         """Collective: every rank calls it after the same iteration (end or agreed stop)."""
+        if self.profiler is not None:
+            self.profiler.close()
         close_forward_backward(self.forward_backward)
 
     def save(self) -> None:

@@ -33,7 +33,7 @@ from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
 from megatron_dpp.comm.tags import Direction
 from megatron_dpp.pipeline import Phase, Task, TaskGraph
-from megatron_dpp.trace.recorder import TraceRecorder
+from megatron_dpp.trace.recorder import POSTING_SEND, TraceRecorder
 
 # Megatron's timer names around its forward_step and backward_step.
 STEP_TIMERS = {"forward-compute": Phase.F, "backward-compute": Phase.B}
@@ -158,6 +158,8 @@ class MegatronScheduleTracer:
     def sent(self, direction: Direction, peer: int, tag: int, nbytes: int, posted: float) -> None:
         task = self._next("sends", PHASE_OF_DIRECTION[direction])
         self.recorder.message(f"send {task}", posted, {"peer": peer, "tag": tag, "bytes": nbytes})
+        # Called as the isend returns: its time is a wait of the same reason as the DPP runtime's.
+        self.recorder.wait(posted, time.perf_counter(), f"{POSTING_SEND} {task}")
 
     def expecting(self, direction: Direction, peer: int, tag: int) -> None:
         self.expected[(peer, tag)] = self._next("reads", PHASE_OF_DIRECTION[direction])

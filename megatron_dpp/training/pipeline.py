@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 from functools import partial
-from typing import Callable
+from typing import Callable, Optional
 
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -25,20 +25,23 @@ def close_forward_backward(forward_backward: Callable) -> None:
         close()
 
 
-def build_forward_backward(args: argparse.Namespace, spec: ModelSpec) -> Callable:
+def build_forward_backward(args: argparse.Namespace, spec: ModelSpec,
+                           run_directory: Optional[str] = None) -> Callable:
     """Call after parallel_state is initialized (Megatron picks its schedule from it).
+    `run_directory`: where --trace writes (training/tracing.py's agree_run_directory).
 
     A callable that holds resources carries a `close()`; see close_forward_backward."""
     if getattr(args, "use_dpp", False):
-        return _build_dpp(args, spec)
+        return _build_dpp(args, spec, run_directory)
     # --trace records Megatron's schedule through our P2P adapter, so a traced run takes that path
     # with every transport, torch.distributed (TorchTransport) included.
     if args.pipeline_model_parallel_size > 1 and (args.p2p_transport != "torch" or args.trace):
-        return _build_megatron_over_transport(args, spec)
+        return _build_megatron_over_transport(args, spec, run_directory)
     return get_forward_backward_func()
 
 
-def _build_megatron_over_transport(args: argparse.Namespace, spec: ModelSpec) -> Callable:
+def _build_megatron_over_transport(args: argparse.Namespace, spec: ModelSpec,
+                                   run_directory: Optional[str]) -> Callable:
     """Megatron's own 1F1B / interleaved schedule, its messages carried by our transports
     (TransportP2PCommunicator); with --trace, its steps, messages and waits recorded. Builds the
     transport (and starts the trace) now: collective."""
@@ -58,7 +61,7 @@ def _build_megatron_over_transport(args: argparse.Namespace, spec: ModelSpec) ->
         from megatron_dpp.training.megatron_tracing import MegatronScheduleTracer
         from megatron_dpp.training.tracing import policy_label, start_trace
 
-        trace = start_trace(args)
+        trace = start_trace(args, run_directory)
         tracer = MegatronScheduleTracer(
             trace.recorder, parallel_state.get_pipeline_model_parallel_rank(),
             parallel_state.get_pipeline_model_parallel_world_size(), spec.microbatch_work,
@@ -93,9 +96,9 @@ def _closer(trace, transport) -> Callable[[], None]:
     return close
 
 
-def _build_dpp(args: argparse.Namespace, spec: ModelSpec) -> Callable:
+def _build_dpp(args: argparse.Namespace, spec: ModelSpec, run_directory: Optional[str]) -> Callable:
     """--use-dpp: forward_backward_dpp over the --p2p-transport transport; the model's spec says
-    how much work each microbatch is (the policy's sizes)."""
+    how much work each microbatch is (the policy's sizes). --nvtx: an NVTX range per task."""
     from megatron_dpp.comm import make_transport_from_args
     from megatron_dpp.runtime.config import DPPConfig
     from megatron_dpp.runtime.executor import dpp_peers, make_forward_backward_dpp
@@ -107,8 +110,9 @@ def _build_dpp(args: argparse.Namespace, spec: ModelSpec) -> Callable:
     if args.trace:
         from megatron_dpp.training.tracing import start_trace
 
-        trace = start_trace(args)
+        trace = start_trace(args, run_directory)
     forward_backward = make_forward_backward_dpp(
-        config, transport, spec.microbatch_work, recorder=None if trace is None else trace.recorder)
+        config, transport, spec.microbatch_work, recorder=None if trace is None else trace.recorder,
+        nvtx=args.nvtx)
     forward_backward.close = _closer(trace, transport)
     return forward_backward

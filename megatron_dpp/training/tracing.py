@@ -80,19 +80,25 @@ class RunTrace:
         self.recorder.write(self.path, self.metadata, alignment)
 
 
-def start_trace(args: argparse.Namespace) -> RunTrace:
-    """Collective: rank 0 names the run, every rank makes the directory and its recorder, and
-    measures its clock against rank 0's."""
+def agree_run_directory(args: argparse.Namespace) -> str:
+    """Collective: rank 0 names the run, every rank makes TRACE_DIR/<run>/ (where --trace and
+    --profile write) and returns it."""
     name = [run_name(args, time.time())]
     dist.broadcast_object_list(name, src=0)
     directory = os.path.join(args.trace_dir, name[0])
     os.makedirs(directory, exist_ok=True)
+    return directory
+
+
+def start_trace(args: argparse.Namespace, directory: str) -> RunTrace:
+    """Collective: every rank makes its recorder and measures its clock against rank 0's.
+    `directory` is agree_run_directory's."""
     rank = dist.get_rank()
     pp = parallel_state.get_pipeline_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_rank()
     dp = parallel_state.get_data_parallel_rank()
     recorder = TraceRecorder(rank, f"rank {rank} (pp {pp}, tp {tp}, dp {dp})")
-    metadata = {"run": name[0], "rank": rank, "world_size": dist.get_world_size(),
+    metadata = {"run": os.path.basename(directory), "rank": rank, "world_size": dist.get_world_size(),
                 "pipeline_rank": pp, "tensor_rank": tp, "data_rank": dp,
                 "schedule": schedule_name(args), "policy": policy_label(args), **_node_metadata()}
     group = clock_group(timedelta(minutes=args.distributed_timeout_minutes))
