@@ -207,19 +207,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
 ITERATIONS, MICROBATCHES = 3, 8
 
 
-@pytest.mark.timeout(420)
-def test_real_traced_run_aggregates(tmp_path):
+def _traced_run(tmp_path, name: str, schedule_flags: list) -> Path:
+    """The tiny GPT at pp=2 with variable lengths, traced; its run directory."""
     rc, _, _, out = run_training(
-        ["--pipeline-model-parallel-size", "2", "--use-dpp", "--p2p-transport", "shm",
+        ["--pipeline-model-parallel-size", "2", "--p2p-transport", "shm", *schedule_flags,
          "--variable-seq-lengths", "--train-iters", str(ITERATIONS), "--trace",
-         "--trace-dir", str(tmp_path / "traces")], nproc=2, timeout=240)
+         "--trace-dir", str(tmp_path / name)], nproc=2, timeout=240)
     assert rc == 0, out[-3000:]
-    (run_dir,) = (tmp_path / "traces").iterdir()
-    result = aggregate("--benchmark_dir", run_dir, "--iterations", "0:", "--replay", "--compare", run_dir)
-    assert result.returncode == 0, result.stderr
-    assert "every send matched to its receive" in result.stdout
-    assert "dpp:adaptive *" in result.stdout
+    (run_dir,) = (tmp_path / name).iterdir()
+    return run_dir
 
+
+def _check_merged(run_dir: Path) -> None:
+    """Each task once per iteration per rank, no overlap on a rank, every receive with its send."""
     merged = json.loads((run_dir / f"{run_dir.name}-aggregated.json").read_text())
     events = merged["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
@@ -254,6 +254,24 @@ def test_real_traced_run_aggregates(tmp_path):
         enclosing = [e["name"] for e in task_spans if (e["pid"], e["tid"]) == (flow["pid"], flow["tid"])
                      and e["ts"] < flow["ts"] < e["ts"] + e["dur"]]
         assert enclosing == [task], (flow, enclosing)
-    for suffix in ("timeline", "bubble", f"vs-{run_dir.name}-timeline", f"vs-{run_dir.name}-iterations"):
+
+
+@pytest.mark.timeout(600)
+def test_real_traced_runs_aggregate_and_compare(tmp_path):
+    """--use-dpp against Megatron's own 1F1B, both traced by the same recorder, aggregated with
+    --compare."""
+    dpp_dir = _traced_run(tmp_path, "dpp", ["--use-dpp"])
+    megatron_dir = _traced_run(tmp_path, "megatron", [])
+    result = aggregate("--benchmark_dir", megatron_dir, "--iterations", "0:")
+    assert result.returncode == 0, result.stderr
+    result = aggregate("--benchmark_dir", dpp_dir, "--iterations", "0:", "--replay",
+                       "--compare", megatron_dir)
+    assert result.returncode == 0, result.stderr
+    assert "every send matched to its receive" in result.stdout
+    assert "dpp:adaptive *" in result.stdout
+    for run_dir in (dpp_dir, megatron_dir):
+        _check_merged(run_dir)
+    run_dir, other = dpp_dir, megatron_dir
+    for suffix in ("timeline", "bubble", f"vs-{other.name}-timeline", f"vs-{other.name}-iterations"):
         png = run_dir / f"{run_dir.name}-{suffix}.png"
         assert png.stat().st_size > 1000, png
