@@ -66,14 +66,14 @@ def scenario_any_order(ctx, rank, store):
     # second round could arrive while the receiver still holds the first round's buffers).
     store.set(f"round1-freed/{rank}", "1")
     store.wait([f"round1-freed/{peer}"])
-    # The same 40 lengths again: every buffer comes from the pool.
+    # The same 40 lengths again, one message each way at a time (round one had them all in flight
+    # at once, so the pool holds every size): every buffer comes from the pool.
     before = ctx.buffer_registrations()
-    again = [ctx.irecv(peer, tag) for tag in order]
-    sends = [ctx.isend(torch.full((tag + 1, 64), 1.0), peer, tag) for tag in order]
-    received = [handle.wait(60) for handle in again]
-    for handle in sends:
-        handle.wait(60)
-    del received
+    for tag in order:
+        send = ctx.isend(torch.full((tag + 1, 64), 1.0), peer, tag)
+        received = ctx.irecv(peer, tag).wait(60)
+        send.wait(60)
+        del received
     return {"wrong": wrong, "registered_again": ctx.buffer_registrations() - before,
             "registered": before}
 
