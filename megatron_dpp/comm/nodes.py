@@ -219,10 +219,9 @@ def ucx_net_devices(interface: str, sysfs_root: str = "/sys") -> str:
     net = os.path.join(sysfs_root, "class", "net", interface)
     infiniband = os.path.join(net, "device", "infiniband")
     ib_devices = sorted(os.listdir(infiniband)) if os.path.isdir(infiniband) else []
-    port = 1
     try:
         with open(os.path.join(net, "dev_port")) as dev_port:
             port = int(dev_port.read().strip()) + 1
     except (OSError, ValueError):
-        pass  # no dev_port (older kernels, virtual interfaces): the first port
+        port = 1  # no dev_port (older kernels, virtual interfaces): the first port
     return ",".join([interface, *(f"{device}:{port}" for device in ib_devices)])
