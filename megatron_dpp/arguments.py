@@ -583,9 +583,12 @@ def _check_trace_dir(trace_dir: str) -> None:
     """--trace-dir, where --trace and --profile write: a directory, or one that can be made."""
     _require(not os.path.exists(trace_dir) or os.path.isdir(trace_dir),
              f"--trace-dir {trace_dir} exists and is not a directory; pick another path")
-    parent = os.path.dirname(os.path.abspath(trace_dir))
-    _require(os.path.isdir(trace_dir) or os.access(parent, os.W_OK),
-             f"--trace-dir {trace_dir}: cannot create it in {parent}; pick a writable path")
+    # Made with its missing parents (os.makedirs): the nearest existing ancestor must take it.
+    ancestor = os.path.dirname(os.path.abspath(trace_dir))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    _require(os.path.isdir(trace_dir) or (os.path.isdir(ancestor) and os.access(ancestor, os.W_OK)),
+             f"--trace-dir {trace_dir}: cannot create it in {ancestor}; pick a writable path")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -615,8 +618,10 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
                        help=f"With --profile: the global ranks that profile (default "
                             f"{' '.join(map(str, PROFILE_RANKS))}).")
     group.add_argument("--nvtx", action="store_true",
-                       help="With --use-dpp on a CUDA GPU: an NVTX range around each task the DPP "
-                            "runtime runs, named like the task (F3.0, B3.0), for nsys or Nsight.")
+                       help="On a CUDA GPU: an NVTX range around each pipeline task, named like the "
+                            "task (F3.0, B3.0), for nsys or Nsight: around each task the DPP runtime "
+                            "runs with --use-dpp, else around each forward and backward step of "
+                            "Megatron's own 1F1B or interleaved schedule (pipeline size 2 or more).")
 
 
 def validate_profile_args(args: argparse.Namespace) -> None:
@@ -647,8 +652,9 @@ def validate_profile_args(args: argparse.Namespace) -> None:
         _require(torch.cuda.is_available(),
                  "--nvtx annotates CUDA work for nsys and there is no CUDA GPU here; drop --nvtx "
                  "(--trace and --profile work on CPU)")
-        _require(args.use_dpp, "--nvtx names the DPP runtime's tasks; add --use-dpp (for Megatron's "
-                               "own schedules use --profile)")
+        _require(args.use_dpp or args.pipeline_model_parallel_size >= 2,
+                 "--nvtx names pipeline tasks; set --pipeline-model-parallel-size 2 or more (or "
+                 "--use-dpp), or drop --nvtx")
 
 
 # ----------------------------------------------------------------------------------------------

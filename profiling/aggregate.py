@@ -10,8 +10,11 @@ every send to its receive: open it in Perfetto), RUN-timeline.png and RUN-bubble
 aggregated file and plots in its directory). Prints, over the chosen iterations, per rank and in
 total: busy time, idle time by reason (input wait: no task was ready; held back: the policy or the
 memory budget kept ready tasks back; tp decision: a tensor-parallel follower waited for its
-leader; other: anything else, including the runtime's loop between tasks) and the bubble fraction;
-per iteration: its time, its critical path and the bubble fraction. Bad input: one line, exit 2.
+leader; send posting: the transport's isend of a task's output; collective: a blocking collective
+of the training step inside the pipeline's window; other: anything else, including the runtime's
+loop between tasks) and the bubble fraction; per iteration: its time, its critical path and the
+bubble fraction; per rank, the whole training step: tasks, gradient sync, optimizer step, the
+loop's other collectives and the rest. Bad input: one line, exit 2.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from typing import List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from profiling import plots, report  # noqa: E402
-from profiling.analysis import IterationTime, iteration_time  # noqa: E402
+from profiling.analysis import IterationTime, has_step_parts, iteration_time, mean_step_times  # noqa: E402
 from profiling.critical_path import CriticalPath, critical_path  # noqa: E402
 from profiling.iterations import IterationRange, parse_iteration_range, select_iterations  # noqa: E402
 from profiling.load import RunTraces, TraceInputError, clock_note, find_run_directory, load_run  # noqa: E402
@@ -97,6 +100,12 @@ def analyse(directory: str, chosen: Optional[IterationRange]) -> Analysis:
           "the longest chain of dependent tasks in the order each rank ran them):")
     print(report.iteration_table(times, paths))
     print(report.critical_path_line(times[0].iteration, paths[0]))
+    if has_step_parts(run):
+        print()
+        print("training step per rank, mean ms per iteration (step = from an iteration's start on the "
+              "rank to the next's; other collectives: the loss all-reduce and the stop-signal "
+              "agreement; rest: input waits, send posting, the loop, logging):")
+        print(report.step_table(run, mean_step_times(run, selected)))
     return Analysis(traces, run, times, paths)
 
 

@@ -6,26 +6,32 @@ A rank's idle time is the window minus its task time, so the fill before its fir
 drain after its last count as bubble. Idle is split by the recorded waits' reasons, clipped to the
 window; `other` is waits with another reason plus the time no wait covers (the runtime's loop,
 decisions between tasks). Posting a task's output send (the transport's isend, after the task's
-span) is its own group: with the shm transport it can take tens of milliseconds.
+span) is its own group: with the shm transport it can take tens of milliseconds. So is waiting in a
+blocking collective inside the window (a last stage's part of the embedding-gradient all-reduce
+while the first stage still runs its backwards, say).
+
+The training step around the window (gradient sync, optimizer step, the loop's collectives) is
+`StepTime`: each rank's time from one iteration's start to the next's, split into its parts.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
-from megatron_dpp.trace.recorder import POSTING_SEND
+from megatron_dpp.trace.recorder import GRADIENT_SYNC, IN_COLLECTIVE, OPTIMIZER_STEP, POSTING_SEND
 from profiling.load import TraceInputError
 from profiling.timeline import RankTimeline, RunTimeline
 
-INPUT, HELD_BACK, TENSOR_PARALLEL, POSTING, OTHER = (
-    "input wait", "held back", "tp decision", "send posting", "other")
-IDLE_GROUPS = (INPUT, HELD_BACK, TENSOR_PARALLEL, POSTING, OTHER)
+INPUT, HELD_BACK, TENSOR_PARALLEL, POSTING, COLLECTIVE, OTHER = (
+    "input wait", "held back", "tp decision", "send posting", "collective", "other")
+IDLE_GROUPS = (INPUT, HELD_BACK, TENSOR_PARALLEL, POSTING, COLLECTIVE, OTHER)
 KNOWN_GROUPS = IDLE_GROUPS[:-1]
 
 
 def reason_group(reason: str) -> str:
-    """The recorded wait reasons in five groups: the DPP runtime's (runtime/executor.py) and those
-    of Megatron's own schedules (comm/megatron_p2p.py: "waiting for an input from rank N")."""
+    """The recorded wait reasons in six groups: the DPP runtime's (runtime/executor.py), those of
+    Megatron's own schedules (comm/megatron_p2p.py: "waiting for an input from rank N") and the
+    training step's collectives (training/step_tracing.py)."""
     if "waiting for an input" in reason:
         return INPUT  # nothing to run until a message arrives
     if reason.startswith("the policy held back"):
@@ -34,6 +40,8 @@ def reason_group(reason: str) -> str:
         return TENSOR_PARALLEL  # a tensor-parallel follower waiting to be told the next task
     if reason.startswith(POSTING_SEND):
         return POSTING  # the transport's isend of the last task's output, both runtimes
+    if reason.startswith(IN_COLLECTIVE):
+        return COLLECTIVE  # a blocking collective of the training step (gradient sync, loss)
     return OTHER
 
 
@@ -111,3 +119,74 @@ def per_rank_totals(iterations: Sequence[IterationTime]) -> List[RankTime]:
     """Each rank's time summed over the iterations."""
     ranks = len(iterations[0].ranks)
     return [total([it.ranks[r] for it in iterations]) for r in range(ranks)]
+
+
+@dataclass
+class StepTime:
+    """One rank's training step (µs): from an iteration's start on that rank (its mark) to the next
+    iteration's start (training or evaluation), or to the rank's last recorded event for the last
+    one. `rest` is what no part covers: waiting for inputs, posting sends, the runtime's loop,
+    logging."""
+    step: float = 0.0
+    tasks: float = 0.0
+    gradient_sync: float = 0.0
+    optimizer: float = 0.0
+    collectives: float = 0.0  # blocking collectives outside the gradient sync (loss, stop signal)
+
+    @property
+    def rest(self) -> float:
+        return self.step - self.tasks - self.gradient_sync - self.optimizer - self.collectives
+
+    def add(self, other: "StepTime") -> None:
+        self.step += other.step
+        self.tasks += other.tasks
+        self.gradient_sync += other.gradient_sync
+        self.optimizer += other.optimizer
+        self.collectives += other.collectives
+
+
+def has_step_parts(run: RunTimeline) -> bool:
+    """Whether the traces recorded the step around the schedule (traces of older runs did not)."""
+    return any(rank.steps for rank in run.ranks)
+
+
+def _step_window(rank: RankTimeline, iteration: int) -> Tuple[float, float]:
+    starts = [time for time, number in rank.marks if number == iteration]
+    if not starts:
+        raise TraceInputError(f"{rank.label}: no start recorded for iteration {iteration}")
+    start = starts[0]
+    later = [time for time, _ in rank.marks if time > start]
+    if later:
+        return start, min(later)
+    ends = [item.end for item in (*rank.tasks, *rank.waits, *rank.steps) if item.end >= start]
+    return start, max(ends, default=start)
+
+
+def step_time(rank: RankTimeline, iteration: int) -> StepTime:
+    start, end = _step_window(rank, iteration)
+
+    def inside(item) -> bool:
+        return start <= item.start < end
+
+    syncs = [step for step in rank.steps if inside(step) and step.name == GRADIENT_SYNC]
+    in_sync = lambda wait: any(sync.start <= wait.start < sync.end for sync in syncs)  # noqa: E731
+    return StepTime(
+        step=end - start,
+        tasks=sum(task.duration for task in rank.tasks_of(iteration)),
+        gradient_sync=sum(sync.duration for sync in syncs),
+        optimizer=sum(step.duration for step in rank.steps if inside(step) and step.name == OPTIMIZER_STEP),
+        collectives=sum(wait.end - wait.start for wait in rank.waits
+                        if inside(wait) and wait.reason.startswith(IN_COLLECTIVE) and not in_sync(wait)))
+
+
+def mean_step_times(run: RunTimeline, iterations: Sequence[int]) -> List[StepTime]:
+    """Each rank's step parts, averaged over the iterations."""
+    means = []
+    for rank in run.ranks:
+        summed = StepTime()
+        for iteration in iterations:
+            summed.add(step_time(rank, iteration))
+        n = len(iterations)
+        means.append(StepTime(summed.step / n, summed.tasks / n, summed.gradient_sync / n,
+                              summed.optimizer / n, summed.collectives / n))
+    return means

@@ -5,7 +5,7 @@ from __future__ import annotations
 from statistics import mean
 from typing import List, Sequence
 
-from profiling.analysis import IDLE_GROUPS, IterationTime, per_rank_totals, total
+from profiling.analysis import IDLE_GROUPS, IterationTime, StepTime, per_rank_totals, total
 from profiling.critical_path import CriticalPath
 from profiling.replay import Replay
 from profiling.timeline import RunTimeline
@@ -40,6 +40,14 @@ def rank_table(run: RunTimeline, iterations: List[IterationTime]) -> str:
     summed = total(totals)
     rows.append(["total", _ms(summed.busy), *(_ms(summed.idle[g]) for g in IDLE_GROUPS),
                  _percent(summed.bubble)])
+    return table(header, rows)
+
+
+def step_table(run: RunTimeline, steps: List[StepTime]) -> str:
+    """Per rank, mean ms per iteration: the whole training step and its parts."""
+    header = ["rank", "step", "tasks", "gradient sync", "optimizer step", "other collectives", "rest"]
+    rows = [[rank.label, _ms(s.step), _ms(s.tasks), _ms(s.gradient_sync), _ms(s.optimizer),
+             _ms(s.collectives), _ms(s.rest)] for rank, s in zip(run.ranks, steps)]
     return table(header, rows)
 
 

@@ -3,9 +3,10 @@ writes): its tasks, waits, messages and activation-memory samples. Times stay in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 from megatron_dpp.pipeline.task import Task
+from megatron_dpp.trace.recorder import STEP_CATEGORY
 from profiling.load import RankTrace, RunTraces, TraceInputError
 
 TASK_CATEGORIES = ("forward", "backward", "weight-grad")
@@ -37,6 +38,19 @@ class Wait:
 
 
 @dataclass(frozen=True)
+class StepSpan:
+    """A part of the training step around the schedule (recorder.GRADIENT_SYNC, OPTIMIZER_STEP)."""
+    rank: int
+    name: str
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
 class Message:
     rank: int  # where it was recorded
     kind: str  # send or recv
@@ -65,6 +79,8 @@ class RankTimeline:
     waits: List[Wait] = field(default_factory=list)
     messages: List[Message] = field(default_factory=list)
     memory: List[MemorySample] = field(default_factory=list)
+    steps: List[StepSpan] = field(default_factory=list)
+    marks: List[Tuple[float, int]] = field(default_factory=list)  # (time, iteration) of each start
     forward_only_iterations: Set[int] = field(default_factory=set)
 
     @property
@@ -108,6 +124,8 @@ def rank_timeline(trace: RankTrace) -> RankTimeline:
     timeline.waits.sort(key=lambda wait: wait.start)
     timeline.messages.sort(key=lambda message: message.time)
     timeline.memory.sort(key=lambda sample: sample.time)
+    timeline.steps.sort(key=lambda step: step.start)
+    timeline.marks.sort()
     return timeline
 
 
@@ -127,8 +145,14 @@ def _add_event(timeline: RankTimeline, event: Dict) -> None:
         kind, _, task = event["name"].partition(" ")
         timeline.messages.append(Message(timeline.rank, kind, task, int(args["peer"]), int(args["tag"]),
                                          args.get("bytes"), float(event["ts"])))
-    elif phase == "i" and category == "iteration" and args.get("forward_only"):
-        timeline.forward_only_iterations.add(int(event["name"].split()[-1]))
+    elif phase == "X" and category == STEP_CATEGORY:
+        start = float(event["ts"])
+        timeline.steps.append(StepSpan(timeline.rank, event["name"], start, start + float(event["dur"])))
+    elif phase == "i" and category == "iteration":
+        iteration = int(event["name"].split()[-1])
+        timeline.marks.append((float(event["ts"]), iteration))
+        if args.get("forward_only"):
+            timeline.forward_only_iterations.add(iteration)
     elif phase == "C" and event.get("name") == "activation bytes":
         timeline.memory.append(MemorySample(float(event["ts"]), int(args["held"]), int(args["budget"])))
 

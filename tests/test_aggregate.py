@@ -14,9 +14,10 @@ from _train_util import PYTHON, REPO_ROOT, run_training
 sys.path.insert(0, str(REPO_ROOT))
 
 from megatron_dpp.trace import chrome  # noqa: E402
-from megatron_dpp.trace.recorder import POSTING_SEND, TraceRecorder  # noqa: E402
-from profiling.analysis import (HELD_BACK, INPUT, OTHER, POSTING, TENSOR_PARALLEL,  # noqa: E402
-                               iteration_time)
+from megatron_dpp.trace.recorder import (GRADIENT_SYNC, IN_COLLECTIVE, OPTIMIZER_STEP,  # noqa: E402
+                                         POSTING_SEND, TraceRecorder)
+from profiling.analysis import (COLLECTIVE, HELD_BACK, INPUT, OTHER, POSTING,  # noqa: E402
+                               TENSOR_PARALLEL, iteration_time, mean_step_times)
 from profiling.critical_path import critical_path  # noqa: E402
 from profiling.load import load_run  # noqa: E402
 from profiling.replay import replay  # noqa: E402
@@ -32,7 +33,19 @@ HELD = "the policy held back ready tasks (memory budget or its order): B0.0"
 RANK0 = [("F0.0", 0, 10), ("F1.0", 10, 20), ("B0.0", 41, 61), ("B1.0", 70, 90)]
 RANK1 = [("F0.0", 10, 20), ("B0.0", 20, 40), ("F1.0", 40, 50), ("B1.0", 50, 70)]
 WAITS0 = [(20, 30, HELD), (30, 40, INPUT_WAIT), (61, 70, INPUT_WAIT)]  # 40..41 recorded by nothing
-WAITS1 = [(0, 10, INPUT_WAIT)]  # 70..90, after its last task, recorded by nothing
+# After its last task rank 1 is in the gradient sync from 70 ms: its collectives' waits 70..72 and
+# 75..95 (17 ms of them inside the window); 72..75 recorded by nothing.
+DP_REDUCTION = f"{IN_COLLECTIVE} data-parallel gradient reduction"
+EMBEDDING = f"{IN_COLLECTIVE} embedding gradient all-reduce (first and last pipeline stage)"
+STOP = f"{IN_COLLECTIVE} agreeing on a stop signal (all ranks)"
+WAITS1 = [(0, 10, INPUT_WAIT), (70, 72, DP_REDUCTION), (75, 95, EMBEDDING)]
+# The step around the schedule, per rank: (name, start, end) on the step lane, and the loop's
+# stop-signal collective. Rank 0: gradient sync 90..95 (its embedding all-reduce), optimizer
+# 95..105, stop 105..110; rank 1: gradient sync 70..95, optimizer 95..103, stop 103..110.
+STEPS0 = [(GRADIENT_SYNC, 90, 95), (OPTIMIZER_STEP, 95, 105)]
+AFTER0 = [(90, 95, EMBEDDING), (105, 110, STOP)]
+STEPS1 = [(GRADIENT_SYNC, 70, 95), (OPTIMIZER_STEP, 95, 103)]
+AFTER1 = [(103, 110, STOP)]
 RECEIVED0 = {"B0.0": 40, "B1.0": 70}  # when rank 0 took each input in
 RECEIVED1 = {"F0.0": 10, "F1.0": 40}
 BUDGETS = (200, 100)  # the default budgets at 100 activation bytes per microbatch (1F1B: 2 and 1 held)
@@ -49,7 +62,8 @@ def write_synthetic_run(directory: Path, name: str = "synthetic-pp2-dpp", scale:
     written on a clock that far ahead, with the uncorrected alignment that says so."""
     run = directory / name
     run.mkdir(parents=True)
-    for rank, (tasks, waits, received) in enumerate(((RANK0, WAITS0, RECEIVED0), (RANK1, WAITS1, RECEIVED1))):
+    for rank, (tasks, waits, received, steps) in enumerate(((RANK0, WAITS0 + AFTER0, RECEIVED0, STEPS0),
+                                                            (RANK1, WAITS1 + AFTER1, RECEIVED1, STEPS1))):
         recorder = TraceRecorder(rank, f"rank {rank} (pp {rank}, tp 0, dp 0)")
         held = 0
         for iteration in range(iterations):
@@ -61,6 +75,8 @@ def write_synthetic_run(directory: Path, name: str = "synthetic-pp2-dpp", scale:
             recorder.mark(f"iteration {iteration}", at(0), {"forward_only": False, "policy": "1f1b"})
             for start, end, reason in waits:
                 recorder.wait(at(start), at(end), reason)
+            for step, start, end in steps:
+                recorder.step(step, at(start), at(end))
             for task, time in received.items():
                 recorder.message(f"recv {task}", at(time), {"peer": 1 - rank, "tag": _tag(iteration, task),
                                                             "bytes": 64})
@@ -106,7 +122,9 @@ def test_synthetic_run_busy_idle_bubble_and_critical_path(tmp_path):
     assert rank0.idle[POSTING] == pytest.approx(2_000) and rank1.idle[POSTING] == pytest.approx(2_000)
     assert rank0.idle[OTHER] == pytest.approx(1_000, abs=1e-3)
     assert rank1.idle[INPUT] == pytest.approx(10_000)
-    assert rank1.idle[OTHER] == pytest.approx(20_000, abs=1e-3)
+    assert rank1.idle[COLLECTIVE] == pytest.approx(17_000, abs=1e-3)  # 70..72 and 75..90
+    assert rank1.idle[OTHER] == pytest.approx(3_000, abs=1e-3)
+    assert rank0.idle[COLLECTIVE] == 0  # its collectives come after the window
     assert rank0.idle[TENSOR_PARALLEL] == rank1.idle[TENSOR_PARALLEL] == 0
     assert it.bubble == pytest.approx(64 / 180)
     # Outputs are there at their sends (at the compute's end, 1 ms before the posting ends), and a
@@ -117,6 +135,15 @@ def test_synthetic_run_busy_idle_bubble_and_critical_path(tmp_path):
     assert path.length == pytest.approx(87_000, abs=1e-3)
     assert [(t.rank, t.name) for t in path.tasks] == [
         (0, "F0.0"), (1, "F0.0"), (1, "B0.0"), (1, "F1.0"), (1, "B1.0"), (0, "B1.0")]
+    # The whole step of iteration 1 (the last: up to the rank's last event, 110 ms), per rank; the
+    # collective inside the gradient sync counts as gradient sync, not as "other collectives".
+    step0, step1 = mean_step_times(run, [1])
+    assert (step0.step, step0.tasks, step0.gradient_sync, step0.optimizer, step0.collectives, step0.rest) == \
+        pytest.approx((110_000, 58_000, 5_000, 10_000, 5_000, 32_000), abs=1e-3)
+    assert (step1.step, step1.tasks, step1.gradient_sync, step1.optimizer, step1.collectives, step1.rest) == \
+        pytest.approx((110_000, 58_000, 25_000, 8_000, 7_000, 12_000), abs=1e-3)
+    # Iteration 0's step runs from its start to iteration 1's.
+    assert mean_step_times(run, [0])[0].step == pytest.approx(1_000_000, abs=1e-3)
     # The warm-up iteration is the same schedule, twice as slow.
     assert iteration_time(run, 0).duration == pytest.approx(180_000, abs=1e-3)
     # 1F1B replayed on these compute durations with free messages and free posting: the critical
@@ -142,11 +169,15 @@ def test_synthetic_run_table_plots_and_compare(tmp_path):
     out = result.stdout
     assert f"{tmp_path / 'a'} holds one run: taking run-a" in out
     lines = out.splitlines()
-    # busy, input wait, held back, tp decision, send posting, other, bubble: summed over iteration
-    # 1, both ranks
+    # busy, input wait, held back, tp decision, send posting, collective, other, bubble: summed over
+    # iteration 1, both ranks
     totals = [line.split() for line in lines if line.startswith("total")]
-    assert totals[0] == ["total", "116.0", "29.0", "10.0", "0.0", "4.0", "21.0", "35.6%"]
-    assert totals[1] == ["total", "174.0", "43.5", "15.0", "0.0", "6.0", "31.5", "35.6%"]
+    assert totals[0] == ["total", "116.0", "29.0", "10.0", "0.0", "4.0", "17.0", "4.0", "35.6%"]
+    assert totals[1] == ["total", "174.0", "43.5", "15.0", "0.0", "6.0", "25.5", "6.0", "35.6%"]
+    # The training step per rank: step, tasks, gradient sync, optimizer step, other collectives, rest.
+    steps = [line.split()[-6:] for line in lines if line.startswith("rank 1 (pp 1")]
+    assert ["110.0", "58.0", "25.0", "8.0", "7.0", "12.0"] in steps, out
+    assert ["165.0", "87.0", "37.5", "12.0", "10.5", "18.0"] in steps, out
     assert ["1", "90.0", "87.0", "1.03", "35.6%"] in [line.split() for line in lines]
     assert "critical path of iteration 1 (87.0 ms, 6 tasks): rank 0: F0.0 | rank 1: F0.0 B0.0 F1.0 B1.0 " \
            "| rank 0: B1.0" in out

@@ -5,7 +5,8 @@ profile into the run directory the trace uses, for the iterations of the window.
 the window's arithmetic (Megatron-LM's counting) and a run stopped inside it. --nvtx: the DPP
 runtime pushes one NVTX range per task, named like the task, around its step (torch.cuda.nvtx is
 replaced by a recorder here: on CPU it has nothing to annotate; the flag check refuses --nvtx there,
-tests/test_args_validation.py)."""
+tests/test_args_validation.py); for Megatron's own schedules, the same names around each forward and
+backward step."""
 import json
 import threading
 
@@ -88,3 +89,30 @@ def test_nvtx_range_around_every_task_named_like_it(monkeypatch):
         pushes = [name for kind, name in sequence[0::2]]
         assert [kind for kind, _ in sequence] == ["push", "pop"] * 8, (thread, sequence)
         assert sorted(pushes) == sorted(f"{p}{m}.0" for p in "FB" for m in range(4)), pushes
+
+
+def test_nvtx_range_around_every_megatron_step_named_like_its_task(monkeypatch):
+    """Megatron's schedule, not traced (no recorder): its forward_step/backward_step timers push
+    and pop one range each, named like the task the k-th step of each phase is (1F1B order)."""
+    from megatron_dpp.training.megatron_tracing import MegatronScheduleTracer
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(("push", name)))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append(("pop", None)))
+    tracer = MegatronScheduleTracer(None, pipeline_rank=0, pipeline_size=2, microbatch_work=len,
+                                    policy="megatron 1f1b", nvtx=True)
+
+    class Config:
+        timers = None
+        microbatch_group_size_per_vp_stage = None
+
+    def schedule(*, data_iterator, model, num_microbatches, forward_only):
+        for phase in ("forward", "forward", "backward", "forward", "backward", "backward"):
+            Config.timers(f"{phase}-compute", log_level=2).start()
+            Config.timers(f"{phase}-compute").stop()
+
+    tracer.run(schedule, Config, {"data_iterator": iter([]), "model": object(), "num_microbatches": 3,
+                                  "forward_only": False})
+    assert Config.timers is None
+    assert calls == [(kind, name) for task in ["F0.0", "F1.0", "B0.0", "F2.0", "B1.0", "B2.0"]
+                     for kind, name in (("push", task), ("pop", None))]

@@ -1,7 +1,9 @@
 """--trace on the tiny GPT (pp=2): the DPP runtime and Megatron's own 1F1B and interleaved schedules,
 recorded by the same recorder. One Chrome trace per rank; every task once per iteration; no two tasks
 of a rank at once; every receive matches a send of the task that feeds it, and (on rank 0's clock,
-within the stored error) comes after it; memory within budget under DPP.
+within the stored error) comes after it; memory within budget under DPP; each iteration's gradient
+sync (with Megatron's collectives inside it), optimizer step, loss all-reduce and stop-signal
+agreement once, in that order, after the iteration's tasks.
 
 Also, without processes: the clock-alignment arithmetic, Megatron's task order and message pairing,
 and the timers hook."""
@@ -10,7 +12,8 @@ import pytest
 from _trace_checks import check_clock_alignment, check_messages, load_traces
 from _train_util import run_training
 from megatron_dpp.pipeline import Phase, Task, TaskGraph
-from megatron_dpp.trace.recorder import POSTING_SEND
+from megatron_dpp.trace.recorder import GRADIENT_SYNC, IN_COLLECTIVE, OPTIMIZER_STEP, POSTING_SEND
+from megatron_dpp.training.step_tracing import FINALIZE_COLLECTIVES, LOSS_ALL_REDUCE, STOP_AGREEMENT
 from megatron_dpp.trace.clock import ClockAlignment, OffsetSample, offset_from_rounds
 
 ITERATIONS, MICROBATCHES = 3, 8
@@ -58,6 +61,31 @@ def _check_rank(rank, trace, run_name, chunks):
     marks = [e["name"] for e in events if e.get("cat") == "iteration"]
     assert marks == [f"iteration {i}" for i in range(ITERATIONS)], marks
     _check_messages_sit_at_their_tasks(rank, events)
+    _check_step_parts(rank, events, is_last_stage=meta["pipeline_rank"] == 1)
+
+
+def _check_step_parts(rank, events, is_last_stage):
+    """Per iteration (from its mark to the next): one gradient sync after the iteration's last task,
+    holding a wait for each of Megatron's finalize collectives; then one optimizer step; then the
+    loss all-reduce (last stage only) and the stop-signal agreement, each once."""
+    marks = sorted(e["ts"] for e in events if e.get("cat") == "iteration") + [float("inf")]
+    for iteration in range(ITERATIONS):
+        low, high = marks[iteration], marks[iteration + 1]
+        within = [e for e in events if low <= e.get("ts", -1) < high]
+        steps = sorted((e for e in within if e.get("cat") == "step"), key=lambda e: e["ts"])
+        assert [e["name"] for e in steps] == [GRADIENT_SYNC, OPTIMIZER_STEP], (rank, iteration, steps)
+        assert all(e["tid"] == 2 for e in steps)
+        sync, optimizer = steps
+        last_task_end = max(e["ts"] + e["dur"] for e in events if e.get("cat") in ("forward", "backward")
+                            and e["args"]["iteration"] == iteration)
+        assert sync["ts"] >= last_task_end - 1.0, (rank, iteration)
+        assert optimizer["ts"] >= sync["ts"] + sync["dur"] - 1.0, (rank, iteration)
+        collectives = [(e["ts"], e["args"]["reason"][len(IN_COLLECTIVE) + 1:]) for e in within
+                       if e.get("cat") == "idle" and e["args"]["reason"].startswith(IN_COLLECTIVE)]
+        in_sync = sorted(what for ts, what in collectives if ts < sync["ts"] + sync["dur"])
+        assert in_sync == sorted(FINALIZE_COLLECTIVES.values()), (rank, iteration, in_sync)
+        after = [what for ts, what in sorted(collectives) if ts >= optimizer["ts"] + optimizer["dur"] - 1.0]
+        assert after == ([LOSS_ALL_REDUCE] if is_last_stage else []) + [STOP_AGREEMENT], (rank, after)
 
 
 def _check_messages_sit_at_their_tasks(rank, events):
@@ -231,3 +259,62 @@ def test_schedule_timers_record_steps_and_pass_every_timer_on():
     assert ("start", "all-grads-sync", 1) in replaced.calls
     assert replaced.calls.count(("start", "backward-compute", 2)) == 2
     assert replaced.calls.count(("stop", "forward-compute", None)) == 2
+
+
+def test_gradient_sync_span_holds_a_wait_per_finalize_collective():
+    """The wrapped finalize_model_grads is one GRADIENT_SYNC span on the step lane; each of Megatron's
+    collective timers inside it is a wait on the compute lane within the span; every timer call
+    still reaches the timers the stand-in replaced, which are back in place afterwards."""
+    from megatron_dpp.trace.recorder import TraceRecorder
+    from megatron_dpp.training.step_tracing import StepTracer
+
+    recorder = TraceRecorder(0, "rank 0")
+    replaced = _FakeTimers()
+
+    class Config:
+        timers = replaced
+
+    def finalize(models, num_tokens, **kwargs):
+        for name in ("all-grads-sync", "embedding-grads-all-reduce"):
+            Config.timers(name, log_level=1).start(barrier=False)
+            Config.timers(name).stop()
+        return kwargs["force_all_reduce"]
+
+    wrapped = StepTracer(recorder).traced_finalize(Config, finalize)
+    assert wrapped([], None, force_all_reduce="passed on") == "passed on"
+    assert Config.timers is replaced
+    assert replaced.calls == [("start", "all-grads-sync", 1), ("stop", "all-grads-sync", None),
+                              ("start", "embedding-grads-all-reduce", 1),
+                              ("stop", "embedding-grads-all-reduce", None)]
+    spans = [e for e in recorder.events if e.get("ph") == "X"]
+    (sync,) = [e for e in spans if e["cat"] == "step"]
+    assert sync["name"] == GRADIENT_SYNC and sync["tid"] == 2
+    waits = [e for e in spans if e["cat"] == "idle"]
+    assert [e["args"]["reason"] for e in waits] == [
+        f"{IN_COLLECTIVE} {FINALIZE_COLLECTIVES['all-grads-sync']}",
+        f"{IN_COLLECTIVE} {FINALIZE_COLLECTIVES['embedding-grads-all-reduce']}"]
+    for wait in waits:
+        assert wait["tid"] == 0
+        assert sync["ts"] <= wait["ts"] and wait["ts"] + wait["dur"] <= sync["ts"] + sync["dur"]
+
+
+def test_gradient_sync_without_timers_of_its_own_and_after_an_error():
+    """config.timers None (the DPP runtime's default): the stand-in still sees the collectives; an
+    exception inside finalize leaves config.timers as it was and still records the span."""
+    from megatron_dpp.trace.recorder import TraceRecorder
+    from megatron_dpp.training.step_tracing import StepTracer
+
+    recorder = TraceRecorder(0, "rank 0")
+
+    class Config:
+        timers = None
+
+    def finalize():
+        Config.timers("all-grads-sync", log_level=1).start()
+        Config.timers("all-grads-sync").stop()
+        raise RuntimeError("peer lost")
+
+    with pytest.raises(RuntimeError, match="peer lost"):
+        StepTracer(recorder).traced_finalize(Config, finalize)()
+    assert Config.timers is None
+    assert sorted(e["cat"] for e in recorder.events if e.get("ph") == "X") == ["idle", "step"]

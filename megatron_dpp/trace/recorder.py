@@ -3,8 +3,10 @@
 
 Lanes (threads) of a rank's process: `compute` holds every task as a span named in the task's
 short form (`F3.1`) and covering its compute alone, and the waits between them with their reason
-(posting a task's output send is one: POSTING_SEND); `messages` holds every send as it is posted
-and every receive as it is taken in. A counter tracks the activation bytes held
+(posting a task's output send is one: POSTING_SEND; a blocking collective another: IN_COLLECTIVE);
+`messages` holds every send as it is posted and every receive as it is taken in; `training step`
+holds what a training iteration does around the schedule's tasks (GRADIENT_SYNC, OPTIMIZER_STEP),
+its collectives' waits being on the compute lane. A counter tracks the activation bytes held
 against the budget (DPP only). Events are recorded in time.perf_counter() microseconds of this
 rank; `write` puts them on the reference rank's clock (trace/clock.py's ClockAlignment).
 
@@ -17,7 +19,14 @@ from typing import Any, Dict, List, Optional
 from megatron_dpp.trace import chrome
 from megatron_dpp.trace.clock import ClockAlignment
 
-COMPUTE_LANE, MESSAGE_LANE = 0, 1
+COMPUTE_LANE, MESSAGE_LANE, STEP_LANE = 0, 1, 2
+STEP_CATEGORY = "step"
+# The spans of the training-step lane: Megatron's finalize_model_grads (data-parallel gradient
+# reduction, embedding and layer-norm gradient all-reduces) and the optimizer's step (with its
+# gradient-norm all-reduce).
+GRADIENT_SYNC, OPTIMIZER_STEP = "gradient sync", "optimizer step"
+# The reason of a wait in a blocking collective ("in a collective: loss all-reduce (...)").
+IN_COLLECTIVE = "in a collective:"
 # The reason of the wait that follows a task's span while its output send is posted (the
 # transport's isend): not compute, so a task's span is its compute alone on both sides.
 POSTING_SEND = "posting the output send of"
@@ -38,6 +47,7 @@ class TraceRecorder:
             chrome.process_name(rank, label),
             chrome.thread_name(rank, COMPUTE_LANE, "compute"),
             chrome.thread_name(rank, MESSAGE_LANE, "messages"),
+            chrome.thread_name(rank, STEP_LANE, "training step"),
         ]
 
     def task(self, name: str, category: str, start: float, end: float, args: Dict[str, Any]) -> None:
@@ -47,6 +57,11 @@ class TraceRecorder:
     def wait(self, start: float, end: float, reason: str) -> None:
         self.events.append(chrome.span("wait", "idle", self.rank, COMPUTE_LANE, _us(start),
                                        _us(end - start), {"reason": reason}))
+
+    def step(self, name: str, start: float, end: float) -> None:
+        """A part of the training step around the schedule (GRADIENT_SYNC, OPTIMIZER_STEP)."""
+        self.events.append(chrome.span(name, STEP_CATEGORY, self.rank, STEP_LANE, _us(start),
+                                       _us(end - start)))
 
     def message(self, name: str, time: float, args: Dict[str, Any]) -> None:
         self.events.append(chrome.instant(name, "message", self.rank, MESSAGE_LANE, _us(time), args))

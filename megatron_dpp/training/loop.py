@@ -8,6 +8,7 @@ CPU patches. `pretrain(args, spec)` returns the process exit code: 0 when traini
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import os
@@ -31,6 +32,7 @@ from megatron_dpp.models import ModelSpec
 from megatron_dpp.platform import Platform, setup_platform
 from megatron_dpp.runtime.config import DPPConfig
 from megatron_dpp.runtime.watchdog import StallWatchdog, report_and_exit
+from megatron_dpp.trace.recorder import OPTIMIZER_STEP
 from megatron_dpp.training.checkpointing import TrainState, load_checkpoint, save_checkpoint
 from megatron_dpp.training.config import (
     TrainingConfig,
@@ -43,6 +45,7 @@ from megatron_dpp.training.pipeline import build_forward_backward, close_forward
 from megatron_dpp.training.profiling import make_profiler
 from megatron_dpp.training.failures import is_lost_peer_error, lost_peer_report
 from megatron_dpp.training.signals import StopSignals
+from megatron_dpp.training.step_tracing import LOSS_ALL_REDUCE, STOP_AGREEMENT, StepTracer
 from megatron_dpp.training.tracing import agree_run_directory
 
 
@@ -169,6 +172,7 @@ class Trainer:
         # --trace and --profile write into one directory per run, agreed on by all ranks.
         run_directory = agree_run_directory(args) if args.trace or args.profile else None
         self.forward_backward = build_forward_backward(args, spec, run_directory)
+        self.step_tracer = _step_tracer(self.forward_backward, self.config)
         self.profiler = make_profiler(args, dist.get_rank(), run_directory)
         self.forward_step = spec.make_forward_step(platform.device)
         self.state = TrainState()
@@ -199,7 +203,8 @@ class Trainer:
         if self.train.empty_unused_memory_level >= 1:
             torch.cuda.empty_cache()
         self.watch("the optimizer step (gradient-norm all-reduce over the model-parallel group)")
-        updated, grad_norm, _zeros = self.optimizer.step()
+        with self.traced_step(OPTIMIZER_STEP):
+            updated, grad_norm, _zeros = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)
         if self.train.empty_unused_memory_level >= 2:
@@ -207,11 +212,22 @@ class Trainer:
         self.state.iteration += 1
         self.state.consumed_samples += self.train.global_batch_size
         self.watch("the loss all-reduce over the data-parallel group")
-        reduced = reduce_losses(losses, self.platform.device)
+        with self.in_collective(LOSS_ALL_REDUCE, parallel_state.is_pipeline_last_stage(ignore_virtual=True)):
+            reduced = reduce_losses(losses, self.platform.device)
         self.unwatch()
         if self.profiler is not None:
             self.profiler.iteration_ended(self.state.iteration)
         return reduced, grad_norm, updated
+
+    def traced_step(self, name: str):
+        """With --trace: a span of the training step (training/step_tracing.py)."""
+        return contextlib.nullcontext() if self.step_tracer is None else self.step_tracer.step(name)
+
+    def in_collective(self, what: str, takes_part: bool = True):
+        """With --trace, where this rank takes part: a wait in a blocking collective."""
+        if self.step_tracer is None or not takes_part:
+            return contextlib.nullcontext()
+        return self.step_tracer.collective(what)
 
     def watch(self, phase: str) -> None:
         """Arm the stall watchdog (with --use-dpp) for a phase that blocks on other ranks."""
@@ -259,6 +275,18 @@ class Trainer:
         path = save_checkpoint(self.train.save, self.state, self.model, self.optimizer,
                                self.scheduler)
         log_rank0(f" saved checkpoint at iteration {self.state.iteration} to {path}")
+
+
+def _step_tracer(forward_backward, config) -> StepTracer | None:
+    """With --trace (the schedule's RunTrace on forward_backward): the recorder of the parts of the
+    step around the schedule, its gradient sync hooked through config.finalize_model_grads_func."""
+    trace = getattr(forward_backward, "trace", None)
+    if trace is None:
+        return None
+    tracer = StepTracer(trace.recorder)
+    if config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func = tracer.traced_finalize(config, config.finalize_model_grads_func)
+    return tracer
 
 
 def _stall_watchdog(args: argparse.Namespace) -> StallWatchdog | None:
@@ -369,7 +397,8 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds) -> in
                 trainer.save()
                 last_saved = iteration
             trainer.watch("agreeing on a stop signal (all-reduce over every rank)")
-            stop = signals.agreed_stop()
+            with trainer.in_collective(STOP_AGREEMENT):
+                stop = signals.agreed_stop()
             trainer.unwatch()
             if stop is not None:
                 if train.save and last_saved != iteration:

@@ -1,13 +1,14 @@
-"""--trace for Megatron-Core's own schedules (1F1B, interleaved 1F1B), recorded like the DPP runtime:
-the same recorder, task names, args, lanes and wait reasons, so the two sides of a comparison are
-recorded by the same code.
+"""--trace and --nvtx for Megatron-Core's own schedules (1F1B, interleaved 1F1B), recorded like the
+DPP runtime: the same recorder, task names, args, lanes and wait reasons, so the two sides of a
+comparison are recorded by the same code; with --nvtx, an NVTX range named like the task around
+each forward and backward step, as the DPP runtime pushes around its tasks.
 
 How the schedule is hooked (no Megatron function is wrapped, patched or copied):
 - Steps. Megatron's forward_step and backward_step start and stop the timers 'forward-compute' and
   'backward-compute' on `config.timers`, TransformerConfig's public timing hook, around exactly the
   model's forward (with the loss) and its backward. While a traced schedule runs, config.timers is a
-  `ScheduleTimers` that turns those two into task spans and passes every timer call on to the
-  timers it stands in for, if any. Wrapping forward_step_func alone would miss the backward, which
+  HookedTimers (training/timer_hooks.py) that turns those two into task spans and passes every
+  timer call on to the timers it stands in for, if any. Wrapping forward_step_func alone would miss the backward, which
   Megatron runs from inside its schedule.
 - Which task a step is. Megatron's interleaved schedule runs its forwards in the order of its
   schedule table (get_schedule_table: the (microbatch, chunk) of each virtual microbatch) and its
@@ -29,11 +30,13 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+import torch
 from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
 from megatron_dpp.comm.tags import Direction
 from megatron_dpp.pipeline import Phase, Task, TaskGraph
 from megatron_dpp.trace.recorder import POSTING_SEND, TraceRecorder
+from megatron_dpp.training.timer_hooks import HookedTimers
 
 # Megatron's timer names around its forward_step and backward_step.
 STEP_TIMERS = {"forward-compute": Phase.F, "backward-compute": Phase.B}
@@ -78,12 +81,14 @@ class _WorkCountingIterator:
 
 
 class MegatronScheduleTracer:
-    """Fills a TraceRecorder from one rank's Megatron schedule; one instance for the run, `run`
-    once per forward_backward call (an iteration, as the DPP runtime counts them)."""
+    """Fills a TraceRecorder (--trace) and pushes NVTX ranges (--nvtx) from one rank's Megatron
+    schedule; one instance for the run, `run` once per forward_backward call (an iteration, as the
+    DPP runtime counts them). Its message hooks (the P2PObserver part) need the recorder."""
 
-    def __init__(self, recorder: TraceRecorder, pipeline_rank: int, pipeline_size: int,
-                 microbatch_work: Callable[[Any], int], policy: str):
+    def __init__(self, recorder: Optional[TraceRecorder], pipeline_rank: int, pipeline_size: int,
+                 microbatch_work: Callable[[Any], int], policy: str, nvtx: bool = False):
         self.recorder = recorder
+        self.nvtx = nvtx
         self.rank, self.P = pipeline_rank, pipeline_size
         self.microbatch_work = microbatch_work
         self.policy = policy
@@ -92,7 +97,7 @@ class MegatronScheduleTracer:
         self.upcoming: Dict[tuple, Iterator[Task]] = {}  # (kind, phase) -> the rest of the order
         self.expected: Dict[tuple, Task] = {}  # (peer, tag) of a posted receive -> its reader
         self.iterators: List[Optional[_WorkCountingIterator]] = []
-        self.step_started: Dict[Phase, float] = {}
+        self.step_started: Dict[Phase, tuple] = {}  # phase -> (task, start time) of the running step
 
     def run(self, schedule: Callable, config, kwargs: Dict[str, Any]) -> Any:
         """schedule(**kwargs) with this rank's steps, messages and waits recorded."""
@@ -102,7 +107,8 @@ class MegatronScheduleTracer:
                     bool(kwargs.get("forward_only", False)))
         kwargs = dict(kwargs, data_iterator=self._wrap_iterators(kwargs["data_iterator"]))
         replaced = config.timers
-        config.timers = ScheduleTimers(self, replaced)
+        config.timers = HookedTimers(STEP_TIMERS, lambda name: self.started(STEP_TIMERS[name]),
+                                     lambda name: self.finished(STEP_TIMERS[name]), replaced)
         try:
             return schedule(**kwargs)
         finally:
@@ -116,8 +122,9 @@ class MegatronScheduleTracer:
         self.upcoming = {(kind, phase): iter(tasks) for kind, by_phase in order.tasks.items()
                          for phase, tasks in by_phase.items()}
         self.step_started = {}
-        self.recorder.mark(f"iteration {self.iteration}", time.perf_counter(),
-                           {"forward_only": forward_only, "policy": self.policy})
+        if self.recorder is not None:
+            self.recorder.mark(f"iteration {self.iteration}", time.perf_counter(),
+                               {"forward_only": forward_only, "policy": self.policy})
 
     def _wrap_iterators(self, data_iterator):
         sources = data_iterator if isinstance(data_iterator, list) else [data_iterator]
@@ -129,7 +136,7 @@ class MegatronScheduleTracer:
         """The task of this rank's next step, send or read (`kind`) of `phase`."""
         task = next(self.upcoming[(kind, phase)], None)
         if task is None:
-            raise RuntimeError(f"--trace: Megatron's schedule ran more {phase.label} {kind} than its "
+            raise RuntimeError(f"--trace/--nvtx: Megatron's schedule ran more {phase.label} {kind} than its "
                                f"schedule table has in iteration {self.iteration}; the traced task "
                                "order does not match this Megatron-Core version")
         return task
@@ -140,19 +147,26 @@ class MegatronScheduleTracer:
             return None
         return source.works[task.microbatch]
 
-    # ---- ScheduleTimers --------------------------------------------------------------------------
+    # ---- the step timers (HookedTimers) ----------------------------------------------------------
     def started(self, phase: Phase) -> None:
-        self.step_started[phase] = time.perf_counter()
+        task = self._next("steps", phase)  # the k-th step of a phase started is its k-th task
+        if self.nvtx:
+            torch.cuda.nvtx.range_push(str(task))
+        self.step_started[phase] = (task, time.perf_counter())
 
     def finished(self, phase: Phase) -> None:
         ended = time.perf_counter()
-        task = self._next("steps", phase)
+        if self.nvtx:
+            torch.cuda.nvtx.range_pop()
+        task, started = self.step_started.pop(phase)
+        if self.recorder is None:
+            return
         args = {"iteration": self.iteration, "microbatch": task.microbatch, "chunk": task.chunk,
                 "virtual_stage": self.graph.virtual_stage(self.rank, task.chunk)}
         tokens = self._tokens(task)
         if tokens is not None:
             args["tokens"] = tokens
-        self.recorder.task(str(task), phase.label, self.step_started.pop(phase), ended, args)
+        self.recorder.task(str(task), phase.label, started, ended, args)
 
     # ---- P2PObserver (comm/megatron_p2p.py) ------------------------------------------------------
     def sent(self, direction: Direction, peer: int, tag: int, nbytes: int, posted: float) -> None:
@@ -171,44 +185,3 @@ class MegatronScheduleTracer:
     def waited(self, started: float, ended: float, reason: str) -> None:
         self.recorder.wait(started, ended, reason)
 
-
-class _NoTimer:
-    def start(self, barrier: bool = False) -> None:
-        return None
-
-    def stop(self, barrier: bool = False) -> None:
-        return None
-
-
-class _StepTimer:
-    """'forward-compute' or 'backward-compute': a task span, and the replaced timer if any."""
-
-    def __init__(self, tracer: MegatronScheduleTracer, phase: Phase, replaced):
-        self.tracer, self.phase, self.replaced = tracer, phase, replaced
-
-    def start(self, barrier: bool = False) -> None:
-        self.tracer.started(self.phase)
-        self.replaced.start(barrier=barrier)
-
-    def stop(self, barrier: bool = False) -> None:
-        self.replaced.stop(barrier=barrier)
-        self.tracer.finished(self.phase)
-
-
-class ScheduleTimers:
-    """config.timers while a traced schedule runs: Megatron's Timers interface
-    (`timers(name, log_level=None)` -> an object with start() and stop())."""
-
-    def __init__(self, tracer: MegatronScheduleTracer, replaced=None):
-        self.tracer = tracer
-        self.replaced = replaced  # the config's own timers (Megatron-LM's Timers), or None
-
-    def __call__(self, name: str, log_level: Optional[int] = None):
-        if self.replaced is None:
-            timer = _NoTimer()
-        elif log_level is None:
-            timer = self.replaced(name)
-        else:
-            timer = self.replaced(name, log_level=log_level)
-        phase = STEP_TIMERS.get(name)
-        return timer if phase is None else _StepTimer(self.tracer, phase, timer)

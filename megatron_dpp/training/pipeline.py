@@ -30,12 +30,15 @@ def build_forward_backward(args: argparse.Namespace, spec: ModelSpec,
     """Call after parallel_state is initialized (Megatron picks its schedule from it).
     `run_directory`: where --trace writes (training/tracing.py's agree_run_directory).
 
-    A callable that holds resources carries a `close()`; see close_forward_backward."""
+    A callable that holds resources carries a `close()`; see close_forward_backward. One built with
+    --trace carries its `trace` (training/tracing.py's RunTrace; None without --trace), which the
+    training step records its own parts into."""
     if getattr(args, "use_dpp", False):
         return _build_dpp(args, spec, run_directory)
-    # --trace records Megatron's schedule through our P2P adapter, so a traced run takes that path
-    # with every transport, torch.distributed (TorchTransport) included.
-    if args.pipeline_model_parallel_size > 1 and (args.p2p_transport != "torch" or args.trace):
+    # --trace and --nvtx see Megatron's schedule through our P2P adapter and config.timers, so such
+    # a run takes that path with every transport, torch.distributed (TorchTransport) included.
+    if args.pipeline_model_parallel_size > 1 and (args.p2p_transport != "torch" or args.trace
+                                                  or args.nvtx):
         return _build_megatron_over_transport(args, spec, run_directory)
     return get_forward_backward_func()
 
@@ -43,8 +46,8 @@ def build_forward_backward(args: argparse.Namespace, spec: ModelSpec,
 def _build_megatron_over_transport(args: argparse.Namespace, spec: ModelSpec,
                                    run_directory: Optional[str]) -> Callable:
     """Megatron's own 1F1B / interleaved schedule, its messages carried by our transports
-    (TransportP2PCommunicator); with --trace, its steps, messages and waits recorded. Builds the
-    transport (and starts the trace) now: collective."""
+    (TransportP2PCommunicator); with --trace, its steps, messages and waits recorded; with --nvtx,
+    an NVTX range around each step. Builds the transport (and starts the trace) now: collective."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.utils import get_model_config
@@ -57,15 +60,17 @@ def _build_megatron_over_transport(args: argparse.Namespace, spec: ModelSpec,
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     communicators: dict[int, TransportP2PCommunicator] = {}
     trace, tracer = None, None
-    if args.trace:
+    if args.trace or args.nvtx:
         from megatron_dpp.training.megatron_tracing import MegatronScheduleTracer
         from megatron_dpp.training.tracing import policy_label, start_trace
 
-        trace = start_trace(args, run_directory)
+        trace = start_trace(args, run_directory) if args.trace else None
         tracer = MegatronScheduleTracer(
-            trace.recorder, parallel_state.get_pipeline_model_parallel_rank(),
+            None if trace is None else trace.recorder,
+            parallel_state.get_pipeline_model_parallel_rank(),
             parallel_state.get_pipeline_model_parallel_world_size(), spec.microbatch_work,
-            policy_label(args))
+            policy_label(args), nvtx=args.nvtx)
+    observer = tracer if trace is not None else None  # messages and waits go to the recorder
 
     def forward_backward(**kwargs):
         model = kwargs["model"]
@@ -74,7 +79,7 @@ def _build_megatron_over_transport(args: argparse.Namespace, spec: ModelSpec,
         if id(config) not in communicators:
             communicators[id(config)] = TransportP2PCommunicator(
                 parallel_state.get_pipeline_model_parallel_group(), config, transport,
-                timeout_s=args.p2p_timeout, observer=tracer)
+                timeout_s=args.p2p_timeout, observer=observer)
         call = partial(schedule, p2p_communicator=communicators[id(config)],
                        pg_collection=pg_collection)
         if tracer is None:
@@ -82,6 +87,7 @@ def _build_megatron_over_transport(args: argparse.Namespace, spec: ModelSpec,
         return tracer.run(call, config, kwargs)
 
     forward_backward.close = _closer(trace, transport)
+    forward_backward.trace = trace
     return forward_backward
 
 
@@ -115,4 +121,5 @@ def _build_dpp(args: argparse.Namespace, spec: ModelSpec, run_directory: Optiona
         config, transport, spec.microbatch_work, recorder=None if trace is None else trace.recorder,
         nvtx=args.nvtx)
     forward_backward.close = _closer(trace, transport)
+    forward_backward.trace = trace
     return forward_backward
