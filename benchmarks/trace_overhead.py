@@ -15,36 +15,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Dict, List
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SAMPLE = os.path.join(REPO, "data", "sample")
-ELAPSED_RE = re.compile(r" iteration\s+(\d+)/.*\| elapsed time per iteration \(ms\): ([0-9.]+)")
+from paired import describe, ensure_sample_data, paired_ratios, run_gpt, sample_data_args
+
 TRACED, UNTRACED = "traced", "untraced"
 TARGET_RATIO = 1.02
 
 
-def ensure_sample_data(timeout: float) -> None:
-    if not os.path.isfile(os.path.join(SAMPLE, "sample_text_document.idx")):
-        subprocess.run([sys.executable, "-m", "megatron_dpp.data.prepare_sample", "--output-dir",
-                        SAMPLE, "--no-progress"], check=True, cwd=REPO, timeout=timeout,
-                       stdout=subprocess.DEVNULL)
-
-
 def gpt_args(args: argparse.Namespace) -> List[str]:
-    return ["--data-path", os.path.join(SAMPLE, "sample_text_document"),
-            "--vocab-file", os.path.join(SAMPLE, "vocab.json"),
-            "--merge-file", os.path.join(SAMPLE, "merges.txt"), "--split", "98,2,0",
+    return [*sample_data_args(),
             "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length),
             "--micro-batch-size", "1", "--global-batch-size", str(args.microbatches),
@@ -56,47 +42,12 @@ def gpt_args(args: argparse.Namespace) -> List[str]:
 def run_once(args: argparse.Namespace, traced: bool, trace_dir: str) -> List[float]:
     """Milliseconds of iterations 1..--iters of one run, in order."""
     extra = ["--trace", "--trace-dir", trace_dir] if traced else []
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "-m", "megatron_dpp.pretrain_gpt", *gpt_args(args), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               cwd=REPO, env=env, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise RuntimeError(f"a run took more than --timeout {args.timeout:g} s:\n{output[-3000:]}")
-    if process.returncode != 0:
-        raise RuntimeError(f"a {'traced' if traced else 'untraced'} run failed "
-                           f"(exit {process.returncode}):\n{output[-3000:]}")
-    times = {int(m.group(1)): float(m.group(2)) for m in ELAPSED_RE.finditer(output)}
-    if sorted(times) != list(range(1, args.iters + 1)):
-        raise RuntimeError(f"expected iterations 1..{args.iters} in the log, got {sorted(times)}")
-    return [times[i] for i in range(1, args.iters + 1)]
-
-
-def median_interval(values: List[float], z: float = 1.96) -> tuple:
-    """A ~95% interval for the median: the order statistics n/2 -+ z*sqrt(n)/2 (sign test)."""
-    ordered = sorted(values)
-    n = len(ordered)
-    half_width = z * math.sqrt(n) / 2.0
-    low = max(0, int(math.floor(n / 2.0 - half_width)))
-    high = min(n - 1, int(math.ceil(n / 2.0 + half_width)) - 1)
-    return ordered[low], ordered[high]
+    return run_gpt([*gpt_args(args), *extra], args.iters, args.timeout,
+                   TRACED if traced else UNTRACED)
 
 
 def summarize(times: Dict[str, List[List[float]]], skip: int) -> dict:
-    ratios, round_ratios = [], []
-    for traced, untraced in zip(times[TRACED], times[UNTRACED]):
-        pairs = [t / u for t, u in zip(traced[skip:], untraced[skip:])]
-        ratios.extend(pairs)
-        round_ratios.append(statistics.median(pairs))
-    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-    low, high = median_interval(ratios)
-    return {"median": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2],
-            "interval_95": [low, high], "pairs": len(ratios), "round_medians": round_ratios,
-            "ratios": ratios}
+    return paired_ratios(times[TRACED], times[UNTRACED], skip)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -144,13 +95,10 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(trace_dir, ignore_errors=True)
     summary = summarize(times, args.skip)
-    low, high = summary["interval_95"]
     print(f"--trace overhead, tiny GPT pp=2 --use-dpp varlen ({args.microbatches} microbatches of "
           f"up to {args.seq_length} tokens): traced / untraced per iteration, {summary['pairs']} "
           f"pairs over {args.rounds} rounds (first {args.skip} iterations of each run left out)")
-    print(f"  median {summary['median']:.3f}  quartiles {summary['q1']:.3f}-{summary['q3']:.3f}  "
-          f"95% interval of the median {low:.3f}-{high:.3f}  round medians "
-          + " ".join(f"{r:.3f}" for r in summary["round_medians"]))
+    print(f"  {describe(summary)}")
     print(f"  target: median <= {TARGET_RATIO} ({time.time() - started:.0f} s)")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

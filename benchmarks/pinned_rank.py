@@ -1,0 +1,28 @@
+"""A torchrun entry point that pins each rank to a core of its own, then runs megatron_dpp.pretrain_gpt
+with the remaining arguments:
+
+    python -m torch.distributed.run --standalone --nproc-per-node=2 benchmarks/pinned_rank.py <flags>
+
+Local rank r runs on the r-th core this process may use (modulo their number), so on a 2-core machine
+the two ranks of a pp=2 run never take turns on one core, and a timing compares schedules rather
+than the kernel's placement. Threads the rank starts later (transport copy threads) inherit its core.
+"""
+import os
+import runpy
+import sys
+
+
+def main() -> None:
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is None:
+        sys.exit("pinned_rank.py: LOCAL_RANK is not set; start it with torchrun "
+                 "(python -m torch.distributed.run ... benchmarks/pinned_rank.py FLAGS)")
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[int(local_rank) % len(cores)]
+    os.sched_setaffinity(0, {core})
+    sys.argv = ["megatron_dpp.pretrain_gpt", *sys.argv[1:]]
+    runpy.run_module("megatron_dpp.pretrain_gpt", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""benchmarks/real_model_bench.py --quick runs end to end: Megatron's 1F1B, 1f1b-sorted and
+dpp:adaptive on the real GPT at pp=2, each rank pinned to a core, paired by round and iteration,
+every run traced; its JSON holds every run's times, the paired ratios and the trace figures. The
+targets are the benchmark's to report, not a test's to assert (timings on shared CPUs are noisy)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _train_util import REPO_ROOT, _env, ensure_sample_data
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quick_benchmark_writes_paired_ratios_and_trace_figures(tmp_path):
+    ensure_sample_data()
+    out = tmp_path / "real_model.json"
+    command = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "real_model_bench.py"), "--quick",
+               "--json", str(out), "--timeout", "240"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=580, env=_env(),
+                            cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    settings = report["settings"]
+    assert settings["quick"] is True and report["reference"] == "megatron-1f1b"
+    assert settings["variants"] == ["megatron-1f1b", "1f1b-sorted", "dpp:adaptive"]
+    rounds, iters, skip = settings["rounds"], settings["iters"], settings["skip"]
+    for name in settings["variants"]:
+        runs = report["times_ms"][name]
+        assert len(runs) == rounds and all(len(run) == iters for run in runs), runs
+        assert all(ms > 0 for run in runs for ms in run), runs
+        row = report["summary"][name]
+        ratio = row["ratio_to_reference"]
+        assert ratio["pairs"] == len(ratio["ratios"]) == rounds * (iters - skip)
+        low, high = ratio["interval_95"]
+        assert 0 < low <= ratio["median"] <= high, ratio
+        if name == "megatron-1f1b":
+            assert ratio["median"] == 1.0
+        assert len(row["forward_ms"]) == 2 and all(ms > 0 for ms in row["forward_ms"]), row
+        assert 0 <= row["per_task_send_posting_ms"] <= row["per_task_overhead_ms"], row
+        # A measured iteration cannot beat the chain of its own measured tasks (1% for rounding).
+        assert row["time_over_critical_path"] >= 0.99, row
+        assert 0 <= row["bubble"] < 1, row
+        assert len(report["trace_stats"][name]) == rounds
+    assert "/ megatron-1f1b: median" in result.stdout
