@@ -2,7 +2,8 @@
 
 The same comparison as test_dpp_parity.py (its layouts, its Megatron reference runs, 1e-5 relative
 on lm loss and grad norm at every iteration), with every backward split into B and W
-(DeferredGPTModel's layers under the runtime's stash). The pp=2 run is traced: W tasks appear as
+(DeferredGPTModel's layers under the runtime's stash), and pp=2 with full activation recompute.
+The pp=2 run is traced: W tasks appear as
 `W<m>.<c>` in category weight-grad, each after its B, and the activation-bytes counter (the
 scheduler's held bytes, the stash's measured bytes) stays within the budget.
 """
@@ -15,8 +16,13 @@ from _train_util import run_training
 from test_dpp_parity import COMMON, DPP, ITERATIONS, LAYOUTS, REL_TOL, megatron_reference
 
 SPLIT = DPP + ["--dpp-split-backward"]
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "1"]
+# Full recompute reruns each layer's forward inside B, under the same deferral key; Megatron's
+# numbers do not change with recompute, so pp2's reference serves.
+SPLIT_ONLY_LAYOUTS = {"pp2_recompute_full": ("pp2", LAYOUTS["pp2"][1] + RECOMPUTE, 2)}
 SPLIT_LAYOUTS = ["pp2", "pp4", "pp2_vpp2", "dp2_pp2", "dp2_pp2_overlap_grad_reduce", "tp2_pp2",
-                 "varlen_pp2", "pp4_vpp2"]
+                 "varlen_pp2", "pp4_vpp2", *SPLIT_ONLY_LAYOUTS]
 
 
 def _check_trace(trace_dir: Path) -> None:
@@ -46,7 +52,7 @@ def _check_trace(trace_dir: Path) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", SPLIT_LAYOUTS)
 def test_split_backward_matches_megatron(layout, tmp_path):
-    reference_name, flags, nproc = LAYOUTS[layout]
+    reference_name, flags, nproc = {**LAYOUTS, **SPLIT_ONLY_LAYOUTS}[layout]
     ref_losses, ref_grad_norms = megatron_reference(reference_name)
     traced = ["--trace", "--trace-dir", str(tmp_path)] if layout == "pp2" else []
     rc, losses, grad_norms, out = run_training(COMMON + SPLIT + flags + traced, nproc=nproc,
