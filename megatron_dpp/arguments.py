@@ -527,6 +527,14 @@ def add_dpp_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dpp-timeout", type=float, default=DPPConfig.timeout_s,
                        help="Seconds without progress after which every DPP rank prints its state "
                             "(ready tasks, awaited tags, memory held) and the job exits non-zero.")
+    group.add_argument("--dpp-split-backward", action="store_true",
+                       help="Split every backward of --use-dpp into B (the input gradient, sent "
+                            "upstream at once) and W (the weight gradients, run later by the "
+                            "policy). The model is built from Megatron-Core's local layers with "
+                            "deferrable weight gradients; a microbatch's W keeps its layer inputs "
+                            "and output gradients until it runs, which the memory budget counts. "
+                            "Not with Transformer Engine layers, --sequence-parallel or "
+                            "--use-flash-attn.")
 
 
 def validate_dpp_args(args: argparse.Namespace) -> None:
@@ -539,6 +547,9 @@ def validate_dpp_args(args: argparse.Namespace) -> None:
         raise ArgsError(str(error)) from None
     _require(args.dpp_timeout > 0, f"--dpp-timeout must be positive seconds, got {args.dpp_timeout}")
     if not args.use_dpp:
+        _require(not getattr(args, "dpp_split_backward", False),
+                 "--dpp-split-backward splits the backward of the DPP runtime; add --use-dpp or "
+                 "drop --dpp-split-backward")
         return
     _require(args.pipeline_model_parallel_size >= 2,
              "--use-dpp schedules a pipeline; set --pipeline-model-parallel-size 2 or more, or drop "
@@ -549,6 +560,22 @@ def validate_dpp_args(args: argparse.Namespace) -> None:
         raise ArgsError(f"--dpp-policy {error}") from None
     _require(getattr(args, "context_parallel_size", 1) == 1,
              "--use-dpp does not support context parallelism; set --context-parallel-size 1")
+    _validate_split_backward(args)
+
+
+def _validate_split_backward(args: argparse.Namespace) -> None:
+    """--dpp-split-backward (with --use-dpp; checked above): what the deferred layers (megatron_dpp.models.weight_grad) cover.
+    Transformer Engine needs no check: with the flag the model is built from Megatron-Core's local
+    layers even where Transformer Engine is installed; gradient-accumulation fusion, RMSNorm and
+    multi-token prediction have no flag here (always off)."""
+    if not getattr(args, "dpp_split_backward", False):
+        return
+    _require(not args.sequence_parallel,
+             "--dpp-split-backward does not support --sequence-parallel (deferred weight gradients "
+             "cover Megatron-Core's local layers without it); drop one of them")
+    _require(not args.use_flash_attn,
+             "--dpp-split-backward builds Megatron-Core's local layers, which do not use "
+             "FlashAttention; drop --use-flash-attn or --dpp-split-backward")
 
 
 # ----------------------------------------------------------------------------------------------

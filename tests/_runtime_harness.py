@@ -7,6 +7,8 @@ backward_step); only the process groups are replaced by a RankLayout per rank.
     result.records[rank].tasks, result.grads, result.losses
 
 `reference_grads(...)` computes the same batch without a pipeline, for parity.
+`split_backward=True` runs B and W tasks: the toy linear defers its weight gradient to W
+(models.weight_grad's DeferredLinearFunction) inside the runtime's `stash.defer(key)`.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from megatron.core.enums import ModelType
 from megatron.core.model_parallel_config import ModelParallelConfig
 
 from megatron_dpp.comm.memory_transport import MemoryHub
+from megatron_dpp.models.weight_grad import active_deferral
+from megatron_dpp.models.weight_grad.functions import DeferredLinearFunction, open_site, proxy
 from megatron_dpp.runtime.config import DPPConfig
 from megatron_dpp.runtime.executor import DPPSession, IterationRecord, IterationRunner
 from megatron_dpp.runtime.layout import RankLayout
@@ -46,7 +50,19 @@ class ToyChunk(torch.nn.Module):
         self.input_tensor = tensors[0] if isinstance(tensors, list) else tensors
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.linear(x))
+        deferral = active_deferral()
+        if deferral is None:
+            return torch.tanh(self.linear(x))
+        site = open_site(deferral[0], deferral[1], self.linear.weight, self.linear.bias)
+        return torch.tanh(DeferredLinearFunction.apply(
+            x, proxy(self.linear.weight), proxy(self.linear.bias), site, False, None))
+
+
+def weight_grad_bytes(_models, sizes, dtype) -> List[int]:
+    """What the toy's stash holds per microbatch and chunk: the linear's input and output
+    gradient, HIDDEN values each per token."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return [tokens * 2 * HIDDEN * element for tokens in sizes]
 
 
 def toy_config(P: int) -> ModelParallelConfig:
@@ -84,11 +100,12 @@ class PipelineResult:
     grads: Dict[int, torch.Tensor] = field(default_factory=dict)  # virtual stage -> weight grad
     losses: List[float] = field(default_factory=list)  # per microbatch, from the last stage
     errors: Dict[int, BaseException] = field(default_factory=dict)
+    stashes: Dict[int, object] = field(default_factory=dict)  # split backwards: each rank's stash
     hub: Optional[MemoryHub] = None
 
 
 def run_pipeline(P: int, V: int, sizes: List[int], policy: str, *, tp: int = 1,
-                 budget_bytes: Optional[int] = None,
+                 budget_bytes: Optional[int] = None, split_backward: bool = False,
                  timeout_s: float = 10.0, forward_only: bool = False, join_s: float = 30.0,
                  rank_fn: Optional[Callable[[int, IterationRunner], None]] = None,
                  hub: Optional[MemoryHub] = None) -> PipelineResult:
@@ -110,9 +127,11 @@ def run_pipeline(P: int, V: int, sizes: List[int], policy: str, *, tp: int = 1,
             stage, tp_index = divmod(rank, tp)
             models = [ToyChunk(c * P + stage, config) for c in range(V)]
             session = DPPSession(
-                config=DPPConfig(policy=policy, memory_budget_bytes=budget_bytes, timeout_s=timeout_s),
+                config=DPPConfig(policy=policy, memory_budget_bytes=budget_bytes, timeout_s=timeout_s,
+                                 split_backward=split_backward),
                 transport=hub.transport(rank), microbatch_work=microbatch_work,
-                activation_bytes_fn=lambda _cfg, s, _mbs, _V, _P: [t * BYTES_PER_TOKEN for t in s])
+                activation_bytes_fn=lambda _cfg, s, _mbs, _V, _P: [t * BYTES_PER_TOKEN for t in s],
+                weight_grad_bytes_fn=weight_grad_bytes)
             layout = RankLayout(pp_rank=stage, pp_ranks=[s * tp + tp_index for s in range(P)],
                                 tp_ranks=[stage * tp + i for i in range(tp)], global_rank=rank,
                                 agree_sizes=lambda _local, _count: list(sizes))
@@ -127,6 +146,7 @@ def run_pipeline(P: int, V: int, sizes: List[int], policy: str, *, tp: int = 1,
             store = runner.run()
             with lock:
                 result.records[rank] = session.last_record
+                result.stashes[rank] = session.stash
                 for c, model in enumerate(models):
                     if model.linear.weight.grad is not None and tp_index == 0:
                         result.grads[c * P + stage] = model.linear.weight.grad.clone()

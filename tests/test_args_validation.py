@@ -68,6 +68,10 @@ BAD_FLAGS = {
     "profile_flags_without_profile": (["--profile-ranks", "1"], 1,
                                       "--profile-ranks need --profile"),
     "nvtx_on_cpu": (["--nvtx"], 1, "--nvtx annotates CUDA work"),
+    "split_backward_without_use_dpp": (["--pipeline-model-parallel-size", "2",
+                                        "--dpp-split-backward"], 2,
+                                       "--dpp-split-backward splits the backward of the DPP "
+                                       "runtime; add --use-dpp"),
     "trace_dir_under_a_file": (["--pipeline-model-parallel-size", "2", "--trace", "--trace-dir",
                                 "/dev/null/traces"], 2,
                                "--trace-dir /dev/null/traces: cannot create it in /dev/null"),

@@ -46,14 +46,25 @@ def gpt_layer_spec(config: TransformerConfig) -> ModuleSpec:
     return get_gpt_layer_local_spec()
 
 
-def build_gpt_chunks(config: TransformerConfig, shape: GPTShape, seed: int) -> list[GPTModel]:
-    """The model chunks of this pipeline rank (one per virtual stage), initialized layout-free."""
+def build_gpt_chunks(config: TransformerConfig, shape: GPTShape, seed: int,
+                     deferred_weight_grads: bool = False) -> list[GPTModel]:
+    """The model chunks of this pipeline rank (one per virtual stage), initialized layout-free.
+
+    deferred_weight_grads (--dpp-split-backward): DeferredGPTModel over Megatron-Core's local
+    layer spec (never Transformer Engine's), whose weight gradients a split backward defers to W;
+    the same parameters, initialization and numbers as the default chunks."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    spec = gpt_layer_spec(config)
+    model_class = GPTModel
+    if deferred_weight_grads:
+        from megatron_dpp.models.weight_grad import DeferredGPTModel
+
+        model_class, spec = DeferredGPTModel, get_gpt_layer_local_spec()
+    else:
+        spec = gpt_layer_spec(config)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        model = GPTModel(
+        model = model_class(
             config=config,
             transformer_layer_spec=spec,
             vocab_size=shape.padded_vocab_size,
@@ -74,7 +85,8 @@ def _build_chunks_from_args(args: argparse.Namespace, config: TransformerConfig,
     shape = GPTShape(padded_vocab_size=args.padded_vocab_size,  # set by build_tokenizer
                      max_position_embeddings=args.max_position_embeddings,
                      untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
-    return build_gpt_chunks(config, shape, seed)
+    return build_gpt_chunks(config, shape, seed,
+                            deferred_weight_grads=getattr(args, "dpp_split_backward", False))
 
 
 _LAYERS_PREFIX = "decoder.layers."

@@ -12,7 +12,8 @@ Interface (stable names):
   relative work of microbatch m; act_bytes[m] = bytes one forward of m holds on ONE chunk until
   its backward ends; max_act_bytes = the largest a batch can contain (default: this batch's
   largest). split_backward: each backward is B (input gradient, sent on) plus a local W (weight
-  gradient), and activations are held until W ends; only the simulator runs such graphs.
+  gradient), and activations are held until W ends (the simulator, and the runtime with
+  --dpp-split-backward).
   `tasks(rank)`, `input_source(rank, task)` and `output_target(rank, task)` -> (rank, Task) | None.
 - `ReadyTracker(graph, rank, forward_only=False)`: the one ready rule (see ready.py); executors
   report `input_arrived`, `start`, `finish` and pass its `ready` set to `next_task`.

@@ -21,8 +21,8 @@ class TaskGraph:
         provisioned for it (default: the largest of this batch).
     split_backward: each backward is two tasks, B (input gradient, sent to the previous stage)
         and W (weight gradient, local, after B). Activations are then held until W ends, since
-        W still needs the layer inputs. Only the simulator executes such graphs so far: the
-        runtime (megatron_dpp.runtime) runs Megatron's fused backward.
+        W still needs the layer inputs. The simulator and the runtime (--dpp-split-backward,
+        megatron_dpp.runtime) execute such graphs.
     """
 
     def __init__(

@@ -1,4 +1,5 @@
-"""Configuration of the DPP runtime (--use-dpp, --dpp-policy, --dpp-memory-budget, --dpp-timeout)."""
+"""Configuration of the DPP runtime (--use-dpp, --dpp-policy, --dpp-memory-budget, --dpp-timeout,
+--dpp-split-backward)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,6 +21,10 @@ class DPPConfig:
 
     timeout_s: float = 300.0
     """Seconds without progress after which the rank reports its state and the job exits."""
+
+    split_backward: bool = False
+    """--dpp-split-backward: every backward is B (input gradient) and W (weight gradients); the
+    model chunks must be built with deferrable weight gradients (models.weight_grad)."""
 
     timeout_exit_code: int = 3
     """Exit status of a rank that timed out or lost a peer."""

@@ -14,6 +14,13 @@ to the others, which follow it (runtime/tensor_parallel.py).
 
 Data parallelism: gradient reduction is held back (Megatron's no_sync_func) until the last backward of
 each model chunk, as in Megatron's schedules (runtime/grad_sync.py).
+
+Split backwards (DPPConfig.split_backward, --dpp-split-backward): the task graph has W tasks; F
+forwards under the session's WeightGradStash, B computes input gradients and sends them at once,
+W runs the microbatch's stored weight-gradient work (runtime/handlers.py). Gradient sync follows
+each chunk's last W; every W runs inside the loop, so before finalize_model_grads. The stash's
+bytes (output gradients and the inputs outside the transformer layers, runtime/memory.py) are
+added to each microbatch's activation bytes, which the scheduler holds from F to the end of W.
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ from megatron_dpp.runtime.config import DPPConfig
 from megatron_dpp.runtime.grad_sync import GradSync
 from megatron_dpp.runtime.handlers import make_handlers
 from megatron_dpp.runtime.layout import RankLayout
-from megatron_dpp.runtime.memory import megatron_activation_bytes
+from megatron_dpp.runtime.memory import megatron_activation_bytes, megatron_weight_grad_bytes
 from megatron_dpp.runtime.tags import decision_tag, message_tag
 from megatron_dpp.runtime.tensor_parallel import DecisionChannel
 from megatron_dpp.runtime.watchdog import ProgressDeadline, report_and_exit
@@ -49,6 +56,9 @@ from megatron_dpp.trace.recorder import POSTING_SEND, TraceRecorder
 ActivationBytesFn = Callable[[Any, Sequence[int], int, int, int], List[int]]
 # One microbatch item, as the data iterator yields it -> its relative work (ModelSpec.microbatch_work)
 MicrobatchWorkFn = Callable[[Any], int]
+# (model chunks of the rank, sizes, pipeline dtype) -> bytes a split backward's stash adds per
+# microbatch, held from B to W (runtime/memory.py's megatron_weight_grad_bytes)
+WeightGradBytesFn = Callable[[Sequence[Any], Sequence[int], torch.dtype], List[int]]
 
 
 class DPPFailure(RuntimeError):
@@ -84,6 +94,12 @@ class IterationRecord:
     task_ended: List[float] = field(default_factory=list)
     peak_held_bytes: int = 0
     budget_bytes: int = 0
+    # Split backwards: the bytes per microbatch the budget counts for the stash (estimated, in the
+    # graph's act_bytes), and what the stash held for each (microbatch, chunk) right after its B
+    # (measured: distinct storages, the layer inputs included), and its largest total.
+    weight_grad_bytes_estimated: List[int] = field(default_factory=list)
+    weight_grad_bytes_measured: Dict[tuple, int] = field(default_factory=dict)
+    peak_stash_bytes: int = 0
 
 
 @dataclass
@@ -96,6 +112,8 @@ class DPPSession:
     activation_bytes_fn: ActivationBytesFn = megatron_activation_bytes
     recorder: Optional[TraceRecorder] = None  # --trace: what each iteration did, per rank
     nvtx: bool = False  # --nvtx: an NVTX range named like the task around each task's step
+    weight_grad_bytes_fn: WeightGradBytesFn = megatron_weight_grad_bytes
+    stash: Any = None  # split backwards: the rank's WeightGradStash (made by the first iteration)
     iteration: int = 0
     last_record: Optional[IterationRecord] = None
 
@@ -242,6 +260,13 @@ class IterationRunner:
         self.deadline = ProgressDeadline(self.dpp.timeout_s)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
+        # Split backwards in training only: evaluation (forward_only) keeps no gradients.
+        self.split = self.dpp.split_backward and not forward_only
+        if self.split and session.stash is None:
+            from megatron_dpp.models.weight_grad import WeightGradStash
+
+            session.stash = WeightGradStash()
+        self.stash = session.stash if self.split else None
 
         sizes = layout.agree_sizes(self._local_sizes(), self.M)
         act_bytes = session.activation_bytes_fn(config, sizes, micro_batch_size, self.V, self.P)
@@ -249,8 +274,19 @@ class IterationRunner:
         # as Megatron's fixed schedules must be, not for the largest of this batch.
         largest_possible = session.activation_bytes_fn(
             config, [seq_length * micro_batch_size], micro_batch_size, self.V, self.P)[0]
+        stash_bytes: List[int] = []
+        if self.split:
+            # The stash counts against the budget: held from F (the scheduler cannot know B's
+            # moment in advance, so it reserves at F) to the end of W, like the activations.
+            dtype = (getattr(config, "pipeline_dtype", None) or getattr(config, "params_dtype", None)
+                     or torch.float32)
+            stash_bytes = session.weight_grad_bytes_fn(models, sizes, dtype)
+            act_bytes = [a + b for a, b in zip(act_bytes, stash_bytes)]
+            largest_possible += session.weight_grad_bytes_fn(
+                models, [seq_length * micro_batch_size], dtype)[0]
         self.graph = TaskGraph(self.P, self.V, self.M, sizes, act_bytes,
-                               max_act_bytes=max(largest_possible, max(act_bytes)))
+                               max_act_bytes=max(largest_possible, max(act_bytes)),
+                               split_backward=self.split)
         self.channel = DecisionChannel(self.transport, layout.tp_ranks, layout.global_rank,
                                        partial(decision_tag, self.iteration))
         options = {}
@@ -261,12 +297,14 @@ class IterationRunner:
         self.record = IterationRecord(microbatch_order=list(self.scheduler.microbatch_order),
                                       sizes=sizes, policy=self.scheduler.name,
                                       strategy=self.scheduler.strategy,
-                                      budget_bytes=self.scheduler.budget_bytes)
+                                      budget_bytes=self.scheduler.budget_bytes,
+                                      weight_grad_bytes_estimated=stash_bytes)
+        self._stash_held = 0
         self.order_position = {m: i for i, m in enumerate(self.scheduler.microbatch_order)}
 
         self.tracker = ReadyTracker(self.graph, self.rank, forward_only=forward_only)
         self.tasks = [t for t in self.graph.tasks(self.rank)
-                      if not (forward_only and t.phase is Phase.B)]
+                      if not (forward_only and t.phase is not Phase.F)]
         self.pending_recvs: Dict[Task, Any] = {}
         self.pending_recv_tags: Dict[Task, tuple] = {}
         self.arrived: Dict[Task, torch.Tensor] = {}
@@ -275,7 +313,7 @@ class IterationRunner:
         self.outgoing: Optional[tuple] = None  # (task, output) handed to `send`, posted after the task
         self.saved: Dict[tuple, tuple] = {}  # (microbatch, chunk) -> (input, output) until backward
         self.outputs_by_microbatch: Dict[int, list] = {}
-        self.grad_sync = GradSync(config, models, forward_only)
+        self.grad_sync = GradSync(config, models, forward_only, split_backward=self.split)
         self.handlers = make_handlers(self)
         self.recorder = session.recorder
 
@@ -301,6 +339,18 @@ class IterationRunner:
 
     # ---- main loop ----------------------------------------------------------------------------
     def run(self) -> list:
+        if self.stash is None:
+            return self._run()
+        try:
+            store = self._run()
+            self.stash.check_drained()  # every W ran (the loop ran every task): nothing left
+            return store
+        except BaseException:
+            # A failed iteration leaves stored work behind; the next one must not find it.
+            self.stash.discard()
+            raise
+
+    def _run(self) -> list:
         self.grad_sync.disable()
         if self.config.param_sync_func is not None and not self.forward_only:
             param_sync = self.config.param_sync_func
@@ -445,6 +495,9 @@ class IterationRunner:
         if self.session.nvtx:
             torch.cuda.nvtx.range_pop()
         self.record.task_ended.append(time.perf_counter())
+        if task.phase is Phase.W:
+            self._stash_held -= self.record.weight_grad_bytes_measured.get(
+                (task.microbatch, task.chunk), 0)
         self._post_output()
         self.tracker.finish(task)
         if accounts_memory:
@@ -458,6 +511,13 @@ class IterationRunner:
         self.deadline.progressed()
 
     # ---- what handlers call -------------------------------------------------------------------
+    def weight_grad_stored(self, task: Task, nbytes: int) -> None:
+        """Split backwards: B(task) left `nbytes` in the stash for its W (measured)."""
+        key = (task.microbatch, task.chunk)
+        self.record.weight_grad_bytes_measured[key] = nbytes
+        self._stash_held += nbytes
+        self.record.peak_stash_bytes = max(self.record.peak_stash_bytes, self._stash_held)
+
     def is_last_virtual_stage(self, chunk: int) -> bool:
         return self.rank == self.P - 1 and chunk == self.V - 1
 
@@ -511,7 +571,8 @@ class IterationRunner:
                             "tokens": int(self.graph.sizes[m])})
         if with_memory:
             self.recorder.memory(self.record.task_ended[-1], self.scheduler.held_bytes,
-                                 self.scheduler.budget_bytes)
+                                 self.scheduler.budget_bytes,
+                                 stash_bytes=self._stash_held if self.split else None)
 
     def _wait_reason(self) -> str:
         """Why the rank just waited: nothing was ready, or the policy held ready tasks back."""
@@ -540,6 +601,9 @@ class IterationRunner:
         if self.channel.is_leader and not self.forward_only:
             lines.append(f"activation bytes held {self.scheduler.held_bytes} of budget "
                          f"{self.scheduler.budget_bytes}")
+        if self.stash is not None:
+            lines.append(f"weight-gradient stash: {self._stash_held} bytes, keys "
+                         + " ".join(f"{m}.{c}" for m, c in sorted(self.stash.keys(), key=str)[:16]))
         return lines
 
     def _fail(self, reason: str):

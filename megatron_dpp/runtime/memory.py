@@ -36,3 +36,52 @@ def megatron_activation_bytes(config, sizes: Sequence[int], micro_batch_size: in
     heads = getattr(config, "num_attention_heads", 1) or 1
     dtype = getattr(config, "pipeline_dtype", None) or getattr(config, "params_dtype", None) or torch.float32
     return transformer_activation_bytes(sizes, micro_batch_size, hidden, heads, layers_per_chunk, dtype)
+
+
+def weight_grad_bytes_per_token(model, dtype: torch.dtype) -> int:
+    """Bytes per token that a split backward's stash (models.weight_grad) adds to a microbatch of
+    one model chunk, held from its B to its W, beyond the activations counted above.
+
+    Per deferred module: its output gradient dY (a column-parallel linear's output per partition,
+    a row-parallel linear's full output, a norm's or embedding's width), plus a layer norm's mean
+    and rstd (fp32). Their inputs X are the activations counted by transformer_activation_bytes
+    (a fused backward frees them at B, a split one at W, which the scheduler's accounting already
+    follows), except outside the transformer layers: the final norm's and the output layer's
+    inputs (one hidden vector each) and the embeddings' token ids (int64). On the last stage the
+    output layer's dY, the logits gradient (vocab / tp values per token), dominates."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_dpp.models.weight_grad import (
+        DeferredEmbedding,
+        DeferredLayerNorm,
+        DeferredVocabParallelEmbedding,
+    )
+
+    element = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for name, module in model.named_modules():
+        in_layers = ".layers." in f".{name}."
+        if isinstance(module, ColumnParallelLinear):
+            total += module.output_size_per_partition * element
+            if not in_layers:
+                total += module.input_size * element
+        elif isinstance(module, RowParallelLinear):
+            total += module.output_size * element
+            if not in_layers:
+                total += module.input_size_per_partition * element
+        elif isinstance(module, DeferredLayerNorm):
+            width = int(torch.Size(module.normalized_shape).numel())
+            total += width * element + 2 * 4
+            if not in_layers:
+                total += width * element
+        elif isinstance(module, (DeferredVocabParallelEmbedding, DeferredEmbedding)):
+            total += module.embedding_dim * element + 8
+    return total
+
+
+def megatron_weight_grad_bytes(models, sizes: Sequence[int], dtype: torch.dtype) -> List[int]:
+    """Stash bytes per microbatch (sizes are token counts) on the rank's heaviest chunk: one
+    number per microbatch serves every chunk of the rank, so the rank's budget stays an upper
+    bound (exact for V=1; with V>1 the first and last stage's chunk sets it)."""
+    per_token = max(weight_grad_bytes_per_token(model, dtype) for model in models)
+    return [int(tokens) * per_token for tokens in sizes]

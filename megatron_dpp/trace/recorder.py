@@ -70,9 +70,14 @@ class TraceRecorder:
         """An instant on the compute lane (an iteration boundary, say)."""
         self.events.append(chrome.instant(name, "iteration", self.rank, COMPUTE_LANE, _us(time), args))
 
-    def memory(self, time: float, held_bytes: int, budget_bytes: int) -> None:
-        self.events.append(chrome.counter("activation bytes", self.rank, _us(time),
-                                          {"held": held_bytes, "budget": budget_bytes}))
+    def memory(self, time: float, held_bytes: int, budget_bytes: int,
+               stash_bytes: Optional[int] = None) -> None:
+        """held/budget: the scheduler's accounting; stash (split backwards): the bytes the
+        weight-gradient stash measurably holds, part of what `held` reserves."""
+        values = {"held": held_bytes, "budget": budget_bytes}
+        if stash_bytes is not None:
+            values["stash"] = stash_bytes
+        self.events.append(chrome.counter("activation bytes", self.rank, _us(time), values))
 
     def write(self, path: str, metadata: Dict[str, Any], alignment: ClockAlignment) -> None:
         """The events on the reference clock; the alignment goes into otherData.clock_alignment."""

@@ -110,7 +110,8 @@ def _build_dpp(args: argparse.Namespace, spec: ModelSpec, run_directory: Optiona
     from megatron_dpp.runtime.executor import dpp_peers, make_forward_backward_dpp
 
     config = DPPConfig(policy=args.dpp_policy, memory_budget_bytes=args.dpp_memory_budget_bytes,
-                       timeout_s=args.dpp_timeout)
+                       timeout_s=args.dpp_timeout,
+                       split_backward=getattr(args, "dpp_split_backward", False))
     transport = make_transport_from_args(args, peers=dpp_peers())
     trace = None
     if args.trace:
