@@ -66,3 +66,25 @@ def test_split_backward_matches_megatron(layout, tmp_path):
     print(f"{layout}: largest relative difference {worst:.2e}")
     if traced:
         _check_trace(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_split_backward_resumed_from_a_checkpoint_stays_on_megatrons_trajectory(tmp_path):
+    """Five iterations with the split, saved; then resumed to ten: every iteration's lm loss and
+    grad norm equal Megatron's uninterrupted ten (the LR schedule fixed to ten iterations in both)."""
+    ref_losses, ref_grad_norms = megatron_reference("pp2")
+    flags = LAYOUTS["pp2"][1]
+    save = str(tmp_path / "ckpt")
+    half = ITERATIONS // 2
+    rc, first, first_norms, out = run_training(
+        ["--train-iters", str(half), "--lr-decay-iters", str(ITERATIONS), "--save", save, *SPLIT,
+         *flags], nproc=2, timeout=300)
+    assert rc == 0, out[-3000:]
+    rc, resumed, resumed_norms, out = run_training(
+        [*COMMON, "--lr-decay-iters", str(ITERATIONS), "--load", save, *SPLIT, *flags], nproc=2,
+        timeout=300)
+    assert rc == 0, out[-3000:]
+    assert "loaded checkpoint" in out, out[-3000:]
+    assert first + resumed == pytest.approx(ref_losses, rel=REL_TOL), (first, resumed, ref_losses)
+    assert first_norms + resumed_norms == pytest.approx(ref_grad_norms, rel=REL_TOL)
