@@ -1,21 +1,23 @@
 """The real GPT at pp=2 over variable-length data: Megatron-Core's 1F1B against the DPP runtime's
 policies, paired iteration by iteration.
 
-Every rank runs on a core of its own (benchmarks/pinned_rank.py; OMP_NUM_THREADS=1). Every variant
-trains the same model with the same seed and data, so iteration i of every run sees the same
-samples. The variants run in rounds, one run of each per round, their order rotating from round to
-round. Reported per variant, over all rounds: its time / the reference's (Megatron's 1F1B, over the
-same shm_tensor transport) for the same round and iteration, as a median with quartiles, the
-median's 95% interval and each round's median. Every run is traced (--trace costs under 2%,
-docs/tracing.md), and from the traces it also reports per variant: the median forward time per
-rank (the default model is sized so that a microbatch's forward takes about 20 ms or more on one
-core: the benchmark then measures schedules, not Python overhead), the runtime's per-task overhead
-(the time in the pipeline's window that is neither compute nor a wait for a reason outside the
-runtime: the transport's send posting and the loop between tasks, per task), and measured time /
-critical path. This script reports; it does not judge.
+Variants: Megatron's 1F1B (the reference, over the same shm_tensor transport), 1f1b-sorted and
+dpp:adaptive (the runtime with fused backwards) and dpp:adaptive+W (the same with
+--dpp-split-backward). Every rank runs on a core of its own (benchmarks/pinned_rank.py;
+OMP_NUM_THREADS=1). Every variant trains the same model with the same seed and data, so iteration i
+of every run sees the same samples. The variants run in rounds, one run of each per round, their
+order rotating from round to round. Reported per variant, over all rounds: its time / the
+reference's for the same round and iteration, as a median with quartiles, the median's 95% interval
+and each round's median. Every run is traced (--trace costs under 2%, docs/tracing.md), and from
+the traces it also reports per variant: the median forward time per rank (the default model is
+sized so that a microbatch's forward takes about 20 ms or more on one core: the benchmark then
+measures schedules, not Python overhead), the runtime's per-task overhead (the time in the
+pipeline's window that is neither compute nor a wait for a reason outside the runtime: the
+transport's send posting and the loop between tasks, per task), and measured time / critical path.
+This script reports; it does not judge.
 
-    python benchmarks/real_model_bench.py --json runs/real_model.json   # about 12 minutes here
-    python benchmarks/real_model_bench.py --quick                       # smoke run, three launches
+    python benchmarks/real_model_bench.py --json runs/real_model.json   # about 15 minutes here
+    python benchmarks/real_model_bench.py --quick                       # smoke run, four launches
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ VARIANTS: Dict[str, List[str]] = {
     REFERENCE: [],
     "1f1b-sorted": ["--use-dpp", "--dpp-policy", "1f1b-sorted"],
     "dpp:adaptive": ["--use-dpp", "--dpp-policy", "dpp:adaptive"],
+    # Every backward split into B and W (docs/dpp_runtime.md, "Split backwards").
+    "dpp:adaptive+W": ["--use-dpp", "--dpp-policy", "dpp:adaptive", "--dpp-split-backward"],
 }
 PINNED_ENTRY = (os.path.join(REPO, "benchmarks", "pinned_rank.py"),)
 

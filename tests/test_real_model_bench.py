@@ -1,5 +1,5 @@
-"""benchmarks/real_model_bench.py --quick runs end to end: Megatron's 1F1B, 1f1b-sorted and
-dpp:adaptive on the real GPT at pp=2, each rank pinned to a core, paired by round and iteration,
+"""benchmarks/real_model_bench.py --quick runs end to end: Megatron's 1F1B, 1f1b-sorted,
+dpp:adaptive and dpp:adaptive with --dpp-split-backward on the real GPT at pp=2, each rank pinned to a core, paired by round and iteration,
 every run traced; its JSON holds every run's times, the paired ratios and the trace figures. The
 targets are the benchmark's to report, not a test's to assert (timings on shared CPUs are noisy)."""
 import json
@@ -25,7 +25,7 @@ def test_quick_benchmark_writes_paired_ratios_and_trace_figures(tmp_path):
     report = json.loads(out.read_text())
     settings = report["settings"]
     assert settings["quick"] is True and report["reference"] == "megatron-1f1b"
-    assert settings["variants"] == ["megatron-1f1b", "1f1b-sorted", "dpp:adaptive"]
+    assert settings["variants"] == ["megatron-1f1b", "1f1b-sorted", "dpp:adaptive", "dpp:adaptive+W"]
     rounds, iters, skip = settings["rounds"], settings["iters"], settings["skip"]
     for name in settings["variants"]:
         runs = report["times_ms"][name]
