@@ -7,7 +7,10 @@ Scenarios (each over --seeds seeds, common random numbers across schedules):
   straggler  equal microbatches, each task slower by --straggler-factor with prob --straggler-prob
 
 Every schedule gets its default budget: what Megatron's order (1F1B, interleaved for V>1) holds at
-most on the rank, counted at the largest microbatch of the batch. Schedules marked "+W" run the
+most on the rank, counted at the largest microbatch of the batch. `--budgets auto provisioned`
+adds dpp:adaptive rows (fused and +W) under the `provisioned` budget, which gives every rank what
+Megatron's order holds on its fullest rank (rank 0); their schedule ends in "@provisioned" and a
+table compares them with the default budget. Schedules marked "+W" run the
 same batch with split backwards (B sends the input gradient, a local W task computes the weight
 gradient; --weight-grad-fraction of the backward's time): Megatron's order with each W right after
 its B, 1f1b-sorted likewise, and dpp:adaptive, which defers W into waits. Their rows carry
@@ -17,6 +20,7 @@ writes {"results": [...]}.
 
   python benchmarks/schedule_sim.py                      # full grid, a few minutes
   python benchmarks/schedule_sim.py --quick              # P=4, M=16, 3 seeds, seconds
+  python benchmarks/schedule_sim.py --P 4 --M 16 --scenarios uniform varlen --budgets auto provisioned
   python benchmarks/schedule_sim.py --scale              # time 64 ranks x 1024 microbatches
 """
 from __future__ import annotations
@@ -29,7 +33,14 @@ import time
 
 import numpy as np
 
-from megatron_dpp.pipeline import DYNAMIC_SCHEDULES, TaskGraph, make_scheduler, megatron_inflight_forwards
+from megatron_dpp.pipeline import (
+    AUTO_BUDGET,
+    BUDGET_MODES,
+    DYNAMIC_SCHEDULES,
+    TaskGraph,
+    make_scheduler,
+    megatron_inflight_forwards,
+)
 from megatron_dpp.sim import CommModel, DurationModel, simulate
 
 SCENARIOS = ("uniform", "varlen", "jitter", "straggler")
@@ -63,6 +74,15 @@ def split_schedules_for(V: int) -> list[str]:
     return [megatron_order(V), "1f1b-sorted", "dpp:adaptive"]
 
 
+# Run again under each --budgets mode other than auto (fused and split); the row's schedule is the
+# name (+W) + "@" + the mode. Static orders hold what they hold whatever the budget.
+BUDGET_SCHEDULES = ["dpp:adaptive"]
+
+
+def run_label(name: str, split: bool, budget: str = AUTO_BUDGET) -> str:
+    return name + (SPLIT_SUFFIX if split else "") + ("" if budget == AUTO_BUDGET else f"@{budget}")
+
+
 def batch_sizes(scenario: str, M: int, cv: float, rng: np.random.Generator) -> np.ndarray:
     if scenario != "varlen" or cv == 0:
         return np.full(M, MEAN_SIZE)
@@ -81,8 +101,11 @@ def duration_model(scenario: str, args) -> DurationModel:
 
 
 def run_case(scenario: str, P: int, V: int, M: int, args) -> list[dict]:
-    runs = [(name, False) for name in schedules_for(V)] + [(name, True) for name in split_schedules_for(V)]
-    label = {run: run[0] + (SPLIT_SUFFIX if run[1] else "") for run in runs}
+    runs = [(name, False, AUTO_BUDGET) for name in schedules_for(V)]
+    runs += [(name, True, AUTO_BUDGET) for name in split_schedules_for(V)]
+    runs += [(name, split, budget) for budget in getattr(args, "budgets", [AUTO_BUDGET])
+             if budget != AUTO_BUDGET for split in (False, True) for name in BUDGET_SCHEDULES]
+    label = {run: run_label(*run) for run in runs}
     acc = {run: {"time": [], "peak": [], "budget": [], "within": True} for run in runs}
     lower_bounds = {False: [], True: []}
     pipeline_bounds = {False: [], True: []}
@@ -92,10 +115,11 @@ def run_case(scenario: str, P: int, V: int, M: int, args) -> list[dict]:
         rng = np.random.default_rng(10_000 + seed)
         sizes = batch_sizes(scenario, M, args.cv, rng)
         graphs = {split: TaskGraph(P, V, M, sizes, split_backward=split) for split in (False, True)}
-        for name, split in runs:
+        for name, split, budget in runs:
             schedule = greedy_count_cap if name == GREEDY_COUNT_CAP else name
-            result = simulate(graphs[split], schedule, model, comm, seed=seed)
-            a = acc[(name, split)]
+            result = simulate(graphs[split], schedule, model, comm, seed=seed,
+                              budget_bytes=None if budget == AUTO_BUDGET else budget)
+            a = acc[(name, split, budget)]
             a["time"].append(result.makespan)
             a["peak"].append(result.peak_activation)
             a["budget"].append(max(result.budget_bytes))
@@ -114,6 +138,7 @@ def run_case(scenario: str, P: int, V: int, M: int, args) -> list[dict]:
                 "M": M,
                 "schedule": label[run],
                 "split_backward": run[1],
+                "budget_mode": run[2],
                 "time": float(np.mean(a["time"])),
                 "lower_bound": float(np.mean(lower_bounds[run[1]])),
                 "pipeline_bound": float(np.mean(pipeline_bounds[run[1]])),
@@ -174,6 +199,30 @@ def print_summary(results: list[dict]) -> None:
         print(f"| {' | '.join(map(str, case))} | " + " | ".join(cells)
               + f" | {ours['time'] / ours['lower_bound']:.3f} | {ours['pipeline_bound'] / base['time']:.3f} | "
               f"{ours['peak_activation'] / ours['budget']:.2f} |")
+
+
+def print_budget_summary(results: list[dict]) -> None:
+    """With --budgets beyond auto: dpp:adaptive (fused, +W) under each budget, ÷ Megatron's fused
+    order, with the peak and the budget of the rank that needs the most (rank 0's budget under
+    both), in units of the batch's largest microbatch on one chunk."""
+    modes = sorted({r.get("budget_mode", AUTO_BUDGET) for r in results}, key=BUDGET_MODES.index)
+    if modes == [AUTO_BUDGET]:
+        return
+    print("dpp:adaptive under each budget, ÷ Megatron's order with its fused backward (peak and "
+          "budget: the largest over ranks, mean over seeds):")
+    print()
+    print("| scenario | P | V | M | budget | Megatron+W | adaptive | adaptive+W | adaptive+W peak / budget |")
+    print("|---" * 9 + "|")
+    cases = sorted({(r["scenario"], r["P"], r["V"], r["M"]) for r in results},
+                   key=lambda c: (SCENARIOS.index(c[0]), c[1], c[2], c[3]))
+    for case in cases:
+        rows = {r["schedule"]: r for r in results if (r["scenario"], r["P"], r["V"], r["M"]) == case}
+        base = rows[megatron_order(case[2])]["time"]
+        megatron_split = rows[megatron_order(case[2]) + SPLIT_SUFFIX]["time"] / base
+        for mode in modes:
+            fused, split = rows[run_label("dpp:adaptive", False, mode)], rows[run_label("dpp:adaptive", True, mode)]
+            print(f"| {' | '.join(map(str, case))} | {mode} | {megatron_split:.3f} | {fused['time'] / base:.3f} | "
+                  f"{split['time'] / base:.3f} | {split['peak_activation'] / split['budget']:.2f} |")
 
 
 def megatron_time(results: list[dict], row: dict) -> float:
@@ -246,6 +295,10 @@ def parse_args(argv=None):
     p.add_argument("--straggler-factor", type=float, default=2.0)
     p.add_argument("--weight-grad-fraction", type=float, default=0.5,
                    help="+W rows: the share of a backward's time that is its weight gradient (W)")
+    p.add_argument("--budgets", nargs="+", default=[AUTO_BUDGET], choices=BUDGET_MODES,
+                   help="dpp:adaptive (fused and +W) runs under each: 'auto' gives each rank what "
+                        "Megatron's order holds there, 'provisioned' gives every rank what it holds "
+                        "on its fullest rank (rows '...@provisioned')")
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--comm-latency", type=float, default=0.0, help="per message, in units of a mean microbatch's forward on one rank / 1000")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -285,6 +338,9 @@ def main(argv=None) -> int:
     print()
     print_summary(results)
     print()
+    if len(set(args.budgets)) > 1 or args.budgets[0] != AUTO_BUDGET:
+        print_budget_summary(results)
+        print()
     for line in check_targets(results):
         print(line)
     print(f"\n{len(results)} rows in {time.perf_counter() - t0:.1f} s")

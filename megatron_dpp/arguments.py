@@ -511,7 +511,7 @@ def validate_transport_args(args: argparse.Namespace) -> None:
 # dynamic pipeline parallelism (owned by the DPP runtime)
 # ----------------------------------------------------------------------------------------------
 def add_dpp_args(parser: argparse.ArgumentParser) -> None:
-    from megatron_dpp.pipeline import AUTO_BUDGET, DEFAULT_POLICY, SCHEDULE_NAMES
+    from megatron_dpp.pipeline import AUTO_BUDGET, DEFAULT_POLICY, PROVISIONED_BUDGET, SCHEDULE_NAMES
     from megatron_dpp.runtime.config import DPPConfig
 
     group = parser.add_argument_group("dynamic pipeline parallelism")
@@ -522,8 +522,17 @@ def add_dpp_args(parser: argparse.ArgumentParser) -> None:
                        help="Scheduling policy of --use-dpp (the static orders run through the same "
                             "runtime, for comparison).")
     group.add_argument("--dpp-memory-budget", type=str, default=AUTO_BUDGET,
-                       help=f"Activation bytes a pipeline rank may hold: '{AUTO_BUDGET}' (what 1F1B needs "
-                            "in the worst case on that rank) or a byte count such as 2147483648 or 2GiB.")
+                       help=f"Activation bytes a pipeline rank may hold, counted for full-length "
+                            f"microbatches. '{AUTO_BUDGET}' (default): as many microbatches as Megatron's "
+                            "1F1B (interleaved for virtual stages) holds at most on that rank. "
+                            f"'{PROVISIONED_BUDGET}': as many as it holds on its fullest rank, the "
+                            "first (P under 1F1B; 2(P-1)+(V-1)*G+1 chunk activations interleaved, "
+                            "G the group size, default P), on every rank: the devices of a pipeline "
+                            "have the same memory, so the later ranks' headroom is free and a "
+                            "policy may run further ahead there; use it when the first rank's "
+                            "memory is what you provision anyway. Or a byte count such as "
+                            "2147483648 or 2GiB, on every rank. With --dpp-split-backward each "
+                            "microbatch also counts what its W keeps from B to W.")
     group.add_argument("--dpp-timeout", type=float, default=DPPConfig.timeout_s,
                        help="Seconds without progress after which every DPP rank prints its state "
                             "(ready tasks, awaited tags, memory held) and the job exits non-zero.")

@@ -21,7 +21,7 @@ from megatron.core.enums import ModelType
 from megatron.core.model_parallel_config import ModelParallelConfig
 
 from megatron_dpp.comm.memory_transport import MemoryHub
-from megatron_dpp.models.weight_grad import active_deferral
+from megatron_dpp.models.weight_grad import WeightGradStash, active_deferral
 from megatron_dpp.models.weight_grad.functions import DeferredLinearFunction, open_site, proxy
 from megatron_dpp.runtime.config import DPPConfig
 from megatron_dpp.runtime.executor import DPPSession, IterationRecord, IterationRunner
@@ -131,7 +131,8 @@ def run_pipeline(P: int, V: int, sizes: List[int], policy: str, *, tp: int = 1,
                                  split_backward=split_backward),
                 transport=hub.transport(rank), microbatch_work=microbatch_work,
                 activation_bytes_fn=lambda _cfg, s, _mbs, _V, _P: [t * BYTES_PER_TOKEN for t in s],
-                weight_grad_bytes_fn=weight_grad_bytes)
+                weight_grad_bytes_fn=weight_grad_bytes,
+                stash=WeightGradStash() if split_backward else None)
             layout = RankLayout(pp_rank=stage, pp_ranks=[s * tp + tp_index for s in range(P)],
                                 tp_ranks=[stage * tp + i for i in range(tp)], global_rank=rank,
                                 agree_sizes=lambda _local, _count: list(sizes))

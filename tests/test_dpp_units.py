@@ -12,7 +12,7 @@ from megatron_dpp.runtime.tensor_parallel import DecisionChannel
 
 @pytest.mark.parametrize("text,expected", [
     ("auto", None), ("AUTO", None), ("1024", 1024), ("2KiB", 2048), ("1.5GB", 1_500_000_000),
-    ("3MiB", 3 * 2**20),
+    ("3MiB", 3 * 2**20), ("provisioned", "provisioned"), (" Provisioned ", "provisioned"),
 ])
 def test_memory_budget_parses_bytes_and_auto(text, expected):
     assert parse_memory_budget(text) == expected
@@ -22,6 +22,14 @@ def test_memory_budget_parses_bytes_and_auto(text, expected):
 def test_memory_budget_rejects_nonsense_with_a_hint(text):
     with pytest.raises(ValueError, match="--dpp-memory-budget"):
         parse_memory_budget(text, what="--dpp-memory-budget")
+
+
+def test_config_takes_every_budget_value_and_refuses_others():
+    for budget in (None, "auto", "provisioned", 2**30):
+        assert DPPConfig(memory_budget_bytes=budget).memory_budget_bytes == budget
+    for budget in (0, -1, "lots"):
+        with pytest.raises(ValueError, match="DPP memory budget"):
+            DPPConfig(memory_budget_bytes=budget)
 
 
 def test_config_rejects_nonpositive_timeout():
@@ -114,6 +122,9 @@ def test_dpp_flags_validate_and_convert_the_budget():
     args = _dpp_args()
     validate_dpp_args(args)
     assert args.dpp_memory_budget_bytes is None
+    args = _dpp_args(dpp_memory_budget="provisioned")
+    validate_dpp_args(args)
+    assert args.dpp_memory_budget_bytes == "provisioned"
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -74,6 +74,62 @@ def test_default_budget_is_megatron_inflight_times_largest():
     assert [default_budget_bytes(g2, r) for r in range(4)] == [11, 9, 7, 5]
 
 
+# (P, V, M): Megatron's in-flight chunk activations per rank ('auto'), and the most of them,
+# which 'provisioned' gives every rank. Interleaved: 2(P-r-1) + (V-1)G + 1 with G = P.
+BUDGET_COUNTS = [
+    ((2, 1, 8), [2, 1], 2),
+    ((4, 1, 8), [4, 3, 2, 1], 4),
+    ((4, 1, 2), [2, 2, 2, 1], 2),  # fewer microbatches than ranks: min(P - r, M)
+    ((2, 2, 4), [5, 3], 5),
+    ((4, 2, 8), [11, 9, 7, 5], 11),
+]
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("shape,auto,provisioned", BUDGET_COUNTS)
+def test_provisioned_budget_is_the_first_ranks_count_on_every_rank(shape, auto, provisioned, split):
+    """Counted at max_act_bytes, like 'auto'. With split backwards the caller adds what the W
+    store keeps to each microbatch's bytes (the runtime does, runtime/executor.py), and both
+    budgets count the sum: 10 bytes of activations + 4 of stored W work per microbatch here."""
+    from megatron_dpp.pipeline import (
+        PROVISIONED_BUDGET,
+        budget_bytes_for,
+        provisioned_budget_bytes,
+        provisioned_inflight_forwards,
+    )
+    from megatron_dpp.sim import simulate
+
+    P, V, M = shape
+    unit = 10 + (4 if split else 0)
+    g = TaskGraph(P, V, M, sizes=[1] * M, act_bytes=[unit // 2] * M, max_act_bytes=unit,
+                  split_backward=split)
+    assert [default_budget_bytes(g, r) for r in range(P)] == [c * unit for c in auto]
+    assert provisioned_inflight_forwards(g) == provisioned == max(auto)
+    assert provisioned_budget_bytes(g) == provisioned * unit
+    for r in range(P):
+        assert budget_bytes_for(None, g, r) == budget_bytes_for("auto", g, r) == auto[r] * unit
+        assert budget_bytes_for(PROVISIONED_BUDGET, g, r) == provisioned * unit >= auto[r] * unit
+        assert budget_bytes_for(123, g, r) == 123
+        for name in SCHEDULE_NAMES:
+            if (name == "1f1b" and V > 1) or (name == "interleaved-1f1b" and V == 1):
+                continue
+            assert make_scheduler(name, g, r, PROVISIONED_BUDGET).budget_bytes == provisioned * unit
+    assert simulate(g, "dpp:adaptive", budget_bytes="provisioned").budget_bytes == [provisioned * unit] * P
+
+
+def test_a_budget_value_is_checked_in_one_place():
+    from megatron_dpp.pipeline import check_memory_budget
+
+    for good in (None, "auto", "provisioned", 1, 2.5e9):
+        check_memory_budget(good)
+    for bad, message in ((0, "positive"), (-5, "positive"), ("lots", "expected"), ([1], "expected"),
+                         (True, "expected")):
+        with pytest.raises(ValueError, match=message):
+            check_memory_budget(bad)
+    with pytest.raises(ValueError, match="expected"):
+        make_scheduler("dpp:adaptive", TaskGraph(2, 1, 4), 0, "everything")
+
+
 def test_static_peak_equals_default_budget_with_equal_sizes():
     for P, V, M in [(4, 1, 16), (4, 1, 2), (4, 2, 8), (3, 3, 9)]:
         g = TaskGraph(P, V, M)

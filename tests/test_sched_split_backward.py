@@ -134,7 +134,8 @@ def test_benchmark_reports_split_rows(tmp_path):
     out = tmp_path / "sim.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "schedule_sim.py"), "--P", "4", "--V", "2", "--M", "8",
-         "--seeds", "2", "--scenarios", "varlen", "--weight-grad-fraction", "0.4", "--json", str(out)],
+         "--seeds", "2", "--scenarios", "varlen", "--weight-grad-fraction", "0.4", "--budgets", "auto",
+         "provisioned", "--json", str(out)],
         capture_output=True, text=True, timeout=280, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr
@@ -145,8 +146,113 @@ def test_benchmark_reports_split_rows(tmp_path):
     assert {"interleaved-1f1b+W", "1f1b-sorted+W", "dpp:adaptive+W"} <= set(rows)
     assert rows["dpp:adaptive+W"]["split_backward"] and not rows["dpp:adaptive"]["split_backward"]
     assert rows["dpp:adaptive+W"]["within_budget"]
+    # --budgets: dpp:adaptive again under 'provisioned', fused and +W, in their own table.
+    assert "dpp:adaptive under each budget" in proc.stdout
+    for name in ("dpp:adaptive@provisioned", "dpp:adaptive+W@provisioned"):
+        assert rows[name]["budget_mode"] == "provisioned" and rows[name]["within_budget"]
+    assert rows["dpp:adaptive+W"]["budget_mode"] == "auto"
+    assert rows["dpp:adaptive+W@provisioned"]["budget"] == rows["dpp:adaptive+W"]["budget"]  # rank 0's
     bad = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "schedule_sim.py"), "--quick", "--weight-grad-fraction", "1"],
         capture_output=True, text=True, timeout=60, cwd=REPO,
     )
     assert bad.returncode == 2 and "--weight-grad-fraction 1" in bad.stderr
+
+
+class _Rank:
+    """One rank's scheduler driven by hand through the shared ReadyTracker, as both executors
+    drive it: `arrive` a message, `expect` the policy's next decision and run it."""
+
+    def __init__(self, graph, rank, budget=None):
+        from megatron_dpp.pipeline import ReadyTracker
+
+        self.scheduler = make_scheduler("dpp:adaptive", graph, rank, budget)
+        self.tracker = ReadyTracker(graph, rank)
+
+    def arrive(self, text):
+        self.tracker.input_arrived(Task.parse(text))
+
+    def decide(self):
+        task = self.scheduler.next_task(self.tracker.ready)
+        return None if task is None else str(task)
+
+    def expect(self, *texts):
+        for text in texts:
+            assert self.decide() == text
+            task = Task.parse(text)
+            self.tracker.start(task)
+            self.scheduler.on_start(task)
+            self.tracker.finish(task)
+            self.scheduler.on_finish(task)
+
+
+def test_adaptive_runs_w_when_the_next_task_is_not_ready_or_the_budget_holds_a_forward():
+    """Issue 15's rule for dpp:adaptive with split backwards, decision by decision (P=2, V=1,
+    equal sizes of 10 bytes): a ready spine task that fits runs before queued W tasks; a W runs
+    when the spine's next F or B has not arrived, or when its next forward does not fit because
+    queued W tasks still hold memory."""
+    g = TaskGraph(2, 1, 4, sizes=[10.0] * 4, split_backward=True)
+    # Last rank, 'auto' (one microbatch): F1 has arrived, but W0 still holds B0's microbatch.
+    last = _Rank(g, 1)
+    last.arrive("F0.0")
+    last.arrive("F1.0")
+    last.expect("F0.0", "B0.0")
+    assert last.scheduler.held_bytes == 10 and last.decide() == "W0.0"  # the budget holds F1 back
+    last.expect("W0.0", "F1.0", "B1.0")
+    assert last.decide() == "W1.0"  # F2 has not arrived: fill the wait
+    last.expect("W1.0")
+    assert last.decide() is None  # nothing ready: wait for F2
+    # Last rank, 'provisioned' (two microbatches, rank 0's count): F1 fits beside W0's memory, so
+    # it runs first and the W waits for a gap.
+    ahead = _Rank(g, 1, "provisioned")
+    assert ahead.scheduler.budget_bytes == 20
+    ahead.arrive("F0.0")
+    ahead.arrive("F1.0")
+    ahead.expect("F0.0", "B0.0", "F1.0", "B1.0")
+    assert ahead.scheduler.held_bytes == 20
+    assert ahead.decide() == "W0.0"  # F2 has not arrived, and would not fit either
+    ahead.expect("W0.0", "W1.0")
+    # First rank with an explicit budget of three microbatches (one more than its spine needs):
+    # when the next backward has not arrived, the queued W runs before the rank would wait.
+    first = _Rank(g, 0, 30)
+    first.expect("F0.0", "F1.0")
+    first.arrive("B0.0")
+    first.expect("B0.0", "F2.0")  # F2 fits beside W0: the spine goes first
+    # B1 has not arrived, and W0's memory leaves no room for F3 as a deviation: W0.
+    assert first.scheduler.held_bytes == 30 and first.decide() == "W0.0"
+    first.expect("W0.0", "F3.0")  # now the budget's room beyond the spine takes F3 early
+    assert first.decide() is None  # B1 not arrived, no W queued: wait
+    first.arrive("B1.0")
+    first.expect("B1.0")
+    assert first.decide() == "W1.0"  # B2 not arrived
+    first.expect("W1.0")
+    first.arrive("B2.0")
+    first.arrive("B3.0")
+    first.expect("B2.0", "B3.0", "W2.0", "W3.0")  # ready spine tasks first, then the queue drains
+    assert first.decide() is None and first.scheduler.done and first.scheduler.held_bytes == 0
+
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_provisioned_budget_holds_in_the_simulator_and_lets_later_ranks_hold_more(split):
+    """Every policy under 'provisioned' finishes within it on every rank (varlen, P=2/4, V=1/2);
+    with equal sizes dpp:adaptive+W uses the later ranks' extra room (their peak exceeds their
+    'auto' budget), and is no slower than under 'auto'."""
+    from megatron_dpp.pipeline import DYNAMIC_SCHEDULES, default_budget_bytes, provisioned_budget_bytes
+
+    rng = np.random.default_rng(5)
+    for P, V, M in [(2, 1, 8), (4, 1, 16), (2, 2, 8), (4, 2, 16)]:
+        g = TaskGraph(P, V, M, rng.lognormal(0, 0.5, M) * 100, split_backward=split)
+        for name in DYNAMIC_SCHEDULES:
+            r = simulate(g, name, DurationModel(jitter_sigma=0.2), CommModel(latency=1.0), seed=P + V,
+                         budget_bytes="provisioned")
+            assert r.budget_bytes == [provisioned_budget_bytes(g)] * P, (P, V, name)
+            assert all(p <= b for p, b in zip(r.peak_bytes, r.budget_bytes)), (P, V, name, r.peak_bytes)
+        uniform = TaskGraph(P, V, M, split_backward=split)
+        auto = simulate(uniform, "dpp:adaptive")
+        provisioned = simulate(uniform, "dpp:adaptive", budget_bytes="provisioned")
+        assert provisioned.makespan <= auto.makespan + 1e-9
+        if split:
+            assert provisioned.peak_bytes[-1] > default_budget_bytes(uniform, P - 1), (P, V)
+            assert provisioned.makespan < auto.makespan, (P, V)
+

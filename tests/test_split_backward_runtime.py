@@ -95,6 +95,103 @@ def test_a_failed_iteration_discards_the_stash():
     assert stashes[1].keys() == []
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("P,V", [(2, 2), (4, 1)])
+def test_the_runtime_runs_the_policy_object_the_simulator_builds(P, V, monkeypatch):
+    """Issue 15: one policy object for both executors. The runtime and the simulator both get
+    the rank's scheduler from the pipeline core's make_scheduler; replaying what the runtime's
+    dpp:adaptive saw (ready sets, starts, finishes) through a fresh make_scheduler gives the same
+    decision every time, W tasks included."""
+    from megatron_dpp.pipeline import make_scheduler, registry
+    from megatron_dpp.pipeline.adaptive import AdaptiveScheduler
+    from megatron_dpp.runtime import executor
+    from megatron_dpp.sim import DurationModel, simulate, simulator
+
+    assert executor.make_scheduler is registry.make_scheduler is simulator.make_scheduler
+    made = {}
+
+    def logged(name, graph, rank, budget_bytes=None, **opts):
+        scheduler = make_scheduler(name, graph, rank, budget_bytes, **opts)
+        log = []
+        made[(id(graph), rank)] = (name, graph, rank, budget_bytes, opts, scheduler, log)
+        decide, start, finish = scheduler.next_task, scheduler.on_start, scheduler.on_finish
+
+        def next_task(ready):
+            task = decide(ready)
+            log.append(("next", frozenset(ready), task))
+            return task
+
+        scheduler.next_task = next_task
+        scheduler.on_start = lambda task: (log.append(("start", task)), start(task))[1]
+        scheduler.on_finish = lambda task: (log.append(("finish", task)), finish(task))[1]
+        return scheduler
+
+    monkeypatch.setattr(executor, "make_scheduler", logged)
+    result = run_pipeline(P, V, SIZES, "dpp:adaptive", split_backward=True)
+    assert not result.errors, result.errors
+    runtime = [entry for entry in made.values()]
+    assert sorted(entry[2] for entry in runtime) == list(range(P))
+    monkeypatch.setattr(simulator, "make_scheduler", logged)
+    graph = runtime[0][1]
+    simulate(graph, "dpp:adaptive", DurationModel())
+    simulated = [entry for entry in made.values() if entry[1] is graph and entry not in runtime]
+    assert len(simulated) == P
+    for entry in runtime + simulated:
+        assert type(entry[5]) is AdaptiveScheduler and entry[5].name == "dpp:adaptive"
+    deferred = 0
+    for name, graph, rank, budget, opts, scheduler, log in runtime:
+        assert [e[1] for e in log if e[0] == "start"] == result.records[rank].tasks
+        replay = make_scheduler(name, graph, rank, budget, **opts)
+        for event in log:
+            if event[0] == "next":
+                assert replay.next_task(event[1]) == event[2], (rank, event)
+            else:
+                getattr(replay, f"on_{event[0]}")(event[1])
+        assert replay.done and replay.history == scheduler.history
+        tasks = result.records[rank].tasks
+        deferred += sum(1 for t, u in zip(tasks, tasks[1:]) if t.phase is Phase.B and u != t._replace(phase=Phase.W))
+    assert deferred > 0  # some W ran later than right after its B
+
+
+@pytest.mark.timeout(60)
+def test_provisioned_lets_the_last_rank_run_ahead_within_its_budget():
+    """--dpp-memory-budget provisioned in the runtime (P=4, V=1, split backwards, equal sizes):
+    every rank gets rank 0's 'auto' budget, counted with the stash like 'auto'. The last rank
+    starts late, so F0 and F1 are waiting: under 'auto' (one microbatch) W0 must run before F1;
+    under 'provisioned' (four) F1 runs first, and the rank holds more than its 'auto' budget,
+    within its own."""
+    import time
+
+    P, sizes = 4, [4] * 8
+    unit = 4 * (100 + 32)  # the harness's activations + stash per token, for the longest sample
+    runs = {}
+    for budget in (None, "provisioned"):
+        records = {}
+
+        def late_last_rank(rank, runner, records=records):
+            if rank == P - 1:
+                time.sleep(0.3)
+            runner.run()
+            records[rank] = runner.record
+
+        result = run_pipeline(P, 1, sizes, "dpp:adaptive", split_backward=True, budget_bytes=budget,
+                              rank_fn=late_last_rank)
+        assert not result.errors, result.errors
+        runs[budget] = records
+    auto, provisioned = runs[None], runs["provisioned"]
+    assert [auto[r].budget_bytes for r in range(P)] == [4 * unit, 3 * unit, 2 * unit, unit]
+    assert [provisioned[r].budget_bytes for r in range(P)] == [4 * unit] * P
+    last = P - 1
+    assert [str(t) for t in auto[last].tasks[:4]] == ["F0.0", "B0.0", "W0.0", "F1.0"]
+    assert auto[last].peak_held_bytes == unit
+    assert [str(t) for t in provisioned[last].tasks[:3]] == ["F0.0", "B0.0", "F1.0"]
+    assert auto[last].budget_bytes < provisioned[last].peak_held_bytes <= provisioned[last].budget_bytes
+    for records in runs.values():
+        for record in records.values():
+            assert 0 < record.peak_held_bytes <= record.budget_bytes
+            assert 0 < record.peak_stash_bytes <= record.peak_held_bytes
+
+
 class _FakeChunkSync:
     """Records Megatron's protocol calls of one chunk."""
 

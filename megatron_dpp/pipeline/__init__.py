@@ -24,9 +24,12 @@ Interface (stable names):
   Options: microbatch_group_size_per_vp_stage (interleaved group size, default P; also sets
   dpp:adaptive's spine and the V>1 default budget), max_inflight (dpp:*: admit by a count of held
   chunk activations instead of bytes), sort_microbatches (dpp:breadth-first/depth-first/greedy:
-  largest first). budget_bytes=None: `default_budget_bytes(graph, rank)` = what 1F1B (interleaved
-  for V>1) holds at most on that rank, counted at max_act_bytes per forward.
-  `parse_memory_budget(text)` reads a budget as users write it ('auto', '2GiB', '1073741824').
+  largest first). budget_bytes=None (or 'auto'): `default_budget_bytes(graph, rank)` = what 1F1B
+  (interleaved for V>1) holds at most on that rank, counted at max_act_bytes per forward;
+  'provisioned' (`PROVISIONED_BUDGET`): `provisioned_budget_bytes(graph)` = what it holds at most
+  on its fullest rank (rank 0), the same count on every rank; an int: that many bytes.
+  `parse_memory_budget(text)` reads a budget as users write it ('auto', 'provisioned', '2GiB',
+  '1073741824').
 - `RankScheduler`: `name` (the policy chosen), `strategy` (None, or how it runs when that is not
   the policy's usual way), `microbatch_order` (same list on every rank: a pure function of sizes,
   P, V, M and the policy), `next_task(ready) -> Task | None` (None: wait for an arrival; a static
@@ -38,9 +41,16 @@ Interface (stable names):
 """
 from megatron_dpp.pipeline.budget import (
     AUTO_BUDGET,
+    BUDGET_MODES,
+    PROVISIONED_BUDGET,
+    MemoryBudget,
+    budget_bytes_for,
+    check_memory_budget,
     default_budget_bytes,
     megatron_inflight_forwards,
     parse_memory_budget,
+    provisioned_budget_bytes,
+    provisioned_inflight_forwards,
 )
 from megatron_dpp.pipeline.graph import TaskGraph
 from megatron_dpp.pipeline.ready import ReadyTracker
@@ -58,8 +68,11 @@ from megatron_dpp.pipeline.task import Phase, Task, format_tasks, parse_tasks
 
 __all__ = [
     "AUTO_BUDGET",
+    "BUDGET_MODES",
     "DEFAULT_POLICY",
     "DYNAMIC_SCHEDULES",
+    "MemoryBudget",
+    "PROVISIONED_BUDGET",
     "PairedReceiveScheduler",
     "Phase",
     "RankScheduler",
@@ -69,6 +82,8 @@ __all__ = [
     "StaticOrderScheduler",
     "Task",
     "TaskGraph",
+    "budget_bytes_for",
+    "check_memory_budget",
     "check_policy_layout",
     "default_budget_bytes",
     "format_tasks",
@@ -76,5 +91,7 @@ __all__ = [
     "megatron_inflight_forwards",
     "parse_memory_budget",
     "parse_tasks",
+    "provisioned_budget_bytes",
+    "provisioned_inflight_forwards",
     "size_sorted_order",
 ]

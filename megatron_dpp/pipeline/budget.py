@@ -1,14 +1,28 @@
-"""Activation-memory budgets: the default one (what Megatron's schedule needs) and the parser of
-the `--dpp-memory-budget` text. The one place either is defined."""
+"""Activation-memory budgets: the default one (what Megatron's schedule needs on the rank), the
+provisioned one (what it needs on its fullest rank, given to every rank), the parser of the
+`--dpp-memory-budget` text and the check of a budget value. The one place any of them is defined.
+
+A budget value (`MemoryBudget`) is what the flag's text parses to and what `make_scheduler`,
+`simulate` and the runtime's `DPPConfig.memory_budget_bytes` take:
+  None (or 'auto')      default_budget_bytes on each rank;
+  'provisioned'         provisioned_budget_bytes on each rank;
+  a positive int        that many bytes on every rank.
+"""
 from __future__ import annotations
 
-from typing import Optional
+import numbers
+from typing import Optional, Union
 
 from megatron_dpp.pipeline import static_orders
 from megatron_dpp.pipeline.adaptive import spine_group_size
 from megatron_dpp.pipeline.graph import TaskGraph
 
 AUTO_BUDGET = "auto"
+PROVISIONED_BUDGET = "provisioned"
+BUDGET_MODES = (AUTO_BUDGET, PROVISIONED_BUDGET)
+
+# None ('auto'), 'auto', 'provisioned', or a byte count.
+MemoryBudget = Union[int, str, None]
 
 # Units accepted after the number, e.g. "512MiB", "2GB".
 _BYTE_UNITS = {
@@ -39,17 +53,70 @@ def default_budget_bytes(graph: TaskGraph, rank: int, group_size: int | None = N
     return count * graph.max_act_bytes
 
 
-def parse_memory_budget(text: str, what: str = "memory budget") -> Optional[int]:
-    """'auto' -> None (default_budget_bytes on each rank); otherwise a positive byte count, from a
-    number with an optional unit (B, kB, MB, GB, KiB, MiB, GiB; case-insensitive).
+def provisioned_inflight_forwards(graph: TaskGraph, group_size: int | None = None) -> int:
+    """The chunk activations Megatron's schedule holds at most on its fullest rank (1F1B: rank 0
+    with min(P, M); interleaved: rank 0 with 2(P-1) + (V-1)G + 1), never below V: what
+    `provisioned` lets every rank hold."""
+    return max(max(megatron_inflight_forwards(graph, rank, group_size), graph.V)
+               for rank in range(graph.P))
+
+
+def provisioned_budget_bytes(graph: TaskGraph, group_size: int | None = None) -> int:
+    """The `provisioned` budget, the same count on every rank: provisioned_inflight_forwards times
+    the largest microbatch's bytes (graph.max_act_bytes, which with split backwards includes what
+    the W store keeps, as for default_budget_bytes). Every device of a pipeline has the same
+    memory, and Megatron's schedule needs this on its first rank, so the headroom it leaves on the
+    later ranks is free. At least default_budget_bytes on every rank, equal to it on rank 0."""
+    return provisioned_inflight_forwards(graph, group_size) * graph.max_act_bytes
+
+
+def _check_kind(budget: MemoryBudget, what: str) -> None:
+    if budget is None or (budget in BUDGET_MODES if isinstance(budget, str) else
+                          isinstance(budget, numbers.Real) and not isinstance(budget, bool)):
+        return
+    raise ValueError(f"{what} {budget!r}: expected None, {', '.join(map(repr, BUDGET_MODES))} "
+                     "or a byte count")
+
+
+def check_memory_budget(budget: MemoryBudget, what: str = "memory budget") -> None:
+    """Raise ValueError unless `budget` is a MemoryBudget: None, 'auto', 'provisioned' or a
+    positive byte count. (make_scheduler accepts any byte count and reports one below what the
+    policy needs with that minimum.)"""
+    _check_kind(budget, what)
+    if not (budget is None or isinstance(budget, str)) and budget <= 0:
+        raise ValueError(f"{what} must be positive, got {budget}")
+
+
+def is_explicit_budget(budget: MemoryBudget) -> bool:
+    """A byte count given by the user (not derived from Megatron's schedule)."""
+    return budget is not None and not isinstance(budget, str)
+
+
+def budget_bytes_for(budget: MemoryBudget, graph: TaskGraph, rank: int,
+                     group_size: int | None = None) -> int:
+    """The bytes `rank` may hold under `budget` (see MemoryBudget)."""
+    _check_kind(budget, "memory budget")
+    if budget is None or budget == AUTO_BUDGET:
+        return default_budget_bytes(graph, rank, group_size)
+    if budget == PROVISIONED_BUDGET:
+        return provisioned_budget_bytes(graph, group_size)
+    return int(budget)
+
+
+def parse_memory_budget(text: str, what: str = "memory budget") -> Optional[Union[int, str]]:
+    """'auto' -> None (default_budget_bytes on each rank); 'provisioned' -> PROVISIONED_BUDGET
+    (provisioned_budget_bytes on each rank); otherwise a positive byte count, from a number with
+    an optional unit (B, kB, MB, GB, KiB, MiB, GiB; case-insensitive).
 
     Raises ValueError with a message that starts with `what` (e.g. the flag's name) and says what
     is accepted."""
     value = text.strip().lower()
     if value == AUTO_BUDGET:
         return None
-    expected = (f"{what} {text!r}: expected '{AUTO_BUDGET}' or a byte count such as "
-                "1073741824 or 1GiB")
+    if value == PROVISIONED_BUDGET:
+        return PROVISIONED_BUDGET
+    expected = (f"{what} {text!r}: expected '{AUTO_BUDGET}', '{PROVISIONED_BUDGET}' or a byte "
+                "count such as 1073741824 or 1GiB")
     number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = value[len(number):]
     if unit not in _BYTE_UNITS or not number:

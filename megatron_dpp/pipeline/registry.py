@@ -15,7 +15,7 @@ from megatron_dpp.pipeline.adaptive import (
     spine_order,
     spine_warmup_cap,
 )
-from megatron_dpp.pipeline.budget import default_budget_bytes
+from megatron_dpp.pipeline.budget import MemoryBudget, budget_bytes_for, is_explicit_budget
 from megatron_dpp.pipeline.graph import TaskGraph
 from megatron_dpp.pipeline.rule_based import BreadthFirstScheduler, DepthFirstScheduler, GreedyScheduler
 from megatron_dpp.pipeline.scheduler import RankScheduler, StaticOrderScheduler
@@ -67,10 +67,10 @@ def _static(name: str, graph: TaskGraph, rank: int, budget: int, order: list[int
 
 
 def _adaptive(
-    graph: TaskGraph, rank: int, budget_bytes: int | None, group: int | None, max_inflight: int | None
+    graph: TaskGraph, rank: int, budget_bytes: MemoryBudget, group: int | None, max_inflight: int | None
 ) -> RankScheduler:
     order = adaptive_microbatch_order(graph.sizes, graph.P, graph.V, graph.split_backward)
-    budget = default_budget_bytes(graph, rank, group) if budget_bytes is None else int(budget_bytes)
+    budget = budget_bytes_for(budget_bytes, graph, rank, group)
     if max_inflight is not None:
         if max_inflight < graph.V:
             raise ValueError(f"{ADAPTIVE}: max_inflight={max_inflight} must be >= V={graph.V}")
@@ -87,7 +87,8 @@ def _adaptive(
         spine = spine_order(graph, rank, order, None, cap)
         return AdaptiveScheduler(graph, rank, budget, order, spine, max_inflight)
     spine_group = spine_group_size(graph.P, graph.M, group)
-    explicit = budget_bytes is not None or max_inflight is not None
+    # 'auto' and 'provisioned' are at least the spine's own need on every rank: the spines fit.
+    explicit = is_explicit_budget(budget_bytes) or max_inflight is not None
     if not explicit or _spines_fit(graph, order, spine_group, limit, weight):
         spine = spine_order(graph, rank, order, spine_group, None)
         return AdaptiveScheduler(graph, rank, budget, order, spine, max_inflight)
@@ -119,11 +120,12 @@ _RULE_BASED = {
 
 
 def make_scheduler(
-    name: str, graph: TaskGraph, rank: int, budget_bytes: int | None = None, **opts
+    name: str, graph: TaskGraph, rank: int, budget_bytes: MemoryBudget = None, **opts
 ) -> RankScheduler:
     """Build rank `rank`'s scheduler for schedule `name` (see SCHEDULE_NAMES).
 
-    budget_bytes=None means default_budget_bytes(graph, rank). Options:
+    budget_bytes: None or 'auto' means default_budget_bytes(graph, rank), 'provisioned'
+    provisioned_budget_bytes(graph) (budget.py), an int that many bytes. Options:
       microbatch_group_size_per_vp_stage: interleaved 1F1B's group size (default P);
       max_inflight: dpp:* policies admit by this count of chunk activations (forwards held)
         instead of bytes; budget_bytes is then only reported;
@@ -138,7 +140,7 @@ def make_scheduler(
     check_policy_layout(name, graph.V)
     opts = dict(opts)
     group = opts.pop("microbatch_group_size_per_vp_stage", None)
-    budget = default_budget_bytes(graph, rank, group) if budget_bytes is None else int(budget_bytes)
+    budget = budget_bytes_for(budget_bytes, graph, rank, group)
     if name in STATIC_SCHEDULES:
         # 1f1b-sorted uses exactly dpp:adaptive's order, so the two differ only by dynamic dispatch.
         if name == ONE_F_ONE_B_SORTED:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
-from megatron_dpp.pipeline import DEFAULT_POLICY
+from megatron_dpp.pipeline import DEFAULT_POLICY, MemoryBudget, check_memory_budget
 
 
 @dataclass(frozen=True)
@@ -15,9 +14,11 @@ class DPPConfig:
     policy: str = DEFAULT_POLICY
     """A schedule name of megatron_dpp.pipeline (SCHEDULE_NAMES)."""
 
-    memory_budget_bytes: Optional[int] = None
-    """Activation bytes a rank may hold; None: the policy's default (what 1F1B needs in the worst
-    case on that rank, megatron_dpp.pipeline.default_budget_bytes)."""
+    memory_budget_bytes: MemoryBudget = None
+    """Activation bytes a rank may hold (megatron_dpp.pipeline.budget): None: the policy's default
+    (what 1F1B needs in the worst case on that rank, default_budget_bytes); 'provisioned'
+    (PROVISIONED_BUDGET): what it needs on its fullest rank, on every rank
+    (provisioned_budget_bytes); an int: that many bytes."""
 
     timeout_s: float = 300.0
     """Seconds without progress after which the rank reports its state and the job exits."""
@@ -32,5 +33,4 @@ class DPPConfig:
     def __post_init__(self):
         if self.timeout_s <= 0:
             raise ValueError(f"DPP timeout must be positive, got {self.timeout_s}")
-        if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
-            raise ValueError(f"DPP memory budget must be positive, got {self.memory_budget_bytes}")
+        check_memory_budget(self.memory_budget_bytes, what="DPP memory budget")

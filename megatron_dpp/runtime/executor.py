@@ -46,7 +46,7 @@ from megatron_dpp.runtime.config import DPPConfig
 from megatron_dpp.runtime.grad_sync import GradSync
 from megatron_dpp.runtime.handlers import make_handlers
 from megatron_dpp.runtime.layout import RankLayout
-from megatron_dpp.runtime.memory import megatron_activation_bytes, megatron_weight_grad_bytes
+from megatron_dpp.runtime.memory import megatron_activation_bytes
 from megatron_dpp.runtime.tags import decision_tag, message_tag
 from megatron_dpp.runtime.tensor_parallel import DecisionChannel
 from megatron_dpp.runtime.watchdog import ProgressDeadline, report_and_exit
@@ -112,8 +112,11 @@ class DPPSession:
     activation_bytes_fn: ActivationBytesFn = megatron_activation_bytes
     recorder: Optional[TraceRecorder] = None  # --trace: what each iteration did, per rank
     nvtx: bool = False  # --nvtx: an NVTX range named like the task around each task's step
-    weight_grad_bytes_fn: WeightGradBytesFn = megatron_weight_grad_bytes
-    stash: Any = None  # split backwards: the rank's WeightGradStash (made by the first iteration)
+    # Split backwards (DPPConfig.split_backward), both given by the caller (training/pipeline.py:
+    # models.weight_grad's megatron_weight_grad_bytes and a WeightGradStash): the stash's bytes per
+    # microbatch, and the rank's stash (the model chunks' deferred layers store into it).
+    weight_grad_bytes_fn: Optional[WeightGradBytesFn] = None
+    stash: Any = None
     iteration: int = 0
     last_record: Optional[IterationRecord] = None
 
@@ -135,12 +138,16 @@ def dpp_peers() -> List[int]:
 
 def make_forward_backward_dpp(config: DPPConfig, transport: Any, microbatch_work: MicrobatchWorkFn,
                               activation_bytes_fn: ActivationBytesFn = megatron_activation_bytes,
-                              recorder: Optional[TraceRecorder] = None, nvtx: bool = False):
+                              recorder: Optional[TraceRecorder] = None, nvtx: bool = False,
+                              stash: Any = None,
+                              weight_grad_bytes_fn: Optional[WeightGradBytesFn] = None):
     """A callable with Megatron's forward_backward_func keyword signature, bound to one DPP session.
     Its `close()` closes the transport (collective; training.pipeline.close_forward_backward).
-    With a recorder, every iteration's tasks, waits, messages and memory go into it."""
+    With a recorder, every iteration's tasks, waits, messages and memory go into it. With
+    config.split_backward, `stash` and `weight_grad_bytes_fn` are the split's (DPPSession)."""
     session = DPPSession(config=config, transport=transport, microbatch_work=microbatch_work,
-                         activation_bytes_fn=activation_bytes_fn, recorder=recorder, nvtx=nvtx)
+                         activation_bytes_fn=activation_bytes_fn, recorder=recorder, nvtx=nvtx,
+                         stash=stash, weight_grad_bytes_fn=weight_grad_bytes_fn)
     fn = partial(forward_backward_dpp, dpp_session=session)
     fn.dpp_session = session
     fn.close = transport.close
@@ -262,10 +269,10 @@ class IterationRunner:
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
         # Split backwards in training only: evaluation (forward_only) keeps no gradients.
         self.split = self.dpp.split_backward and not forward_only
-        if self.split and session.stash is None:
-            from megatron_dpp.models.weight_grad import WeightGradStash
-
-            session.stash = WeightGradStash()
+        if self.split and (session.stash is None or session.weight_grad_bytes_fn is None):
+            raise ValueError("forward_backward_dpp: split_backward needs the session's stash and "
+                             "weight_grad_bytes_fn (models.weight_grad's WeightGradStash and "
+                             "megatron_weight_grad_bytes; training/pipeline.py passes them)")
         self.stash = session.stash if self.split else None
 
         sizes = layout.agree_sizes(self._local_sizes(), self.M)

@@ -15,7 +15,15 @@ from typing import Callable
 
 import numpy as np
 
-from megatron_dpp.pipeline import Phase, RankScheduler, ReadyTracker, Task, TaskGraph, make_scheduler
+from megatron_dpp.pipeline import (
+    MemoryBudget,
+    Phase,
+    RankScheduler,
+    ReadyTracker,
+    Task,
+    TaskGraph,
+    make_scheduler,
+)
 from megatron_dpp.sim.models import CommModel, DurationModel
 from megatron_dpp.trace import chrome
 
@@ -70,11 +78,12 @@ def simulate(
     duration_model: DurationModel | None = None,
     comm_model: CommModel | None = None,
     seed: int = 0,
-    budget_bytes: int | None = None,
+    budget_bytes: MemoryBudget = None,
     **opts,
 ) -> SimResult:
     """Run one global batch of `graph` under `schedule` (a make_scheduler name, with budget_bytes
-    and opts passed through, or a factory (graph, rank) -> RankScheduler)."""
+    (None/'auto', 'provisioned' or bytes) and opts passed through, or a factory
+    (graph, rank) -> RankScheduler)."""
     duration_model = duration_model or DurationModel()
     comm_model = comm_model or CommModel()
     if isinstance(schedule, str):

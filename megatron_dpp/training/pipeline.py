@@ -118,9 +118,15 @@ def _build_dpp(args: argparse.Namespace, spec: ModelSpec, run_directory: Optiona
         from megatron_dpp.training.tracing import start_trace
 
         trace = start_trace(args, run_directory)
+    split = {}
+    if config.split_backward:
+        from megatron_dpp.models.weight_grad import WeightGradStash, megatron_weight_grad_bytes
+
+        # The chunks' deferred layers store their weight-gradient work into this stash at B.
+        split = {"stash": WeightGradStash(), "weight_grad_bytes_fn": megatron_weight_grad_bytes}
     forward_backward = make_forward_backward_dpp(
         config, transport, spec.microbatch_work, recorder=None if trace is None else trace.recorder,
-        nvtx=args.nvtx)
+        nvtx=args.nvtx, **split)
     forward_backward.close = _closer(trace, transport)
     forward_backward.trace = trace
     return forward_backward

@@ -9,7 +9,7 @@
 
 `store.py` holds the stash, `functions.py` the autograd functions with split backwards,
 `layers.py` the Megatron-Core layer subclasses that use them, `model.py` the layer spec and the
-GPT model. docs/weight_grad.md says what is covered and what the stash holds.
+GPT model, `memory.py` the stash's bytes per microbatch (what the runtime's budget counts). docs/weight_grad.md says what is covered and what the stash holds.
 """
 from megatron_dpp.models.weight_grad.layers import (
     DeferredColumnParallelLinear,
@@ -18,6 +18,7 @@ from megatron_dpp.models.weight_grad.layers import (
     DeferredRowParallelLinear,
     DeferredVocabParallelEmbedding,
 )
+from megatron_dpp.models.weight_grad.memory import megatron_weight_grad_bytes, weight_grad_bytes_per_token
 from megatron_dpp.models.weight_grad.model import (
     DeferredGPTModel,
     adopt_deferred_embedding_and_output,
@@ -47,4 +48,6 @@ __all__ = [
     "deferred_block_spec",
     "adopt_deferred_embedding_and_output",
     "undeferred_parameters",
+    "megatron_weight_grad_bytes",
+    "weight_grad_bytes_per_token",
 ]
