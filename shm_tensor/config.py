@@ -22,7 +22,12 @@ class ShmConfig:
 
     CPU messages of at least `single_copy_min_bytes` travel in one copy when the receiver has no
     slot left to lend: it pulls them from the sender's memory (process_vm_readv), where its probe at
-    connect() allowed it, and the send completes once pulled. `single_copy=False` turns that off."""
+    connect() allowed it, and the send completes once pulled. `single_copy=False` turns that off.
+
+    `batch_while_sleeping`: a thread asleep in a wait is SCHED_BATCH for the sleep only, so the
+    peer that wakes it (posting a message, freeing a slot) keeps its CPU instead of being preempted
+    by the woken thread inside isend when the cores are oversubscribed; the woken thread then runs at
+    once on an idle core, or when the waker's time slice ends. False: plain SCHED_OTHER sleeps."""
 
     num_slots: int = 4
     slot_bytes: int = 64 << 20
@@ -35,6 +40,7 @@ class ShmConfig:
     single_copy_min_bytes: int = 16 << 20  # the measured crossover (docs/transport.md)
     zero_copy_receive: bool = True  # received CPU messages may borrow their slot instead of a copy out
     zero_copy_min_bytes: int = 256 << 10  # smaller messages are copied out (cheap, and keep loans free)
+    batch_while_sleeping: bool = True  # waiters sleep as SCHED_BATCH: waking them never preempts the waker
 
     def validate(self) -> None:
         """Raise ShmConfigError (a ValueError naming the field) for a value the transport refuses."""

@@ -61,6 +61,7 @@ def _to_c(settings: ShmConfig) -> "_C.ContextConfig":
     config.single_copy_min_bytes = settings.single_copy_min_bytes
     config.zero_copy_receive = bool(settings.zero_copy_receive)
     config.zero_copy_min_bytes = settings.zero_copy_min_bytes
+    config.batch_while_sleeping = bool(settings.batch_while_sleeping)
     return config
 
 
@@ -144,6 +145,24 @@ class Context:
         into a slot), received_single_copy, received_two_copy (copied out of a slot),
         received_zero_copy (the received tensor borrows its slot)."""
         return dict(self._context.message_counts())
+
+    def post_stats(self) -> dict[str, int]:
+        """What isend did on the caller's thread so far (tensor sends): sends_posted;
+        written_at_post (messages the caller wrote into slots inside isend: the posted one when a
+        slot was free, and earlier queued ones that found one now) and queued_at_post (the posted
+        message found no free slot: queued, written by a later progress call, never waited for);
+        bytes_copied_at_post (payload the caller copied into slots); wakes_at_post (FUTEX_WAKE calls
+        inside isend: the peer was asleep on its doorbell); post_ns and max_post_ns (time inside
+        the compiled isend, GIL released) and wake_ns (the part inside those wake calls, which
+        includes any time the caller spent preempted by the peer it woke). sleeps and
+        sleeps_as_batch: how often this process's waits slept on the doorbell, and how many of
+        those sleeps were SCHED_BATCH (ShmConfig.batch_while_sleeping)."""
+        return dict(self._context.post_stats())
+
+    def batch_sleep_fallback(self) -> str:
+        """'' when waits sleep as SCHED_BATCH (ShmConfig.batch_while_sleeping); otherwise why not:
+        turned off, or the sched_setscheduler call that failed (tried once per context)."""
+        return self._context.batch_sleep_fallback()
 
     def _send_raw_header(self, header: bytes, peer: int, body: bytes = b"") -> Handle:
         """Sends `header` verbatim, then `body`, with no tensor payload (tests of the receiver's

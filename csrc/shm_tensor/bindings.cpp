@@ -99,7 +99,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("single_copy", &ContextConfig::single_copy)
       .def_readwrite("single_copy_min_bytes", &ContextConfig::single_copy_min_bytes)
       .def_readwrite("zero_copy_receive", &ContextConfig::zero_copy_receive)
-      .def_readwrite("zero_copy_min_bytes", &ContextConfig::zero_copy_min_bytes);
+      .def_readwrite("zero_copy_min_bytes", &ContextConfig::zero_copy_min_bytes)
+      .def_readwrite("batch_while_sleeping", &ContextConfig::batch_while_sleeping);
 
   py::class_<Handle, std::shared_ptr<Handle>>(m, "Handle")
       .def("test", &Handle::test, py::arg("cuda_device") = -1, py::arg("cuda_stream") = 0,
@@ -140,5 +141,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              result["received_zero_copy"] = counts.received_zero_copy;
              return result;
            })
+      .def("post_stats",
+           [](Context& context) {
+             PostStats stats = context.post_stats();
+             py::dict result;
+             result["sends_posted"] = stats.sends_posted;
+             result["written_at_post"] = stats.written_at_post;
+             result["queued_at_post"] = stats.queued_at_post;
+             result["bytes_copied_at_post"] = stats.bytes_copied_at_post;
+             result["wakes_at_post"] = stats.wakes_at_post;
+             result["post_ns"] = stats.post_ns;
+             result["max_post_ns"] = stats.max_post_ns;
+             result["wake_ns"] = stats.wake_ns;
+             result["sleeps"] = stats.sleeps;
+             result["sleeps_as_batch"] = stats.sleeps_as_batch;
+             return result;
+           })
+      .def("batch_sleep_fallback", &Context::batch_sleep_fallback)
       .def_property_readonly("rank", &Context::rank);
 }

@@ -14,6 +14,7 @@
 #include "../common/errors.h"
 #include "../common/dtype_codes.h"
 #include "single_copy.h"
+#include "sleep_policy.h"
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434  // same number on every architecture
@@ -318,8 +319,9 @@ void Context::close() {
     for (auto& peer : peers_) {
       for (auto& handle : peer->pending_sends) released.push_back(std::move(handle));
       for (auto& sent : peer->in_flight_sends) released.push_back(std::move(sent.handle));
-      // A peer waiting for us to take its message learns at once that we will not.
-      if (peer->control != nullptr) ring(peer->control->doorbell);
+      // A peer waiting for us to take its message learns at once that we will not. A failed wake is
+      // not raised from close(): the peer's wait re-checks every liveness slice (50 ms) anyway.
+      if (peer->control != nullptr) (void)ring(peer->control->doorbell);
     }
     posted_recvs_.clear();
     unclaimed_.clear();
@@ -354,6 +356,7 @@ cuda::CudaIpc& Context::cuda_ipc(const char* call, int peer, int64_t tag) {
 std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64_t tag,
                                        uintptr_t cuda_stream) {
   const char* call = "shm_tensor.isend";
+  Clock::time_point posted = Clock::now();
   bool on_cuda = tensor.device().is_cuda();
   if (!tensor.device().is_cpu() && !on_cuda) {
     throw std::invalid_argument(describe(call, peer, tag,
@@ -408,7 +411,22 @@ std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64
   handle->raw_header_.assign(reinterpret_cast<const char*>(&header),
                              reinterpret_cast<const char*>(&header) + sizeof(header));
   target.pending_sends.push_back(handle);
-  push_sends(target);
+  ++post_stats_.sends_posted;
+  // Counted before push_sends may throw (a failed wake): the message is posted either way.
+  struct PostTimer {
+    PostStats& stats;
+    Clock::time_point posted;
+    ~PostTimer() {
+      auto ns = static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - posted).count());
+      stats.post_ns += ns;
+      stats.max_post_ns = std::max(stats.max_post_ns, ns);
+    }
+  } timer{post_stats_, posted};
+  push_sends(target, true);
+  if (!target.pending_sends.empty() && target.pending_sends.back() == handle) {
+    ++post_stats_.queued_at_post;  // no free slot: a later progress call writes it
+  }
   return handle;
 }
 
@@ -508,7 +526,7 @@ void Context::choose_payload_path(Peer& peer, Handle& handle) {
   std::memcpy(handle.raw_header_.data(), &header, sizeof(header));
 }
 
-void Context::push_sends(Peer& peer) {
+void Context::push_sends(Peer& peer, bool posting) {
   complete_pulled_sends(peer);
   if (peer.lost) return;
   while (!peer.pending_sends.empty()) {
@@ -535,6 +553,13 @@ void Context::push_sends(Peer& peer) {
     }
     std::shared_ptr<Handle> handle = std::move(peer.pending_sends.front());
     peer.pending_sends.pop_front();
+    if (posting && handle->tensor_.defined()) {
+      ++post_stats_.written_at_post;
+      if (!handle->single_copy_ && handle->cuda_ready_ == nullptr) {
+        post_stats_.bytes_copied_at_post += handle->tensor_.nbytes();
+      }
+    }
+    int64_t tag = handle->tag_;
     if (handle->single_copy_) {
       // The receiver reads our memory until it frees the slot: keep the source until then.
       ++counts_.sent_single_copy;
@@ -545,7 +570,24 @@ void Context::push_sends(Peer& peer) {
       handle->tensor_ = at::Tensor();  // the caller may reuse or free its tensor now
       handle->cuda_ready_.reset();
     }
-    ring(peer.control->doorbell);
+    ring_peer(peer, "shm_tensor.isend", tag, posting);
+  }
+}
+
+void Context::ring_peer(Peer& peer, const char* call, int64_t tag, bool posting) {
+  Clock::time_point start = posting ? Clock::now() : Clock::time_point();
+  Rung rung = ring(peer.control->doorbell);
+  if (posting && rung.woke) {
+    ++post_stats_.wakes_at_post;
+    post_stats_.wake_ns += static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+  }
+  if (rung.error != 0) {
+    errno = rung.error;
+    // The message or the freed slot is published already; only the peer's wake-up failed.
+    throw TransportError(describe(call, peer.rank, tag,
+                                  dpp_errors::syscall_failure("futex", "FUTEX_WAKE, doorbell of peer " +
+                                                                           std::to_string(peer.rank))));
   }
 }
 
@@ -623,7 +665,9 @@ at::Tensor Context::lent_tensor(Peer& peer, const WireHeader& header, char* slot
         if (::getpid() != lender) return;
         channel->free_slots.fetch_or(bit, std::memory_order_release);
         channel->loans_left.fetch_add(1, std::memory_order_release);
-        ring(*sender_bell);  // the sender may be waiting for a free slot
+        // The sender may be waiting for a free slot. A deleter cannot raise: were the wake to fail,
+        // the sender's wait would still see the slot at its next liveness slice (50 ms).
+        (void)ring(*sender_bell);
       },
       options);
 }
@@ -747,8 +791,8 @@ void Context::drain_inbound(Peer& peer, const std::vector<std::shared_ptr<Handle
     }
     if (bit != 0) peer.in_channel->free_slots.fetch_or(bit, std::memory_order_release);
     peer.in_channel->tail.store(tail + 1, std::memory_order_release);
-    ring(peer.control->doorbell);  // the sender may be waiting for this slot
     deliver(peer.rank, header.tag, std::move(tensor));
+    ring_peer(peer, "shm_tensor.irecv", header.tag, false);  // the sender may be waiting for this slot
   }
 }
 
@@ -835,6 +879,17 @@ MessageCounts Context::message_counts() {
   return counts_;
 }
 
+PostStats Context::post_stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return post_stats_;
+}
+
+std::string Context::batch_sleep_fallback() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!config_.batch_while_sleeping) return "disabled (ShmConfig.batch_while_sleeping=False)";
+  return batch_sleep_failure_;
+}
+
 void Context::check_liveness(const std::vector<std::shared_ptr<Handle>>& handles) {
   bool any_lost = false;
   for (const auto& handle : handles) {
@@ -909,9 +964,36 @@ int Context::wait_any(const std::vector<std::shared_ptr<Handle>>& handles, doubl
       throw TransportTimeout(describe("shm_tensor.wait", first.peer_, first.tag_, what.str()));
     }
     double nap = std::min(remaining, std::max(0.0, seconds_until(next_liveness_check)));
+    bool batch = config_.batch_while_sleeping && batch_sleep_failure_.empty();
     lock.unlock();
-    if (!spin_until_rung(bell, seen, config_.spin_us)) sleep_on(bell, seen, std::max(nap, 1e-4));
+    bool slept = false, slept_as_batch = false;
+    int sleep_error = 0;
+    std::string batch_failure, restore_failure;
+    if (!spin_until_rung(bell, seen, config_.spin_us)) {
+      // SCHED_BATCH for the sleep only (sleep_policy.h): whoever wakes us keeps its CPU.
+      BatchWhileAsleep asleep(batch);
+      slept = true;
+      slept_as_batch = asleep.switched();
+      sleep_error = sleep_on(bell, seen, std::max(nap, 1e-4));
+      restore_failure = asleep.restore();
+      batch_failure = asleep.failure();
+    }
     lock.lock();
+    if (slept) {
+      ++post_stats_.sleeps;
+      if (slept_as_batch) ++post_stats_.sleeps_as_batch;
+    }
+    if (!batch_failure.empty() && batch_sleep_failure_.empty()) batch_sleep_failure_ = batch_failure;
+    const Handle& first = *handles.front();
+    if (!restore_failure.empty()) {
+      throw TransportError(describe("shm_tensor.wait", first.peer_, first.tag_,
+                                    restore_failure + "; this thread stays SCHED_BATCH"));
+    }
+    if (sleep_error != 0) {
+      errno = sleep_error;
+      throw TransportError(describe("shm_tensor.wait", first.peer_, first.tag_,
+                                    dpp_errors::syscall_failure("futex", "FUTEX_WAIT, own doorbell")));
+    }
   }
 }
 

@@ -40,7 +40,12 @@
 //
 // Waiting. A process blocks on its own doorbell with futex(2), in slices, checking between slices
 // whether a peer it waits on is still alive (pidfd, fallback kill(pid, 0)); waiting single-copy sends
-// are handles like any other, so a dead receiver is noticed the same way.
+// are handles like any other, so a dead receiver is noticed the same way. While it sleeps the thread
+// is SCHED_BATCH (sleep_policy.h), so the peer that wakes it is not preempted by it.
+//
+// Posting. isend never waits for the receiver: it writes the message into a free slot (the payload
+// copy, inline below bytes_per_thread), or queues it when none is free (a later progress call writes
+// it), and rings the receiver's doorbell. PostStats count what it did on the caller's thread.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -86,6 +91,9 @@ struct ContextConfig {
   // fewer than num_slots / 2 of that sender's slots are lent; false: always copy out.
   bool zero_copy_receive = true;
   uint64_t zero_copy_min_bytes = 256ull << 10;
+  // A thread asleep on the doorbell is SCHED_BATCH (sleep_policy.h): the peer whose message or freed
+  // slot wakes it keeps its CPU instead of being preempted by the woken thread in mid-isend.
+  bool batch_while_sleeping = true;
 };
 
 constexpr int kMaxSlots = 64;  // the free-slot bitmask is one 64-bit word
@@ -97,6 +105,27 @@ struct MessageCounts {
   uint64_t received_single_copy = 0;
   uint64_t received_two_copy = 0;
   uint64_t received_zero_copy = 0;  // through a slot, which the received tensor borrows
+};
+
+// What isend() did on the caller's thread, summed over the calls (tensor sends only; the CUDA path
+// is included in the time). `post_ns` is the time inside Context::isend (after the GIL is released),
+// `wake_ns` the part of it spent in FUTEX_WAKE calls that woke a peer asleep on its doorbell: with
+// more runnable threads than cores, the woken peer may take the CPU at that call's return, and the
+// caller then waits on the run queue inside isend. Sleeps: how often a wait slept on the doorbell
+// after its spin, and how many of those sleeps were SCHED_BATCH (ContextConfig::batch_while_sleeping).
+struct PostStats {
+  uint64_t sends_posted = 0;
+  // Messages written into slots inside isend: the posted one when it found a free slot, and earlier
+  // queued ones to the same peer that found one now.
+  uint64_t written_at_post = 0;
+  uint64_t queued_at_post = 0;        // the posted message found no free slot: queued, not waited for
+  uint64_t bytes_copied_at_post = 0;  // payload bytes the caller copied into slots inside isend
+  uint64_t wakes_at_post = 0;         // FUTEX_WAKE calls inside isend (the peer was asleep)
+  uint64_t post_ns = 0;
+  uint64_t max_post_ns = 0;
+  uint64_t wake_ns = 0;
+  uint64_t sleeps = 0;
+  uint64_t sleeps_as_batch = 0;
 };
 
 class Context;
@@ -164,6 +193,10 @@ class Context : public std::enable_shared_from_this<Context> {
   // Peers whose messages to this process take two copies, with the reason (probe failure, disabled).
   std::map<int, std::string> single_copy_fallbacks();
   MessageCounts message_counts();
+  PostStats post_stats();
+  // "" while sleeping waiters are SCHED_BATCH (or batch_while_sleeping is off); otherwise why not
+  // (the failed sched_setscheduler call, after which this context stops trying).
+  std::string batch_sleep_fallback();
 
   int rank() const { return rank_; }
   const ContextConfig& config() const { return config_; }
@@ -179,7 +212,9 @@ class Context : public std::enable_shared_from_this<Context> {
   // copied out only while none of them is complete; the rest wait for the next progress call.
   void progress(const std::vector<std::shared_ptr<Handle>>& awaited);  // lock held
   void drain_inbound(Peer& peer, const std::vector<std::shared_ptr<Handle>>& awaited);  // lock held
-  void push_sends(Peer& peer);                // lock held
+  // `posting`: called by isend, whose caller's time the PostStats count.
+  void push_sends(Peer& peer, bool posting = false);  // lock held
+  void ring_peer(Peer& peer, const char* call, int64_t tag, bool posting);  // lock held
   void complete_pulled_sends(Peer& peer);     // lock held
   bool receiver_closed(Peer& peer);           // lock held
   bool use_single_copy(Peer& peer, uint64_t nbytes);  // lock held
@@ -212,6 +247,8 @@ class Context : public std::enable_shared_from_this<Context> {
   dpp_copy::CopyPool copy_pool_;
   std::shared_ptr<BufferPool> recv_buffers_;
   MessageCounts counts_;
+  PostStats post_stats_;
+  std::string batch_sleep_failure_;  // set once a switch to SCHED_BATCH failed; then not tried again
   // Peers pull this token at connect() to find out whether they may read our memory.
   uint64_t probe_token_ = 0;
   std::unique_ptr<cuda::CudaIpc> cuda_;  // created by the first CUDA message either way
