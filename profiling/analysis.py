@@ -169,7 +169,10 @@ def step_time(rank: RankTimeline, iteration: int) -> StepTime:
         return start <= item.start < end
 
     syncs = [step for step in rank.steps if inside(step) and step.name == GRADIENT_SYNC]
-    in_sync = lambda wait: any(sync.start <= wait.start < sync.end for sync in syncs)  # noqa: E731
+
+    def in_sync(wait) -> bool:
+        return any(sync.start <= wait.start < sync.end for sync in syncs)
+
     return StepTime(
         step=end - start,
         tasks=sum(task.duration for task in rank.tasks_of(iteration)),

@@ -75,15 +75,15 @@ def payload(sender: int, tag: int, dtype: torch.dtype, shape) -> torch.Tensor:
     return torch.randint(0, 100, shape, generator=generator).to(dtype)
 
 
-def block_process_vm_readv() -> None:
-    """Makes process_vm_readv fail with ENOSYS in this thread and the threads it starts later, as a
-    restrictive seccomp profile would (x86_64 only): a seccomp filter, installed without privileges
-    after PR_SET_NO_NEW_PRIVS."""
+def block_syscall(number: int, errno_value: int, name: str) -> None:
+    """Makes syscall `number` (x86_64 numbering) fail with `errno_value` in this thread and the
+    threads it starts later, as a restrictive seccomp profile would: a seccomp filter, installed
+    without privileges after PR_SET_NO_NEW_PRIVS. `name` is for the error on other machines."""
     import ctypes
     import platform
 
     if platform.machine() != "x86_64":
-        raise RuntimeError("block_process_vm_readv knows the x86_64 syscall number only")
+        raise RuntimeError(f"blocking {name} knows the x86_64 syscall number only")
     libc = ctypes.CDLL(None, use_errno=True)
 
     class SockFilter(ctypes.Structure):
@@ -93,11 +93,10 @@ def block_process_vm_readv() -> None:
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
 
-    nr_process_vm_readv, enosys = 310, 38
     program = (SockFilter * 4)(
         SockFilter(0x20, 0, 0, 0),  # load seccomp_data.nr
-        SockFilter(0x15, 0, 1, nr_process_vm_readv),  # equal? next : skip one
-        SockFilter(0x06, 0, 0, 0x00050000 | enosys),  # SECCOMP_RET_ERRNO | ENOSYS
+        SockFilter(0x15, 0, 1, number),  # equal? next : skip one
+        SockFilter(0x06, 0, 0, 0x00050000 | errno_value),  # SECCOMP_RET_ERRNO | errno_value
         SockFilter(0x06, 0, 0, 0x7FFF0000),  # SECCOMP_RET_ALLOW
     )
     fprog = SockFprog(len(program), program)
@@ -106,6 +105,11 @@ def block_process_vm_readv() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
     if libc.prctl(pr_set_seccomp, seccomp_mode_filter, ctypes.byref(fprog), 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+
+
+def block_process_vm_readv() -> None:
+    """process_vm_readv fails with ENOSYS from now on (single-copy receives fall back)."""
+    block_syscall(310, 38, "process_vm_readv")
 
 
 def wait_until_dead(pid: int, timeout_s: float) -> None:

@@ -5,7 +5,6 @@ back to its own policy. The reproduction behind these is tests/_shm_posting.py (
 "Posting a send")."""
 from __future__ import annotations
 
-import ctypes
 import os
 import platform
 import resource
@@ -18,7 +17,7 @@ import torch
 import shm_tensor
 from shm_tensor import ShmConfig
 from _shm_posting import cpu_work, posting_round
-from _shm_util import payload, run_ranks
+from _shm_util import block_syscall, payload, run_ranks
 
 KiB = 1 << 10
 ACTIVATION = (256, 2, 128)  # the tiny GPT's largest activation: seq 256 x micro-batch 2 x hidden 128 (256 KiB)
@@ -141,28 +140,8 @@ def test_sleeping_peer_without_batch_sleeps_counts_no_batch_sleep(tmp_path):
 
 def _block_sched_setscheduler() -> None:
     """sched_setscheduler fails with EPERM in this thread from now on, as under a seccomp profile
-    that refuses it (x86_64 only; installed without privileges after PR_SET_NO_NEW_PRIVS)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    class SockFilter(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
-                    ("k", ctypes.c_uint32)]
-
-    class SockFprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
-
-    nr_sched_setscheduler, eperm = 144, 1
-    program = (SockFilter * 4)(
-        SockFilter(0x20, 0, 0, 0),  # load seccomp_data.nr
-        SockFilter(0x15, 0, 1, nr_sched_setscheduler),  # equal? next : skip one
-        SockFilter(0x06, 0, 0, 0x00050000 | eperm),  # SECCOMP_RET_ERRNO | EPERM
-        SockFilter(0x06, 0, 0, 0x7FFF0000),  # SECCOMP_RET_ALLOW
-    )
-    fprog = SockFprog(len(program), program)
-    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-    if libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+    that refuses it."""
+    block_syscall(144, 1, "sched_setscheduler")
 
 
 def _policy_worker(rank, world, store, case):

@@ -17,7 +17,7 @@ import contextlib
 import time
 from typing import Callable, Dict, Iterator
 
-from megatron_dpp.trace.recorder import GRADIENT_SYNC, IN_COLLECTIVE, OPTIMIZER_STEP, TraceRecorder
+from megatron_dpp.trace.recorder import GRADIENT_SYNC, IN_COLLECTIVE, TraceRecorder
 from megatron_dpp.training.timer_hooks import HookedTimers
 
 # Megatron-Core's timers inside finalize_model_grads, each around one kind of collective.
