@@ -12,16 +12,23 @@ import runpy
 import sys
 
 
-def main() -> None:
+def pin_to_own_core() -> None:
     local_rank = os.environ.get("LOCAL_RANK")
     if local_rank is None:
-        sys.exit("pinned_rank.py: LOCAL_RANK is not set; start it with torchrun "
+        sys.exit(f"{os.path.basename(sys.argv[0])}: LOCAL_RANK is not set; start it with torchrun "
                  "(python -m torch.distributed.run ... benchmarks/pinned_rank.py FLAGS)")
     cores = sorted(os.sched_getaffinity(0))
-    core = cores[int(local_rank) % len(cores)]
-    os.sched_setaffinity(0, {core})
+    os.sched_setaffinity(0, {cores[int(local_rank) % len(cores)]})
+
+
+def run_pretrain_gpt() -> None:
     sys.argv = ["megatron_dpp.pretrain_gpt", *sys.argv[1:]]
     runpy.run_module("megatron_dpp.pretrain_gpt", run_name="__main__", alter_sys=True)
+
+
+def main() -> None:
+    pin_to_own_core()
+    run_pretrain_gpt()
 
 
 if __name__ == "__main__":

@@ -1,15 +1,25 @@
 """The real GPT at pp=2 over variable-length data: Megatron-Core's 1F1B against the DPP runtime's
-policies, paired iteration by iteration.
+policies, paired batch by batch.
 
 Variants: Megatron's 1F1B (the reference, over the same shm_tensor transport), 1f1b-sorted and
 dpp:adaptive (the runtime with fused backwards) and dpp:adaptive+W (the same with
 --dpp-split-backward). Every rank runs on a core of its own (benchmarks/pinned_rank.py;
-OMP_NUM_THREADS=1). Every variant trains the same model with the same seed and data, so iteration i
-of every run sees the same samples. The variants run in rounds, one run of each per round, their
-order rotating from round to round. Reported per variant, over all rounds: its time / the
-reference's for the same round and iteration, as a median with quartiles, the median's 95% interval
-and each round's median. Every run is traced (--trace costs under 2%, docs/tracing.md), and from
-the traces it also reports per variant: the median forward time per rank (the default model is
+OMP_NUM_THREADS=1). Two parts:
+
+1. One process per rank (benchmarks/schedules_in_one_process.py): every variant's forward-backward
+   runs on the same batch, one after the other (order rotating from batch to batch), for --batches
+   batches, with the same weights (no optimizer step). Reported per variant: its time / the
+   reference's on the same batch, the median with its 95% interval over batches; the same for
+   dpp:adaptive / 1f1b-sorted; and for the runtime's variants the compute time both ranks spent in
+   their tasks, so dpp:adaptive+W / dpp:adaptive of it is what the split itself costs. The variants
+   of one batch run seconds apart, so the machine's changes of speed (on shared cores they last
+   longer than a training run) fall on all of them alike: this is the figure to quote.
+2. Training runs (--training-rounds, 0 to skip): every variant trains the same model with the same
+   seed and data, so iteration i of every run sees the same samples; one run of each per round,
+   order rotating; each run's time / the reference's for the same round and iteration (pairs of
+   separate runs are only as close as the machine's speed from one run to the next, see
+   docs/tracing.md, Overhead). Every run is traced (--trace costs under 1%, docs/tracing.md), and
+   from the traces it also reports per variant: the median forward time per rank (the default model is
 sized so that a microbatch's forward takes about 20 ms or more on one core: the benchmark then
 measures schedules, not Python overhead), the runtime's per-task overhead (the time in the
 pipeline's window that is neither compute nor a wait for a reason outside the runtime: the
@@ -17,7 +27,8 @@ transport's send posting and the loop between tasks, per task), and measured tim
 This script reports; it does not judge.
 
     python benchmarks/real_model_bench.py --json runs/real_model.json   # about 15 minutes here
-    python benchmarks/real_model_bench.py --quick                       # smoke run, four launches
+    python benchmarks/real_model_bench.py --training-rounds 0           # part 1 only, ~5 minutes
+    python benchmarks/real_model_bench.py --quick                       # smoke run, five launches
 """
 from __future__ import annotations
 
@@ -30,9 +41,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
-from paired import REPO, describe, ensure_sample_data, paired_ratios, run_gpt, sample_data_args
+from paired import (PINNED_ENTRY, REPO, describe, ensure_sample_data, median_interval, paired_ratios,
+                    run_gpt, run_gpt_with_output, sample_data_args)
+from schedules_in_one_process import RESULT_PREFIX
 
 sys.path.insert(0, REPO)  # profiling/ (megatron_dpp is installed)
 
@@ -51,20 +64,79 @@ VARIANTS: Dict[str, List[str]] = {
     # Every backward split into B and W (docs/dpp_runtime.md, "Split backwards").
     "dpp:adaptive+W": ["--use-dpp", "--dpp-policy", "dpp:adaptive", "--dpp-split-backward"],
 }
-PINNED_ENTRY = (os.path.join(REPO, "benchmarks", "pinned_rank.py"),)
 
 
-def gpt_flags(args: argparse.Namespace, trace_dir: str) -> List[str]:
+ONE_PROCESS_ENTRY = (os.path.join(REPO, "benchmarks", "schedules_in_one_process.py"),)
+FUSED, SPLIT = "dpp:adaptive", "dpp:adaptive+W"  # the split's own cost: SPLIT's compute / FUSED's
+SORTED = "1f1b-sorted"
+
+
+def gpt_flags(args: argparse.Namespace, trace_dir: Optional[str] = None,
+              train_iters: Optional[int] = None) -> List[str]:
+    """pretrain_gpt's flags; traced into `trace_dir` if given; --train-iters: `train_iters`, else
+    --iters (it also sizes the data loader: one batch per iteration)."""
     return [*sample_data_args(),
             "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
             "--num-attention-heads", str(args.attention_heads),
             "--ffn-hidden-size", str(4 * args.hidden_size),
             "--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length),
             "--micro-batch-size", "1", "--global-batch-size", str(args.microbatches),
-            "--train-iters", str(args.iters), "--lr", "1e-3", "--hidden-dropout", "0",
+            "--train-iters", str(train_iters or args.iters), "--lr", "1e-3", "--hidden-dropout", "0",
             "--attention-dropout", "0", "--seed", "1234", "--log-interval", "1", "--eval-iters", "0",
             "--pipeline-model-parallel-size", "2", "--variable-seq-lengths",
-            "--trace", "--trace-dir", trace_dir]
+            *(["--trace", "--trace-dir", trace_dir] if trace_dir else [])]
+
+
+def ratio_summary(mine: List[float], theirs: List[float]) -> dict:
+    """mine[i] / theirs[i] over paired batches: median, quartiles and the median's 95% interval."""
+    ratios = [a / b for a, b in zip(mine, theirs)]
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    low, high = median_interval(ratios)
+    return {"median": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2],
+            "interval_95": [low, high], "pairs": len(ratios), "ratios": ratios}
+
+
+def describe_ratio(summary: dict) -> str:
+    low, high = summary["interval_95"]
+    return (f"median {summary['median']:.3f} (95% interval {low:.3f}-{high:.3f}, quartiles "
+            f"{summary['q1']:.3f}-{summary['q3']:.3f}, {summary['pairs']} batches)")
+
+
+def run_one_process(args: argparse.Namespace) -> dict:
+    """Part 1: every variant on the same batches in one process per rank; the raw result of
+    schedules_in_one_process.py."""
+    flags = gpt_flags(args, train_iters=args.batches)
+    variants = {name: VARIANTS[name] for name in args.variants}
+    _times, output = run_gpt_with_output(
+        flags, 0, args.timeout * 2, "one-process", entry=ONE_PROCESS_ENTRY,
+        extra_env={"VARIANTS": json.dumps(variants), "BATCHES": str(args.batches)})
+    lines = [line for line in output.splitlines() if line.startswith(RESULT_PREFIX)]
+    if len(lines) != 1:
+        raise RuntimeError(f"the one-process run printed no result:\n{output[-3000:]}")
+    return json.loads(lines[0][len(RESULT_PREFIX):])
+
+
+def summarize_one_process(result: dict, skip: int) -> dict:
+    times = {name: values[skip:] for name, values in result["times_ms"].items()}
+    summary = {name: {"median_ms": statistics.median(values),
+                      "ratio_to_reference": ratio_summary(values, times[REFERENCE])}
+               for name, values in times.items()}
+    if FUSED in times and SORTED in times:
+        summary[FUSED]["ratio_to_sorted"] = ratio_summary(times[FUSED], times[SORTED])
+    busy = {name: [sum(sum(kinds.values()) for kinds in per_rank) for per_rank in values[skip:]]
+            for name, values in result["busy_ms"].items() if values[0] is not None}
+    for name, values in busy.items():
+        summary[name]["compute_ms"] = statistics.median(values)
+        # Per task kind, summed over both ranks (median over batches).
+        kinds = sorted({kind for per_rank in result["busy_ms"][name] for rank in per_rank
+                        for kind in rank})
+        summary[name]["compute_ms_by_kind"] = {
+            kind: statistics.median(sum(rank.get(kind, 0.0) for rank in per_rank)
+                                    for per_rank in result["busy_ms"][name][skip:])
+            for kind in kinds}
+    if FUSED in busy and SPLIT in busy:
+        summary[SPLIT]["compute_ratio_to_fused"] = ratio_summary(busy[SPLIT], busy[FUSED])
+    return summary
 
 
 def trace_stats(trace_dir: str, skip: int) -> dict:
@@ -92,10 +164,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                         help=f"Variants to run; {REFERENCE} (the reference) is always among them.")
-    parser.add_argument("--rounds", type=int, default=5, help="Rounds; each runs every variant once.")
-    parser.add_argument("--iters", type=int, default=12, help="Iterations per run (default 12).")
+    parser.add_argument("--batches", type=int, default=30,
+                        help="Part 1: batches every variant runs on, in one process (default 30).")
+    parser.add_argument("--batch-skip", type=int, default=2,
+                        help="Part 1: first batches left out as warm-up (default 2).")
+    parser.add_argument("--training-rounds", "--rounds", dest="rounds", type=int, default=5,
+                        help="Part 2: rounds of training runs, each runs every variant once "
+                             "(default 5; 0 skips part 2).")
+    parser.add_argument("--iters", type=int, default=12,
+                        help="Part 2: iterations per training run (default 12).")
     parser.add_argument("--skip", type=int, default=2,
-                        help="First iterations of every run left out as warm-up (default 2).")
+                        help="Part 2: first iterations of every run left out as warm-up (default 2).")
     parser.add_argument("--microbatches", type=int, default=8,
                         help="Microbatches per iteration, one sample each (default 8).")
     parser.add_argument("--seq-length", type=int, default=512, help="Longest sample (default 512).")
@@ -106,19 +185,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="Seconds one run may take before it is killed (default 900).")
     parser.add_argument("--quick", action="store_true",
-                        help="Smoke run: 1 round of 3 iterations (skip 1), 4 microbatches of up to "
-                             "64 tokens, hidden size 64, 2 layers.")
+                        help="Smoke run: 3 batches (skip 1) in one process, 1 round of 3 training "
+                             "iterations (skip 1), 4 microbatches of up to 64 tokens, hidden size "
+                             "64, 2 layers.")
     parser.add_argument("--json", type=str, default=None,
                         help="Write the settings, every run's iteration times and trace figures, and "
                              "the summary here.")
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.iters, args.skip, args.microbatches = 1, 3, 1, 4
+        args.rounds, args.iters, args.skip, args.microbatches = min(args.rounds, 1), 3, 1, 4
+        args.batches, args.batch_skip = 3, 1
         args.seq_length, args.hidden_size, args.attention_heads, args.num_layers = 64, 64, 4, 2
     if REFERENCE not in args.variants:
         args.variants = [REFERENCE, *args.variants]
-    if min(args.rounds, args.iters, args.microbatches) < 1 or args.seq_length < 8:
-        parser.error("--rounds, --iters and --microbatches must be positive, --seq-length >= 8")
+    if min(args.iters, args.microbatches, args.batches) < 1 or args.rounds < 0 or args.seq_length < 8:
+        parser.error("--batches, --iters and --microbatches must be positive, --training-rounds "
+                     ">= 0, --seq-length >= 8")
+    if not 0 <= args.batch_skip < args.batches:
+        parser.error(f"--batch-skip must be in [0, --batches {args.batches})")
     if not 0 <= args.skip < args.iters:
         parser.error(f"--skip must be in [0, --iters {args.iters})")
     if args.num_layers % 2 or args.hidden_size % args.attention_heads:
@@ -133,6 +217,25 @@ def main(argv=None) -> int:
     times: Dict[str, List[List[float]]] = {name: [] for name in args.variants}
     stats: Dict[str, List[dict]] = {name: [] for name in args.variants}
     started = time.time()
+    print(f"real GPT pp=2, variable lengths (hidden {args.hidden_size}, {args.num_layers} layers, "
+          f"{args.microbatches} microbatches of up to {args.seq_length} tokens), one core per rank")
+    one_process = run_one_process(args)
+    one_summary = summarize_one_process(one_process, args.batch_skip)
+    print(f"part 1, one process: every variant on the same {args.batches} batches (first "
+          f"{args.batch_skip} left out), same weights")
+    for name in args.variants:
+        row = one_summary[name]
+        compute = ""
+        if "compute_ms" in row:
+            by_kind = ", ".join(f"{kind} {ms:.1f}" for kind, ms in row["compute_ms_by_kind"].items())
+            compute = f"; compute {row['compute_ms']:.1f} ms (both ranks: {by_kind})"
+        print(f"  {name:14s} median {row['median_ms']:.1f} ms per forward-backward{compute}")
+        if name != REFERENCE:
+            print(f"  {'':14s} / {REFERENCE}: {describe_ratio(row['ratio_to_reference'])}")
+        if "ratio_to_sorted" in row:
+            print(f"  {'':14s} / {SORTED}: {describe_ratio(row['ratio_to_sorted'])}")
+        if "compute_ratio_to_fused" in row:
+            print(f"  {'':14s} compute / {FUSED}'s: {describe_ratio(row['compute_ratio_to_fused'])}")
     scratch = tempfile.mkdtemp(prefix="real_model_bench-")
     try:
         for round_index in range(args.rounds):
@@ -150,10 +253,10 @@ def main(argv=None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
 
     summary = {}
-    print(f"real GPT pp=2, variable lengths (hidden {args.hidden_size}, {args.num_layers} layers, "
-          f"{args.microbatches} microbatches of up to {args.seq_length} tokens), one core per rank: "
-          f"{args.rounds} rounds x {args.iters} iterations, the first {args.skip} of each run left out")
-    for name in args.variants:
+    if args.rounds:
+        print(f"part 2, training runs: {args.rounds} rounds x {args.iters} iterations, the first "
+              f"{args.skip} of each run left out")
+    for name in (args.variants if args.rounds else []):
         runs = stats[name]
         summary[name] = {
             "median_ms": statistics.median(t for run in times[name] for t in run[args.skip:]),
@@ -175,11 +278,12 @@ def main(argv=None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         settings = {key: getattr(args, key) for key in
-                    ("variants", "rounds", "iters", "skip", "microbatches", "seq_length", "hidden_size",
-                     "attention_heads", "num_layers", "quick")}
+                    ("variants", "batches", "batch_skip", "rounds", "iters", "skip", "microbatches",
+                     "seq_length", "hidden_size", "attention_heads", "num_layers", "quick")}
         with open(args.json, "w") as f:
-            json.dump({"settings": settings, "reference": REFERENCE, "summary": summary,
-                       "times_ms": times, "trace_stats": stats}, f, indent=1)
+            json.dump({"settings": settings, "reference": REFERENCE,
+                       "one_process": {"summary": one_summary, **one_process},
+                       "summary": summary, "times_ms": times, "trace_stats": stats}, f, indent=1)
     return 0
 
 

@@ -35,6 +35,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SCENARIOS = ("uniform", "varlen", "straggler")
 TORCH_SCHEDULES = {1: "torch:Schedule1F1B", 2: "torch:ScheduleInterleaved1F1B"}
+# Rows of the DPP runtime with split backwards (--dpp-split-backward) end in SPLIT_SUFFIX, and rows
+# under a --dpp-memory-budget mode other than auto in "@<mode>", as in benchmarks/schedule_sim.py.
+SPLIT_SUFFIX = "+W"
+SPLIT_SCHEDULES = ("dpp:adaptive+W", "dpp:adaptive+W@provisioned")
+# The weight-gradient issue's targets: the best dpp:adaptive+W row / Megatron's, per (scenario, V).
+SPLIT_TARGETS = {("uniform", 1): 0.92, ("uniform", 2): 0.95, ("varlen", 1): 0.70, ("varlen", 2): 0.80}
+PREDICTION_TOLERANCE = 0.10  # |measured - predicted| / predicted the simulator should stay within
+
+
+def parse_schedule(label: str):
+    """A row's schedule label -> (schedule name, split backwards?, budget mode or None)."""
+    name, _, budget = label.partition("@")
+    split = name.endswith(SPLIT_SUFFIX)
+    if split:
+        name = name[:-len(SPLIT_SUFFIX)]
+    return name, split, (budget or None)
 
 
 @dataclass(frozen=True)
@@ -71,12 +87,13 @@ class Scenario:
     def act_bytes(self, sizes: List[int]) -> List[int]:
         return [s * self.bytes_per_token for s in sizes]
 
-    def graph(self):
+    def graph(self, split_backward: bool = False):
         from megatron_dpp.pipeline import TaskGraph
 
         sizes = self.sizes()
         return TaskGraph(self.P, self.V, self.M, sizes, self.act_bytes(sizes),
-                         max_act_bytes=self.max_tokens * self.bytes_per_token)
+                         max_act_bytes=self.max_tokens * self.bytes_per_token,
+                         split_backward=split_backward)
 
     def duration_model(self, forward_overhead: float = 0.0, backward_overhead: float = 0.0):
         from megatron_dpp.sim import DurationModel
@@ -95,8 +112,9 @@ class Scenario:
 # ------------------------------------------------------------------------------------------------
 # one rank
 # ------------------------------------------------------------------------------------------------
-def _build_runner(schedule: str, scenario: Scenario, model, transport):
-    """A callable(forward_step_func, data_iterator, model, num_microbatches, seq_length, ...)."""
+def _build_runner(schedule: str, scenario: Scenario, model, transport, stash):
+    """A callable(forward_step_func, data_iterator, model, num_microbatches, seq_length, ...).
+    Split rows defer their W work into `stash` (timed_stage.TimedStash)."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -122,9 +140,15 @@ def _build_runner(schedule: str, scenario: Scenario, model, transport):
                                                 config, transport)
         return partial(megatron_schedule, p2p_communicator=communicator,
                        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    policy, split, budget = parse_schedule(schedule)
+    # With split backwards a timed stage holds the activation itself until W (the simulator's
+    # split graph), so the stash adds no bytes of its own to the budget's count.
     return make_forward_backward_dpp(
-        DPPConfig(policy=schedule, timeout_s=120.0), transport, microbatch_work,
-        activation_bytes_fn=lambda _config, sizes, _mbs, _V, _P: scenario.act_bytes(list(sizes)))
+        DPPConfig(policy=policy, timeout_s=120.0, split_backward=split, memory_budget_bytes=budget),
+        transport, microbatch_work,
+        activation_bytes_fn=lambda _config, sizes, _mbs, _V, _P: scenario.act_bytes(list(sizes)),
+        stash=stash if split else None,
+        weight_grad_bytes_fn=(lambda _models, sizes, _dtype: [0] * len(sizes)) if split else None)
 
 
 def _torch_pipelining_runner(schedule: str, scenario: Scenario, model, sizes: List[int]):
@@ -234,20 +258,36 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
     import torch.distributed as dist
 
     from megatron_dpp.pipeline import Phase
-    from megatron_dpp.pipeline.budget import default_budget_bytes
+    from megatron_dpp.pipeline.budget import budget_bytes_for, default_budget_bytes
     from megatron_dpp.sim import CommModel, simulate
-    from timed_stage import ActivationMeter, TimedStage, data_iterator, forward_step, timed_stage_config
+    from timed_stage import (ActivationMeter, TimedStage, TimedStash, data_iterator, forward_step,
+                             timed_stage_config)
 
     P, V, M = scenario.P, scenario.V, scenario.M
     graph = scenario.graph()
+    split_graph = scenario.graph(split_backward=True)
+    graph_of = {False: graph, True: split_graph}
     sizes = [int(s) for s in graph.sizes]
     durations = scenario.duration_model().sample(graph, np.random.default_rng(scenario.seed))
+    # The same draws with every backward divided into B and W (DurationModel.weight_grad_fraction).
+    split_durations = scenario.duration_model().sample(split_graph, np.random.default_rng(scenario.seed))
     meter = ActivationMeter()
+    stash = TimedStash()
     config = timed_stage_config(P, V)
-    model = [TimedStage(config, rank, c, durations, graph.act_bytes, meter) for c in range(V)]
+    model = [TimedStage(config, rank, c, durations, graph.act_bytes, meter,
+                        split_durations=split_durations, stash=stash) for c in range(V)]
+
+    def row_budget(schedule: str) -> int:
+        """The bytes this rank may hold under the row's schedule: the DPP policy's budget, or for
+        Megatron's and torch's own loops what Megatron's order needs (default_budget_bytes)."""
+        _name, split, mode = parse_schedule(schedule)
+        if executor_of(schedule) != "dpp":
+            return default_budget_bytes(graph, rank)
+        return budget_bytes_for(mode, graph_of[split], rank)
+
     # Per phase, the measured cost of each DPP-runtime task beyond its requested sleep (ms), and the
     # DPP runtime's setup before the first task (agreeing on sizes, building the schedule).
-    overheads: Dict[int, List[float]] = {int(Phase.F): [], int(Phase.B): []}
+    overheads: Dict[int, List[float]] = {int(Phase.F): [], int(Phase.B): [], int(Phase.W): []}
     setups: List[float] = []
     runs = {}
     for schedule in schedules:
@@ -255,7 +295,7 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
         if schedule.startswith("torch:"):
             run = _torch_pipelining_runner(schedule, scenario, model, sizes)
         else:
-            fb = _build_runner(schedule, scenario, model, transport)
+            fb = _build_runner(schedule, scenario, model, transport, stash)
 
             def run(fb=fb):
                 iterators = [data_iterator(sizes) if (rank == 0 and c == 0) else None for c in range(V)]
@@ -267,6 +307,7 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
         runs[schedule] = (run, fb)
     times = {schedule: [] for schedule in schedules}
     peaks = {schedule: [] for schedule in schedules}
+    over_budget = {schedule: False for schedule in schedules}  # any rank above its budget
     timelines = {schedule: [] for schedule in schedules}
     # Rounds: every schedule runs once per round, so a burst of load from other jobs (seconds long)
     # falls on one repeat of several schedules, not on consecutive repeats of one.
@@ -277,28 +318,37 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
             dist.barrier()
             start = time.perf_counter()
             run()
-            measured = torch.tensor([time.perf_counter() - start, float(meter.peak)], dtype=torch.float64)
+            measured = torch.tensor([time.perf_counter() - start, float(meter.peak),
+                                     float(meter.peak > row_budget(schedule))], dtype=torch.float64)
             dist.all_reduce(measured, op=dist.ReduceOp.MAX)
             if repeat < warmup:
                 continue
             times[schedule].append(measured[0].item() * 1e3)
             peaks[schedule].append(int(measured[1].item()))
+            over_budget[schedule] |= measured[2].item() > 0
             record = getattr(getattr(fb, "dpp_session", None), "last_record", None)
             if record is not None:
+                split = parse_schedule(schedule)[1]
                 for task, seconds in zip(record.tasks, record.task_seconds):
-                    requested = model[task.chunk].seconds(task.phase, task.microbatch)
+                    requested = model[task.chunk].seconds(task.phase, task.microbatch, split)
                     overheads[int(task.phase)].append((seconds - requested) * 1e3)
                 if rank == 0:
                     setups.append((record.task_started[0] - start) * 1e3)
                 if trace:
                     timelines[schedule].append(_gather_timeline(record, start, P))
+    # Each row's budget on the fullest rank (the table's column), from every rank's own.
+    budgets = [None] * P
+    dist.all_gather_object(budgets, {schedule: row_budget(schedule) for schedule in schedules})
     rows = []
     if rank == 0:
         for schedule in schedules:
             rows.append({
                 "scenario": scenario.name, "P": P, "V": V, "M": M, "schedule": schedule,
                 "executor": executor_of(schedule), "time": statistics.median(times[schedule]),
+                "split_backward": parse_schedule(schedule)[1],
                 "peak_activation": max(peaks[schedule]),
+                "budget": max(per_rank[schedule] for per_rank in budgets),
+                "within_budget": not over_budget[schedule],
                 "megatron_budget": max(default_budget_bytes(graph, r) for r in range(P)),
                 "times": times[schedule],
             })
@@ -306,7 +356,7 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
                 rows[-1]["timelines"] = timelines[schedule]
     # Late wake-ups from sleep, over every schedule of this scenario (all executors pay them).
     oversleep = {int(phase): [x for stage in model for x in stage.oversleep_ms[phase]]
-                 for phase in (Phase.F, Phase.B)}
+                 for phase in (Phase.F, Phase.B, Phase.W)}
     gathered = [None] * P
     dist.all_gather_object(gathered, (overheads, oversleep))
     if rank != 0:
@@ -317,31 +367,41 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
 
     # Pooled over every rank, task and DPP-runtime schedule of this scenario: one calibration that
     # predicts every row, rather than one fitted to each row's own time.
+    # The model has one overhead for B and W alike: B's (W tasks run the stored work only).
     forward_ms, backward_ms = pooled_median(0, Phase.F), pooled_median(0, Phase.B)
+    weight_grad_ms = pooled_median(0, Phase.W)
     setup_ms = max(0.0, statistics.median(setups)) if setups else 0.0
-    oversleep_ms = {"forward": pooled_median(1, Phase.F), "backward": pooled_median(1, Phase.B)}
+    oversleep_ms = {"forward": pooled_median(1, Phase.F), "backward": pooled_median(1, Phase.B),
+                    "weight_grad": pooled_median(1, Phase.W)}
     calibrated = scenario.duration_model(max(0.0, forward_ms), max(0.0, backward_ms))
     for row in rows:
+        name, split, budget = parse_schedule(row["schedule"])
+        row_graph = graph_of[split]
         sim_name = {"torch:Schedule1F1B": "1f1b",
-                    "torch:ScheduleInterleaved1F1B": "interleaved-1f1b"}.get(row["schedule"], row["schedule"])
+                    "torch:ScheduleInterleaved1F1B": "interleaved-1f1b"}.get(name, name)
         # Megatron's interleaved loop receives a forward's and a backward's inputs together: the
         # simulator runs its order with that pairing (PairedReceiveScheduler) to predict that loop.
         sim_schedule = (paired_receive_factory(sim_name) if row["executor"] == "megatron" and V > 1
                         else sim_name)
-        plain = simulate(graph, sim_schedule, scenario.duration_model(), CommModel(), seed=scenario.seed)
-        with_overhead = simulate(graph, sim_schedule, calibrated, CommModel(), seed=scenario.seed)
+        options = {"budget_bytes": budget} if isinstance(sim_schedule, str) else {}
+        plain = simulate(row_graph, sim_schedule, scenario.duration_model(), CommModel(),
+                         seed=scenario.seed, **options)
+        with_overhead = simulate(row_graph, sim_schedule, calibrated, CommModel(),
+                                 seed=scenario.seed, **options)
         row.update({
             # The simulator starts at the first task; the runtime's setup comes before it.
             "predicted_time": setup_ms + with_overhead.makespan,
             "predicted_time_no_overhead": plain.makespan,
-            "task_overhead_ms": {"forward": forward_ms, "backward": backward_ms},
+            "task_overhead_ms": {"forward": forward_ms, "backward": backward_ms,
+                                 "weight_grad": weight_grad_ms},
             "setup_ms": setup_ms,
             "oversleep_ms": oversleep_ms,
             "lower_bound": plain.lower_bound,
         })
         if "timelines" in row:
             row["simulated_timeline"] = simulated_timeline(with_overhead, P)
-            row["replayed_times"] = [setup_ms + replay_executed_order(graph, timeline, calibrated, scenario.seed)
+            row["replayed_times"] = [setup_ms + replay_executed_order(row_graph, timeline, calibrated,
+                                                                      scenario.seed)
                                      for timeline in row["timelines"]]
     return rows
 
@@ -423,11 +483,31 @@ def schedules_for(V: int, include_torch: bool, scenario: str) -> List[str]:
     megatron = "1f1b" if V == 1 else "interleaved-1f1b"
     from megatron_dpp.pipeline import DYNAMIC_SCHEDULES
 
-    names = [megatron, "1f1b-sorted", *DYNAMIC_SCHEDULES]
+    names = [megatron, "1f1b-sorted", *DYNAMIC_SCHEDULES, *SPLIT_SCHEDULES]
     # torch.distributed.pipelining splits one batch tensor into equal microbatches: uniform sizes only.
     if include_torch and scenario != "varlen":
         names.append(TORCH_SCHEDULES[min(V, 2)])
     return names
+
+
+def target_lines(rows: List[dict], reference: Dict[tuple, float]) -> List[str]:
+    """The split-backward targets (best dpp:adaptive+W row within its budget / Megatron's) and
+    how many rows the simulator predicted within PREDICTION_TOLERANCE. Reports; does not judge."""
+    lines = []
+    for (scenario, V), target in SPLIT_TARGETS.items():
+        candidates = [row for row in rows if row["scenario"] == scenario and row["V"] == V
+                      and row["schedule"] in SPLIT_SCHEDULES and row["within_budget"]]
+        ref = reference.get((scenario, candidates[0]["P"], V)) if candidates else None
+        if not ref:
+            continue
+        best = min(candidates, key=lambda row: row["time"])
+        lines.append(f"# target {scenario} V={V}: best adaptive+W {best['time'] / ref:.3f} x Megatron "
+                     f"({best['schedule']}), target <= {target}")
+    errors = [(row["time"] - row["predicted_time"]) / row["predicted_time"] for row in rows]
+    within = sum(abs(error) <= PREDICTION_TOLERANCE for error in errors)
+    lines.append(f"# simulator prediction within {PREDICTION_TOLERANCE:.0%} of the measurement: "
+                 f"{within} of {len(rows)} rows (largest error {max(errors, key=abs):+.1%})")
+    return lines
 
 
 def format_table(rows: List[dict]) -> str:
@@ -438,6 +518,8 @@ def format_table(rows: List[dict]) -> str:
     header = (f"{'scenario':<10} {'P':>2} {'V':>2} {'M':>3} {'schedule':<30} {'exec':<8} {'time ms':>9} "
               f"{'pred0 ms':>9} {'err0':>6} {'pred ms':>9} {'err':>6} {'/LB':>6} {'/megatron':>9} "
               f"{'peak act':>10} {'budget':>10}")
+    # budget: the row's own (the DPP policy's; Megatron's need for the fixed loops), on the fullest
+    # rank; '!' marks a row where some rank held more than its own budget.
     lines = [header, "-" * len(header)]
     reference: Dict[tuple, float] = {}
     for row in rows:
@@ -453,14 +535,16 @@ def format_table(rows: List[dict]) -> str:
             f"{row['executor']:<8} {row['time']:9.1f} {plain:9.1f} {(row['time'] - plain) / plain:+6.1%} "
             f"{row['predicted_time']:9.1f} {error:+6.1%} "
             f"{row['time'] / row['lower_bound']:6.3f} {ratio} {row['peak_activation']:>10} "
-            f"{row['megatron_budget']:>10}")
+            f"{row['budget']:>10}{'' if row['within_budget'] else ' !'}")
     overheads = {(row["scenario"], row["V"]): (row["task_overhead_ms"], row["oversleep_ms"], row["setup_ms"])
                  for row in rows}
     for (scenario, V), (cost, late, setup) in overheads.items():
         lines.append(f"# {scenario} V={V}: DPP runtime per-task overhead (median, all ranks) "
-                     f"forward {cost['forward']:.2f} ms, backward {cost['backward']:.2f} ms; "
-                     f"of which sleeps ending late: forward {late['forward']:.2f} ms, "
-                     f"backward {late['backward']:.2f} ms; setup before the first task {setup:.1f} ms")
+                     f"forward {cost['forward']:.2f} ms, backward {cost['backward']:.2f} ms, "
+                     f"W {cost['weight_grad']:.2f} ms; of which sleeps ending late: forward "
+                     f"{late['forward']:.2f} ms, backward {late['backward']:.2f} ms, W "
+                     f"{late['weight_grad']:.2f} ms; setup before the first task {setup:.1f} ms")
+    lines.extend(target_lines(rows, reference))
     for row in rows:
         repeats = " ".join(f"{t:.0f}" for t in row["times"])
         lines.append(f"# {row['scenario']} V={row['V']} {row['schedule']}: repeats {repeats} ms")

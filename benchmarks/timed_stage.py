@@ -12,11 +12,18 @@ running whatever order a schedule chose. Each forward allocates the microbatch's
 keeps them until its backward; ActivationMeter records how many bytes a rank held at most.
 Each stage also records how much later than asked its sleeps end (`oversleep_ms`, per phase): on
 loaded cores a sleeping process wakes late, a per-task cost every executor pays alike.
+
+Split backwards (the DPP runtime's --dpp-split-backward): a forward run under the runtime's
+`stash.defer(key)` (a TimedStash) makes its backward a B and a W. B sleeps for the split graph's B
+duration and stores the W work under the key; the runtime's W task runs it (`stash.run(key)`),
+which sleeps for the W duration and only then frees the activation, as the simulator's split graph
+holds a microbatch's bytes from F to W.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Iterator, List, Optional
+from typing import Callable, Dict, Hashable, Iterator, List, Optional
 
 import torch
 from megatron.core.enums import ModelType
@@ -47,6 +54,50 @@ class ActivationMeter:
         self.peak = 0
 
 
+class TimedStash:
+    """The DPP runtime's weight-gradient stash for timed stages (the interface of
+    megatron_dpp.models.weight_grad.WeightGradStash that the runtime uses): a forward run under
+    `defer(key)` leaves its W work here at B, `run(key)` performs it."""
+
+    def __init__(self):
+        self.deferring: Optional[Hashable] = None  # the key of the forward running now
+        self._work: Dict[Hashable, List[tuple]] = {}  # key -> [(bytes it keeps, work)]
+
+    @contextlib.contextmanager
+    def defer(self, key: Hashable) -> Iterator[None]:
+        previous, self.deferring = self.deferring, key
+        try:
+            yield
+        finally:
+            self.deferring = previous
+
+    def store(self, key: Hashable, nbytes: int, work: Callable[[], None]) -> None:
+        self._work.setdefault(key, []).append((nbytes, work))
+
+    def run(self, key: Hashable) -> None:
+        if key not in self._work:
+            raise RuntimeError(f"TimedStash.run({key!r}): nothing stored (W before its B?)")
+        for _nbytes, work in self._work.pop(key):
+            work()
+
+    def bytes_held(self, key: Optional[Hashable] = None) -> int:
+        lists = [self._work.get(key, [])] if key is not None else list(self._work.values())
+        return sum(nbytes for works in lists for nbytes, _work in works)
+
+    def keys(self) -> List[Hashable]:
+        return list(self._work)
+
+    def check_drained(self) -> None:
+        if self._work:
+            raise RuntimeError(f"TimedStash: W work left behind for {sorted(map(repr, self._work))}")
+
+    def discard(self, key: Optional[Hashable] = None) -> None:
+        if key is None:
+            self._work.clear()
+        else:
+            self._work.pop(key, None)
+
+
 class _Hold(torch.autograd.Function):
     """Identity on the activation that holds the task's duration and activation bytes."""
 
@@ -56,15 +107,26 @@ class _Hold(torch.autograd.Function):
         nbytes = stage.act_bytes[microbatch]
         ctx.held = torch.empty(nbytes, dtype=torch.uint8)  # the activation memory, kept to backward
         ctx.stage, ctx.microbatch = stage, microbatch
+        # Under the runtime's defer(key): a split backward, its W stored under the key at B.
+        ctx.deferred_key = stage.stash.deferring if stage.stash is not None else None
         stage.meter.add(nbytes)
         return x * weight
 
     @staticmethod
     def backward(ctx, grad):
-        stage, microbatch = ctx.stage, ctx.microbatch
-        stage.hold(Phase.B, microbatch)
-        stage.meter.remove(ctx.held.numel())
+        stage, microbatch, held, key = ctx.stage, ctx.microbatch, ctx.held, ctx.deferred_key
         ctx.held = None
+        if key is None:
+            stage.hold(Phase.B, microbatch)
+            stage.meter.remove(held.numel())
+        else:
+            stage.hold(Phase.B, microbatch, split=True)
+
+            def weight_grad() -> None:
+                stage.hold(Phase.W, microbatch, split=True)
+                stage.meter.remove(held.numel())
+
+            stage.stash.store(key, held.numel(), weight_grad)
         return grad, torch.zeros(1), None, None
 
 
@@ -72,27 +134,37 @@ class TimedStage(torch.nn.Module):
     """Model chunk `chunk` of pipeline rank `rank`, for Megatron's schedules and the DPP runtime."""
 
     def __init__(self, config: TransformerConfig, rank: int, chunk: int, durations: TaskDurations,
-                 act_bytes: List[int], meter: ActivationMeter, time_unit_s: float = 1e-3):
+                 act_bytes: List[int], meter: ActivationMeter, time_unit_s: float = 1e-3,
+                 split_durations: Optional[TaskDurations] = None,
+                 stash: Optional[TimedStash] = None):
         super().__init__()
         self.config = config
         self.model_type = ModelType.encoder_or_decoder
         self.rank, self.chunk = rank, chunk
         self.vp_stage = chunk if (config.virtual_pipeline_model_parallel_size or 1) > 1 else None
         self.durations = durations
+        # Split backwards: the same draws with each backward divided into B and W (the simulator's
+        # split graph), and the stash the runtime defers into.
+        self.split_durations = split_durations
+        self.stash = stash
         self.act_bytes = act_bytes
         self.meter = meter
         self.time_unit_s = time_unit_s
         self.weight = torch.nn.Parameter(torch.ones(1))
         self.input_tensor: Optional[torch.Tensor] = None
         self.pre_process = rank == 0 and chunk == 0
-        self.oversleep_ms = {Phase.F: [], Phase.B: []}
+        self.oversleep_ms = {Phase.F: [], Phase.B: [], Phase.W: []}
 
-    def seconds(self, phase: Phase, microbatch: int) -> float:
-        return self.durations(self.rank, Task(phase, microbatch, self.chunk)) * self.time_unit_s
+    def seconds(self, phase: Phase, microbatch: int, split: bool = False) -> float:
+        """The task's duration; with `split`, B and W of the split backward (F is the same)."""
+        durations = self.split_durations if split else self.durations
+        if durations is None:
+            raise ValueError("TimedStage: a split backward needs split_durations")
+        return durations(self.rank, Task(phase, microbatch, self.chunk)) * self.time_unit_s
 
-    def hold(self, phase: Phase, microbatch: int) -> None:
+    def hold(self, phase: Phase, microbatch: int, split: bool = False) -> None:
         """Sleep for the task's duration; record how late the sleep ended."""
-        requested = self.seconds(phase, microbatch)
+        requested = self.seconds(phase, microbatch, split)
         start = time.perf_counter()
         time.sleep(requested)
         self.oversleep_ms[phase].append((time.perf_counter() - start - requested) * 1e3)

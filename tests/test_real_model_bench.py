@@ -1,7 +1,10 @@
 """benchmarks/real_model_bench.py --quick runs end to end: Megatron's 1F1B, 1f1b-sorted,
-dpp:adaptive and dpp:adaptive with --dpp-split-backward on the real GPT at pp=2, each rank pinned to a core, paired by round and iteration,
-every run traced; its JSON holds every run's times, the paired ratios and the trace figures. The
-targets are the benchmark's to report, not a test's to assert (timings on shared CPUs are noisy)."""
+dpp:adaptive and dpp:adaptive with --dpp-split-backward on the real GPT at pp=2, each rank pinned to
+a core; part 1 runs every variant on the same batches in one process per rank (paired by batch),
+part 2 trains each variant in its own traced run (paired by round and iteration). Its JSON holds
+every time, the paired ratios, the compute time of the runtime's variants and the trace figures.
+The targets are the benchmark's to report, not a test's to assert (timings on shared CPUs are
+noisy)."""
 import json
 import os
 import subprocess
@@ -26,6 +29,25 @@ def test_quick_benchmark_writes_paired_ratios_and_trace_figures(tmp_path):
     settings = report["settings"]
     assert settings["quick"] is True and report["reference"] == "megatron-1f1b"
     assert settings["variants"] == ["megatron-1f1b", "1f1b-sorted", "dpp:adaptive", "dpp:adaptive+W"]
+    names = settings["variants"]
+    one = report["one_process"]
+    batches, batch_skip = settings["batches"], settings["batch_skip"]
+    for name in names:
+        assert len(one["times_ms"][name]) == batches and all(ms > 0 for ms in one["times_ms"][name])
+        ratio = one["summary"][name]["ratio_to_reference"]
+        assert ratio["pairs"] == batches - batch_skip
+        assert 0 < ratio["interval_95"][0] <= ratio["median"] <= ratio["interval_95"][1], ratio
+        if name == "megatron-1f1b":
+            assert ratio["median"] == 1.0 and one["busy_ms"][name][0] is None
+        else:  # the runtime's variants: each rank's compute time, within the call's time
+            kinds = {"F", "B", "W"} if name == "dpp:adaptive+W" else {"F", "B"}
+            for per_rank, total in zip(one["busy_ms"][name], one["times_ms"][name]):
+                assert len(per_rank) == 2 and all(set(rank) == kinds for rank in per_rank), per_rank
+                assert all(0 < sum(rank.values()) <= total for rank in per_rank), (per_rank, total)
+    # Every batch ran every variant once, the order rotating.
+    assert [order[0] for order in one["order"]] == [names[i % len(names)] for i in range(batches)]
+    assert "ratio_to_sorted" in one["summary"]["dpp:adaptive"]
+    assert "compute_ratio_to_fused" in one["summary"]["dpp:adaptive+W"]
     rounds, iters, skip = settings["rounds"], settings["iters"], settings["skip"]
     for name in settings["variants"]:
         runs = report["times_ms"][name]

@@ -4,8 +4,8 @@ Zero Bubble's WeightGradStore keeps one FIFO queue per chunk and writes straight
 `param.main_grad` (it needs gradient-accumulation fusion and a patched DDP). A dynamic schedule
 runs the W tasks of different microbatches in any order, so here the work is kept under a key (the
 microbatch, or (microbatch, chunk)) and `run(key)` performs exactly that key's work. The finished
-gradients are handed to each parameter's own gradient accumulator (`torch.autograd.backward` on
-the parameter): autograd then does what it does at the end of a fused backward, so `param.grad`
+gradients are handed to each parameter's own gradient accumulator, from inside a backward
+(`_HandOver`): autograd then does what it does at the end of a fused backward, so `param.grad`
 accumulates, and Megatron's DDP backward hook (main_grad.add_(grad); grad = None; and under
 overlap_grad_reduce, register_grad_ready) fires, now at W instead of at B.
 
@@ -51,6 +51,32 @@ class _Active(threading.local):
 
 
 _ACTIVE = _Active()
+
+
+class _HandOver(torch.autograd.Function):
+    """Passes finished gradients to parameters' AccumulateGrad nodes from a backward, so that the
+    autograd engine holds the only reference to each gradient and the accumulator can take the
+    tensor as `param.grad` as it is. Given by `torch.autograd.backward(params, grads)` instead,
+    the caller's references stay alive and the accumulator copies every gradient it finds no
+    `param.grad` for, which under Megatron's DDP (its hook sets grad = None) is every one: a copy
+    of each weight gradient at every W."""
+
+    @staticmethod
+    def forward(ctx, box: list, *params):
+        ctx.box = box  # [grads]: emptied by backward, so no reference stays behind
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad):
+        return (None, *ctx.box.pop())
+
+
+def _hand_over(params: tuple, box: list) -> None:
+    """Accumulate box[0] (one gradient per parameter) into `params` through their AccumulateGrad
+    nodes and the hooks on them. The caller keeps no other reference to the gradients."""
+    with torch.enable_grad():
+        carrier = _HandOver.apply(box, *params)
+    torch.autograd.backward(carrier)
 
 
 def active_deferral() -> Optional[tuple["WeightGradStash", Hashable]]:
@@ -150,20 +176,29 @@ class WeightGradStash:
             for index in range(len(works)):
                 work = works[index]
                 works[index] = None  # free this layer's tensors as soon as its gradients exist
-                grads = work.compute(*work.tensors)
-                work.tensors = ()
-                for param, grad in zip(work.params, grads):
-                    if param is None or grad is None:
-                        continue
-                    if id(param) in pending:
-                        grad = pending[id(param)][1] + grad
-                    pending[id(param)] = (param, grad)
+                self._collect(work, pending)
+                work = None
                 ready = [ident for ident in pending if last_use[ident] == index]
                 if ready:
                     params, grads = zip(*(pending.pop(ident) for ident in ready))
+                    box = [grads]
+                    del grads  # the box holds the only reference (see _HandOver)
                     # Through the parameters' AccumulateGrad nodes: .grad accumulates and the
                     # hooks on them (Megatron DDP's) run, exactly as in a fused backward.
-                    torch.autograd.backward(list(params), list(grads))
+                    _hand_over(params, box)
+
+    @staticmethod
+    def _collect(work: WeightGradWork, pending: dict) -> None:
+        """Compute `work`'s gradients into `pending` (id(param) -> (param, summed gradient)).
+        A function of its own so that no local name keeps a gradient alive after it returns."""
+        grads = work.compute(*work.tensors)
+        work.tensors = ()
+        for param, grad in zip(work.params, grads):
+            if param is None or grad is None:
+                continue
+            if id(param) in pending:
+                grad = pending[id(param)][1] + grad
+            pending[id(param)] = (param, grad)
 
     # -- accounting and checks -------------------------------------------------------------
     def bytes_held(self, key: Optional[Hashable] = None) -> int:
