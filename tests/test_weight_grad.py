@@ -264,6 +264,30 @@ def test_errors_name_the_misuse(megatron):
     stash.check_drained()
 
 
+def test_w_hands_each_gradient_over_without_copying_it():
+    """At W the accumulator takes the computed gradient as param.grad itself (no copy), and the
+    hooks on the parameter run once with it: what Megatron's DDP (grad = None after each hook)
+    relies on to avoid a copy of every weight gradient at every W."""
+    from megatron_dpp.models.weight_grad import WeightGradStash
+    from megatron_dpp.models.weight_grad.store import WeightGradWork
+
+    param = torch.nn.Parameter(torch.zeros(64, 32))
+    made, seen = [], []
+
+    def compute():
+        grad = torch.full((64, 32), 2.0)
+        made.append(grad.data_ptr())
+        return (grad,)
+
+    param.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.data_ptr()))
+    stash = WeightGradStash()
+    stash._forward_deferred("m")
+    stash._store("m", WeightGradWork((param,), (), compute))
+    stash.run("m")
+    assert seen == made and param.grad.data_ptr() == made[0]
+    assert torch.equal(param.grad, torch.full((64, 32), 2.0))
+
+
 def test_transformer_engine_layers_are_refused(megatron):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
