@@ -8,12 +8,12 @@ from __future__ import annotations
 import ipaddress
 import os
 import shlex
-import socket
 import subprocess
 import time
 
 import pytest
 
+from _ports import free_local_port
 from _train_util import PYTHON, REPO_ROOT, TINY_GPT_ARGS, _env, data_args, ensure_sample_data
 from megatron_dpp.comm.nodes import (
     NodeNetworkError,
@@ -381,7 +381,3 @@ def _second_local_ipv4() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

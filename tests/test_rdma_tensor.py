@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import rdma_tensor
+from _ports import free_local_port
 
 HERE = Path(__file__).resolve().parent
 PEER = HERE / "_rdma_peer.py"
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.skipif(bool(rdma_tensor.unavailable_reason()),
 
 def run_pair(scenario: str, timeout: float = 120) -> list[tuple[int, dict, str]]:
     """Both ranks of `scenario`; (exit code, its JSON result, its stderr) per rank."""
-    port = 20000 + (os.getpid() * 7 + hash(scenario)) % 20000
+    port = free_local_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", UCX_TLS="tcp",
                PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     processes = [subprocess.Popen([sys.executable, str(PEER), scenario, str(rank), str(port)],
@@ -35,7 +36,9 @@ def run_pair(scenario: str, timeout: float = 120) -> list[tuple[int, dict, str]]
         except subprocess.TimeoutExpired:
             for other in processes:
                 other.kill()
-            raise AssertionError(f"{scenario}: a rank did not finish within {timeout} s")
+            stderr = [other.communicate()[1][-1500:] for other in processes]
+            raise AssertionError(f"{scenario}: a rank did not finish within {timeout} s; stderr "
+                                 f"of rank 0: {stderr[0]!r}; of rank 1: {stderr[1]!r}")
         lines = out.strip().splitlines()
         results.append((process.returncode, json.loads(lines[-1]) if lines else {}, err))
     return results
