@@ -73,7 +73,7 @@ def main() -> int:
         # One iterator per model chunk over the same sample stream, as training reads it.
         iterators = [build_data_iterators(base, train_ds, None, None, consumed_train_samples=0,
                                           consumed_valid_samples=0)[0] for _ in range(chunks)]
-        forward_step = spec.make_forward_step(platform.device)
+        forward_step = spec.make_forward_step(base, platform.device)
         names = list(variants)
         times = {name: [] for name in names}
         busy = {name: [] for name in names}

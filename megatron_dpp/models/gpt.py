@@ -132,7 +132,7 @@ def gpt_forward_step(data_iterator, model, device: torch.device):
     return output, partial(gpt_loss, loss_mask)
 
 
-def make_gpt_forward_step(device: torch.device):
+def make_gpt_forward_step(args: argparse.Namespace, device: torch.device):
     """forward_step_func(data_iterator, model) for Megatron's schedules, tensors moved to device."""
     return partial(gpt_forward_step, device=device)
 

@@ -48,7 +48,7 @@ def initialize_layout_independent(model: torch.nn.Module, config: TransformerCon
         if name.endswith("bias"):
             param.zero_()
             continue
-        if "layernorm" in name:
+        if "layernorm" in name or "layer_norm" in name:  # BERT's LM head says layer_norm
             param.fill_(1.0)
             continue
         std = scaled_std if name.endswith(_SCALED_INIT) else config.init_method_std

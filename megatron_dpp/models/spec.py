@@ -25,9 +25,11 @@ class ModelSpec:
     parallel layout. args carries padded_vocab_size, max_position_embeddings and
     untie_embeddings_and_output_weights."""
 
-    make_forward_step: Callable[[torch.device], Callable]
-    """device -> forward_step_func(data_iterator, model) for Megatron's schedules and the DPP
-    runtime: reads one micro-batch, moves it to device, returns (output, loss_func)."""
+    make_forward_step: Callable[[argparse.Namespace, torch.device], Callable]
+    """(args, device) -> forward_step_func(data_iterator, model) for Megatron's schedules and the
+    DPP runtime: reads one micro-batch, moves it to device, returns (output, loss_func). The loss
+    function reports each loss as a [sum, count] tensor under its name, "lm loss" among them (the
+    training loop logs each name's sum / count over the global batch)."""
 
     microbatch_work: Callable[[Any], int]
     """Relative work of one micro-batch item as the data iterator yields it (the runtime balances

@@ -130,16 +130,26 @@ def build_scheduler(optimizer, train: TrainingConfig) -> OptimizerParamScheduler
         wd_incr_steps=train.train_iters, wd_incr_style="constant")
 
 
-def reduce_losses(losses_reduced: list[dict], device: torch.device) -> tuple[float, float] | None:
-    """(mean lm loss per token over the global batch, loss tokens) on last-stage ranks, else None."""
+# The loss every model reports first; the spec's loss function may report others after it.
+LM_LOSS = "lm loss"
+
+
+def reduce_losses(losses_reduced: list[dict], device: torch.device) -> dict | None:
+    """On last-stage ranks: every loss the model reported, {name: (mean over the global batch,
+    its count)}, LM_LOSS first; None on the other ranks. A model's loss function reports each loss
+    as [sum, count] per microbatch (e.g. tokens for the LM loss, samples for BERT's sentence-order
+    loss); the mean is the sum over microbatches and data-parallel ranks over the count."""
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    total = torch.zeros(2, dtype=torch.float64, device=device)
+    names = [LM_LOSS] + sorted({name for entry in losses_reduced for name in entry} - {LM_LOSS})
+    total = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
     for entry in losses_reduced:
-        total += entry["lm loss"].to(device=device, dtype=torch.float64)
+        for index, name in enumerate(names):
+            if name in entry:
+                total[index] += entry[name].to(device=device, dtype=torch.float64)
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    loss_sum, tokens = total.tolist()
-    return loss_sum / max(tokens, 1.0), tokens
+    return {name: (loss_sum / max(count, 1.0), count)
+            for name, (loss_sum, count) in zip(names, total.tolist())}
 
 
 def _iterators_per_chunk(args, train_ds, valid_ds, consumed_train: int, consumed_valid: int,
@@ -174,7 +184,7 @@ class Trainer:
         self.forward_backward = build_forward_backward(args, spec, run_directory)
         self.step_tracer = _step_tracer(self.forward_backward, self.config)
         self.profiler = make_profiler(args, dist.get_rank(), run_directory)
-        self.forward_step = spec.make_forward_step(platform.device)
+        self.forward_step = spec.make_forward_step(args, platform.device)
         self.state = TrainState()
         self.consumed_valid_samples = 0
         self.watchdog = _stall_watchdog(args)
@@ -254,8 +264,9 @@ class Trainer:
                 self.unwatch()
                 self.consumed_valid_samples += self.train.global_batch_size
                 if reduced is not None:
-                    loss_sum += reduced[0] * reduced[1]
-                    tokens += reduced[1]
+                    loss, count = reduced[LM_LOSS]
+                    loss_sum += loss * count
+                    tokens += count
         for chunk in self.model:
             chunk.train()
         if self.train.manual_gc:
@@ -303,7 +314,7 @@ def _stall_watchdog(args: argparse.Namespace) -> StallWatchdog | None:
 def _format_iteration(trainer: Trainer, reduced, grad_norm, elapsed_ms: float,
                       skipped: int) -> str:
     train = trainer.train
-    loss, tokens = reduced
+    loss, tokens = reduced[LM_LOSS]
     fields = [
         f" iteration {trainer.state.iteration:8d}/{train.train_iters:8d}",
         f"consumed samples: {trainer.state.consumed_samples:12d}",
@@ -311,6 +322,7 @@ def _format_iteration(trainer: Trainer, reduced, grad_norm, elapsed_ms: float,
         f"learning rate: {trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]):.6E}",
         f"global batch size: {train.global_batch_size:5d}",
         f"lm loss: {loss:.10E}",
+        *(f"{name}: {value:.10E}" for name, (value, _count) in reduced.items() if name != LM_LOSS),
     ]
     if grad_norm is not None and train_clip_enabled(trainer):
         fields.append(f"grad norm: {float(grad_norm):.10E}")

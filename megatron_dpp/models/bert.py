@@ -1,0 +1,150 @@
+"""BERT on Megatron-Core: model chunks per pipeline rank, forward step, masked-LM and sentence-order
+losses.
+
+BERT_SPEC is the ModelSpec the training loop, the runtime and the platform use. The samples are
+Megatron-Core's BERTMaskedWordPieceDataset dicts (text, types, labels, is_random, padding_mask,
+loss_mask), read the way Megatron-LM's pretrain_bert.py reads them.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.bert.bert_model import BertModel
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_dpp.models.gpt import transformer_engine_available
+from megatron_dpp.models.init import initialize_layout_independent
+from megatron_dpp.models.spec import ModelSpec
+
+# Sentence-order prediction has two classes; Megatron-LM gives the token-type embedding two rows
+# when the binary head is on, none otherwise.
+SENTENCE_ORDER_CLASSES = 2
+
+
+@dataclass(frozen=True)
+class BertShape:
+    """What BertModel needs beyond TransformerConfig."""
+
+    padded_vocab_size: int  # Megatron-LM's padding: a multiple of divisible-by x tp size
+    max_position_embeddings: int
+    binary_head: bool  # the sentence-order head (Megatron-LM: on unless --bert-no-binary-head)
+
+
+def bert_layer_spec() -> ModuleSpec:
+    """Transformer Engine layers on a GPU that has them, else Megatron-Core's local layers."""
+    if transformer_engine_available():
+        from megatron.core.models.bert.bert_layer_specs import (
+            get_bert_layer_with_transformer_engine_spec,
+        )
+
+        return get_bert_layer_with_transformer_engine_spec()
+    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+
+    return bert_layer_local_spec
+
+
+def build_bert_chunks(config: TransformerConfig, shape: BertShape, seed: int) -> list[BertModel]:
+    """The model chunks of this pipeline rank (one per virtual stage), initialized layout-free.
+    Embeddings and the masked-LM output layer share their weight, as in Megatron-LM."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    spec = bert_layer_spec()
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        model = BertModel(
+            config=config,
+            num_tokentypes=SENTENCE_ORDER_CLASSES if shape.binary_head else 0,
+            transformer_layer_spec=spec,
+            vocab_size=shape.padded_vocab_size,
+            max_sequence_length=shape.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=True,
+            position_embedding_type="learned_absolute",
+            add_binary_head=shape.binary_head,
+            vp_stage=stage,
+        )
+        initialize_layout_independent(model, config, seed, _global_name)
+        chunks.append(model)
+    return chunks
+
+
+def _build_chunks_from_args(args: argparse.Namespace, config: TransformerConfig,
+                            seed: int) -> list[BertModel]:
+    shape = BertShape(padded_vocab_size=args.padded_vocab_size,  # set by build_tokenizer
+                      max_position_embeddings=args.max_position_embeddings,
+                      binary_head=args.bert_binary_head)
+    return build_bert_chunks(config, shape, seed)
+
+
+_LAYERS_PREFIX = "encoder.layers."
+
+
+def _global_name(model: BertModel, local_name: str) -> str:
+    """Map a chunk-local parameter name to its name in the unsplit model."""
+    if local_name.startswith(_LAYERS_PREFIX):
+        index, rest = local_name[len(_LAYERS_PREFIX):].split(".", 1)
+        layer_number = model.encoder.layers[int(index)].layer_number  # 1-based, global
+        return f"{_LAYERS_PREFIX}{layer_number - 1}.{rest}"
+    if local_name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+        # The last stage's copy of the shared embedding must start equal to the first stage's.
+        return "embedding.word_embeddings.weight"
+    return local_name
+
+
+# ----------------------------------------------------------------------------------------------
+# forward step and losses (called by Megatron's schedules and the DPP runtime once per micro-batch)
+# ----------------------------------------------------------------------------------------------
+def bert_loss(loss_mask: torch.Tensor, sentence_order: Optional[torch.Tensor], output_tensor):
+    """Megatron-LM's BERT loss: the masked-LM loss averaged over the masked tokens, plus the
+    sentence-order loss averaged over the samples when the binary head is on. Reports each as
+    [sum, count] (the training loop averages every reported loss over microbatches and
+    data-parallel ranks by its count)."""
+    lm_losses, sentence_order_logits = output_tensor
+    mask = loss_mask.reshape(-1).float()
+    lm_sum = torch.sum(lm_losses.float().reshape(-1) * mask)
+    masked_tokens = mask.sum()
+    loss = lm_sum / masked_tokens
+    report = {"lm loss": torch.stack([lm_sum.detach(), masked_tokens.detach()])}
+    if sentence_order_logits is not None and sentence_order is not None:
+        labels = sentence_order.reshape(-1)
+        sop_loss = F.cross_entropy(sentence_order_logits.reshape(-1, SENTENCE_ORDER_CLASSES).float(),
+                                   labels, ignore_index=-1)
+        counted = (labels != -1).sum().float()
+        loss = loss + sop_loss
+        report["sop loss"] = torch.stack([sop_loss.detach() * counted, counted])
+    return loss, report
+
+
+def bert_forward_step(data_iterator, model, device: torch.device, binary_head: bool):
+    """Reads exactly one micro-batch; every stage needs the padding mask (for attention)."""
+    batch = next(data_iterator)
+    tokens = batch["text"].long().to(device, non_blocking=True)
+    padding_mask = batch["padding_mask"].long().to(device, non_blocking=True)
+    labels = batch["labels"].long().to(device, non_blocking=True)
+    loss_mask = batch["loss_mask"].float().to(device, non_blocking=True)
+    types = batch["types"].long().to(device, non_blocking=True) if binary_head else None
+    sentence_order = batch["is_random"].long().to(device, non_blocking=True) if binary_head else None
+    output = model(tokens, padding_mask, tokentype_ids=types, lm_labels=labels)
+    return output, partial(bert_loss, loss_mask, sentence_order)
+
+
+def make_bert_forward_step(args: argparse.Namespace, device: torch.device):
+    """forward_step_func(data_iterator, model) for Megatron's schedules, tensors moved to device;
+    token types and sentence order only with the binary head (args.bert_binary_head)."""
+    return partial(bert_forward_step, device=device, binary_head=args.bert_binary_head)
+
+
+def bert_microbatch_work(item: Any) -> int:
+    """Relative work of one microbatch: its token count (text.numel()); 1 without tokens."""
+    if isinstance(item, dict) and isinstance(item.get("text"), torch.Tensor):
+        return int(item["text"].numel())
+    return 1
+
