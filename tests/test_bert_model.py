@@ -121,3 +121,15 @@ def test_ignored_sentence_order_labels_are_not_counted(megatron):
 def test_microbatch_work_is_its_token_count():
     assert bert_microbatch_work(_batch()) == BATCH * SEQ
     assert bert_microbatch_work(object()) == 1
+
+
+def test_the_loop_averages_every_reported_loss_by_its_count(megatron):
+    """training/loop.py's reduce_losses: each name's sums and counts over the microbatches (and
+    data-parallel ranks), "lm loss" first; names a microbatch does not report count nothing."""
+    from megatron_dpp.training.loop import reduce_losses
+
+    reported = [{"lm loss": torch.tensor([2.0, 4.0]), "sop loss": torch.tensor([1.0, 2.0])},
+                {"lm loss": torch.tensor([4.0, 4.0])}]
+    reduced = reduce_losses(reported, torch.device("cpu"))
+    assert list(reduced) == ["lm loss", "sop loss"]
+    assert reduced["lm loss"] == (0.75, 8.0) and reduced["sop loss"] == (0.5, 2.0)
