@@ -64,6 +64,9 @@ class ClockAlignment:
     offset_us: float
     drift: float  # microseconds of offset gained per microsecond of local time
     error_us: float
+    # Local time between the two measurements: the drift's own error is at most
+    # 2 * error_us / elapsed_us (each end within +-error_us).
+    elapsed_us: float = 0.0
 
     @classmethod
     def from_samples(cls, reference_rank: int, start: OffsetSample,
@@ -71,7 +74,8 @@ class ClockAlignment:
         elapsed = end.at_us - start.at_us
         drift = (end.offset_us - start.offset_us) / elapsed if elapsed > 0 else 0.0
         return cls(reference_rank=reference_rank, at_us=start.at_us, offset_us=start.offset_us,
-                   drift=drift, error_us=max(start.error_us, end.error_us))
+                   drift=drift, error_us=max(start.error_us, end.error_us),
+                   elapsed_us=max(elapsed, 0.0))
 
     def corrected(self, time_us: float) -> float:
         return time_us - (self.offset_us + self.drift * (time_us - self.at_us))
@@ -95,4 +99,4 @@ class ClockAlignment:
         """otherData.clock_alignment: enough to redo (or undo) the correction."""
         return {"reference_rank": self.reference_rank, "offset_us": self.offset_us,
                 "drift": self.drift, "error_us": self.error_us, "measured_at_us": self.at_us,
-                "timestamps_corrected": True}
+                "measured_for_us": self.elapsed_us, "timestamps_corrected": True}
