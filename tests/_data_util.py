@@ -58,8 +58,20 @@ def sample_data(tmp_path_factory):
     return dict(_PREPARED)
 
 
-def output_stamps(paths):
-    """(path, size, mtime_ns) of every output of prepare_sample, to show a rerun changed nothing."""
-    files = [paths["corpus"], paths["vocab_file"], paths["merge_file"],
-             paths["data_prefix"] + ".bin", paths["data_prefix"] + ".idx"]
-    return [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+GPT_OUTPUTS = ("vocab_file", "merge_file", "data_prefix")
+BERT_OUTPUTS = ("bert_vocab_file", "bert_data_prefix")
+
+
+def output_files(paths, names):
+    """The files behind sample_paths() entries (a data prefix stands for its .bin and .idx)."""
+    files = []
+    for name in names:
+        files += ([paths[name] + ".bin", paths[name] + ".idx"] if name.endswith("_prefix")
+                  else [paths[name]])
+    return files
+
+
+def output_stamps(paths, names=("corpus",) + GPT_OUTPUTS + BERT_OUTPUTS):
+    """{path: (size, mtime_ns)} of outputs of prepare_sample (all by default), to show what a rerun
+    changed."""
+    return {f: (os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in output_files(paths, names)}

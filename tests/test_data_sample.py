@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from _data_util import ROUND_TRIP_TEXTS, output_stamps, sample_data  # noqa: F401 (fixture)
+from _data_util import (BERT_OUTPUTS, GPT_OUTPUTS, ROUND_TRIP_TEXTS,  # noqa: F401 (fixture)
+                        output_files, output_stamps, sample_data)
 
 
 @pytest.mark.timeout(120)
@@ -59,7 +60,8 @@ def test_tokenizer_training_is_deterministic(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_missing_tokenizer_output_is_rebuilt_downstream(sample_data, tmp_path):
-    """Delete the merges file: the tokenizer and the dataset are remade, the corpus is kept."""
+    """Delete the merges file: the tokenizer and the dataset are remade, the corpus and the BERT
+    outputs (which do not read the BPE tokenizer) are kept."""
     from megatron_dpp.data.prepare_sample import prepare_sample, sample_paths
 
     directory = str(tmp_path / "copy")
@@ -76,7 +78,9 @@ def test_missing_tokenizer_output_is_rebuilt_downstream(sample_data, tmp_path):
     os.remove(paths["merge_file"])
     prepare_sample(directory, vocab_size=600, show_progress=False)
     second = output_stamps(paths)
-    assert first[0] == second[0]  # corpus untouched
-    assert all(a[2] != b[2] for a, b in zip(first[1:], second[1:]))  # the rest remade
+    kept = output_files(paths, ("corpus",) + BERT_OUTPUTS)
+    assert all(first[f] == second[f] for f in kept)  # corpus and BERT outputs untouched
+    remade = output_files(paths, GPT_OUTPUTS)
+    assert all(first[f][1] != second[f][1] for f in remade)  # the GPT outputs remade
     with open(paths["data_prefix"] + ".bin", "rb") as f:
         assert f.read() == first_bin  # and deterministically identical

@@ -8,6 +8,7 @@ would have seen, and the data-parallel ranks together see each sample once.
 import functools
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
+import numpy
 import torch
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -52,13 +53,24 @@ class PretrainingSampler:
             yield self._my_slice(batch)
 
 
+def collate_bert_samples(samples: Sequence[dict]) -> Dict[str, torch.Tensor]:
+    """Stack Megatron's BERT samples (all seq_length long) into tensors: [micro_batch, length]
+    int64 for the arrays, [micro_batch] int64 for is_random and truncated."""
+    return {key: torch.as_tensor(numpy.stack([numpy.asarray(sample[key]) for sample in samples]),
+                                 dtype=torch.int64)
+            for key in samples[0]}
+
+
 def collate_samples(samples: Sequence[Dict[str, Optional[torch.Tensor]]],
                     pad_token: int = 0) -> Dict[str, Optional[torch.Tensor]]:
     """Stack samples into a [micro_batch, length] batch, padding to the longest sample.
 
     Padding goes on the right with loss_mask 0, so under a causal mask it changes neither the
     loss nor the real tokens' outputs. attention_mask is None unless the dataset made one.
+    BERT's samples (a "text" key, already padded to seq_length) go to collate_bert_samples.
     """
+    if "text" in samples[0]:
+        return collate_bert_samples(samples)
     longest = max(sample["tokens"].numel() for sample in samples)
     batch: Dict[str, Optional[torch.Tensor]] = {}
     for key in BATCH_KEYS:

@@ -1,11 +1,16 @@
-"""Tokenize a JSONL corpus into Megatron indexed datasets (`<prefix>_<key>_document.{bin,idx}`).
+"""Tokenize a JSONL corpus into Megatron indexed datasets (`<prefix>_<key>_<level>.{bin,idx}`).
 
 Same command line as Megatron-LM's tools/preprocess_data.py for what this project supports:
     python -m megatron_dpp.data.preprocess_data --input corpus.jsonl --output-prefix data/my \
         --vocab-file vocab.json --merge-file merges.txt --tokenizer-type GPT2BPETokenizer \
         --append-eod --workers 2
-Each JSON line is one document; each document is stored as one sequence. Outputs are written
-under temporary names and renamed at the end, so a failed run leaves no partial dataset.
+    python -m megatron_dpp.data.preprocess_data --input corpus.jsonl --output-prefix data/my_bert \
+        --vocab-file bert-vocab.txt --tokenizer-type BertWordPieceLowerCase --split-sentences
+Each JSON line is one document. Without --split-sentences each document is stored as one sequence
+(level "document"); with it, each sentence is one sequence and the dataset's document index marks
+where each document's sentences end (level "sentence"), which is what BERT's dataset reads.
+Outputs are written under temporary names and renamed at the end, so a failed run leaves no partial
+dataset.
 """
 import argparse
 import json
@@ -18,15 +23,18 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy
 
 from megatron_dpp.data.errors import DataInputError, exit_with_input_error
-from megatron_dpp.data.tokenizer import SUPPORTED_TOKENIZER_TYPES, GPT2BPETokenizer
+from megatron_dpp.data.sentences import split_sentences as split_into_sentences
+from megatron_dpp.data.tokenizer import (DEFAULT_TOKENIZER_TYPE, GPT2_BPE,
+                                         SUPPORTED_TOKENIZER_TYPES, tokenizer_from_files)
 
 DOCUMENTS_PER_TASK = 256  # documents tokenized per worker task: big enough to amortize IPC
 BATCH_TIMEOUT_S = 300.0  # a worker that died loses its task; never wait for it forever
 
 
-def output_prefix_for(output_prefix: str, key: str) -> str:
-    """Megatron's naming: `<output-prefix>_<json key>_document`."""
-    return f"{output_prefix}_{key}_document"
+def output_prefix_for(output_prefix: str, key: str, split_sentences: bool = False) -> str:
+    """Megatron's naming: `<output-prefix>_<json key>_document`, or `..._sentence` when split."""
+    level = "sentence" if split_sentences else "document"
+    return f"{output_prefix}_{key}_{level}"
 
 
 def read_jsonl_batches(path: str, json_keys: Sequence[str],
@@ -73,21 +81,44 @@ def read_jsonl_batches(path: str, json_keys: Sequence[str],
 
 
 # Worker-process state: each worker loads the tokenizer once.
-_worker_tokenizer: Optional[GPT2BPETokenizer] = None
+_worker_tokenizer = None
+_worker_split_sentences = False
 
 
-def _init_worker(vocab_file: str, merge_file: str) -> None:
-    global _worker_tokenizer
+def _init_worker(tokenizer_type: str, vocab_file: str, merge_file: Optional[str],
+                 split_sentences: bool) -> None:
+    global _worker_tokenizer, _worker_split_sentences
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
-    _worker_tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
+    _worker_tokenizer = tokenizer_from_files(tokenizer_type, vocab_file, merge_file)
+    _worker_split_sentences = split_sentences
 
 
-def _tokenize_task(task: Tuple[int, List[List[str]]]) -> Tuple[int, List[List[List[int]]]]:
-    """(bytes read, batch) -> (bytes read, for each document the token ids per json key)."""
+def _sequences_of(text: str) -> List[str]:
+    """The texts stored as one sequence each: the sentences, or the whole document."""
+    return split_into_sentences(text) if _worker_split_sentences else [text]
+
+
+def _tokenize_task(task: Tuple[int, List[List[str]]]) -> Tuple[int, List[List[List[List[int]]]]]:
+    """(bytes read, batch) -> (bytes read, for each document and json key its sequences' ids)."""
     bytes_read, batch = task
-    columns = list(zip(*batch))
-    ids_per_key = [_worker_tokenizer.tokenize_batch(column) for column in columns]
-    return bytes_read, [list(per_doc) for per_doc in zip(*ids_per_key)]
+    texts = [text for document in batch for text in document]  # document-major, then key
+    pieces = [_sequences_of(text) for text in texts]
+    # One batch call for every sequence of the task: the tokenizer's per-call cost is paid once.
+    ids = iter(_worker_tokenizer.tokenize_batch([p for per_text in pieces for p in per_text]))
+    sequences = [[next(ids) for _ in per_text] for per_text in pieces]
+    keys = len(batch[0])  # batches are never empty
+    return bytes_read, [sequences[start:start + keys] for start in range(0, len(sequences), keys)]
+
+
+def _document_sequences(sequences: List[List[int]], eod: Optional[int]) -> List[List[int]]:
+    """The sequences to store for one document: empty ones dropped, `eod` (if any) ending the last.
+
+    As in Megatron-LM, a document with no tokens gets no end-of-document token: it is skipped.
+    """
+    kept = [ids for ids in sequences if ids]
+    if kept and eod is not None:
+        kept[-1] = kept[-1] + [eod]
+    return kept
 
 
 def _with_timeout(imap_results, timeout_s: float):
@@ -102,19 +133,36 @@ def _with_timeout(imap_results, timeout_s: float):
                                f"worker pool; a worker may have died (out of memory?)") from None
 
 
-def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: str, merge_file: str,
-                     json_keys: Sequence[str] = ("text",), append_eod: bool = False,
-                     workers: int = 1, show_progress: bool = True) -> Dict[str, dict]:
+def _end_of_document_token(tokenizer, tokenizer_type: str, append_eod: bool) -> Optional[int]:
+    """The token --append-eod appends, None without the flag; BERT's tokenizers have none."""
+    if not append_eod:
+        return None
+    if tokenizer_type != GPT2_BPE:
+        raise DataInputError(f"--append-eod: {tokenizer_type} has no end-of-document token; BERT's "
+                             f"documents end where the dataset's document index says, so drop "
+                             f"--append-eod")
+    return tokenizer.eod
+
+
+def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: str,
+                     merge_file: Optional[str], json_keys: Sequence[str] = ("text",),
+                     append_eod: bool = False, workers: int = 1, show_progress: bool = True,
+                     tokenizer_type: str = DEFAULT_TOKENIZER_TYPE,
+                     split_sentences: bool = False) -> Dict[str, dict]:
     """Tokenize input_path into one indexed dataset per json key.
 
-    Returns {key: {"prefix", "documents", "tokens", "skipped_empty"}}.
+    merge_file is read by GPT2BPETokenizer only (None for WordPiece). With split_sentences each
+    sentence is one sequence. Returns {key: {"prefix", "documents", "sequences", "tokens",
+    "skipped_empty"}}.
     """
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
     from tqdm import tqdm
 
     if not os.path.isfile(input_path):
         raise DataInputError(f"--input {input_path!r} does not exist")
-    tokenizer = GPT2BPETokenizer(vocab_file, merge_file)  # validates the files up front
+    # Validates the files (and the flags) up front, before any output exists.
+    tokenizer = tokenizer_from_files(tokenizer_type, vocab_file, merge_file)
+    eod = _end_of_document_token(tokenizer, tokenizer_type, append_eod)
     output_dir = os.path.dirname(os.path.abspath(output_prefix))
     if not os.path.isdir(output_dir):
         raise DataInputError(f"--output-prefix {output_prefix!r}: directory {output_dir!r} "
@@ -122,11 +170,12 @@ def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: str, merge
 
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     tmp_tag = f".tmp{os.getpid()}"
-    final = {key: output_prefix_for(output_prefix, key) for key in json_keys}
+    final = {key: output_prefix_for(output_prefix, key, split_sentences) for key in json_keys}
     tmp = {key: prefix + tmp_tag for key, prefix in final.items()}
     builders = {key: IndexedDatasetBuilder(tmp[key] + ".bin", dtype=dtype) for key in json_keys}
-    stats = {key: {"prefix": final[key], "documents": 0, "tokens": 0, "skipped_empty": 0}
-             for key in json_keys}
+    stats = {key: {"prefix": final[key], "documents": 0, "sequences": 0, "tokens": 0,
+                   "skipped_empty": 0} for key in json_keys}
+    worker_args = (tokenizer_type, vocab_file, merge_file, split_sentences)
 
     pool = None
     try:
@@ -135,12 +184,12 @@ def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: str, merge
             # fork, as Megatron-LM's tool does: workers start in milliseconds instead of
             # re-importing torch; nothing in this process has started threads yet.
             pool = multiprocessing.get_context("fork").Pool(
-                workers, initializer=_init_worker, initargs=(vocab_file, merge_file))
+                workers, initializer=_init_worker, initargs=worker_args)
             # Parsing runs in this process (so errors name the line); a parse error surfaces,
             # in order, while iterating the results. imap keeps the document order.
             results = _with_timeout(pool.imap(_tokenize_task, batches), BATCH_TIMEOUT_S)
         else:
-            _init_worker(vocab_file, merge_file)
+            _init_worker(*worker_args)
             results = map(_tokenize_task, batches)
 
         total_bytes = os.path.getsize(input_path)
@@ -148,15 +197,18 @@ def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: str, merge
                   disable=not show_progress, file=sys.stderr) as bar:
             for bytes_read, documents in results:
                 for per_key in documents:
-                    for key, ids in zip(json_keys, per_key):
-                        if append_eod:
-                            ids = ids + [tokenizer.eod]
-                        if not ids:
-                            stats[key]["skipped_empty"] += 1  # an empty sequence has no sample
+                    for key, sequences in zip(json_keys, per_key):
+                        sequences = _document_sequences(sequences, eod)
+                        if not sequences:
+                            stats[key]["skipped_empty"] += 1  # an empty document has no sample
                             continue
-                        builders[key].add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
+                        lengths = [len(ids) for ids in sequences]
+                        tokens = numpy.fromiter((i for ids in sequences for i in ids),
+                                                dtype=dtype, count=sum(lengths))
+                        builders[key].add_document(tokens, lengths)
                         stats[key]["documents"] += 1
-                        stats[key]["tokens"] += len(ids)
+                        stats[key]["sequences"] += len(lengths)
+                        stats[key]["tokens"] += sum(lengths)
                 bar.update(bytes_read - bar.n)
         for key in json_keys:
             builders[key].finalize(tmp[key] + ".idx")
@@ -181,16 +233,30 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--input", required=True, help="Path to the input JSONL file.")
     group.add_argument("--json-keys", nargs="+", default=["text"],
                        help="Keys to extract from each JSON line (default: text).")
+    group.add_argument("--split-sentences", action="store_true",
+                       help="Store each sentence as its own sequence, the document index marking "
+                            "where each document's sentences end (what BERT's dataset needs). "
+                            "Sentences are split by rules (megatron_dpp/data/sentences.py), "
+                            "no model download. Output files are <prefix>_<key>_sentence.*.")
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
-                       choices=SUPPORTED_TOKENIZER_TYPES, help="Tokenizer to use.")
-    group.add_argument("--vocab-file", required=True, help="Path to vocab.json.")
-    group.add_argument("--merge-file", required=True, help="Path to merges.txt.")
+    group.add_argument("--tokenizer-type", default=DEFAULT_TOKENIZER_TYPE,
+                       choices=SUPPORTED_TOKENIZER_TYPES,
+                       help=f"Tokenizer to use (default {DEFAULT_TOKENIZER_TYPE}). "
+                            f"GPT2BPETokenizer: byte-level BPE, needs --vocab-file vocab.json and "
+                            f"--merge-file. BertWordPieceLowerCase (lower-cases, strips accents) "
+                            f"and BertWordPieceCase (keeps case): BERT's WordPiece, need "
+                            f"--vocab-file vocab.txt.")
+    group.add_argument("--vocab-file", required=True,
+                       help="Path to vocab.json (GPT2BPETokenizer) or vocab.txt (WordPiece).")
+    group.add_argument("--merge-file", default=None,
+                       help="Path to merges.txt (GPT2BPETokenizer only).")
     group.add_argument("--append-eod", action="store_true",
-                       help="Append <|endoftext|> to the end of each document.")
+                       help="Append <|endoftext|> to the end of each document (GPT2BPETokenizer "
+                            "only; with --split-sentences, to its last sentence).")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True,
-                       help="Output prefix; files are <prefix>_<key>_document.{bin,idx}.")
+                       help="Output prefix; files are <prefix>_<key>_document.{bin,idx}, or "
+                            "<prefix>_<key>_sentence.{bin,idx} with --split-sentences.")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1,
                        help="Number of worker processes that tokenize.")
@@ -207,12 +273,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise DataInputError(f"--workers must be >= 1, got {args.workers}")
         stats = preprocess_jsonl(args.input, args.output_prefix, args.vocab_file, args.merge_file,
                                  json_keys=args.json_keys, append_eod=args.append_eod,
-                                 workers=args.workers, show_progress=not args.no_progress)
+                                 workers=args.workers, show_progress=not args.no_progress,
+                                 tokenizer_type=args.tokenizer_type,
+                                 split_sentences=args.split_sentences)
     except DataInputError as e:
         exit_with_input_error(e)
     for key, s in stats.items():
         skipped = f", skipped {s['skipped_empty']} empty" if s["skipped_empty"] else ""
-        print(f"{key}: wrote {s['documents']} documents, {s['tokens']} tokens to "
+        sentences = f" ({s['sequences']} sentences)" if args.split_sentences else ""
+        print(f"{key}: wrote {s['documents']} documents{sentences}, {s['tokens']} tokens to "
               f"{s['prefix']}.{{bin,idx}}{skipped}")
     return 0
 

@@ -1,18 +1,33 @@
-"""GPT-2-style byte-level BPE tokenizer over local vocab.json + merges.txt (the `tokenizers` library).
+"""The tokenizers, on the `tokenizers` library, chosen by --tokenizer-type (Megatron-LM's names):
 
-Megatron-Core ships no pure-Python GPT-2 BPE tokenizer, so this class provides the interface its
-GPTDataset uses (vocab_size, eod, tokenize, detokenize, unique_identifiers) on top of the Rust
-`tokenizers` BPE model. Training a tokenizer on a local corpus lives here too.
+- GPT2BPETokenizer: GPT-2-style byte-level BPE over local vocab.json + merges.txt;
+- BertWordPieceLowerCase / BertWordPieceCase: BERT's WordPiece over a local vocab.txt, with
+  BERT's normalization (lower case and accents stripped, or case kept) and pre-tokenization.
+
+Megatron-Core ships no pure-Python tokenizer for either, so these classes provide the interface its
+datasets use (GPTDataset: vocab_size, eod, tokenize, detokenize, unique_identifiers;
+BERTMaskedWordPieceDataset: also vocab, inv_vocab, cls, sep, mask, pad). Training either tokenizer
+on a local corpus lives here too.
 """
 import json
 import os
 from collections import OrderedDict
-from typing import Iterable, List, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 from megatron_dpp.data.errors import DataInputError
 
 EOD_TOKEN = "<|endoftext|>"
-SUPPORTED_TOKENIZER_TYPES = ("GPT2BPETokenizer",)
+GPT2_BPE = "GPT2BPETokenizer"
+# WordPiece tokenizer type -> whether it lower-cases (and strips accents), as in Megatron-LM.
+WORDPIECE_LOWER_CASE = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}
+SUPPORTED_TOKENIZER_TYPES = (GPT2_BPE, *WORDPIECE_LOWER_CASE)
+DEFAULT_TOKENIZER_TYPE = GPT2_BPE
+# BERT's special tokens. [PAD] must be id 0: Megatron's BERT dataset pads the token types and the
+# padding mask with the pad id, so only id 0 gives them their 0 meaning.
+PAD_TOKEN, UNK_TOKEN, CLS_TOKEN, SEP_TOKEN, MASK_TOKEN = ("[PAD]", "[UNK]", "[CLS]", "[SEP]",
+                                                        "[MASK]")
+BERT_SPECIAL_TOKENS = (PAD_TOKEN, UNK_TOKEN, CLS_TOKEN, SEP_TOKEN, MASK_TOKEN)
+WORDPIECE_PREFIX = "##"  # marks a piece that continues a word
 
 
 class GPT2BPETokenizer:
@@ -22,7 +37,10 @@ class GPT2BPETokenizer:
         from tokenizers import ByteLevelBPETokenizer
 
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
-            if not path or not os.path.isfile(path):
+            if not path:
+                raise DataInputError(f"{flag} is required by {GPT2_BPE}; `python -m megatron_dpp."
+                                     f"data.prepare_sample --output-dir DIR` makes one")
+            if not os.path.isfile(path):
                 raise DataInputError(
                     f"{flag} {path!r} does not exist; run `python -m megatron_dpp.data.prepare_sample "
                     f"--output-dir DIR` to make one, or pass the right path"
@@ -75,13 +93,26 @@ def vocab_size_with_padding(vocab_size: int, divisible_by: int, tensor_parallel_
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def build_tokenizer(args) -> GPT2BPETokenizer:
-    """Build the tokenizer named by --tokenizer-type; sets args.padded_vocab_size like Megatron-LM."""
-    tokenizer_type = getattr(args, "tokenizer_type", "GPT2BPETokenizer")
-    if tokenizer_type not in SUPPORTED_TOKENIZER_TYPES:
-        raise DataInputError(f"--tokenizer-type {tokenizer_type} is not supported; "
-                             f"use one of {', '.join(SUPPORTED_TOKENIZER_TYPES)}")
-    tokenizer = GPT2BPETokenizer(args.vocab_file, args.merge_file)
+def tokenizer_from_files(tokenizer_type: str, vocab_file: str, merge_file: Optional[str] = None):
+    """The tokenizer of `tokenizer_type` over its files (merge_file: GPT2BPETokenizer only)."""
+    if tokenizer_type == GPT2_BPE:
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type in WORDPIECE_LOWER_CASE:
+        return BertWordPieceTokenizer(vocab_file, lower_case=WORDPIECE_LOWER_CASE[tokenizer_type])
+    raise DataInputError(f"--tokenizer-type {tokenizer_type} is not supported; "
+                         f"use one of {', '.join(SUPPORTED_TOKENIZER_TYPES)}")
+
+
+def build_tokenizer(args):
+    """Build the tokenizer named by --tokenizer-type; sets args.padded_vocab_size like Megatron-LM.
+
+    Reads args.tokenizer_type (None or absent: GPT2BPETokenizer), args.vocab_file,
+    args.merge_file (GPT2BPETokenizer only), args.make_vocab_size_divisible_by (default 128) and
+    args.tensor_model_parallel_size (default 1).
+    """
+    tokenizer_type = getattr(args, "tokenizer_type", None) or DEFAULT_TOKENIZER_TYPE
+    tokenizer = tokenizer_from_files(tokenizer_type, args.vocab_file,
+                                     getattr(args, "merge_file", None))
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size,
         getattr(args, "make_vocab_size_divisible_by", 128),
@@ -110,3 +141,166 @@ def train_bpe_tokenizer(texts: Iterable[str], output_dir: str, vocab_size: int) 
         json.dump(vocab, f, ensure_ascii=False, sort_keys=True)
     os.replace(merges_tmp, os.path.join(output_dir, "merges.txt"))
     os.replace(vocab_tmp, os.path.join(output_dir, "vocab.json"))
+
+
+def _bert_tokenizer_pipeline(model, lower_case: bool):
+    """A `tokenizers` Tokenizer with BERT's normalizer, pre-tokenizer and WordPiece decoder.
+
+    No post-processor: Megatron's BERT dataset adds [CLS] and [SEP] itself.
+    """
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
+
+    tokenizer = Tokenizer(model)
+    # strip_accents=None follows lowercase, as Google's BERT does (uncased strips accents).
+    tokenizer.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                                      strip_accents=None, lowercase=lower_case)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece(prefix=WORDPIECE_PREFIX)
+    return tokenizer
+
+
+def load_wordpiece_vocab(vocab_file: str) -> Dict[str, int]:
+    """Read a BERT vocab.txt (one token per line, id = line number) and check it.
+
+    Raises DataInputError (one line) for a missing or non-UTF-8 file, an empty or repeated token,
+    a missing special token, or [PAD] not at id 0.
+    """
+    if not vocab_file or not os.path.isfile(vocab_file):
+        raise DataInputError(
+            f"--vocab-file {vocab_file!r} does not exist; run `python -m megatron_dpp.data."
+            f"prepare_sample --output-dir DIR` to make DIR/bert-vocab.txt, or pass the right path")
+    try:
+        with open(vocab_file, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError:
+        raise DataInputError(f"--vocab-file {vocab_file!r} is not UTF-8 text; a WordPiece "
+                             f"vocab.txt has one token per line") from None
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline that ends the last line
+    vocab: Dict[str, int] = {}
+    for index, line in enumerate(lines):
+        token = line.strip()  # as Google's and Megatron-LM's loaders do
+        if not token:
+            raise DataInputError(f"--vocab-file {vocab_file}:{index + 1}: empty line; a WordPiece "
+                                 f"vocab.txt has one token per line")
+        if token in vocab:
+            raise DataInputError(f"--vocab-file {vocab_file}:{index + 1}: token {token!r} repeats "
+                                 f"line {vocab[token] + 1}")
+        vocab[token] = index
+    missing = [token for token in BERT_SPECIAL_TOKENS if token not in vocab]
+    if missing:
+        raise DataInputError(f"--vocab-file {vocab_file!r} lacks {' '.join(missing)}; a BERT "
+                             f"WordPiece vocab.txt needs {' '.join(BERT_SPECIAL_TOKENS)}")
+    if vocab[PAD_TOKEN] != 0:
+        raise DataInputError(f"--vocab-file {vocab_file!r} has {PAD_TOKEN} on line "
+                             f"{vocab[PAD_TOKEN] + 1}; it must be the first line (id 0), as "
+                             f"Megatron's BERT dataset pads with id 0")
+    return vocab
+
+
+class BertWordPieceTokenizer:
+    """BERT's WordPiece tokenizer (Megatron-LM's BertWordPieceLowerCase / BertWordPieceCase).
+
+    tokenize() gives the ids without [CLS]/[SEP]; detokenize() joins the pieces back into words
+    (lower-cased and accent-stripped text when lower_case). Literal "[MASK]" in the text is not the
+    mask token: the brackets split off as punctuation, as with Google's BERT tokenizer.
+    BERT has no end-of-document token: the indexed dataset's document boundaries mark documents.
+    """
+
+    def __init__(self, vocab_file: str, lower_case: bool):
+        from tokenizers import models
+
+        self._vocab = load_wordpiece_vocab(vocab_file)
+        self._inv_vocab = {index: token for token, index in self._vocab.items()}
+        self.lower_case = lower_case
+        self._wordpiece = _bert_tokenizer_pipeline(
+            models.WordPiece(vocab=self._vocab, unk_token=UNK_TOKEN,
+                             continuing_subword_prefix=WORDPIECE_PREFIX), lower_case)
+        # Megatron's datasets hash these into their index-cache file names.
+        self.unique_identifiers = OrderedDict([("class", type(self).__name__),
+                                               ("tokenizer_path", [vocab_file]),
+                                               ("lower_case", lower_case)])
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return self._inv_vocab
+
+    @property
+    def cls(self) -> int:
+        return self._vocab[CLS_TOKEN]
+
+    @property
+    def sep(self) -> int:
+        return self._vocab[SEP_TOKEN]
+
+    @property
+    def pad(self) -> int:
+        return self._vocab[PAD_TOKEN]
+
+    @property
+    def mask(self) -> int:
+        return self._vocab[MASK_TOKEN]
+
+    @property
+    def unk(self) -> int:
+        return self._vocab[UNK_TOKEN]
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._wordpiece.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        encodings = self._wordpiece.encode_batch(list(texts), add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._wordpiece.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _continuation_characters(texts: Sequence[str], lower_case: bool) -> List[str]:
+    """Characters that occur inside a word (not first) after BERT's normalization, sorted."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    normalizer = normalizers.BertNormalizer(strip_accents=None, lowercase=lower_case)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    characters = set()
+    for text in texts:
+        for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)):
+            characters.update(word[1:])
+    return sorted(characters)
+
+
+def train_wordpiece_vocab(texts: Iterable[str], vocab_file: str, vocab_size: int,
+                          lower_case: bool = True) -> None:
+    """Train a BERT WordPiece vocabulary on `texts` and write it as vocab_file (BERT's vocab.txt).
+
+    The first lines are [PAD] [UNK] [CLS] [SEP] [MASK]. The same texts always give the same file:
+    the trainer numbers the "##c" continuation pieces in hash-map order, and merges of equal count
+    are ordered by those numbers, so the pieces are given fixed numbers first (as leading special
+    tokens, in sorted order). Written under a temporary name and renamed.
+    """
+    from tokenizers import models, trainers
+
+    if vocab_size <= len(BERT_SPECIAL_TOKENS):
+        raise DataInputError(f"the WordPiece vocabulary size must exceed the "
+                             f"{len(BERT_SPECIAL_TOKENS)} special tokens, got {vocab_size}")
+    texts = list(texts)  # read twice: continuation characters, then training
+    pinned = [WORDPIECE_PREFIX + c for c in _continuation_characters(texts, lower_case)]
+    tokenizer = _bert_tokenizer_pipeline(models.WordPiece(unk_token=UNK_TOKEN), lower_case)
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                        special_tokens=[*BERT_SPECIAL_TOKENS, *pinned],
+                                        continuing_subword_prefix=WORDPIECE_PREFIX)
+    tokenizer.train_from_iterator(texts, trainer)
+    by_id = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    tokens = [token for token, _ in by_id]
+    tmp_file = f"{vocab_file}.tmp{os.getpid()}"
+    with open(tmp_file, "w", encoding="utf-8") as f:
+        f.write("".join(token + "\n" for token in tokens))
+    os.replace(tmp_file, vocab_file)
