@@ -369,6 +369,11 @@ def validate_logging_args(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------------------
 # data (flags and validation owned by the data module)
 # ----------------------------------------------------------------------------------------------
+BPE_TOKENIZER = "GPT2BPETokenizer"
+WORDPIECE_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
+TOKENIZER_TYPES = (BPE_TOKENIZER, *WORDPIECE_TOKENIZERS)
+
+
 def add_data_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("data")
     group.add_argument("--data-path", nargs="*", default=None,
@@ -379,10 +384,16 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                        help="Train, validation and test weights of the documents, e.g. 969,30,1.")
     group.add_argument("--data-cache-path", type=str, default=None,
                        help="Where dataset index caches go (default: beside the data).")
-    group.add_argument("--tokenizer-type", type=str, default="GPT2BPETokenizer",
-                       choices=["GPT2BPETokenizer"], help="Tokenizer (byte-level BPE, GPT-2 style).")
-    group.add_argument("--vocab-file", type=str, default=None, help="Path to the BPE vocab.json.")
-    group.add_argument("--merge-file", type=str, default=None, help="Path to the BPE merges.txt.")
+    group.add_argument("--tokenizer-type", type=str, default=None, choices=TOKENIZER_TYPES,
+                       help="GPT2BPETokenizer (GPT's, and its default: byte-level BPE, needs "
+                            "--vocab-file vocab.json and --merge-file) or BertWordPieceLowerCase / "
+                            "BertWordPieceCase (BERT's, lower-case the default: WordPiece, needs "
+                            "--vocab-file vocab.txt).")
+    group.add_argument("--vocab-file", type=str, default=None,
+                       help="The tokenizer's vocabulary: BPE vocab.json (GPT) or WordPiece vocab.txt "
+                            "(BERT).")
+    group.add_argument("--merge-file", type=str, default=None,
+                       help="Path to the BPE merges.txt (GPT2BPETokenizer only).")
     group.add_argument("--variable-seq-lengths", action="store_true",
                        help="One document per sample, truncated to --seq-length, so micro-batches "
                             "have different lengths (padded to the longest within a micro-batch).")
@@ -413,20 +424,74 @@ def validate_data_args(args: argparse.Namespace) -> None:
             _require(not missing, f"--data-path {prefix}: {' and '.join(missing)} not found; make "
                                   f"it with tools/preprocess_data.py or `python -m "
                                   f"megatron_dpp.data.prepare_sample --output-dir DIR`")
-        for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+        tokenizer_files = [("--vocab-file", args.vocab_file)]
+        if args.tokenizer_type == BPE_TOKENIZER:
+            tokenizer_files.append(("--merge-file", args.merge_file))
+        for flag, path in tokenizer_files:
             _require(path is not None and os.path.isfile(path),
-                     f"{flag} {path} not found; pass the file made with the data (prepare_sample "
-                     f"writes DIR/vocab.json and DIR/merges.txt)")
+                     f"{flag} {path} not found; pass the file made with the data (`python -m "
+                     f"megatron_dpp.data.prepare_sample --output-dir DIR` writes GPT's and BERT's)")
         split = parse_split(args.split)
         _require(args.num_workers >= 0, "--num-workers must be >= 0")
         if args.variable_seq_lengths:
             _require(not (args.reset_position_ids or args.reset_attention_mask),
                      "--variable-seq-lengths puts one document per sample, so --reset-position-ids "
                      "and --reset-attention-mask do not apply; remove them")
-        check_splits_have_data(prefixes, weights, split, samples_per_split(args),
-                               args.variable_seq_lengths)
+        if args.model == "gpt":  # GPT's samples are cut from its tokens; BERT packs sentences
+            check_splits_have_data(prefixes, weights, split, samples_per_split(args),
+                                   args.variable_seq_lengths)
     except DataInputError as error:
         raise ArgsError(str(error)) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# the model's own flags (one entry point per model: pretrain_gpt, pretrain_bert)
+# ----------------------------------------------------------------------------------------------
+def validate_gpt_args(args: argparse.Namespace) -> None:
+    if args.tokenizer_type is None:
+        args.tokenizer_type = BPE_TOKENIZER
+    _require(args.tokenizer_type == BPE_TOKENIZER,
+             f"--tokenizer-type {args.tokenizer_type} is BERT's; GPT trains with GPT2BPETokenizer")
+
+
+def add_bert_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("BERT")
+    group.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
+                       help="Train without the sentence-order prediction (binary) head and its "
+                            "token types: the masked-LM loss alone.")
+    group.add_argument("--mask-prob", type=float, default=0.15,
+                       help="Probability that a token is masked for the masked-LM loss.")
+    group.add_argument("--short-seq-prob", type=float, default=0.1,
+                       help="Probability that a sample is made shorter than --seq-length.")
+
+
+def validate_bert_args(args: argparse.Namespace) -> None:
+    if args.tokenizer_type is None:
+        args.tokenizer_type = WORDPIECE_TOKENIZERS[0]
+    _require(args.tokenizer_type in WORDPIECE_TOKENIZERS,
+             f"--tokenizer-type {args.tokenizer_type} is GPT's; BERT trains with "
+             f"{' or '.join(WORDPIECE_TOKENIZERS)} and a WordPiece --vocab-file")
+    _require(0.0 < args.mask_prob < 1.0, f"--mask-prob must be in (0, 1), got {args.mask_prob}")
+    _require(0.0 <= args.short_seq_prob <= 1.0,
+             f"--short-seq-prob must be in [0, 1], got {args.short_seq_prob}")
+    for flag in ("variable_seq_lengths", "reset_position_ids", "reset_attention_mask",
+                 "eod_mask_loss"):
+        _require(not getattr(args, flag), f"--{flag.replace('_', '-')} is a GPT data flag; BERT's "
+                                          f"samples are packed sentences: remove it")
+    _require(not getattr(args, "dpp_split_backward", False),
+             "--dpp-split-backward covers GPT's layers only so far; remove it for BERT")
+
+
+# Per model (the entry point's): its own flag groups, and its validator, which runs before the
+# shared ones (the data validator needs the model's tokenizer default).
+MODEL_ARG_GROUPS: dict[str, list[Callable[[argparse.ArgumentParser], None]]] = {
+    "gpt": [],
+    "bert": [add_bert_args],
+}
+MODEL_VALIDATORS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "gpt": validate_gpt_args,
+    "bert": validate_bert_args,
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -738,29 +803,32 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 DEFAULT_DESCRIPTION = "Megatron-Core pretraining with dynamic pipeline parallelism."
 
 
-def build_parser(prog: str = "megatron_dpp", description: str = DEFAULT_DESCRIPTION
-                 ) -> argparse.ArgumentParser:
-    """Every flag group; `prog` and `description` are the entry point's (pretrain_gpt passes its own)."""
+def build_parser(prog: str = "megatron_dpp", description: str = DEFAULT_DESCRIPTION,
+                 model: str = "gpt") -> argparse.ArgumentParser:
+    """Every shared flag group and the model's own; `prog`, `description` and `model` are the
+    entry point's (pretrain_gpt and pretrain_bert pass theirs). args.model is `model`."""
+    _require(model in MODEL_VALIDATORS, f"unknown model {model!r}; one of {sorted(MODEL_VALIDATORS)}")
     parser = _OneLineErrorParser(prog=prog, allow_abbrev=False, description=description)
-    for add_group in ARG_GROUPS:
+    for add_group in [*ARG_GROUPS, *MODEL_ARG_GROUPS[model]]:
         add_group(parser)
+    parser.set_defaults(model=model)
     return parser
 
 
 def validate_args(args: argparse.Namespace) -> None:
     """Check and complete `args` in place; raises ArgsError. Creates no process group."""
-    for validate in VALIDATORS:
+    for validate in [MODEL_VALIDATORS[args.model], *VALIDATORS]:
         validate(args)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "megatron_dpp",
-               description: str = DEFAULT_DESCRIPTION) -> argparse.Namespace:
+               description: str = DEFAULT_DESCRIPTION, model: str = "gpt") -> argparse.Namespace:
     """Parse and validate; on a bad flag print one line to stderr and exit with code 2."""
     # Megatron-Core warns on import when Transformer Engine and Apex are absent (always on CPU) and
     # falls back to torch, which is what we use; the warning would also break the one-line error of
     # a flag checked after the data validator imports Megatron.
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
-    parser = build_parser(prog, description)
+    parser = build_parser(prog, description, model)
     args = parser.parse_args(argv)
     try:
         validate_args(args)
