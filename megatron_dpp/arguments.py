@@ -437,7 +437,13 @@ def validate_data_args(args: argparse.Namespace) -> None:
             _require(not (args.reset_position_ids or args.reset_attention_mask),
                      "--variable-seq-lengths puts one document per sample, so --reset-position-ids "
                      "and --reset-attention-mask do not apply; remove them")
-        if args.model == "gpt":  # GPT's samples are cut from its tokens; BERT packs sentences
+        if args.model == "bert":  # BERT packs sentences into samples: its own checks
+            from megatron_dpp.data.bert_datasets import check_bert_args, check_bert_splits_have_data
+
+            check_bert_args(args)
+            check_bert_splits_have_data(prefixes, weights, split, samples_per_split(args),
+                                        args.bert_binary_head)
+        else:
             check_splits_have_data(prefixes, weights, split, samples_per_split(args),
                                    args.variable_seq_lengths)
     except DataInputError as error:
@@ -455,14 +461,18 @@ def validate_gpt_args(args: argparse.Namespace) -> None:
 
 
 def add_bert_args(parser: argparse.ArgumentParser) -> None:
+    from megatron_dpp.data.bert_datasets import BERT_ARG_DEFAULTS
+
     group = parser.add_argument_group("BERT")
     group.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
                        help="Train without the sentence-order prediction (binary) head and its "
                             "token types: the masked-LM loss alone.")
-    group.add_argument("--mask-prob", type=float, default=0.15,
-                       help="Probability that a token is masked for the masked-LM loss.")
-    group.add_argument("--short-seq-prob", type=float, default=0.1,
-                       help="Probability that a sample is made shorter than --seq-length.")
+    group.add_argument("--mask-prob", type=float, default=BERT_ARG_DEFAULTS["mask_prob"],
+                       help="Probability that a token is masked for the masked-LM loss "
+                            "(default %(default)s).")
+    group.add_argument("--short-seq-prob", type=float, default=BERT_ARG_DEFAULTS["short_seq_prob"],
+                       help="Probability that a sample is made shorter than --seq-length "
+                            "(default %(default)s).")
 
 
 def validate_bert_args(args: argparse.Namespace) -> None:
@@ -471,9 +481,6 @@ def validate_bert_args(args: argparse.Namespace) -> None:
     _require(args.tokenizer_type in WORDPIECE_TOKENIZERS,
              f"--tokenizer-type {args.tokenizer_type} is GPT's; BERT trains with "
              f"{' or '.join(WORDPIECE_TOKENIZERS)} and a WordPiece --vocab-file")
-    _require(0.0 < args.mask_prob < 1.0, f"--mask-prob must be in (0, 1), got {args.mask_prob}")
-    _require(0.0 <= args.short_seq_prob <= 1.0,
-             f"--short-seq-prob must be in [0, 1], got {args.short_seq_prob}")
     for flag in ("variable_seq_lengths", "reset_position_ids", "reset_attention_mask",
                  "eod_mask_loss"):
         _require(not getattr(args, flag), f"--{flag.replace('_', '-')} is a GPT data flag; BERT's "

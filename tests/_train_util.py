@@ -24,8 +24,10 @@ ITERATION_RE = re.compile(r" iteration\s+(\d+)/")
 
 
 def ensure_sample_data(timeout: float = 300) -> Path:
-    """Make the sample corpus, tokenizer and indexed dataset if missing; returns the directory."""
-    if not (SAMPLE_DIR / "sample_text_document.idx").is_file():
+    """Make the sample corpus, tokenizers and indexed datasets (GPT's and BERT's) if missing;
+    returns the directory."""
+    if not ((SAMPLE_DIR / "sample_text_document.idx").is_file()
+            and (SAMPLE_DIR / "sample_bert_text_sentence.idx").is_file()):
         subprocess.run([PYTHON, "-m", "megatron_dpp.data.prepare_sample", "--output-dir",
                         str(SAMPLE_DIR), "--no-progress"], check=True, timeout=timeout,
                        env=_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
@@ -59,9 +61,10 @@ def _env() -> dict:
     return env
 
 
-def torchrun_command(args: Sequence[str], nproc: int) -> list[str]:
+def torchrun_command(args: Sequence[str], nproc: int,
+                     entry: str = "megatron_dpp.pretrain_gpt") -> list[str]:
     return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "megatron_dpp.pretrain_gpt", *args]
+            "-m", entry, *args]
 
 
 def parse_log(stdout: str) -> tuple[list[float], list[float]]:
@@ -72,6 +75,7 @@ def parse_log(stdout: str) -> tuple[list[float], list[float]]:
 
 def run_training(extra_args: Sequence[str] = (), nproc: int = 2, timeout: float = 300,
                  base_args: Sequence[str] | None = None, with_data: bool = True,
+                 entry: str = "megatron_dpp.pretrain_gpt",
                  ) -> tuple[int, list[float], list[float], str]:
     """Train under torchrun; (returncode, lm losses, grad norms, stdout+stderr).
 
@@ -80,7 +84,7 @@ def run_training(extra_args: Sequence[str] = (), nproc: int = 2, timeout: float 
     """
     base = TINY_GPT_ARGS if base_args is None else list(base_args)
     args = [*(data_args() if with_data else []), *base, *extra_args]
-    process = subprocess.Popen(torchrun_command(args, nproc), stdout=subprocess.PIPE,
+    process = subprocess.Popen(torchrun_command(args, nproc, entry), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO_ROOT,
                                start_new_session=True)
     try:

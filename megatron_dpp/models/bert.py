@@ -19,6 +19,7 @@ from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_dpp.data.bert_datasets import build_bert_datasets
 from megatron_dpp.models.gpt import transformer_engine_available
 from megatron_dpp.models.init import initialize_layout_independent
 from megatron_dpp.models.spec import ModelSpec
@@ -148,3 +149,17 @@ def bert_microbatch_work(item: Any) -> int:
         return int(item["text"].numel())
     return 1
 
+
+
+BERT_SPEC = ModelSpec(
+    name="bert",
+    build_chunks=_build_chunks_from_args,
+    make_forward_step=make_bert_forward_step,
+    microbatch_work=bert_microbatch_work,
+    build_datasets=build_bert_datasets,
+    # BERT's own Megatron-Core modules that call torch.cuda; the platform patches them on CPU.
+    cpu_patched_modules=(
+        "megatron.core.models.common.embeddings.language_model_embedding",  # current_device()
+    ),
+    global_parameter_name=_global_name,
+)

@@ -1,0 +1,79 @@
+"""BERT through `python -m megatron_dpp.pretrain_bert` on the sample corpus made into a BERT dataset
+(WordPiece, sentence-split, Megatron-Core's masking): --use-dpp equals Megatron's own schedule
+(1F1B, interleaved 1F1B with virtual stages) within 1e-5 relative in lm loss, sop loss and grad
+norm at every iteration; the masked-LM loss alone without the binary head; bad BERT flags are
+refused with one line before anything starts."""
+import re
+import subprocess
+
+import pytest
+
+from _train_util import PYTHON, REPO_ROOT, _env, ensure_sample_data, run_training
+
+ITERATIONS = 5
+REL_TOL = 1e-5
+SOP_LOSS_RE = re.compile(r"\| sop loss: ([-+0-9.eE]+)")
+TINY_BERT_ARGS = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64",
+    "--micro-batch-size", "1", "--global-batch-size", "8",
+    "--train-iters", str(ITERATIONS), "--lr", "1e-3", "--lr-warmup-iters", "1", "--min-lr", "1e-4",
+    "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.01",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234",
+    "--log-interval", "1", "--eval-iters", "0",
+]
+DPP = ["--use-dpp", "--dpp-timeout", "60", "--p2p-transport", "shm"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+VPP2 = ["--num-virtual-stages-per-pipeline-rank", "2"]
+
+
+def bert_data_args() -> list[str]:
+    sample = ensure_sample_data()
+    return ["--data-path", str(sample / "sample_bert_text_sentence"),
+            "--vocab-file", str(sample / "bert-vocab.txt"), "--split", "98,2,0"]
+
+
+def train_bert(flags: list[str]) -> tuple[list[float], list[float], list[float]]:
+    """lm losses, sop losses and grad norms of a pp=2 run, one per iteration."""
+    rc, losses, grad_norms, out = run_training(flags, nproc=2, timeout=240, with_data=False,
+                                               base_args=[*bert_data_args(), *TINY_BERT_ARGS],
+                                               entry="megatron_dpp.pretrain_bert")
+    assert rc == 0, out[-3000:]
+    sop_losses = [float(m.group(1)) for m in SOP_LOSS_RE.finditer(out)]
+    assert len(losses) == len(grad_norms) == ITERATIONS, out[-3000:]
+    return losses, sop_losses, grad_norms
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", ["pp2", "pp2_vpp2"])
+def test_dpp_matches_megatron_on_bert(layout):
+    flags = PP2 + (VPP2 if layout == "pp2_vpp2" else [])
+    reference = train_bert(flags + ["--p2p-transport", "torch"])
+    mine = train_bert(flags + DPP)
+    assert len(reference[1]) == ITERATIONS  # the binary head is on by default
+    for name, ours, theirs in zip(("lm loss", "sop loss", "grad norm"), mine, reference):
+        assert ours == pytest.approx(theirs, rel=REL_TOL), (layout, name, ours, theirs)
+    assert mine[0][-1] < mine[0][0]  # the masked-LM loss falls
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_without_the_binary_head_only_the_lm_loss():
+    losses, sop_losses, _ = train_bert(PP2 + DPP + ["--bert-no-binary-head"])
+    assert sop_losses == [] and len(losses) == ITERATIONS
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tokenizer-type", "GPT2BPETokenizer"], "is GPT's; BERT trains with"),
+    (["--mask-prob", "1.5"], "--mask-prob"),
+    (["--variable-seq-lengths"], "is a GPT data flag"),
+    (["--use-dpp", "--dpp-split-backward"], "covers GPT's layers only"),
+])
+def test_bad_bert_flags_are_one_line_exit_2(flags, message):
+    command = [PYTHON, "-m", "megatron_dpp.pretrain_bert", *bert_data_args(), *TINY_BERT_ARGS, *flags]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=_env(),
+                            cwd=REPO_ROOT)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
