@@ -21,7 +21,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_dpp.data.bert_datasets import build_bert_datasets
 from megatron_dpp.models.gpt import transformer_engine_available
-from megatron_dpp.models.init import initialize_layout_independent
+from megatron_dpp.models.init import initialize_layout_independent, stacked_model_global_name
 from megatron_dpp.models.spec import ModelSpec
 
 # Sentence-order prediction has two classes; Megatron-LM gives the token-type embedding two rows
@@ -90,14 +90,8 @@ _LAYERS_PREFIX = "encoder.layers."
 
 def _global_name(model: BertModel, local_name: str) -> str:
     """Map a chunk-local parameter name to its name in the unsplit model."""
-    if local_name.startswith(_LAYERS_PREFIX):
-        index, rest = local_name[len(_LAYERS_PREFIX):].split(".", 1)
-        layer_number = model.encoder.layers[int(index)].layer_number  # 1-based, global
-        return f"{_LAYERS_PREFIX}{layer_number - 1}.{rest}"
-    if local_name == "output_layer.weight" and model.share_embeddings_and_output_weights:
-        # The last stage's copy of the shared embedding must start equal to the first stage's.
-        return "embedding.word_embeddings.weight"
-    return local_name
+    return stacked_model_global_name(model.encoder.layers, _LAYERS_PREFIX,
+                                     model.share_embeddings_and_output_weights, local_name)
 
 
 # ----------------------------------------------------------------------------------------------

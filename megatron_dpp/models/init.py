@@ -59,3 +59,18 @@ def initialize_layout_independent(model: torch.nn.Module, config: TransformerCon
         if split_dim is not None:
             full = full.chunk(tp_size, dim=split_dim)[tp_rank]
         param.copy_(full)
+
+
+def stacked_model_global_name(layers, layers_prefix: str, shares_embedding: bool,
+                              local_name: str) -> str:
+    """The global name of a parameter of a Megatron-Core GPT or BERT chunk: `layers` (the chunk's
+    TransformerBlock layers, named under `layers_prefix`) renumbered by their global layer number,
+    and the last stage's copy of a shared embedding named like the first stage's, so both start
+    equal."""
+    if local_name.startswith(layers_prefix):
+        index, rest = local_name[len(layers_prefix):].split(".", 1)
+        layer_number = layers[int(index)].layer_number  # 1-based, global
+        return f"{layers_prefix}{layer_number - 1}.{rest}"
+    if local_name == "output_layer.weight" and shares_embedding:
+        return "embedding.word_embeddings.weight"
+    return local_name
