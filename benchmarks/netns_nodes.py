@@ -4,7 +4,7 @@
         server = net.popen(0, ["python", "-m", "http.server", "--bind", net.ips[0]])
         subprocess.run(net.command(1, ["curl", f"http://{net.ips[0]}:8000"]), timeout=10)
 
-Each namespace has `lo` and one end of the veth up, with 10.<200-250>.<random>.1/24 and .2 on the
+Each namespace has `lo` and one end of the veth up (carrier on: waited for), with 10.<200-250>.<random>.1/24 and .2 on the
 veth. Only the network is separate: `ip netns exec` keeps the hostname, the file system and its
 /dev/shm, so shared-memory transports still see each other. On exit (also on an exception or
 Ctrl-C) every process started with `popen` is killed with its process group, anything else left in
@@ -20,9 +20,13 @@ import random
 import shutil
 import signal
 import subprocess
+import time
 from typing import Iterator, Optional, Sequence
 
 _IP_TIMEOUT_S = 30.0
+# The kernel reports a new veth's carrier (operstate UP) up to about a second after both ends are
+# set up (link events are batched); transports such as UCX refuse an interface before that.
+_LINK_UP_TIMEOUT_S = 10.0
 _NETNS_DIR = "/run/netns"  # where `ip netns add` mounts a namespace (iproute2's fixed path)
 
 
@@ -103,6 +107,21 @@ def _create(names: tuple[str, str], ips: tuple[str, str], interfaces: tuple[str,
         _ip_checked("-n", name, "addr", "add", f"{ip}/24", "dev", interface)
         _ip_checked("-n", name, "link", "set", "lo", "up")
         _ip_checked("-n", name, "link", "set", interface, "up")
+    for name, interface in zip(names, interfaces):
+        _wait_until_running(name, interface)
+
+
+def _wait_until_running(name: str, interface: str) -> None:
+    """Polls until `interface` in namespace `name` has its carrier (LOWER_UP, state UP)."""
+    deadline = time.monotonic() + _LINK_UP_TIMEOUT_S
+    while True:
+        state = _ip("-n", name, "-o", "link", "show", "dev", interface).stdout
+        if "LOWER_UP" in state and "state UP" in state:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{interface} in network namespace {name} is not up after "
+                               f"{_LINK_UP_TIMEOUT_S:.0f} s: {state.strip()}")
+        time.sleep(0.05)
 
 
 def _delete(names: Sequence[str]) -> None:

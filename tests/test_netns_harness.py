@@ -63,6 +63,17 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.timeout(60)
+def test_both_veth_ends_have_their_carrier_when_the_body_starts():
+    # UCX refuses an interface without carrier ("network device ... is not available").
+    with two_node_network() as net:
+        for index in range(2):
+            operstate = subprocess.run(
+                net.command(index, ["cat", f"/sys/class/net/{net.interfaces[index]}/operstate"]),
+                capture_output=True, text=True, timeout=30).stdout.strip()
+            assert operstate == "up", (index, operstate)
+
+
 @pytest.mark.timeout(90)
 def test_the_namespaces_talk_over_tcp_and_see_only_lo_and_the_veth():
     with two_node_network() as net:
