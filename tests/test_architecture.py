@@ -20,11 +20,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_dpp"
 FORBIDDEN = {
     "pipeline": {"sim", "comm", "runtime", "trace", "models", "training", "data", "search",
                  "arguments", "platform"},
-    "sim": {"comm", "runtime", "models", "training", "data"},
-    "comm": {"runtime", "models", "training", "data"},
-    "runtime": {"models", "training", "data"},
-    "models": {"runtime", "training"},
-    "trace": {"sim", "comm", "runtime", "models", "training", "data"},
+    "sim": {"comm", "runtime", "models", "training", "data", "search"},
+    "comm": {"runtime", "models", "training", "data", "search"},
+    "runtime": {"models", "training", "data", "search"},
+    "models": {"runtime", "training", "search"},
+    "trace": {"sim", "comm", "runtime", "models", "training", "data", "search"},
+    "training": {"search"},
+    # The search prices layouts (pipeline, sim) and measures layers (models) and links (comm);
+    # it never runs training.
+    "search": {"runtime", "training"},
 }
 
 
