@@ -1,0 +1,199 @@
+"""start-search.sh: search the parallel layout and schedule of one model on one cluster.
+
+    python -m megatron_dpp.search.cli --num-layers 96 --hidden-size 12288 --num-attention-heads 96 \\
+        --seq-length 2048 --global-batch-size 1536 --num-nodes 128 --num-gpus-per-node 8 \\
+        --hardware 8xH100-nvlink-ib400 --memory-budget-gb 80 --bf16 --output-strategy runs/s.json
+
+Prints (stdout) where the hardware and model figures come from, what the search pruned, a table of
+the K fastest layouts, the winner as a Megatron command line and its strategy JSON; the progress
+goes to stderr. Bad flags or input: one line on stderr, exit 2. No layout fits the memory budget:
+one line with the least memory any layout needs, exit 2.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional, Sequence
+
+from megatron_dpp.search import memory_model
+from megatron_dpp.search.cost import Problem
+from megatron_dpp.search.engine import Progress, SearchResult, search
+from megatron_dpp.search.errors import SearchInputError
+from megatron_dpp.search.hardware import PRESETS, load_hardware
+from megatron_dpp.search.lengths import parse_distribution
+from megatron_dpp.search.model_profile import read_model_profile_dir
+from megatron_dpp.search.strategy import OneLineErrorParser, build_strategy, megatron_flags, write_strategy
+
+PROG = "start-search.sh"
+GB = 10**9  # --memory-budget-gb's unit
+# Vocabulary of each model's tokenizer in this repo (GPT-2 BPE, BERT uncased WordPiece), padded as
+# Megatron pads it: up to a multiple of --make-vocab-size-divisible-by.
+DEFAULT_VOCAB = {"gpt": 50257, "bert": 30522}
+ANALYTICAL_SOURCE = ("analytical: memory_model.layer_forward_flops at the hardware's matmul "
+                     "TFLOP/s, backward 2x forward")
+
+
+def build_parser() -> OneLineErrorParser:
+    parser = OneLineErrorParser(prog=PROG, allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    model = parser.add_argument_group("model (Megatron's flag names)")
+    model.add_argument("--model", choices=sorted(DEFAULT_VOCAB), default="gpt",
+                       help="Model family: gpt (causal LM head) or bert (MLM head, binary head).")
+    model.add_argument("--num-layers", type=int, required=True, help="Transformer layers.")
+    model.add_argument("--hidden-size", type=int, required=True, help="Hidden size.")
+    model.add_argument("--num-attention-heads", type=int, required=True, help="Attention heads.")
+    model.add_argument("--ffn-hidden-size", type=int, default=None,
+                       help="MLP hidden size (default 4 x --hidden-size).")
+    model.add_argument("--seq-length", type=int, required=True,
+                       help="Sequence length (the longest, with --variable-seq-lengths).")
+    model.add_argument("--max-position-embeddings", type=int, default=None,
+                       help="Position embeddings (default --seq-length).")
+    model.add_argument("--vocab-size", type=int, default=None,
+                       help="Tokenizer vocabulary before padding (default: GPT-2 BPE 50257 for gpt, "
+                            "BERT uncased 30522 for bert).")
+    model.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                       help="Pad the vocabulary up to a multiple of this (Megatron's default 128).")
+    model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="Separate output-layer weights (default: tied to the embedding).")
+    model.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
+                       help="BERT without the sentence-order head.")
+    precision = model.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true", help="bf16 mixed precision.")
+    precision.add_argument("--fp16", action="store_true", help="fp16 mixed precision.")
+    model.add_argument("--global-batch-size", type=int, required=True,
+                       help="Sequences per iteration (optimizer step).")
+    model.add_argument("--variable-seq-lengths", action="store_true",
+                       help="Sequences have different lengths (Megatron pads each microbatch to its "
+                            "longest); needs --seq-length-distribution.")
+    model.add_argument("--seq-length-distribution", type=str, default=None, metavar="SPEC",
+                       help="With --variable-seq-lengths: uniform:MIN:MAX, lognormal:MEAN:CV or "
+                            "file:PATH (whitespace-separated lengths measured on the data); lengths "
+                            "are clipped to --seq-length.")
+    cluster = parser.add_argument_group("cluster and search")
+    cluster.add_argument("--num-nodes", type=int, required=True, help="Nodes of the job.")
+    cluster.add_argument("--num-gpus-per-node", type=int, required=True,
+                         help="GPUs (processes) per node; tensor parallelism stays inside a node.")
+    cluster.add_argument("--memory-budget-gb", type=float, required=True,
+                         help="Memory per GPU a layout may use, in GB (10^9 bytes).")
+    cluster.add_argument("--hardware", type=str, required=True, metavar="PRESET|DIR",
+                         help=f"The cluster's figures: a preset ({', '.join(PRESETS)}) or a directory "
+                              "of Galvatron hardware files (profile_hardware.sh).")
+    cluster.add_argument("--model-profile", type=str, default=None, metavar="DIR",
+                         help="Measured layer times (profile_model.sh's directory); default: "
+                              "analytical FLOPs at the hardware's matmul rate.")
+    cluster.add_argument("--top", type=int, default=5, metavar="K", help="Layouts to list (default 5).")
+    cluster.add_argument("--output-strategy", type=str, default=None, metavar="FILE",
+                         help="Write the winner's strategy JSON here (the run scripts' --strategy).")
+    return parser
+
+
+def _check(args) -> None:
+    """Flag checks argparse cannot express; SearchInputError (one line)."""
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "global_batch_size",
+                 "num_nodes", "num_gpus_per_node", "top", "make_vocab_size_divisible_by"):
+        if getattr(args, flag) < 1:
+            raise SearchInputError(f"--{flag.replace('_', '-')} must be at least 1")
+    for flag in ("ffn_hidden_size", "vocab_size", "max_position_embeddings"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise SearchInputError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.hidden_size % args.num_attention_heads:
+        raise SearchInputError(f"--hidden-size {args.hidden_size} is not divisible by "
+                               f"--num-attention-heads {args.num_attention_heads}")
+    if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
+        raise SearchInputError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                               f"{args.max_position_embeddings}")
+    if not args.memory_budget_gb > 0:
+        raise SearchInputError("--memory-budget-gb must be positive")
+    if args.variable_seq_lengths != (args.seq_length_distribution is not None):
+        raise SearchInputError("--variable-seq-lengths and --seq-length-distribution go together: "
+                               "give both or neither")
+
+
+def problem_from_args(args) -> tuple[Problem, str]:
+    """The Problem and the model figures' source."""
+    _check(args)
+    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    vocab = args.vocab_size or DEFAULT_VOCAB[args.model]
+    divisor = args.make_vocab_size_divisible_by
+    shape = memory_model.ModelShape(
+        model=args.model, num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size, seq_length=args.seq_length,
+        padded_vocab_size=-(-vocab // divisor) * divisor,
+        max_position_embeddings=args.max_position_embeddings or args.seq_length,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights, dtype=dtype,
+        bert_binary_head=args.bert_binary_head)
+    hardware = load_hardware(args.hardware, args.num_nodes, args.num_gpus_per_node)
+    profile, source = None, ANALYTICAL_SOURCE
+    if args.model_profile is None:
+        hardware.matmul_ms(1.0, dtype)  # the analytical times need this dtype's rate: fail now
+    else:
+        profile = read_model_profile_dir(args.model_profile, args.hidden_size, args.num_attention_heads, dtype)
+        source = profile.source
+    lengths = parse_distribution(args.seq_length_distribution) if args.variable_seq_lengths else None
+    return Problem(shape=shape, global_batch_size=args.global_batch_size, hardware=hardware,
+                   memory_budget_bytes=int(args.memory_budget_gb * GB), model_profile=profile,
+                   lengths=lengths), source
+
+
+def format_table(result: SearchResult) -> str:
+    header = ("| # | TP | PP | VPP | DP | mbs | recompute | dist-opt | SP | schedule | ms/iteration "
+              "| GB/rank | bubble |")
+    rows = [header, "|" + "---|" * 13]
+    for index, cost in enumerate(result.best, 1):
+        layout = cost.layout
+        schedule = layout.schedule + (" +split-backward" if layout.split_backward else "")
+        rows.append(f"| {index} | {layout.tp} | {layout.pp} | {layout.vpp} | {layout.dp} | "
+                    f"{layout.micro_batch_size} | {layout.recompute} | "
+                    f"{'on' if layout.distributed_optimizer else 'off'} | "
+                    f"{'on' if layout.sequence_parallel else 'off'} | {schedule} | {cost.time_ms:.1f} | "
+                    f"{cost.memory_bytes / GB:.2f} | {cost.bubble_fraction:.3f} |")
+    return "\n".join(rows)
+
+
+def command_line(problem: Problem, flags: list[str]) -> str:
+    hardware = problem.hardware
+    entry = "megatron_dpp.pretrain_bert" if problem.shape.model == "bert" else "megatron_dpp.pretrain_gpt"
+    return (f"torchrun --nnodes {hardware.num_nodes} --nproc-per-node {hardware.gpus_per_node} "
+            f"-m {entry} " + " ".join(flags))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        problem, model_source = problem_from_args(args)
+    except SearchInputError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    result = search(problem, args.top, Progress(sys.stderr))
+    if not result.best:
+        print(f"{PROG}: error: no layout fits --memory-budget-gb {args.memory_budget_gb:g}: the "
+              f"smallest needs {result.smallest_memory_bytes / GB:.2f} GB per GPU", file=sys.stderr,
+              flush=True)
+        return 2
+    winner = result.best[0]
+    strategy = build_strategy(problem, winner, model_source)
+    print(f"hardware figures: {problem.hardware.source}")
+    print(f"model figures: {model_source}")
+    if problem.lengths is not None:
+        print(f"sequence lengths: {problem.lengths.spec} (one sampled batch per micro-batch size)")
+    print(f"searched {result.layouts} layouts in {result.seconds:.1f} s: {result.dominated} dominated "
+          f"(sequence parallelism off), {result.over_memory} over the memory budget, "
+          f"{result.recompute_dominated} beaten by less recompute, {result.bound_pruned} pruned by the "
+          f"time bound, {result.simulated} simulated ({result.simulations} simulator runs)")
+    print()
+    print(format_table(result))
+    print()
+    print("winner as a Megatron command line:")
+    print("  " + command_line(problem, megatron_flags(problem, winner)))
+    print()
+    if args.output_strategy is not None:
+        path = write_strategy(strategy, args.output_strategy)
+        print(f"strategy written to {path}:")
+    print(json.dumps(strategy, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,460 @@
+"""What one layout costs: memory per rank (without the simulator) and time per iteration (the
+simulator's pipeline time on modeled task durations, plus the data-parallel gradient sync).
+
+Memory of a pipeline rank = model states (memory_model.model_state_bytes over the rank's
+parameters: its layers, plus the embedding on the first stage and the output layer on the last)
++ activations. The activation term is the bound the schedule keeps on that rank in the simulator's
+and the runtime's own accounting: Megatron's in-flight count for the rank (at least V) times one
+chunk's activations at the full --seq-length (pipeline.default_budget_bytes, the 'auto' budget
+that --use-dpp enforces; 1F1B and interleaved 1F1B hold exactly that). The simulated peak of the
+sampled batch never exceeds it and is reported beside it. Plus the embedding's activations per
+in-flight microbatch of chunk 0 on the first rank, the output layer's (logits) on the last, and
+with full recompute one layer's full activations rebuilt during a backward. With split backwards a
+chunk's activations also count the output gradients its W keeps (5h + ffn values per token and
+layer).
+
+Time of a task (ms): per layer, forward = compute / TP + two tensor-parallel all-reduces of the
+layer's output (sequence parallelism: all-gathers and reduce-scatters of the same bus volume,
+Korthikanti et al. 2022); backward = backward compute / TP + two all-reduces, plus with full
+recompute one more forward and with selective recompute the core attention's forward again (the
+part of the layer's FLOPs quadratic in the sequence). Compute comes from the model profile
+(forward, backward; measured at TP 1) or, without one, from memory_model.layer_forward_flops at
+the hardware's matmul rate (backward 2x forward). A split backward's W is half the backward
+compute. The last rank also runs the output layer (2 * tokens * hidden * vocab FLOPs, 3x with its
+backward), spread over its chunks as the simulator's rank speed. Point-to-point messages carry
+micro-batch x length x hidden values (/ TP with sequence parallelism) at hardware.p2p_ms.
+
+Data-parallel gradient sync (DP > 1; the strategy turns on --overlap-grad-reduce): each chunk's
+gradients are all-reduced (with the distributed optimizer reduce-scattered, half the bus volume)
+over the DP group (its ranks are TP apart in Megatron's rank order, so contiguous only with
+TP = 1), starting once that chunk and every later chunk ran their last backward (W with split
+backwards), in the order V-1..0, one at a time (runtime/grad_sync.py). Compute that overlaps a
+reduction runs hardware.overlap_coefficient times slower. The distributed optimizer then
+all-gathers the updated parameters (half an all-reduce of the parameter bytes), exposed. Not
+modelled: the optimizer step itself, the tied-embedding all-reduce between the first and the
+last stage, and stragglers between data-parallel replicas.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from megatron_dpp.pipeline import Phase, TaskGraph, megatron_inflight_forwards
+from megatron_dpp.search import memory_model
+from megatron_dpp.search.hardware import HardwareProfile
+from megatron_dpp.search.lengths import LengthDistribution, microbatch_lengths
+from megatron_dpp.search.model_profile import MB, ModelProfile
+from megatron_dpp.search.space import Layout
+from megatron_dpp.sim import CommModel, DurationModel, SimResult, simulate
+
+# Bytes of a reduced gradient element: fp32 main gradients whatever the dtype (grad_reduce_in_fp32,
+# as megatron_dpp.training.config sets it; memory_model.model_state_bytes counts them so).
+GRAD_BYTES = memory_model.FP32_BYTES
+# Layer type of the transformer layer in Galvatron's profile files (GPT and BERT have one type).
+TRANSFORMER_LAYER_TYPE = 0
+# Without a model profile: backward compute = this x forward compute (two matmuls per forward one).
+BACKWARD_FLOPS_RATIO = 2.0
+# Extrapolation (`Pricer.simulated_counts`, `Pricer.price`): the longer of the two simulated runs
+# has this many times P microbatches, and at least the minimum; equal-length batches, then
+# variable-length ones.
+SIM_UNIFORM_PERIODS, SIM_UNIFORM_MIN = 3, 12
+SIM_VARIABLE_PERIODS, SIM_VARIABLE_MIN = 8, 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Everything a search prices layouts against (fixed across layouts)."""
+
+    shape: memory_model.ModelShape
+    global_batch_size: int
+    hardware: HardwareProfile
+    memory_budget_bytes: int  # per GPU
+    model_profile: Optional[ModelProfile] = None  # measured layer times; None: analytical
+    lengths: Optional[LengthDistribution] = None  # --variable-seq-lengths; None: all seq_length
+
+    @property
+    def dtype_bytes(self) -> int:
+        return memory_model.ELEMENT_BYTES[self.shape.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerFigures:
+    """One transformer layer at one (micro-batch, length, TP, SP, recompute)."""
+
+    forward_ms: float  # compute / TP + tensor-parallel communication
+    backward_ms: float  # the same for the backward, recompute included
+    weight_grad_ms: float  # the part of backward_ms that a split backward's W runs
+    activation_bytes: int  # kept for the backward (memory_model.layer_activation_bytes)
+    weight_grad_bytes: int  # kept from B to W with split backwards: the linears' output gradients
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """A layout priced without the simulator."""
+
+    layout: Layout
+    memory_bytes: int  # the fullest rank (exact: see the module docstring)
+    time_lower_ms: float  # no schedule can run an iteration faster
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutCost:
+    """A layout priced with the simulator."""
+
+    layout: Layout
+    time_ms: float  # predicted time per iteration
+    pipeline_ms: float  # the simulated pipeline makespan (extrapolated to all microbatches)
+    grad_sync_exposed_ms: float  # time_ms - pipeline_ms: the gradient sync left after the pipeline
+    memory_bytes: int  # the fullest rank
+    activation_peak_bytes: int  # the simulated peak of the sampled batch, fullest rank
+    bubble_fraction: float  # 1 - mean rank work / pipeline_ms
+    simulated_microbatches: int  # microbatches simulated (all of them, or the long extrapolation run)
+    time_lower_ms: float  # the estimate's bound, for the pruning's record
+
+
+class Pricer:
+    """Prices layouts of one Problem; caches the parts layouts share."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self._layers: dict = {}
+        self._states: dict = {}
+        self._counts: dict = {}
+        self._lengths: dict = {}
+        self._durations: dict = {}
+        self._syncs: dict = {}
+        self._sims: dict = {}
+        self.simulations = 0  # simulator runs so far (cache hits excluded)
+
+    # --- per layer ----------------------------------------------------------------------------
+    def layer(self, micro_batch: int, length: int, tp: int, sp: bool, recompute: str) -> LayerFigures:
+        key = (micro_batch, length, tp, sp, recompute)
+        figures = self._layers.get(key)
+        if figures is None:
+            figures = self._layers[key] = self._layer(*key)
+        return figures
+
+    def _layer(self, micro_batch, length, tp, sp, recompute) -> LayerFigures:
+        problem, shape = self.problem, self.problem.shape
+        at_length = dataclasses.replace(shape, seq_length=length)
+        flops = memory_model.layer_forward_flops(at_length, micro_batch)
+        # The part of the FLOPs quadratic in the length (core attention), from f(2s) - 2 f(s) =
+        # 2 q s^2 for f(s) = l s + q s^2: selective recompute runs it again.
+        doubled = dataclasses.replace(shape, seq_length=2 * length)
+        attention_share = max(0.0, (memory_model.layer_forward_flops(doubled, micro_batch) - 2 * flops)
+                              / 2.0) / flops
+        if problem.model_profile is not None:
+            forward = problem.model_profile.layer_forward_ms(TRANSFORMER_LAYER_TYPE, micro_batch, length) / tp
+            backward = problem.model_profile.layer_backward_ms(TRANSFORMER_LAYER_TYPE, micro_batch, length) / tp
+        else:
+            forward = problem.hardware.matmul_ms(flops / tp, shape.dtype)
+            backward = BACKWARD_FLOPS_RATIO * forward
+        message = micro_batch * length * shape.hidden_size * problem.dtype_bytes
+        tp_comm = 2 * problem.hardware.allreduce_ms(message, tp, True)
+        recomputed = {"none": 0.0, "selective": attention_share * forward, "full": forward + tp_comm}
+        kept_for_w = micro_batch * length * (5 * shape.hidden_size + shape.ffn_hidden_size) // tp
+        return LayerFigures(
+            forward_ms=forward + tp_comm,
+            backward_ms=backward + tp_comm + recomputed[recompute],
+            weight_grad_ms=backward / 2.0,
+            activation_bytes=self._profiled_activation(micro_batch, length, tp, sp, recompute)
+            or memory_model.layer_activation_bytes(at_length, micro_batch, tp, sp, recompute),
+            weight_grad_bytes=kept_for_w * problem.dtype_bytes,
+        )
+
+    def _profiled_activation(self, micro_batch, length, tp, sp, recompute) -> int | None:
+        """The model profile's measured activation bytes of one layer, when it has this length,
+        TP and recompute and the batch is all full-length (a variable-length batch takes every
+        length from memory_model, so that its microbatches compare); else None."""
+        profile = self.problem.model_profile
+        if profile is None or self.problem.lengths is not None:
+            return None
+        memory = profile.memory.layers.get((TRANSFORMER_LAYER_TYPE, sp, length))
+        if memory is None:
+            return None
+        per_sample = {"none": memory.activation_mb_per_sample.get(tp),
+                      "selective": memory.selective_mb_per_sample.get(tp),
+                      "full": memory.checkpoint_mb_per_sample}[recompute]
+        return None if per_sample is None else int(per_sample * MB * micro_batch)
+
+    def output_forward_ms(self, micro_batch: int, length: int, tp: int) -> float:
+        """The output layer's logits matmul: 2 * tokens * hidden * vocab FLOPs over TP."""
+        shape = self.problem.shape
+        flops = 2.0 * micro_batch * length * shape.hidden_size * shape.padded_vocab_size / tp
+        return self.problem.hardware.matmul_ms(flops, shape.dtype)
+
+    # --- parameters and memory ----------------------------------------------------------------
+    def rank_parameters(self, tp: int, pp: int) -> tuple[int, int]:
+        """Parameters of (the first, the last) pipeline rank (one TP shard). One stage holds a
+        tied output weight once; the last of several keeps its own copy (memory_model)."""
+        shape = self.problem.shape
+        layers = shape.num_layers // pp * memory_model.layer_parameter_count(shape, tp)
+        embedding, output = self._extra_parameters(tp)
+        if pp == 1:
+            tied = shape.model == "bert" or not shape.untie_embeddings_and_output_weights
+            shared = shape.padded_vocab_size // tp * shape.hidden_size if tied else 0
+            return (layers + embedding + output - shared,) * 2
+        return layers + embedding, layers + output
+
+    def _extra_parameters(self, tp: int) -> tuple[int, int]:
+        """(embedding, output layer) parameters of one TP shard."""
+        shape = self.problem.shape
+        return (memory_model.embedding_parameter_count(shape, tp),
+                memory_model.output_parameter_count(shape, tp))
+
+    def state_bytes(self, tp: int, pp: int, dp: int, distributed_optimizer: bool) -> tuple[int, int]:
+        key = (tp, pp, dp, distributed_optimizer)
+        if key not in self._states:
+            dtype = self.problem.shape.dtype
+            self._states[key] = tuple(memory_model.model_state_bytes(count, dtype, dp, distributed_optimizer)
+                                      for count in self.rank_parameters(tp, pp))
+        return self._states[key]
+
+    def inflight(self, layout: Layout) -> tuple[int, int]:
+        """Chunk activations the schedule bounds (first rank, last rank): Megatron's in-flight
+        count, at least V (pipeline.default_budget_bytes)."""
+        key = (layout.pp, layout.vpp, layout.num_microbatches)
+        if key not in self._counts:
+            graph = TaskGraph(layout.pp, layout.vpp, layout.num_microbatches)
+            self._counts[key] = tuple(max(megatron_inflight_forwards(graph, rank), layout.vpp)
+                                      for rank in (0, layout.pp - 1))
+        return self._counts[key]
+
+    def chunk_activation_bytes(self, layout: Layout, length: int) -> int:
+        """What one forward of one microbatch of padded `length` holds on one chunk until it is
+        released (its B; its W with split backwards)."""
+        figures = self.layer(layout.micro_batch_size, length, layout.tp, layout.sequence_parallel,
+                             layout.recompute)
+        per_layer = figures.activation_bytes + (figures.weight_grad_bytes if layout.split_backward else 0)
+        return self.layers_per_chunk(layout) * per_layer
+
+    def layers_per_chunk(self, layout: Layout) -> int:
+        return self.problem.shape.num_layers // (layout.pp * layout.vpp)
+
+    def memory_bytes(self, layout: Layout) -> int:
+        """The fullest rank's bytes (the first or the last: the middle ones hold no more
+        activations than the first and no embedding)."""
+        shape, mbs, tp, sp = self.problem.shape, layout.micro_batch_size, layout.tp, layout.sequence_parallel
+        first_states, last_states = self.state_bytes(tp, layout.pp, layout.dp, layout.distributed_optimizer)
+        first_count, last_count = self.inflight(layout)
+        chunk = self.chunk_activation_bytes(layout, shape.seq_length)
+        transient = 0
+        if layout.recompute == "full":
+            transient = self.layer(mbs, shape.seq_length, tp, sp, "none").activation_bytes
+        embedding = memory_model.embedding_activation_bytes(shape, mbs, tp, sp) * math.ceil(first_count / layout.vpp)
+        output = memory_model.output_activation_bytes(shape, mbs, tp, sp)
+        first = first_states + first_count * chunk + embedding + transient
+        last = last_states + last_count * chunk + output + transient
+        if layout.pp == 1:
+            return first + output
+        return max(first, last)
+
+    # --- time ---------------------------------------------------------------------------------
+    def lengths(self, layout: Layout) -> list[int]:
+        key = (layout.num_microbatches, layout.micro_batch_size)
+        if key not in self._lengths:
+            self._lengths[key] = microbatch_lengths(self.problem.lengths, layout.num_microbatches,
+                                                    layout.micro_batch_size, self.problem.shape.seq_length)
+        return self._lengths[key]
+
+    def durations(self, layout: Layout) -> tuple[DurationModel, list[float]]:
+        """The simulator's duration model (in ms) and the microbatch sizes (forward time of a
+        microbatch / that of a full-length one)."""
+        key = (layout.tp, layout.pp, layout.micro_batch_size, layout.num_microbatches,
+               layout.sequence_parallel, layout.recompute, layout.split_backward)
+        if key not in self._durations:
+            self._durations[key] = self._duration_model(layout)
+        return self._durations[key]
+
+    def _duration_model(self, layout: Layout) -> tuple[DurationModel, list[float]]:
+        shape = self.problem.shape
+        per_rank = shape.num_layers // layout.pp
+        full = self.layer(layout.micro_batch_size, shape.seq_length, layout.tp, layout.sequence_parallel,
+                          layout.recompute)
+        forward = per_rank * full.forward_ms
+        speed = [1.0] * layout.pp
+        speed[-1] += self.output_forward_ms(layout.micro_batch_size, shape.seq_length, layout.tp) / forward
+        size_of = {length: self.layer(layout.micro_batch_size, length, layout.tp, layout.sequence_parallel,
+                                      layout.recompute).forward_ms / full.forward_ms
+                   for length in set(self.lengths(layout))}
+        sizes = [size_of[length] for length in self.lengths(layout)]
+        model = DurationModel(
+            linear=forward, backward_ratio=full.backward_ms / full.forward_ms, rank_speed=tuple(speed),
+            weight_grad_fraction=full.weight_grad_ms / full.backward_ms if layout.split_backward
+            else DurationModel.weight_grad_fraction)
+        return model, sizes
+
+    def comm_model(self, layout: Layout) -> CommModel:
+        """The simulator prices a message by the microbatch's act_bytes: scale the bandwidth so
+        that a full-length microbatch's act_bytes take as long as its real message."""
+        shape = self.problem.shape
+        message = layout.micro_batch_size * shape.seq_length * shape.hidden_size * self.problem.dtype_bytes
+        if layout.sequence_parallel:
+            message //= layout.tp
+        ms = self.problem.hardware.p2p_ms(message, layout.pp)
+        if ms <= 0.0:
+            return CommModel()
+        return CommModel(bandwidth=self.chunk_activation_bytes(layout, shape.seq_length) / ms)
+
+    def pipeline_lower_bound(self, layout: Layout, model: DurationModel, sizes: list[float],
+                             hop: float) -> float:
+        """simulator's TaskDurations.pipeline_bound for these durations, in closed form: the last
+        rank's fill, work and drain (the only rank slower than the others is the last)."""
+        P, V = layout.pp, layout.vpp
+        forward, backward = model.linear, model.linear * model.backward_ratio
+        total, smallest = math.fsum(sizes), min(sizes)
+        work_first = (forward + backward) * total
+        if P == 1:
+            return work_first * model.rank_speed[0]
+        work_last = work_first * model.rank_speed[-1]
+        fill = (P - 1) * (forward / V * smallest + hop)
+        if layout.split_backward:
+            w = model.weight_grad_fraction
+            crossing = (forward + backward * (1 - w)) * total * model.rank_speed[-1]
+            drain = (P - 1) * (backward * (1 - w) / V * smallest + hop) + backward * w / V * smallest
+        else:
+            crossing, drain = work_last, (P - 1) * (backward / V * smallest + hop)
+        return max(work_first, fill + max(crossing + drain, work_last))
+
+    def sync_ms(self, layout: Layout) -> tuple[list[list[float]], list[float]]:
+        """(per rank kind (first, last): each chunk's gradient reduction, ms; per rank kind: the
+        distributed optimizer's exposed parameter all-gather, ms). Zero with DP 1."""
+        dp, tp, V = layout.dp, layout.tp, layout.vpp
+        if dp == 1:
+            return [[0.0] * V, [0.0] * V], [0.0, 0.0]
+        key = (dp, tp, layout.pp, V, layout.distributed_optimizer)
+        if key not in self._syncs:
+            self._syncs[key] = self._sync_ms(layout)
+        return self._syncs[key]
+
+    def _sync_ms(self, layout: Layout) -> tuple[list[list[float]], list[float]]:
+        dp, tp, V = layout.dp, layout.tp, layout.vpp
+        shape, hardware = self.problem.shape, self.problem.hardware
+        layer_params = self.layers_per_chunk(layout) * memory_model.layer_parameter_count(shape, tp)
+        contiguous = tp == 1
+        reduce_share = 0.5 if layout.distributed_optimizer else 1.0
+        chunks, gathers = [], []
+        for kind, total in enumerate(self.rank_parameters(tp, layout.pp)):
+            params = [layer_params] * V
+            # The embedding sits in the first rank's chunk 0, the output layer in the last's V-1.
+            params[0 if kind == 0 else V - 1] += total - V * layer_params
+            chunks.append([reduce_share * hardware.allreduce_ms(count * GRAD_BYTES, dp, contiguous)
+                           for count in params])
+            gathers.append(0.5 * hardware.allreduce_ms(sum(params) * self.problem.dtype_bytes, dp, contiguous)
+                           if layout.distributed_optimizer else 0.0)
+        return chunks, gathers
+
+    def estimate(self, layout: Layout) -> Estimate:
+        model, sizes = self.durations(layout)
+        chunks, gathers = self.sync_ms(layout)
+        bound = self._full_pipeline_bound(layout, model, sizes) + chunks[0][0] + gathers[0]
+        return Estimate(layout, self.memory_bytes(layout), bound)
+
+    # --- the simulator ------------------------------------------------------------------------
+    def graph(self, layout: Layout, count: int) -> tuple[TaskGraph, DurationModel]:
+        """The first `count` microbatches of the layout's batch as a TaskGraph."""
+        model, sizes = self.durations(layout)
+        lengths = self.lengths(layout)[:count]
+        act = [self.chunk_activation_bytes(layout, length) for length in lengths]
+        graph = TaskGraph(layout.pp, layout.vpp, count, sizes[:count], act,
+                          max_act_bytes=self.chunk_activation_bytes(layout, self.problem.shape.seq_length),
+                          split_backward=layout.split_backward)
+        return graph, model
+
+    def simulate(self, layout: Layout, count: int) -> SimResult:
+        graph, model = self.graph(layout, count)
+        comm = self.comm_model(layout)
+        key = (layout.pp, layout.vpp, count, layout.schedule, layout.split_backward, model, comm,
+               tuple(graph.sizes), tuple(graph.act_bytes), graph.max_act_bytes)
+        if key not in self._sims:
+            self.simulations += 1
+            self._sims[key] = simulate(graph, layout.schedule, model, comm)
+        return self._sims[key]
+
+    def simulated_counts(self, layout: Layout) -> tuple[int, int] | None:
+        """(M1, M2): the microbatch counts `price` simulates to extrapolate, or None to simulate
+        all M. Multiples of P (interleaved orders need them); uniform batches reach their steady
+        state within a few P, variable ones need more microbatches to average their sizes."""
+        P, M = layout.pp, layout.num_microbatches
+        periods, minimum = (SIM_VARIABLE_PERIODS, SIM_VARIABLE_MIN) if self.problem.lengths else (
+            SIM_UNIFORM_PERIODS, SIM_UNIFORM_MIN)
+        long_count = max(periods * P, -(-minimum // P) * P)
+        if M <= long_count + P:
+            return None
+        return long_count, max(P, long_count // 2 // P * P)
+
+    def price(self, layout: Layout, estimate: Estimate) -> LayoutCost:
+        """Simulate the layout's pipeline. Long pipelines (see `simulated_counts`) are simulated on
+        their first M1 and M2 < M1 microbatches and extrapolated to M: the makespan is the
+        pipeline bound B (closed form, `pipeline_lower_bound`, exact for any M) plus an excess
+        E = T - B, taken linear in the busiest rank's work W through the two runs, with a slope
+        between 0 (a fixed excess: fill and drain effects, as 1F1B on equal microbatches) and
+        E(M1) / W(M1) (an excess proportional to the work: stalls in every steady-state period,
+        as static orders on unequal microbatches). The gradient sync's tail after the pipeline is
+        taken from the M1 run's timeline (it only depends on the drain)."""
+        M = layout.num_microbatches
+        model, sizes = self.durations(layout)
+        counts = self.simulated_counts(layout)
+        result = self.simulate(layout, M if counts is None else counts[0])
+        pipeline = result.makespan
+        if counts is not None:
+            short = self.simulate(layout, counts[1])
+            work = [self._busiest_work(model, sizes[:n]) for n in (M, *counts)]
+            excess = [result.makespan - result.pipeline_bound, short.makespan - short.pipeline_bound]
+            slope = (excess[0] - excess[1]) / (work[1] - work[2]) if work[1] > work[2] else 0.0
+            slope = min(max(slope, 0.0), max(excess[0], 0.0) / work[1])
+            bound = self._full_pipeline_bound(layout, model, sizes)
+            pipeline = bound + excess[0] + slope * (work[0] - work[1])
+        tail = self._sync_tail(layout, result)
+        mean_work = (1 + model.backward_ratio) * model.linear * math.fsum(sizes) * (
+            math.fsum(model.rank_speed) / layout.pp)
+        time_ms = max(pipeline + tail, estimate.time_lower_ms)
+        return LayoutCost(
+            layout=layout, time_ms=time_ms, pipeline_ms=pipeline, grad_sync_exposed_ms=time_ms - pipeline,
+            memory_bytes=estimate.memory_bytes, activation_peak_bytes=result.peak_activation,
+            bubble_fraction=max(0.0, 1.0 - mean_work / pipeline),
+            simulated_microbatches=M if counts is None else counts[0], time_lower_ms=estimate.time_lower_ms)
+
+    def _full_pipeline_bound(self, layout: Layout, model: DurationModel, sizes: list[float]) -> float:
+        comm = self.comm_model(layout)
+        hop = 0.0 if layout.pp == 1 else comm.transfer_time(
+            min(self.chunk_activation_bytes(layout, length) for length in set(self.lengths(layout))))
+        return self.pipeline_lower_bound(layout, model, sizes, hop)
+
+    @staticmethod
+    def _busiest_work(model: DurationModel, sizes: list[float]) -> float:
+        return (1 + model.backward_ratio) * model.linear * math.fsum(sizes) * max(model.rank_speed)
+
+    def _sync_tail(self, layout: Layout, result: SimResult) -> float:
+        """How long the iteration runs past the pipeline's makespan for the gradient sync (see the
+        module docstring), over the first and the last rank (the ones with the most parameters)."""
+        if layout.dp == 1:
+            return 0.0
+        chunks, gathers = self.sync_ms(layout)
+        V, P = layout.vpp, layout.pp
+        release = Phase.W if layout.split_backward else Phase.B
+        ranks = {0: 0, P - 1: 1}  # rank -> its kind in sync_ms
+        last_release = {rank: [0.0] * V for rank in ranks}
+        busy = {rank: [] for rank in ranks}
+        end = {rank: 0.0 for rank in ranks}
+        for rank, task, start, stop in result.timeline:
+            if rank not in ranks:
+                continue
+            busy[rank].append((start, stop))
+            end[rank] = max(end[rank], stop)
+            if task.phase == release:
+                last_release[rank][task.chunk] = max(last_release[rank][task.chunk], stop)
+        coefficient = self.problem.hardware.overlap_coefficient
+        finish = 0.0
+        for rank, kind in ranks.items():
+            clock, ready, windows = 0.0, 0.0, []
+            for chunk in reversed(range(V)):  # V-1 first; a chunk waits for every later one
+                ready = max(ready, last_release[rank][chunk])
+                start = max(clock, ready)
+                clock = start + chunks[kind][chunk]
+                windows.append((start, clock))
+            overlapped = sum(max(0.0, min(stop, b) - max(start, a))
+                             for start, stop in busy[rank] for a, b in windows if b > a)
+            finish = max(finish, max(end[rank] + (coefficient - 1.0) * overlapped, clock) + gathers[kind])
+        return max(0.0, finish - result.makespan)

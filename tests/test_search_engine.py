@@ -1,0 +1,284 @@
+"""The strategy search (megatron_dpp.search: space, cost, engine, strategy, cli): known best layouts,
+pruning against brute force, the no-fit and bad-flag exits, the strategy JSON, the 175B case."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dpp.pipeline import DYNAMIC_SCHEDULES
+from megatron_dpp.search import cli, cost, engine, space, strategy
+from megatron_dpp.search.errors import SearchInputError
+from megatron_dpp.search.hardware import HardwareProfile, load_hardware
+from megatron_dpp.search.lengths import microbatch_lengths, parse_distribution
+from megatron_dpp.search.memory_model import ModelShape
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def small_shape(**changes) -> ModelShape:
+    fields = dict(model="gpt", num_layers=8, hidden_size=256, num_attention_heads=16, ffn_hidden_size=1024,
+                  seq_length=1024, padded_vocab_size=1024, max_position_embeddings=1024, dtype="fp32")
+    fields.update(changes)
+    return ModelShape(**fields)
+
+
+def flat_hardware(gpus: int, allreduce_gbps: float, p2p_gbps: float, nodes: int = 1) -> HardwareProfile:
+    world = gpus * nodes
+    sizes = [size for size in range(2, world + 1) if world % size == 0]
+    return HardwareProfile(
+        num_nodes=nodes, gpus_per_node=gpus,
+        allreduce_busbw_gbps={(size, flag): allreduce_gbps for size in sizes for flag in (True, False)},
+        p2p_gbps={size: p2p_gbps for size in sizes}, overlap_coefficient=1.1, sp_time_ms={},
+        matmul_tflops={"fp32": 1.0, "bf16": 4.0}, source="test figures")
+
+
+def problem(shape=None, hardware=None, budget=10**15, batch=16, lengths=None) -> cost.Problem:
+    return cost.Problem(shape=shape or small_shape(), global_batch_size=batch,
+                        hardware=hardware or flat_hardware(4, 100.0, 100.0),
+                        memory_budget_bytes=budget, lengths=lengths)
+
+
+# --- the space ------------------------------------------------------------------------------------
+def test_space_follows_megatron_rules():
+    inputs = space.SpaceInputs(num_layers=8, num_attention_heads=6, ffn_hidden_size=1536,
+                               global_batch_size=12, num_nodes=2, gpus_per_node=4)
+    layouts = list(space.enumerate_layouts(inputs))
+    assert layouts
+    for layout in layouts:
+        assert layout.tp * layout.pp * layout.dp == 8
+        assert 4 % layout.tp == 0 and 6 % layout.tp == 0 and 8 % layout.pp == 0
+        assert 12 % (layout.micro_batch_size * layout.dp) == 0
+        assert layout.num_microbatches == 12 // (layout.micro_batch_size * layout.dp)
+        assert (8 // layout.pp) % layout.vpp == 0
+        if layout.vpp > 1:
+            assert layout.pp >= 2 and layout.num_microbatches % layout.pp == 0
+        assert not layout.distributed_optimizer or layout.dp > 1
+        assert not layout.sequence_parallel or layout.tp > 1
+        assert not layout.split_backward or (layout.use_dpp and not layout.sequence_parallel)
+        assert not layout.use_dpp or layout.pp >= 2
+        if not layout.use_dpp:
+            assert layout.schedule == space.megatron_schedule(layout.vpp)
+    assert {layout.tp for layout in layouts} == {1, 2}  # 4 does not divide 6 heads
+    assert {layout.schedule for layout in layouts} >= set(DYNAMIC_SCHEDULES)
+    assert any(layout.vpp > 1 for layout in layouts) and any(layout.split_backward for layout in layouts)
+
+
+# --- the cost model -------------------------------------------------------------------------------
+def _layout(**changes) -> space.Layout:
+    fields = dict(tp=1, pp=4, vpp=1, dp=1, micro_batch_size=1, num_microbatches=16, recompute="none",
+                  distributed_optimizer=False, sequence_parallel=False, schedule=space.megatron_schedule(1),
+                  split_backward=False)
+    fields.update(changes)
+    return space.Layout(**fields)
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"vpp": 2, "schedule": space.megatron_schedule(2)},
+    {"schedule": DYNAMIC_SCHEDULES[0], "split_backward": True},
+    {"vpp": 2, "schedule": DYNAMIC_SCHEDULES[0], "split_backward": True},
+])
+def test_closed_form_bound_is_the_simulators_pipeline_bound(changes):
+    pricer = cost.Pricer(problem(hardware=flat_hardware(4, 100.0, 0.5)))
+    layout = _layout(**changes)
+    estimate = pricer.estimate(layout)
+    result = pricer.simulate(layout, layout.num_microbatches)
+    assert estimate.time_lower_ms == pytest.approx(result.pipeline_bound, rel=1e-9)
+    assert result.makespan >= estimate.time_lower_ms * (1 - 1e-9)
+
+
+def test_memory_bound_holds_the_simulated_peak():
+    lengths = parse_distribution("uniform:64:1024")
+    pricer = cost.Pricer(problem(lengths=lengths))
+    for layout in (_layout(), _layout(schedule=DYNAMIC_SCHEDULES[0], split_backward=True)):
+        priced = pricer.price(layout, pricer.estimate(layout))
+        assert 0 < priced.activation_peak_bytes
+        states = max(pricer.state_bytes(1, 4, 1, False))
+        assert priced.activation_peak_bytes + states <= priced.memory_bytes
+
+
+@pytest.mark.parametrize("spec,tolerance", [(None, 0.005), ("lognormal:600:0.3", 0.05)])
+def test_extrapolation_stays_close_to_the_full_simulation(spec, tolerance):
+    """Equal microbatches: the steady state is exact; variable ones: a sample of 32 of 96."""
+    lengths = None if spec is None else parse_distribution(spec)
+    pricer = cost.Pricer(problem(batch=96, lengths=lengths, hardware=flat_hardware(4, 100.0, 1.0)))
+    for layout in (_layout(num_microbatches=96), _layout(num_microbatches=96, vpp=2,
+                                                         schedule=space.megatron_schedule(2)),
+                   _layout(num_microbatches=96, schedule=DYNAMIC_SCHEDULES[0])):
+        priced = pricer.price(layout, pricer.estimate(layout))
+        assert priced.simulated_microbatches < 96
+        full = pricer.simulate(layout, 96).makespan
+        assert priced.pipeline_ms == pytest.approx(full, rel=tolerance)
+
+
+def test_variable_lengths_pad_each_microbatch_to_its_longest():
+    lengths = microbatch_lengths(parse_distribution("uniform:10:100"), 50, 4, 64)
+    assert len(lengths) == 50 and max(lengths) <= 64 and min(lengths) >= 10
+    assert microbatch_lengths(None, 3, 2, 128) == [128, 128, 128]
+
+
+# --- the search -----------------------------------------------------------------------------------
+def test_slow_collectives_make_a_pure_pipeline_win():
+    """All-reduces (TP and DP) at a crawl, point-to-point fast: only TP 1, DP 1 (PP = the world)
+    avoids them, and with compute linear in the micro-batch the smallest micro-batch has the
+    smallest bubble; recompute only adds time."""
+    result = engine.search(problem(hardware=flat_hardware(4, 1e-4, 100.0)), top_k=3)
+    best = result.best[0].layout
+    assert (best.tp, best.pp, best.dp, best.micro_batch_size, best.recompute) == (1, 4, 1, 1, "none")
+    assert result.best[0].grad_sync_exposed_ms == 0.0
+
+
+def test_a_model_that_only_fits_with_recompute_gets_selective():
+    """One GPU, a budget just below what the lightest layout without recompute needs: selective
+    recompute (attention only) is cheaper than full and fits."""
+    single = flat_hardware(1, 100.0, 100.0)
+    pricer = cost.Pricer(problem(hardware=single))
+    plain = _layout(pp=1, num_microbatches=16)
+    budget = pricer.memory_bytes(plain) - 1
+    assert budget < pricer.memory_bytes(dataclasses.replace(plain, micro_batch_size=2, num_microbatches=8))
+    result = engine.search(problem(hardware=single, budget=budget), top_k=3)
+    assert result.best and all(c.memory_bytes <= budget for c in result.best)
+    assert result.best[0].layout.recompute == "selective"
+
+
+@pytest.mark.parametrize("spec,budget_fraction", [(None, 0.5), ("uniform:100:1024", 0.35)])
+def test_pruning_never_drops_the_true_best(spec, budget_fraction):
+    """Brute force (every layout that fits, simulated) against the pruned search on 2 nodes x 2."""
+    lengths = None if spec is None else parse_distribution(spec)
+    hardware = flat_hardware(2, 10.0, 5.0, nodes=2)
+    base = problem(hardware=hardware, batch=8, lengths=lengths)
+    largest = max(cost.Pricer(base).memory_bytes(layout)
+                  for layout in space.enumerate_layouts(engine.space_inputs(base)))
+    budgeted = dataclasses.replace(base, memory_budget_bytes=int(largest * budget_fraction))
+    pruned = engine.search(budgeted, top_k=1)
+    brute = engine.search(budgeted, top_k=1, prune=False)
+    assert brute.over_memory > 0 and pruned.simulated < brute.simulated
+    assert pruned.best[0].time_ms == pytest.approx(brute.best[0].time_ms, rel=1e-12)
+
+
+def test_gpt3_175b_on_1024_gpus_quick_check():
+    """Issue 17's scale (the time target is benchmarks/strategy_search_bench.py's): the pruned
+    search simulates few layouts and returns a layout that fits."""
+    shape = ModelShape(model="gpt", num_layers=96, hidden_size=12288, num_attention_heads=96,
+                       ffn_hidden_size=4 * 12288, seq_length=2048, padded_vocab_size=51200,
+                       max_position_embeddings=2048, dtype="bf16")
+    hardware = load_hardware("8xH100-nvlink-ib400", 128, 8)
+    big = cost.Problem(shape=shape, global_batch_size=1536, hardware=hardware, memory_budget_bytes=80 * 10**9)
+    result = engine.search(big, top_k=3)
+    assert result.layouts > 10_000 and result.simulated < 200
+    best = result.best[0]
+    assert best.layout.tp * best.layout.pp * best.layout.dp == 1024 and best.layout.tp <= 8
+    assert best.memory_bytes <= 80 * 10**9
+    # Above the ideal: all FLOPs at the preset's peak over 1024 GPUs.
+    ideal_ms = 96 * 1536 * 3 * cost.memory_model.layer_forward_flops(shape, 1) / 1024 / 989.4e12 * 1e3
+    assert best.time_ms > ideal_ms
+
+
+# --- the CLI and the strategy file ------------------------------------------------------------
+SMALL_ARGS = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "16",
+              "--seq-length", "512", "--global-batch-size", "16", "--num-nodes", "1",
+              "--num-gpus-per-node", "4", "--hardware", "8xH100-nvlink-ib400", "--memory-budget-gb", "80",
+              "--bf16", "--top", "3"]
+
+
+def test_cli_prints_the_table_the_command_and_a_strategy_that_round_trips(tmp_path, capsys):
+    path = tmp_path / "strategy.json"
+    assert cli.main(SMALL_ARGS + ["--output-strategy", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| # | TP | PP | VPP | DP | mbs |" in out and "torchrun --nnodes 1 --nproc-per-node 4" in out
+    assert "hardware figures: preset 8xH100-nvlink-ib400" in out
+    content = strategy.read_strategy(path)
+    assert content["version"] == strategy.STRATEGY_VERSION and content["nproc_per_node"] == 4
+    assert json.loads(path.read_text()) == content
+    layout = content["layout"]
+    assert layout["tensor_model_parallel_size"] * layout["pipeline_model_parallel_size"] \
+        * layout["data_parallel_size"] == 4
+    printed = subprocess.run([sys.executable, "-m", "megatron_dpp.search.strategy", str(path), "--print",
+                              "flags"], capture_output=True, text=True, timeout=60, env=ENV)
+    assert printed.returncode == 0, printed.stderr
+    flags = printed.stdout.splitlines()
+    assert flags == content["megatron_flags"]
+    assert flags[flags.index("--tensor-model-parallel-size") + 1] == str(layout["tensor_model_parallel_size"])
+    for what, expected in (("nproc_per_node", "4"), ("num_nodes", "1"), ("model", "gpt")):
+        assert strategy.printed(content, what) == expected
+
+
+def test_strategy_flags_are_the_trainers_flags():
+    """Every flag the strategy writes is one megatron_dpp.arguments accepts (split backward and a
+    dynamic policy included)."""
+    from megatron_dpp import arguments
+
+    priced = cost.LayoutCost(layout=_layout(vpp=2, schedule=DYNAMIC_SCHEDULES[0], split_backward=True,
+                                            recompute="full", dp=2, distributed_optimizer=True),
+                             time_ms=1.0, pipeline_ms=1.0, grad_sync_exposed_ms=0.0, memory_bytes=1,
+                             activation_peak_bytes=1, bubble_fraction=0.1, simulated_microbatches=16,
+                             time_lower_ms=1.0)
+    flags = strategy.megatron_flags(problem(lengths=parse_distribution("uniform:1:9")), priced)
+    args = arguments.build_parser().parse_args(flags)
+    assert args.use_dpp and args.dpp_split_backward and args.dpp_policy == DYNAMIC_SCHEDULES[0]
+    assert args.num_virtual_stages_per_pipeline_rank == 2 and args.recompute_granularity == "full"
+    assert args.variable_seq_lengths and args.use_distributed_optimizer and args.overlap_grad_reduce
+
+
+@pytest.mark.parametrize("text,problem_word", [
+    ("not json", "not JSON"), ("[]", "not a JSON object"),
+    (json.dumps({"format": strategy.STRATEGY_FORMAT, "version": 99}), "version 99"),
+    (json.dumps({"format": strategy.STRATEGY_FORMAT, "version": strategy.STRATEGY_VERSION}), "missing"),
+])
+def test_a_bad_strategy_file_is_one_line_and_exit_2(tmp_path, text, problem_word):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(SearchInputError, match=problem_word):
+        strategy.read_strategy(path)
+    done = subprocess.run([sys.executable, "-m", "megatron_dpp.search.strategy", str(path), "--print",
+                           "flags"], capture_output=True, text=True, timeout=60, env=ENV)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and problem_word in done.stderr
+
+
+def test_no_layout_fits_prints_the_smallest_memory_and_exits_2(capsys):
+    args = [*SMALL_ARGS]
+    args[args.index("--memory-budget-gb") + 1] = "0.001"
+    assert cli.main(args) == 2
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if "error" in line]
+    assert len(lines) == 1 and "no layout fits --memory-budget-gb 0.001: the smallest needs" in lines[0]
+    assert captured.out == ""
+    smallest = float(lines[0].split("needs ")[1].split(" GB")[0])
+    assert smallest > 0.001
+
+
+@pytest.mark.parametrize("change,message", [
+    (["--no-such-flag"], "unrecognized arguments"),
+    (["--variable-seq-lengths"], "go together"),
+    (["--variable-seq-lengths", "--seq-length-distribution", "normal:1:2"], "expected uniform"),
+    (["--hardware", "no-such-preset"], "neither a preset"),
+    (["--num-attention-heads", "7"], "not divisible"),
+    (["--fp16"], "not allowed with argument --bf16"),
+])
+def test_bad_flags_are_one_line_and_exit_2(change, message, capsys):
+    with pytest.raises(SystemExit) as raised:
+        code = cli.main(SMALL_ARGS + change)
+        raise SystemExit(code)
+    assert raised.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+@pytest.mark.timeout(120)
+def test_start_search_script_runs_from_any_directory(tmp_path):
+    done = subprocess.run(["bash", str(REPO / "run_scripts" / "start-search.sh"), *SMALL_ARGS, "--top", "1",
+                           "--output-strategy", "s.json"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=110, env=ENV)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "s.json").is_file() and "simulated" in done.stderr
+    bad = subprocess.run(["bash", str(REPO / "run_scripts" / "start-search.sh"), "--top", "1"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=60, env=ENV)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
