@@ -80,6 +80,10 @@ def build_parser() -> OneLineErrorParser:
     cluster.add_argument("--model-profile", type=str, default=None, metavar="DIR",
                          help="Measured layer times (profile_model.sh's directory); default: "
                               "analytical FLOPs at the hardware's matmul rate.")
+    cluster.add_argument("--simulate-every-microbatch", action="store_true",
+                         help="Simulate all microbatches of each layout instead of extrapolating long "
+                              "pipelines from two shorter runs (slower; the extrapolation's error is "
+                              "in docs/search.md).")
     cluster.add_argument("--top", type=int, default=5, metavar="K", help="Layouts to list (default 5).")
     cluster.add_argument("--output-strategy", type=str, default=None, metavar="FILE",
                          help="Write the winner's strategy JSON here (the run scripts' --strategy).")
@@ -166,7 +170,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SearchInputError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
         return 2
-    result = search(problem, args.top, Progress(sys.stderr))
+    result = search(problem, args.top, Progress(sys.stderr),
+                    extrapolate=not args.simulate_every_microbatch)
     if not result.best:
         print(f"{PROG}: error: no layout fits --memory-budget-gb {args.memory_budget_gb:g}: the "
               f"smallest needs {result.smallest_memory_bytes / GB:.2f} GB per GPU", file=sys.stderr,

@@ -5,7 +5,9 @@ Memory of a pipeline rank = model states (memory_model.model_state_bytes over th
 parameters: its layers, plus the embedding on the first stage and the output layer on the last)
 + activations. The activation term is the bound the schedule keeps on that rank in the simulator's
 and the runtime's own accounting: Megatron's in-flight count for the rank (at least V) times one
-chunk's activations at the full --seq-length (pipeline.default_budget_bytes, the 'auto' budget
+chunk's activations at the full --seq-length (memory_model.layer_activation_bytes per layer, or
+the model profile's measured bytes where it has that length, TP and recompute and the batch is
+full-length), which is pipeline.default_budget_bytes (the 'auto' budget
 that --use-dpp enforces; 1F1B and interleaved 1F1B hold exactly that). The simulated peak of the
 sampled batch never exceeds it and is reported beside it. Plus the embedding's activations per
 in-flight microbatch of chunk 0 on the first rank, the output layer's (logits) on the last, and
@@ -23,13 +25,17 @@ the hardware's matmul rate (backward 2x forward). A split backward's W is half t
 compute. The last rank also runs the output layer (2 * tokens * hidden * vocab FLOPs, 3x with its
 backward), spread over its chunks as the simulator's rank speed. Point-to-point messages carry
 micro-batch x length x hidden values (/ TP with sequence parallelism) at hardware.p2p_ms.
+Variable sequence lengths: each microbatch is padded to its longest sequence (lengths.py); its
+size in the TaskGraph is its forward time over a full-length one's (the attention term makes it
+superlinear in the length) and its act_bytes are its own length's.
 
 Data-parallel gradient sync (DP > 1; the strategy turns on --overlap-grad-reduce): each chunk's
 gradients are all-reduced (with the distributed optimizer reduce-scattered, half the bus volume)
-over the DP group (its ranks are TP apart in Megatron's rank order, so contiguous only with
-TP = 1), starting once that chunk and every later chunk ran their last backward (W with split
-backwards), in the order V-1..0, one at a time (runtime/grad_sync.py). Compute that overlaps a
-reduction runs hardware.overlap_coefficient times slower. The distributed optimizer then
+over the DP group (its ranks are TP apart in Megatron's rank order: priced as contiguous with
+TP = 1 or inside one node, else at the hardware's non-contiguous figure), starting once that
+chunk and every later chunk ran their last backward (W with split backwards), in the order
+V-1..0, one at a time (runtime/grad_sync.py). Compute that overlaps a reduction runs
+hardware.overlap_coefficient times slower. The distributed optimizer then
 all-gathers the updated parameters (half an all-reduce of the parameter bytes), exposed. Not
 modelled: the optimizer step itself, the tied-embedding all-reduce between the first and the
 last stage, and stragglers between data-parallel replicas.
@@ -59,7 +65,7 @@ BACKWARD_FLOPS_RATIO = 2.0
 # has this many times P microbatches, and at least the minimum; equal-length batches, then
 # variable-length ones.
 SIM_UNIFORM_PERIODS, SIM_UNIFORM_MIN = 3, 12
-SIM_VARIABLE_PERIODS, SIM_VARIABLE_MIN = 8, 32
+SIM_VARIABLE_PERIODS, SIM_VARIABLE_MIN = 4, 48
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +122,9 @@ class LayoutCost:
 class Pricer:
     """Prices layouts of one Problem; caches the parts layouts share."""
 
-    def __init__(self, problem: Problem):
+    def __init__(self, problem: Problem, extrapolate: bool = True):
         self.problem = problem
+        self.extrapolate = extrapolate  # False: simulate every microbatch of every layout
         self._layers: dict = {}
         self._states: dict = {}
         self._counts: dict = {}
@@ -332,7 +339,10 @@ class Pricer:
         dp, tp, V = layout.dp, layout.tp, layout.vpp
         shape, hardware = self.problem.shape, self.problem.hardware
         layer_params = self.layers_per_chunk(layout) * memory_model.layer_parameter_count(shape, tp)
-        contiguous = tp == 1
+        # Megatron's data-parallel groups are TP apart inside a block of TP * DP ranks: contiguous
+        # with TP 1 or inside one node; else Galvatron's non-contiguous figure (one rank per node
+        # and group at most: never faster than Megatron's groups).
+        contiguous = tp == 1 or tp * dp <= hardware.gpus_per_node
         reduce_share = 0.5 if layout.distributed_optimizer else 1.0
         chunks, gathers = [], []
         for kind, total in enumerate(self.rank_parameters(tp, layout.pp)):
@@ -380,7 +390,7 @@ class Pricer:
         periods, minimum = (SIM_VARIABLE_PERIODS, SIM_VARIABLE_MIN) if self.problem.lengths else (
             SIM_UNIFORM_PERIODS, SIM_UNIFORM_MIN)
         long_count = max(periods * P, -(-minimum // P) * P)
-        if M <= long_count + P:
+        if not self.extrapolate or M <= long_count + P:
             return None
         return long_count, max(P, long_count // 2 // P * P)
 

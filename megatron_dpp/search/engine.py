@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from typing import Callable, Optional, TextIO
+from typing import Optional, TextIO
 
 from megatron_dpp.search.cost import Estimate, LayoutCost, Pricer, Problem
 from megatron_dpp.search.space import RECOMPUTE_CHOICES, Layout, SpaceInputs, enumerate_layouts
@@ -101,16 +101,15 @@ def _least_recompute(estimates: list[Estimate]) -> tuple[list[Estimate], int]:
 
 
 def search(problem: Problem, top_k: int = 5, progress: Optional[Progress] = None,
-           prune: bool = True, layouts_filter: Optional[Callable[[Layout], bool]] = None) -> SearchResult:
+           prune: bool = True, extrapolate: bool = True) -> SearchResult:
     """The K fastest layouts of `problem` that fit its memory budget (fewer if fewer fit; none:
     `best` is empty and `smallest_memory_bytes` says what the least hungry layout needs).
     prune=False simulates every layout that fits (the brute force the tests compare with);
-    layouts_filter keeps only the layouts it accepts (e.g. one schedule)."""
+    extrapolate=False simulates every microbatch (slower; see cost.Pricer.price)."""
     started = time.monotonic()
     progress = progress or Progress(None)
-    pricer = Pricer(problem)
-    layouts = [layout for layout in enumerate_layouts(space_inputs(problem))
-               if layouts_filter is None or layouts_filter(layout)]
+    pricer = Pricer(problem, extrapolate)
+    layouts = list(enumerate_layouts(space_inputs(problem)))
     candidates = [layout for layout in layouts if not (prune and is_dominated(layout))]
     estimates, smallest = [], None
     for index, layout in enumerate(candidates):

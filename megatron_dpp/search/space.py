@@ -51,10 +51,6 @@ class Layout:
     def use_dpp(self) -> bool:
         return self.schedule in DYNAMIC_SCHEDULES
 
-    @property
-    def layers_per_chunk_divisor(self) -> int:
-        return self.pp * self.vpp
-
     def describe(self) -> str:
         return (f"TP{self.tp} PP{self.pp} VPP{self.vpp} DP{self.dp} mbs{self.micro_batch_size} "
                 f"recompute={self.recompute} dist-opt={int(self.distributed_optimizer)} "
