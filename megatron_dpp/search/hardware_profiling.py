@@ -48,13 +48,13 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dpp.comm.router import DEFAULT_TRANSPORT_KIND, TRANSPORT_KINDS
 from megatron_dpp.search.hardware import (
     GB, MB, SP_OPS, HardwareProfile, collective_group, group_sizes, pipeline_group, pipeline_sizes,
     write_hardware_dir)
 
 PROG = "profile_hardware"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-TRANSPORT_KINDS = ("auto", "torch", "shm", "rdma")  # megatron_dpp.comm.router.ROUTE_TABLES
 
 # Every default, full run and --quick, in one place.
 DEFAULTS = {
@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
                              f"--quick {_join(quick['dtypes'])})")
     parser.add_argument("--max-pp-size", type=int, default=None,
                         help="largest pipeline size of the p2p measurement (default: the world)")
-    parser.add_argument("--p2p-transport", choices=TRANSPORT_KINDS, default="auto",
+    parser.add_argument("--p2p-transport", choices=TRANSPORT_KINDS, default=DEFAULT_TRANSPORT_KIND,
                         help="route table of the p2p measurement, as the trainer's flag: auto "
                              "(same node shm_tensor, other node rdma_tensor, else "
                              "torch.distributed), torch, shm, rdma")
@@ -313,24 +313,25 @@ def measure_p2p(ctx: Context) -> tuple[dict[int, float], dict[int, list[str]]]:
 
     settings = ctx.settings
     largest = max(settings.bandwidth_sizes_mb) * MB
-    peers = [rank for rank in range(ctx.world_size) if rank != ctx.rank]
-    transport = make_transport(
-        settings.p2p_transport, peers, shm_config=ShmConfig(slot_bytes=largest,
-                                                            timeout_s=settings.timeout_s),
-        timeout_s=settings.timeout_s, device=ctx.device, node_ips=settings.node_ips,
-        max_message_bytes=largest, log=False)
-    tag = [0]
+    # One message in flight per direction and peer: two slots of the largest message each.
+    shm_config = ShmConfig(num_slots=2, slot_bytes=largest, timeout_s=settings.timeout_s)
+    tag = 0
     bandwidth, carried_by = {}, {}
-    try:
-        for pp_size in pipeline_sizes(ctx.world_size, settings.max_pp_size):
-            stages = pipeline_group(ctx.world_size, pp_size, ctx.rank % (ctx.world_size // pp_size))
-            position = stages.index(ctx.rank)
-            next_stage, prev_stage = stages[(position + 1) % pp_size], stages[position - 1]
-
+    for pp_size in pipeline_sizes(ctx.world_size, settings.max_pp_size):
+        stages = pipeline_group(ctx.world_size, pp_size, ctx.rank % (ctx.world_size // pp_size))
+        position = stages.index(ctx.rank)
+        next_stage, prev_stage = stages[(position + 1) % pp_size], stages[position - 1]
+        # A transport per pipeline size, to its two neighbours only (collective: every rank).
+        transport = make_transport(
+            settings.p2p_transport, [next_stage, prev_stage], shm_config=shm_config,
+            timeout_s=settings.timeout_s, device=ctx.device, node_ips=settings.node_ips,
+            max_message_bytes=largest, log=False)
+        try:
             def exchange(payload):
-                tag[0] += 1
-                receive = transport.irecv(prev_stage, tag[0])
-                send = transport.isend(payload, next_stage, tag[0])
+                nonlocal tag
+                tag += 1
+                receive = transport.irecv(prev_stage, tag)
+                send = transport.isend(payload, next_stage, tag)
                 receive.wait(timeout=settings.timeout_s)  # the received tensor is dropped at once
                 send.wait(timeout=settings.timeout_s)
 
@@ -343,11 +344,11 @@ def measure_p2p(ctx: Context) -> tuple[dict[int, float], dict[int, list[str]]]:
             names: list[Optional[str]] = [None] * ctx.world_size
             dist.all_gather_object(names, _transport_name(transport, next_stage))
             carried_by[pp_size] = sorted(set(names))
-            ctx.progress(f"p2p pipeline of {pp_size}: {bandwidth[pp_size]:.3f} GB/s over "
-                         f"{', '.join(carried_by[pp_size])}")
-    finally:
-        dist.barrier()
-        transport.close()
+        finally:
+            dist.barrier()
+            transport.close()
+        ctx.progress(f"p2p pipeline of {pp_size}: {bandwidth[pp_size]:.3f} GB/s over "
+                     f"{', '.join(carried_by[pp_size])}")
     return bandwidth, carried_by
 
 
@@ -461,12 +462,13 @@ def measure_overlap(ctx: Context) -> tuple[float, float, float]:
     compute_alone = ctx.timed(matmul, matmul_iters) * matmul_iters
     # All-reduces enough to outlast the compute loop even if they slow down by half.
     allreduce_iters = max(2, math.ceil(1.5 * compute_alone / allreduce_s))
-    comm_alone = allreduce_s * allreduce_iters
 
-    def comm_loop(_stop):
+    def comm_loop(_stop=None):
         for _ in range(allreduce_iters):
             allreduce()
         ctx.synchronize(comm_stream)
+
+    comm_alone = ctx.timed(comm_loop, 1)
 
     # Compute while all-reduces run.
     dist.barrier()
@@ -488,9 +490,7 @@ def measure_overlap(ctx: Context) -> tuple[float, float, float]:
     dist.barrier()
     background = _Background(ctx, "matmul", compute_loop)
     start = time.perf_counter()
-    for _ in range(allreduce_iters):
-        allreduce()
-    ctx.synchronize(comm_stream)
+    comm_loop()
     comm_overlapped = time.perf_counter() - start
     background.finish()
     comm_overlapped = ctx.slowest(comm_overlapped)
@@ -577,6 +577,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"per node; the profile needs at least 2 ranks, the same number on every node",
               file=sys.stderr, flush=True)
         return 2
+    if settings.node_ips is not None:
+        # As the trainer's --multi-node: gloo and NCCL on this node's --node-ips interface.
+        from megatron_dpp.comm.nodes import check_node_count, this_node_rank, use_node_network
+
+        try:
+            check_node_count(settings.node_ips, num_nodes)
+            network = use_node_network(settings.node_ips, this_node_rank())
+        except ValueError as error:
+            print(f"{PROG}: error: --node-ips: {error}", file=sys.stderr, flush=True)
+            return 2
+        if local_rank == 0:
+            print(f"[{PROG}]{network.describe()}", flush=True)
     # platform.py's rule: a GPU per rank with NCCL, else the CPU with gloo.
     if cuda:
         torch.cuda.set_device(local_rank)
