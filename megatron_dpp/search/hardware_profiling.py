@@ -71,7 +71,8 @@ GALVATRON_MIN_SP_SIZES = 8  # Galvatron's sp_time reader asserts at least 8 mess
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
-    """A bad flag: one line on stderr, exit code 2 (as megatron_dpp.arguments does)."""
+    """A bad flag: one line on stderr, exit code 2, as megatron_dpp.arguments' parser (not
+    imported from there: arguments imports runtime, which the search package must not)."""
 
     def error(self, message: str):
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
@@ -101,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  description=__doc__.split("\n\n")[0])
     full, quick = ({name: value[i] for name, value in DEFAULTS.items()} for i in (0, 1))
     parser.add_argument("--output-dir", required=True,
-                        help="directory the hardware files are written to (created if missing)")
+                        help="directory the hardware files are written to (created if missing; "
+                             "profile_hardware.sh: or OUTPUT_DIR)")
     parser.add_argument("--quick", action="store_true",
                         help="small messages and few repetitions, for tests: every default below "
                              "takes its --quick value")
@@ -180,8 +182,8 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace,
     pick = 1 if args.quick else 0
     values = {name: getattr(args, name) if getattr(args, name) is not None else default[pick]
               for name, default in DEFAULTS.items()}
-    matmul_size = args.matmul_size or MATMUL_SIZE["quick" if args.quick else
-                                                  ("cuda" if cuda else "cpu")]
+    matmul_size = args.matmul_size if args.matmul_size is not None else MATMUL_SIZE[
+        "quick" if args.quick else ("cuda" if cuda else "cpu")]
     if len(values["sp_sizes_mb"]) < GALVATRON_MIN_SP_SIZES:
         parser.error(f"--sp-sizes-mb needs at least {GALVATRON_MIN_SP_SIZES} sizes (Galvatron's "
                      f"sp_time reader fits a line through them); got {_join(values['sp_sizes_mb'])}")
