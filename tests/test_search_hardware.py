@@ -12,7 +12,8 @@ import pytest
 
 from megatron_dpp.search.errors import SearchInputError
 from megatron_dpp.search.hardware import (
-    PRESETS, HardwareProfile, load_hardware, read_hardware_dir, write_hardware_dir)
+    PRESETS, HardwareProfile, collective_group, group_sizes, load_hardware, pipeline_group,
+    pipeline_sizes, read_hardware_dir, write_hardware_dir)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "run_scripts" / "profile_hardware.sh"
@@ -149,6 +150,16 @@ def test_bad_figures_are_refused():
         _profile(p2p_gbps={2: 0.0})
     with pytest.raises(SearchInputError, match="at least 1"):
         _profile(overlap_coefficient=0.9)
+
+
+def test_groups_are_galvatrons():
+    assert group_sizes(16) == [16, 8, 4, 2]
+    assert group_sizes(6) == [6, 3]
+    assert pipeline_sizes(16) == [2, 4, 8, 16]
+    assert pipeline_sizes(16, max_pp_size=4) == [2, 4]
+    assert collective_group(16, 4, True, 1) == [4, 5, 6, 7]
+    assert collective_group(16, 4, False, 1) == [1, 5, 9, 13]  # one rank of each block
+    assert pipeline_group(8, 4, 0) == [0, 2, 4, 6]
 
 
 def test_allreduce_and_p2p_arithmetic():
