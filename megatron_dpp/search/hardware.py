@@ -40,9 +40,11 @@ SP_TIME_FILE = "sp_time_{n}nodes_{g}gpus_per_node.json"
 # Ours: Galvatron keeps compute in its model profiles; the simulator also wants a matmul rate.
 COMPUTE_FILE = "megatron_dpp_compute_{n}nodes_{g}gpus_per_node.json"
 
-_ALLREDUCE_KEY = re.compile(r"allreduce_size_(\d+)_consec_([01])")
-_P2P_KEY = re.compile(r"pp_size_(\d+)")
-_SP_KEY = re.compile(r"(allreduce|all2all)_size_(\d+)_(\d+)MB_time")
+# Each file's keys: the pattern, and how an error message spells it.
+_ALLREDUCE_KEY = (re.compile(r"allreduce_size_(\d+)_consec_([01])"), "allreduce_size_{g}_consec_{0|1}")
+_P2P_KEY = (re.compile(r"pp_size_(\d+)"), "pp_size_{s}")
+_SP_KEY = (re.compile(r"(allreduce|all2all)_size_(\d+)_(\d+)MB_time"),
+           "allreduce_size_{g}_{m}MB_time or all2all_size_{g}_{m}MB_time")
 _OVERLAP_KEY = "overlap_coe"
 
 
@@ -243,15 +245,16 @@ def _number(path: pathlib.Path, key: str, value) -> float:
     return float(value)
 
 
-def _parse_keys(path: pathlib.Path, content: dict, pattern: re.Pattern) -> dict[tuple, float]:
-    """{key groups: value} for every key matching `pattern`; any other key is an error (a typo
+def _parse_keys(path: pathlib.Path, content: dict, key_format: tuple[re.Pattern, str]
+                ) -> dict[tuple, float]:
+    """{key groups: value} for every key of the file's format; any other key is an error (a typo
     would otherwise silently drop a figure)."""
+    pattern, spelled = key_format
     parsed = {}
     for key, value in content.items():
         match = pattern.fullmatch(key)
         if match is None:
-            raise SearchInputError(f"{path}: unexpected key {key!r} (expected keys like "
-                                   f"{pattern.pattern})")
+            raise SearchInputError(f"{path}: unexpected key {key!r} (expected {spelled})")
         parsed[match.groups()] = _number(path, key, value)
     return parsed
 
