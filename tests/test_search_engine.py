@@ -282,3 +282,27 @@ def test_start_search_script_runs_from_any_directory(tmp_path):
     bad = subprocess.run(["bash", str(REPO / "run_scripts" / "start-search.sh"), "--top", "1"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=60, env=ENV)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_model_profile_sets_the_layer_times(tmp_path, capsys):
+    """One GPU (no pipeline, no collectives): the iteration is every sequence through every layer
+    at the profile's forward + backward, plus the analytical output layer."""
+    from megatron_dpp.search.model_profile import MemoryProfile, ModelProfile, write_model_profile_dir
+
+    profile = ModelProfile(model="gpt", hidden_size=256, num_attention_heads=16, dtype="fp32",
+                           forward_ms={(0, 1, 1024): 2.0, (0, 2, 1024): 4.0},
+                           backward_ms={(0, 1, 1024): 3.0, (0, 2, 1024): 6.0},
+                           memory=MemoryProfile(layers={}, other={}), source="test profile figures")
+    write_model_profile_dir(profile, tmp_path)
+    args = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "16", "--seq-length", "1024",
+            "--vocab-size", "1024", "--global-batch-size", "16", "--num-nodes", "1", "--num-gpus-per-node", "1",
+            "--memory-budget-gb", "1000", "--top", "1", "--model-profile", str(tmp_path)]
+    hardware_dir = tmp_path / "hw"
+    from megatron_dpp.search.hardware import write_hardware_dir
+    write_hardware_dir(flat_hardware(1, 1.0, 1.0), hardware_dir)
+    assert cli.main(args + ["--hardware", str(hardware_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "model figures: test profile figures" in out
+    content = json.loads(out[out.index("{"):])
+    output_ms = 3 * 2.0 * 1024 * 256 * 1024 / 1e12 * 1e3  # forward + backward of the logits, per sequence
+    assert content["predicted"]["iteration_ms"] == pytest.approx(16 * (8 * 5.0 + output_ms), rel=1e-3)

@@ -52,6 +52,11 @@ def build_parser() -> OneLineErrorParser:
                             "BERT uncased 30522 for bert).")
     model.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                        help="Pad the vocabulary up to a multiple of this (Megatron's default 128).")
+    model.add_argument("--hidden-dropout", type=float, default=memory_model.ModelShape.hidden_dropout,
+                       help="Hidden dropout (0 keeps no dropout masks: less activation memory).")
+    model.add_argument("--attention-dropout", type=float,
+                       default=memory_model.ModelShape.attention_dropout,
+                       help="Attention dropout (0 keeps no attention dropout mask).")
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="Separate output-layer weights (default: tied to the embedding).")
     model.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
@@ -106,6 +111,9 @@ def _check(args) -> None:
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
         raise SearchInputError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                                f"{args.max_position_embeddings}")
+    for flag in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, flag) < 1.0:
+            raise SearchInputError(f"--{flag.replace('_', '-')} must be in [0, 1)")
     if not args.memory_budget_gb > 0:
         raise SearchInputError("--memory-budget-gb must be positive")
     if args.variable_seq_lengths != (args.seq_length_distribution is not None):
@@ -126,7 +134,8 @@ def problem_from_args(args) -> tuple[Problem, str]:
         padded_vocab_size=-(-vocab // divisor) * divisor,
         max_position_embeddings=args.max_position_embeddings or args.seq_length,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights, dtype=dtype,
-        bert_binary_head=args.bert_binary_head)
+        bert_binary_head=args.bert_binary_head, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout)
     hardware = load_hardware(args.hardware, args.num_nodes, args.num_gpus_per_node)
     profile, source = None, ANALYTICAL_SOURCE
     if args.model_profile is None:

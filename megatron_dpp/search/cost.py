@@ -23,7 +23,7 @@ part of the layer's FLOPs quadratic in the sequence). Compute comes from the mod
 (forward, backward; measured at TP 1) or, without one, from memory_model.layer_forward_flops at
 the hardware's matmul rate (backward 2x forward). A split backward's W is half the backward
 compute. The last rank also runs the output layer (2 * tokens * hidden * vocab FLOPs, 3x with its
-backward), spread over its chunks as the simulator's rank speed. Point-to-point messages carry
+backward), spread over its tasks as the simulator's rank speed. Point-to-point messages carry
 micro-batch x length x hidden values (/ TP with sequence parallelism) at hardware.p2p_ms.
 Variable sequence lengths: each microbatch is padded to its longest sequence (lengths.py); its
 size in the TaskGraph is its forward time over a full-length one's (the attention term makes it
@@ -57,6 +57,8 @@ from megatron_dpp.sim import CommModel, DurationModel, SimResult, simulate
 # Bytes of a reduced gradient element: fp32 main gradients whatever the dtype (grad_reduce_in_fp32,
 # as megatron_dpp.training.config sets it; memory_model.model_state_bytes counts them so).
 GRAD_BYTES = memory_model.FP32_BYTES
+# The output layer's forward + backward over its forward (logits matmul, then two for its backward).
+OUTPUT_WORK_RATIO = 3.0
 # Layer type of the transformer layer in Galvatron's profile files (GPT and BERT have one type).
 TRANSFORMER_LAYER_TYPE = 0
 # Without a model profile: backward compute = this x forward compute (two matmuls per forward one).
@@ -281,7 +283,9 @@ class Pricer:
                           layout.recompute)
         forward = per_rank * full.forward_ms
         speed = [1.0] * layout.pp
-        speed[-1] += self.output_forward_ms(layout.micro_batch_size, shape.seq_length, layout.tp) / forward
+        # The output layer's forward and its 2x backward, spread over the last rank's tasks.
+        output = OUTPUT_WORK_RATIO * self.output_forward_ms(layout.micro_batch_size, shape.seq_length, layout.tp)
+        speed[-1] += output / (forward + per_rank * full.backward_ms)
         size_of = {length: self.layer(layout.micro_batch_size, length, layout.tp, layout.sequence_parallel,
                                       layout.recompute).forward_ms / full.forward_ms
                    for length in set(self.lengths(layout))}

@@ -69,6 +69,7 @@ def megatron_flags(problem: "Problem", cost: "LayoutCost") -> list[str]:
     flags = ["--num-layers", shape.num_layers, "--hidden-size", shape.hidden_size,
              "--num-attention-heads", shape.num_attention_heads, "--ffn-hidden-size", shape.ffn_hidden_size,
              "--seq-length", shape.seq_length, "--max-position-embeddings", shape.max_position_embeddings,
+             "--hidden-dropout", shape.hidden_dropout, "--attention-dropout", shape.attention_dropout,
              "--micro-batch-size", layout.micro_batch_size, "--global-batch-size", problem.global_batch_size,
              "--tensor-model-parallel-size", layout.tp, "--pipeline-model-parallel-size", layout.pp]
     if layout.vpp > 1:
