@@ -8,6 +8,8 @@ machine.
 
     python benchmarks/strategy_search_bench.py                 # the search, then the check
     python benchmarks/strategy_search_bench.py --json runs/strategy_search.json
+    python benchmarks/strategy_search_bench.py --seq-length-distribution lognormal:800:0.6
+                                               # the same with variable lengths (no target)
 
 The check re-prices the top layouts simulating all their microbatches (no extrapolation) and
 reports the relative difference of the pipeline time.
@@ -61,9 +63,13 @@ def extrapolation_errors(argv: list[str], top: int) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--top", type=int, default=5, help="layouts to list and check (default 5)")
+    parser.add_argument("--seq-length-distribution", metavar="SPEC", default=None,
+                        help="search with --variable-seq-lengths and this distribution instead")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = parser.parse_args()
     argv = CASE_175B + ["--top", str(args.top)]
+    if args.seq_length_distribution is not None:
+        argv += ["--variable-seq-lengths", "--seq-length-distribution", args.seq_length_distribution]
     seconds, stdout = timed_cli(argv)
     print(stdout)
     print(f"search wall time (fresh process): {seconds:.1f} s (target < {TARGET_SECONDS:.0f} s): "

@@ -77,6 +77,10 @@ def build_parser() -> OneLineErrorParser:
     cluster.add_argument("--num-nodes", type=int, required=True, help="Nodes of the job.")
     cluster.add_argument("--num-gpus-per-node", type=int, required=True,
                          help="GPUs (processes) per node; tensor parallelism stays inside a node.")
+    cluster.add_argument("--cpu", action="store_true",
+                         help="The job runs on CPU processes (as on this machine): layouts with "
+                              "--sequence-parallel or --use-distributed-optimizer, which the trainer "
+                              "allows on CUDA GPUs only, are left out; fp32 only.")
     cluster.add_argument("--memory-budget-gb", type=float, required=True,
                          help="Memory per GPU a layout may use, in GB (10^9 bytes).")
     cluster.add_argument("--hardware", type=str, required=True, metavar="PRESET|DIR",
@@ -116,6 +120,8 @@ def _check(args) -> None:
             raise SearchInputError(f"--{flag.replace('_', '-')} must be in [0, 1)")
     if not args.memory_budget_gb > 0:
         raise SearchInputError("--memory-budget-gb must be positive")
+    if args.cpu and (args.bf16 or args.fp16):
+        raise SearchInputError(f"--{'bf16' if args.bf16 else 'fp16'} needs CUDA GPUs: drop it or --cpu")
     if args.variable_seq_lengths != (args.seq_length_distribution is not None):
         raise SearchInputError("--variable-seq-lengths and --seq-length-distribution go together: "
                                "give both or neither")
@@ -146,7 +152,7 @@ def problem_from_args(args) -> tuple[Problem, str]:
     lengths = parse_distribution(args.seq_length_distribution) if args.variable_seq_lengths else None
     return Problem(shape=shape, global_batch_size=args.global_batch_size, hardware=hardware,
                    memory_budget_bytes=int(args.memory_budget_gb * GB), model_profile=profile,
-                   lengths=lengths), source
+                   lengths=lengths, on_gpus=not args.cpu), source
 
 
 def format_table(result: SearchResult) -> str:
@@ -192,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"model figures: {model_source}")
     if problem.lengths is not None:
         print(f"sequence lengths: {problem.lengths.spec} (one sampled batch per micro-batch size)")
-    print(f"searched {result.layouts} layouts in {result.seconds:.1f} s: {result.dominated} dominated "
+    print(f"searched {result.layouts} layouts in {result.seconds:.2f} s: {result.dominated} dominated "
           f"(sequence parallelism off), {result.over_memory} over the memory budget, "
           f"{result.recompute_dominated} beaten by less recompute, {result.bound_pruned} pruned by the "
           f"time bound, {result.simulated} simulated ({result.simulations} simulator runs)")

@@ -80,6 +80,7 @@ class Problem:
     memory_budget_bytes: int  # per GPU
     model_profile: Optional[ModelProfile] = None  # measured layer times; None: analytical
     lengths: Optional[LengthDistribution] = None  # --variable-seq-lengths; None: all seq_length
+    on_gpus: bool = True  # False: the job runs on CPU processes (space.SpaceInputs.on_gpus)
 
     @property
     def dtype_bytes(self) -> int:

@@ -80,12 +80,13 @@ def space_inputs(problem: Problem) -> SpaceInputs:
     shape, hardware = problem.shape, problem.hardware
     return SpaceInputs(num_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
                        ffn_hidden_size=shape.ffn_hidden_size, global_batch_size=problem.global_batch_size,
-                       num_nodes=hardware.num_nodes, gpus_per_node=hardware.gpus_per_node)
+                       num_nodes=hardware.num_nodes, gpus_per_node=hardware.gpus_per_node,
+                       on_gpus=problem.on_gpus)
 
 
-def is_dominated(layout: Layout) -> bool:
+def is_dominated(layout: Layout, on_gpus: bool) -> bool:
     """Pruning rule 1 (module docstring)."""
-    return layout.tp > 1 and not layout.sequence_parallel and not layout.split_backward
+    return on_gpus and layout.tp > 1 and not layout.sequence_parallel and not layout.split_backward
 
 
 def _least_recompute(estimates: list[Estimate]) -> tuple[list[Estimate], int]:
@@ -110,7 +111,7 @@ def search(problem: Problem, top_k: int = 5, progress: Optional[Progress] = None
     progress = progress or Progress(None)
     pricer = Pricer(problem, extrapolate)
     layouts = list(enumerate_layouts(space_inputs(problem)))
-    candidates = [layout for layout in layouts if not (prune and is_dominated(layout))]
+    candidates = [layout for layout in layouts if not (prune and is_dominated(layout, problem.on_gpus))]
     estimates, smallest = [], None
     for index, layout in enumerate(candidates):
         progress.update("pricing memory and bounds", index, len(candidates))

@@ -10,7 +10,8 @@ Rules (each one the repo's own flag check, megatron_dpp/arguments.py, or Megatro
   number of microbatches that is a multiple of PP (the repo checks it for every interleaved run).
 - The micro-batch size divides global batch / DP; microbatches per iteration M = global / (mbs * DP).
 - recompute: none, selective (core attention), full (every layer, uniform, one layer per unit).
-- The distributed optimizer only with DP > 1; sequence parallelism only with TP > 1.
+- The distributed optimizer only with DP > 1; sequence parallelism only with TP > 1; neither on
+  CPU processes (the trainer refuses both without CUDA GPUs and Transformer Engine).
 - Schedules: Megatron's own order (1F1B, interleaved 1F1B for VPP > 1), and with PP >= 2 every
   dynamic policy of --use-dpp, each with and without --dpp-split-backward (split backwards hold
   activations until W; they exclude sequence parallelism, as the flag check does).
@@ -67,6 +68,7 @@ class SpaceInputs:
     global_batch_size: int
     num_nodes: int
     gpus_per_node: int
+    on_gpus: bool = True  # False: CPU processes, without the GPU-only features
 
     @property
     def world_size(self) -> int:
@@ -120,8 +122,8 @@ def enumerate_layouts(inputs: SpaceInputs) -> Iterator[Layout]:
             m = inputs.global_batch_size // (mbs * dp)
             for vpp in virtual_sizes(inputs, pp, m):
                 for recompute in RECOMPUTE_CHOICES:
-                    for dist_opt in ((False, True) if dp > 1 else (False,)):
-                        for sp in ((False, True) if tp > 1 else (False,)):
+                    for dist_opt in ((False, True) if dp > 1 and inputs.on_gpus else (False,)):
+                        for sp in ((False, True) if tp > 1 and inputs.on_gpus else (False,)):
                             for schedule, split in schedules_for(pp, vpp, sp):
                                 yield Layout(tp, pp, vpp, dp, mbs, m, recompute, dist_opt, sp,
                                              schedule, split)
