@@ -71,6 +71,16 @@ def test_space_follows_megatron_rules():
     assert any(layout.vpp > 1 for layout in layouts) and any(layout.split_backward for layout in layouts)
 
 
+def test_cpu_processes_get_no_gpu_only_features():
+    inputs = space.SpaceInputs(num_layers=4, num_attention_heads=4, ffn_hidden_size=512, global_batch_size=8,
+                               num_nodes=1, gpus_per_node=4, on_gpus=False)
+    layouts = list(space.enumerate_layouts(inputs))
+    assert any(layout.tp > 1 for layout in layouts) and any(layout.dp > 1 for layout in layouts)
+    assert not any(layout.sequence_parallel or layout.distributed_optimizer for layout in layouts)
+    result = engine.search(dataclasses.replace(problem(), on_gpus=False), top_k=2)
+    assert result.dominated == 0 and result.best
+
+
 # --- the cost model -------------------------------------------------------------------------------
 def _layout(**changes) -> space.Layout:
     fields = dict(tp=1, pp=4, vpp=1, dp=1, micro_batch_size=1, num_microbatches=16, recompute="none",
@@ -262,6 +272,8 @@ def test_no_layout_fits_prints_the_smallest_memory_and_exits_2(capsys):
     (["--hardware", "no-such-preset"], "neither a preset"),
     (["--num-attention-heads", "7"], "not divisible"),
     (["--fp16"], "not allowed with argument --bf16"),
+    (["--cpu"], "needs CUDA GPUs"),
+    (["--hidden-dropout", "1.5"], "must be in [0, 1)"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(change, message, capsys):
     with pytest.raises(SystemExit) as raised:
