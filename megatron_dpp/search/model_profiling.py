@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 import weakref
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -44,6 +45,12 @@ LAYER_TYPE = 0  # GPT's decoder layer and BERT's encoder layer: Galvatron's laye
 DEFAULT_VOCAB_SIZE = {"gpt": 50257, "bert": 30522}  # GPT-2's BPE, BERT's uncased WordPiece
 DEFAULT_TP_SIZES = (1, 2, 4, 8)
 INIT_SEED = 1234
+# Megatron-Core's warnings about what this CPU run does on purpose (no Apex or Transformer Engine:
+# torch's own norm and kernels; selective recompute of the local, unfused core attention), which
+# would bury the progress lines.
+EXPECTED_WARNINGS = (".*Transformer Engine and Apex are not installed", ".*Apex is not installed",
+                     ".*core_attn is from transformer_engine", ".*tp_group is None",
+                     ".*full scope is deprecated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -523,6 +530,8 @@ def options_from_args(args: argparse.Namespace) -> ProfilingOptions:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    for message in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
