@@ -253,6 +253,13 @@ def test_quick_profile_writes_readable_files(tmp_path):
     assert layer.activation_mb_per_sample[1] * 2 ** 20 * 2 == pytest.approx(
         mm.layer_activation_bytes(shape, 2), rel=0.10)
     assert set(layer.activation_mb_per_sample) == {1, 2, 4}
+    # tp=2 is measured by two gloo processes (the source says so), tp=4 computed
+    assert "measured at tp=1 and 2" in profile.source
+    assert layer.activation_mb_per_sample[2] * 2 ** 20 * 2 == pytest.approx(
+        mm.layer_activation_bytes(shape, 2, tp=2), rel=0.10)
+    first = profile.memory.other[("pp_on_first", False, 64)].activation_mb_per_sample
+    assert first[2] * 2 ** 20 * 2 == pytest.approx(mm.embedding_activation_bytes(shape, 2, tp=2),
+                                                   rel=0.10)
     assert layer.checkpoint_mb_per_sample < layer.selective_mb_per_sample[1] < \
         layer.activation_mb_per_sample[1]
     assert profile.memory.other[("pp_on_first", True, 32)].model_states_mb[1] > 0
