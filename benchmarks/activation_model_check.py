@@ -1,11 +1,12 @@
-"""The analytical activation model (megatron_dpp.search.memory_model) against the bytes Megatron-Core
-really keeps (megatron_dpp.search.model_profiling's saved-tensor count), tp = 1 in one process, tp = --tp in that many.
+"""The analytical activation model (megatron_dpp.search.memory_model) against the bytes
+Megatron-Core really keeps (megatron_dpp.search.model_profiling's saved-tensor count): tp = 1 in
+one process, tp = --tp in that many.
 
 For every model, dtype, hidden size, sequence length, micro-batch and recompute mode of the grid:
 measured bytes of one layer, the analytical bytes, and their ratio; then the embedding's and the
 output head's; the same for one rank at tensor-parallel size --tp (default 2, that many gloo
-processes, micro-batch 2). Prints a Markdown table (docs/search.md "Model profile" shows it), or with --json
-one JSON object: {"rows": [...], "max_relative_error": float}.
+processes, micro-batch 2). Prints a Markdown table (docs/search.md "Model profile" shows an
+excerpt), or with --json one JSON object: {"rows": [...], "max_relative_error": float}.
 
     .venv/bin/python benchmarks/activation_model_check.py [--json] [--dropout P]
 """
@@ -39,11 +40,11 @@ def rows(model: str, dtype: str, dropout: float) -> list[dict]:
                 blocks = {mode: mp.build_layer(shape, mode) for mode in mm.RECOMPUTE_MODES}
                 full_model = mp.build_model(shape)
                 for batch in MICRO_BATCHES:
-                    measured = {mode: mp.layer_activation_bytes(block, shape, batch)
+                    measured = {mode: mp.measured_layer_activation_bytes(block, shape, batch)
                                 for mode, block in blocks.items()}
                     analytical = {mode: mm.layer_activation_bytes(shape, batch, 1, False, mode)
                                   for mode in mm.RECOMPUTE_MODES}
-                    measured["embedding"], measured["output"] = mp.other_activation_bytes(
+                    measured["embedding"], measured["output"] = mp.measured_other_activation_bytes(
                         full_model, shape, batch)
                     analytical["embedding"] = mm.embedding_activation_bytes(shape, batch)
                     analytical["output"] = mm.output_activation_bytes(shape, batch)

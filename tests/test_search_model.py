@@ -183,11 +183,11 @@ def test_activation_model_matches_saved_tensors(megatron, model, dtype, dropout)
             whole = profiling.build_model(shape)
             for batch in (1, 2):
                 for mode, block in blocks.items():
-                    measured = profiling.layer_activation_bytes(block, shape, batch)
+                    measured = profiling.measured_layer_activation_bytes(block, shape, batch)
                     analytical = mm.layer_activation_bytes(shape, batch, 1, False, mode)
                     assert analytical == pytest.approx(measured, rel=0.10), (mode, hidden, seq,
                                                                              batch)
-                embedding, head = profiling.other_activation_bytes(whole, shape, batch)
+                embedding, head = profiling.measured_other_activation_bytes(whole, shape, batch)
                 assert mm.embedding_activation_bytes(shape, batch) == pytest.approx(embedding,
                                                                                     rel=0.10)
                 assert mm.output_activation_bytes(shape, batch) == pytest.approx(head, rel=0.10)

@@ -74,7 +74,8 @@ class ModelShape:
         if self.model not in MODELS:
             raise SearchInputError(f"model must be one of {MODELS}, got {self.model!r}")
         if self.dtype not in ELEMENT_BYTES:
-            raise SearchInputError(f"dtype must be one of {tuple(ELEMENT_BYTES)}, got {self.dtype!r}")
+            raise SearchInputError(f"dtype must be one of {tuple(ELEMENT_BYTES)}, "
+                                   f"got {self.dtype!r}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "seq_length", "padded_vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:

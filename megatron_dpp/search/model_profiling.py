@@ -15,9 +15,12 @@ without the final layer norm):
 - the embedding's and the output head's activations (first and last stage's "other" memory), the
   same way on a whole one-layer model, each storage attributed to the module that saved it first.
 
-Tensor-parallel figures (tp > 1) and the sequence-parallel variants come from the analytical model
-(megatron_dpp.search.memory_model), not from a multi-process run; parameter counts and model states
-come from memory_model as well, whose counts are checked here against the built model's.
+Activations at one tensor-parallel size (--measure-tensor-parallel-size, default 2) are measured
+the same way on rank 0 of that many spawned gloo processes (micro-batch: the largest). The other
+tensor-parallel sizes and every sequence-parallel figure (sequence parallelism needs Transformer
+Engine in megatron_dpp) come from the analytical model (megatron_dpp.search.memory_model), and so do
+parameter counts and model states; memory_model's parameter counts are checked here against the
+built model's.
 """
 from __future__ import annotations
 
@@ -151,7 +154,8 @@ def transformer_config(shape: mm.ModelShape, recompute: str = "none", tp: int = 
         num_layers=shape.num_layers, hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.ffn_hidden_size, num_attention_heads=shape.num_attention_heads,
         hidden_dropout=shape.hidden_dropout, attention_dropout=shape.attention_dropout,
-        tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype,
+        tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=dtype,
+        pipeline_dtype=dtype,
         bf16=shape.dtype == "bf16", fp16=shape.dtype == "fp16",
         bias_activation_fusion=cuda, bias_dropout_fusion=cuda, masked_softmax_fusion=cuda,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, **recompute_args)
@@ -270,7 +274,8 @@ class SavedTensors:
                    and any(ref() is not None for ref in refs))
 
 
-def layer_activation_bytes(block: torch.nn.Module, shape: mm.ModelShape, batch: int) -> int:
+def measured_layer_activation_bytes(block: torch.nn.Module, shape: mm.ModelShape,
+                                    batch: int) -> int:
     """Bytes one layer keeps for backward for one micro-batch (the layer's input included)."""
     hidden, mask = layer_inputs(shape, batch)
     with SavedTensors(exclude=block.parameters()) as saved:
@@ -280,8 +285,8 @@ def layer_activation_bytes(block: torch.nn.Module, shape: mm.ModelShape, batch: 
     return nbytes
 
 
-def other_activation_bytes(model: torch.nn.Module, shape: mm.ModelShape,
-                           batch: int) -> tuple[int, int]:
+def measured_other_activation_bytes(model: torch.nn.Module, shape: mm.ModelShape,
+                                    batch: int) -> tuple[int, int]:
     """(embedding, head) bytes kept for backward by a whole one-layer model: each storage goes to
     the module that saved it first; the layer's own are left out."""
     saved = SavedTensors(exclude=model.parameters())
@@ -318,7 +323,8 @@ def check_parameter_counts(model: torch.nn.Module, block: torch.nn.Module,
     one_layer = dataclasses.replace(shape, num_layers=1)
     expected = (mm.layer_parameter_count(shape), mm.total_parameter_count(one_layer))
     if (built_layer, built_total) != expected:
-        raise RuntimeError(f"memory_model's parameter counts {expected} differ from Megatron-Core's "
+        raise RuntimeError(f"memory_model's parameter counts {expected} differ from "
+                           f"Megatron-Core's "
                            f"{(built_layer, built_total)} (layer, one-layer model)")
 
 
@@ -338,9 +344,10 @@ def _tensor_parallel_worker(rank: int, tp: int, options: ProfilingOptions, store
         for seq in options.seq_lengths:
             shape = options.shape(seq)
             for mode in mm.RECOMPUTE_MODES:
-                results[f"{seq}:{mode}"] = layer_activation_bytes(build_layer(shape, mode, tp),
-                                                                  shape, batch)
-            embedding, head = other_activation_bytes(build_model(shape, tp), shape, batch)
+                block = build_layer(shape, mode, tp)
+                results[f"{seq}:{mode}"] = measured_layer_activation_bytes(block, shape, batch)
+            embedding, head = measured_other_activation_bytes(build_model(shape, tp), shape,
+                                                              batch)
             results[f"{seq}:embedding"], results[f"{seq}:head"] = embedding, head
     if rank == 0:
         pathlib.Path(result_path).write_text(json.dumps(results))
@@ -430,10 +437,10 @@ def profile_model(options: ProfilingOptions,
             forward_ms[(LAYER_TYPE, batch, seq)] = fwd
             backward_ms[(LAYER_TYPE, batch, seq)] = bwd
             if batch == largest_batch:
-                measured = {mode: layer_activation_bytes(block, shape, batch)
+                measured = {mode: measured_layer_activation_bytes(block, shape, batch)
                             for mode, block in blocks.items()}
-                measured["embedding"], measured["head"] = other_activation_bytes(model, shape,
-                                                                                 batch)
+                measured["embedding"], measured["head"] = measured_other_activation_bytes(
+                    model, shape, batch)
             progress(f"[{step}/{steps}] {options.model} seq {seq} micro-batch {batch}: "
                      f"forward {fwd:.3f} ms, backward {bwd:.3f} ms")
         measured_by_tp = {1: measured}
@@ -485,7 +492,8 @@ def _layer_memory(options: ProfilingOptions, shape: mm.ModelShape,
 def _other_memory(options: ProfilingOptions, shape: mm.ModelShape,
                   measured: dict[int, dict[str, int]], batch: int) -> dict:
     """Model states from memory_model's counts (dp = 1, no distributed optimizer: Galvatron's
-    cost model shards them itself); activations per sample, tp = 1 measured."""
+    cost model shards them itself); activations per sample, measured at the measured tp sizes
+    (without sequence parallelism, or tp = 1), else from memory_model."""
     tied = shape.model == "bert" or not shape.untie_embeddings_and_output_weights
     result = {}
     for sp in (False, True):
@@ -622,7 +630,8 @@ def options_from_args(args: argparse.Namespace) -> ProfilingOptions:
         padded_vocab_size=-(-vocab // multiple) * multiple,
         max_position_embeddings=max_positions, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, bert_binary_head=not args.bert_no_binary_head,
-        tp_sizes=tp_sizes, measured_tp_size=measured_tp, warmup=1 if quick else args.warmup, repeats=3 if quick else args.repeats)
+        tp_sizes=tp_sizes, measured_tp_size=measured_tp, warmup=1 if quick else args.warmup,
+        repeats=3 if quick else args.repeats)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
