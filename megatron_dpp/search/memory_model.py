@@ -74,7 +74,8 @@ class ModelShape:
         if self.model not in MODELS:
             raise SearchInputError(f"model must be one of {MODELS}, got {self.model!r}")
         if self.dtype not in ELEMENT_BYTES:
-            raise SearchInputError(f"dtype must be one of {tuple(ELEMENT_BYTES)}, got {self.dtype!r}")
+            raise SearchInputError(f"dtype must be one of {tuple(ELEMENT_BYTES)}, "
+                                   f"got {self.dtype!r}")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                      "seq_length", "padded_vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -204,7 +205,8 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1,
 def embedding_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1,
                                sequence_parallel: bool = False) -> int:
     """The first stage's embedding: the int64 token and position ids (BERT: token types too;
-    BERT makes its position ids as one broadcast row) and the embedding dropout mask."""
+    BERT makes its position ids as one broadcast row), with tp > 1 the vocab-parallel lookup's
+    bool mask of tokens outside this rank's shard, and the embedding dropout mask."""
     _check_parallel(shape, micro_batch, tp)
     e = ELEMENT_BYTES[shape.dtype]
     s, b, h = shape.seq_length, micro_batch, shape.hidden_size
@@ -215,6 +217,8 @@ def embedding_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1,
         ids = s * b * INDEX_BYTES + s * INDEX_BYTES
         if shape.bert_binary_head:
             ids += s * b * INDEX_BYTES
+    if tp > 1:
+        ids += s * b * MASK_BYTES  # the vocab-parallel embedding's out-of-shard token mask
     dropout_mask = s * b * h * e // sp if shape.hidden_dropout > 0 else 0
     return ids + dropout_mask
 

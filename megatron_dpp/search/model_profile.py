@@ -6,8 +6,9 @@ own readers accept it:
 - `computation_profiling_{dtype}_hidden_{h}_head_{a}.json`:
   {"layertype_{t}_bsz{b}_seq{s}": forward ms of one layer}
 - `memory_profiling_{dtype}_hidden_{h}_head_{a}.json`:
-  {"layertype_{t}[_sp]": {"{seq}": {"parameter_size": MB,
-                                    "tp_activation_per_bsz_dict": {"checkpoint": MB, "1": MB, ...}}},
+  {"layertype_{t}[_sp]": {"{seq}": {
+       "parameter_size": MB,
+       "tp_activation_per_bsz_dict": {"checkpoint": MB, "1": MB, ...}}},
    "other_memory_{pp_off|pp_on_first|pp_on_last}[_sp]":
        {"{seq}": {"model_states": {"{tp}": MB}, "activation": {"{tp}": MB}}}}
   (MB = 2**20 bytes; activations per sample; parameter_size is the layer's parameters at 4 bytes

@@ -15,20 +15,27 @@ without the final layer norm):
 - the embedding's and the output head's activations (first and last stage's "other" memory), the
   same way on a whole one-layer model, each storage attributed to the module that saved it first.
 
-Tensor-parallel figures (tp > 1) and the sequence-parallel variants come from the analytical model
-(megatron_dpp.search.memory_model), not from a multi-process run; parameter counts and model states
-come from memory_model as well, whose counts are checked here against the built model's.
+Activations at one tensor-parallel size (--measure-tensor-parallel-size, default 2) are measured
+the same way on rank 0 of that many spawned gloo processes (micro-batch: the largest). The other
+tensor-parallel sizes and every sequence-parallel figure (sequence parallelism needs Transformer
+Engine in megatron_dpp) come from the analytical model (megatron_dpp.search.memory_model), and so do
+parameter counts and model states; memory_model's parameter counts are checked here against the
+built model's.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import datetime
+import json
 import os
+import pathlib
 import statistics
 import sys
 import tempfile
 import time
+import warnings
 import weakref
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -44,6 +51,13 @@ LAYER_TYPE = 0  # GPT's decoder layer and BERT's encoder layer: Galvatron's laye
 DEFAULT_VOCAB_SIZE = {"gpt": 50257, "bert": 30522}  # GPT-2's BPE, BERT's uncased WordPiece
 DEFAULT_TP_SIZES = (1, 2, 4, 8)
 INIT_SEED = 1234
+WORKER_TIMEOUT_S = 300  # the tensor-parallel measurement's processes, start to finish
+# Megatron-Core's warnings about what this CPU run does on purpose (no Apex or Transformer Engine:
+# torch's own norm and kernels; selective recompute of the local, unfused core attention), which
+# would bury the progress lines.
+EXPECTED_WARNINGS = (".*Transformer Engine and Apex are not installed", ".*Apex is not installed",
+                     ".*core_attn is from transformer_engine", ".*tp_group is None",
+                     ".*full scope is deprecated", ".*CUDA_DEVICE_MAX_CONNECTIONS")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +79,11 @@ class ProfilingOptions:
     attention_dropout: float
     bert_binary_head: bool
     tp_sizes: tuple[int, ...]
-    """Tensor-parallel sizes written to the memory file (tp > 1: analytical)."""
+    """Tensor-parallel sizes written to the memory file (tp = 1 and measured_tp_size measured,
+    the others analytical)."""
+    measured_tp_size: int
+    """Also measure activations at this tensor-parallel size, with that many local gloo
+    processes (1: none)."""
     warmup: int
     """Untimed runs before timing each (seq, batch)."""
     repeats: int
@@ -85,8 +103,10 @@ class ProfilingOptions:
 # one-process Megatron-Core
 # ----------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def single_process_megatron(model: str):
-    """CPU patches (the model's too), a one-rank gloo group and tp = pp = 1; undone on exit."""
+def megatron_process_group(model: str, rank: int = 0, tensor_parallel_size: int = 1,
+                           store_path: Optional[str] = None):
+    """CPU patches (the model's too), a gloo group of `tensor_parallel_size` ranks (one
+    tensor-parallel group, pp = 1) through a FileStore at store_path; undone on exit."""
     import torch.distributed as dist
 
     from megatron_dpp.models import MODEL_SPECS
@@ -98,9 +118,12 @@ def single_process_megatron(model: str):
     created = not dist.is_initialized()
     with tempfile.TemporaryDirectory(prefix="model_profiling_") as directory:
         if created:
-            store = dist.FileStore(os.path.join(directory, "store"), 1)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1)
+            store = dist.FileStore(store_path or os.path.join(directory, "store"),
+                                   tensor_parallel_size)
+            dist.init_process_group("gloo", store=store, rank=rank,
+                                    world_size=tensor_parallel_size,
+                                    timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S))
+        parallel_state.initialize_model_parallel(tensor_parallel_size, 1)
         tensor_parallel.model_parallel_cuda_manual_seed(INIT_SEED)
         try:
             yield
@@ -110,7 +133,12 @@ def single_process_megatron(model: str):
                 dist.destroy_process_group()
 
 
-def transformer_config(shape: mm.ModelShape, recompute: str = "none"):
+def single_process_megatron(model: str):
+    """One rank: tp = pp = 1."""
+    return megatron_process_group(model)
+
+
+def transformer_config(shape: mm.ModelShape, recompute: str = "none", tp: int = 1):
     """Megatron-Core's TransformerConfig as megatron_dpp.training.config builds it from the flags
     (fused kernels only with CUDA; full recompute: uniform, one layer per unit)."""
     from megatron.core.transformer import TransformerConfig
@@ -126,7 +154,8 @@ def transformer_config(shape: mm.ModelShape, recompute: str = "none"):
         num_layers=shape.num_layers, hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.ffn_hidden_size, num_attention_heads=shape.num_attention_heads,
         hidden_dropout=shape.hidden_dropout, attention_dropout=shape.attention_dropout,
-        use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype,
+        tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=dtype,
+        pipeline_dtype=dtype,
         bf16=shape.dtype == "bf16", fp16=shape.dtype == "fp16",
         bias_activation_fusion=cuda, bias_dropout_fusion=cuda, masked_softmax_fusion=cuda,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, **recompute_args)
@@ -139,22 +168,22 @@ def layer_spec(model: str, config):
     return gpt_layer_spec(config) if model == "gpt" else bert_layer_spec()
 
 
-def build_layer(shape: mm.ModelShape, recompute: str = "none") -> torch.nn.Module:
+def build_layer(shape: mm.ModelShape, recompute: str = "none", tp: int = 1) -> torch.nn.Module:
     """One transformer layer in a TransformerBlock (the block runs Megatron's full-recompute
-    path), without the final layer norm, in training mode."""
+    path), without the final layer norm, in training mode; tp: this rank's shard."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    config = transformer_config(dataclasses.replace(shape, num_layers=1), recompute)
+    config = transformer_config(dataclasses.replace(shape, num_layers=1), recompute, tp)
     block = TransformerBlock(config, layer_spec(shape.model, config), pre_process=True,
                              post_process=False)
     return block.train()
 
 
-def build_model(shape: mm.ModelShape) -> torch.nn.Module:
+def build_model(shape: mm.ModelShape, tp: int = 1) -> torch.nn.Module:
     """The whole model with one layer, as megatron_dpp.models builds it (pp = 1); in bf16/fp16
     wrapped in Megatron-Core's Float16Module as Megatron-LM's get_model does (its position
     embedding is a plain fp32 torch.nn.Embedding until then)."""
-    config = transformer_config(dataclasses.replace(shape, num_layers=1))
+    config = transformer_config(dataclasses.replace(shape, num_layers=1), tp=tp)
     if shape.model == "gpt":
         from megatron_dpp.models.gpt import GPTShape, build_gpt_chunks
 
@@ -245,7 +274,8 @@ class SavedTensors:
                    and any(ref() is not None for ref in refs))
 
 
-def layer_activation_bytes(block: torch.nn.Module, shape: mm.ModelShape, batch: int) -> int:
+def measured_layer_activation_bytes(block: torch.nn.Module, shape: mm.ModelShape,
+                                    batch: int) -> int:
     """Bytes one layer keeps for backward for one micro-batch (the layer's input included)."""
     hidden, mask = layer_inputs(shape, batch)
     with SavedTensors(exclude=block.parameters()) as saved:
@@ -255,8 +285,8 @@ def layer_activation_bytes(block: torch.nn.Module, shape: mm.ModelShape, batch: 
     return nbytes
 
 
-def other_activation_bytes(model: torch.nn.Module, shape: mm.ModelShape,
-                           batch: int) -> tuple[int, int]:
+def measured_other_activation_bytes(model: torch.nn.Module, shape: mm.ModelShape,
+                                    batch: int) -> tuple[int, int]:
     """(embedding, head) bytes kept for backward by a whole one-layer model: each storage goes to
     the module that saved it first; the layer's own are left out."""
     saved = SavedTensors(exclude=model.parameters())
@@ -293,8 +323,64 @@ def check_parameter_counts(model: torch.nn.Module, block: torch.nn.Module,
     one_layer = dataclasses.replace(shape, num_layers=1)
     expected = (mm.layer_parameter_count(shape), mm.total_parameter_count(one_layer))
     if (built_layer, built_total) != expected:
-        raise RuntimeError(f"memory_model's parameter counts {expected} differ from Megatron-Core's "
+        raise RuntimeError(f"memory_model's parameter counts {expected} differ from "
+                           f"Megatron-Core's "
                            f"{(built_layer, built_total)} (layer, one-layer model)")
+
+
+# ----------------------------------------------------------------------------------------------
+# tensor-parallel activations: tp local processes
+# ----------------------------------------------------------------------------------------------
+def _tensor_parallel_worker(rank: int, tp: int, options: ProfilingOptions, store_path: str,
+                            result_path: str) -> None:
+    """One tensor-parallel rank: every rank runs the same layers (their forward all-reduces);
+    rank 0 writes {"seq:part": bytes} (part: a recompute mode, "embedding" or "head")."""
+    for message in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    torch.set_num_threads(1)
+    batch = max(options.micro_batch_sizes)
+    results = {}
+    with megatron_process_group(options.model, rank, tp, store_path):
+        for seq in options.seq_lengths:
+            shape = options.shape(seq)
+            for mode in mm.RECOMPUTE_MODES:
+                block = build_layer(shape, mode, tp)
+                results[f"{seq}:{mode}"] = measured_layer_activation_bytes(block, shape, batch)
+            embedding, head = measured_other_activation_bytes(build_model(shape, tp), shape,
+                                                              batch)
+            results[f"{seq}:embedding"], results[f"{seq}:head"] = embedding, head
+    if rank == 0:
+        pathlib.Path(result_path).write_text(json.dumps(results))
+
+
+def measure_tensor_parallel(options: ProfilingOptions, tp: int) -> dict[tuple[int, str], int]:
+    """(seq, part) -> bytes one rank keeps at micro-batch max(micro_batch_sizes), measured by tp
+    spawned processes over gloo (no sequence parallelism: it needs Transformer Engine here)."""
+    context = torch.multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="model_profiling_tp_") as directory:
+        result_path = os.path.join(directory, "result.json")
+        workers = [context.Process(target=_tensor_parallel_worker, daemon=True,
+                                   args=(rank, tp, options, os.path.join(directory, "store"),
+                                         result_path))
+                   for rank in range(tp)]
+        for worker in workers:
+            worker.start()
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        unfinished = [worker for worker in workers if worker.is_alive()]
+        for worker in unfinished:
+            worker.terminate()
+            worker.join(10)
+        if unfinished:
+            raise RuntimeError(f"the tp={tp} activation measurement ({tp} gloo processes) did not "
+                               f"finish within {WORKER_TIMEOUT_S} s")
+        failed = [worker.exitcode for worker in workers if worker.exitcode != 0]
+        if failed or not os.path.exists(result_path):
+            raise RuntimeError(f"the tp={tp} activation measurement failed (exit codes "
+                               f"{[worker.exitcode for worker in workers]}); see its stderr above")
+        raw = json.loads(pathlib.Path(result_path).read_text())
+    return {(int(key.split(":")[0]), key.split(":")[1]): nbytes for key, nbytes in raw.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,6 +418,11 @@ def profile_model(options: ProfilingOptions,
     forward_ms, backward_ms = {}, {}
     layers, other = {}, {}
     largest_batch = max(options.micro_batch_sizes)
+    tp_measured: dict[tuple[int, str], int] = {}
+    if options.measured_tp_size > 1:
+        progress(f"measuring activations at tp={options.measured_tp_size} "
+                 f"({options.measured_tp_size} gloo processes, up to {WORKER_TIMEOUT_S} s)")
+        tp_measured = measure_tensor_parallel(options, options.measured_tp_size)
     steps = len(options.seq_lengths) * len(options.micro_batch_sizes)
     step = 0
     for seq in options.seq_lengths:
@@ -346,20 +437,26 @@ def profile_model(options: ProfilingOptions,
             forward_ms[(LAYER_TYPE, batch, seq)] = fwd
             backward_ms[(LAYER_TYPE, batch, seq)] = bwd
             if batch == largest_batch:
-                measured = {mode: layer_activation_bytes(block, shape, batch)
+                measured = {mode: measured_layer_activation_bytes(block, shape, batch)
                             for mode, block in blocks.items()}
-                measured["embedding"], measured["head"] = other_activation_bytes(model, shape,
-                                                                                 batch)
+                measured["embedding"], measured["head"] = measured_other_activation_bytes(
+                    model, shape, batch)
             progress(f"[{step}/{steps}] {options.model} seq {seq} micro-batch {batch}: "
                      f"forward {fwd:.3f} ms, backward {bwd:.3f} ms")
-        layers.update(_layer_memory(options, shape, measured, largest_batch))
-        other.update(_other_memory(options, shape, measured, largest_batch))
+        measured_by_tp = {1: measured}
+        if tp_measured:
+            measured_by_tp[options.measured_tp_size] = {
+                part: nbytes for (s, part), nbytes in tp_measured.items() if s == seq}
+        layers.update(_layer_memory(options, shape, measured_by_tp, largest_batch))
+        other.update(_other_memory(options, shape, measured_by_tp, largest_batch))
+    measured_tps = "1" + (f" and {options.measured_tp_size}" if tp_measured else "")
     source = (f"measured on {_device_name()} by megatron_dpp.search.model_profiling: Megatron-Core "
               f"{options.model} layers, {options.dtype}, one process, torch threads "
               f"{torch.get_num_threads()}, median of {options.repeats} after {options.warmup} "
-              f"warm-up; activations at tp=1 measured (saved tensors at micro-batch "
-              f"{largest_batch}, per sample), tp>1 and sequence-parallel activations and all "
-              f"model states from the analytical model (memory_model)")
+              f"warm-up; activations measured at tp={measured_tps} (saved tensors at "
+              f"micro-batch {largest_batch}, per sample; tp>1 with as many gloo processes), "
+              f"other tp sizes, all sequence-parallel activations and all model states from the "
+              f"analytical model (memory_model)")
     return ModelProfile(model=options.model, hidden_size=options.hidden_size,
                         num_attention_heads=options.num_attention_heads, dtype=options.dtype,
                         forward_ms=forward_ms, backward_ms=backward_ms,
@@ -372,15 +469,16 @@ def _device_name() -> str:
     return f"{platform.machine()} CPU ({os.cpu_count()} cores)"
 
 
-def _layer_memory(options: ProfilingOptions, shape: mm.ModelShape, measured: dict,
-                  batch: int) -> dict:
-    """Per sample: tp = 1 measured, tp > 1 (and sequence parallel) from memory_model."""
+def _layer_memory(options: ProfilingOptions, shape: mm.ModelShape,
+                  measured: dict[int, dict[str, int]], batch: int) -> dict:
+    """Per sample: the measured tp sizes without sequence parallelism (tp = 1 is the same with
+    it) measured, the others from memory_model."""
     parameter_mb = _mb(mm.layer_parameter_count(shape) * mm.ELEMENT_BYTES["fp32"])
     result = {}
     for sp in (False, True):
         def per_sample(tp: int, recompute: str) -> float:
-            if tp == 1:
-                return _mb(measured[recompute] / batch)
+            if tp in measured and (tp == 1 or not sp):
+                return _mb(measured[tp][recompute] / batch)
             return _mb(mm.layer_activation_bytes(shape, batch, tp, sp, recompute) / batch)
 
         result[(LAYER_TYPE, sp, shape.seq_length)] = LayerMemory(
@@ -391,10 +489,11 @@ def _layer_memory(options: ProfilingOptions, shape: mm.ModelShape, measured: dic
     return result
 
 
-def _other_memory(options: ProfilingOptions, shape: mm.ModelShape, measured: dict,
-                  batch: int) -> dict:
+def _other_memory(options: ProfilingOptions, shape: mm.ModelShape,
+                  measured: dict[int, dict[str, int]], batch: int) -> dict:
     """Model states from memory_model's counts (dp = 1, no distributed optimizer: Galvatron's
-    cost model shards them itself); activations per sample, tp = 1 measured."""
+    cost model shards them itself); activations per sample, measured at the measured tp sizes
+    (without sequence parallelism, or tp = 1), else from memory_model."""
     tied = shape.model == "bert" or not shape.untie_embeddings_and_output_weights
     result = {}
     for sp in (False, True):
@@ -404,8 +503,8 @@ def _other_memory(options: ProfilingOptions, shape: mm.ModelShape, measured: dic
                 embedding = mm.embedding_parameter_count(shape, tp)
                 output = mm.output_parameter_count(shape, tp)
                 shared = shape.padded_vocab_size // tp * shape.hidden_size if tied else 0
-                if tp == 1:
-                    first, last = measured["embedding"], measured["head"]
+                if tp in measured and (tp == 1 or not sp):
+                    first, last = measured[tp]["embedding"], measured[tp]["head"]
                 else:
                     first = mm.embedding_activation_bytes(shape, batch, tp, sp)
                     last = mm.output_activation_bytes(shape, batch, tp, sp)
@@ -465,6 +564,9 @@ def build_parser() -> argparse.ArgumentParser:
                         default=list(DEFAULT_TP_SIZES),
                         help="Tensor-parallel sizes written to the memory file (default 1 2 4 8; "
                              "those that do not divide the heads are dropped; tp>1 analytical).")
+    parser.add_argument("--measure-tensor-parallel-size", type=int, default=2,
+                        help="Also measure the activations at this tensor-parallel size with that "
+                             "many local gloo processes (default 2; 1: only tp=1 is measured).")
     parser.add_argument("--warmup", type=int, default=3, help="Untimed runs first (default 3).")
     parser.add_argument("--repeats", type=int, default=10,
                         help="Timed runs; the median is kept (default 10).")
@@ -485,6 +587,7 @@ def options_from_args(args: argparse.Namespace) -> ProfilingOptions:
                 "--micro-batch-sizes": args.micro_batch_sizes,
                 "--make-vocab-size-divisible-by": [args.make_vocab_size_divisible_by],
                 "--tensor-model-parallel-sizes": args.tensor_model_parallel_sizes,
+                "--measure-tensor-parallel-size": [args.measure_tensor_parallel_size],
                 "--repeats": [args.repeats]}
     for flag in ("ffn_hidden_size", "vocab_size", "max_position_embeddings"):
         if getattr(args, flag) is not None:
@@ -507,8 +610,16 @@ def options_from_args(args: argparse.Namespace) -> ProfilingOptions:
     vocab = args.vocab_size or DEFAULT_VOCAB_SIZE[args.model]
     multiple = args.make_vocab_size_divisible_by
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
-    tp_sizes = tuple(sorted({tp for tp in [1, *args.tensor_model_parallel_sizes]
-                             if args.num_attention_heads % tp == 0 and ffn % tp == 0}))
+    def divides(tp: int) -> bool:
+        return args.num_attention_heads % tp == 0 and ffn % tp == 0
+
+    measured_tp = args.measure_tensor_parallel_size
+    if not divides(measured_tp):
+        raise SearchInputError(f"--measure-tensor-parallel-size {measured_tp} does not divide "
+                               f"--num-attention-heads {args.num_attention_heads} and the ffn "
+                               f"hidden size {ffn}")
+    tp_sizes = tuple(sorted({tp for tp in [1, measured_tp, *args.tensor_model_parallel_sizes]
+                             if divides(tp)}))
     quick = args.quick
     return ProfilingOptions(
         model=args.model, hidden_size=args.hidden_size,
@@ -519,10 +630,13 @@ def options_from_args(args: argparse.Namespace) -> ProfilingOptions:
         padded_vocab_size=-(-vocab // multiple) * multiple,
         max_position_embeddings=max_positions, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, bert_binary_head=not args.bert_no_binary_head,
-        tp_sizes=tp_sizes, warmup=1 if quick else args.warmup, repeats=3 if quick else args.repeats)
+        tp_sizes=tp_sizes, measured_tp_size=measured_tp, warmup=1 if quick else args.warmup,
+        repeats=3 if quick else args.repeats)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    for message in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
