@@ -148,6 +148,9 @@ def problem_from_args(args) -> tuple[Problem, str]:
         hardware.matmul_ms(1.0, dtype)  # the analytical times need this dtype's rate: fail now
     else:
         profile = read_model_profile_dir(args.model_profile, args.hidden_size, args.num_attention_heads, dtype)
+        if profile.model not in (args.model, "unknown"):  # "unknown": Galvatron's files alone
+            raise SearchInputError(f"--model-profile {args.model_profile} profiles {profile.model} "
+                                   f"layers, not --model {args.model}")
         source = profile.source
     lengths = parse_distribution(args.seq_length_distribution) if args.variable_seq_lengths else None
     return Problem(shape=shape, global_batch_size=args.global_batch_size, hardware=hardware,

@@ -34,7 +34,8 @@ gradients are all-reduced (with the distributed optimizer reduce-scattered, half
 over the DP group (its ranks are TP apart in Megatron's rank order: priced as contiguous with
 TP = 1 or inside one node, else at the hardware's non-contiguous figure), starting once that
 chunk and every later chunk ran their last backward (W with split backwards), in the order
-V-1..0, one at a time (runtime/grad_sync.py). Compute that overlaps a reduction runs
+V-1..0, one at a time (runtime/grad_sync.py); under Megatron's own schedules chunk 0's buckets
+(Megatron-Core's default size) start during its last backward, as DDP's hooks launch them. Compute that overlaps a reduction runs
 hardware.overlap_coefficient times slower. The distributed optimizer then
 all-gathers the updated parameters (half an all-reduce of the parameter bytes), exposed. Not
 modelled: the optimizer step itself, the tied-embedding all-reduce between the first and the
@@ -59,6 +60,8 @@ from megatron_dpp.sim import CommModel, DurationModel, SimResult, simulate
 GRAD_BYTES = memory_model.FP32_BYTES
 # The output layer's forward + backward over its forward (logits matmul, then two for its backward).
 OUTPUT_WORK_RATIO = 3.0
+# Megatron-Core DDP's default bucket with --overlap-grad-reduce: max(40M, 1M x DP) parameters.
+DDP_BUCKET_PARAMS, DDP_BUCKET_PARAMS_PER_DP_RANK = 40_000_000, 1_000_000
 # Layer type of the transformer layer in Galvatron's profile files (GPT and BERT have one type).
 TRANSFORMER_LAYER_TYPE = 0
 # Without a model profile: backward compute = this x forward compute (two matmuls per forward one).
@@ -363,7 +366,9 @@ class Pricer:
     def estimate(self, layout: Layout) -> Estimate:
         model, sizes = self.durations(layout)
         chunks, gathers = self.sync_ms(layout)
-        bound = self._full_pipeline_bound(layout, model, sizes) + chunks[0][0] + gathers[0]
+        # The first rank's last bucket of chunk 0 is ready only when the pipeline's drain ends.
+        last_bucket = chunks[0][0] / self.bucket_count(layout, 0)
+        bound = self._full_pipeline_bound(layout, model, sizes) + last_bucket + gathers[0]
         return Estimate(layout, self.memory_bytes(layout), bound)
 
     # --- the simulator ------------------------------------------------------------------------
@@ -424,7 +429,7 @@ class Pricer:
         tail = self._sync_tail(layout, result)
         mean_work = (1 + model.backward_ratio) * model.linear * math.fsum(sizes) * (
             math.fsum(model.rank_speed) / layout.pp)
-        time_ms = max(pipeline + tail, estimate.time_lower_ms)
+        time_ms = pipeline + tail
         return LayoutCost(
             layout=layout, time_ms=time_ms, pipeline_ms=pipeline, grad_sync_exposed_ms=time_ms - pipeline,
             memory_bytes=estimate.memory_bytes, activation_peak_bytes=result.peak_activation,
@@ -450,7 +455,7 @@ class Pricer:
         V, P = layout.vpp, layout.pp
         release = Phase.W if layout.split_backward else Phase.B
         ranks = {0: 0, P - 1: 1}  # rank -> its kind in sync_ms
-        last_release = {rank: [0.0] * V for rank in ranks}
+        last_task = {rank: [(0.0, 0.0)] * V for rank in ranks}  # (start, end) of the last release
         busy = {rank: [] for rank in ranks}
         end = {rank: 0.0 for rank in ranks}
         for rank, task, start, stop in result.timeline:
@@ -458,18 +463,36 @@ class Pricer:
                 continue
             busy[rank].append((start, stop))
             end[rank] = max(end[rank], stop)
-            if task.phase == release:
-                last_release[rank][task.chunk] = max(last_release[rank][task.chunk], stop)
+            if task.phase == release and stop > last_task[rank][task.chunk][1]:
+                last_task[rank][task.chunk] = (start, stop)
         coefficient = self.problem.hardware.overlap_coefficient
         finish = 0.0
         for rank, kind in ranks.items():
             clock, ready, windows = 0.0, 0.0, []
             for chunk in reversed(range(V)):  # V-1 first; a chunk waits for every later one
-                ready = max(ready, last_release[rank][chunk])
-                start = max(clock, ready)
-                clock = start + chunks[kind][chunk]
-                windows.append((start, clock))
+                first, last = last_task[rank][chunk]
+                buckets = self.bucket_count(layout, kind) if chunk == 0 else 1
+                for bucket in range(buckets):  # bucket k's layers are done k+1 buckets into the task
+                    ready = max(ready, last - (last - first) * (buckets - 1 - bucket) / buckets)
+                    start = max(clock, ready)
+                    clock = start + chunks[kind][chunk] / buckets
+                    windows.append((start, clock))
             overlapped = sum(max(0.0, min(stop, b) - max(start, a))
                              for start, stop in busy[rank] for a, b in windows if b > a)
             finish = max(finish, max(end[rank] + (coefficient - 1.0) * overlapped, clock) + gathers[kind])
         return max(0.0, finish - result.makespan)
+
+    def bucket_count(self, layout: Layout, kind: int) -> int:
+        """Gradient buckets of chunk 0 on the first (kind 0) or last (1) rank whose reductions
+        start during that chunk's last backward: Megatron's own schedules let DDP's hooks launch
+        them (only chunk 0 is bucketed, Megatron-Core's default bucket of max(40M, 1M x DP)
+        parameters); --use-dpp starts a chunk's reductions after its last backward (one)."""
+        if layout.use_dpp or layout.dp == 1:
+            return 1
+        shape = self.problem.shape
+        params = self.layers_per_chunk(layout) * memory_model.layer_parameter_count(shape, layout.tp)
+        if kind == 0 or layout.vpp == 1:  # the embedding is in chunk 0, the output layer in V-1
+            params += self.rank_parameters(layout.tp, layout.pp)[kind] - (
+                shape.num_layers // layout.pp * memory_model.layer_parameter_count(shape, layout.tp))
+        bucket = max(DDP_BUCKET_PARAMS, DDP_BUCKET_PARAMS_PER_DP_RANK * layout.dp)
+        return max(1, -(-params // bucket))
