@@ -20,7 +20,8 @@ Modules, each with one job (dependencies point down this list, never up):
 - `model_profiling.py`: measures a `ModelProfile` by running Megatron-Core's layers (GPT, BERT).
 - `space.py`, `cost.py`, `engine.py`: the layouts, their memory and time (the simulator's pipeline
   time on modeled task durations, plus gradient sync and tensor-parallel communication), the pruned
-  search with its progress bar.
+  search with its progress bar; `lengths.py`: the sequence-length distribution of
+  --variable-seq-lengths and each microbatch's padded length.
 - `strategy.py`: the strategy JSON that the run scripts accept with `--strategy FILE`.
 - `cli.py`: `start-search.sh`'s flags and output.
 """

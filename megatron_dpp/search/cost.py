@@ -167,12 +167,14 @@ class Pricer:
         tp_comm = 2 * problem.hardware.allreduce_ms(message, tp, True)
         recomputed = {"none": 0.0, "selective": attention_share * forward, "full": forward + tp_comm}
         kept_for_w = micro_batch * length * (5 * shape.hidden_size + shape.ffn_hidden_size) // tp
+        activation = self._profiled_activation(micro_batch, length, tp, sp, recompute)
+        if activation is None:
+            activation = memory_model.layer_activation_bytes(at_length, micro_batch, tp, sp, recompute)
         return LayerFigures(
             forward_ms=forward + tp_comm,
             backward_ms=backward + tp_comm + recomputed[recompute],
             weight_grad_ms=backward / 2.0,
-            activation_bytes=self._profiled_activation(micro_batch, length, tp, sp, recompute)
-            or memory_model.layer_activation_bytes(at_length, micro_batch, tp, sp, recompute),
+            activation_bytes=activation,
             weight_grad_bytes=kept_for_w * problem.dtype_bytes,
         )
 
