@@ -37,9 +37,10 @@ chunk and every later chunk ran their last backward (W with split backwards), in
 V-1..0, one at a time (runtime/grad_sync.py); under Megatron's own schedules chunk 0's buckets
 (Megatron-Core's default size) start during its last backward, as DDP's hooks launch them. Compute that overlaps a reduction runs
 hardware.overlap_coefficient times slower. The distributed optimizer then
-all-gathers the updated parameters (half an all-reduce of the parameter bytes), exposed. Not
-modelled: the optimizer step itself, the tied-embedding all-reduce between the first and the
-last stage, and stragglers between data-parallel replicas.
+all-gathers the updated parameters (half an all-reduce of the parameter bytes), exposed, and with
+tied embeddings on several stages the word embedding's gradient is all-reduced between the first
+and the last stage, exposed. Not modelled: the optimizer step itself and stragglers between
+data-parallel replicas.
 """
 from __future__ import annotations
 
@@ -207,10 +208,24 @@ class Pricer:
         layers = shape.num_layers // pp * memory_model.layer_parameter_count(shape, tp)
         embedding, output = self._extra_parameters(tp)
         if pp == 1:
-            tied = shape.model == "bert" or not shape.untie_embeddings_and_output_weights
-            shared = shape.padded_vocab_size // tp * shape.hidden_size if tied else 0
+            shared = shape.padded_vocab_size // tp * shape.hidden_size if self.tied() else 0
             return (layers + embedding + output - shared,) * 2
         return layers + embedding, layers + output
+
+    def tied(self) -> bool:
+        """Output weights tied to the word embedding (BERT always ties them)."""
+        shape = self.problem.shape
+        return shape.model == "bert" or not shape.untie_embeddings_and_output_weights
+
+    def embedding_sync_ms(self, layout: Layout) -> float:
+        """Tied weights on several stages: after the data-parallel sync, Megatron all-reduces the
+        word embedding's gradient between the first and the last stage (finalize_model_grads),
+        exposed; the two are far apart in the rank order (Galvatron's non-contiguous pair)."""
+        if layout.pp == 1 or not self.tied():
+            return 0.0
+        shape = self.problem.shape
+        count = shape.padded_vocab_size // layout.tp * shape.hidden_size
+        return self.problem.hardware.allreduce_ms(count * GRAD_BYTES, 2, False)
 
     def _extra_parameters(self, tp: int) -> tuple[int, int]:
         """(embedding, output layer) parameters of one TP shard."""
@@ -370,7 +385,8 @@ class Pricer:
         chunks, gathers = self.sync_ms(layout)
         # The first rank's last bucket of chunk 0 is ready only when the pipeline's drain ends.
         last_bucket = chunks[0][0] / self.bucket_count(layout, 0)
-        bound = self._full_pipeline_bound(layout, model, sizes) + last_bucket + gathers[0]
+        bound = (self.pipeline_bound_ms(layout) + last_bucket + gathers[0]
+                 + self.embedding_sync_ms(layout))
         return Estimate(layout, self.memory_bytes(layout), bound)
 
     # --- the simulator ------------------------------------------------------------------------
@@ -426,9 +442,9 @@ class Pricer:
             excess = [result.makespan - result.pipeline_bound, short.makespan - short.pipeline_bound]
             slope = (excess[0] - excess[1]) / (work[1] - work[2]) if work[1] > work[2] else 0.0
             slope = min(max(slope, 0.0), max(excess[0], 0.0) / work[1])
-            bound = self._full_pipeline_bound(layout, model, sizes)
+            bound = self.pipeline_bound_ms(layout)
             pipeline = bound + excess[0] + slope * (work[0] - work[1])
-        tail = self._sync_tail(layout, result)
+        tail = self._sync_tail(layout, result) + self.embedding_sync_ms(layout)
         mean_work = (1 + model.backward_ratio) * model.linear * math.fsum(sizes) * (
             math.fsum(model.rank_speed) / layout.pp)
         time_ms = pipeline + tail
@@ -438,7 +454,9 @@ class Pricer:
             bubble_fraction=max(0.0, 1.0 - mean_work / pipeline),
             simulated_microbatches=M if counts is None else counts[0], time_lower_ms=estimate.time_lower_ms)
 
-    def _full_pipeline_bound(self, layout: Layout, model: DurationModel, sizes: list[float]) -> float:
+    def pipeline_bound_ms(self, layout: Layout) -> float:
+        """The simulator's pipeline bound of the layout's whole batch (all M microbatches)."""
+        model, sizes = self.durations(layout)
         comm = self.comm_model(layout)
         hop = 0.0 if layout.pp == 1 else comm.transfer_time(
             min(self.chunk_activation_bytes(layout, length) for length in set(self.lengths(layout))))

@@ -11,7 +11,8 @@ Pruning, in order, each safe for the cost model of cost.py:
    least recomputing one that fits is kept (more recompute only adds time).
 3. Time bound: the rest are sorted by a lower bound on their iteration time (the simulator's
    pipeline bound in closed form: the last rank's fill, work and drain, plus the first rank's last
-   gradient reduction and the distributed optimizer's all-gather) and simulated in that order;
+   gradient bucket, the distributed optimizer's all-gather and the tied embedding's all-reduce)
+   and simulated in that order;
    the search stops at the first layout whose bound is no better than the K-th best time found.
 
 The simulator runs large pipelines on fewer microbatches and extrapolates the steady state
