@@ -395,8 +395,10 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--merge-file", type=str, default=None,
                        help="Path to the BPE merges.txt (GPT2BPETokenizer only).")
     group.add_argument("--variable-seq-lengths", action="store_true",
-                       help="One document per sample, truncated to --seq-length, so micro-batches "
-                            "have different lengths (padded to the longest within a micro-batch).")
+                       help="Micro-batches of different lengths. GPT: one document per sample, "
+                            "truncated to --seq-length, padded to the longest within a "
+                            "micro-batch. BERT: each micro-batch cut to its longest sample "
+                            "(BERT's padding is masked, so the losses are unchanged).")
     group.add_argument("--reset-position-ids", action="store_true",
                        help="Restart position ids after each end-of-document token.")
     group.add_argument("--reset-attention-mask", action="store_true",
@@ -481,8 +483,7 @@ def validate_bert_args(args: argparse.Namespace) -> None:
     _require(args.tokenizer_type in WORDPIECE_TOKENIZERS,
              f"--tokenizer-type {args.tokenizer_type} is GPT's; BERT trains with "
              f"{' or '.join(WORDPIECE_TOKENIZERS)} and a WordPiece --vocab-file")
-    for flag in ("variable_seq_lengths", "reset_position_ids", "reset_attention_mask",
-                 "eod_mask_loss"):
+    for flag in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
         _require(not getattr(args, flag), f"--{flag.replace('_', '-')} is a GPT data flag; BERT's "
                                           f"samples are packed sentences: remove it")
     _require(not getattr(args, "dpp_split_backward", False),

@@ -118,6 +118,16 @@ def test_ignored_sentence_order_labels_are_not_counted(megatron):
     assert torch.isclose(report["sop loss"][0], F.cross_entropy(logits[:1], torch.tensor([1])))
 
 
+def test_a_micro_batch_without_masked_tokens_adds_nothing_and_no_nan():
+    # Megatron's masking leaves some very short samples without a masked token; 0/0 would make
+    # every gradient of the iteration NaN.
+    lm = torch.full((BATCH, SEQ), 3.0, requires_grad=True)
+    loss, report = bert_loss(torch.zeros(BATCH, SEQ), None, (lm, None))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(lm.grad, torch.zeros(BATCH, SEQ))
+    assert report["lm loss"].tolist() == [0.0, 0.0]
+
+
 def test_microbatch_work_is_its_token_count():
     assert bert_microbatch_work(_batch()) == BATCH * SEQ
     assert bert_microbatch_work(object()) == 1

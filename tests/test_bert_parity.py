@@ -1,8 +1,9 @@
 """BERT through `python -m megatron_dpp.pretrain_bert` on the sample corpus made into a BERT dataset
 (WordPiece, sentence-split, Megatron-Core's masking): --use-dpp equals Megatron's own schedule
 (1F1B, interleaved 1F1B with virtual stages) within 1e-5 relative in lm loss, sop loss and grad
-norm at every iteration; the masked-LM loss alone without the binary head; bad BERT flags are
-refused with one line before anything starts."""
+norm at every iteration, at pp=2, pp=2 x vpp=2, pp=4 with variable lengths and tp=2 x pp=2; the
+masked-LM loss alone without the binary head; bad BERT flags are refused with one line before
+anything starts."""
 import re
 import subprocess
 
@@ -25,6 +26,15 @@ TINY_BERT_ARGS = [
 DPP = ["--use-dpp", "--dpp-timeout", "60", "--p2p-transport", "shm"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 VPP2 = ["--num-virtual-stages-per-pipeline-rank", "2"]
+# Layout -> (flags, processes). Variable lengths: short samples are common (--short-seq-prob), so
+# micro-batches cut to their longest sample differ in length, which dpp:adaptive orders by.
+LAYOUTS = {
+    "pp2": (PP2, 2),
+    "pp2_vpp2": (PP2 + VPP2, 2),
+    "pp4_varlen": (["--pipeline-model-parallel-size", "4", "--variable-seq-lengths",
+                    "--short-seq-prob", "0.5"], 4),
+    "tp2_pp2": (PP2 + ["--tensor-model-parallel-size", "2"], 4),
+}
 
 
 def bert_data_args() -> list[str]:
@@ -33,9 +43,9 @@ def bert_data_args() -> list[str]:
             "--vocab-file", str(sample / "bert-vocab.txt"), "--split", "98,2,0"]
 
 
-def train_bert(flags: list[str]) -> tuple[list[float], list[float], list[float]]:
-    """lm losses, sop losses and grad norms of a pp=2 run, one per iteration."""
-    rc, losses, grad_norms, out = run_training(flags, nproc=2, timeout=240, with_data=False,
+def train_bert(flags: list[str], nproc: int = 2) -> tuple[list[float], list[float], list[float]]:
+    """lm losses, sop losses and grad norms of a run, one per iteration."""
+    rc, losses, grad_norms, out = run_training(flags, nproc=nproc, timeout=300, with_data=False,
                                                base_args=[*bert_data_args(), *TINY_BERT_ARGS],
                                                entry="megatron_dpp.pretrain_bert")
     assert rc == 0, out[-3000:]
@@ -45,12 +55,12 @@ def train_bert(flags: list[str]) -> tuple[list[float], list[float], list[float]]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", ["pp2", "pp2_vpp2"])
+@pytest.mark.timeout(660)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_dpp_matches_megatron_on_bert(layout):
-    flags = PP2 + (VPP2 if layout == "pp2_vpp2" else [])
-    reference = train_bert(flags + ["--p2p-transport", "torch"])
-    mine = train_bert(flags + DPP)
+    flags, nproc = LAYOUTS[layout]
+    reference = train_bert(flags + ["--p2p-transport", "torch"], nproc)
+    mine = train_bert(flags + DPP, nproc)
     assert len(reference[1]) == ITERATIONS  # the binary head is on by default
     for name, ours, theirs in zip(("lm loss", "sop loss", "grad norm"), mine, reference):
         assert ours == pytest.approx(theirs, rel=REL_TOL), (layout, name, ours, theirs)
@@ -67,7 +77,7 @@ def test_without_the_binary_head_only_the_lm_loss():
 @pytest.mark.parametrize("flags, message", [
     (["--tokenizer-type", "GPT2BPETokenizer"], "is GPT's; BERT trains with"),
     (["--mask-prob", "1.5"], "--mask-prob"),
-    (["--variable-seq-lengths"], "is a GPT data flag"),
+    (["--eod-mask-loss"], "is a GPT data flag"),
     (["--use-dpp", "--dpp-split-backward"], "covers GPT's layers only"),
 ])
 def test_bad_bert_flags_are_one_line_exit_2(flags, message):

@@ -101,12 +101,16 @@ def bert_loss(loss_mask: torch.Tensor, sentence_order: Optional[torch.Tensor], o
     """Megatron-LM's BERT loss: the masked-LM loss averaged over the masked tokens, plus the
     sentence-order loss averaged over the samples when the binary head is on. Reports each as
     [sum, count] (the training loop averages every reported loss over microbatches and
-    data-parallel ranks by its count)."""
+    data-parallel ranks by its count).
+
+    A micro-batch with no masked token (Megatron's masking can leave a very short sample without
+    one) adds 0 to the masked-LM loss; Megatron-LM divides 0 by 0 there and every gradient of the
+    iteration becomes NaN."""
     lm_losses, sentence_order_logits = output_tensor
     mask = loss_mask.reshape(-1).float()
     lm_sum = torch.sum(lm_losses.float().reshape(-1) * mask)
     masked_tokens = mask.sum()
-    loss = lm_sum / masked_tokens
+    loss = lm_sum / masked_tokens.clamp(min=1.0)
     report = {"lm loss": torch.stack([lm_sum.detach(), masked_tokens.detach()])}
     if sentence_order_logits is not None and sentence_order is not None:
         labels = sentence_order.reshape(-1)
