@@ -847,6 +847,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "megatron_dpp",
 
 
 if __name__ == "__main__":
-    # `WORLD_SIZE=N python -m megatron_dpp.arguments <flags>`: validate only (exit 0, or 2 with the
-    # one-line error), e.g. before a launcher starts N processes.
-    parse_args()
+    # `WORLD_SIZE=N python -m megatron_dpp.arguments [gpt|bert] <flags>`: validate only (exit 0, or
+    # 2 with the one-line error), e.g. before a launcher starts N processes. The model (default gpt)
+    # is a bare word: flags start with "--".
+    argv = sys.argv[1:]
+    model = argv.pop(0) if argv and argv[0] in MODEL_VALIDATORS else "gpt"
+    parse_args(argv, model=model)

@@ -22,12 +22,6 @@
 # instead of running it. Bad variables or flags: one line on stderr, exit code 2, before torchrun.
 set -euo pipefail
 LAUNCH_NAME=run_master_gpt
-# shellcheck source=run_scripts/_launch_gpt.sh
-source "$(dirname "${BASH_SOURCE[0]}")/_launch_gpt.sh"
-
-launch_parse_args "$@"
-launch_check_layout_env
-launch_check_nodes master
-launch_prepare
-launch_precheck
-launch_start 0
+# shellcheck source=run_scripts/_launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_launch.sh"
+launch_main master gpt "$@"

@@ -17,12 +17,6 @@
 # running it. Several nodes: run_master_gpt.sh and run_worker_gpt.sh, or run_slurm_gpt.sh.
 set -euo pipefail
 LAUNCH_NAME=run_single_gpt
-# shellcheck source=run_scripts/_launch_gpt.sh
-source "$(dirname "${BASH_SOURCE[0]}")/_launch_gpt.sh"
-
-launch_parse_args "$@"
-launch_check_layout_env
-launch_check_nodes single
-launch_prepare
-launch_precheck
-launch_start 0
+# shellcheck source=run_scripts/_launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_launch.sh"
+launch_main single gpt "$@"

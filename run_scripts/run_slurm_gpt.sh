@@ -30,16 +30,17 @@
 set -euo pipefail
 LAUNCH_NAME=run_slurm_gpt
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-if [ ! -f "$SCRIPT_DIR/_launch_gpt.sh" ]; then
+if [ ! -f "$SCRIPT_DIR/_launch.sh" ]; then
   SCRIPT_DIR="${SLURM_SUBMIT_DIR:-$PWD}/run_scripts"  # sbatch's copy of this script
 fi
-if [ ! -f "$SCRIPT_DIR/_launch_gpt.sh" ]; then
-  echo "$LAUNCH_NAME: cannot find run_scripts/_launch_gpt.sh; submit from the repository root (sbatch run_scripts/run_slurm_gpt.sh)" >&2
+if [ ! -f "$SCRIPT_DIR/_launch.sh" ]; then
+  echo "$LAUNCH_NAME: cannot find run_scripts/_launch.sh; submit from the repository root (sbatch run_scripts/run_slurm_gpt.sh)" >&2
   exit 2
 fi
-# shellcheck source=run_scripts/_launch_gpt.sh
-source "$SCRIPT_DIR/_launch_gpt.sh"
+# shellcheck source=run_scripts/_launch.sh
+source "$SCRIPT_DIR/_launch.sh"
 
+launch_set_model gpt
 launch_parse_args "$@"
 launch_check_layout_env
 

@@ -1,7 +1,9 @@
-# Shared by the run_*_gpt.sh launchers; sourced, never run. It holds every default and check of
-# their environment variables, builds the trainer's flags, runs the flag pre-check and starts (or,
-# with --dry-run, prints) torchrun. A launcher sets LAUNCH_NAME (the prefix of its messages),
-# sources this file and calls, in this order:
+# Shared by the run_*_gpt.sh and run_*_bert.sh launchers; sourced, never run. It holds every
+# default and check of their environment variables, builds the trainer's flags, runs the flag
+# pre-check and starts (or, with --dry-run, prints) torchrun. A launcher sets LAUNCH_NAME (the
+# prefix of its messages), sources this file and calls `launch_main ROLE MODEL "$@"`, which runs,
+# in this order (run_slurm_gpt.sh calls them itself):
+#   launch_set_model MODEL     gpt | bert: its entry point, recipes and sample data
 #   launch_parse_args "$@"     --dry-run (anywhere) -> DRY_RUN=1; the other arguments -> EXTRA_ARGS
 #   launch_check_layout_env    USE_DPP, PP, TP, VPP, NPROC as given (before any slow setup)
 #   launch_check_nodes ROLE    single | master | worker | slurm: NNODES, NODE_RANK, MASTER_ADDR,
@@ -14,6 +16,38 @@ VENV="${DPP_VENV:-$REPO_ROOT/.venv}"
 PY="$VENV/bin/python"
 # Both sides of a multi-node job must agree on the port, so it cannot be picked at random.
 DEFAULT_MULTINODE_MASTER_PORT=29500
+
+# launch_set_model MODEL: what differs between the models, all here.
+launch_set_model() {
+  LAUNCH_MODEL="$1"
+  case "$LAUNCH_MODEL" in
+    gpt)
+      ENTRY_MODULE=megatron_dpp.pretrain_gpt
+      RECIPE_DIR="$REPO_ROOT/examples/gpt3"; CPU_RECIPE=gpt3_tiny; GPU_RECIPE=gpt3_125m ;;
+    bert)
+      ENTRY_MODULE=megatron_dpp.pretrain_bert
+      RECIPE_DIR="$REPO_ROOT/examples/bert"; CPU_RECIPE=bert_tiny; GPU_RECIPE=bert_base ;;
+    *)
+      launch_fail "unknown model $LAUNCH_MODEL (gpt or bert)" ;;
+  esac
+}
+
+# launch_sample_data_flags DATA_DIR -> DATA_FLAGS: the model's files of the sample data (made by
+# prepare_sample when missing).
+launch_sample_data_flags() {
+  local dir="$1" marker
+  if [ "$LAUNCH_MODEL" = bert ]; then marker=sample_bert_text_sentence.idx; else marker=sample_text_document.idx; fi
+  if [ ! -f "$dir/$marker" ]; then
+    (cd "$REPO_ROOT" && "$PY" -m megatron_dpp.data.prepare_sample --output-dir "$dir")
+  fi
+  if [ "$LAUNCH_MODEL" = bert ]; then
+    DATA_FLAGS=(--data-path "$dir/sample_bert_text_sentence" --vocab-file "$dir/bert-vocab.txt"
+                --tokenizer-type BertWordPieceLowerCase --split 98,2,0)
+  else
+    DATA_FLAGS=(--data-path "$dir/sample_text_document" --vocab-file "$dir/vocab.json"
+                --merge-file "$dir/merges.txt" --split 98,2,0)
+  fi
+}
 
 launch_fail() {
   echo "$LAUNCH_NAME: $*" >&2
@@ -74,7 +108,7 @@ launch_check_nodes() {
     master)
       NODE_RANK="${NODE_RANK:-0}"
       if [ "$NODE_RANK" != 0 ]; then
-        launch_fail "NODE_RANK=$NODE_RANK; the master is node 0 (start the other nodes with run_worker_gpt.sh)"
+        launch_fail "NODE_RANK=$NODE_RANK; the master is node 0 (start the other nodes with run_worker_$LAUNCH_MODEL.sh)"
       fi
       if [ -z "${MASTER_ADDR:-}" ]; then
         if [ -n "$NODE_IPS" ]; then
@@ -117,16 +151,16 @@ launch_prepare() {
   local gpus
   gpus="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
   if [ "$gpus" -gt 0 ]; then
-    NPROC="${NPROC:-$gpus}"; PP="${PP:-1}"; RECIPE="${RECIPE:-gpt3_125m}"
+    NPROC="${NPROC:-$gpus}"; PP="${PP:-1}"; RECIPE="${RECIPE:-$GPU_RECIPE}"
   else
-    NPROC="${NPROC:-2}"; PP="${PP:-2}"; RECIPE="${RECIPE:-gpt3_tiny}"
+    NPROC="${NPROC:-2}"; PP="${PP:-2}"; RECIPE="${RECIPE:-$CPU_RECIPE}"
   fi
   TP="${TP:-1}"
   VPP="${VPP:-1}"
 
-  local recipe_file="$REPO_ROOT/examples/gpt3/$RECIPE.sh"
+  local recipe_file="$RECIPE_DIR/$RECIPE.sh"
   if [ ! -f "$recipe_file" ]; then
-    launch_fail "no recipe $recipe_file; set RECIPE to one of: $(cd "$REPO_ROOT/examples/gpt3" && ls *.sh | sed 's/\.sh$//' | tr '\n' ' ')"
+    launch_fail "no recipe $recipe_file; set RECIPE to one of: $(cd "$RECIPE_DIR" && ls *.sh | sed 's/\.sh$//' | tr '\n' ' ')"
   fi
   # shellcheck source=/dev/null
   source "$recipe_file"
@@ -136,11 +170,8 @@ launch_prepare() {
     read -r -a data_flags <<<"$DATA_ARGS"
   else
     DATA_DIR="${DATA_DIR:-$REPO_ROOT/data/sample}"
-    if [ ! -f "$DATA_DIR/sample_text_document.idx" ]; then
-      (cd "$REPO_ROOT" && "$PY" -m megatron_dpp.data.prepare_sample --output-dir "$DATA_DIR")
-    fi
-    data_flags=(--data-path "$DATA_DIR/sample_text_document" --vocab-file "$DATA_DIR/vocab.json"
-                --merge-file "$DATA_DIR/merges.txt" --split 98,2,0)
+    launch_sample_data_flags "$DATA_DIR"
+    data_flags=("${DATA_FLAGS[@]}")
   fi
 
   local parallel_flags=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
@@ -156,7 +187,7 @@ launch_prepare() {
   fi
 
   # Extra arguments come last, so they override the recipe's flags.
-  ALL_FLAGS=("${GPT_MODEL_ARGS[@]}" "${GPT_TRAINING_ARGS[@]}" "${GPT_LOGGING_ARGS[@]}"
+  ALL_FLAGS=("${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${LOGGING_ARGS[@]}"
              "${data_flags[@]}" "${parallel_flags[@]}" "${node_flags[@]}" "${EXTRA_ARGS[@]}")
 }
 
@@ -164,7 +195,7 @@ launch_precheck() {
   # torchrun's variables as every rank will see them; megatron_dpp.comm.nodes counts the nodes
   # with GROUP_WORLD_SIZE.
   (cd "$REPO_ROOT" && WORLD_SIZE="$((NNODES * NPROC))" LOCAL_WORLD_SIZE="$NPROC" \
-     GROUP_WORLD_SIZE="$NNODES" RANK=0 "$PY" -m megatron_dpp.arguments "${ALL_FLAGS[@]}")
+     GROUP_WORLD_SIZE="$NNODES" RANK=0 "$PY" -m megatron_dpp.arguments "$LAUNCH_MODEL" "${ALL_FLAGS[@]}")
 }
 
 # launch_torchrun_command NODE_RANK -> TORCHRUN (the command line of that node)
@@ -181,7 +212,7 @@ launch_torchrun_command() {
     rendezvous=(--node-rank "$node_rank" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
   fi
   TORCHRUN=("$PY" -m torch.distributed.run --nnodes "$NNODES" "${rendezvous[@]}"
-            --nproc-per-node "$NPROC" -m megatron_dpp.pretrain_gpt "${ALL_FLAGS[@]}")
+            --nproc-per-node "$NPROC" -m "$ENTRY_MODULE" "${ALL_FLAGS[@]}")
 }
 
 # launch_print_command NODE_RANK: "node R: <that node's torchrun command>", quoted for a shell
@@ -216,4 +247,17 @@ launch_start() {
   launch_torchrun_command "$node_rank"
   cd "$REPO_ROOT"
   exec "${TORCHRUN[@]}"
+}
+
+# launch_main ROLE MODEL ARGS...: a whole launch (single, master or worker) of MODEL.
+launch_main() {
+  local role="$1" model="$2"
+  shift 2
+  launch_set_model "$model"
+  launch_parse_args "$@"
+  launch_check_layout_env
+  launch_check_nodes "$role"
+  launch_prepare
+  launch_precheck
+  if [ "$role" = worker ]; then launch_start "$NODE_RANK"; else launch_start 0; fi
 }
