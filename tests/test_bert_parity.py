@@ -4,6 +4,7 @@
 norm at every iteration, at pp=2, pp=2 x vpp=2, pp=4 with variable lengths and tp=2 x pp=2; the
 masked-LM loss alone without the binary head; bad BERT flags are refused with one line before
 anything starts."""
+import os
 import re
 import subprocess
 
@@ -43,14 +44,16 @@ def bert_data_args() -> list[str]:
             "--vocab-file", str(sample / "bert-vocab.txt"), "--split", "98,2,0"]
 
 
-def train_bert(flags: list[str], nproc: int = 2) -> tuple[list[float], list[float], list[float]]:
+def train_bert(flags: list[str], nproc: int = 2, iterations: int = ITERATIONS,
+               expect_in_log: str = "") -> tuple[list[float], list[float], list[float]]:
     """lm losses, sop losses and grad norms of a run, one per iteration."""
     rc, losses, grad_norms, out = run_training(flags, nproc=nproc, timeout=300, with_data=False,
                                                base_args=[*bert_data_args(), *TINY_BERT_ARGS],
                                                entry="megatron_dpp.pretrain_bert")
     assert rc == 0, out[-3000:]
     sop_losses = [float(m.group(1)) for m in SOP_LOSS_RE.finditer(out)]
-    assert len(losses) == len(grad_norms) == ITERATIONS, out[-3000:]
+    assert len(losses) == len(grad_norms) == iterations, out[-3000:]
+    assert expect_in_log in out, out[-3000:]
     return losses, sop_losses, grad_norms
 
 
@@ -65,6 +68,23 @@ def test_dpp_matches_megatron_on_bert(layout):
     for name, ours, theirs in zip(("lm loss", "sop loss", "grad norm"), mine, reference):
         assert ours == pytest.approx(theirs, rel=REL_TOL), (layout, name, ours, theirs)
     assert mine[0][-1] < mine[0][0]  # the masked-LM loss falls
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_checkpoint_resume_reproduces_the_uninterrupted_run(tmp_path):
+    # --lr-decay-iters fixed, so the shorter first run has the same learning-rate schedule.
+    flags = PP2 + DPP + ["--lr-decay-iters", "6"]
+    full = train_bert(flags + ["--train-iters", "6"], iterations=6)
+    save = str(tmp_path / "ckpt")
+    first = train_bert(flags + ["--train-iters", "3", "--save", save], iterations=3)
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as handle:
+        assert handle.read().strip() == "3"
+    resumed = train_bert(flags + ["--train-iters", "6", "--load", save], iterations=3,
+                         expect_in_log="loaded checkpoint")
+    for name, whole, before, after in zip(("lm loss", "sop loss", "grad norm"), full, first,
+                                          resumed):
+        assert before == whole[:3] and after == whole[3:], name  # exact: same bits
 
 
 @pytest.mark.slow
