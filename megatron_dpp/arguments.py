@@ -486,8 +486,6 @@ def validate_bert_args(args: argparse.Namespace) -> None:
     for flag in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
         _require(not getattr(args, flag), f"--{flag.replace('_', '-')} is a GPT data flag; BERT's "
                                           f"samples are packed sentences: remove it")
-    _require(not getattr(args, "dpp_split_backward", False),
-             "--dpp-split-backward covers GPT's layers only so far; remove it for BERT")
 
 
 # Per model (the entry point's): its own flag groups, and its validator, which runs before the

@@ -1,7 +1,8 @@
 """BERT through `python -m megatron_dpp.pretrain_bert` on the sample corpus made into a BERT dataset
 (WordPiece, sentence-split, Megatron-Core's masking): --use-dpp equals Megatron's own schedule
 (1F1B, interleaved 1F1B with virtual stages) within 1e-5 relative in lm loss, sop loss and grad
-norm at every iteration, at pp=2, pp=2 x vpp=2, pp=4 with variable lengths and tp=2 x pp=2; the
+norm at every iteration, at pp=2, pp=2 x vpp=2, pp=4 with variable lengths and tp=2 x pp=2, and
+with the split backward (--dpp-split-backward) at pp=2 x vpp=2 and tp=2 x pp=2; the
 masked-LM loss alone without the binary head; bad BERT flags are refused with one line before
 anything starts."""
 import os
@@ -27,14 +28,19 @@ TINY_BERT_ARGS = [
 DPP = ["--use-dpp", "--dpp-timeout", "60", "--p2p-transport", "shm"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 VPP2 = ["--num-virtual-stages-per-pipeline-rank", "2"]
-# Layout -> (flags, processes). Variable lengths: short samples are common (--short-seq-prob), so
-# micro-batches cut to their longest sample differ in length, which dpp:adaptive orders by.
+SPLIT = ["--dpp-split-backward"]
+# Layout -> (flags, processes, flags of the DPP run only). Variable lengths: short samples are
+# common (--short-seq-prob), so micro-batches cut to their longest sample differ in length, which
+# dpp:adaptive orders by. Split backward: W tasks (deferred weight gradients) against Megatron's
+# fused backward.
 LAYOUTS = {
-    "pp2": (PP2, 2),
-    "pp2_vpp2": (PP2 + VPP2, 2),
+    "pp2": (PP2, 2, []),
+    "pp2_vpp2": (PP2 + VPP2, 2, []),
     "pp4_varlen": (["--pipeline-model-parallel-size", "4", "--variable-seq-lengths",
-                    "--short-seq-prob", "0.5"], 4),
-    "tp2_pp2": (PP2 + ["--tensor-model-parallel-size", "2"], 4),
+                    "--short-seq-prob", "0.5"], 4, []),
+    "tp2_pp2": (PP2 + ["--tensor-model-parallel-size", "2"], 4, []),
+    "pp2_vpp2_split": (PP2 + VPP2, 2, SPLIT),
+    "tp2_pp2_split": (PP2 + ["--tensor-model-parallel-size", "2"], 4, SPLIT),
 }
 
 
@@ -61,9 +67,9 @@ def train_bert(flags: list[str], nproc: int = 2, iterations: int = ITERATIONS,
 @pytest.mark.timeout(660)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_dpp_matches_megatron_on_bert(layout):
-    flags, nproc = LAYOUTS[layout]
+    flags, nproc, dpp_only = LAYOUTS[layout]
     reference = train_bert(flags + ["--p2p-transport", "torch"], nproc)
-    mine = train_bert(flags + DPP, nproc)
+    mine = train_bert(flags + DPP + dpp_only, nproc)
     assert len(reference[1]) == ITERATIONS  # the binary head is on by default
     for name, ours, theirs in zip(("lm loss", "sop loss", "grad norm"), mine, reference):
         assert ours == pytest.approx(theirs, rel=REL_TOL), (layout, name, ours, theirs)
@@ -98,7 +104,7 @@ def test_without_the_binary_head_only_the_lm_loss():
     (["--tokenizer-type", "GPT2BPETokenizer"], "is GPT's; BERT trains with"),
     (["--mask-prob", "1.5"], "--mask-prob"),
     (["--eod-mask-loss"], "is a GPT data flag"),
-    (["--use-dpp", "--dpp-split-backward"], "covers GPT's layers only"),
+    (["--dpp-split-backward"], "add --use-dpp"),
 ])
 def test_bad_bert_flags_are_one_line_exit_2(flags, message):
     command = [PYTHON, "-m", "megatron_dpp.pretrain_bert", *bert_data_args(), *TINY_BERT_ARGS, *flags]
