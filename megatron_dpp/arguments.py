@@ -73,6 +73,7 @@ def _add_refused_flag(group, flag: str, takes_value: bool = False) -> None:
 
 
 def validate_refused_args(args: argparse.Namespace) -> None:
+    """The first REFUSED_FLAGS flag given: one line with its reason."""
     for flag, reason in REFUSED_FLAGS.items():
         _require(getattr(args, _refused_dest(flag)) is None, f"{flag} {reason}; remove it")
 
@@ -332,11 +333,11 @@ def validate_parallel_args(args: argparse.Namespace) -> None:
              f"--context-parallel-size {args.context_parallel_size}: only 1 runs here (context "
              f"parallelism needs Transformer Engine's attention and data split along the sequence "
              f"per rank, which this runtime does not have)")
-    _validate_distributed_saved_activations(args, cuda)
+    _validate_distribute_saved_activations(args, cuda)
     _validate_overlap_args(args)
 
 
-def _validate_distributed_saved_activations(args: argparse.Namespace, cuda: bool) -> None:
+def _validate_distribute_saved_activations(args: argparse.Namespace, cuda: bool) -> None:
     """--distribute-saved-activations, with Megatron-LM's conditions and Megatron-Core's."""
     if not args.distribute_saved_activations:
         return
@@ -354,8 +355,8 @@ def _validate_distributed_saved_activations(args: argparse.Namespace, cuda: bool
 
 
 def _validate_overlap_args(args: argparse.Namespace) -> None:
-    """The data-parallel and pipeline overlap flags (Megatron-LM's rules; DDP config and sync
-    functions in training/config.py)."""
+    """The data-parallel and pipeline overlap flags (Megatron-LM's rules; they reach the DDP
+    config in training/config.py and the schedules' sync functions in training/loop.py)."""
     if args.overlap_param_gather:
         _require(args.use_distributed_optimizer,
                  "--overlap-param-gather overlaps the distributed optimizer's parameter all-gather; "
