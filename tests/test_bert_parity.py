@@ -1,7 +1,7 @@
 """BERT through `python -m megatron_dpp.pretrain_bert` on the sample corpus made into a BERT dataset
 (WordPiece, sentence-split, Megatron-Core's masking): --use-dpp equals Megatron's own schedule
 (1F1B, interleaved 1F1B with virtual stages) within 1e-5 relative in lm loss, sop loss and grad
-norm at every iteration, at pp=2, pp=2 x vpp=2, pp=4 with variable lengths and tp=2 x pp=2, and
+norm at every iteration, at pp=2, pp=2 x vpp=2, pp=4 with variable lengths, tp=2 x pp=2 and pp=2 x dp=2, and
 with the split backward (--dpp-split-backward) at pp=2 x vpp=2 and tp=2 x pp=2; the
 masked-LM loss alone without the binary head; bad BERT flags are refused with one line before
 anything starts."""
@@ -39,6 +39,7 @@ LAYOUTS = {
     "pp4_varlen": (["--pipeline-model-parallel-size", "4", "--variable-seq-lengths",
                     "--short-seq-prob", "0.5"], 4, []),
     "tp2_pp2": (PP2 + ["--tensor-model-parallel-size", "2"], 4, []),
+    "pp2_dp2": (PP2, 4, []),  # 4 processes / pp 2: two data-parallel pipelines
     "pp2_vpp2_split": (PP2 + VPP2, 2, SPLIT),
     "tp2_pp2_split": (PP2 + ["--tensor-model-parallel-size", "2"], 4, SPLIT),
 }
