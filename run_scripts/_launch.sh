@@ -4,7 +4,8 @@
 # prefix of its messages), sources this file and calls `launch_main ROLE MODEL "$@"`, which runs,
 # in this order (run_slurm_gpt.sh calls them itself):
 #   launch_set_model MODEL     gpt | bert: its entry point, recipes and sample data
-#   launch_parse_args "$@"     --dry-run (anywhere) -> DRY_RUN=1; the other arguments -> EXTRA_ARGS
+#   launch_parse_args "$@"     --dry-run (anywhere) -> DRY_RUN=1; --strategy FILE -> STRATEGY_FILE;
+#                              the other arguments -> EXTRA_ARGS
 #   launch_check_layout_env    USE_DPP, PP, TP, VPP, NPROC as given (before any slow setup)
 #   launch_check_nodes ROLE    single | master | worker | slurm: NNODES, NODE_RANK, MASTER_ADDR,
 #                              MASTER_PORT, NODE_IPS (slurm: after setting NNODES and NODE_IPS)
@@ -67,10 +68,22 @@ launch_require_int() {
 launch_parse_args() {
   DRY_RUN=0
   EXTRA_ARGS=()
-  local arg
-  for arg in "$@"; do
-    if [ "$arg" = "--dry-run" ]; then DRY_RUN=1; else EXTRA_ARGS+=("$arg"); fi
+  STRATEGY_FILE=""
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --dry-run) DRY_RUN=1 ;;
+      --strategy)
+        [ $# -ge 2 ] || launch_fail "--strategy needs a FILE (the strategy JSON of start-search.sh)"
+        STRATEGY_FILE="$2"; shift ;;
+      --strategy=*) STRATEGY_FILE="${1#--strategy=}" ;;
+      *) EXTRA_ARGS+=("$1") ;;
+    esac
+    shift
   done
+  if [ -n "$STRATEGY_FILE" ]; then
+    [ -f "$STRATEGY_FILE" ] || launch_fail "--strategy $STRATEGY_FILE: no such file"
+    STRATEGY_FILE="$(cd "$(dirname "$STRATEGY_FILE")" && pwd)/$(basename "$STRATEGY_FILE")"
+  fi
 }
 
 launch_check_layout_env() {
@@ -83,6 +96,44 @@ launch_check_layout_env() {
     if [ -n "${!name:-}" ]; then
       launch_require_int "$name" 1 "" "a positive whole number"
     fi
+  done
+  if [ -n "$STRATEGY_FILE" ]; then
+    for name in PP TP VPP; do
+      if [ -n "${!name:-}" ]; then
+        launch_fail "$name=${!name} and --strategy both choose the layout; unset $name"
+      fi
+    done
+  fi
+}
+
+# launch_read_strategy: the strategy's model, processes, nodes and flags (STRATEGY_FLAGS), checked
+# against this launcher; PP, TP, VPP and USE_DPP as the strategy's flags set them.
+launch_read_strategy() {
+  local read=("$PY" -m megatron_dpp.search.strategy "$STRATEGY_FILE" --print) value flags_text
+  value="$("${read[@]}" model)" || exit 2
+  if [ "$value" != "$LAUNCH_MODEL" ]; then
+    launch_fail "--strategy $STRATEGY_FILE is a $value strategy; start it with run_*_$value.sh"
+  fi
+  value="$("${read[@]}" num_nodes)" || exit 2
+  if [ "$value" != "$NNODES" ]; then
+    launch_fail "--strategy $STRATEGY_FILE was searched for $value node(s); this job has $NNODES"
+  fi
+  value="$("${read[@]}" nproc_per_node)" || exit 2
+  if [ -n "${NPROC:-}" ] && [ "$NPROC" != "$value" ]; then
+    launch_fail "NPROC=$NPROC, but --strategy $STRATEGY_FILE was searched for $value processes per node; unset NPROC"
+  fi
+  NPROC="$value"
+  flags_text="$("${read[@]}" flags)" || exit 2
+  mapfile -t STRATEGY_FLAGS <<<"$flags_text"
+  PP=1; TP=1; VPP=1; USE_DPP=0
+  local i
+  for ((i = 0; i < ${#STRATEGY_FLAGS[@]}; i++)); do
+    case "${STRATEGY_FLAGS[i]}" in
+      --pipeline-model-parallel-size) PP="${STRATEGY_FLAGS[i + 1]}" ;;
+      --tensor-model-parallel-size) TP="${STRATEGY_FLAGS[i + 1]}" ;;
+      --num-virtual-stages-per-pipeline-rank) VPP="${STRATEGY_FLAGS[i + 1]}" ;;
+      --use-dpp) USE_DPP=1 ;;
+    esac
   done
 }
 
@@ -148,6 +199,10 @@ launch_prepare() {
   fi
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
+  STRATEGY_FLAGS=()
+  if [ -n "$STRATEGY_FILE" ]; then
+    launch_read_strategy
+  fi
   local gpus
   gpus="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
   if [ "$gpus" -gt 0 ]; then
@@ -174,19 +229,23 @@ launch_prepare() {
     data_flags=("${DATA_FLAGS[@]}")
   fi
 
-  local parallel_flags=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
-  if [ "$VPP" -gt 1 ]; then
-    parallel_flags+=(--num-virtual-stages-per-pipeline-rank "$VPP")
-  fi
-  if [ "$USE_DPP" = "1" ] && [ "$PP" -ge 2 ]; then
-    parallel_flags+=(--use-dpp)
+  # The strategy's flags (model shape, batch, layout, schedule) replace the environment's sizes.
+  local parallel_flags=("${STRATEGY_FLAGS[@]}")
+  if [ -z "$STRATEGY_FILE" ]; then
+    parallel_flags=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
+    if [ "$VPP" -gt 1 ]; then
+      parallel_flags+=(--num-virtual-stages-per-pipeline-rank "$VPP")
+    fi
+    if [ "$USE_DPP" = "1" ] && [ "$PP" -ge 2 ]; then
+      parallel_flags+=(--use-dpp)
+    fi
   fi
   local node_flags=()
   if [ -n "$NODE_IPS" ]; then
     node_flags=(--multi-node --node-ips "$NODE_IPS")
   fi
 
-  # Extra arguments come last, so they override the recipe's flags.
+  # Extra arguments come last, so they override the recipe's (and the strategy's) flags.
   ALL_FLAGS=("${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${LOGGING_ARGS[@]}"
              "${data_flags[@]}" "${parallel_flags[@]}" "${node_flags[@]}" "${EXTRA_ARGS[@]}")
 }
@@ -230,10 +289,11 @@ launch_print_command() {
 launch_describe() {
   local node_rank="$1"
   if [ "$LAUNCH_ROLE" = single ]; then
-    echo "$LAUNCH_NAME: $NPROC processes, TP=$TP PP=$PP VPP=$VPP, USE_DPP=$USE_DPP, recipe $RECIPE"
+    echo "$LAUNCH_NAME: $NPROC processes, TP=$TP PP=$PP VPP=$VPP, USE_DPP=$USE_DPP, recipe $RECIPE${STRATEGY_FILE:+, strategy $STRATEGY_FILE}"
   else
     echo "$LAUNCH_NAME: node $node_rank of $NNODES, $NPROC processes per node, TP=$TP PP=$PP" \
-         "VPP=$VPP, USE_DPP=$USE_DPP, recipe $RECIPE, master $MASTER_ADDR:$MASTER_PORT"
+         "VPP=$VPP, USE_DPP=$USE_DPP, recipe $RECIPE${STRATEGY_FILE:+, strategy $STRATEGY_FILE}," \
+         "master $MASTER_ADDR:$MASTER_PORT"
   fi
 }
 

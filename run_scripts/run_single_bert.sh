@@ -13,6 +13,8 @@
 #   USE_DPP       1 (default): dynamic pipeline schedule (--use-dpp) whenever PP >= 2; 0: Megatron's
 #                 fixed 1F1B / interleaved schedule
 # Extra arguments are passed to megatron_dpp.pretrain_bert and override the recipe's flags.
+# --strategy FILE (among them): the model shape, batch, layout and schedule of a strategy JSON
+# written by run_scripts/start-search.sh; it replaces PP, TP, VPP, USE_DPP and NPROC.
 # --dry-run (anywhere among them) checks everything and prints the torchrun command instead of
 # running it. Several nodes: run_master_bert.sh and run_worker_bert.sh.
 set -euo pipefail

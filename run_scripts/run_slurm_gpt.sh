@@ -24,6 +24,8 @@
 # Environment, as in run_master_gpt.sh: MASTER_PORT (default 29500), NPROC (processes per node),
 # PP, TP, VPP, USE_DPP, RECIPE, DATA_DIR, DATA_ARGS.
 # Extra arguments are passed to megatron_dpp.pretrain_gpt and override the recipe's flags.
+# --strategy FILE (among them): the model shape, batch, layout and schedule of a strategy JSON
+# written by run_scripts/start-search.sh; it replaces PP, TP, VPP, USE_DPP and NPROC.
 # --dry-run (anywhere among them) checks everything, prints the torchrun command of every node
 # (one line per node, with its rank) and starts nothing. Bad variables or flags: one line on stderr,
 # exit code 2, before anything starts.

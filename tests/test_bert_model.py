@@ -8,12 +8,12 @@ import argparse
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_dpp.models.bert import (BertShape, bert_loss, bert_microbatch_work, build_bert_chunks,
-                                      make_bert_forward_step)
-from megatron_dpp.platform import setup_platform
+from megatron_dpp.models.bert import (BERT_SPEC, BertShape, bert_loss, bert_microbatch_work,
+                                      build_bert_chunks, make_bert_forward_step)
+
+from _one_rank import one_rank_megatron
 
 SEQ, BATCH, HIDDEN, VOCAB = 16, 2, 32, 128
 
@@ -21,19 +21,8 @@ SEQ, BATCH, HIDDEN, VOCAB = 16, 2, 32, 128
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
     """A one-rank Megatron-Core setup (the CPU patches BERT needs, gloo, tp = pp = 1)."""
-    setup_platform(("megatron.core.models.common.embeddings.language_model_embedding",))
-    from megatron.core import parallel_state, tensor_parallel
-
-    created = not dist.is_initialized()
-    if created:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("bert") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
+    with one_rank_megatron(tmp_path_factory.mktemp("bert"), BERT_SPEC.cpu_patched_modules):
+        yield
 
 
 def _config():

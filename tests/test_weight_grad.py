@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_dpp.models.gpt import GPT_SPEC
 from megatron_dpp.platform import setup_platform
+
+from _one_rank import one_rank_megatron
 
 SEQ, BATCH, HIDDEN, FFN, VOCAB, LAYERS = 8, 2, 16, 32, 64, 2
 ORDER = [("B", 1), ("B", 0), ("W", 0), ("B", 2), ("W", 2), ("W", 1)]  # not FIFO
@@ -25,19 +26,8 @@ REL_TOL = 1e-6
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
     """A one-rank Megatron-Core setup (the platform's CPU patches, gloo, tp = pp = 1)."""
-    setup_platform(GPT_SPEC.cpu_patched_modules)
-    from megatron.core import parallel_state, tensor_parallel
-
-    created = not dist.is_initialized()
-    if created:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("wg") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
+    with one_rank_megatron(tmp_path_factory.mktemp("wg"), GPT_SPEC.cpu_patched_modules):
+        yield
 
 
 def _config(**overrides):

@@ -97,10 +97,22 @@ def log_rank0(message: str) -> None:
         log(message)
 
 
+def wrap_for_mixed_precision(config, chunks: list) -> list:
+    """With --bf16 or --fp16, each chunk inside Megatron-Core's Float16Module, as Megatron-LM's
+    get_model does: it casts every parameter to 16 bits (torch's own layers, such as the learned
+    position embedding and the local spec's layer norms, are built in fp32, and a forward would
+    mix dtypes), the first stage's input too, and returns the last stage's outputs in fp32."""
+    if not (config.bf16 or config.fp16):
+        return chunks
+    from megatron.core.transformer.module import Float16Module
+
+    return [Float16Module(config, chunk) for chunk in chunks]
+
+
 def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSpec):
     config = transformer_config_from_args(args)
     chunks = spec.build_chunks(args, config, seed)  # args.padded_vocab_size: set by build_tokenizer
-    chunks = [chunk.to(platform.device) for chunk in chunks]
+    chunks = wrap_for_mixed_precision(config, [chunk.to(platform.device) for chunk in chunks])
     ddp_config = ddp_config_from_args(args)
     model = [
         # Only the first chunk buckets its gradients (Megatron-LM does the same).
