@@ -1,0 +1,340 @@
+"""ModelProfile: a model's measured layer times and memory, in Galvatron's files.
+
+A profile directory holds Galvatron's two files, with Galvatron's names and keys, so Galvatron's
+own readers accept it:
+
+- `computation_profiling_{dtype}_hidden_{h}_head_{a}.json`:
+  {"layertype_{t}_bsz{b}_seq{s}": forward ms of one layer}
+- `memory_profiling_{dtype}_hidden_{h}_head_{a}.json`:
+  {"layertype_{t}[_sp]": {"{seq}": {
+       "parameter_size": MB,
+       "tp_activation_per_bsz_dict": {"checkpoint": MB, "1": MB, ...}}},
+   "other_memory_{pp_off|pp_on_first|pp_on_last}[_sp]":
+       {"{seq}": {"model_states": {"{tp}": MB}, "activation": {"{tp}": MB}}}}
+  (MB = 2**20 bytes; activations per sample; parameter_size is the layer's parameters at 4 bytes
+  each, Galvatron's fp32 convention)
+
+and our companion file `megatron_dpp_profiling_{dtype}_hidden_{h}_head_{a}.json`, which Galvatron
+ignores: {"model": "gpt"|"bert", "source": str,
+          "backward_ms": {"layertype_{t}_bsz{b}_seq{s}": ms},
+          "selective_activation_per_bsz": {"layertype_{t}[_sp]": {"{seq}": {"{tp}": MB}}}}.
+Without the companion, backward is taken as 2x forward (said in `source`).
+
+Time between and beyond the measured points (`layer_forward_ms`): at each measured sequence
+length the times are fitted linearly in the batch size, t = alpha * b + beta by least squares
+(Galvatron's 'batch' profile mode; one batch size: proportional to b, its 'static' mode). Across
+sequence lengths the per-length values at the asked batch are fitted in the length: one length:
+proportional to s; two: the line through both; three or more: a + b*s + c*s^2 by least squares.
+Outside the measured range the same fits extrapolate; a result is never below 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+from typing import Mapping
+
+import numpy
+
+from megatron_dpp.search.errors import SearchInputError
+
+MB = 2 ** 20
+DTYPES = ("bf16", "fp16", "fp32")
+STAGES = ("pp_off", "pp_on_first", "pp_on_last")
+CHECKPOINT_KEY = "checkpoint"
+BACKWARD_FACTOR_WITHOUT_COMPANION = 2.0
+_TIME_KEY = re.compile(r"^layertype_(\d+)_bsz(\d+)_seq(\d+)$")
+_LAYER_KEY = re.compile(r"^layertype_(\d+)(_sp)?$")
+_OTHER_KEY = re.compile(r"^other_memory_(pp_off|pp_on_first|pp_on_last)(_sp)?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMemory:
+    """One layer type's memory at one sequence length (with or without sequence parallelism)."""
+
+    parameter_mb: float
+    """Galvatron's "parameter_size": the layer's parameters at 4 bytes each, in MB."""
+    activation_mb_per_sample: Mapping[int, float]
+    """tp -> MB one layer keeps for backward per sample, no recompute (Galvatron's "1", "2"...)."""
+    checkpoint_mb_per_sample: float
+    """MB per sample with full recompute (Galvatron's "checkpoint")."""
+    selective_mb_per_sample: Mapping[int, float]
+    """tp -> MB per sample with selective recompute (our companion file; empty without it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OtherMemory:
+    """The modules besides the layers (embedding, output layer, loss) on one kind of stage."""
+
+    model_states_mb: Mapping[int, float]
+    """tp -> MB of their parameters, gradients and optimizer state."""
+    activation_mb_per_sample: Mapping[int, float]
+    """tp -> MB of activations they keep per sample."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryProfile:
+    """Galvatron's memory_profiling file, typed."""
+
+    layers: Mapping[tuple[int, bool, int], LayerMemory]
+    """(layer type, sequence parallel, seq length) -> the layer's memory."""
+    other: Mapping[tuple[str, bool, int], OtherMemory]
+    """(stage: "pp_off" | "pp_on_first" | "pp_on_last", sequence parallel, seq length) -> memory."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelProfile:
+    """One model's layer times and memory at one hidden size, head count and dtype."""
+
+    model: str
+    """"gpt" or "bert" (from the companion file; "unknown" without it)."""
+    hidden_size: int
+    num_attention_heads: int
+    dtype: str
+    """"bf16", "fp16" or "fp32"."""
+    forward_ms: Mapping[tuple[int, int, int], float]
+    """(layer type, batch, seq) -> one layer's forward time."""
+    backward_ms: Mapping[tuple[int, int, int], float]
+    """Same keys -> one layer's backward time (companion file; empty: 2x forward)."""
+    memory: MemoryProfile
+    source: str
+    """What these figures are: how and where they were measured, what is computed."""
+
+    def layer_forward_ms(self, layer_type: int, batch: int, seq: int) -> float:
+        return _fit_time(self.forward_ms, layer_type, batch, seq, "forward")
+
+    def layer_backward_ms(self, layer_type: int, batch: int, seq: int) -> float:
+        if not self.backward_ms:
+            return BACKWARD_FACTOR_WITHOUT_COMPANION * self.layer_forward_ms(layer_type, batch, seq)
+        return _fit_time(self.backward_ms, layer_type, batch, seq, "backward")
+
+
+# ----------------------------------------------------------------------------------------------
+# fitting
+# ----------------------------------------------------------------------------------------------
+def _fit_batch(points: Mapping[int, float], batch: int) -> float:
+    """alpha * b + beta by least squares; one batch size: proportional."""
+    if len(points) == 1:
+        (b0, t0), = points.items()
+        return t0 * batch / b0
+    batches = numpy.array(sorted(points), dtype=float)
+    times = numpy.array([points[int(b)] for b in batches])
+    alpha, beta = numpy.polyfit(batches, times, 1)
+    return float(alpha * batch + beta)
+
+
+def _fit_seq(values: Mapping[int, float], seq: int) -> float:
+    """Proportional (one length), linear (two) or quadratic least squares (three or more)."""
+    if seq in values:
+        return values[seq]
+    if len(values) == 1:
+        (s0, t0), = values.items()
+        return t0 * seq / s0
+    seqs = numpy.array(sorted(values), dtype=float)
+    times = numpy.array([values[int(s)] for s in seqs])
+    coefficients = numpy.polyfit(seqs, times, 1 if len(values) == 2 else 2)
+    return float(numpy.polyval(coefficients, seq))
+
+
+def _fit_time(table: Mapping[tuple[int, int, int], float], layer_type: int, batch: int, seq: int,
+              what: str) -> float:
+    if batch <= 0 or seq <= 0:
+        raise SearchInputError(f"batch and seq must be positive, got {batch}, {seq}")
+    by_seq: dict[int, dict[int, float]] = {}
+    for (t, b, s), ms in table.items():
+        if t == layer_type:
+            by_seq.setdefault(s, {})[b] = ms
+    if not by_seq:
+        raise SearchInputError(f"the model profile has no {what} time for layer type {layer_type}")
+    per_seq = {s: _fit_batch(points, batch) for s, points in by_seq.items()}
+    return max(0.0, _fit_seq(per_seq, seq))
+
+
+# ----------------------------------------------------------------------------------------------
+# files
+# ----------------------------------------------------------------------------------------------
+def _suffix(dtype: str, hidden_size: int, num_attention_heads: int) -> str:
+    return f"{dtype}_hidden_{hidden_size}_head_{num_attention_heads}.json"
+
+
+def computation_file_name(dtype: str, hidden_size: int, num_attention_heads: int) -> str:
+    return "computation_profiling_" + _suffix(dtype, hidden_size, num_attention_heads)
+
+
+def memory_file_name(dtype: str, hidden_size: int, num_attention_heads: int) -> str:
+    return "memory_profiling_" + _suffix(dtype, hidden_size, num_attention_heads)
+
+
+def companion_file_name(dtype: str, hidden_size: int, num_attention_heads: int) -> str:
+    return "megatron_dpp_profiling_" + _suffix(dtype, hidden_size, num_attention_heads)
+
+
+def _time_key(key: tuple[int, int, int]) -> str:
+    t, b, s = key
+    return f"layertype_{t}_bsz{b}_seq{s}"
+
+
+def _tp_dict(values: Mapping[int, float]) -> dict[str, float]:
+    return {str(tp): mb for tp, mb in sorted(values.items())}
+
+
+def _sp_suffix(sequence_parallel: bool) -> str:
+    return "_sp" if sequence_parallel else ""
+
+
+def write_model_profile_dir(profile: ModelProfile, directory) -> list[pathlib.Path]:
+    """Write Galvatron's two files and our companion; returns their paths."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    names = (profile.dtype, profile.hidden_size, profile.num_attention_heads)
+    computation = {_time_key(k): ms for k, ms in sorted(profile.forward_ms.items())}
+    memory: dict = {}
+    selective: dict = {}
+    for (t, sp, s), layer in sorted(profile.memory.layers.items()):
+        name = f"layertype_{t}{_sp_suffix(sp)}"
+        activation = {CHECKPOINT_KEY: layer.checkpoint_mb_per_sample,
+                      **_tp_dict(layer.activation_mb_per_sample)}
+        memory.setdefault(name, {})[str(s)] = {"parameter_size": layer.parameter_mb,
+                                               "tp_activation_per_bsz_dict": activation}
+        if layer.selective_mb_per_sample:
+            selective.setdefault(name, {})[str(s)] = _tp_dict(layer.selective_mb_per_sample)
+    for (stage, sp, s), other in sorted(profile.memory.other.items()):
+        memory.setdefault(f"other_memory_{stage}{_sp_suffix(sp)}", {})[str(s)] = {
+            "model_states": _tp_dict(other.model_states_mb),
+            "activation": _tp_dict(other.activation_mb_per_sample)}
+    companion = {"model": profile.model, "source": profile.source,
+                 "backward_ms": {_time_key(k): ms for k, ms in sorted(profile.backward_ms.items())},
+                 "selective_activation_per_bsz": selective}
+    paths = []
+    for name, content in ((computation_file_name(*names), computation),
+                          (memory_file_name(*names), memory),
+                          (companion_file_name(*names), companion)):
+        path = directory / name
+        path.write_text(json.dumps(content, indent=2) + "\n")
+        paths.append(path)
+    return paths
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    try:
+        content = json.loads(path.read_text())
+    except OSError as error:
+        raise SearchInputError(f"cannot read {path}: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise SearchInputError(f"{path} is not valid JSON: {error.msg} at line {error.lineno}") \
+            from None
+    if not isinstance(content, dict):
+        raise SearchInputError(f"{path} must hold a JSON object")
+    return content
+
+
+def _number(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SearchInputError(f"{where} must be a number, got {value!r}")
+    return float(value)
+
+
+def _tp_values(values, where: str) -> dict[int, float]:
+    if not isinstance(values, dict):
+        raise SearchInputError(f"{where} must be an object of tp -> MB")
+    out = {}
+    for tp, mb in values.items():
+        if tp == CHECKPOINT_KEY:
+            continue
+        if not str(tp).isdigit():
+            raise SearchInputError(f"{where} has key {tp!r}; expected a tensor-parallel size")
+        out[int(tp)] = _number(mb, f"{where}[{tp!r}]")
+    return out
+
+
+def _read_times(content: dict, path: pathlib.Path) -> dict[tuple[int, int, int], float]:
+    times = {}
+    for key, ms in content.items():
+        match = _TIME_KEY.match(key)
+        if not match:
+            raise SearchInputError(f"{path}: key {key!r} is not layertype_T_bszB_seqS")
+        times[tuple(int(g) for g in match.groups())] = _number(ms, f"{path}: {key}")
+    return times
+
+
+def _seq(key: str, where: str) -> int:
+    if not str(key).isdigit():
+        raise SearchInputError(f"{where}: sequence length key {key!r} is not a number")
+    return int(key)
+
+
+def _read_memory(content: dict, selective: dict, path: pathlib.Path) -> MemoryProfile:
+    layers, other = {}, {}
+    for key, by_seq in content.items():
+        where = f"{path}: {key}"
+        if not isinstance(by_seq, dict):
+            raise SearchInputError(f"{where} must be an object of seq -> figures")
+        layer_match, other_match = _LAYER_KEY.match(key), _OTHER_KEY.match(key)
+        if layer_match:
+            layer_type, sp = int(layer_match.group(1)), layer_match.group(2) is not None
+            for seq_key, entry in by_seq.items():
+                here = f"{where}[{seq_key!r}]"
+                try:
+                    activation = entry["tp_activation_per_bsz_dict"]
+                    parameter_mb = _number(entry["parameter_size"], here + " parameter_size")
+                    checkpoint = _number(activation[CHECKPOINT_KEY], here + " checkpoint")
+                except (KeyError, TypeError) as error:
+                    raise SearchInputError(f"{here} lacks {error}") from None
+                s = _seq(seq_key, where)
+                selective_mb = selective.get(key, {}).get(seq_key, {})
+                layers[(layer_type, sp, s)] = LayerMemory(
+                    parameter_mb=parameter_mb,
+                    activation_mb_per_sample=_tp_values(activation, here),
+                    checkpoint_mb_per_sample=checkpoint,
+                    selective_mb_per_sample=_tp_values(selective_mb, here + " (selective)"))
+        elif other_match:
+            stage, sp = other_match.group(1), other_match.group(2) is not None
+            for seq_key, entry in by_seq.items():
+                here = f"{where}[{seq_key!r}]"
+                try:
+                    states, activation = entry["model_states"], entry["activation"]
+                except (KeyError, TypeError) as error:
+                    raise SearchInputError(f"{here} lacks {error}") from None
+                other[(stage, sp, _seq(seq_key, where))] = OtherMemory(
+                    model_states_mb=_tp_values(states, here + " model_states"),
+                    activation_mb_per_sample=_tp_values(activation, here + " activation"))
+        else:
+            raise SearchInputError(f"{path}: unknown key {key!r} (expected layertype_T[_sp] or "
+                                   f"other_memory_{{pp_off,pp_on_first,pp_on_last}}[_sp])")
+    return MemoryProfile(layers=layers, other=other)
+
+
+def read_model_profile_dir(directory, hidden_size: int, num_attention_heads: int,
+                           dtype: str) -> ModelProfile:
+    """Read Galvatron's two files (and our companion when present) from a directory."""
+    if dtype not in DTYPES:
+        raise SearchInputError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    directory = pathlib.Path(directory)
+    names = (dtype, hidden_size, num_attention_heads)
+    computation_path = directory / computation_file_name(*names)
+    memory_path = directory / memory_file_name(*names)
+    for path in (computation_path, memory_path):
+        if not path.is_file():
+            raise SearchInputError(f"no {path.name} in {directory} (profile the model with "
+                                   f"run_scripts/profile_model.sh)")
+    companion_path = directory / companion_file_name(*names)
+    companion = _read_json(companion_path) if companion_path.is_file() else {}
+    backward = companion.get("backward_ms", {})
+    selective = companion.get("selective_activation_per_bsz", {})
+    if not isinstance(backward, dict) or not isinstance(selective, dict):
+        raise SearchInputError(f"{companion_path}: backward_ms and selective_activation_per_bsz "
+                               f"must be objects")
+    if companion:
+        source = str(companion.get("source", f"read from {directory}"))
+    else:
+        source = (f"Galvatron files read from {directory}; no {companion_path.name}: backward "
+                  f"time taken as {BACKWARD_FACTOR_WITHOUT_COMPANION:g}x forward, no selective "
+                  f"recompute figures")
+    return ModelProfile(
+        model=str(companion.get("model", "unknown")),
+        hidden_size=hidden_size, num_attention_heads=num_attention_heads, dtype=dtype,
+        forward_ms=_read_times(_read_json(computation_path), computation_path),
+        backward_ms=_read_times(backward, companion_path),
+        memory=_read_memory(_read_json(memory_path), selective, memory_path),
+        source=source)

@@ -1,0 +1,657 @@
+"""Measure a ModelProfile by running Megatron-Core's transformer layers as megatron_dpp.models
+builds them (GPT: get_gpt_layer_local_spec, BERT: bert_layer_local_spec on CPU; Transformer
+Engine's specs on a GPU that has it), in one process (tp = pp = 1).
+
+Per sequence length and micro-batch size, for one transformer layer (a one-layer TransformerBlock
+without the final layer norm):
+
+- forward and backward time: the median of --repeats runs after --warmup runs;
+- activation bytes kept for backward, exactly: every tensor that autograd saves during the forward
+  (torch.autograd.graph.saved_tensors_hooks), each storage counted once, parameters excluded, and
+  only storages still alive when the forward returns (a recomputed forward saves nothing); once
+  per recompute mode, through Megatron-Core's own recompute paths (TransformerConfig
+  recompute_granularity "selective", and "full" with recompute_method "uniform" and one layer per
+  unit, as megatron_dpp.training.config sets them from the flags);
+- the embedding's and the output head's activations (first and last stage's "other" memory), the
+  same way on a whole one-layer model, each storage attributed to the module that saved it first.
+
+Activations at one tensor-parallel size (--measure-tensor-parallel-size, default 2) are measured
+the same way on rank 0 of that many spawned gloo processes (micro-batch: the largest). The other
+tensor-parallel sizes and every sequence-parallel figure (sequence parallelism needs Transformer
+Engine in megatron_dpp) come from the analytical model (megatron_dpp.search.memory_model), and so do
+parameter counts and model states; memory_model's parameter counts are checked here against the
+built model's.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+import weakref
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from megatron_dpp.search import memory_model as mm
+from megatron_dpp.search.errors import SearchInputError
+from megatron_dpp.search.model_profile import (MB, LayerMemory, MemoryProfile, ModelProfile,
+                                                OtherMemory, write_model_profile_dir)
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LAYER_TYPE = 0  # GPT's decoder layer and BERT's encoder layer: Galvatron's layer type 0
+DEFAULT_VOCAB_SIZE = {"gpt": 50257, "bert": 30522}  # GPT-2's BPE, BERT's uncased WordPiece
+DEFAULT_TP_SIZES = (1, 2, 4, 8)
+INIT_SEED = 1234
+WORKER_TIMEOUT_S = 300  # the tensor-parallel measurement's processes, start to finish
+# Megatron-Core's warnings about what this CPU run does on purpose (no Apex or Transformer Engine:
+# torch's own norm and kernels; selective recompute of the local, unfused core attention), which
+# would bury the progress lines.
+EXPECTED_WARNINGS = (".*Transformer Engine and Apex are not installed", ".*Apex is not installed",
+                     ".*core_attn is from transformer_engine", ".*tp_group is None",
+                     ".*full scope is deprecated", ".*CUDA_DEVICE_MAX_CONNECTIONS")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfilingOptions:
+    """What to measure (from the command line)."""
+
+    model: str
+    """"gpt" or "bert"."""
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    seq_lengths: tuple[int, ...]
+    micro_batch_sizes: tuple[int, ...]
+    dtype: str
+    """"bf16", "fp16" or "fp32"."""
+    padded_vocab_size: int
+    max_position_embeddings: int
+    hidden_dropout: float
+    attention_dropout: float
+    bert_binary_head: bool
+    tp_sizes: tuple[int, ...]
+    """Tensor-parallel sizes written to the memory file (tp = 1 and measured_tp_size measured,
+    the others analytical)."""
+    measured_tp_size: int
+    """Also measure activations at this tensor-parallel size, with that many local gloo
+    processes (1: none)."""
+    warmup: int
+    """Untimed runs before timing each (seq, batch)."""
+    repeats: int
+    """Timed runs; the median is kept."""
+
+    def shape(self, seq_length: int) -> mm.ModelShape:
+        return mm.ModelShape(
+            model=self.model, num_layers=1, hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn_hidden_size,
+            seq_length=seq_length, padded_vocab_size=self.padded_vocab_size,
+            max_position_embeddings=self.max_position_embeddings, dtype=self.dtype,
+            bert_binary_head=self.bert_binary_head, hidden_dropout=self.hidden_dropout,
+            attention_dropout=self.attention_dropout)
+
+
+# ----------------------------------------------------------------------------------------------
+# one-process Megatron-Core
+# ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def megatron_process_group(model: str, rank: int = 0, tensor_parallel_size: int = 1,
+                           store_path: Optional[str] = None):
+    """CPU patches (the model's too), a gloo group of `tensor_parallel_size` ranks (one
+    tensor-parallel group, pp = 1) through a FileStore at store_path; undone on exit."""
+    import torch.distributed as dist
+
+    from megatron_dpp.models import MODEL_SPECS
+    from megatron_dpp.platform import setup_platform
+
+    setup_platform(MODEL_SPECS[model].cpu_patched_modules)
+    from megatron.core import parallel_state, tensor_parallel
+
+    created = not dist.is_initialized()
+    with tempfile.TemporaryDirectory(prefix="model_profiling_") as directory:
+        if created:
+            store = dist.FileStore(store_path or os.path.join(directory, "store"),
+                                   tensor_parallel_size)
+            dist.init_process_group("gloo", store=store, rank=rank,
+                                    world_size=tensor_parallel_size,
+                                    timeout=datetime.timedelta(seconds=WORKER_TIMEOUT_S))
+        parallel_state.initialize_model_parallel(tensor_parallel_size, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(INIT_SEED)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            if created:
+                dist.destroy_process_group()
+
+
+def single_process_megatron(model: str):
+    """One rank: tp = pp = 1."""
+    return megatron_process_group(model)
+
+
+def transformer_config(shape: mm.ModelShape, recompute: str = "none", tp: int = 1):
+    """Megatron-Core's TransformerConfig as megatron_dpp.training.config builds it from the flags
+    (fused kernels only with CUDA; full recompute: uniform, one layer per unit)."""
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = TORCH_DTYPES[shape.dtype]
+    recompute_args = {}
+    if recompute != "none":
+        recompute_args["recompute_granularity"] = recompute
+    if recompute == "full":
+        recompute_args.update(recompute_method="uniform", recompute_num_layers=1)
+    cuda = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size, num_attention_heads=shape.num_attention_heads,
+        hidden_dropout=shape.hidden_dropout, attention_dropout=shape.attention_dropout,
+        tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=shape.dtype == "bf16", fp16=shape.dtype == "fp16",
+        bias_activation_fusion=cuda, bias_dropout_fusion=cuda, masked_softmax_fusion=cuda,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, **recompute_args)
+
+
+def layer_spec(model: str, config):
+    from megatron_dpp.models.bert import bert_layer_spec
+    from megatron_dpp.models.gpt import gpt_layer_spec
+
+    return gpt_layer_spec(config) if model == "gpt" else bert_layer_spec()
+
+
+def build_layer(shape: mm.ModelShape, recompute: str = "none", tp: int = 1) -> torch.nn.Module:
+    """One transformer layer in a TransformerBlock (the block runs Megatron's full-recompute
+    path), without the final layer norm, in training mode; tp: this rank's shard."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    config = transformer_config(dataclasses.replace(shape, num_layers=1), recompute, tp)
+    block = TransformerBlock(config, layer_spec(shape.model, config), pre_process=True,
+                             post_process=False)
+    return block.train()
+
+
+def build_model(shape: mm.ModelShape, tp: int = 1) -> torch.nn.Module:
+    """The whole model with one layer, as megatron_dpp.models builds it (pp = 1); in bf16/fp16
+    wrapped in Megatron-Core's Float16Module as Megatron-LM's get_model does (its position
+    embedding is a plain fp32 torch.nn.Embedding until then)."""
+    config = transformer_config(dataclasses.replace(shape, num_layers=1), tp=tp)
+    if shape.model == "gpt":
+        from megatron_dpp.models.gpt import GPTShape, build_gpt_chunks
+
+        (model,) = build_gpt_chunks(config, GPTShape(shape.padded_vocab_size,
+                                                     shape.max_position_embeddings,
+                                                     shape.untie_embeddings_and_output_weights),
+                                    seed=INIT_SEED)
+    else:
+        from megatron_dpp.models.bert import BertShape, build_bert_chunks
+
+        (model,) = build_bert_chunks(config, BertShape(shape.padded_vocab_size,
+                                                       shape.max_position_embeddings,
+                                                       shape.bert_binary_head), seed=INIT_SEED)
+    if shape.dtype != "fp32":
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    return model.train()
+
+
+def layer_inputs(shape: mm.ModelShape, batch: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The layer's input [s, b, h] (requires grad, as a received activation) and its attention
+    mask: GPT None (the layer spec's causal mask), BERT the [b, 1, s, s] padding mask BertModel
+    makes (True = masked; one padded token per sample so the mask is not trivial)."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(shape.seq_length, batch, shape.hidden_size, generator=generator)
+    hidden = hidden.to(TORCH_DTYPES[shape.dtype]).requires_grad_()
+    if shape.model == "gpt":
+        return hidden, None
+    keep = torch.ones(batch, shape.seq_length, dtype=torch.bool)
+    keep[:, -1] = False
+    mask = ~(keep[:, None, :, None] & keep[:, None, None, :])
+    return hidden, mask
+
+
+def model_inputs(shape: mm.ModelShape, batch: int) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, shape.padded_vocab_size, (batch, shape.seq_length),
+                           generator=generator)
+    if shape.model == "gpt":
+        positions = torch.arange(shape.seq_length).repeat(batch, 1)  # as the GPT dataset gives
+        return {"input_ids": tokens, "position_ids": positions, "attention_mask": None,
+                "labels": tokens}
+    inputs = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "lm_labels": tokens}
+    if shape.bert_binary_head:
+        inputs["tokentype_ids"] = torch.zeros_like(tokens)
+    return inputs
+
+
+# ----------------------------------------------------------------------------------------------
+# saved-tensor accounting
+# ----------------------------------------------------------------------------------------------
+class SavedTensors:
+    """Records the tensors autograd saves while active: storage -> (bytes, region, tensor refs).
+
+    A storage is counted once however many tensors view it; `alive_bytes` counts the storages
+    that some saved tensor still holds (saves of a discarded graph, e.g. a recompute's no-grad
+    forward, die with it). Parameters are excluded."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._storages: dict[int, tuple[int, str, list]] = {}
+        self.region = "default"
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._excluded:
+            return tensor
+        entry = self._storages.get(key)
+        if entry is None or not any(ref() is not None for ref in entry[2]):
+            entry = (storage.nbytes(), self.region, [])  # new, or a freed storage's address reused
+            self._storages[key] = entry
+        entry[2].append(weakref.ref(tensor))
+        return tensor
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    def alive_bytes(self, region: Optional[str] = None) -> int:
+        return sum(nbytes for nbytes, where, refs in self._storages.values()
+                   if (region is None or where == region)
+                   and any(ref() is not None for ref in refs))
+
+
+def measured_layer_activation_bytes(block: torch.nn.Module, shape: mm.ModelShape,
+                                    batch: int) -> int:
+    """Bytes one layer keeps for backward for one micro-batch (the layer's input included)."""
+    hidden, mask = layer_inputs(shape, batch)
+    with SavedTensors(exclude=block.parameters()) as saved:
+        output = block(hidden, attention_mask=mask)
+    nbytes = saved.alive_bytes()
+    del output
+    return nbytes
+
+
+def measured_other_activation_bytes(model: torch.nn.Module, shape: mm.ModelShape,
+                                    batch: int) -> tuple[int, int]:
+    """(embedding, head) bytes kept for backward by a whole one-layer model: each storage goes to
+    the module that saved it first; the layer's own are left out."""
+    saved = SavedTensors(exclude=model.parameters())
+    saved.region = "head"
+
+    def enter(region: str) -> Callable:
+        def hook(*_args):
+            saved.region = region
+        return hook
+
+    inner = getattr(model, "module", model)  # inside Float16Module
+    layers = inner.decoder.layers if shape.model == "gpt" else inner.encoder.layers
+    handles = [inner.embedding.register_forward_pre_hook(enter("embedding")),
+               inner.embedding.register_forward_hook(enter("head"))]
+    for layer in layers:
+        handles += [layer.register_forward_pre_hook(enter("layer")),
+                    layer.register_forward_hook(enter("head"))]
+    try:
+        with saved:
+            output = model(**model_inputs(shape, batch))
+    finally:
+        for handle in handles:
+            handle.remove()
+    result = saved.alive_bytes("embedding"), saved.alive_bytes("head")
+    del output
+    return result
+
+
+def check_parameter_counts(model: torch.nn.Module, block: torch.nn.Module,
+                           shape: mm.ModelShape) -> None:
+    """memory_model's counts must be the built modules' (else the figures written are wrong)."""
+    built_layer = sum(p.numel() for p in block.parameters())
+    built_total = sum(p.numel() for p in model.parameters())
+    one_layer = dataclasses.replace(shape, num_layers=1)
+    expected = (mm.layer_parameter_count(shape), mm.total_parameter_count(one_layer))
+    if (built_layer, built_total) != expected:
+        raise RuntimeError(f"memory_model's parameter counts {expected} differ from "
+                           f"Megatron-Core's "
+                           f"{(built_layer, built_total)} (layer, one-layer model)")
+
+
+# ----------------------------------------------------------------------------------------------
+# tensor-parallel activations: tp local processes
+# ----------------------------------------------------------------------------------------------
+def _tensor_parallel_worker(rank: int, tp: int, options: ProfilingOptions, store_path: str,
+                            result_path: str) -> None:
+    """One tensor-parallel rank: every rank runs the same layers (their forward all-reduces);
+    rank 0 writes {"seq:part": bytes} (part: a recompute mode, "embedding" or "head")."""
+    for message in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    torch.set_num_threads(1)
+    batch = max(options.micro_batch_sizes)
+    results = {}
+    with megatron_process_group(options.model, rank, tp, store_path):
+        for seq in options.seq_lengths:
+            shape = options.shape(seq)
+            for mode in mm.RECOMPUTE_MODES:
+                block = build_layer(shape, mode, tp)
+                results[f"{seq}:{mode}"] = measured_layer_activation_bytes(block, shape, batch)
+            embedding, head = measured_other_activation_bytes(build_model(shape, tp), shape,
+                                                              batch)
+            results[f"{seq}:embedding"], results[f"{seq}:head"] = embedding, head
+    if rank == 0:
+        pathlib.Path(result_path).write_text(json.dumps(results))
+
+
+def measure_tensor_parallel(options: ProfilingOptions, tp: int) -> dict[tuple[int, str], int]:
+    """(seq, part) -> bytes one rank keeps at micro-batch max(micro_batch_sizes), measured by tp
+    spawned processes over gloo (no sequence parallelism: it needs Transformer Engine here)."""
+    context = torch.multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="model_profiling_tp_") as directory:
+        result_path = os.path.join(directory, "result.json")
+        workers = [context.Process(target=_tensor_parallel_worker, daemon=True,
+                                   args=(rank, tp, options, os.path.join(directory, "store"),
+                                         result_path))
+                   for rank in range(tp)]
+        for worker in workers:
+            worker.start()
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        unfinished = [worker for worker in workers if worker.is_alive()]
+        for worker in unfinished:
+            worker.terminate()
+            worker.join(10)
+        if unfinished:
+            raise RuntimeError(f"the tp={tp} activation measurement ({tp} gloo processes) did not "
+                               f"finish within {WORKER_TIMEOUT_S} s")
+        failed = [worker.exitcode for worker in workers if worker.exitcode != 0]
+        if failed or not os.path.exists(result_path):
+            raise RuntimeError(f"the tp={tp} activation measurement failed (exit codes "
+                               f"{[worker.exitcode for worker in workers]}); see its stderr above")
+        raw = json.loads(pathlib.Path(result_path).read_text())
+    return {(int(key.split(":")[0]), key.split(":")[1]): nbytes for key, nbytes in raw.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------------------
+def time_layer(block: torch.nn.Module, shape: mm.ModelShape, batch: int, warmup: int,
+               repeats: int) -> tuple[float, float]:
+    """(forward ms, backward ms): medians over `repeats` after `warmup` untimed runs."""
+    hidden, mask = layer_inputs(shape, batch)
+    grad = torch.ones(shape.seq_length, batch, shape.hidden_size, dtype=hidden.dtype)
+    forward, backward = [], []
+    for run in range(warmup + repeats):
+        start = time.perf_counter()
+        output = block(hidden, attention_mask=mask)
+        middle = time.perf_counter()
+        output.backward(grad)
+        end = time.perf_counter()
+        hidden.grad = None
+        if run >= warmup:
+            forward.append((middle - start) * 1e3)
+            backward.append((end - middle) * 1e3)
+    return statistics.median(forward), statistics.median(backward)
+
+
+# ----------------------------------------------------------------------------------------------
+# the profile
+# ----------------------------------------------------------------------------------------------
+def _mb(nbytes: float) -> float:
+    return nbytes / MB
+
+
+def profile_model(options: ProfilingOptions,
+                  progress: Callable[[str], None] = lambda line: None) -> ModelProfile:
+    """Measure every (seq, batch) of `options`; call inside `single_process_megatron`."""
+    forward_ms, backward_ms = {}, {}
+    layers, other = {}, {}
+    largest_batch = max(options.micro_batch_sizes)
+    tp_measured: dict[tuple[int, str], int] = {}
+    if options.measured_tp_size > 1:
+        progress(f"measuring activations at tp={options.measured_tp_size} "
+                 f"({options.measured_tp_size} gloo processes, up to {WORKER_TIMEOUT_S} s)")
+        tp_measured = measure_tensor_parallel(options, options.measured_tp_size)
+    steps = len(options.seq_lengths) * len(options.micro_batch_sizes)
+    step = 0
+    for seq in options.seq_lengths:
+        shape = options.shape(seq)
+        blocks = {mode: build_layer(shape, mode) for mode in mm.RECOMPUTE_MODES}
+        model = build_model(shape)
+        check_parameter_counts(model, blocks["none"], shape)
+        measured = {}
+        for batch in options.micro_batch_sizes:
+            step += 1
+            fwd, bwd = time_layer(blocks["none"], shape, batch, options.warmup, options.repeats)
+            forward_ms[(LAYER_TYPE, batch, seq)] = fwd
+            backward_ms[(LAYER_TYPE, batch, seq)] = bwd
+            if batch == largest_batch:
+                measured = {mode: measured_layer_activation_bytes(block, shape, batch)
+                            for mode, block in blocks.items()}
+                measured["embedding"], measured["head"] = measured_other_activation_bytes(
+                    model, shape, batch)
+            progress(f"[{step}/{steps}] {options.model} seq {seq} micro-batch {batch}: "
+                     f"forward {fwd:.3f} ms, backward {bwd:.3f} ms")
+        measured_by_tp = {1: measured}
+        if tp_measured:
+            measured_by_tp[options.measured_tp_size] = {
+                part: nbytes for (s, part), nbytes in tp_measured.items() if s == seq}
+        layers.update(_layer_memory(options, shape, measured_by_tp, largest_batch))
+        other.update(_other_memory(options, shape, measured_by_tp, largest_batch))
+    measured_tps = "1" + (f" and {options.measured_tp_size}" if tp_measured else "")
+    source = (f"measured on {_device_name()} by megatron_dpp.search.model_profiling: Megatron-Core "
+              f"{options.model} layers, {options.dtype}, one process, torch threads "
+              f"{torch.get_num_threads()}, median of {options.repeats} after {options.warmup} "
+              f"warm-up; activations measured at tp={measured_tps} (saved tensors at "
+              f"micro-batch {largest_batch}, per sample; tp>1 with as many gloo processes), "
+              f"other tp sizes, all sequence-parallel activations and all model states from the "
+              f"analytical model (memory_model)")
+    return ModelProfile(model=options.model, hidden_size=options.hidden_size,
+                        num_attention_heads=options.num_attention_heads, dtype=options.dtype,
+                        forward_ms=forward_ms, backward_ms=backward_ms,
+                        memory=MemoryProfile(layers=layers, other=other), source=source)
+
+
+def _device_name() -> str:
+    import platform
+
+    return f"{platform.machine()} CPU ({os.cpu_count()} cores)"
+
+
+def _layer_memory(options: ProfilingOptions, shape: mm.ModelShape,
+                  measured: dict[int, dict[str, int]], batch: int) -> dict:
+    """Per sample: the measured tp sizes without sequence parallelism (tp = 1 is the same with
+    it) measured, the others from memory_model."""
+    parameter_mb = _mb(mm.layer_parameter_count(shape) * mm.ELEMENT_BYTES["fp32"])
+    result = {}
+    for sp in (False, True):
+        def per_sample(tp: int, recompute: str) -> float:
+            if tp in measured and (tp == 1 or not sp):
+                return _mb(measured[tp][recompute] / batch)
+            return _mb(mm.layer_activation_bytes(shape, batch, tp, sp, recompute) / batch)
+
+        result[(LAYER_TYPE, sp, shape.seq_length)] = LayerMemory(
+            parameter_mb=parameter_mb,
+            activation_mb_per_sample={tp: per_sample(tp, "none") for tp in options.tp_sizes},
+            checkpoint_mb_per_sample=per_sample(1, "full"),
+            selective_mb_per_sample={tp: per_sample(tp, "selective") for tp in options.tp_sizes})
+    return result
+
+
+def _other_memory(options: ProfilingOptions, shape: mm.ModelShape,
+                  measured: dict[int, dict[str, int]], batch: int) -> dict:
+    """Model states from memory_model's counts (dp = 1, no distributed optimizer: Galvatron's
+    cost model shards them itself); activations per sample, measured at the measured tp sizes
+    (without sequence parallelism, or tp = 1), else from memory_model."""
+    tied = shape.model == "bert" or not shape.untie_embeddings_and_output_weights
+    result = {}
+    for sp in (False, True):
+        for stage in ("pp_off", "pp_on_first", "pp_on_last"):
+            states, activation = {}, {}
+            for tp in options.tp_sizes:
+                embedding = mm.embedding_parameter_count(shape, tp)
+                output = mm.output_parameter_count(shape, tp)
+                shared = shape.padded_vocab_size // tp * shape.hidden_size if tied else 0
+                if tp in measured and (tp == 1 or not sp):
+                    first, last = measured[tp]["embedding"], measured[tp]["head"]
+                else:
+                    first = mm.embedding_activation_bytes(shape, batch, tp, sp)
+                    last = mm.output_activation_bytes(shape, batch, tp, sp)
+                count, nbytes = {"pp_off": (embedding + output - shared, first + last),
+                                 "pp_on_first": (embedding, first),
+                                 "pp_on_last": (output, last)}[stage]
+                states[tp] = _mb(mm.model_state_bytes(count, shape.dtype))
+                activation[tp] = _mb(nbytes / batch)
+            result[(stage, sp, shape.seq_length)] = OtherMemory(states, activation)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# command line
+# ----------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    from megatron_dpp.arguments import _OneLineErrorParser
+
+    parser = _OneLineErrorParser(
+        prog="profile_model.sh", allow_abbrev=False,
+        description="Measure one GPT or BERT transformer layer (Megatron-Core, one process): "
+                    "forward/backward time and activation memory per sequence length and "
+                    "micro-batch size; write Galvatron's computation_profiling_* and "
+                    "memory_profiling_* files plus our megatron_dpp_profiling_* companion.")
+    parser.add_argument("--model", choices=("gpt", "bert"), default="gpt",
+                        help="Which model's layers to run (default gpt).")
+    parser.add_argument("--hidden-size", type=int, required=True, help="Transformer hidden size.")
+    parser.add_argument("--num-attention-heads", type=int, required=True,
+                        help="Number of attention heads.")
+    parser.add_argument("--ffn-hidden-size", type=int, default=None,
+                        help="MLP hidden size (default: 4 * hidden size).")
+    lengths = parser.add_mutually_exclusive_group()
+    lengths.add_argument("--seq-length", type=int, default=None,
+                         help="One sequence length to profile.")
+    lengths.add_argument("--seq-lengths", type=int, nargs="+", default=None,
+                         help="Several sequence lengths (3+ enable the quadratic fit in length).")
+    parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4],
+                        help="Micro-batch sizes to time (default 1 2 4); memory is measured at "
+                             "the largest.")
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true", help="Run in bf16 (default fp32).")
+    precision.add_argument("--fp16", action="store_true", help="Run in fp16 (default fp32).")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="Vocabulary size before padding (default: GPT-2's 50257 for gpt, "
+                             "BERT's 30522 for bert); padded as Megatron-LM does.")
+    parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                        help="Pad the vocabulary to a multiple of this (default 128).")
+    parser.add_argument("--max-position-embeddings", type=int, default=None,
+                        help="Position embeddings (default: the largest sequence length).")
+    parser.add_argument("--hidden-dropout", type=float, default=0.1,
+                        help="Hidden dropout probability (default 0.1, as Megatron-LM).")
+    parser.add_argument("--attention-dropout", type=float, default=0.1,
+                        help="Attention dropout probability (default 0.1, as Megatron-LM).")
+    parser.add_argument("--bert-no-binary-head", action="store_true",
+                        help="BERT without the sentence-order head.")
+    parser.add_argument("--tensor-model-parallel-sizes", type=int, nargs="+",
+                        default=list(DEFAULT_TP_SIZES),
+                        help="Tensor-parallel sizes written to the memory file (default 1 2 4 8; "
+                             "those that do not divide the heads are dropped; tp>1 analytical).")
+    parser.add_argument("--measure-tensor-parallel-size", type=int, default=2,
+                        help="Also measure the activations at this tensor-parallel size with that "
+                             "many local gloo processes (default 2; 1: only tp=1 is measured).")
+    parser.add_argument("--warmup", type=int, default=3, help="Untimed runs first (default 3).")
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="Timed runs; the median is kept (default 10).")
+    parser.add_argument("--quick", action="store_true",
+                        help="For tests: 1 warm-up run and 3 timed runs.")
+    parser.add_argument("--output-dir", required=True,
+                        help="Directory to write the profile files into (created if missing).")
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> ProfilingOptions:
+    """Checks every flag; raises SearchInputError with one line."""
+    seqs = args.seq_lengths or ([args.seq_length] if args.seq_length else None)
+    if not seqs:
+        raise SearchInputError("give --seq-length N or --seq-lengths N [N ...]")
+    positive = {"--hidden-size": [args.hidden_size], "--num-attention-heads":
+                [args.num_attention_heads], "--seq-length(s)": seqs,
+                "--micro-batch-sizes": args.micro_batch_sizes,
+                "--make-vocab-size-divisible-by": [args.make_vocab_size_divisible_by],
+                "--tensor-model-parallel-sizes": args.tensor_model_parallel_sizes,
+                "--measure-tensor-parallel-size": [args.measure_tensor_parallel_size],
+                "--repeats": [args.repeats]}
+    for flag in ("ffn_hidden_size", "vocab_size", "max_position_embeddings"):
+        if getattr(args, flag) is not None:
+            positive["--" + flag.replace("_", "-")] = [getattr(args, flag)]
+    for flag, values in positive.items():
+        if any(value <= 0 for value in values):
+            raise SearchInputError(f"{flag} must be positive, got {values}")
+    if args.warmup < 0:
+        raise SearchInputError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.hidden_size % args.num_attention_heads:
+        raise SearchInputError(f"--hidden-size {args.hidden_size} is not divisible by "
+                               f"--num-attention-heads {args.num_attention_heads}")
+    for flag in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, flag) < 1.0:
+            raise SearchInputError(f"--{flag.replace('_', '-')} must be in [0, 1)")
+    max_positions = args.max_position_embeddings or max(seqs)
+    if max(seqs) > max_positions:
+        raise SearchInputError(f"--seq-length {max(seqs)} exceeds --max-position-embeddings "
+                               f"{max_positions}")
+    vocab = args.vocab_size or DEFAULT_VOCAB_SIZE[args.model]
+    multiple = args.make_vocab_size_divisible_by
+    ffn = args.ffn_hidden_size or 4 * args.hidden_size
+    def divides(tp: int) -> bool:
+        return args.num_attention_heads % tp == 0 and ffn % tp == 0
+
+    measured_tp = args.measure_tensor_parallel_size
+    if not divides(measured_tp):
+        raise SearchInputError(f"--measure-tensor-parallel-size {measured_tp} does not divide "
+                               f"--num-attention-heads {args.num_attention_heads} and the ffn "
+                               f"hidden size {ffn}")
+    tp_sizes = tuple(sorted({tp for tp in [1, measured_tp, *args.tensor_model_parallel_sizes]
+                             if divides(tp)}))
+    quick = args.quick
+    return ProfilingOptions(
+        model=args.model, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=ffn,
+        seq_lengths=tuple(sorted(set(seqs))),
+        micro_batch_sizes=tuple(sorted(set(args.micro_batch_sizes))),
+        dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        padded_vocab_size=-(-vocab // multiple) * multiple,
+        max_position_embeddings=max_positions, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, bert_binary_head=not args.bert_no_binary_head,
+        tp_sizes=tp_sizes, measured_tp_size=measured_tp, warmup=1 if quick else args.warmup,
+        repeats=3 if quick else args.repeats)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    for message in EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        options = options_from_args(args)
+    except SearchInputError as error:
+        parser.error(str(error))
+    print(f"profile_model: {options.model} hidden {options.hidden_size} heads "
+          f"{options.num_attention_heads} {options.dtype}, seq {list(options.seq_lengths)}, "
+          f"micro-batch {list(options.micro_batch_sizes)}", file=sys.stderr, flush=True)
+    with single_process_megatron(options.model):
+        profile = profile_model(options, lambda line: print(line, file=sys.stderr, flush=True))
+    for path in write_model_profile_dir(profile, args.output_dir):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
