@@ -29,6 +29,56 @@ def _require(condition: bool, message: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# Megatron-LM flags that cannot apply here. Each is still a flag, in its group, so that --help
+# explains it and using it is refused with the reason (validate_refused_args), not "unrecognized".
+# ----------------------------------------------------------------------------------------------
+_TP_COMM_OVERLAP = ("Transformer Engine's userbuffer overlap of tensor-parallel communication with "
+                    "GEMMs, which this runtime does not set up (Megatron-LM's initialize_ub step)")
+_NSYS_OPTION = ("is an option of `nsys profile` (Megatron-LM's --profile help shows it on the nsys "
+                "command line), not of training; give it to nsys")
+# nsys options that Megatron-LM's --profile help shows.
+NSYS_OPTIONS = ("--force-overwrite", "--capture-range", "--capture-range-end")
+# flag -> why it cannot apply here (the error is "FLAG REASON; remove it").
+REFUSED_FLAGS: dict[str, str] = {
+    "--pipeline-model-parallel-split-rank":
+        "splits an encoder-decoder model's pipeline between encoder and decoder ranks; GPT and "
+        "BERT are one stack of layers with no such split",
+    "--use-ring-exchange-p2p":
+        "needs torch.distributed.ring_exchange, which only custom PyTorch builds have (stock "
+        "PyTorch, this one included, has none)",
+    "--no-async-tensor-model-parallel-allreduce":
+        "is ignored by Megatron-Core 0.16 (ModelParallelConfig.async_tensor_model_parallel_allreduce "
+        "is deprecated): the tensor-parallel all-reduce always runs asynchronously beside the "
+        "weight-gradient GEMM",
+    "--tp-comm-overlap": f"needs {_TP_COMM_OVERLAP}",
+    "--tp-comm-overlap-cfg": f"configures --tp-comm-overlap, {_TP_COMM_OVERLAP}",
+    **{flag: f"tunes --tp-comm-overlap, {_TP_COMM_OVERLAP}"
+       for flag in ("--disable-tp-comm-split-ag", "--disable-tp-comm-split-rs",
+                    "--disable-tp-comm-bulk-dgrad", "--disable-tp-comm-bulk-wgrad")},
+    **{flag: _NSYS_OPTION for flag in NSYS_OPTIONS},
+}
+
+
+def _refused_dest(flag: str) -> str:
+    return "refused_" + flag.lstrip("-").replace("-", "_")
+
+
+def _add_refused_flag(group, flag: str, takes_value: bool = False) -> None:
+    """`flag` from REFUSED_FLAGS; `takes_value`: Megatron-LM's (or nsys's) flag takes a value,
+    which is optional here so that the refusal, not argparse, explains the problem."""
+    extra = {"nargs": "?", "const": "", "metavar": "VALUE"} if takes_value else \
+        {"action": "store_const", "const": True}
+    group.add_argument(flag, dest=_refused_dest(flag), default=None,
+                       help=f"Refused here: {flag} {REFUSED_FLAGS[flag]}.", **extra)
+
+
+def validate_refused_args(args: argparse.Namespace) -> None:
+    """The first REFUSED_FLAGS flag given: one line with its reason."""
+    for flag, reason in REFUSED_FLAGS.items():
+        _require(getattr(args, _refused_dest(flag)) is None, f"{flag} {reason}; remove it")
+
+
+# ----------------------------------------------------------------------------------------------
 # model shape
 # ----------------------------------------------------------------------------------------------
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +116,33 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                             "--recompute-num-layers layers of each pipeline stage.")
     group.add_argument("--recompute-num-layers", type=int, default=None,
                        help="Layers per recompute unit (uniform) or layers recomputed per stage (block).")
+    group.add_argument("--distribute-saved-activations", action="store_true",
+                       help="With --recompute-granularity full and tensor parallelism: split the "
+                            "input each recomputed unit saves across the tensor-parallel ranks "
+                            "(Megatron-Core's distribute_saved_activations). GPU only; not with "
+                            "--sequence-parallel.")
+    group.add_argument("--no-clone-scatter-output-in-embedding", action="store_false",
+                       dest="clone_scatter_output_in_embedding",
+                       help="Do not clone the embedding output after scattering it to the "
+                            "sequence-parallel ranks (Megatron-Core's "
+                            "clone_scatter_output_in_embedding; the clone lets the unscattered "
+                            "tensor be freed). Has an effect with --sequence-parallel only.")
+    group.add_argument("--no-persist-layer-norm", action="store_true",
+                       help="Do not use Apex's persistent fused LayerNorm kernel (Megatron-Core's "
+                            "persist_layer_norm). Without the flag it is used where Megatron-Core's "
+                            "local layers find it (Apex installed), as in Megatron-LM; without Apex, "
+                            "with Transformer Engine layers or with --dpp-split-backward it is never "
+                            "used.")
+    group.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                       dest="gradient_accumulation_fusion",
+                       help="Do not fuse the weight-gradient accumulation into the weight-gradient "
+                            "GEMM (Megatron-Core's gradient_accumulation_fusion). Without the flag "
+                            "it is fused where it can run (a CUDA GPU with Apex's "
+                            "fused_weight_gradient_mlp_cuda extension), as in Megatron-LM; on CPU, "
+                            "without Apex or with --dpp-split-backward it is always off.")
+    group.add_argument("--use-mcore-models", action="store_true",
+                       help="Accepted as in Megatron-LM: the models here are always Megatron-Core's "
+                            "(GPTModel, BertModel); there are no legacy models to choose instead.")
 
 
 def validate_model_args(args: argparse.Namespace) -> None:
@@ -140,6 +217,49 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
                        help="Call torch.cuda.empty_cache() each iteration: 0 off, 1 after the "
                             "forward-backward, 2 also after the optimizer step. GPU only.")
+    group.add_argument("--context-parallel-size", type=int, default=1,
+                       help="Degree of context parallelism. Only 1 runs here: context parallelism "
+                            "needs Transformer Engine's attention and a data path that gives each "
+                            "context-parallel rank its part of every sequence, which this runtime "
+                            "does not have.")
+    group.add_argument("--no-delay-grad-reduce", action="store_false", dest="delay_grad_reduce",
+                       help="With --overlap-grad-reduce: every pipeline stage's DDP hooks start its "
+                            "gradient reductions during its last backward, instead of the schedule "
+                            "delaying them in all but the first stage and launching them at aligned "
+                            "points (Megatron-Core's grad_sync_func; Megatron-LM's later name is "
+                            "--no-align-grad-reduce). Without --overlap-grad-reduce nothing is "
+                            "overlapped, so nothing is delayed.")
+    group.add_argument("--overlap-param-gather", action="store_true",
+                       help="With --use-distributed-optimizer and --overlap-grad-reduce: gather the "
+                            "updated parameters during the next forward (DDP forward pre-hooks wait "
+                            "for each bucket's all-gather) instead of at the end of the optimizer "
+                            "step (Megatron-Core's overlap_param_gather).")
+    group.add_argument("--delay-param-gather", action="store_true",
+                       help="With --overlap-param-gather and virtual pipeline stages or --use-dpp: "
+                            "the schedule launches each model chunk's parameter all-gathers at "
+                            "aligned points across pipeline stages instead of the forward pre-hooks "
+                            "launching them on demand (Megatron-Core's align_param_gather and "
+                            "param_sync_func; Megatron-LM's later name is --align-param-gather).")
+    group.add_argument("--no-overlap-p2p-communication", action="store_false",
+                       dest="overlap_p2p_comm",
+                       help="Interleaved schedule (virtual pipeline stages): wait for each pipeline "
+                            "send and receive before computing on, instead of overlapping them with "
+                            "the next forward or backward (Megatron-Core's overlap_p2p_comm). "
+                            "Megatron's 1F1B schedule never overlaps, as in Megatron-LM; not with "
+                            "--use-dpp, whose runtime always overlaps its messages.")
+    group.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_false",
+                       dest="scatter_gather_tensors_in_pipeline",
+                       help="Accepted as in Megatron-LM: pipeline messages are always whole tensors "
+                            "here (Megatron-Core 0.16 no longer has the scatter/gather split of "
+                            "pipeline tensors across tensor-parallel ranks).")
+    _add_refused_flag(group, "--pipeline-model-parallel-split-rank", takes_value=True)
+    _add_refused_flag(group, "--use-ring-exchange-p2p")
+    _add_refused_flag(group, "--no-async-tensor-model-parallel-allreduce")
+    _add_refused_flag(group, "--tp-comm-overlap")
+    _add_refused_flag(group, "--tp-comm-overlap-cfg", takes_value=True)
+    for flag in ("--disable-tp-comm-split-ag", "--disable-tp-comm-split-rs",
+                 "--disable-tp-comm-bulk-dgrad", "--disable-tp-comm-bulk-wgrad"):
+        _add_refused_flag(group, flag)
 
 
 def _world_size() -> int:
@@ -209,6 +329,55 @@ def validate_parallel_args(args: argparse.Namespace) -> None:
     _require(cuda or args.empty_unused_memory_level == 0,
              "--empty-unused-memory-level is GPU only; remove it on CPU")
     _require(args.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive")
+    _require(args.context_parallel_size == 1,
+             f"--context-parallel-size {args.context_parallel_size}: only 1 runs here (context "
+             f"parallelism needs Transformer Engine's attention and data split along the sequence "
+             f"per rank, which this runtime does not have)")
+    _validate_distribute_saved_activations(args, cuda)
+    _validate_overlap_args(args)
+
+
+def _validate_distribute_saved_activations(args: argparse.Namespace, cuda: bool) -> None:
+    """--distribute-saved-activations, with Megatron-LM's conditions and Megatron-Core's."""
+    if not args.distribute_saved_activations:
+        return
+    _require(args.recompute_granularity == "full",
+             "--distribute-saved-activations splits what full recomputation saves; add "
+             "--recompute-granularity full --recompute-method M --recompute-num-layers N")
+    _require(args.tensor_model_parallel_size > 1,
+             "--distribute-saved-activations splits across tensor-parallel ranks; set "
+             "--tensor-model-parallel-size 2 or more")
+    _require(not args.sequence_parallel,
+             "--distribute-saved-activations does not go with --sequence-parallel (Megatron-Core "
+             "refuses the pair: sequence parallelism already splits those activations); drop one")
+    _require(cuda, "--distribute-saved-activations needs CUDA GPUs (Megatron-Core gathers the split "
+                   "activations into CUDA buffers); remove it on CPU")
+
+
+def _validate_overlap_args(args: argparse.Namespace) -> None:
+    """The data-parallel and pipeline overlap flags (Megatron-LM's rules; they reach the DDP
+    config in training/config.py and the schedules' sync functions in training/loop.py)."""
+    if args.overlap_param_gather:
+        _require(args.use_distributed_optimizer,
+                 "--overlap-param-gather overlaps the distributed optimizer's parameter all-gather; "
+                 "add --use-distributed-optimizer")
+        _require(args.overlap_grad_reduce,
+                 "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM); add it")
+    if args.delay_param_gather:
+        _require(args.overlap_param_gather,
+                 "--delay-param-gather aligns the all-gathers of --overlap-param-gather; add "
+                 "--overlap-param-gather or drop --delay-param-gather")
+        _require(args.virtual_pipeline_model_parallel_size is not None or args.use_dpp,
+                 "--delay-param-gather is launched by the interleaved schedule or the DPP runtime "
+                 "(Megatron's 1F1B ignores it); add virtual pipeline stages or --use-dpp")
+    if args.use_dpp:
+        _require(args.overlap_p2p_comm,
+                 "--no-overlap-p2p-communication applies to Megatron's interleaved schedule; the "
+                 "DPP runtime (--use-dpp) always overlaps its messages; drop one of them")
+        _require(args.delay_grad_reduce or not (args.overlap_grad_reduce and args.dpp_split_backward),
+                 "--dpp-split-backward with --overlap-grad-reduce starts each chunk's reductions "
+                 "in chunk order through the schedule (grad_sync_func), which "
+                 "--no-delay-grad-reduce turns off; drop --no-delay-grad-reduce")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,6 +455,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                             "--manual-gc-interval iterations, aligned across ranks.")
     group.add_argument("--manual-gc-interval", type=int, default=0,
                        help="Iterations between manual collections (0: only around evaluation).")
+    group.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                       help="With --manual-gc: do not collect at the start and the end of each "
+                            "evaluation (without --manual-gc Python's collector runs as usual).")
 
 
 def validate_training_args(args: argparse.Namespace) -> None:
@@ -395,8 +567,10 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--merge-file", type=str, default=None,
                        help="Path to the BPE merges.txt (GPT2BPETokenizer only).")
     group.add_argument("--variable-seq-lengths", action="store_true",
-                       help="One document per sample, truncated to --seq-length, so micro-batches "
-                            "have different lengths (padded to the longest within a micro-batch).")
+                       help="Micro-batches of different lengths. GPT: one document per sample, "
+                            "truncated to --seq-length, padded to the longest within a "
+                            "micro-batch. BERT: each micro-batch cut to its longest sample "
+                            "(BERT's padding is masked, so the losses are unchanged).")
     group.add_argument("--reset-position-ids", action="store_true",
                        help="Restart position ids after each end-of-document token.")
     group.add_argument("--reset-attention-mask", action="store_true",
@@ -481,12 +655,9 @@ def validate_bert_args(args: argparse.Namespace) -> None:
     _require(args.tokenizer_type in WORDPIECE_TOKENIZERS,
              f"--tokenizer-type {args.tokenizer_type} is GPT's; BERT trains with "
              f"{' or '.join(WORDPIECE_TOKENIZERS)} and a WordPiece --vocab-file")
-    for flag in ("variable_seq_lengths", "reset_position_ids", "reset_attention_mask",
-                 "eod_mask_loss"):
+    for flag in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
         _require(not getattr(args, flag), f"--{flag.replace('_', '-')} is a GPT data flag; BERT's "
                                           f"samples are packed sentences: remove it")
-    _require(not getattr(args, "dpp_split_backward", False),
-             "--dpp-split-backward covers GPT's layers only so far; remove it for BERT")
 
 
 # Per model (the entry point's): its own flag groups, and its validator, which runs before the
@@ -639,8 +810,6 @@ def validate_dpp_args(args: argparse.Namespace) -> None:
         check_policy_layout(args.dpp_policy, args.virtual_pipeline_model_parallel_size or 1)
     except ValueError as error:
         raise ArgsError(f"--dpp-policy {error}") from None
-    _require(getattr(args, "context_parallel_size", 1) == 1,
-             "--use-dpp does not support context parallelism; set --context-parallel-size 1")
     _validate_split_backward(args)
 
 
@@ -725,6 +894,8 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--profile-ranks", type=int, nargs="+", default=None, metavar="RANK",
                        help=f"With --profile: the global ranks that profile (default "
                             f"{' '.join(map(str, PROFILE_RANKS))}).")
+    for flag in NSYS_OPTIONS:
+        _add_refused_flag(group, flag, takes_value=True)
     group.add_argument("--nvtx", action="store_true",
                        help="On a CUDA GPU: an NVTX range around each pipeline task, named like the "
                             "task (F3.0, B3.0), for nsys or Nsight: around each task the DPP runtime "
@@ -824,7 +995,7 @@ def build_parser(prog: str = "megatron_dpp", description: str = DEFAULT_DESCRIPT
 
 def validate_args(args: argparse.Namespace) -> None:
     """Check and complete `args` in place; raises ArgsError. Creates no process group."""
-    for validate in [MODEL_VALIDATORS[args.model], *VALIDATORS]:
+    for validate in [validate_refused_args, MODEL_VALIDATORS[args.model], *VALIDATORS]:
         validate(args)
 
 
@@ -846,6 +1017,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "megatron_dpp",
 
 
 if __name__ == "__main__":
-    # `WORLD_SIZE=N python -m megatron_dpp.arguments <flags>`: validate only (exit 0, or 2 with the
-    # one-line error), e.g. before a launcher starts N processes.
-    parse_args()
+    # `WORLD_SIZE=N python -m megatron_dpp.arguments [gpt|bert] <flags>`: validate only (exit 0, or
+    # 2 with the one-line error), e.g. before a launcher starts N processes. The model (default gpt)
+    # is a bare word: flags start with "--".
+    argv = sys.argv[1:]
+    model = argv.pop(0) if argv and argv[0] in MODEL_VALIDATORS else "gpt"
+    parse_args(argv, model=model)

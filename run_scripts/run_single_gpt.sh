@@ -13,16 +13,12 @@
 #   USE_DPP       1 (default): dynamic pipeline schedule (--use-dpp) whenever PP >= 2; 0: Megatron's
 #                 fixed 1F1B / interleaved schedule
 # Extra arguments are passed to megatron_dpp.pretrain_gpt and override the recipe's flags.
+# --strategy FILE (among them): the model shape, batch, layout and schedule of a strategy JSON
+# written by run_scripts/start-search.sh; it replaces PP, TP, VPP, USE_DPP and NPROC.
 # --dry-run (anywhere among them) checks everything and prints the torchrun command instead of
 # running it. Several nodes: run_master_gpt.sh and run_worker_gpt.sh, or run_slurm_gpt.sh.
 set -euo pipefail
 LAUNCH_NAME=run_single_gpt
-# shellcheck source=run_scripts/_launch_gpt.sh
-source "$(dirname "${BASH_SOURCE[0]}")/_launch_gpt.sh"
-
-launch_parse_args "$@"
-launch_check_layout_env
-launch_check_nodes single
-launch_prepare
-launch_precheck
-launch_start 0
+# shellcheck source=run_scripts/_launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_launch.sh"
+launch_main single gpt "$@"

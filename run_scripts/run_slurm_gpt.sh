@@ -24,22 +24,25 @@
 # Environment, as in run_master_gpt.sh: MASTER_PORT (default 29500), NPROC (processes per node),
 # PP, TP, VPP, USE_DPP, RECIPE, DATA_DIR, DATA_ARGS.
 # Extra arguments are passed to megatron_dpp.pretrain_gpt and override the recipe's flags.
+# --strategy FILE (among them): the model shape, batch, layout and schedule of a strategy JSON
+# written by run_scripts/start-search.sh; it replaces PP, TP, VPP, USE_DPP and NPROC.
 # --dry-run (anywhere among them) checks everything, prints the torchrun command of every node
 # (one line per node, with its rank) and starts nothing. Bad variables or flags: one line on stderr,
 # exit code 2, before anything starts.
 set -euo pipefail
 LAUNCH_NAME=run_slurm_gpt
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-if [ ! -f "$SCRIPT_DIR/_launch_gpt.sh" ]; then
+if [ ! -f "$SCRIPT_DIR/_launch.sh" ]; then
   SCRIPT_DIR="${SLURM_SUBMIT_DIR:-$PWD}/run_scripts"  # sbatch's copy of this script
 fi
-if [ ! -f "$SCRIPT_DIR/_launch_gpt.sh" ]; then
-  echo "$LAUNCH_NAME: cannot find run_scripts/_launch_gpt.sh; submit from the repository root (sbatch run_scripts/run_slurm_gpt.sh)" >&2
+if [ ! -f "$SCRIPT_DIR/_launch.sh" ]; then
+  echo "$LAUNCH_NAME: cannot find run_scripts/_launch.sh; submit from the repository root (sbatch run_scripts/run_slurm_gpt.sh)" >&2
   exit 2
 fi
-# shellcheck source=run_scripts/_launch_gpt.sh
-source "$SCRIPT_DIR/_launch_gpt.sh"
+# shellcheck source=run_scripts/_launch.sh
+source "$SCRIPT_DIR/_launch.sh"
 
+launch_set_model gpt
 launch_parse_args "$@"
 launch_check_layout_env
 

@@ -15,16 +15,12 @@
 #   NPROC         processes per node (default: number of GPUs, else 2); DP = NNODES*NPROC / (PP*TP)
 #   PP, TP, VPP, USE_DPP, RECIPE, DATA_DIR, DATA_ARGS   as in run_single_gpt.sh
 # Extra arguments are passed to megatron_dpp.pretrain_gpt and override the recipe's flags.
+# --strategy FILE (among them): the model shape, batch, layout and schedule of a strategy JSON
+# written by run_scripts/start-search.sh; it replaces PP, TP, VPP, USE_DPP and NPROC.
 # --dry-run (anywhere among them) checks everything and prints this node's torchrun command
 # instead of running it. Bad variables or flags: one line on stderr, exit code 2, before torchrun.
 set -euo pipefail
 LAUNCH_NAME=run_worker_gpt
-# shellcheck source=run_scripts/_launch_gpt.sh
-source "$(dirname "${BASH_SOURCE[0]}")/_launch_gpt.sh"
-
-launch_parse_args "$@"
-launch_check_layout_env
-launch_check_nodes worker
-launch_prepare
-launch_precheck
-launch_start "$NODE_RANK"
+# shellcheck source=run_scripts/_launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_launch.sh"
+launch_main worker gpt "$@"

@@ -436,6 +436,29 @@ def test_iterators_batch_bert_samples(tiny_bert, tmp_path):
                 assert int(batch["is_random"][row]) == sample["is_random"]
 
 
+@pytest.mark.timeout(60)
+def test_variable_seq_lengths_cut_each_micro_batch_to_its_longest_sample(tiny_bert, tmp_path):
+    from megatron_dpp.data import build_data_iterators
+
+    args = bert_args(tiny_bert, tmp_path, short_seq_prob=0.9, variable_seq_lengths=True)
+    _, (train, valid, test) = _build(args)
+    train_iter, _, _ = build_data_iterators(args, train, valid, test)
+    lengths = []
+    for step in range(len(train) // 2):
+        batch = next(train_iter)
+        rows = [train[step * 2 + row] for row in range(2)]
+        longest = max(int(sample["padding_mask"].sum()) for sample in rows)
+        lengths.append(longest)
+        for key in ("text", "types", "labels", "padding_mask", "loss_mask"):
+            assert batch[key].shape == (2, longest), key
+            for row, sample in enumerate(rows):
+                # Only padding is cut: every real token, label and mask is kept.
+                assert torch.equal(batch[key][row], torch.from_numpy(sample[key][:longest]))
+                assert not sample["padding_mask"][longest:].any()
+        assert batch["is_random"].shape == (2,)
+    assert len(set(lengths)) > 1 and max(lengths) <= 48  # the micro-batches differ in length
+
+
 # ------------------------------------------------------------------------------------------------
 # The sample data from prepare_sample
 # ------------------------------------------------------------------------------------------------

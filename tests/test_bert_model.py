@@ -8,12 +8,12 @@ import argparse
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_dpp.models.bert import (BertShape, bert_loss, bert_microbatch_work, build_bert_chunks,
-                                      make_bert_forward_step)
-from megatron_dpp.platform import setup_platform
+from megatron_dpp.models.bert import (BERT_SPEC, BertShape, bert_loss, bert_microbatch_work,
+                                      build_bert_chunks, make_bert_forward_step)
+
+from _one_rank import one_rank_megatron
 
 SEQ, BATCH, HIDDEN, VOCAB = 16, 2, 32, 128
 
@@ -21,19 +21,8 @@ SEQ, BATCH, HIDDEN, VOCAB = 16, 2, 32, 128
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
     """A one-rank Megatron-Core setup (the CPU patches BERT needs, gloo, tp = pp = 1)."""
-    setup_platform(("megatron.core.models.common.embeddings.language_model_embedding",))
-    from megatron.core import parallel_state, tensor_parallel
-
-    created = not dist.is_initialized()
-    if created:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("bert") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
+    with one_rank_megatron(tmp_path_factory.mktemp("bert"), BERT_SPEC.cpu_patched_modules):
+        yield
 
 
 def _config():
@@ -116,6 +105,16 @@ def test_ignored_sentence_order_labels_are_not_counted(megatron):
     _loss, report = bert_loss(loss_mask, torch.tensor([1, -1]), (lm, logits))
     assert report["sop loss"][1].item() == 1.0
     assert torch.isclose(report["sop loss"][0], F.cross_entropy(logits[:1], torch.tensor([1])))
+
+
+def test_a_micro_batch_without_masked_tokens_adds_nothing_and_no_nan():
+    # Megatron's masking leaves some very short samples without a masked token; 0/0 would make
+    # every gradient of the iteration NaN.
+    lm = torch.full((BATCH, SEQ), 3.0, requires_grad=True)
+    loss, report = bert_loss(torch.zeros(BATCH, SEQ), None, (lm, None))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(lm.grad, torch.zeros(BATCH, SEQ))
+    assert report["lm loss"].tolist() == [0.0, 0.0]
 
 
 def test_microbatch_work_is_its_token_count():

@@ -308,6 +308,27 @@ def test_master_and_worker_dry_run_print_their_torchrun_commands(tmp_path):
     assert (rank, _value(argv, "--node-rank"), _value(argv, "--master-port")) == (1, "1", "29999")
 
 
+@pytest.mark.timeout(180)
+def test_bert_master_and_worker_start_pretrain_bert_on_the_bert_recipe_and_data(tmp_path):
+    variables = {"NODE_IPS": "10.0.0.1,10.0.0.2", "NPROC": "1", "PP": "2"}
+    master, _ = _run_script("run_master_bert.sh", variables, ["--dry-run"], cwd=tmp_path)
+    worker, _ = _run_script("run_worker_bert.sh",
+                            {**variables, "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1"},
+                            ["--dry-run", "--mask-prob", "0.2"], cwd=tmp_path)
+    for result in (master, worker):
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "recipe bert_tiny" in result.stdout
+    for rank, argv in [*_node_commands(master.stdout).items(), *_node_commands(worker.stdout).items()]:
+        assert argv[argv.index("-m", 3) + 1] == "megatron_dpp.pretrain_bert"
+        assert _value(argv, "--data-path").endswith("sample_bert_text_sentence")
+        assert _value(argv, "--vocab-file").endswith("bert-vocab.txt")
+        assert _value(argv, "--node-rank") == str(rank) and "--use-dpp" in argv
+    assert _value(_node_commands(worker.stdout)[1], "--mask-prob") == "0.2"
+    # A bad BERT flag is refused by BERT's own checks, before torchrun.
+    bad, _ = _run_script("run_master_bert.sh", variables, ["--mask-prob", "1.5"], cwd=tmp_path)
+    assert "--mask-prob" in _one_error_line(bad) and "node 0" not in bad.stdout
+
+
 @pytest.mark.timeout(120)
 def test_slurm_dry_run_prints_one_command_per_node(tmp_path):
     result, _ = _run_script("run_slurm_gpt.sh",

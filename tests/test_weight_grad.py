@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_dpp.models.gpt import GPT_SPEC
 from megatron_dpp.platform import setup_platform
+
+from _one_rank import one_rank_megatron
 
 SEQ, BATCH, HIDDEN, FFN, VOCAB, LAYERS = 8, 2, 16, 32, 64, 2
 ORDER = [("B", 1), ("B", 0), ("W", 0), ("B", 2), ("W", 2), ("W", 1)]  # not FIFO
@@ -25,19 +26,8 @@ REL_TOL = 1e-6
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
     """A one-rank Megatron-Core setup (the platform's CPU patches, gloo, tp = pp = 1)."""
-    setup_platform(GPT_SPEC.cpu_patched_modules)
-    from megatron.core import parallel_state, tensor_parallel
-
-    created = not dist.is_initialized()
-    if created:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("wg") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
+    with one_rank_megatron(tmp_path_factory.mktemp("wg"), GPT_SPEC.cpu_patched_modules):
+        yield
 
 
 def _config(**overrides):
@@ -382,3 +372,76 @@ def test_megatron_ddp_main_grad_and_hooks(megatron, overlap_grad_reduce):
         assert all(p.grad is None for p in deferred.parameters())
         _assert_close({n: p.main_grad for n, p in deferred.named_parameters()},
                       {n: p.main_grad for n, p in reference.named_parameters()})
+
+
+# ----------------------------------------------------------------------------------------------
+# BERT: the same guarantees for DeferredBertModel (its heads are torch Linear layers and norms)
+# ----------------------------------------------------------------------------------------------
+def _bert_pair(kind: str):
+    """(Megatron's BertModel, DeferredBertModel) with the binary head and the same weights."""
+    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+    from megatron.core.models.bert.bert_model import BertModel
+
+    from megatron_dpp.models.bert import BERT_SPEC
+    from megatron_dpp.models.weight_grad import DeferredBertModel
+
+    setup_platform(BERT_SPEC.cpu_patched_modules)
+    pre, post = CHUNKS[kind]
+    arguments = dict(config=_config(), num_tokentypes=2, transformer_layer_spec=bert_layer_local_spec,
+                     vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=pre, post_process=post,
+                     share_embeddings_and_output_weights=True, add_binary_head=True,
+                     position_embedding_type="learned_absolute")
+    torch.manual_seed(0)
+    reference = BertModel(**arguments)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    deferred = DeferredBertModel(**arguments)
+    deferred.load_state_dict(reference.state_dict())
+    return reference, deferred
+
+
+def _bert_forward(model, kind: str, m: int):
+    tokens, hidden, out_grad = _microbatch(m)
+    pre, post = CHUNKS[kind]
+    input_tensor = None
+    if not pre:
+        input_tensor = hidden.clone().requires_grad_(True)
+        model.set_input_tensor(input_tensor)
+    padding = torch.ones(BATCH, SEQ, dtype=torch.long)
+    padding[0, SEQ - 2:] = 0
+    types = (torch.arange(SEQ) >= SEQ // 2).long().repeat(BATCH, 1)
+    output = model(tokens, padding, tokentype_ids=types, lm_labels=tokens if post else None)
+    if post:
+        lm_losses, binary_logits = output
+        return lm_losses.sum() + binary_logits.square().sum(), None, input_tensor
+    return output, out_grad, input_tensor
+
+
+@pytest.mark.parametrize("kind", sorted(CHUNKS))
+def test_bert_weight_gradients_deferred_equal_the_fused_ones(megatron, kind):
+    from megatron_dpp.models.weight_grad import WeightGradStash, undeferred_parameters
+
+    reference, deferred = _bert_pair(kind)
+    assert undeferred_parameters(deferred) == []
+    names = {name for name, _ in deferred.named_parameters()}
+    if CHUNKS[kind][1]:  # the heads are there and deferred too
+        assert {"pooler.dense.weight", "binary_head.weight", "lm_head.dense.weight"} <= names
+    fused_input_grads, fused = [], None
+    for m in range(2):
+        output, grad, input_tensor = _bert_forward(reference, kind, m)
+        torch.autograd.backward(output, grad)
+        fused_input_grads.append(None if input_tensor is None else input_tensor.grad)
+    fused = _grads(reference)
+    stash = WeightGradStash()
+    for m in range(2):
+        with stash.defer(m):
+            output, grad, input_tensor = _bert_forward(deferred, kind, m)
+        torch.autograd.backward(output, grad)
+        if input_tensor is not None:
+            assert torch.allclose(input_tensor.grad, fused_input_grads[m], rtol=1e-5, atol=1e-7)
+    assert all(p.grad is None for p in deferred.parameters())  # nothing before W
+    for m in (1, 0):
+        stash.run(m)
+    _assert_close(_grads(deferred), fused, tol=1e-5)
+    stash.check_drained()

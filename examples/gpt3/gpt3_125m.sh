@@ -1,15 +1,15 @@
 # GPT-3 Small (125M), GPT-3 paper table 2.1. GPU recipe, bf16. Flags only.
-GPT_MODEL_ARGS=(
+MODEL_ARGS=(
   --num-layers 12 --hidden-size 768 --num-attention-heads 12
   --seq-length 2048 --max-position-embeddings 2048
   --hidden-dropout 0.1 --attention-dropout 0.1
 )
-GPT_TRAINING_ARGS=(
+TRAINING_ARGS=(
   --micro-batch-size 4 --global-batch-size 256 --train-iters 20000
   --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 200
   --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95 --seed 1234
   --bf16
 )
-GPT_LOGGING_ARGS=(
+LOGGING_ARGS=(
   --log-interval 10 --eval-interval 1000 --eval-iters 10
 )

@@ -1,15 +1,15 @@
 # GPT-2 Medium size (345M, Megatron-LM's classic example). GPU recipe, bf16. Flags only.
-GPT_MODEL_ARGS=(
+MODEL_ARGS=(
   --num-layers 24 --hidden-size 1024 --num-attention-heads 16
   --seq-length 1024 --max-position-embeddings 1024
   --hidden-dropout 0.1 --attention-dropout 0.1
 )
-GPT_TRAINING_ARGS=(
+TRAINING_ARGS=(
   --micro-batch-size 4 --global-batch-size 256 --train-iters 50000
   --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 500
   --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95 --seed 1234
   --bf16
 )
-GPT_LOGGING_ARGS=(
+LOGGING_ARGS=(
   --log-interval 10 --eval-interval 1000 --eval-iters 10
 )

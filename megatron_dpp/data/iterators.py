@@ -53,24 +53,36 @@ class PretrainingSampler:
             yield self._my_slice(batch)
 
 
-def collate_bert_samples(samples: Sequence[dict]) -> Dict[str, torch.Tensor]:
+def collate_bert_samples(samples: Sequence[dict],
+                         trim_padding: bool = False) -> Dict[str, torch.Tensor]:
     """Stack Megatron's BERT samples (all seq_length long) into tensors: [micro_batch, length]
-    int64 for the arrays, [micro_batch] int64 for is_random and truncated."""
-    return {key: torch.as_tensor(numpy.stack([numpy.asarray(sample[key]) for sample in samples]),
-                                 dtype=torch.int64)
-            for key in samples[0]}
+    int64 for the arrays, [micro_batch] int64 for is_random and truncated.
+
+    trim_padding (--variable-seq-lengths): the micro-batch is cut to its longest sample. Padding
+    is always on the right and masked out of attention and of both losses, so the cut changes
+    no real token's output, only the work of the micro-batch."""
+    batch = {key: torch.as_tensor(numpy.stack([numpy.asarray(sample[key]) for sample in samples]),
+                                  dtype=torch.int64)
+             for key in samples[0]}
+    if trim_padding:
+        longest = int(batch["padding_mask"].sum(dim=1).max())
+        batch = {key: value[:, :longest] if value.dim() == 2 else value
+                 for key, value in batch.items()}
+    return batch
 
 
 def collate_samples(samples: Sequence[Dict[str, Optional[torch.Tensor]]],
-                    pad_token: int = 0) -> Dict[str, Optional[torch.Tensor]]:
+                    pad_token: int = 0,
+                    trim_padding: bool = False) -> Dict[str, Optional[torch.Tensor]]:
     """Stack samples into a [micro_batch, length] batch, padding to the longest sample.
 
     Padding goes on the right with loss_mask 0, so under a causal mask it changes neither the
     loss nor the real tokens' outputs. attention_mask is None unless the dataset made one.
-    BERT's samples (a "text" key, already padded to seq_length) go to collate_bert_samples.
+    BERT's samples (a "text" key, already padded to seq_length) go to collate_bert_samples, which
+    cuts their padding with trim_padding (GPT's variable-length samples come unpadded).
     """
     if "text" in samples[0]:
-        return collate_bert_samples(samples)
+        return collate_bert_samples(samples, trim_padding)
     longest = max(sample["tokens"].numel() for sample in samples)
     batch: Dict[str, Optional[torch.Tensor]] = {}
     for key in BATCH_KEYS:
@@ -105,13 +117,16 @@ def _data_parallel_position() -> Tuple[int, int]:
 
 def build_data_loader(dataset, consumed_samples: int, micro_batch_size: int,
                       data_parallel_rank: int, data_parallel_size: int, num_workers: int = 0,
-                      pad_token: int = 0) -> torch.utils.data.DataLoader:
-    """A DataLoader over `dataset` that starts at consumed_samples (see PretrainingSampler)."""
+                      pad_token: int = 0,
+                      trim_padding: bool = False) -> torch.utils.data.DataLoader:
+    """A DataLoader over `dataset` that starts at consumed_samples (see PretrainingSampler);
+    trim_padding: see collate_samples."""
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
                                  data_parallel_rank, data_parallel_size)
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers,
-        collate_fn=functools.partial(collate_samples, pad_token=pad_token),
+        collate_fn=functools.partial(collate_samples, pad_token=pad_token,
+                                     trim_padding=trim_padding),
         persistent_workers=num_workers > 0)
 
 
@@ -126,7 +141,8 @@ def build_data_iterators(args, train_ds, valid_ds, test_ds,
     consumed_* default to args.consumed_train_samples / args.consumed_valid_samples (0 when
     absent): pass iteration x global_batch_size when resuming. The data-parallel rank and size
     default to Megatron's parallel state. valid and test cycle (evaluation restarts them), train
-    does not: it holds exactly the samples the run asked for.
+    does not: it holds exactly the samples the run asked for. With args.variable_seq_lengths
+    every micro-batch is as long as its longest sample (see collate_samples).
     """
     if data_parallel_rank is None or data_parallel_size is None:
         data_parallel_rank, data_parallel_size = _data_parallel_position()
@@ -135,10 +151,11 @@ def build_data_iterators(args, train_ds, valid_ds, test_ds,
     if consumed_valid_samples is None:
         consumed_valid_samples = getattr(args, "consumed_valid_samples", 0) or 0
     num_workers = getattr(args, "num_workers", 0)
+    trim_padding = bool(getattr(args, "variable_seq_lengths", False))
 
     def loader(dataset, consumed):
         return build_data_loader(dataset, consumed, args.micro_batch_size, data_parallel_rank,
-                                 data_parallel_size, num_workers, pad_token)
+                                 data_parallel_size, num_workers, pad_token, trim_padding)
 
     train_iter = iter(loader(train_ds, consumed_train_samples)) if train_ds is not None else None
     valid_iter = (_cycle(loader(valid_ds, consumed_valid_samples % len(valid_ds)))

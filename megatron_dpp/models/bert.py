@@ -51,15 +51,28 @@ def bert_layer_spec() -> ModuleSpec:
     return bert_layer_local_spec
 
 
-def build_bert_chunks(config: TransformerConfig, shape: BertShape, seed: int) -> list[BertModel]:
+def build_bert_chunks(config: TransformerConfig, shape: BertShape, seed: int,
+                      deferred_weight_grads: bool = False) -> list[BertModel]:
     """The model chunks of this pipeline rank (one per virtual stage), initialized layout-free.
-    Embeddings and the masked-LM output layer share their weight, as in Megatron-LM."""
+    Embeddings and the masked-LM output layer share their weight, as in Megatron-LM.
+
+    deferred_weight_grads (--dpp-split-backward): DeferredBertModel over Megatron-Core's local
+    layer spec (never Transformer Engine's), whose weight gradients a split backward defers to W;
+    the same parameters, initialization and numbers as the default chunks."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    spec = bert_layer_spec()
+    model_class = BertModel
+    if deferred_weight_grads:
+        from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+
+        from megatron_dpp.models.weight_grad import DeferredBertModel
+
+        model_class, spec = DeferredBertModel, bert_layer_local_spec
+    else:
+        spec = bert_layer_spec()
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        model = BertModel(
+        model = model_class(
             config=config,
             num_tokentypes=SENTENCE_ORDER_CLASSES if shape.binary_head else 0,
             transformer_layer_spec=spec,
@@ -82,7 +95,8 @@ def _build_chunks_from_args(args: argparse.Namespace, config: TransformerConfig,
     shape = BertShape(padded_vocab_size=args.padded_vocab_size,  # set by build_tokenizer
                       max_position_embeddings=args.max_position_embeddings,
                       binary_head=args.bert_binary_head)
-    return build_bert_chunks(config, shape, seed)
+    return build_bert_chunks(config, shape, seed,
+                             deferred_weight_grads=getattr(args, "dpp_split_backward", False))
 
 
 _LAYERS_PREFIX = "encoder.layers."
@@ -101,12 +115,16 @@ def bert_loss(loss_mask: torch.Tensor, sentence_order: Optional[torch.Tensor], o
     """Megatron-LM's BERT loss: the masked-LM loss averaged over the masked tokens, plus the
     sentence-order loss averaged over the samples when the binary head is on. Reports each as
     [sum, count] (the training loop averages every reported loss over microbatches and
-    data-parallel ranks by its count)."""
+    data-parallel ranks by its count).
+
+    A micro-batch with no masked token (Megatron's masking can leave a very short sample without
+    one) adds 0 to the masked-LM loss; Megatron-LM divides 0 by 0 there and every gradient of the
+    iteration becomes NaN."""
     lm_losses, sentence_order_logits = output_tensor
     mask = loss_mask.reshape(-1).float()
     lm_sum = torch.sum(lm_losses.float().reshape(-1) * mask)
     masked_tokens = mask.sum()
-    loss = lm_sum / masked_tokens
+    loss = lm_sum / masked_tokens.clamp(min=1.0)
     report = {"lm loss": torch.stack([lm_sum.detach(), masked_tokens.detach()])}
     if sentence_order_logits is not None and sentence_order is not None:
         labels = sentence_order.reshape(-1)

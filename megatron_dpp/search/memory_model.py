@@ -16,8 +16,9 @@ saved_tensors_hooks:
   softmax output);
 - torch's CPU dropout keeps its mask in the input's dtype (element size, not 1 byte), and a
   dropout with probability 0 keeps nothing; the attention dropout's output is kept too;
-- the attention mask is kept by the layer (GPT: the s x s causal mask, BERT: the b x s x s
-  padding mask, 1 byte per element; Megatron shares it between layers, counted here per layer);
+- the attention mask is kept by the layer (1 byte per element; GPT: the s x s causal mask, which
+  every layer makes anew; BERT: the model's b x s x s padding mask, which its layers share, counted
+  here per layer);
 - the MLP keeps its GeLU input and output (ffn_hidden_size wide, split by tensor parallelism).
 
 With sequence parallelism every tensor kept outside the tensor-parallel region (layer-norm inputs,

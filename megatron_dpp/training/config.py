@@ -5,6 +5,7 @@ Every flag the training path uses is read here, so "is this flag wired?" has one
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
@@ -12,6 +13,8 @@ import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
+
+from megatron_dpp.models.gpt import transformer_engine_available
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class TrainingConfig:
     save_interval: Optional[int]
     manual_gc: bool
     manual_gc_interval: int
+    manual_gc_eval: bool  # with manual_gc: collect at the start and end of each evaluation
     empty_unused_memory_level: int
     distributed_timeout_minutes: int
 
@@ -64,6 +68,7 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
         save_interval=args.save_interval,
         manual_gc=args.manual_gc,
         manual_gc_interval=args.manual_gc_interval,
+        manual_gc_eval=args.manual_gc_eval,
         empty_unused_memory_level=args.empty_unused_memory_level,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
@@ -75,6 +80,37 @@ def params_dtype_from_args(args: argparse.Namespace) -> torch.dtype:
     if args.fp16:
         return torch.float16
     return torch.float32
+
+
+def fused_wgrad_kernel_available() -> bool:
+    """Apex's fused_weight_gradient_mlp_cuda on a CUDA machine: what Megatron-Core's linear layers
+    need for gradient_accumulation_fusion (they refuse the setting without it)."""
+    return (torch.cuda.is_available()
+            and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None)
+
+
+def persistent_layer_norm_available() -> bool:
+    """Apex's persistent LayerNorm kernel, which Megatron-Core's FusedLayerNorm runs for
+    persist_layer_norm (without Apex the local layers use torch's LayerNorm, which refuses it)."""
+    from megatron.core.fusions import fused_layer_norm
+
+    return fused_layer_norm.HAVE_PERSIST_LAYER_NORM
+
+
+def gradient_accumulation_fusion_from_args(args: argparse.Namespace) -> bool:
+    """Megatron-LM's choice: fused unless --no-gradient-accumulation-fusion, where the kernel
+    exists. The deferred layers of --dpp-split-backward do not support the fusion."""
+    return (args.gradient_accumulation_fusion and fused_wgrad_kernel_available()
+            and not args.dpp_split_backward)
+
+
+def persist_layer_norm_from_args(args: argparse.Namespace) -> bool:
+    """Megatron-LM's choice: the persistent LayerNorm kernel unless --no-persist-layer-norm, where
+    the model's norm is Megatron-Core's local one and the kernel exists. Transformer Engine's norm
+    (models/gpt.py and bert.py pick its layers where available) does not read the setting; the
+    deferred norm of --dpp-split-backward refuses it."""
+    return (not args.no_persist_layer_norm and persistent_layer_norm_available()
+            and not transformer_engine_available() and not args.dpp_split_backward)
 
 
 def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
@@ -107,22 +143,26 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         pipeline_dtype=dtype,
         bf16=args.bf16,
         fp16=args.fp16,
-        # Megatron-LM's default: with virtual stages, per-direction p2p ops instead of one batch.
+        # Megatron-LM's default: with virtual stages, per-direction p2p ops overlapped with compute
+        # instead of one batch (--no-overlap-p2p-communication: per-direction ops, each awaited).
         # A batch pairs messages by order, and with pp=2 both directions go to the same peer, so
         # activations and gradients could be swapped; the unbatched path keeps them apart.
-        overlap_p2p_comm=args.virtual_pipeline_model_parallel_size is not None,
+        overlap_p2p_comm=(args.virtual_pipeline_model_parallel_size is not None
+                          and args.overlap_p2p_comm),
         batch_p2p_comm=args.virtual_pipeline_model_parallel_size is None,
         variable_seq_lengths=bool(getattr(args, "variable_seq_lengths", False)),
         # TransformerConfig rejects variable_seq_lengths with the default MoE dispatcher
         # ("allgather"); the dispatcher is unused by dense models, so pick one that allows it.
         moe_token_dispatcher_type="alltoall",
-        # Fused CUDA kernels (bias-gelu, bias-dropout-add, masked softmax, rope) only exist on GPUs;
-        # gradient accumulation fusion needs APEX/TE's CUDA extension.
+        # Fused CUDA kernels (bias-gelu, bias-dropout-add, masked softmax, rope) only exist on GPUs.
         bias_activation_fusion=torch.cuda.is_available(),
         bias_dropout_fusion=torch.cuda.is_available(),
         masked_softmax_fusion=torch.cuda.is_available(),
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=gradient_accumulation_fusion_from_args(args),
+        persist_layer_norm=persist_layer_norm_from_args(args),
+        clone_scatter_output_in_embedding=args.clone_scatter_output_in_embedding,
+        distribute_saved_activations=args.distribute_saved_activations,
         **recompute,
         **attention,
     )
@@ -149,5 +189,7 @@ def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelCon
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16 or args.fp16,
         overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        align_param_gather=args.delay_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )

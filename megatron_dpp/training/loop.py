@@ -97,10 +97,22 @@ def log_rank0(message: str) -> None:
         log(message)
 
 
+def wrap_for_mixed_precision(config, chunks: list) -> list:
+    """With --bf16 or --fp16, each chunk inside Megatron-Core's Float16Module, as Megatron-LM's
+    get_model does: it casts every parameter to 16 bits (torch's own layers, such as the learned
+    position embedding and the local spec's layer norms, are built in fp32, and a forward would
+    mix dtypes), the first stage's input too, and returns the last stage's outputs in fp32."""
+    if not (config.bf16 or config.fp16):
+        return chunks
+    from megatron.core.transformer.module import Float16Module
+
+    return [Float16Module(config, chunk) for chunk in chunks]
+
+
 def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSpec):
     config = transformer_config_from_args(args)
     chunks = spec.build_chunks(args, config, seed)  # args.padded_vocab_size: set by build_tokenizer
-    chunks = [chunk.to(platform.device) for chunk in chunks]
+    chunks = wrap_for_mixed_precision(config, [chunk.to(platform.device) for chunk in chunks])
     ddp_config = ddp_config_from_args(args)
     model = [
         # Only the first chunk buckets its gradients (Megatron-LM does the same).
@@ -108,16 +120,42 @@ def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSp
         for index, chunk in enumerate(chunks)
     ]
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
-    config.no_sync_func = [chunk.no_sync for chunk in model]
-    if len(model) == 1:
-        config.no_sync_func = config.no_sync_func[0]
-    if args.overlap_grad_reduce:
-        config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
-        if len(model) == 1:
-            config.grad_sync_func = config.grad_sync_func[0]
+    set_sync_funcs(config, model, args)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return config, model, optimizer
+
+
+def set_sync_funcs(config, model: list, args: argparse.Namespace) -> None:
+    """The data-parallel hooks the schedules call on `config` (one per model chunk, or the one
+    function itself for one chunk), as Megatron-LM sets them: no_sync_func always; grad_sync_func
+    with --overlap-grad-reduce unless --no-delay-grad-reduce (the schedule then launches the
+    reductions of all but the first pipeline stage after their last backward); param_sync_func
+    with --overlap-param-gather and --delay-param-gather."""
+    def per_chunk(funcs: list):
+        return funcs[0] if len(funcs) == 1 else funcs
+
+    config.no_sync_func = per_chunk([chunk.no_sync for chunk in model])
+    if args.overlap_grad_reduce and args.delay_grad_reduce:
+        config.grad_sync_func = per_chunk([chunk.start_grad_sync for chunk in model])
+    if args.overlap_param_gather and args.delay_param_gather:
+        config.param_sync_func = per_chunk([chunk.start_param_sync for chunk in model])
+
+
+@contextlib.contextmanager
+def params_gathered(model: list):
+    """With --overlap-param-gather the last optimizer step's parameters are gathered only by the
+    next forward's pre-hooks (DDP's use_forward_hook): for what reads the model outside training
+    (evaluation, checkpoints), gather them now (disable_forward_pre_hook all-gathers
+    synchronously) and turn the hooks back on afterwards, as Megatron-LM does."""
+    hooked = [chunk for chunk in model if getattr(chunk, "use_forward_hook", False)]
+    for chunk in hooked:
+        chunk.disable_forward_pre_hook()
+    try:
+        yield
+    finally:
+        for chunk in hooked:
+            chunk.enable_forward_pre_hook()
 
 
 def build_scheduler(optimizer, train: TrainingConfig) -> OptimizerParamScheduler:
@@ -251,7 +289,12 @@ class Trainer:
             self.watchdog.disarm()
 
     def evaluate(self, valid_iterators) -> None:
-        if self.train.manual_gc:
+        with params_gathered(self.model):
+            self._evaluate(valid_iterators)
+
+    def _evaluate(self, valid_iterators) -> None:
+        manual_gc = self.train.manual_gc and self.train.manual_gc_eval
+        if manual_gc:
             gc.collect()
         for chunk in self.model:
             chunk.eval()
@@ -269,7 +312,7 @@ class Trainer:
                     tokens += count
         for chunk in self.model:
             chunk.train()
-        if self.train.manual_gc:
+        if manual_gc:
             gc.collect()
         if is_logging_rank():
             loss = loss_sum / max(tokens, 1.0)
@@ -283,8 +326,9 @@ class Trainer:
         close_forward_backward(self.forward_backward)
 
     def save(self) -> None:
-        path = save_checkpoint(self.train.save, self.state, self.model, self.optimizer,
-                               self.scheduler)
+        with params_gathered(self.model):
+            path = save_checkpoint(self.train.save, self.state, self.model, self.optimizer,
+                                   self.scheduler)
         log_rank0(f" saved checkpoint at iteration {self.state.iteration} to {path}")
 
 

@@ -9,17 +9,19 @@
 
 `store.py` holds the stash, `functions.py` the autograd functions with split backwards,
 `layers.py` the Megatron-Core layer subclasses that use them, `model.py` the layer spec and the
-GPT model, `memory.py` the stash's bytes per microbatch (what the runtime's budget counts). docs/weight_grad.md says what is covered and what the stash holds.
+GPT and BERT models, `memory.py` the stash's bytes per microbatch (what the runtime's budget counts). docs/weight_grad.md says what is covered and what the stash holds.
 """
 from megatron_dpp.models.weight_grad.layers import (
     DeferredColumnParallelLinear,
     DeferredEmbedding,
     DeferredLayerNorm,
     DeferredRowParallelLinear,
+    DeferredTorchLinear,
     DeferredVocabParallelEmbedding,
 )
 from megatron_dpp.models.weight_grad.memory import megatron_weight_grad_bytes, weight_grad_bytes_per_token
 from megatron_dpp.models.weight_grad.model import (
+    DeferredBertModel,
     DeferredGPTModel,
     adopt_deferred_embedding_and_output,
     deferred_block_spec,
@@ -43,7 +45,9 @@ __all__ = [
     "DeferredLayerNorm",
     "DeferredVocabParallelEmbedding",
     "DeferredEmbedding",
+    "DeferredTorchLinear",
     "DeferredGPTModel",
+    "DeferredBertModel",
     "deferred_layer_spec",
     "deferred_block_spec",
     "adopt_deferred_embedding_and_output",

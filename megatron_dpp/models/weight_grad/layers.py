@@ -39,6 +39,7 @@ __all__ = [
     "DeferredLayerNorm",
     "DeferredVocabParallelEmbedding",
     "DeferredEmbedding",
+    "DeferredTorchLinear",
     "DEFERRED_CLASSES",
 ]
 
@@ -185,6 +186,21 @@ class DeferredEmbedding(torch.nn.Embedding):
                                                False)
 
 
+class DeferredTorchLinear(torch.nn.Linear):
+    """torch.nn.Linear (BERT's LM-head transform, pooler and sentence-order head, which Megatron-Core
+    builds with get_linear_layer) with deferrable weight and bias gradients."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        deferral = active_deferral()
+        if deferral is None or not _trainable_leaf(self.weight):
+            return super().forward(input)
+        bias = self.bias if _trainable_leaf(self.bias) else None
+        site = open_site(deferral[0], deferral[1], self.weight, bias)
+        bias_input = proxy(bias) if bias is not None else self.bias
+        return DeferredLinearFunction.apply(input, proxy(self.weight), bias_input, site, False,
+                                            None)
+
+
 # Megatron's (or torch's) class -> ours, for the modules built outside any spec.
 DEFERRED_CLASSES: dict[type, type] = {
     ColumnParallelLinear: DeferredColumnParallelLinear,
@@ -192,4 +208,5 @@ DEFERRED_CLASSES: dict[type, type] = {
     VocabParallelEmbedding: DeferredVocabParallelEmbedding,
     torch.nn.Embedding: DeferredEmbedding,
     torch.nn.LayerNorm: DeferredLayerNorm,
+    torch.nn.Linear: DeferredTorchLinear,
 }

@@ -10,6 +10,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron_dpp.models.weight_grad.layers import (
     DeferredEmbedding,
     DeferredLayerNorm,
+    DeferredTorchLinear,
     DeferredVocabParallelEmbedding,
 )
 
@@ -42,6 +43,10 @@ def weight_grad_bytes_per_token(model, dtype: torch.dtype) -> int:
             total += width * element + 2 * 4
             if not in_layers:
                 total += width * element
+        elif isinstance(module, DeferredTorchLinear):
+            # BERT's heads; the pooler and sentence-order head see one token per sample, counted
+            # per token here (an upper bound).
+            total += (module.out_features + module.in_features) * element
         elif isinstance(module, (DeferredVocabParallelEmbedding, DeferredEmbedding)):
             total += module.embedding_dim * element + 8
     return total

@@ -1,4 +1,4 @@
-"""A GPT model chunk whose every weight gradient can be deferred to W.
+"""GPT and BERT model chunks whose every weight gradient can be deferred to W.
 
 The transformer layers and the final layer norm come from a Megatron layer spec rewritten to our
 classes (`deferred_layer_spec`, `deferred_block_spec`): the public way Megatron-Core lets a model
@@ -6,7 +6,8 @@ choose its layer classes. GPTModel and LanguageModelEmbedding build the word and
 embeddings and the output layer with hard-coded classes, which no spec reaches; for those,
 `DeferredGPTModel` (a GPTModel subclass) changes the class of the built modules to ours
 (`adopt_deferred_embedding_and_output`). See that function for why a class change rather than
-a rebuilt module.
+a rebuilt module. `DeferredBertModel` does the same for BERT, whose heads (LM-head transform and
+norm, pooler, sentence-order head) are built outside any spec too.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Optional, Union
 
 import torch
 from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
@@ -39,6 +41,7 @@ __all__ = [
     "deferred_layer_spec",
     "deferred_block_spec",
     "DeferredGPTModel",
+    "DeferredBertModel",
     "adopt_deferred_embedding_and_output",
     "undeferred_parameters",
 ]
@@ -149,9 +152,40 @@ class DeferredGPTModel(GPTModel):
         adopt_deferred_embedding_and_output(self)
 
 
+_BERT_ARGUMENTS = inspect.signature(BertModel.__init__)
+
+
+class DeferredBertModel(BertModel):
+    """BertModel whose every trainable parameter's gradient can be deferred to W.
+
+    Takes BertModel's arguments; `transformer_layer_spec` is Megatron-Core's local BERT layer spec,
+    rewritten here. BertModel reads the attention-mask type from a *layer* spec, so it gets the
+    rewritten layer spec (not a block spec, as GPT does), and the modules built outside it (the
+    encoder's final norm, the embeddings, the output layer and the heads) change class after the
+    build, as in `adopt_deferred_embedding_and_output`. Outside `WeightGradStash.defer`, it
+    computes exactly what BertModel computes."""
+
+    def __init__(self, *args, **kwargs):
+        call = _BERT_ARGUMENTS.bind(self, *args, **kwargs)
+        call.arguments["transformer_layer_spec"] = deferred_layer_spec(
+            call.arguments["transformer_layer_spec"])
+        super().__init__(*call.args[1:], **call.kwargs)
+        adopt_deferred_embedding_and_output(self)
+        _adopt(getattr(self.encoder, "final_layernorm", None))
+        lm_head = getattr(self, "lm_head", None)
+        if lm_head is not None:
+            _adopt(lm_head.dense)
+            _adopt(lm_head.layer_norm)
+        pooler = getattr(self, "pooler", None)
+        if pooler is not None:
+            _adopt(pooler.dense)
+        _adopt(getattr(self, "binary_head", None))
+
+
 def undeferred_parameters(model: torch.nn.Module) -> list[str]:
     """Names of the trainable parameters whose gradient a deferred backward would still
-    accumulate at B (empty for a DeferredGPTModel): a runtime can refuse to split with them."""
+    accumulate at B (empty for a DeferredGPTModel or DeferredBertModel): a runtime can refuse to
+    split with them."""
     names = []
     ours = tuple(DEFERRED_CLASSES.values())
     for module_name, module in model.named_modules():

@@ -1,8 +1,11 @@
-# Shared by the run_*_gpt.sh launchers; sourced, never run. It holds every default and check of
-# their environment variables, builds the trainer's flags, runs the flag pre-check and starts (or,
-# with --dry-run, prints) torchrun. A launcher sets LAUNCH_NAME (the prefix of its messages),
-# sources this file and calls, in this order:
-#   launch_parse_args "$@"     --dry-run (anywhere) -> DRY_RUN=1; the other arguments -> EXTRA_ARGS
+# Shared by the run_*_gpt.sh and run_*_bert.sh launchers; sourced, never run. It holds every
+# default and check of their environment variables, builds the trainer's flags, runs the flag
+# pre-check and starts (or, with --dry-run, prints) torchrun. A launcher sets LAUNCH_NAME (the
+# prefix of its messages), sources this file and calls `launch_main ROLE MODEL "$@"`, which runs,
+# in this order (run_slurm_gpt.sh calls them itself):
+#   launch_set_model MODEL     gpt | bert: its entry point, recipes and sample data
+#   launch_parse_args "$@"     --dry-run (anywhere) -> DRY_RUN=1; --strategy FILE -> STRATEGY_FILE;
+#                              the other arguments -> EXTRA_ARGS
 #   launch_check_layout_env    USE_DPP, PP, TP, VPP, NPROC as given (before any slow setup)
 #   launch_check_nodes ROLE    single | master | worker | slurm: NNODES, NODE_RANK, MASTER_ADDR,
 #                              MASTER_PORT, NODE_IPS (slurm: after setting NNODES and NODE_IPS)
@@ -14,6 +17,38 @@ VENV="${DPP_VENV:-$REPO_ROOT/.venv}"
 PY="$VENV/bin/python"
 # Both sides of a multi-node job must agree on the port, so it cannot be picked at random.
 DEFAULT_MULTINODE_MASTER_PORT=29500
+
+# launch_set_model MODEL: what differs between the models, all here.
+launch_set_model() {
+  LAUNCH_MODEL="$1"
+  case "$LAUNCH_MODEL" in
+    gpt)
+      ENTRY_MODULE=megatron_dpp.pretrain_gpt
+      RECIPE_DIR="$REPO_ROOT/examples/gpt3"; CPU_RECIPE=gpt3_tiny; GPU_RECIPE=gpt3_125m ;;
+    bert)
+      ENTRY_MODULE=megatron_dpp.pretrain_bert
+      RECIPE_DIR="$REPO_ROOT/examples/bert"; CPU_RECIPE=bert_tiny; GPU_RECIPE=bert_base ;;
+    *)
+      launch_fail "unknown model $LAUNCH_MODEL (gpt or bert)" ;;
+  esac
+}
+
+# launch_sample_data_flags DATA_DIR -> DATA_FLAGS: the model's files of the sample data (made by
+# prepare_sample when missing).
+launch_sample_data_flags() {
+  local dir="$1" marker
+  if [ "$LAUNCH_MODEL" = bert ]; then marker=sample_bert_text_sentence.idx; else marker=sample_text_document.idx; fi
+  if [ ! -f "$dir/$marker" ]; then
+    (cd "$REPO_ROOT" && "$PY" -m megatron_dpp.data.prepare_sample --output-dir "$dir")
+  fi
+  if [ "$LAUNCH_MODEL" = bert ]; then
+    DATA_FLAGS=(--data-path "$dir/sample_bert_text_sentence" --vocab-file "$dir/bert-vocab.txt"
+                --tokenizer-type BertWordPieceLowerCase --split 98,2,0)
+  else
+    DATA_FLAGS=(--data-path "$dir/sample_text_document" --vocab-file "$dir/vocab.json"
+                --merge-file "$dir/merges.txt" --split 98,2,0)
+  fi
+}
 
 launch_fail() {
   echo "$LAUNCH_NAME: $*" >&2
@@ -33,10 +68,22 @@ launch_require_int() {
 launch_parse_args() {
   DRY_RUN=0
   EXTRA_ARGS=()
-  local arg
-  for arg in "$@"; do
-    if [ "$arg" = "--dry-run" ]; then DRY_RUN=1; else EXTRA_ARGS+=("$arg"); fi
+  STRATEGY_FILE=""
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --dry-run) DRY_RUN=1 ;;
+      --strategy)
+        [ $# -ge 2 ] || launch_fail "--strategy needs a FILE (the strategy JSON of start-search.sh)"
+        STRATEGY_FILE="$2"; shift ;;
+      --strategy=*) STRATEGY_FILE="${1#--strategy=}" ;;
+      *) EXTRA_ARGS+=("$1") ;;
+    esac
+    shift
   done
+  if [ -n "$STRATEGY_FILE" ]; then
+    [ -f "$STRATEGY_FILE" ] || launch_fail "--strategy $STRATEGY_FILE: no such file"
+    STRATEGY_FILE="$(cd "$(dirname "$STRATEGY_FILE")" && pwd)/$(basename "$STRATEGY_FILE")"
+  fi
 }
 
 launch_check_layout_env() {
@@ -49,6 +96,44 @@ launch_check_layout_env() {
     if [ -n "${!name:-}" ]; then
       launch_require_int "$name" 1 "" "a positive whole number"
     fi
+  done
+  if [ -n "$STRATEGY_FILE" ]; then
+    for name in PP TP VPP; do
+      if [ -n "${!name:-}" ]; then
+        launch_fail "$name=${!name} and --strategy both choose the layout; unset $name"
+      fi
+    done
+  fi
+}
+
+# launch_read_strategy: the strategy's model, processes, nodes and flags (STRATEGY_FLAGS), checked
+# against this launcher; PP, TP, VPP and USE_DPP as the strategy's flags set them.
+launch_read_strategy() {
+  local read=("$PY" -m megatron_dpp.search.strategy "$STRATEGY_FILE" --print) value flags_text
+  value="$("${read[@]}" model)" || exit 2
+  if [ "$value" != "$LAUNCH_MODEL" ]; then
+    launch_fail "--strategy $STRATEGY_FILE is a $value strategy; start it with run_*_$value.sh"
+  fi
+  value="$("${read[@]}" num_nodes)" || exit 2
+  if [ "$value" != "$NNODES" ]; then
+    launch_fail "--strategy $STRATEGY_FILE was searched for $value node(s); this job has $NNODES"
+  fi
+  value="$("${read[@]}" nproc_per_node)" || exit 2
+  if [ -n "${NPROC:-}" ] && [ "$NPROC" != "$value" ]; then
+    launch_fail "NPROC=$NPROC, but --strategy $STRATEGY_FILE was searched for $value processes per node; unset NPROC"
+  fi
+  NPROC="$value"
+  flags_text="$("${read[@]}" flags)" || exit 2
+  mapfile -t STRATEGY_FLAGS <<<"$flags_text"
+  PP=1; TP=1; VPP=1; USE_DPP=0
+  local i
+  for ((i = 0; i < ${#STRATEGY_FLAGS[@]}; i++)); do
+    case "${STRATEGY_FLAGS[i]}" in
+      --pipeline-model-parallel-size) PP="${STRATEGY_FLAGS[i + 1]}" ;;
+      --tensor-model-parallel-size) TP="${STRATEGY_FLAGS[i + 1]}" ;;
+      --num-virtual-stages-per-pipeline-rank) VPP="${STRATEGY_FLAGS[i + 1]}" ;;
+      --use-dpp) USE_DPP=1 ;;
+    esac
   done
 }
 
@@ -74,7 +159,7 @@ launch_check_nodes() {
     master)
       NODE_RANK="${NODE_RANK:-0}"
       if [ "$NODE_RANK" != 0 ]; then
-        launch_fail "NODE_RANK=$NODE_RANK; the master is node 0 (start the other nodes with run_worker_gpt.sh)"
+        launch_fail "NODE_RANK=$NODE_RANK; the master is node 0 (start the other nodes with run_worker_$LAUNCH_MODEL.sh)"
       fi
       if [ -z "${MASTER_ADDR:-}" ]; then
         if [ -n "$NODE_IPS" ]; then
@@ -114,19 +199,23 @@ launch_prepare() {
   fi
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
+  STRATEGY_FLAGS=()
+  if [ -n "$STRATEGY_FILE" ]; then
+    launch_read_strategy
+  fi
   local gpus
   gpus="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
   if [ "$gpus" -gt 0 ]; then
-    NPROC="${NPROC:-$gpus}"; PP="${PP:-1}"; RECIPE="${RECIPE:-gpt3_125m}"
+    NPROC="${NPROC:-$gpus}"; PP="${PP:-1}"; RECIPE="${RECIPE:-$GPU_RECIPE}"
   else
-    NPROC="${NPROC:-2}"; PP="${PP:-2}"; RECIPE="${RECIPE:-gpt3_tiny}"
+    NPROC="${NPROC:-2}"; PP="${PP:-2}"; RECIPE="${RECIPE:-$CPU_RECIPE}"
   fi
   TP="${TP:-1}"
   VPP="${VPP:-1}"
 
-  local recipe_file="$REPO_ROOT/examples/gpt3/$RECIPE.sh"
+  local recipe_file="$RECIPE_DIR/$RECIPE.sh"
   if [ ! -f "$recipe_file" ]; then
-    launch_fail "no recipe $recipe_file; set RECIPE to one of: $(cd "$REPO_ROOT/examples/gpt3" && ls *.sh | sed 's/\.sh$//' | tr '\n' ' ')"
+    launch_fail "no recipe $recipe_file; set RECIPE to one of: $(cd "$RECIPE_DIR" && ls *.sh | sed 's/\.sh$//' | tr '\n' ' ')"
   fi
   # shellcheck source=/dev/null
   source "$recipe_file"
@@ -136,27 +225,28 @@ launch_prepare() {
     read -r -a data_flags <<<"$DATA_ARGS"
   else
     DATA_DIR="${DATA_DIR:-$REPO_ROOT/data/sample}"
-    if [ ! -f "$DATA_DIR/sample_text_document.idx" ]; then
-      (cd "$REPO_ROOT" && "$PY" -m megatron_dpp.data.prepare_sample --output-dir "$DATA_DIR")
-    fi
-    data_flags=(--data-path "$DATA_DIR/sample_text_document" --vocab-file "$DATA_DIR/vocab.json"
-                --merge-file "$DATA_DIR/merges.txt" --split 98,2,0)
+    launch_sample_data_flags "$DATA_DIR"
+    data_flags=("${DATA_FLAGS[@]}")
   fi
 
-  local parallel_flags=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
-  if [ "$VPP" -gt 1 ]; then
-    parallel_flags+=(--num-virtual-stages-per-pipeline-rank "$VPP")
-  fi
-  if [ "$USE_DPP" = "1" ] && [ "$PP" -ge 2 ]; then
-    parallel_flags+=(--use-dpp)
+  # The strategy's flags (model shape, batch, layout, schedule) replace the environment's sizes.
+  local parallel_flags=("${STRATEGY_FLAGS[@]}")
+  if [ -z "$STRATEGY_FILE" ]; then
+    parallel_flags=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
+    if [ "$VPP" -gt 1 ]; then
+      parallel_flags+=(--num-virtual-stages-per-pipeline-rank "$VPP")
+    fi
+    if [ "$USE_DPP" = "1" ] && [ "$PP" -ge 2 ]; then
+      parallel_flags+=(--use-dpp)
+    fi
   fi
   local node_flags=()
   if [ -n "$NODE_IPS" ]; then
     node_flags=(--multi-node --node-ips "$NODE_IPS")
   fi
 
-  # Extra arguments come last, so they override the recipe's flags.
-  ALL_FLAGS=("${GPT_MODEL_ARGS[@]}" "${GPT_TRAINING_ARGS[@]}" "${GPT_LOGGING_ARGS[@]}"
+  # Extra arguments come last, so they override the recipe's (and the strategy's) flags.
+  ALL_FLAGS=("${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${LOGGING_ARGS[@]}"
              "${data_flags[@]}" "${parallel_flags[@]}" "${node_flags[@]}" "${EXTRA_ARGS[@]}")
 }
 
@@ -164,7 +254,7 @@ launch_precheck() {
   # torchrun's variables as every rank will see them; megatron_dpp.comm.nodes counts the nodes
   # with GROUP_WORLD_SIZE.
   (cd "$REPO_ROOT" && WORLD_SIZE="$((NNODES * NPROC))" LOCAL_WORLD_SIZE="$NPROC" \
-     GROUP_WORLD_SIZE="$NNODES" RANK=0 "$PY" -m megatron_dpp.arguments "${ALL_FLAGS[@]}")
+     GROUP_WORLD_SIZE="$NNODES" RANK=0 "$PY" -m megatron_dpp.arguments "$LAUNCH_MODEL" "${ALL_FLAGS[@]}")
 }
 
 # launch_torchrun_command NODE_RANK -> TORCHRUN (the command line of that node)
@@ -181,7 +271,7 @@ launch_torchrun_command() {
     rendezvous=(--node-rank "$node_rank" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
   fi
   TORCHRUN=("$PY" -m torch.distributed.run --nnodes "$NNODES" "${rendezvous[@]}"
-            --nproc-per-node "$NPROC" -m megatron_dpp.pretrain_gpt "${ALL_FLAGS[@]}")
+            --nproc-per-node "$NPROC" -m "$ENTRY_MODULE" "${ALL_FLAGS[@]}")
 }
 
 # launch_print_command NODE_RANK: "node R: <that node's torchrun command>", quoted for a shell
@@ -199,10 +289,11 @@ launch_print_command() {
 launch_describe() {
   local node_rank="$1"
   if [ "$LAUNCH_ROLE" = single ]; then
-    echo "$LAUNCH_NAME: $NPROC processes, TP=$TP PP=$PP VPP=$VPP, USE_DPP=$USE_DPP, recipe $RECIPE"
+    echo "$LAUNCH_NAME: $NPROC processes, TP=$TP PP=$PP VPP=$VPP, USE_DPP=$USE_DPP, recipe $RECIPE${STRATEGY_FILE:+, strategy $STRATEGY_FILE}"
   else
     echo "$LAUNCH_NAME: node $node_rank of $NNODES, $NPROC processes per node, TP=$TP PP=$PP" \
-         "VPP=$VPP, USE_DPP=$USE_DPP, recipe $RECIPE, master $MASTER_ADDR:$MASTER_PORT"
+         "VPP=$VPP, USE_DPP=$USE_DPP, recipe $RECIPE${STRATEGY_FILE:+, strategy $STRATEGY_FILE}," \
+         "master $MASTER_ADDR:$MASTER_PORT"
   fi
 }
 
@@ -216,4 +307,17 @@ launch_start() {
   launch_torchrun_command "$node_rank"
   cd "$REPO_ROOT"
   exec "${TORCHRUN[@]}"
+}
+
+# launch_main ROLE MODEL ARGS...: a whole launch (single, master or worker) of MODEL.
+launch_main() {
+  local role="$1" model="$2"
+  shift 2
+  launch_set_model "$model"
+  launch_parse_args "$@"
+  launch_check_layout_env
+  launch_check_nodes "$role"
+  launch_prepare
+  launch_precheck
+  if [ "$role" = worker ]; then launch_start "$NODE_RANK"; else launch_start 0; fi
 }

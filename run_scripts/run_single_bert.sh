@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Train BERT on one node: all GPUs, or 2 CPU ranks (pipeline size 2) when there is no GPU.
+# Works from any directory; sets up the environment and the sample data when missing.
+#
+# Environment (all optional):
+#   PP, TP        pipeline / tensor parallel sizes (CPU default PP=2, TP=1; GPU default PP=1, TP=1)
+#   VPP           virtual pipeline stages per pipeline rank (interleaved 1F1B; default 1)
+#   NPROC         processes on this node (default: number of GPUs, else 2); DP = NPROC / (PP*TP)
+#   RECIPE        model recipe in examples/bert (default: bert_tiny on CPU, bert_base on GPU)
+#   DATA_DIR      sample data directory (default: <repo>/data/sample)
+#   DATA_ARGS     data flags replacing the sample data (e.g. "--data-path P --vocab-file V ...")
+#   MASTER_PORT   rendezvous port (default: a free one)
+#   USE_DPP       1 (default): dynamic pipeline schedule (--use-dpp) whenever PP >= 2; 0: Megatron's
+#                 fixed 1F1B / interleaved schedule
+# Extra arguments are passed to megatron_dpp.pretrain_bert and override the recipe's flags.
+# --strategy FILE (among them): the model shape, batch, layout and schedule of a strategy JSON
+# written by run_scripts/start-search.sh; it replaces PP, TP, VPP, USE_DPP and NPROC.
+# --dry-run (anywhere among them) checks everything and prints the torchrun command instead of
+# running it. Several nodes: run_master_bert.sh and run_worker_bert.sh.
+set -euo pipefail
+LAUNCH_NAME=run_single_bert
+# shellcheck source=run_scripts/_launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_launch.sh"
+launch_main single bert "$@"
