@@ -329,6 +329,46 @@ def test_bert_master_and_worker_start_pretrain_bert_on_the_bert_recipe_and_data(
     assert "--mask-prob" in _one_error_line(bad) and "node 0" not in bad.stdout
 
 
+def _tiny_strategy(path, num_nodes: int) -> str:
+    """A strategy JSON from the search for the tiny GPT on num_nodes x 2 processes (a preset)."""
+    result = subprocess.run(
+        ["bash", str(SCRIPTS / "start-search.sh"), "--cpu", "--num-layers", "4", "--hidden-size",
+         "128", "--num-attention-heads", "4", "--seq-length", "128", "--global-batch-size", "16",
+         "--num-nodes", str(num_nodes), "--num-gpus-per-node", "2", "--memory-budget-gb", "4",
+         "--hardware", "8xH100-nvlink-ib400", "--output-strategy", str(path)],
+        capture_output=True, text=True, timeout=100, env=_env())
+    assert result.returncode == 0, result.stderr[-2000:]
+    return str(path)
+
+
+@pytest.mark.timeout(180)
+def test_strategy_file_sets_the_layout_and_processes(tmp_path):
+    strategy = _tiny_strategy(tmp_path / "tiny.json", num_nodes=1)
+    flags = subprocess.run([PYTHON, "-m", "megatron_dpp.search.strategy", strategy, "--print",
+                            "flags"], capture_output=True, text=True, timeout=60).stdout.splitlines()
+    result, _ = _run_script("run_single_gpt.sh", {}, ["--strategy", strategy, "--dry-run",
+                                                      "--log-interval", "3"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (_, argv), = _node_commands(result.stdout).items()
+    tp = _value(flags, "--tensor-model-parallel-size")
+    assert f"TP={tp} PP=1" in result.stdout and f"strategy {strategy}" in result.stdout
+    assert _value(argv, "--nproc-per-node") == "2"
+    # The strategy's flags come after the recipe's and before the extra arguments.
+    assert argv[-2 - len(flags):-2] == flags and argv[-2:] == ["--log-interval", "3"]
+    refusals = [
+        ("run_single_gpt.sh", {"PP": "2"}, "PP=2 and --strategy both choose the layout"),
+        ("run_single_gpt.sh", {"NPROC": "4"}, "NPROC=4, but --strategy"),
+        ("run_single_bert.sh", {}, "is a gpt strategy; start it with run_*_gpt.sh"),
+        ("run_master_gpt.sh", {"NODE_IPS": "10.0.0.1,10.0.0.2"}, "was searched for 1 node(s)"),
+    ]
+    for script, variables, expected in refusals:
+        refused, _ = _run_script(script, variables, ["--strategy", strategy], cwd=tmp_path)
+        assert expected in _one_error_line(refused), (script, refused.stderr)
+    missing, _ = _run_script("run_single_gpt.sh", {}, ["--strategy", str(tmp_path / "no.json")],
+                             cwd=tmp_path)
+    assert "no such file" in _one_error_line(missing)
+
+
 @pytest.mark.timeout(120)
 def test_slurm_dry_run_prints_one_command_per_node(tmp_path):
     result, _ = _run_script("run_slurm_gpt.sh",
