@@ -20,7 +20,7 @@ seq 128, global batch 16, fp32) on 2 processes.
 4. The table, and the issue's targets as `# target` lines: the measured ranking of the top 3
    matches the predicted one, every prediction within 20% of the measured median.
 
-    python benchmarks/search_vs_measured.py --json runs/search_vs_measured.json   # ~20 min here
+    python benchmarks/search_vs_measured.py --json runs/search_vs_measured.json   # about 8 minutes here
     python benchmarks/search_vs_measured.py --hardware runs/hw --model-profile runs/model
     python benchmarks/search_vs_measured.py --quick     # 2 layouts, 1 round, quick profiles (tests)
 
@@ -47,6 +47,8 @@ from megatron_dpp.pipeline.registry import ADAPTIVE, INTERLEAVED_1F1B, ONE_F_ONE
 from megatron_dpp.search import cli
 from megatron_dpp.search.cost import OUTPUT_WORK_RATIO, LayoutCost, Pricer, Problem
 from megatron_dpp.search.engine import search, space_inputs
+from megatron_dpp.search.errors import SearchInputError
+from megatron_dpp.search.hardware import PRESETS
 from megatron_dpp.search.space import Layout, enumerate_layouts
 from megatron_dpp.search.strategy import OneLineErrorParser, megatron_flags
 
@@ -109,8 +111,8 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=3,
                         help="Training runs per layout, one of each per round, order rotating "
                              "(default 3; --quick 1).")
-    parser.add_argument("--iters", type=int, default=25,
-                        help="Iterations per training run (default 25; --quick 4).")
+    parser.add_argument("--iters", type=int, default=30,
+                        help="Iterations per training run (default 30; --quick 4).")
     parser.add_argument("--skip", type=int, default=5,
                         help="First iterations of every run left out (default 5; --quick 1).")
     parser.add_argument("--timeout", type=float, default=600.0,
@@ -133,10 +135,11 @@ def parse_args(argv=None):
         parser.error("--skip must be at least 0 and below --iters")
     if not args.timeout > 0:
         parser.error("--timeout must be positive")
-    for flag in ("model_profile",):
-        value = getattr(args, flag)
-        if value is not None and not os.path.isdir(value):
-            parser.error(f"--{flag.replace('_', '-')} {value} is not a directory")
+    if args.model_profile is not None and not os.path.isdir(args.model_profile):
+        parser.error(f"--model-profile {args.model_profile} is not a directory")
+    if args.hardware is not None and not (os.path.isdir(args.hardware) or args.hardware in PRESETS):
+        parser.error(f"--hardware {args.hardware} is neither a directory nor a preset "
+                     f"({', '.join(PRESETS)})")
     return args
 
 
@@ -318,7 +321,11 @@ def main(argv=None) -> int:
     ensure_sample_data(args.timeout)
     vocab_size = sample_vocab_size()
     hardware, model = profiles(args, micro_batch_sizes, vocab_size)
-    problem, model_source = build_problem(hardware, model, vocab_size)
+    try:
+        problem, model_source = build_problem(hardware, model, vocab_size)
+    except SearchInputError as error:  # a profile directory without the files, a bad preset
+        print(f"search_vs_measured.py: error: {error}", file=sys.stderr, flush=True)
+        return 2
     costs = predict(problem, args.layouts)
     search_top = search(problem, 5).best
     times = measure(args, problem, costs)
