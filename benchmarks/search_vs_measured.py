@@ -23,6 +23,8 @@ seq 128, global batch 16, fp32) on 2 processes.
     python benchmarks/search_vs_measured.py --json runs/search_vs_measured.json   # about 8 minutes here
     python benchmarks/search_vs_measured.py --hardware runs/hw --model-profile runs/model
     python benchmarks/search_vs_measured.py --quick     # 2 layouts, 1 round, quick profiles (tests)
+    python benchmarks/search_vs_measured.py --layouts pp2-1f1b --rounds 1 --trace-dir runs/svm-trace
+    python profiling/aggregate.py --benchmark_dir runs/svm-trace   # measured task time per rank
 
 Bad flags: one line on stderr, exit code 2, before any work. This script reports and checks the
 targets; its exit code is 0 whether they are met or not.
@@ -117,6 +119,11 @@ def parse_args(argv=None):
                         help="First iterations of every run left out (default 5; --quick 1).")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="Seconds one training run or one profiling run may take (default 600).")
+    parser.add_argument("--trace-dir", type=str, default=None, metavar="DIR",
+                        help="Also trace every run of a pipeline layout (--trace; it costs under 1%%, "
+                             "docs/tracing.md) into DIR, one sub-directory per run, for "
+                             "profiling/aggregate.py: each rank's measured task time per iteration, "
+                             "to compare with the predicted durations (default: no traces).")
     parser.add_argument("--quick", action="store_true",
                         help="For tests: the quick layouts, 1 round of 4 iterations, quick profiles.")
     parser.add_argument("--json", type=str, default=None, metavar="FILE",
@@ -232,6 +239,8 @@ def measure(args, problem: Problem, costs: Dict[str, LayoutCost]) -> Dict[str, L
         for name in names[shift:] + names[:shift]:
             flags = [*megatron_flags(problem, costs[name]), *sample_data_args(),
                      *training_flags(args.iters)]
+            if args.trace_dir is not None and costs[name].layout.pp > 1:  # --trace needs a pipeline
+                flags += ["--trace", "--trace-dir", args.trace_dir]
             started = time.monotonic()
             values = run_gpt(flags, args.iters, args.timeout, name, entry=PINNED_ENTRY, nproc=NPROC)
             kept = values[args.skip:]
