@@ -20,7 +20,7 @@ seq 128, global batch 16, fp32) on 2 processes.
 4. The table, and the issue's targets as `# target` lines: the measured ranking of the top 3
    matches the predicted one, every prediction within 20% of the measured median.
 
-    python benchmarks/search_vs_measured.py --json runs/search_vs_measured.json   # about 8 minutes here
+    python benchmarks/search_vs_measured.py --json runs/search_vs_measured.json   # about 5 minutes here
     python benchmarks/search_vs_measured.py --hardware runs/hw --model-profile runs/model
     python benchmarks/search_vs_measured.py --quick     # 2 layouts, 1 round, quick profiles (tests)
     python benchmarks/search_vs_measured.py --layouts pp2-1f1b --rounds 1 --trace-dir runs/svm-trace
@@ -32,7 +32,6 @@ targets; its exit code is 0 whether they are met or not.
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -54,10 +53,12 @@ from megatron_dpp.search.hardware import PRESETS
 from megatron_dpp.search.space import Layout, enumerate_layouts
 from megatron_dpp.search.strategy import OneLineErrorParser, megatron_flags
 
-# The tiny GPT (examples/gpt3/gpt3_tiny.sh) as start-search.sh's flags, on one node of 2 processes.
-MODEL_FLAGS = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
-               "--ffn-hidden-size", "512", "--seq-length", "128", "--hidden-dropout", "0",
-               "--attention-dropout", "0", "--global-batch-size", "16"]
+# The tiny GPT (examples/gpt3/gpt3_tiny.sh), fp32, without dropout.
+LAYERS, HIDDEN, HEADS, FFN, SEQ, GLOBAL_BATCH = 4, 128, 4, 512, 128, 16
+SHAPE_FLAGS = ["--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS), "--ffn-hidden-size",
+               str(FFN), "--seq-length", str(SEQ), "--hidden-dropout", "0", "--attention-dropout", "0"]
+# As start-search.sh's flags, on one node of 2 processes.
+MODEL_FLAGS = ["--num-layers", str(LAYERS), *SHAPE_FLAGS, "--global-batch-size", str(GLOBAL_BATCH)]
 SEARCH_FLAGS = ["--cpu", "--num-nodes", "1", "--num-gpus-per-node", "2", "--memory-budget-gb", "4"]
 NPROC = 2
 # The recipe's optimizer and schedule (gpt3_tiny.sh TRAINING_ARGS without the batch, the length and
@@ -70,8 +71,8 @@ TRAINING_FLAGS = ["--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosin
 
 def _layout(tp=1, pp=1, vpp=1, dp=1, mbs=2, recompute="none", schedule=ONE_F_ONE_B) -> Layout:
     return Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, micro_batch_size=mbs,
-                  num_microbatches=16 // (mbs * dp), recompute=recompute, distributed_optimizer=False,
-                  sequence_parallel=False, schedule=schedule, split_backward=False)
+                  num_microbatches=GLOBAL_BATCH // (mbs * dp), recompute=recompute,
+                  distributed_optimizer=False, sequence_parallel=False, schedule=schedule, split_backward=False)
 
 
 # name -> layout; the first is the reference of the paired ratios.
@@ -177,17 +178,15 @@ def profiles(args, micro_batch_sizes: List[int], vocab_size: int) -> tuple:
     if model is None:
         model = os.path.join(args.work_dir, "model")
         run_profiler(["bash", os.path.join(REPO, "run_scripts", "profile_model.sh"), "--model", "gpt",
-                      "--hidden-size", "128", "--num-attention-heads", "4", "--ffn-hidden-size", "512",
-                      "--seq-length", "128", "--micro-batch-sizes", *map(str, micro_batch_sizes),
-                      "--vocab-size", str(vocab_size),
-                      "--hidden-dropout", "0", "--attention-dropout", "0", "--output-dir", model, *quick],
+                      *SHAPE_FLAGS, "--micro-batch-sizes", *map(str, micro_batch_sizes),
+                      "--vocab-size", str(vocab_size), "--output-dir", model, *quick],
                      "model", args.timeout)
     return hardware, model
 
 
 def sample_vocab_size() -> int:
     """The vocabulary of the sample data's tokenizer (a BPE trained on it: 4096 tokens, not GPT-2's
-    50257, the search's default): the output layer's size, which dominates this model's time."""
+    50257, the search's default): the output layer's size."""
     tokenizer = tokenizer_from_files(GPT2_BPE, os.path.join(SAMPLE, "vocab.json"),
                                      os.path.join(SAMPLE, "merges.txt"))
     return tokenizer.vocab_size
