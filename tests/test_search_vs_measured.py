@@ -1,0 +1,75 @@
+"""benchmarks/search_vs_measured.py --quick runs end to end: quick hardware and model profiles of
+this machine, the search's prediction of two layouts of the tiny GPT, one training run of each
+(2 pinned ranks), the table and the target lines on stdout, everything in the JSON with finite
+numbers. Whether the targets are met is the benchmark's to report, not a test's to assert (timings
+on shared CPUs are noisy)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _train_util import REPO_ROOT, _env, ensure_sample_data
+
+BENCHMARK = os.path.join(REPO_ROOT, "benchmarks", "search_vs_measured.py")
+
+
+def _finite_positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quick_run_prints_the_table_and_targets_and_writes_the_json(tmp_path):
+    ensure_sample_data()
+    out = tmp_path / "search_vs_measured.json"
+    command = [sys.executable, BENCHMARK, "--quick", "--work-dir", str(tmp_path / "profiles"),
+               "--json", str(out), "--timeout", "120"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=280, env=_env(),
+                            cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # The profiles were measured into --work-dir.
+    assert (tmp_path / "profiles" / "hardware" / "overlap_coefficient.json").is_file()
+    assert (tmp_path / "profiles" / "model" / "computation_profiling_fp32_hidden_128_head_4.json").is_file()
+
+    report = json.loads(out.read_text())
+    names = ["pp2-1f1b", "tp2"]
+    assert list(report["layouts"]) == names and report["reference"] == "pp2-1f1b"
+    iters, skip = report["iters"], report["skip"]
+    for name in names:
+        row = report["layouts"][name]
+        runs = row["iteration_ms"]
+        assert len(runs) == report["rounds"] == 1 and len(runs[0]) == iters - skip, runs
+        for key in ("predicted_ms", "measured_ms", "predicted_over_measured",
+                    "measured_ratio_to_reference", "predicted_ratio_to_reference"):
+            assert _finite_positive(row[key]), (name, key, row[key])
+        low, high = row["interval_95"]
+        assert low <= row["measured_ms"] <= high
+        assert math.isclose(row["predicted_over_measured"], row["predicted_ms"] / row["measured_ms"])
+        assert sorted(report["layouts"][n]["rank_predicted"] for n in names) == [1, 2]
+        assert sorted(report["layouts"][n]["rank_measured"] for n in names) == [1, 2]
+        breakdown = report["breakdown"][name]
+        assert _finite_positive(breakdown["pipeline_ms"]) and _finite_positive(breakdown["layer_forward_ms"])
+    assert report["layouts"]["pp2-1f1b"]["measured_ratio_to_reference"] == 1.0
+    assert report["search_top"] and all(_finite_positive(entry["time_ms"]) for entry in report["search_top"])
+    for target in ("top_ranking", "within_tolerance"):
+        assert isinstance(report["targets"][target]["met"], bool)
+
+    # stdout: the table (one row per layout) and the two target lines, each met or not met.
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("| layout | predicted ms | measured ms") for line in lines)
+    assert sum(line.startswith(f"| {name} |") for line in lines for name in names) == len(names)
+    targets = [line for line in lines if line.startswith("# target")]
+    assert len(targets) == 2 and all(line.endswith((": met", ": not met")) for line in targets), targets
+
+
+def test_bad_flags_are_one_line_and_exit_2():
+    for argv in (["--rounds", "0"], ["--skip", "40"], ["--layouts", "pp9"], ["--no-such-flag"],
+                 ["--model-profile", "/nonexistent/dir"]):
+        result = subprocess.run([sys.executable, BENCHMARK, *argv], capture_output=True, text=True,
+                                timeout=60, env=_env(), cwd=REPO_ROOT)
+        assert result.returncode == 2, (argv, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1, (argv, result.stderr)
+        assert result.stdout == ""
