@@ -105,6 +105,42 @@ def test_closed_form_bound_is_the_simulators_pipeline_bound(changes):
     assert estimate.time_lower_ms == pytest.approx(result.pipeline_bound + pricer.embedding_sync_ms(layout))
 
 
+def _measured_extras_profile(overhead=(0.25, 0.5)):
+    """Layer times with the first/last stage extras and a per-task overhead, as profile_model.sh
+    writes them."""
+    from megatron_dpp.search.model_profile import MemoryProfile, ModelProfile
+
+    extras = {"first_forward": 0.5, "first_backward": 0.25, "last_forward": 3.0, "last_backward": 4.0}
+    return ModelProfile(model="gpt", hidden_size=256, num_attention_heads=16, dtype="fp32",
+                        forward_ms={(0, 1, 1024): 2.0, (0, 2, 1024): 4.0},
+                        backward_ms={(0, 1, 1024): 3.0, (0, 2, 1024): 6.0},
+                        memory=MemoryProfile(layers={}, other={}), source="test profile figures",
+                        stage_extra_ms={part: {(1, 1024): ms, (2, 1024): 2 * ms} for part, ms in extras.items()},
+                        task_overhead_ms=overhead)
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"vpp": 2, "schedule": space.megatron_schedule(2)},
+    {"vpp": 2, "schedule": DYNAMIC_SCHEDULES[0], "split_backward": True},
+    {"pp": 1, "vpp": 1}, {"schedule": DYNAMIC_SCHEDULES[0], "split_backward": True, "num_microbatches": 40},
+])
+def test_closed_form_bound_with_stage_extras_and_task_overheads(changes):
+    """Slower first and last ranks and per-task overheads: the closed form is still the
+    simulator's bound, and the extrapolated price stays close to the full simulation."""
+    extras_problem = dataclasses.replace(problem(hardware=flat_hardware(4, 100.0, 0.5)),
+                                         model_profile=_measured_extras_profile())
+    pricer = cost.Pricer(extras_problem)
+    layout = _layout(**changes)
+    model, _ = pricer.durations(layout)
+    assert model.rank_speed[0] > 1.0 and model.rank_speed[-1] > 1.0
+    assert (model.forward_overhead, model.backward_overhead) == (0.25, 0.5)
+    result = pricer.simulate(layout, layout.num_microbatches)
+    assert pricer.pipeline_bound_ms(layout) == pytest.approx(result.pipeline_bound, rel=1e-9)
+    full = cost.Pricer(extras_problem, extrapolate=False)
+    assert pricer.price(layout, pricer.estimate(layout)).time_ms == pytest.approx(
+        full.price(layout, full.estimate(layout)).time_ms, rel=0.02)
+
+
 def test_memory_bound_holds_the_simulated_peak():
     lengths = parse_distribution("uniform:64:1024")
     pricer = cost.Pricer(problem(lengths=lengths))
@@ -332,3 +368,13 @@ def test_a_model_profile_sets_the_layer_times(tmp_path, capsys):
     content = json.loads(out[out.index("{"):])
     output_ms = 3 * 2.0 * 1024 * 256 * 1024 / 1e12 * 1e3  # forward + backward of the logits, per sequence
     assert content["predicted"]["iteration_ms"] == pytest.approx(16 * (8 * 5.0 + output_ms), rel=1e-3)
+    # With the measured stage extras and per-task overhead: those instead of the analytical logits.
+    measured = _measured_extras_profile()
+    write_model_profile_dir(measured, tmp_path)
+    assert cli.main(args + ["--hardware", str(hardware_dir)]) == 0
+    out = capsys.readouterr().out
+    content = json.loads(out[out.index("{"):])
+    per_sequence = 8 * 5.0 + (0.5 + 0.25 + 3.0 + 4.0)  # layers and extras (linear in the batch)
+    tasks = content["layout"]["num_microbatches"]  # one forward and one backward each
+    assert content["predicted"]["iteration_ms"] == pytest.approx(16 * per_sequence + tasks * (0.25 + 0.5),
+                                                                 rel=1e-3)
