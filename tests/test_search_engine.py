@@ -141,6 +141,22 @@ def test_closed_form_bound_with_stage_extras_and_task_overheads(changes):
         full.price(layout, full.estimate(layout)).time_ms, rel=0.02)
 
 
+def test_latency_prices_tensor_parallel_and_pipeline_messages():
+    """A measured latency adds to each TP all-reduce of a layer (two per forward, two per
+    backward) and to each pipeline hop (the simulator's CommModel.latency)."""
+    base = flat_hardware(4, 100.0, 0.5)
+    timed = dataclasses.replace(base, allreduce_latency_ms={2: 0.5, 4: 0.5}, p2p_latency_ms={2: 0.25, 4: 0.25})
+    plain, slow = cost.Pricer(problem(hardware=base)), cost.Pricer(problem(hardware=timed))
+    layer, layer_slow = (pricer.layer(1, 1024, 2, False, "none") for pricer in (plain, slow))
+    assert layer_slow.forward_ms == pytest.approx(layer.forward_ms + 2 * 0.5)
+    assert layer_slow.backward_ms == pytest.approx(layer.backward_ms + 2 * 0.5)
+    layout = _layout()
+    comm, comm_slow = plain.comm_model(layout), slow.comm_model(layout)
+    assert comm_slow.latency == 0.25 and comm_slow.bandwidth == pytest.approx(comm.bandwidth)
+    result = slow.simulate(layout, layout.num_microbatches)
+    assert slow.pipeline_bound_ms(layout) == pytest.approx(result.pipeline_bound, rel=1e-9)
+
+
 def test_memory_bound_holds_the_simulated_peak():
     lengths = parse_distribution("uniform:64:1024")
     pricer = cost.Pricer(problem(lengths=lengths))

@@ -336,8 +336,9 @@ class Pricer:
         return 0.0, OUTPUT_WORK_RATIO * self.output_forward_ms(micro_batch, length, tp)
 
     def comm_model(self, layout: Layout) -> CommModel:
-        """The simulator prices a message by the microbatch's act_bytes: scale the bandwidth so
-        that a full-length microbatch's act_bytes take as long as its real message."""
+        """The simulator prices a message as latency + act_bytes / bandwidth: the hardware's p2p
+        latency, and the bandwidth scaled so that a full-length microbatch's act_bytes take as
+        long as its real message."""
         shape = self.problem.shape
         message = layout.micro_batch_size * shape.seq_length * shape.hidden_size * self.problem.dtype_bytes
         if layout.sequence_parallel:
@@ -345,7 +346,11 @@ class Pricer:
         ms = self.problem.hardware.p2p_ms(message, layout.pp)
         if ms <= 0.0:
             return CommModel()
-        return CommModel(bandwidth=self.chunk_activation_bytes(layout, shape.seq_length) / ms)
+        latency = self.problem.hardware.p2p_latency(layout.pp)
+        if ms <= latency:
+            return CommModel(latency=latency)
+        return CommModel(latency=latency,
+                         bandwidth=self.chunk_activation_bytes(layout, shape.seq_length) / (ms - latency))
 
     def pipeline_lower_bound(self, layout: Layout, model: DurationModel, sizes: list[float],
                              hop: float) -> float:
