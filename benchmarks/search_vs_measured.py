@@ -228,6 +228,7 @@ def breakdown(problem: Problem, cost: LayoutCost) -> dict:
                 per_rank * (figures.forward_ms + figures.backward_ms) * layout.num_microbatches,
             "tasks_per_rank": 2 * layout.num_microbatches * layout.vpp,
             "pipeline_ms": cost.pipeline_ms, "grad_sync_exposed_ms": cost.grad_sync_exposed_ms,
+            "optimizer_ms": cost.optimizer_ms,
             "bubble_fraction": cost.bubble_fraction}
 
 

@@ -17,6 +17,7 @@ from megatron_dpp.search import cli, cost, engine, space, strategy
 from megatron_dpp.search.errors import SearchInputError
 from megatron_dpp.search.hardware import HardwareProfile, load_hardware
 from megatron_dpp.search.lengths import microbatch_lengths, parse_distribution
+from megatron_dpp.search import memory_model as mm
 from megatron_dpp.search.memory_model import ModelShape
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,7 +117,7 @@ def _measured_extras_profile(overhead=(0.25, 0.5)):
                         backward_ms={(0, 1, 1024): 3.0, (0, 2, 1024): 6.0},
                         memory=MemoryProfile(layers={}, other={}), source="test profile figures",
                         stage_extra_ms={part: {(1, 1024): ms, (2, 1024): 2 * ms} for part, ms in extras.items()},
-                        task_overhead_ms=overhead)
+                        task_overhead_ms=overhead, optimizer_ms_per_parameter=1e-6)
 
 
 @pytest.mark.parametrize("changes", [
@@ -291,7 +292,7 @@ def test_strategy_flags_are_the_trainers_flags():
 
     priced = cost.LayoutCost(layout=_layout(vpp=2, schedule=DYNAMIC_SCHEDULES[0], split_backward=True,
                                             recompute="full", dp=2, distributed_optimizer=True),
-                             time_ms=1.0, pipeline_ms=1.0, grad_sync_exposed_ms=0.0, memory_bytes=1,
+                             time_ms=1.0, pipeline_ms=1.0, grad_sync_exposed_ms=0.0, optimizer_ms=0.0, memory_bytes=1,
                              activation_peak_bytes=1, bubble_fraction=0.1, simulated_microbatches=16,
                              time_lower_ms=1.0)
     flags = strategy.megatron_flags(problem(lengths=parse_distribution("uniform:1:9")), priced)
@@ -392,5 +393,6 @@ def test_a_model_profile_sets_the_layer_times(tmp_path, capsys):
     content = json.loads(out[out.index("{"):])
     per_sequence = 8 * 5.0 + (0.5 + 0.25 + 3.0 + 4.0)  # layers and extras (linear in the batch)
     tasks = content["layout"]["num_microbatches"]  # one forward and one backward each
-    assert content["predicted"]["iteration_ms"] == pytest.approx(16 * per_sequence + tasks * (0.25 + 0.5),
-                                                                 rel=1e-3)
+    optimizer_ms = 1e-6 * mm.total_parameter_count(small_shape())  # every parameter on the one GPU
+    assert content["predicted"]["iteration_ms"] == pytest.approx(
+        16 * per_sequence + tasks * (0.25 + 0.5) + optimizer_ms, abs=2e-3)

@@ -42,7 +42,8 @@ def _profile() -> ModelProfile:
 def test_stage_extras_and_task_overhead_round_trip_and_fit(tmp_path):
     extras = {part: {(1, 128): 1.0 + i, (2, 128): 2.0 + 2 * i}
               for i, part in enumerate(STAGE_EXTRA_PARTS)}
-    profile = dataclasses.replace(_profile(), stage_extra_ms=extras, task_overhead_ms=(0.125, 0.25))
+    profile = dataclasses.replace(_profile(), stage_extra_ms=extras, task_overhead_ms=(0.125, 0.25),
+                                  optimizer_ms_per_parameter=2e-6)
     write_model_profile_dir(profile, tmp_path)
     read = read_model_profile_dir(tmp_path, 256, 8, "bf16")
     assert read == profile
@@ -52,6 +53,7 @@ def test_stage_extras_and_task_overhead_round_trip_and_fit(tmp_path):
     write_model_profile_dir(_profile(), tmp_path / "old")
     old = read_model_profile_dir(tmp_path / "old", 256, 8, "bf16")
     assert old.stage_extra_ms == {} and old.task_overhead_ms is None
+    assert old.optimizer_ms_per_parameter is None
     assert old.stage_extra("first_forward", 1, 128) is None
 
 
@@ -60,6 +62,7 @@ def test_stage_extras_and_task_overhead_round_trip_and_fit(tmp_path):
     ({"stage_extra_ms": {"first_forward": {"b1_s128": 1.0}}}, "is not bszB_seqS"),
     ({"task_overhead_ms": {"forward": 1.0}}, "task_overhead_ms must be"),
     ({"task_overhead_ms": {"forward": -1.0, "backward": 0.0}}, "must not be negative"),
+    ({"optimizer_ms_per_parameter": "fast"}, "must be a number"),
 ])
 def test_bad_companion_extras_are_one_line_errors(tmp_path, change, message):
     paths = write_model_profile_dir(_profile(), tmp_path)
@@ -301,6 +304,7 @@ def test_quick_profile_writes_readable_files(tmp_path):
     assert profile.stage_extra_ms["last_forward"][(2, 64)] > 0  # the 512-token head and the loss
     assert profile.task_overhead_ms is not None and min(profile.task_overhead_ms) >= 0
     assert "first/last stage extras" in profile.source
+    assert profile.optimizer_ms_per_parameter > 0
 
 
 @pytest.mark.parametrize("args, message", [

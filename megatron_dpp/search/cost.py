@@ -118,7 +118,8 @@ class LayoutCost:
     layout: Layout
     time_ms: float  # predicted time per iteration
     pipeline_ms: float  # the simulated pipeline makespan (extrapolated to all microbatches)
-    grad_sync_exposed_ms: float  # time_ms - pipeline_ms: the gradient sync left after the pipeline
+    grad_sync_exposed_ms: float  # the gradient sync left after the pipeline
+    optimizer_ms: float  # the optimizer step after it (time_ms = pipeline + grad sync + this)
     memory_bytes: int  # the fullest rank
     activation_peak_bytes: int  # the simulated peak of the sampled batch, fullest rank
     bubble_fraction: float  # 1 - mean rank work / pipeline_ms
@@ -226,6 +227,18 @@ class Pricer:
         shape = self.problem.shape
         count = shape.padded_vocab_size // layout.tp * shape.hidden_size
         return self.problem.hardware.allreduce_ms(count * GRAD_BYTES, 2, False)
+
+    def optimizer_ms(self, layout: Layout) -> float:
+        """The optimizer step, exposed after the gradient sync: the model profile's measured ms
+        per parameter times the fullest rank's parameters (over DP with the distributed
+        optimizer, which steps only its shard); 0 without that figure."""
+        profile = self.problem.model_profile
+        if profile is None or profile.optimizer_ms_per_parameter is None:
+            return 0.0
+        params = max(self.rank_parameters(layout.tp, layout.pp))
+        if layout.distributed_optimizer:
+            params = -(-params // layout.dp)
+        return profile.optimizer_ms_per_parameter * params
 
     def _extra_parameters(self, tp: int) -> tuple[int, int]:
         """(embedding, output layer) parameters of one TP shard."""
@@ -413,7 +426,7 @@ class Pricer:
         # The first rank's last bucket of chunk 0 is ready only when the pipeline's drain ends.
         last_bucket = chunks[0][0] / self.bucket_count(layout, 0)
         bound = (self.pipeline_bound_ms(layout) + last_bucket + gathers[0]
-                 + self.embedding_sync_ms(layout))
+                 + self.embedding_sync_ms(layout) + self.optimizer_ms(layout))
         return Estimate(layout, self.memory_bytes(layout), bound)
 
     # --- the simulator ------------------------------------------------------------------------
@@ -473,9 +486,11 @@ class Pricer:
             pipeline = bound + excess[0] + slope * (work[0] - work[1])
         tail = self._sync_tail(layout, result) + self.embedding_sync_ms(layout)
         mean_work = self._work(layout, model, sizes, math.fsum(model.rank_speed) / layout.pp)
-        time_ms = pipeline + tail
+        optimizer = self.optimizer_ms(layout)
+        time_ms = pipeline + tail + optimizer
         return LayoutCost(
-            layout=layout, time_ms=time_ms, pipeline_ms=pipeline, grad_sync_exposed_ms=time_ms - pipeline,
+            layout=layout, time_ms=time_ms, pipeline_ms=pipeline, grad_sync_exposed_ms=tail,
+            optimizer_ms=optimizer,
             memory_bytes=estimate.memory_bytes, activation_peak_bytes=result.peak_activation,
             bubble_fraction=max(0.0, 1.0 - mean_work / pipeline),
             simulated_microbatches=M if counts is None else counts[0], time_lower_ms=estimate.time_lower_ms)

@@ -20,10 +20,12 @@ ignores: {"model": "gpt"|"bert", "source": str,
           "selective_activation_per_bsz": {"layertype_{t}[_sp]": {"{seq}": {"{tp}": MB}}},
           "stage_extra_ms": {"first_forward"|"first_backward"|"last_forward"|"last_backward":
                              {"bsz{b}_seq{s}": ms}},          (optional)
-          "task_overhead_ms": {"forward": ms, "backward": ms}}  (optional).
+          "task_overhead_ms": {"forward": ms, "backward": ms},  (optional)
+          "optimizer_ms_per_parameter": ms}                       (optional).
 Without the companion, backward is taken as 2x forward (said in `source`); without stage_extra_ms
 the cost model prices the first and last stage's extra work analytically, without
-task_overhead_ms it adds no per-task cost (older profiles have neither).
+task_overhead_ms it adds no per-task cost, without optimizer_ms_per_parameter no optimizer step
+(older profiles have none of them).
 
 Time between and beyond the measured points (`layer_forward_ms`): at each measured sequence
 length the times are fitted linearly in the batch size, t = alpha * b + beta by least squares
@@ -117,6 +119,9 @@ class ModelProfile:
     task_overhead_ms: Optional[tuple[float, float]] = None
     """(forward, backward) ms that Megatron-Core's schedules' forward_step / backward_step add to
     one task beyond the model's own compute (companion file; None: not measured)."""
+
+    optimizer_ms_per_parameter: Optional[float] = None
+    """ms per parameter of Megatron-Core's optimizer step (companion file; None: not measured)."""
 
     def stage_extra(self, part: str, batch: int, seq: int) -> Optional[float]:
         """The measured extra work `part` at (batch, seq), fitted as the layer times are; None
@@ -237,6 +242,8 @@ def write_model_profile_dir(profile: ModelProfile, directory) -> list[pathlib.Pa
             for part, table in profile.stage_extra_ms.items()}
     if profile.task_overhead_ms is not None:
         companion["task_overhead_ms"] = dict(zip(TASK_OVERHEAD_PHASES, profile.task_overhead_ms))
+    if profile.optimizer_ms_per_parameter is not None:
+        companion["optimizer_ms_per_parameter"] = profile.optimizer_ms_per_parameter
     paths = []
     for name, content in ((computation_file_name(*names), computation),
                           (memory_file_name(*names), memory),
@@ -317,6 +324,15 @@ def _read_task_overhead(content, path: pathlib.Path) -> Optional[tuple[float, fl
     if min(values) < 0:
         raise SearchInputError(f"{path}: task_overhead_ms must not be negative")
     return values
+
+
+def _read_optimizer(value, path: pathlib.Path) -> Optional[float]:
+    if value is None:
+        return None
+    ms = _number(value, f"{path}: optimizer_ms_per_parameter")
+    if ms < 0:
+        raise SearchInputError(f"{path}: optimizer_ms_per_parameter must not be negative")
+    return ms
 
 
 def _seq(key: str, where: str) -> int:
@@ -400,4 +416,6 @@ def read_model_profile_dir(directory, hidden_size: int, num_attention_heads: int
         memory=_read_memory(_read_json(memory_path), selective, memory_path),
         source=source,
         stage_extra_ms=_read_stage_extras(companion.get("stage_extra_ms", {}), companion_path),
-        task_overhead_ms=_read_task_overhead(companion.get("task_overhead_ms"), companion_path))
+        task_overhead_ms=_read_task_overhead(companion.get("task_overhead_ms"), companion_path),
+        optimizer_ms_per_parameter=_read_optimizer(companion.get("optimizer_ms_per_parameter"),
+                                                   companion_path))

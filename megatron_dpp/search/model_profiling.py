@@ -18,7 +18,9 @@ without the final layer norm):
 - the embedding's and the output head's activations (first and last stage's "other" memory), the
   same way on a whole one-layer model, each storage attributed to the module that saved it first.
 
-Once per profile: the per-task overhead of Megatron-Core's schedules, the time its
+Once per profile: Megatron-Core's optimizer step (get_megatron_optimizer: Adam, gradient clipping
+1.0, over DistributedDataParallel's buffers, as megatron_dpp.training builds them; no distributed
+optimizer) on the one-layer model at the first sequence length, per parameter; and the per-task overhead of Megatron-Core's schedules, the time its
 pipeline_parallel.schedules.forward_step and backward_step take around a one-parameter stage
 beyond that stage's own forward and backward (medians over TASK_OVERHEAD_REPEATS runs).
 
@@ -456,6 +458,30 @@ def time_stage_extras(model: torch.nn.Module, shape: mm.ModelShape, batch: int, 
     return dict(zip(STAGE_EXTRA_PARTS, (*first, *last)))
 
 
+def time_optimizer_step(shape: mm.ModelShape, warmup: int, repeats: int) -> float:
+    """ms per parameter of Megatron-Core's optimizer step over a whole one-layer model (median of
+    `repeats` steps after `warmup`, on the gradients of one forward and backward)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model = build_model(shape)
+    config = transformer_config(dataclasses.replace(shape, num_layers=1))
+    half = shape.dtype != "fp32"
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=half),
+                                  module=model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=1.0, bf16=shape.dtype == "bf16",
+                        fp16=shape.dtype == "fp16", params_dtype=TORCH_DTYPES[shape.dtype]), [ddp])
+    _loss(ddp(**model_inputs(shape, 1))).backward()
+    times = []
+    for run in range(warmup + repeats):
+        start = time.perf_counter()
+        optimizer.step()
+        if run >= warmup:
+            times.append(time.perf_counter() - start)
+    return _median_ms(times) / sum(p.numel() for p in model.parameters())
+
+
 class _OneParameterStage(torch.nn.Module):
     """A pipeline stage with one parameter: input x weight (what a schedule needs of a model)."""
 
@@ -555,6 +581,9 @@ def profile_model(options: ProfilingOptions,
         layers.update(_layer_memory(options, shape, measured_by_tp, largest_batch))
         other.update(_other_memory(options, shape, measured_by_tp, largest_batch))
     overhead = time_task_overhead(transformer_config(options.shape(options.seq_lengths[0])))
+    optimizer = time_optimizer_step(options.shape(options.seq_lengths[0]), options.warmup,
+                                    options.repeats)
+    progress(f"optimizer step: {optimizer * 1e6:.3f} ms per million parameters")
     progress(f"per-task overhead of Megatron-Core's forward_step/backward_step: "
              f"{overhead[0]:.3f}/{overhead[1]:.3f} ms")
     measured_tps = "1" + (f" and {options.measured_tp_size}" if tp_measured else "")
@@ -563,7 +592,7 @@ def profile_model(options: ProfilingOptions,
               f"{torch.get_num_threads()}, median of {options.repeats} after {options.warmup} "
               f"warm-up; first/last stage extras (embedding; final norm, output layer at vocabulary "
               f"{options.padded_vocab_size}, loss) measured at tp=1; per-task overhead of "
-              f"forward_step/backward_step measured; activations measured at tp={measured_tps} (saved tensors at "
+              f"forward_step/backward_step and optimizer step per parameter measured; activations measured at tp={measured_tps} (saved tensors at "
               f"micro-batch {largest_batch}, per sample; tp>1 with as many gloo processes), "
               f"other tp sizes, all sequence-parallel activations and all model states from the "
               f"analytical model (memory_model)")
@@ -571,7 +600,8 @@ def profile_model(options: ProfilingOptions,
                         num_attention_heads=options.num_attention_heads, dtype=options.dtype,
                         forward_ms=forward_ms, backward_ms=backward_ms,
                         memory=MemoryProfile(layers=layers, other=other), source=source,
-                        stage_extra_ms=extras, task_overhead_ms=overhead)
+                        stage_extra_ms=extras, task_overhead_ms=overhead,
+                        optimizer_ms_per_parameter=optimizer)
 
 
 def _device_name() -> str:
