@@ -22,9 +22,15 @@ recompute one more forward and with selective recompute the core attention's for
 part of the layer's FLOPs quadratic in the sequence). Compute comes from the model profile
 (forward, backward; measured at TP 1) or, without one, from memory_model.layer_forward_flops at
 the hardware's matmul rate (backward 2x forward). A split backward's W is half the backward
-compute. The last rank also runs the output layer (2 * tokens * hidden * vocab FLOPs, 3x with its
-backward), spread over its tasks as the simulator's rank speed. Point-to-point messages carry
-micro-batch x length x hidden values (/ TP with sequence parallelism) at hardware.p2p_ms.
+compute. The first and last rank's extra work (`stage_extras_ms`) is spread over their tasks as
+the simulator's rank speed: the model profile's measured embedding (first) and final norm +
+output layer + loss (last, / TP), forward and backward; without them only the last rank's output
+layer (2 * tokens * hidden * vocab FLOPs, 3x with its backward). Every task also costs the model
+profile's measured per-task overhead of Megatron-Core's forward_step / backward_step (the
+simulator's forward_overhead / backward_overhead; 0 without it). Point-to-point messages carry
+micro-batch x length x hidden values (/ TP with sequence parallelism) at hardware.p2p_ms. Every
+collective and message costs the hardware profile's latency (alpha) plus bytes / bandwidth
+(alpha 0 where the profile has none).
 Variable sequence lengths: each microbatch is padded to its longest sequence (lengths.py); its
 size in the TaskGraph is its forward time over a full-length one's (the attention term makes it
 superlinear in the length) and its act_bytes are its own length's.
@@ -39,8 +45,9 @@ V-1..0, one at a time (runtime/grad_sync.py); under Megatron's own schedules chu
 hardware.overlap_coefficient times slower. The distributed optimizer then
 all-gathers the updated parameters (half an all-reduce of the parameter bytes), exposed, and with
 tied embeddings on several stages the word embedding's gradient is all-reduced between the first
-and the last stage, exposed. Not modelled: the optimizer step itself and stragglers between
-data-parallel replicas.
+and the last stage, exposed. Then the optimizer step, exposed: the model profile's measured ms per
+parameter times the fullest rank's parameters (/ DP with the distributed optimizer; 0 without that
+figure). Not modelled: stragglers between data-parallel replicas.
 """
 from __future__ import annotations
 
