@@ -254,5 +254,5 @@ def test_quick_profile_on_this_machine(tmp_path):
     assert all(math.isfinite(value) and value > 0 for value in profile.allreduce_busbw_gbps.values())
     assert "gloo" in profile.source and "p2p over --p2p-transport auto" in profile.source
     # The summary says which transport carried the p2p figure.
-    assert "point-to-point bandwidth" in result.stdout
+    assert "point-to-point bandwidth" in result.stdout and "latency (ms, small messages)" in result.stdout
     assert ("shm_tensor" in result.stdout) or ("torch.distributed" in result.stdout)

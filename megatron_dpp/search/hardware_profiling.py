@@ -585,6 +585,11 @@ def print_summary(profile: HardwareProfile, carried_by, backend: str, paths) -> 
     print(f"  {'pp':>5}  {'GB/s':>10}  transport")
     for size, bw in sorted(profile.p2p_gbps.items()):
         print(f"  {size:>5}  {bw:>10.3f}  {', '.join(carried_by[size])}")
+    print("latency (ms, small messages)")
+    for size, ms in sorted(profile.allreduce_latency_ms.items()):
+        print(f"  all-reduce {size:>4} ranks  {ms:>10.3f}")
+    for size, ms in sorted(profile.p2p_latency_ms.items()):
+        print(f"  p2p pipeline of {size:>4}  {ms:>10.3f}")
     print(f"overlap coefficient: {profile.overlap_coefficient:.3f} (torch.distributed {backend})")
     print("sp_time (ms)")
     for (op, size, mb), ms in sorted(profile.sp_time_ms.items(),
