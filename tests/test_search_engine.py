@@ -158,20 +158,6 @@ def test_latency_prices_tensor_parallel_and_pipeline_messages():
     assert slow.pipeline_bound_ms(layout) == pytest.approx(result.pipeline_bound, rel=1e-9)
 
 
-def test_a_layer_measured_at_its_tp_size_is_priced_as_measured():
-    """A model profile with the layer timed at TP 2 (all-reduces included): that time, with no
-    all-reduce term added; TP 4, not measured: the TP-1 profile / 4 plus the all-reduces."""
-    hardware = dataclasses.replace(flat_hardware(4, 100.0, 0.5), allreduce_latency_ms={2: 0.5, 4: 0.5})
-    profile = dataclasses.replace(_measured_extras_profile(),
-                                  tensor_parallel_ms={(2, 0, 1, 1024): (1.5, 2.0), (2, 0, 2, 1024): (2.5, 3.5)})
-    pricer = cost.Pricer(dataclasses.replace(problem(hardware=hardware), model_profile=profile))
-    at_two = pricer.layer(2, 1024, 2, False, "full")
-    assert (at_two.forward_ms, at_two.backward_ms) == pytest.approx((2.5, 3.5 + 2.5))  # + recomputed forward
-    at_four = pricer.layer(2, 1024, 4, False, "none")
-    message = 2 * 1024 * 256 * 4
-    assert at_four.forward_ms == pytest.approx(4.0 / 4 + 2 * hardware.allreduce_ms(message, 4))
-
-
 def test_memory_bound_holds_the_simulated_peak():
     lengths = parse_distribution("uniform:64:1024")
     pricer = cost.Pricer(problem(lengths=lengths))

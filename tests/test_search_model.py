@@ -43,20 +43,17 @@ def test_stage_extras_and_task_overhead_round_trip_and_fit(tmp_path):
     extras = {part: {(1, 128): 1.0 + i, (2, 128): 2.0 + 2 * i}
               for i, part in enumerate(STAGE_EXTRA_PARTS)}
     profile = dataclasses.replace(_profile(), stage_extra_ms=extras, task_overhead_ms=(0.125, 0.25),
-                                  optimizer_ms_per_parameter=2e-6,
-                                  tensor_parallel_ms={(2, 0, 1, 128): (1.5, 2.5), (2, 0, 2, 128): (2.5, 4.5)})
+                                  optimizer_ms_per_parameter=2e-6)
     write_model_profile_dir(profile, tmp_path)
     read = read_model_profile_dir(tmp_path, 256, 8, "bf16")
     assert read == profile
     assert read.stage_extra("last_forward", 4, 128) == pytest.approx(4 * 3.0)  # linear in the batch
     assert read.stage_extra("first_forward", 2, 256) == pytest.approx(2 * 2.0)  # one length: proportional
-    assert read.tensor_parallel_layer_ms(2, 0, 4, 128) == pytest.approx((4.5, 8.5))  # linear in the batch
-    assert read.tensor_parallel_layer_ms(4, 0, 2, 128) is None  # TP 4 not measured
     # A profile without them (older files) reads with neither.
     write_model_profile_dir(_profile(), tmp_path / "old")
     old = read_model_profile_dir(tmp_path / "old", 256, 8, "bf16")
     assert old.stage_extra_ms == {} and old.task_overhead_ms is None
-    assert old.optimizer_ms_per_parameter is None and old.tensor_parallel_ms == {}
+    assert old.optimizer_ms_per_parameter is None
     assert old.stage_extra("first_forward", 1, 128) is None
 
 
@@ -66,8 +63,6 @@ def test_stage_extras_and_task_overhead_round_trip_and_fit(tmp_path):
     ({"task_overhead_ms": {"forward": 1.0}}, "task_overhead_ms must be"),
     ({"task_overhead_ms": {"forward": -1.0, "backward": 0.0}}, "must not be negative"),
     ({"optimizer_ms_per_parameter": "fast"}, "must be a number"),
-    ({"tensor_parallel_ms": {"1": {}}}, "expected a TP size >= 2"),
-    ({"tensor_parallel_ms": {"2": {"layertype_0_bsz1_seq128": [1.0]}}}, "forward ms, backward ms"),
 ])
 def test_bad_companion_extras_are_one_line_errors(tmp_path, change, message):
     paths = write_model_profile_dir(_profile(), tmp_path)
@@ -310,9 +305,6 @@ def test_quick_profile_writes_readable_files(tmp_path):
     assert profile.task_overhead_ms is not None and min(profile.task_overhead_ms) >= 0
     assert "first/last stage extras" in profile.source
     assert profile.optimizer_ms_per_parameter > 0
-    # The layer's time at tp=2 too, measured by the two gloo processes.
-    assert set(profile.tensor_parallel_ms) == {(2, 0, b, s) for b in (1, 2) for s in (32, 64)}
-    assert all(min(pair) > 0 for pair in profile.tensor_parallel_ms.values())
 
 
 @pytest.mark.parametrize("args, message", [

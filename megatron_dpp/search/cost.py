@@ -174,13 +174,6 @@ class Pricer:
             backward = BACKWARD_FLOPS_RATIO * forward
         message = micro_batch * length * shape.hidden_size * problem.dtype_bytes
         tp_comm = 2 * problem.hardware.allreduce_ms(message, tp, True)
-        measured = None
-        if problem.model_profile is not None and tp > 1 and not sp:
-            measured = problem.model_profile.tensor_parallel_layer_ms(tp, TRANSFORMER_LAYER_TYPE,
-                                                                      micro_batch, length)
-        if measured is not None:  # measured at this TP, its all-reduces included
-            forward, backward = measured
-            tp_comm = 0.0
         recomputed = {"none": 0.0, "selective": attention_share * forward, "full": forward + tp_comm}
         kept_for_w = micro_batch * length * (5 * shape.hidden_size + shape.ffn_hidden_size) // tp
         activation = self._profiled_activation(micro_batch, length, tp, sp, recompute)

@@ -21,9 +21,7 @@ ignores: {"model": "gpt"|"bert", "source": str,
           "stage_extra_ms": {"first_forward"|"first_backward"|"last_forward"|"last_backward":
                              {"bsz{b}_seq{s}": ms}},          (optional)
           "task_overhead_ms": {"forward": ms, "backward": ms},  (optional)
-          "optimizer_ms_per_parameter": ms,                       (optional)
-          "tensor_parallel_ms": {"{tp}": {"layertype_{t}_bsz{b}_seq{s}": [fwd ms, bwd ms]}}}
-                                                                  (optional: tp > 1, no SP).
+          "optimizer_ms_per_parameter": ms}                       (optional).
 Without the companion, backward is taken as 2x forward (said in `source`); without stage_extra_ms
 the cost model prices the first and last stage's extra work analytically, without
 task_overhead_ms it adds no per-task cost, without optimizer_ms_per_parameter no optimizer step
@@ -124,22 +122,6 @@ class ModelProfile:
 
     optimizer_ms_per_parameter: Optional[float] = None
     """ms per parameter of Megatron-Core's optimizer step (companion file; None: not measured)."""
-
-    tensor_parallel_ms: Mapping[tuple[int, int, int, int], tuple[float, float]] = dataclasses.field(
-        default_factory=dict)
-    """(tp, layer type, batch, seq) -> (forward, backward) ms of one layer's TP shard measured with
-    tp processes, all-reduces included, no sequence parallelism (companion file; empty: none)."""
-
-    def tensor_parallel_layer_ms(self, tp: int, layer_type: int, batch: int,
-                                 seq: int) -> Optional[tuple[float, float]]:
-        """(forward, backward) at this TP size, fitted as the layer times are; None when the
-        profile did not measure this TP size."""
-        table = {(t, b, s): ms for (size, t, b, s), ms in self.tensor_parallel_ms.items()
-                 if size == tp and t == layer_type}
-        if not table:
-            return None
-        return tuple(_fit_time({key: ms[i] for key, ms in table.items()}, layer_type, batch, seq,
-                               f"tp={tp} {phase}") for i, phase in enumerate(TASK_OVERHEAD_PHASES))
 
     def stage_extra(self, part: str, batch: int, seq: int) -> Optional[float]:
         """The measured extra work `part` at (batch, seq), fitted as the layer times are; None
@@ -260,11 +242,6 @@ def write_model_profile_dir(profile: ModelProfile, directory) -> list[pathlib.Pa
             for part, table in profile.stage_extra_ms.items()}
     if profile.task_overhead_ms is not None:
         companion["task_overhead_ms"] = dict(zip(TASK_OVERHEAD_PHASES, profile.task_overhead_ms))
-    if profile.tensor_parallel_ms:
-        by_tp: dict = {}
-        for (tp, t, b, s), ms in sorted(profile.tensor_parallel_ms.items()):
-            by_tp.setdefault(str(tp), {})[_time_key((t, b, s))] = list(ms)
-        companion["tensor_parallel_ms"] = by_tp
     if profile.optimizer_ms_per_parameter is not None:
         companion["optimizer_ms_per_parameter"] = profile.optimizer_ms_per_parameter
     paths = []
@@ -347,24 +324,6 @@ def _read_task_overhead(content, path: pathlib.Path) -> Optional[tuple[float, fl
     if min(values) < 0:
         raise SearchInputError(f"{path}: task_overhead_ms must not be negative")
     return values
-
-
-def _read_tensor_parallel(content, path: pathlib.Path) -> dict:
-    if not isinstance(content, dict):
-        raise SearchInputError(f"{path}: tensor_parallel_ms must be an object of tp -> times")
-    times = {}
-    for tp, table in content.items():
-        if not str(tp).isdigit() or int(tp) < 2 or not isinstance(table, dict):
-            raise SearchInputError(f"{path}: tensor_parallel_ms has {tp!r}; expected a TP size "
-                                   f">= 2 -> {{layertype_T_bszB_seqS: [forward ms, backward ms]}}")
-        for key, pair in table.items():
-            match = _TIME_KEY.match(key)
-            if not match or not isinstance(pair, list) or len(pair) != 2:
-                raise SearchInputError(f"{path}: tensor_parallel_ms.{tp}.{key} must be "
-                                       f"layertype_T_bszB_seqS: [forward ms, backward ms]")
-            times[(int(tp), *(int(g) for g in match.groups()))] = tuple(
-                _number(ms, f"{path}: tensor_parallel_ms.{tp}.{key}") for ms in pair)
-    return times
 
 
 def _read_optimizer(value, path: pathlib.Path) -> Optional[float]:
@@ -459,6 +418,4 @@ def read_model_profile_dir(directory, hidden_size: int, num_attention_heads: int
         stage_extra_ms=_read_stage_extras(companion.get("stage_extra_ms", {}), companion_path),
         task_overhead_ms=_read_task_overhead(companion.get("task_overhead_ms"), companion_path),
         optimizer_ms_per_parameter=_read_optimizer(companion.get("optimizer_ms_per_parameter"),
-                                                   companion_path),
-        tensor_parallel_ms=_read_tensor_parallel(companion.get("tensor_parallel_ms", {}),
-                                                 companion_path))
+                                                   companion_path))

@@ -25,9 +25,7 @@ pipeline_parallel.schedules.forward_step and backward_step take around a one-par
 beyond that stage's own forward and backward (medians over TASK_OVERHEAD_REPEATS runs).
 
 Activations at one tensor-parallel size (--measure-tensor-parallel-size, default 2) are measured
-the same way on rank 0 of that many spawned gloo processes (micro-batch: the largest), and so is
-the layer's forward and backward time at every micro-batch size (rank 0's shard, its all-reduces
-included). The other
+the same way on rank 0 of that many spawned gloo processes (micro-batch: the largest). The other
 tensor-parallel sizes and every sequence-parallel figure (sequence parallelism needs Transformer
 Engine in megatron_dpp) come from the analytical model (megatron_dpp.search.memory_model), and so do
 parameter counts and model states; memory_model's parameter counts are checked here against the
@@ -346,14 +344,12 @@ def check_parameter_counts(model: torch.nn.Module, block: torch.nn.Module,
 def _tensor_parallel_worker(rank: int, tp: int, options: ProfilingOptions, store_path: str,
                             result_path: str) -> None:
     """One tensor-parallel rank: every rank runs the same layers (their forward all-reduces);
-    rank 0 writes {"memory": {"seq:part": bytes} (part: a recompute mode, "embedding" or "head"),
-    "times": {"seq:batch": [forward ms, backward ms]} (the layer's shard, its all-reduces
-    included)}."""
+    rank 0 writes {"seq:part": bytes} (part: a recompute mode, "embedding" or "head")."""
     for message in EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
     torch.set_num_threads(1)
     batch = max(options.micro_batch_sizes)
-    results, times = {}, {}
+    results = {}
     with megatron_process_group(options.model, rank, tp, store_path):
         for seq in options.seq_lengths:
             shape = options.shape(seq)
@@ -363,19 +359,13 @@ def _tensor_parallel_worker(rank: int, tp: int, options: ProfilingOptions, store
             embedding, head = measured_other_activation_bytes(build_model(shape, tp), shape,
                                                               batch)
             results[f"{seq}:embedding"], results[f"{seq}:head"] = embedding, head
-            block = build_layer(shape, "none", tp)
-            for micro_batch in options.micro_batch_sizes:
-                times[f"{seq}:{micro_batch}"] = time_layer(block, shape, micro_batch, options.warmup,
-                                                           options.repeats)
     if rank == 0:
-        pathlib.Path(result_path).write_text(json.dumps({"memory": results, "times": times}))
+        pathlib.Path(result_path).write_text(json.dumps(results))
 
 
-def measure_tensor_parallel(options: ProfilingOptions, tp: int
-                            ) -> tuple[dict[tuple[int, str], int], dict[tuple[int, int], tuple[float, float]]]:
-    """((seq, part) -> bytes one rank keeps at micro-batch max(micro_batch_sizes), (seq, batch) ->
-    (forward, backward) ms of one layer's shard, its all-reduces included), measured by tp spawned
-    processes over gloo (no sequence parallelism: it needs Transformer Engine here)."""
+def measure_tensor_parallel(options: ProfilingOptions, tp: int) -> dict[tuple[int, str], int]:
+    """(seq, part) -> bytes one rank keeps at micro-batch max(micro_batch_sizes), measured by tp
+    spawned processes over gloo (no sequence parallelism: it needs Transformer Engine here)."""
     context = torch.multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="model_profiling_tp_") as directory:
         result_path = os.path.join(directory, "result.json")
@@ -400,11 +390,7 @@ def measure_tensor_parallel(options: ProfilingOptions, tp: int
             raise RuntimeError(f"the tp={tp} activation measurement failed (exit codes "
                                f"{[worker.exitcode for worker in workers]}); see its stderr above")
         raw = json.loads(pathlib.Path(result_path).read_text())
-    memory = {(int(key.split(":")[0]), key.split(":")[1]): nbytes
-              for key, nbytes in raw["memory"].items()}
-    times = {tuple(int(part) for part in key.split(":")): tuple(value)
-             for key, value in raw["times"].items()}
-    return memory, times
+    return {(int(key.split(":")[0]), key.split(":")[1]): nbytes for key, nbytes in raw.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -557,11 +543,10 @@ def profile_model(options: ProfilingOptions,
     layers, other = {}, {}
     largest_batch = max(options.micro_batch_sizes)
     tp_measured: dict[tuple[int, str], int] = {}
-    tp_times: dict[tuple[int, int], tuple[float, float]] = {}
     if options.measured_tp_size > 1:
         progress(f"measuring activations at tp={options.measured_tp_size} "
                  f"({options.measured_tp_size} gloo processes, up to {WORKER_TIMEOUT_S} s)")
-        tp_measured, tp_times = measure_tensor_parallel(options, options.measured_tp_size)
+        tp_measured = measure_tensor_parallel(options, options.measured_tp_size)
     steps = len(options.seq_lengths) * len(options.micro_batch_sizes)
     step = 0
     for seq in options.seq_lengths:
@@ -607,9 +592,7 @@ def profile_model(options: ProfilingOptions,
               f"{torch.get_num_threads()}, median of {options.repeats} after {options.warmup} "
               f"warm-up; first/last stage extras (embedding; final norm, output layer at vocabulary "
               f"{options.padded_vocab_size}, loss) measured at tp=1; per-task overhead of "
-              f"forward_step/backward_step and optimizer step per parameter measured; "
-              f"layer times also measured at tp={options.measured_tp_size} (its gloo processes, "
-              f"all-reduces included) where > 1; activations measured at tp={measured_tps} (saved tensors at "
+              f"forward_step/backward_step and optimizer step per parameter measured; activations measured at tp={measured_tps} (saved tensors at "
               f"micro-batch {largest_batch}, per sample; tp>1 with as many gloo processes), "
               f"other tp sizes, all sequence-parallel activations and all model states from the "
               f"analytical model (memory_model)")
@@ -618,9 +601,7 @@ def profile_model(options: ProfilingOptions,
                         forward_ms=forward_ms, backward_ms=backward_ms,
                         memory=MemoryProfile(layers=layers, other=other), source=source,
                         stage_extra_ms=extras, task_overhead_ms=overhead,
-                        optimizer_ms_per_parameter=optimizer,
-                        tensor_parallel_ms={(options.measured_tp_size, LAYER_TYPE, b, s): ms
-                                            for (s, b), ms in tp_times.items()})
+                        optimizer_ms_per_parameter=optimizer)
 
 
 def _device_name() -> str:
