@@ -46,7 +46,7 @@ from paired import (PINNED_ENTRY, REPO, SAMPLE, ensure_sample_data, median_inter
 from megatron_dpp.data.tokenizer import GPT2_BPE, tokenizer_from_files
 from megatron_dpp.pipeline.registry import ADAPTIVE, INTERLEAVED_1F1B, ONE_F_ONE_B
 from megatron_dpp.search import cli
-from megatron_dpp.search.cost import OUTPUT_WORK_RATIO, LayoutCost, Pricer, Problem
+from megatron_dpp.search.cost import LayoutCost, Pricer, Problem
 from megatron_dpp.search.engine import search, space_inputs
 from megatron_dpp.search.errors import SearchInputError
 from megatron_dpp.search.hardware import PRESETS
@@ -217,15 +217,18 @@ def breakdown(problem: Problem, cost: LayoutCost) -> dict:
     layout, shape = cost.layout, problem.shape
     figures = pricer.layer(layout.micro_batch_size, shape.seq_length, layout.tp, False, layout.recompute)
     per_rank = shape.num_layers // layout.pp
-    output_ms = pricer.output_forward_ms(layout.micro_batch_size, shape.seq_length, layout.tp)
+    first, last = pricer.stage_extras_ms(layout.micro_batch_size, shape.seq_length, layout.tp)
+    overhead = pricer.durations(layout)[0]
     return {"layer_forward_ms": figures.forward_ms, "layer_backward_ms": figures.backward_ms,
-            "rank_layers": per_rank, "output_layer_forward_ms": output_ms,
-            "output_layer_forward_backward_ms_per_iteration":
-                OUTPUT_WORK_RATIO * output_ms * layout.num_microbatches,
+            "rank_layers": per_rank,
+            "first_stage_extra_ms_per_iteration": first * layout.num_microbatches,
+            "last_stage_extra_ms_per_iteration": last * layout.num_microbatches,
+            "task_overhead_ms": [overhead.forward_overhead, overhead.backward_overhead],
             "layers_forward_backward_ms_per_iteration_per_rank":
                 per_rank * (figures.forward_ms + figures.backward_ms) * layout.num_microbatches,
             "tasks_per_rank": 2 * layout.num_microbatches * layout.vpp,
             "pipeline_ms": cost.pipeline_ms, "grad_sync_exposed_ms": cost.grad_sync_exposed_ms,
+            "optimizer_ms": cost.optimizer_ms,
             "bubble_fraction": cost.bubble_fraction}
 
 

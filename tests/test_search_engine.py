@@ -17,6 +17,7 @@ from megatron_dpp.search import cli, cost, engine, space, strategy
 from megatron_dpp.search.errors import SearchInputError
 from megatron_dpp.search.hardware import HardwareProfile, load_hardware
 from megatron_dpp.search.lengths import microbatch_lengths, parse_distribution
+from megatron_dpp.search import memory_model as mm
 from megatron_dpp.search.memory_model import ModelShape
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,6 +104,58 @@ def test_closed_form_bound_is_the_simulators_pipeline_bound(changes):
     # Plus the tied embedding's all-reduce between the first and the last stage (DP 1: no other sync).
     estimate = pricer.estimate(layout)
     assert estimate.time_lower_ms == pytest.approx(result.pipeline_bound + pricer.embedding_sync_ms(layout))
+
+
+def _measured_extras_profile(overhead=(0.25, 0.5)):
+    """Layer times with the first/last stage extras and a per-task overhead, as profile_model.sh
+    writes them."""
+    from megatron_dpp.search.model_profile import MemoryProfile, ModelProfile
+
+    extras = {"first_forward": 0.5, "first_backward": 0.25, "last_forward": 3.0, "last_backward": 4.0}
+    return ModelProfile(model="gpt", hidden_size=256, num_attention_heads=16, dtype="fp32",
+                        forward_ms={(0, 1, 1024): 2.0, (0, 2, 1024): 4.0},
+                        backward_ms={(0, 1, 1024): 3.0, (0, 2, 1024): 6.0},
+                        memory=MemoryProfile(layers={}, other={}), source="test profile figures",
+                        stage_extra_ms={part: {(1, 1024): ms, (2, 1024): 2 * ms} for part, ms in extras.items()},
+                        task_overhead_ms=overhead, optimizer_ms_per_parameter=1e-6)
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"vpp": 2, "schedule": space.megatron_schedule(2)},
+    {"vpp": 2, "schedule": DYNAMIC_SCHEDULES[0], "split_backward": True},
+    {"pp": 1, "vpp": 1}, {"schedule": DYNAMIC_SCHEDULES[0], "split_backward": True, "num_microbatches": 40},
+])
+def test_closed_form_bound_with_stage_extras_and_task_overheads(changes):
+    """Slower first and last ranks and per-task overheads: the closed form is still the
+    simulator's bound, and the extrapolated price stays close to the full simulation."""
+    extras_problem = dataclasses.replace(problem(hardware=flat_hardware(4, 100.0, 0.5)),
+                                         model_profile=_measured_extras_profile())
+    pricer = cost.Pricer(extras_problem)
+    layout = _layout(**changes)
+    model, _ = pricer.durations(layout)
+    assert model.rank_speed[0] > 1.0 and model.rank_speed[-1] > 1.0
+    assert (model.forward_overhead, model.backward_overhead) == (0.25, 0.5)
+    result = pricer.simulate(layout, layout.num_microbatches)
+    assert pricer.pipeline_bound_ms(layout) == pytest.approx(result.pipeline_bound, rel=1e-9)
+    full = cost.Pricer(extras_problem, extrapolate=False)
+    assert pricer.price(layout, pricer.estimate(layout)).time_ms == pytest.approx(
+        full.price(layout, full.estimate(layout)).time_ms, rel=0.02)
+
+
+def test_latency_prices_tensor_parallel_and_pipeline_messages():
+    """A measured latency adds to each TP all-reduce of a layer (two per forward, two per
+    backward) and to each pipeline hop (the simulator's CommModel.latency)."""
+    base = flat_hardware(4, 100.0, 0.5)
+    timed = dataclasses.replace(base, allreduce_latency_ms={2: 0.5, 4: 0.5}, p2p_latency_ms={2: 0.25, 4: 0.25})
+    plain, slow = cost.Pricer(problem(hardware=base)), cost.Pricer(problem(hardware=timed))
+    layer, layer_slow = (pricer.layer(1, 1024, 2, False, "none") for pricer in (plain, slow))
+    assert layer_slow.forward_ms == pytest.approx(layer.forward_ms + 2 * 0.5)
+    assert layer_slow.backward_ms == pytest.approx(layer.backward_ms + 2 * 0.5)
+    layout = _layout()
+    comm, comm_slow = plain.comm_model(layout), slow.comm_model(layout)
+    assert comm_slow.latency == 0.25 and comm_slow.bandwidth == pytest.approx(comm.bandwidth)
+    result = slow.simulate(layout, layout.num_microbatches)
+    assert slow.pipeline_bound_ms(layout) == pytest.approx(result.pipeline_bound, rel=1e-9)
 
 
 def test_memory_bound_holds_the_simulated_peak():
@@ -239,7 +292,7 @@ def test_strategy_flags_are_the_trainers_flags():
 
     priced = cost.LayoutCost(layout=_layout(vpp=2, schedule=DYNAMIC_SCHEDULES[0], split_backward=True,
                                             recompute="full", dp=2, distributed_optimizer=True),
-                             time_ms=1.0, pipeline_ms=1.0, grad_sync_exposed_ms=0.0, memory_bytes=1,
+                             time_ms=1.0, pipeline_ms=1.0, grad_sync_exposed_ms=0.0, optimizer_ms=0.0, memory_bytes=1,
                              activation_peak_bytes=1, bubble_fraction=0.1, simulated_microbatches=16,
                              time_lower_ms=1.0)
     flags = strategy.megatron_flags(problem(lengths=parse_distribution("uniform:1:9")), priced)
@@ -332,3 +385,14 @@ def test_a_model_profile_sets_the_layer_times(tmp_path, capsys):
     content = json.loads(out[out.index("{"):])
     output_ms = 3 * 2.0 * 1024 * 256 * 1024 / 1e12 * 1e3  # forward + backward of the logits, per sequence
     assert content["predicted"]["iteration_ms"] == pytest.approx(16 * (8 * 5.0 + output_ms), rel=1e-3)
+    # With the measured stage extras and per-task overhead: those instead of the analytical logits.
+    measured = _measured_extras_profile()
+    write_model_profile_dir(measured, tmp_path)
+    assert cli.main(args + ["--hardware", str(hardware_dir)]) == 0
+    out = capsys.readouterr().out
+    content = json.loads(out[out.index("{"):])
+    per_sequence = 8 * 5.0 + (0.5 + 0.25 + 3.0 + 4.0)  # layers and extras (linear in the batch)
+    tasks = content["layout"]["num_microbatches"]  # one forward and one backward each
+    optimizer_ms = 1e-6 * mm.total_parameter_count(small_shape())  # every parameter on the one GPU
+    assert content["predicted"]["iteration_ms"] == pytest.approx(
+        16 * per_sequence + tasks * (0.25 + 0.5) + optimizer_ms, abs=2e-3)

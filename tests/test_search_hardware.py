@@ -183,6 +183,30 @@ def test_allreduce_and_p2p_arithmetic():
     assert profile.matmul_ms(1e12, "bf16") == pytest.approx(10.0)
 
 
+def test_latency_adds_to_every_message_and_round_trips(tmp_path):
+    """alpha + bytes / bandwidth where the profile has latencies (our compute file); a profile
+    without them (Galvatron's files, the presets) prices bandwidth only."""
+    plain = _profile()
+    timed = _profile(allreduce_latency_ms={2: 0.25, 4: 0.5}, p2p_latency_ms={2: 0.125})
+    assert timed.allreduce_ms(4096, 2) == pytest.approx(0.25 + plain.allreduce_ms(4096, 2))
+    assert timed.allreduce_ms(4096, 2, consecutive=False) == pytest.approx(
+        0.25 + plain.allreduce_ms(4096, 2, consecutive=False))
+    assert timed.allreduce_ms(4096, 3) == pytest.approx(0.5 + plain.allreduce_ms(4096, 3))  # nearest not smaller
+    assert timed.p2p_ms(4096, 4) == pytest.approx(0.125 + plain.p2p_ms(4096, 4))  # the largest measured
+    assert timed.allreduce_ms(4096, 1) == 0.0 and timed.p2p_ms(4096, 1) == 0.0
+    assert plain.allreduce_latency(2) == 0.0 and plain.p2p_latency(2) == 0.0
+    write_hardware_dir(timed, tmp_path)
+    assert read_hardware_dir(tmp_path, 1, 4) == timed
+    compute = json.loads((tmp_path / "megatron_dpp_compute_1nodes_4gpus_per_node.json").read_text())
+    assert compute["allreduce_latency_ms"] == {"2": 0.25, "4": 0.5}
+    with pytest.raises(SearchInputError, match="a latency must be a number >= 0"):
+        _profile(p2p_latency_ms={2: -1.0})
+    compute["p2p_latency_ms"] = {"two": 1.0}
+    (tmp_path / "megatron_dpp_compute_1nodes_4gpus_per_node.json").write_text(json.dumps(compute))
+    with pytest.raises(SearchInputError, match="p2p_latency_ms must be an object of size -> ms"):
+        read_hardware_dir(tmp_path, 1, 4)
+
+
 def test_nothing_measured_is_a_search_input_error():
     profile = _profile(allreduce_busbw_gbps={}, p2p_gbps={})
     with pytest.raises(SearchInputError, match="no all-reduce bandwidth"):
@@ -222,9 +246,13 @@ def test_quick_profile_on_this_machine(tmp_path):
     assert set(profile.p2p_gbps) == {2}
     assert profile.overlap_coefficient >= 1.0
     assert "fp32" in profile.matmul_tflops
+    # Small-message latencies (ours): one per consecutive group size and pipeline size.
+    assert set(profile.allreduce_latency_ms) == {2} and set(profile.p2p_latency_ms) == {2}
+    assert all(math.isfinite(ms) and ms >= 0 for ms in [*profile.allreduce_latency_ms.values(),
+                                                         *profile.p2p_latency_ms.values()])
     assert {mb for (_op, _size, mb) in profile.sp_time_ms} == set(range(1, 9))
     assert all(math.isfinite(value) and value > 0 for value in profile.allreduce_busbw_gbps.values())
     assert "gloo" in profile.source and "p2p over --p2p-transport auto" in profile.source
     # The summary says which transport carried the p2p figure.
-    assert "point-to-point bandwidth" in result.stdout
+    assert "point-to-point bandwidth" in result.stdout and "latency (ms, small messages)" in result.stdout
     assert ("shm_tensor" in result.stdout) or ("torch.distributed" in result.stdout)

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_dpp.search import memory_model as mm
 from megatron_dpp.search.errors import SearchInputError
-from megatron_dpp.search.model_profile import (LayerMemory, MemoryProfile, ModelProfile,
+from megatron_dpp.search.model_profile import (STAGE_EXTRA_PARTS, LayerMemory, MemoryProfile, ModelProfile,
                                                 OtherMemory, read_model_profile_dir,
                                                 write_model_profile_dir)
 
@@ -37,6 +37,39 @@ def _profile() -> ModelProfile:
     return ModelProfile(model="gpt", hidden_size=256, num_attention_heads=8, dtype="bf16",
                         forward_ms=times, backward_ms={k: 2.5 * v for k, v in times.items()},
                         memory=MemoryProfile(layers, other), source="hand-made for the test")
+
+
+def test_stage_extras_and_task_overhead_round_trip_and_fit(tmp_path):
+    extras = {part: {(1, 128): 1.0 + i, (2, 128): 2.0 + 2 * i}
+              for i, part in enumerate(STAGE_EXTRA_PARTS)}
+    profile = dataclasses.replace(_profile(), stage_extra_ms=extras, task_overhead_ms=(0.125, 0.25),
+                                  optimizer_ms_per_parameter=2e-6)
+    write_model_profile_dir(profile, tmp_path)
+    read = read_model_profile_dir(tmp_path, 256, 8, "bf16")
+    assert read == profile
+    assert read.stage_extra("last_forward", 4, 128) == pytest.approx(4 * 3.0)  # linear in the batch
+    assert read.stage_extra("first_forward", 2, 256) == pytest.approx(2 * 2.0)  # one length: proportional
+    # A profile without them (older files) reads with neither.
+    write_model_profile_dir(_profile(), tmp_path / "old")
+    old = read_model_profile_dir(tmp_path / "old", 256, 8, "bf16")
+    assert old.stage_extra_ms == {} and old.task_overhead_ms is None
+    assert old.optimizer_ms_per_parameter is None
+    assert old.stage_extra("first_forward", 1, 128) is None
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"stage_extra_ms": {"middle_forward": {}}}, "stage_extra_ms has 'middle_forward'"),
+    ({"stage_extra_ms": {"first_forward": {"b1_s128": 1.0}}}, "is not bszB_seqS"),
+    ({"task_overhead_ms": {"forward": 1.0}}, "task_overhead_ms must be"),
+    ({"task_overhead_ms": {"forward": -1.0, "backward": 0.0}}, "must not be negative"),
+    ({"optimizer_ms_per_parameter": "fast"}, "must be a number"),
+])
+def test_bad_companion_extras_are_one_line_errors(tmp_path, change, message):
+    paths = write_model_profile_dir(_profile(), tmp_path)
+    companion = json.loads(paths[2].read_text())
+    paths[2].write_text(json.dumps({**companion, **change}))
+    with pytest.raises(SearchInputError, match=message):
+        read_model_profile_dir(tmp_path, 256, 8, "bf16")
 
 
 def test_profile_files_round_trip(tmp_path):
@@ -263,6 +296,15 @@ def test_quick_profile_writes_readable_files(tmp_path):
     assert layer.checkpoint_mb_per_sample < layer.selective_mb_per_sample[1] < \
         layer.activation_mb_per_sample[1]
     assert profile.memory.other[("pp_on_first", True, 32)].model_states_mb[1] > 0
+    # The stages' extra work at every (batch, seq), and the schedules' per-task overhead.
+    assert set(profile.stage_extra_ms) == set(STAGE_EXTRA_PARTS)
+    assert all(set(table) == {(b, s) for b in (1, 2) for s in (32, 64)}
+               for table in profile.stage_extra_ms.values())
+    assert profile.stage_extra_ms["first_forward"][(2, 64)] > 0
+    assert profile.stage_extra_ms["last_forward"][(2, 64)] > 0  # the 512-token head and the loss
+    assert profile.task_overhead_ms is not None and min(profile.task_overhead_ms) >= 0
+    assert "first/last stage extras" in profile.source
+    assert profile.optimizer_ms_per_parameter > 0
 
 
 @pytest.mark.parametrize("args, message", [

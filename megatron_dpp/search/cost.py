@@ -22,9 +22,15 @@ recompute one more forward and with selective recompute the core attention's for
 part of the layer's FLOPs quadratic in the sequence). Compute comes from the model profile
 (forward, backward; measured at TP 1) or, without one, from memory_model.layer_forward_flops at
 the hardware's matmul rate (backward 2x forward). A split backward's W is half the backward
-compute. The last rank also runs the output layer (2 * tokens * hidden * vocab FLOPs, 3x with its
-backward), spread over its tasks as the simulator's rank speed. Point-to-point messages carry
-micro-batch x length x hidden values (/ TP with sequence parallelism) at hardware.p2p_ms.
+compute. The first and last rank's extra work (`stage_extras_ms`) is spread over their tasks as
+the simulator's rank speed: the model profile's measured embedding (first) and final norm +
+output layer + loss (last, / TP), forward and backward; without them only the last rank's output
+layer (2 * tokens * hidden * vocab FLOPs, 3x with its backward). Every task also costs the model
+profile's measured per-task overhead of Megatron-Core's forward_step / backward_step (the
+simulator's forward_overhead / backward_overhead; 0 without it). Point-to-point messages carry
+micro-batch x length x hidden values (/ TP with sequence parallelism) at hardware.p2p_ms. Every
+collective and message costs the hardware profile's latency (alpha) plus bytes / bandwidth
+(alpha 0 where the profile has none).
 Variable sequence lengths: each microbatch is padded to its longest sequence (lengths.py); its
 size in the TaskGraph is its forward time over a full-length one's (the attention term makes it
 superlinear in the length) and its act_bytes are its own length's.
@@ -39,8 +45,9 @@ V-1..0, one at a time (runtime/grad_sync.py); under Megatron's own schedules chu
 hardware.overlap_coefficient times slower. The distributed optimizer then
 all-gathers the updated parameters (half an all-reduce of the parameter bytes), exposed, and with
 tied embeddings on several stages the word embedding's gradient is all-reduced between the first
-and the last stage, exposed. Not modelled: the optimizer step itself and stragglers between
-data-parallel replicas.
+and the last stage, exposed. Then the optimizer step, exposed: the model profile's measured ms per
+parameter times the fullest rank's parameters (/ DP with the distributed optimizer; 0 without that
+figure). Not modelled: stragglers between data-parallel replicas.
 """
 from __future__ import annotations
 
@@ -118,7 +125,8 @@ class LayoutCost:
     layout: Layout
     time_ms: float  # predicted time per iteration
     pipeline_ms: float  # the simulated pipeline makespan (extrapolated to all microbatches)
-    grad_sync_exposed_ms: float  # time_ms - pipeline_ms: the gradient sync left after the pipeline
+    grad_sync_exposed_ms: float  # the gradient sync left after the pipeline
+    optimizer_ms: float  # the optimizer step after it (time_ms = pipeline + grad sync + this)
     memory_bytes: int  # the fullest rank
     activation_peak_bytes: int  # the simulated peak of the sampled batch, fullest rank
     bubble_fraction: float  # 1 - mean rank work / pipeline_ms
@@ -227,6 +235,18 @@ class Pricer:
         count = shape.padded_vocab_size // layout.tp * shape.hidden_size
         return self.problem.hardware.allreduce_ms(count * GRAD_BYTES, 2, False)
 
+    def optimizer_ms(self, layout: Layout) -> float:
+        """The optimizer step, exposed after the gradient sync: the model profile's measured ms
+        per parameter times the fullest rank's parameters (over DP with the distributed
+        optimizer, which steps only its shard); 0 without that figure."""
+        profile = self.problem.model_profile
+        if profile is None or profile.optimizer_ms_per_parameter is None:
+            return 0.0
+        params = max(self.rank_parameters(layout.tp, layout.pp))
+        if layout.distributed_optimizer:
+            params = -(-params // layout.dp)
+        return profile.optimizer_ms_per_parameter * params
+
     def _extra_parameters(self, tp: int) -> tuple[int, int]:
         """(embedding, output layer) parameters of one TP shard."""
         shape = self.problem.shape
@@ -303,23 +323,42 @@ class Pricer:
         full = self.layer(layout.micro_batch_size, shape.seq_length, layout.tp, layout.sequence_parallel,
                           layout.recompute)
         forward = per_rank * full.forward_ms
+        layers_work = forward + per_rank * full.backward_ms
+        # The first and the last stage's extra work, spread over their tasks as the simulator's
+        # rank speed (with one stage both are on it).
+        first, last = self.stage_extras_ms(layout.micro_batch_size, shape.seq_length, layout.tp)
         speed = [1.0] * layout.pp
-        # The output layer's forward and its 2x backward, spread over the last rank's tasks.
-        output = OUTPUT_WORK_RATIO * self.output_forward_ms(layout.micro_batch_size, shape.seq_length, layout.tp)
-        speed[-1] += output / (forward + per_rank * full.backward_ms)
+        speed[0] += first / layers_work
+        speed[-1] += last / layers_work
         size_of = {length: self.layer(layout.micro_batch_size, length, layout.tp, layout.sequence_parallel,
                                       layout.recompute).forward_ms / full.forward_ms
                    for length in set(self.lengths(layout))}
         sizes = [size_of[length] for length in self.lengths(layout)]
+        profile = self.problem.model_profile
+        overhead = (0.0, 0.0) if profile is None or profile.task_overhead_ms is None else profile.task_overhead_ms
         model = DurationModel(
             linear=forward, backward_ratio=full.backward_ms / full.forward_ms, rank_speed=tuple(speed),
+            forward_overhead=overhead[0], backward_overhead=overhead[1],
             weight_grad_fraction=full.weight_grad_ms / full.backward_ms if layout.split_backward
             else DurationModel.weight_grad_fraction)
         return model, sizes
 
+    def stage_extras_ms(self, micro_batch: int, length: int, tp: int) -> tuple[float, float]:
+        """(first, last) stage's work besides its layers per microbatch, forward + backward: the
+        model profile's measured embedding and final norm + output layer + loss (the latter over
+        TP, as its logits are split), or without them no embedding cost and the analytical
+        logits matmul (`output_forward_ms`, OUTPUT_WORK_RATIO with its backward)."""
+        profile = self.problem.model_profile
+        if profile is not None and profile.stage_extra_ms:
+            first, last = (sum(profile.stage_extra(f"{stage}_{phase}", micro_batch, length)
+                               for phase in ("forward", "backward")) for stage in ("first", "last"))
+            return first, last / tp
+        return 0.0, OUTPUT_WORK_RATIO * self.output_forward_ms(micro_batch, length, tp)
+
     def comm_model(self, layout: Layout) -> CommModel:
-        """The simulator prices a message by the microbatch's act_bytes: scale the bandwidth so
-        that a full-length microbatch's act_bytes take as long as its real message."""
+        """The simulator prices a message as latency + act_bytes / bandwidth: the hardware's p2p
+        latency, and the bandwidth scaled so that a full-length microbatch's act_bytes take as
+        long as its real message."""
         shape = self.problem.shape
         message = layout.micro_batch_size * shape.seq_length * shape.hidden_size * self.problem.dtype_bytes
         if layout.sequence_parallel:
@@ -327,27 +366,35 @@ class Pricer:
         ms = self.problem.hardware.p2p_ms(message, layout.pp)
         if ms <= 0.0:
             return CommModel()
-        return CommModel(bandwidth=self.chunk_activation_bytes(layout, shape.seq_length) / ms)
+        latency = self.problem.hardware.p2p_latency(layout.pp)
+        if ms <= latency:
+            return CommModel(latency=latency)
+        return CommModel(latency=latency,
+                         bandwidth=self.chunk_activation_bytes(layout, shape.seq_length) / (ms - latency))
 
     def pipeline_lower_bound(self, layout: Layout, model: DurationModel, sizes: list[float],
                              hop: float) -> float:
-        """simulator's TaskDurations.pipeline_bound for these durations, in closed form: the last
-        rank's fill, work and drain (the only rank slower than the others is the last)."""
+        """simulator's TaskDurations.pipeline_bound for these durations, in closed form: for each
+        rank r its work, and after rank 0's some microbatch's chunk-0 forward through ranks
+        0..r-1 (fill), F and B work, and its chunk-0 backward back through them (drain)."""
         P, V = layout.pp, layout.vpp
         forward, backward = model.linear, model.linear * model.backward_ratio
         total, smallest = math.fsum(sizes), min(sizes)
-        work_first = (forward + backward) * total
-        if P == 1:
-            return work_first * model.rank_speed[0]
-        work_last = work_first * model.rank_speed[-1]
-        fill = (P - 1) * (forward / V * smallest + hop)
-        if layout.split_backward:
-            w = model.weight_grad_fraction
-            crossing = (forward + backward * (1 - w)) * total * model.rank_speed[-1]
-            drain = (P - 1) * (backward * (1 - w) / V * smallest + hop) + backward * w / V * smallest
-        else:
-            crossing, drain = work_last, (P - 1) * (backward / V * smallest + hop)
-        return max(work_first, fill + max(crossing + drain, work_last))
+        w = model.weight_grad_fraction if layout.split_backward else 0.0
+        tasks = V * len(sizes)  # forwards (and backwards, and Ws) per rank
+        overheads = tasks * (model.forward_overhead + model.backward_overhead * (2 if w else 1))
+        crossing_overheads = tasks * (model.forward_overhead + model.backward_overhead)
+        speed = model.rank_speed
+        work = [(forward + backward) * total * speed[r] + overheads for r in range(P)]
+        best, fill, drain = work[0], 0.0, 0.0
+        if w:  # the crossing ends with rank 0's chunk-0 W of that microbatch
+            drain = backward * w / V * smallest * speed[0] + model.backward_overhead
+        for r in range(1, P):
+            fill += forward / V * smallest * speed[r - 1] + model.forward_overhead + hop
+            drain += backward * (1 - w) / V * smallest * speed[r - 1] + model.backward_overhead + hop
+            crossing = (forward + backward * (1 - w)) * total * speed[r] + crossing_overheads
+            best = max(best, fill + max(crossing + drain, work[r]))
+        return best
 
     def sync_ms(self, layout: Layout) -> tuple[list[list[float]], list[float]]:
         """(per rank kind (first, last): each chunk's gradient reduction, ms; per rank kind: the
@@ -386,7 +433,7 @@ class Pricer:
         # The first rank's last bucket of chunk 0 is ready only when the pipeline's drain ends.
         last_bucket = chunks[0][0] / self.bucket_count(layout, 0)
         bound = (self.pipeline_bound_ms(layout) + last_bucket + gathers[0]
-                 + self.embedding_sync_ms(layout))
+                 + self.embedding_sync_ms(layout) + self.optimizer_ms(layout))
         return Estimate(layout, self.memory_bytes(layout), bound)
 
     # --- the simulator ------------------------------------------------------------------------
@@ -438,18 +485,19 @@ class Pricer:
         pipeline = result.makespan
         if counts is not None:
             short = self.simulate(layout, counts[1])
-            work = [self._busiest_work(model, sizes[:n]) for n in (M, *counts)]
+            work = [self._work(layout, model, sizes[:n], max(model.rank_speed)) for n in (M, *counts)]
             excess = [result.makespan - result.pipeline_bound, short.makespan - short.pipeline_bound]
             slope = (excess[0] - excess[1]) / (work[1] - work[2]) if work[1] > work[2] else 0.0
             slope = min(max(slope, 0.0), max(excess[0], 0.0) / work[1])
             bound = self.pipeline_bound_ms(layout)
             pipeline = bound + excess[0] + slope * (work[0] - work[1])
         tail = self._sync_tail(layout, result) + self.embedding_sync_ms(layout)
-        mean_work = (1 + model.backward_ratio) * model.linear * math.fsum(sizes) * (
-            math.fsum(model.rank_speed) / layout.pp)
-        time_ms = pipeline + tail
+        mean_work = self._work(layout, model, sizes, math.fsum(model.rank_speed) / layout.pp)
+        optimizer = self.optimizer_ms(layout)
+        time_ms = pipeline + tail + optimizer
         return LayoutCost(
-            layout=layout, time_ms=time_ms, pipeline_ms=pipeline, grad_sync_exposed_ms=time_ms - pipeline,
+            layout=layout, time_ms=time_ms, pipeline_ms=pipeline, grad_sync_exposed_ms=tail,
+            optimizer_ms=optimizer,
             memory_bytes=estimate.memory_bytes, activation_peak_bytes=result.peak_activation,
             bubble_fraction=max(0.0, 1.0 - mean_work / pipeline),
             simulated_microbatches=M if counts is None else counts[0], time_lower_ms=estimate.time_lower_ms)
@@ -463,8 +511,11 @@ class Pricer:
         return self.pipeline_lower_bound(layout, model, sizes, hop)
 
     @staticmethod
-    def _busiest_work(model: DurationModel, sizes: list[float]) -> float:
-        return (1 + model.backward_ratio) * model.linear * math.fsum(sizes) * max(model.rank_speed)
+    def _work(layout: Layout, model: DurationModel, sizes: list[float], speed: float) -> float:
+        """A rank's work on these microbatches at this rank speed, its per-task overheads included."""
+        backwards = 2 if layout.split_backward else 1  # B and W tasks each pay the overhead
+        overheads = layout.vpp * len(sizes) * (model.forward_overhead + backwards * model.backward_overhead)
+        return (1 + model.backward_ratio) * model.linear * math.fsum(sizes) * speed + overheads
 
     def _sync_tail(self, layout: Layout, result: SimResult) -> float:
         """How long the iteration runs past the pipeline's makespan for the gradient sync (see the

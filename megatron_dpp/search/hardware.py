@@ -12,7 +12,14 @@ Galvatron's profiler reads here and one written here reads in Galvatron's search
     sp_time_{N}nodes_{G}gpus_per_node.json   {"allreduce_size_{g}_{m}MB_time": ms,
                                               "all2all_size_{g}_{m}MB_time": ms}   (optional)
     megatron_dpp_compute_{N}nodes_{G}gpus_per_node.json  {"matmul_tflops": {dtype: TFLOP/s},
-                                                          "source": "..."}      (ours, optional)
+                                                          "source": "...",
+                                     "allreduce_latency_ms": {"{g}": ms},   (optional)
+                                     "p2p_latency_ms": {"{s}": ms}}         (optional)
+                                                                        (ours, optional)
+
+A message's time is alpha + bytes / bandwidth: alpha, the latency, from our compute file (fitted
+by profile_hardware.sh on small messages), 0 where it has none (Galvatron's files, the presets:
+their bandwidths are for large messages, and no datasheet gives a latency).
 
 Units: bandwidths in GB/s (1e9 B/s), times in ms, sp_time message sizes in MB (2**20 B).
 """
@@ -109,6 +116,10 @@ class HardwareProfile:
     matmul_tflops: Mapping[str, float]
     # Which figures these are: "measured ... on ..." or "preset NAME: <published source>".
     source: str
+    # group size -> all-reduce latency (alpha) in ms, and pipeline size -> point-to-point latency
+    # in ms; ours (COMPUTE_FILE); empty: 0.
+    allreduce_latency_ms: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    p2p_latency_ms: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Every check of a profile's figures lives here: the reader, the presets and the profiler
@@ -123,6 +134,13 @@ class HardwareProfile:
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                     raise SearchInputError(f"{where}: {name}[{key!r}] = {value!r}; every figure "
                                            f"must be a positive number")
+            object.__setattr__(self, name, types.MappingProxyType(table))
+        for name in ("allreduce_latency_ms", "p2p_latency_ms"):
+            table = dict(getattr(self, name))
+            for key, value in table.items():
+                if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                    raise SearchInputError(f"{where}: {name}[{key!r}] = {value!r}; a latency "
+                                           f"must be a number >= 0")
             object.__setattr__(self, name, types.MappingProxyType(table))
         for (size, _consecutive) in self.allreduce_busbw_gbps:
             if size < 2:
@@ -161,24 +179,34 @@ class HardwareProfile:
                                    f"({self.source})")
         return _nearest_not_smaller(self.p2p_gbps, pp_size)
 
+    def allreduce_latency(self, group_size: int) -> float:
+        """ms of an all-reduce of any size over `group_size` ranks beyond its bandwidth term: the
+        nearest measured size not smaller, else the largest; 0 when none was measured."""
+        return _nearest_not_smaller(self.allreduce_latency_ms, group_size) if self.allreduce_latency_ms else 0.0
+
+    def p2p_latency(self, pp_size: int) -> float:
+        """The same for one point-to-point message in a pipeline of `pp_size`."""
+        return _nearest_not_smaller(self.p2p_latency_ms, pp_size) if self.p2p_latency_ms else 0.0
+
     def allreduce_ms(self, nbytes: int, group_size: int, consecutive: bool = True) -> float:
-        """Ring all-reduce of `nbytes` per rank: 2(n-1)/n * nbytes / bus bandwidth, in ms; 0 for a
-        group of one. Sizes not measured: see `allreduce_busbw`."""
+        """Ring all-reduce of `nbytes` per rank: latency + 2(n-1)/n * nbytes / bus bandwidth, in
+        ms; 0 for a group of one. Sizes not measured: see `allreduce_busbw`."""
         if group_size < 1:
             raise ValueError(f"allreduce_ms: group_size={group_size} must be at least 1")
         if group_size == 1 or nbytes == 0:
             return 0.0
         busbw = self.allreduce_busbw(group_size, consecutive)
-        return 2.0 * (group_size - 1) / group_size * nbytes / (busbw * GB) * 1e3
+        return (self.allreduce_latency(group_size)
+                + 2.0 * (group_size - 1) / group_size * nbytes / (busbw * GB) * 1e3)
 
     def p2p_ms(self, nbytes: int, pp_size: int) -> float:
-        """One message of `nbytes` between neighbouring stages: nbytes / bandwidth, in ms; 0 for a
-        pipeline of one stage. Sizes not measured: see `p2p_bandwidth`."""
+        """One message of `nbytes` between neighbouring stages: latency + nbytes / bandwidth, in
+        ms; 0 for a pipeline of one stage. Sizes not measured: see `p2p_bandwidth`."""
         if pp_size < 1:
             raise ValueError(f"p2p_ms: pp_size={pp_size} must be at least 1")
         if pp_size == 1 or nbytes == 0:
             return 0.0
-        return nbytes / (self.p2p_bandwidth(pp_size) * GB) * 1e3
+        return self.p2p_latency(pp_size) + nbytes / (self.p2p_bandwidth(pp_size) * GB) * 1e3
 
     def matmul_ms(self, flops: float, dtype: str) -> float:
         """`flops` of dense matmul at the profiled rate of `dtype`, in ms."""
@@ -224,8 +252,11 @@ def write_hardware_dir(profile: HardwareProfile, directory) -> list[pathlib.Path
             profile.sp_time_ms.items(), key=lambda item: (SP_OPS.index(item[0][0]), -item[0][1],
                                                           item[0][2]))}
         written.append(_write_json(directory / names["sp_time"], sp_time))
-    written.append(_write_json(directory / names["compute"], {
-        "matmul_tflops": dict(sorted(profile.matmul_tflops.items())), "source": profile.source}))
+    compute = {"matmul_tflops": dict(sorted(profile.matmul_tflops.items())), "source": profile.source}
+    for name in ("allreduce_latency_ms", "p2p_latency_ms"):
+        if getattr(profile, name):
+            compute[name] = {str(size): ms for size, ms in sorted(getattr(profile, name).items())}
+    written.append(_write_json(directory / names["compute"], compute))
     return written
 
 
@@ -298,12 +329,18 @@ def read_hardware_dir(directory, num_nodes: int, gpus_per_node: int) -> Hardware
                                    f"\"source\": \"...\"}}")
         matmul = {dtype: _number(path, f"matmul_tflops.{dtype}", value)
                   for dtype, value in tflops.items()}
+        latency = {}
+        for name in ("allreduce_latency_ms", "p2p_latency_ms"):
+            table = compute.get(name, {})
+            if not isinstance(table, dict) or not all(str(size).isdigit() for size in table):
+                raise SearchInputError(f"{path}: {name} must be an object of size -> ms")
+            latency[name] = {int(size): _number(path, f"{name}.{size}", ms) for size, ms in table.items()}
     else:
-        matmul = {}
+        matmul, latency = {}, {}
         source = f"Galvatron files read from {directory}: {', '.join(read)}"
     return HardwareProfile(num_nodes=num_nodes, gpus_per_node=gpus_per_node,
                            allreduce_busbw_gbps=allreduce, p2p_gbps=p2p, overlap_coefficient=overlap,
-                           sp_time_ms=sp_time, matmul_tflops=matmul, source=source)
+                           sp_time_ms=sp_time, matmul_tflops=matmul, source=source, **latency)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,6 +19,10 @@ step do.
   from its previous one (nccl-tests' sendrecv ring) through OUR transports (megatron_dpp.comm's
   router, --p2p-transport: shm_tensor on one node, rdma_tensor across nodes, torch.distributed
   where neither runs); bytes / time, averaged over --bandwidth-sizes-mb.
+- latency (ours): per consecutive all-reduce group size and per pipeline size, the intercept alpha
+  of the least-squares line t = alpha + bytes / rate through the times of LATENCY_SIZES_BYTES
+  messages (4 KB to 1 MB, LATENCY_ITERS_FACTOR x --iters each), at least 0; the cost model prices a message as
+  alpha + bytes / bandwidth.
 - overlap coefficient, Galvatron's definition: max(matmul loop time while all-reduces run in
   another thread (another CUDA stream) / alone, all-reduce loop time while matmuls run / alone),
   at least 1.
@@ -67,6 +71,8 @@ DEFAULTS = {
     "dtypes": (("bf16", "fp16", "fp32"), ("fp32",)),
 }
 MATMUL_SIZE = {"cuda": 8192, "cpu": 1024, "quick": 256}
+LATENCY_SIZES_BYTES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)  # small messages
+LATENCY_ITERS_FACTOR = 5  # small messages are fast and noisy: 5x --iters repetitions each
 GALVATRON_MIN_SP_SIZES = 8  # Galvatron's sp_time reader asserts at least 8 message sizes
 
 
@@ -283,6 +289,31 @@ def collective_groups(ctx: Context) -> dict[tuple[int, bool], object]:
 # ----------------------------------------------------------------------------------------------
 # measurements
 # ----------------------------------------------------------------------------------------------
+def latency_ms(ctx: Context, step_of: Callable[[torch.Tensor], Callable[[], None]]) -> float:
+    """alpha of t = alpha + bytes / rate, least squares over LATENCY_SIZES_BYTES messages (the
+    slowest rank's times), in ms, at least 0. step_of(tensor) -> one message of that tensor."""
+    iters = LATENCY_ITERS_FACTOR * ctx.settings.iters
+    times = []
+    for nbytes in LATENCY_SIZES_BYTES:
+        tensor = torch.ones(nbytes // 4, dtype=torch.float32, device=ctx.device)
+        times.append(ctx.timed(step_of(tensor), iters) * 1e3)
+    count = len(times)
+    mean_x, mean_t = sum(LATENCY_SIZES_BYTES) / count, sum(times) / count
+    slope = (sum((x - mean_x) * (t - mean_t) for x, t in zip(LATENCY_SIZES_BYTES, times))
+             / sum((x - mean_x) ** 2 for x in LATENCY_SIZES_BYTES))
+    return max(0.0, mean_t - slope * mean_x)
+
+
+def measure_allreduce_latency(ctx: Context, groups) -> dict[int, float]:
+    """Consecutive group size -> all-reduce latency in ms (tensor-parallel groups are consecutive)."""
+    latency = {}
+    for (size, consecutive), group in groups.items():
+        if consecutive:
+            latency[size] = latency_ms(ctx, lambda tensor: lambda: dist.all_reduce(tensor, group=group))
+            ctx.progress(f"all-reduce {size} ranks: latency {latency[size]:.3f} ms")
+    return latency
+
+
 def measure_allreduce(ctx: Context, groups) -> dict[tuple[int, bool], float]:
     busbw = {}
     for (size, consecutive), group in groups.items():
@@ -308,8 +339,9 @@ def _transport_name(transport, peer: int) -> str:
     return "torch.distributed"
 
 
-def measure_p2p(ctx: Context) -> tuple[dict[int, float], dict[int, list[str]]]:
-    """pp size -> GB/s, and pp size -> the transports that carried its messages (all ranks)."""
+def measure_p2p(ctx: Context) -> tuple[dict[int, float], dict[int, list[str]], dict[int, float]]:
+    """pp size -> GB/s, pp size -> the transports that carried its messages (all ranks), and pp
+    size -> latency in ms (`latency_ms`)."""
     from megatron_dpp.comm.router import make_transport
     from shm_tensor.config import ShmConfig
 
@@ -318,7 +350,7 @@ def measure_p2p(ctx: Context) -> tuple[dict[int, float], dict[int, list[str]]]:
     # One message in flight per direction and peer: two slots of the largest message each.
     shm_config = ShmConfig(num_slots=2, slot_bytes=largest, timeout_s=settings.timeout_s)
     tag = 0
-    bandwidth, carried_by = {}, {}
+    bandwidth, carried_by, latency = {}, {}, {}
     for pp_size in pipeline_sizes(ctx.world_size, settings.max_pp_size):
         stages = pipeline_group(ctx.world_size, pp_size, ctx.rank % (ctx.world_size // pp_size))
         position = stages.index(ctx.rank)
@@ -343,15 +375,16 @@ def measure_p2p(ctx: Context) -> tuple[dict[int, float], dict[int, list[str]]]:
                 seconds = ctx.timed(lambda: exchange(payload))
                 samples.append(megabytes * MB / seconds / GB)
             bandwidth[pp_size] = sum(samples) / len(samples)
+            latency[pp_size] = latency_ms(ctx, lambda tensor: lambda: exchange(tensor))
             names: list[Optional[str]] = [None] * ctx.world_size
             dist.all_gather_object(names, _transport_name(transport, next_stage))
             carried_by[pp_size] = sorted(set(names))
         finally:
             dist.barrier()
             transport.close()
-        ctx.progress(f"p2p pipeline of {pp_size}: {bandwidth[pp_size]:.3f} GB/s over "
-                     f"{', '.join(carried_by[pp_size])}")
-    return bandwidth, carried_by
+        ctx.progress(f"p2p pipeline of {pp_size}: {bandwidth[pp_size]:.3f} GB/s, latency "
+                     f"{latency[pp_size]:.3f} ms over {', '.join(carried_by[pp_size])}")
+    return bandwidth, carried_by, latency
 
 
 def _all_to_all_works(ctx: Context) -> str:
@@ -552,6 +585,11 @@ def print_summary(profile: HardwareProfile, carried_by, backend: str, paths) -> 
     print(f"  {'pp':>5}  {'GB/s':>10}  transport")
     for size, bw in sorted(profile.p2p_gbps.items()):
         print(f"  {size:>5}  {bw:>10.3f}  {', '.join(carried_by[size])}")
+    print("latency (ms, small messages)")
+    for size, ms in sorted(profile.allreduce_latency_ms.items()):
+        print(f"  all-reduce {size:>4} ranks  {ms:>10.3f}")
+    for size, ms in sorted(profile.p2p_latency_ms.items()):
+        print(f"  p2p pipeline of {size:>4}  {ms:>10.3f}")
     print(f"overlap coefficient: {profile.overlap_coefficient:.3f} (torch.distributed {backend})")
     print("sp_time (ms)")
     for (op, size, mb), ms in sorted(profile.sp_time_ms.items(),
@@ -605,7 +643,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      f"torch.distributed {backend} on {device.type}")
         groups = collective_groups(ctx)
         allreduce = measure_allreduce(ctx, groups)
-        p2p, carried_by = measure_p2p(ctx)
+        allreduce_latency = measure_allreduce_latency(ctx, groups)
+        p2p, carried_by, p2p_latency = measure_p2p(ctx)
         overlap = measure_overlap(ctx)
         sp_time = measure_sp_time(ctx, groups)
         matmul = measure_matmul(ctx)
@@ -614,7 +653,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             profile = HardwareProfile(
                 num_nodes=num_nodes, gpus_per_node=gpus_per_node, allreduce_busbw_gbps=allreduce,
                 p2p_gbps=p2p, overlap_coefficient=overlap[0], sp_time_ms=sp_time,
-                matmul_tflops=matmul, source=source)
+                matmul_tflops=matmul, source=source, allreduce_latency_ms=allreduce_latency,
+                p2p_latency_ms=p2p_latency)
             paths = write_hardware_dir(profile, settings.output_dir)
             print_summary(profile, carried_by, backend, paths)
         dist.barrier()

@@ -17,8 +17,15 @@ own readers accept it:
 and our companion file `megatron_dpp_profiling_{dtype}_hidden_{h}_head_{a}.json`, which Galvatron
 ignores: {"model": "gpt"|"bert", "source": str,
           "backward_ms": {"layertype_{t}_bsz{b}_seq{s}": ms},
-          "selective_activation_per_bsz": {"layertype_{t}[_sp]": {"{seq}": {"{tp}": MB}}}}.
-Without the companion, backward is taken as 2x forward (said in `source`).
+          "selective_activation_per_bsz": {"layertype_{t}[_sp]": {"{seq}": {"{tp}": MB}}},
+          "stage_extra_ms": {"first_forward"|"first_backward"|"last_forward"|"last_backward":
+                             {"bsz{b}_seq{s}": ms}},          (optional)
+          "task_overhead_ms": {"forward": ms, "backward": ms},  (optional)
+          "optimizer_ms_per_parameter": ms}                       (optional).
+Without the companion, backward is taken as 2x forward (said in `source`); without stage_extra_ms
+the cost model prices the first and last stage's extra work analytically, without
+task_overhead_ms it adds no per-task cost, without optimizer_ms_per_parameter no optimizer step
+(older profiles have none of them).
 
 Time between and beyond the measured points (`layer_forward_ms`): at each measured sequence
 length the times are fitted linearly in the batch size, t = alpha * b + beta by least squares
@@ -33,7 +40,7 @@ import dataclasses
 import json
 import pathlib
 import re
-from typing import Mapping
+from typing import Mapping, Optional
 
 import numpy
 
@@ -45,6 +52,11 @@ STAGES = ("pp_off", "pp_on_first", "pp_on_last")
 CHECKPOINT_KEY = "checkpoint"
 BACKWARD_FACTOR_WITHOUT_COMPANION = 2.0
 _TIME_KEY = re.compile(r"^layertype_(\d+)_bsz(\d+)_seq(\d+)$")
+_EXTRA_KEY = re.compile(r"^bsz(\d+)_seq(\d+)$")
+# The work besides the layers: the first stage's embedding, the last stage's final norm, output
+# layer and loss; forward and backward (one pipeline stage's tasks at a micro-batch and length).
+STAGE_EXTRA_PARTS = ("first_forward", "first_backward", "last_forward", "last_backward")
+TASK_OVERHEAD_PHASES = ("forward", "backward")
 _LAYER_KEY = re.compile(r"^layertype_(\d+)(_sp)?$")
 _OTHER_KEY = re.compile(r"^other_memory_(pp_off|pp_on_first|pp_on_last)(_sp)?$")
 
@@ -100,6 +112,24 @@ class ModelProfile:
     memory: MemoryProfile
     source: str
     """What these figures are: how and where they were measured, what is computed."""
+    stage_extra_ms: Mapping[str, Mapping[tuple[int, int], float]] = dataclasses.field(
+        default_factory=dict)
+    """part (STAGE_EXTRA_PARTS) -> (batch, seq) -> ms of the first or last stage's work besides
+    its layers, at tp = 1 (companion file; empty: not measured)."""
+    task_overhead_ms: Optional[tuple[float, float]] = None
+    """(forward, backward) ms that Megatron-Core's schedules' forward_step / backward_step add to
+    one task beyond the model's own compute (companion file; None: not measured)."""
+
+    optimizer_ms_per_parameter: Optional[float] = None
+    """ms per parameter of Megatron-Core's optimizer step (companion file; None: not measured)."""
+
+    def stage_extra(self, part: str, batch: int, seq: int) -> Optional[float]:
+        """The measured extra work `part` at (batch, seq), fitted as the layer times are; None
+        when the profile lacks it."""
+        table = self.stage_extra_ms.get(part)
+        if not table:
+            return None
+        return _fit_time({(0, b, s): ms for (b, s), ms in table.items()}, 0, batch, seq, part)
 
     def layer_forward_ms(self, layer_type: int, batch: int, seq: int) -> float:
         return _fit_time(self.forward_ms, layer_type, batch, seq, "forward")
@@ -206,6 +236,14 @@ def write_model_profile_dir(profile: ModelProfile, directory) -> list[pathlib.Pa
     companion = {"model": profile.model, "source": profile.source,
                  "backward_ms": {_time_key(k): ms for k, ms in sorted(profile.backward_ms.items())},
                  "selective_activation_per_bsz": selective}
+    if profile.stage_extra_ms:
+        companion["stage_extra_ms"] = {
+            part: {f"bsz{b}_seq{s}": ms for (b, s), ms in sorted(table.items())}
+            for part, table in profile.stage_extra_ms.items()}
+    if profile.task_overhead_ms is not None:
+        companion["task_overhead_ms"] = dict(zip(TASK_OVERHEAD_PHASES, profile.task_overhead_ms))
+    if profile.optimizer_ms_per_parameter is not None:
+        companion["optimizer_ms_per_parameter"] = profile.optimizer_ms_per_parameter
     paths = []
     for name, content in ((computation_file_name(*names), computation),
                           (memory_file_name(*names), memory),
@@ -256,6 +294,45 @@ def _read_times(content: dict, path: pathlib.Path) -> dict[tuple[int, int, int],
             raise SearchInputError(f"{path}: key {key!r} is not layertype_T_bszB_seqS")
         times[tuple(int(g) for g in match.groups())] = _number(ms, f"{path}: {key}")
     return times
+
+
+def _read_stage_extras(content, path: pathlib.Path) -> dict[str, dict[tuple[int, int], float]]:
+    if not isinstance(content, dict):
+        raise SearchInputError(f"{path}: stage_extra_ms must be an object of part -> times")
+    extras = {}
+    for part, table in content.items():
+        if part not in STAGE_EXTRA_PARTS or not isinstance(table, dict):
+            raise SearchInputError(f"{path}: stage_extra_ms has {part!r}; expected an object for "
+                                   f"each of {', '.join(STAGE_EXTRA_PARTS)}")
+        extras[part] = {}
+        for key, ms in table.items():
+            match = _EXTRA_KEY.match(key)
+            if not match:
+                raise SearchInputError(f"{path}: stage_extra_ms.{part} key {key!r} is not bszB_seqS")
+            extras[part][tuple(int(g) for g in match.groups())] = _number(ms, f"{path}: {part}.{key}")
+    return extras
+
+
+def _read_task_overhead(content, path: pathlib.Path) -> Optional[tuple[float, float]]:
+    if content is None:
+        return None
+    if not isinstance(content, dict) or set(content) != set(TASK_OVERHEAD_PHASES):
+        raise SearchInputError(f"{path}: task_overhead_ms must be {{\"forward\": ms, "
+                               f"\"backward\": ms}}")
+    values = tuple(_number(content[phase], f"{path}: task_overhead_ms.{phase}")
+                   for phase in TASK_OVERHEAD_PHASES)
+    if min(values) < 0:
+        raise SearchInputError(f"{path}: task_overhead_ms must not be negative")
+    return values
+
+
+def _read_optimizer(value, path: pathlib.Path) -> Optional[float]:
+    if value is None:
+        return None
+    ms = _number(value, f"{path}: optimizer_ms_per_parameter")
+    if ms < 0:
+        raise SearchInputError(f"{path}: optimizer_ms_per_parameter must not be negative")
+    return ms
 
 
 def _seq(key: str, where: str) -> int:
@@ -337,4 +414,8 @@ def read_model_profile_dir(directory, hidden_size: int, num_attention_heads: int
         forward_ms=_read_times(_read_json(computation_path), computation_path),
         backward_ms=_read_times(backward, companion_path),
         memory=_read_memory(_read_json(memory_path), selective, memory_path),
-        source=source)
+        source=source,
+        stage_extra_ms=_read_stage_extras(companion.get("stage_extra_ms", {}), companion_path),
+        task_overhead_ms=_read_task_overhead(companion.get("task_overhead_ms"), companion_path),
+        optimizer_ms_per_parameter=_read_optimizer(companion.get("optimizer_ms_per_parameter"),
+                                                   companion_path))

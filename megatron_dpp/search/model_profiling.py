@@ -6,6 +6,9 @@ Per sequence length and micro-batch size, for one transformer layer (a one-layer
 without the final layer norm):
 
 - forward and backward time: the median of --repeats runs after --warmup runs;
+- the first and the last stage's extra work, forward and backward, the same way: the embedding
+  timed alone; the last stage's (final layer norm, output layer at the model's vocabulary, loss)
+  as a whole one-layer model's time less the embedding's and the layer's;
 - activation bytes kept for backward, exactly: every tensor that autograd saves during the forward
   (torch.autograd.graph.saved_tensors_hooks), each storage counted once, parameters excluded, and
   only storages still alive when the forward returns (a recomputed forward saves nothing); once
@@ -14,6 +17,12 @@ without the final layer norm):
   unit, as megatron_dpp.training.config sets them from the flags);
 - the embedding's and the output head's activations (first and last stage's "other" memory), the
   same way on a whole one-layer model, each storage attributed to the module that saved it first.
+
+Once per profile: Megatron-Core's optimizer step (get_megatron_optimizer: Adam, gradient clipping
+1.0, over DistributedDataParallel's buffers, as megatron_dpp.training builds them; no distributed
+optimizer) on the one-layer model at the first sequence length, per parameter; and the per-task overhead of Megatron-Core's schedules, the time its
+pipeline_parallel.schedules.forward_step and backward_step take around a one-parameter stage
+beyond that stage's own forward and backward (medians over TASK_OVERHEAD_REPEATS runs).
 
 Activations at one tensor-parallel size (--measure-tensor-parallel-size, default 2) are measured
 the same way on rank 0 of that many spawned gloo processes (micro-batch: the largest). The other
@@ -43,14 +52,15 @@ import torch
 
 from megatron_dpp.search import memory_model as mm
 from megatron_dpp.search.errors import SearchInputError
-from megatron_dpp.search.model_profile import (MB, LayerMemory, MemoryProfile, ModelProfile,
-                                                OtherMemory, write_model_profile_dir)
+from megatron_dpp.search.model_profile import (MB, STAGE_EXTRA_PARTS, LayerMemory, MemoryProfile,
+                                                ModelProfile, OtherMemory, write_model_profile_dir)
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYER_TYPE = 0  # GPT's decoder layer and BERT's encoder layer: Galvatron's layer type 0
 DEFAULT_VOCAB_SIZE = {"gpt": 50257, "bert": 30522}  # GPT-2's BPE, BERT's uncased WordPiece
 DEFAULT_TP_SIZES = (1, 2, 4, 8)
 INIT_SEED = 1234
+TASK_OVERHEAD_REPEATS = 200  # runs of the one-parameter stage (each takes microseconds)
 WORKER_TIMEOUT_S = 300  # the tensor-parallel measurement's processes, start to finish
 # Megatron-Core's warnings about what this CPU run does on purpose (no Apex or Transformer Engine:
 # torch's own norm and kernels; selective recompute of the local, unfused core attention), which
@@ -405,6 +415,119 @@ def time_layer(block: torch.nn.Module, shape: mm.ModelShape, batch: int, warmup:
     return statistics.median(forward), statistics.median(backward)
 
 
+def _loss(output) -> torch.Tensor:
+    """A scalar to run the whole model's backward from (BERT returns (lm loss, binary logits))."""
+    if isinstance(output, tuple):
+        output = output[0]
+    return output.float().sum()
+
+
+def _median_ms(times: list[float]) -> float:
+    return statistics.median(times) * 1e3
+
+
+def time_stage_extras(model: torch.nn.Module, shape: mm.ModelShape, batch: int, warmup: int,
+                      repeats: int, layer_ms: tuple[float, float]) -> dict[str, float]:
+    """{part: ms} for model_profile.STAGE_EXTRA_PARTS: the embedding alone (first stage), and the
+    whole one-layer model less the embedding and `layer_ms` (the layer's forward, backward): the
+    last stage's final norm, output layer and loss. Never below 0."""
+    inner = getattr(model, "module", model)  # inside Float16Module
+    inputs = model_inputs(shape, batch)
+    positions = torch.arange(shape.seq_length).repeat(batch, 1)
+    timed = {"embedding": ([], []), "model": ([], [])}
+    for run in range(warmup + repeats):
+        start = time.perf_counter()
+        embedded = inner.embedding(input_ids=inputs["input_ids"], position_ids=positions,
+                                   tokentype_ids=inputs.get("tokentype_ids"))
+        middle = time.perf_counter()
+        embedded.backward(torch.ones_like(embedded))
+        end = time.perf_counter()
+        loss = _loss(model(**inputs))
+        after_forward = time.perf_counter()
+        loss.backward()
+        after_backward = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        if run >= warmup:
+            timed["embedding"][0].append(middle - start)
+            timed["embedding"][1].append(end - middle)
+            timed["model"][0].append(after_forward - end)
+            timed["model"][1].append(after_backward - after_forward)
+    first = [_median_ms(times) for times in timed["embedding"]]
+    whole = [_median_ms(times) for times in timed["model"]]
+    last = [max(0.0, whole[i] - first[i] - layer_ms[i]) for i in (0, 1)]
+    return dict(zip(STAGE_EXTRA_PARTS, (*first, *last)))
+
+
+def time_optimizer_step(shape: mm.ModelShape, warmup: int, repeats: int) -> float:
+    """ms per parameter of Megatron-Core's optimizer step over a whole one-layer model (median of
+    `repeats` steps after `warmup`, on the gradients of one forward and backward)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model = build_model(shape)
+    config = transformer_config(dataclasses.replace(shape, num_layers=1))
+    half = shape.dtype != "fp32"
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=half),
+                                  module=model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=1.0, bf16=shape.dtype == "bf16",
+                        fp16=shape.dtype == "fp16", params_dtype=TORCH_DTYPES[shape.dtype]), [ddp])
+    _loss(ddp(**model_inputs(shape, 1))).backward()
+    times = []
+    for run in range(warmup + repeats):
+        start = time.perf_counter()
+        optimizer.step()
+        if run >= warmup:
+            times.append(time.perf_counter() - start)
+    return _median_ms(times) / sum(p.numel() for p in model.parameters())
+
+
+class _OneParameterStage(torch.nn.Module):
+    """A pipeline stage with one parameter: input x weight (what a schedule needs of a model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1))
+        self.input_tensor = None
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.input_tensor = input_tensor[0]
+
+    def forward(self) -> torch.Tensor:
+        return self.input_tensor * self.weight
+
+
+def time_task_overhead(config, repeats: int = TASK_OVERHEAD_REPEATS) -> tuple[float, float]:
+    """(forward, backward) ms that Megatron-Core's forward_step / backward_step (a middle stage's:
+    no loss) take beyond the stage's own forward and backward, on a one-parameter stage."""
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
+
+    stage = _OneParameterStage()
+    direct, scheduled = ([], []), ([], [])
+    for run in range(repeats + 10):  # the first 10 warm up
+        received = torch.ones(4, requires_grad=True)
+        start = time.perf_counter()
+        stage.set_input_tensor([received])
+        output = stage()
+        middle = time.perf_counter()
+        torch.autograd.backward(output, grad_tensors=torch.ones(4))
+        end = time.perf_counter()
+        received = torch.ones(4, requires_grad=True)
+        before = time.perf_counter()
+        output, _ = forward_step(lambda _iterator, model: (model(), None), None, stage, 1, received,
+                                 [], config, 1, is_last_stage=False)
+        between = time.perf_counter()
+        backward_step(received, output, torch.ones(4), ModelType.encoder_or_decoder, config)
+        after = time.perf_counter()
+        if run >= 10:
+            direct[0].append(middle - start)
+            direct[1].append(end - middle)
+            scheduled[0].append(between - before)
+            scheduled[1].append(after - between)
+    return tuple(max(0.0, _median_ms(scheduled[i]) - _median_ms(direct[i])) for i in (0, 1))
+
+
 # ----------------------------------------------------------------------------------------------
 # the profile
 # ----------------------------------------------------------------------------------------------
@@ -416,6 +539,7 @@ def profile_model(options: ProfilingOptions,
                   progress: Callable[[str], None] = lambda line: None) -> ModelProfile:
     """Measure every (seq, batch) of `options`; call inside `single_process_megatron`."""
     forward_ms, backward_ms = {}, {}
+    extras: dict[str, dict[tuple[int, int], float]] = {part: {} for part in STAGE_EXTRA_PARTS}
     layers, other = {}, {}
     largest_batch = max(options.micro_batch_sizes)
     tp_measured: dict[tuple[int, str], int] = {}
@@ -436,31 +560,48 @@ def profile_model(options: ProfilingOptions,
             fwd, bwd = time_layer(blocks["none"], shape, batch, options.warmup, options.repeats)
             forward_ms[(LAYER_TYPE, batch, seq)] = fwd
             backward_ms[(LAYER_TYPE, batch, seq)] = bwd
+            for part, ms in time_stage_extras(model, shape, batch, options.warmup, options.repeats,
+                                              (fwd, bwd)).items():
+                extras[part][(batch, seq)] = ms
             if batch == largest_batch:
                 measured = {mode: measured_layer_activation_bytes(block, shape, batch)
                             for mode, block in blocks.items()}
                 measured["embedding"], measured["head"] = measured_other_activation_bytes(
                     model, shape, batch)
             progress(f"[{step}/{steps}] {options.model} seq {seq} micro-batch {batch}: "
-                     f"forward {fwd:.3f} ms, backward {bwd:.3f} ms")
+                     f"forward {fwd:.3f} ms, backward {bwd:.3f} ms; first stage +"
+                     f"{extras['first_forward'][(batch, seq)]:.3f}/"
+                     f"{extras['first_backward'][(batch, seq)]:.3f} ms, last stage +"
+                     f"{extras['last_forward'][(batch, seq)]:.3f}/"
+                     f"{extras['last_backward'][(batch, seq)]:.3f} ms")
         measured_by_tp = {1: measured}
         if tp_measured:
             measured_by_tp[options.measured_tp_size] = {
                 part: nbytes for (s, part), nbytes in tp_measured.items() if s == seq}
         layers.update(_layer_memory(options, shape, measured_by_tp, largest_batch))
         other.update(_other_memory(options, shape, measured_by_tp, largest_batch))
+    overhead = time_task_overhead(transformer_config(options.shape(options.seq_lengths[0])))
+    optimizer = time_optimizer_step(options.shape(options.seq_lengths[0]), options.warmup,
+                                    options.repeats)
+    progress(f"optimizer step: {optimizer * 1e6:.3f} ms per million parameters")
+    progress(f"per-task overhead of Megatron-Core's forward_step/backward_step: "
+             f"{overhead[0]:.3f}/{overhead[1]:.3f} ms")
     measured_tps = "1" + (f" and {options.measured_tp_size}" if tp_measured else "")
     source = (f"measured on {_device_name()} by megatron_dpp.search.model_profiling: Megatron-Core "
               f"{options.model} layers, {options.dtype}, one process, torch threads "
               f"{torch.get_num_threads()}, median of {options.repeats} after {options.warmup} "
-              f"warm-up; activations measured at tp={measured_tps} (saved tensors at "
+              f"warm-up; first/last stage extras (embedding; final norm, output layer at vocabulary "
+              f"{options.padded_vocab_size}, loss) measured at tp=1; per-task overhead of "
+              f"forward_step/backward_step and optimizer step per parameter measured; activations measured at tp={measured_tps} (saved tensors at "
               f"micro-batch {largest_batch}, per sample; tp>1 with as many gloo processes), "
               f"other tp sizes, all sequence-parallel activations and all model states from the "
               f"analytical model (memory_model)")
     return ModelProfile(model=options.model, hidden_size=options.hidden_size,
                         num_attention_heads=options.num_attention_heads, dtype=options.dtype,
                         forward_ms=forward_ms, backward_ms=backward_ms,
-                        memory=MemoryProfile(layers=layers, other=other), source=source)
+                        memory=MemoryProfile(layers=layers, other=other), source=source,
+                        stage_extra_ms=extras, task_overhead_ms=overhead,
+                        optimizer_ms_per_parameter=optimizer)
 
 
 def _device_name() -> str:
