@@ -10,7 +10,8 @@
 #   run_scripts/profile_model.sh --model gpt --hidden-size 1024 --num-attention-heads 16 \
 #       --seq-lengths 512 1024 2048 --micro-batch-sizes 1 2 4 8 --bf16 --output-dir runs/profile
 # Environment:
-#   OMP_NUM_THREADS  torch's CPU threads (default: torch's own choice); the timings are for this.
+#   OMP_NUM_THREADS  torch's CPU threads (default 1, as the run scripts train on CPU); the
+#                    timings are for this.
 #   DPP_VENV         the Python environment to use (default: $REPO_ROOT/.venv, created by
 #                    run_scripts/setup_env.sh when missing).
 # Bad flags: one line on stderr, exit code 2, before any work.
@@ -20,6 +21,7 @@ VENV="${DPP_VENV:-$REPO_ROOT/.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
   bash "$REPO_ROOT/run_scripts/setup_env.sh"
 fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # The package is installed in the environment (editable): relative --output-dir paths stay the
 # caller's.
 exec "$VENV/bin/python" -m megatron_dpp.search.model_profiling "$@"
