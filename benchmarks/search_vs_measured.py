@@ -51,7 +51,8 @@ from megatron_dpp.search.engine import search, space_inputs
 from megatron_dpp.search.errors import SearchInputError
 from megatron_dpp.search.hardware import PRESETS
 from megatron_dpp.search.space import Layout, enumerate_layouts
-from megatron_dpp.search.strategy import OneLineErrorParser, megatron_flags
+from megatron_dpp.one_line_errors import OneLineErrorParser
+from megatron_dpp.search.strategy import megatron_flags
 
 # The tiny GPT (examples/gpt3/gpt3_tiny.sh), fp32, without dropout.
 LAYERS, HIDDEN, HEADS, FFN, SEQ, GLOBAL_BATCH = 4, 128, 4, 512, 128, 16

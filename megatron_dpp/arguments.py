@@ -18,6 +18,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron_dpp.one_line_errors import OneLineErrorParser
+
 
 class ArgsError(ValueError):
     """A bad flag or flag combination; the message is one line that says how to fix it."""
@@ -970,14 +972,6 @@ VALIDATORS: list[Callable[[argparse.Namespace], None]] = [
 ]
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
-    """argparse prints usage plus the error; we print the error alone, on one line, exit code 2."""
-
-    def error(self, message: str):
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
-        sys.exit(2)
-
-
 DEFAULT_DESCRIPTION = "Megatron-Core pretraining with dynamic pipeline parallelism."
 
 
@@ -986,7 +980,7 @@ def build_parser(prog: str = "megatron_dpp", description: str = DEFAULT_DESCRIPT
     """Every shared flag group and the model's own; `prog`, `description` and `model` are the
     entry point's (pretrain_gpt and pretrain_bert pass theirs). args.model is `model`."""
     _require(model in MODEL_VALIDATORS, f"unknown model {model!r}; one of {sorted(MODEL_VALIDATORS)}")
-    parser = _OneLineErrorParser(prog=prog, allow_abbrev=False, description=description)
+    parser = OneLineErrorParser(prog=prog, allow_abbrev=False, description=description)
     for add_group in [*ARG_GROUPS, *MODEL_ARG_GROUPS[model]]:
         add_group(parser)
     parser.set_defaults(model=model)

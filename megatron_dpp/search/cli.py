@@ -22,7 +22,8 @@ from megatron_dpp.search.errors import SearchInputError
 from megatron_dpp.search.hardware import PRESETS, load_hardware
 from megatron_dpp.search.lengths import parse_distribution
 from megatron_dpp.search.model_profile import read_model_profile_dir
-from megatron_dpp.search.strategy import OneLineErrorParser, build_strategy, megatron_flags, write_strategy
+from megatron_dpp.one_line_errors import OneLineErrorParser
+from megatron_dpp.search.strategy import build_strategy, megatron_flags, write_strategy
 
 PROG = "start-search.sh"
 GB = 10**9  # --memory-budget-gb's unit

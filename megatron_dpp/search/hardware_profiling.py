@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dpp.comm.router import DEFAULT_TRANSPORT_KIND, TRANSPORT_KINDS
+from megatron_dpp.one_line_errors import OneLineErrorParser
 from megatron_dpp.search.hardware import (
     GB, MB, SP_OPS, HardwareProfile, collective_group, group_sizes, pipeline_group, pipeline_sizes,
     write_hardware_dir)
@@ -76,15 +77,6 @@ LATENCY_ITERS_FACTOR = 5  # small messages are fast and noisy: 5x --iters repeti
 GALVATRON_MIN_SP_SIZES = 8  # Galvatron's sp_time reader asserts at least 8 message sizes
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
-    """A bad flag: one line on stderr, exit code 2, as megatron_dpp.arguments' parser (not
-    imported from there: arguments imports runtime, which the search package must not)."""
-
-    def error(self, message: str):
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
-        sys.exit(2)
-
-
 def _mb_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(part) for part in text.split(",") if part.strip())
@@ -104,7 +96,7 @@ def _dtype_list(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineErrorParser(prog=PROG, allow_abbrev=False,
+    parser = OneLineErrorParser(prog=PROG, allow_abbrev=False,
                                  description=__doc__.split("\n\n")[0])
     full, quick = ({name: value[i] for name, value in DEFAULTS.items()} for i in (0, 1))
     parser.add_argument("--output-dir", required=True,
@@ -393,6 +385,7 @@ def _all_to_all_works(ctx: Context) -> str:
     try:
         probe = torch.ones(ctx.world_size, device=ctx.device)
         dist.all_to_all_single(torch.empty_like(probe), probe)
+    # A backend without the collective raises one of these (gloo builds differ in which).
     except (RuntimeError, NotImplementedError, ValueError) as error:
         problem = str(error).splitlines()[0] if str(error) else type(error).__name__
     if not ctx.all_agree(not problem):
@@ -431,6 +424,7 @@ def measure_matmul(ctx: Context) -> dict[str, float]:
             a = torch.randn(n, n, device=ctx.device).to(DTYPES[name])
             b = torch.randn(n, n, device=ctx.device).to(DTYPES[name])
             torch.matmul(a, b)
+        # A dtype the device has no matmul kernel for raises one of these.
         except (RuntimeError, NotImplementedError) as error:
             problem = str(error).splitlines()[0]
         if not ctx.all_agree(not problem):

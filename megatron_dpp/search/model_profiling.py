@@ -662,9 +662,9 @@ def _other_memory(options: ProfilingOptions, shape: mm.ModelShape,
 # command line
 # ----------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_dpp.arguments import _OneLineErrorParser
+    from megatron_dpp.one_line_errors import OneLineErrorParser
 
-    parser = _OneLineErrorParser(
+    parser = OneLineErrorParser(
         prog="profile_model.sh", allow_abbrev=False,
         description="Measure one GPT or BERT transformer layer (Megatron-Core, one process): "
                     "forward/backward time and activation memory per sequence length and "

@@ -27,12 +27,12 @@ such a strategy: one line on stderr, exit 2.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
 from typing import TYPE_CHECKING, Any
 
+from megatron_dpp.one_line_errors import OneLineErrorParser
 from megatron_dpp.search.errors import SearchInputError
 
 if TYPE_CHECKING:  # only for annotations: --print must not import numpy or the simulator
@@ -195,15 +195,6 @@ def printed(content: dict, what: str) -> str:
     if what == "model":
         return content["model"]["model"]
     return str(content[what])
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """megatron_dpp.arguments' parser behaviour (bad flag: one line, exit 2) without importing
-    torch, which `--print` in the run scripts and the search's CLI do not need."""
-
-    def error(self, message: str):
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
-        sys.exit(2)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,13 @@
+"""The parser every command-line entry of megatron_dpp uses (standard library only, so the search's
+tools and the run scripts' helpers can use it without importing torch): a bad flag prints one
+line and exits with code 2."""
+import argparse
+import sys
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints usage plus the error; we print the error alone, on one line, exit code 2."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
