@@ -18,7 +18,9 @@ seq 128, global batch 16, fp32) on 2 processes.
    house rules ask, each layout's time / the reference layout's (the first) for the same round and
    iteration (same samples), compared with the predicted ratio.
 4. The table, and the issue's targets as `# target` lines: the measured ranking of the top 3
-   matches the predicted one, every prediction within 20% of the measured median.
+   matches the predicted one (strictly, and where the measurement can order two layouts: a pair
+   whose paired ratio's 95% interval contains 1 is a tie), every prediction within 20% of the
+   measured median.
 
     python benchmarks/search_vs_measured.py --json runs/search_vs_measured.json   # about 5 minutes here
     python benchmarks/search_vs_measured.py --hardware runs/hw --model-profile runs/model
@@ -86,6 +88,9 @@ LAYOUTS: Dict[str, Layout] = {
     "tp2": _layout(tp=2),
     "tp2-recompute-selective": _layout(tp=2, recompute="selective"),
     "dp2": _layout(dp=2),
+    "dp2-mbs4": _layout(dp=2, mbs=4),
+    "dp2-mbs8": _layout(dp=2, mbs=8),
+    "tp2-mbs16": _layout(tp=2, mbs=16),
 }
 QUICK_LAYOUTS = ["pp2-1f1b", "tp2"]
 TOP = 3  # the ranking target's length
@@ -283,18 +288,39 @@ def summarize(costs: Dict[str, LayoutCost], times: Dict[str, List[List[float]]])
         rows[name]["rank_predicted"] = by_prediction[name]
         rows[name]["rank_measured"] = by_measurement[name]
     top = min(TOP, len(names))
-    predicted_top = sorted(names, key=by_prediction.get)[:top]
+    predicted_order = sorted(names, key=by_prediction.get)
+    predicted_top = predicted_order[:top]
     measured_top = sorted(names, key=by_measurement.get)[:top]
+    conflicts = order_conflicts(predicted_order, top, times)
     worst = max(names, key=lambda n: abs(rows[n]["predicted_over_measured"] - 1.0))
     return {
         "reference": reference, "layouts": rows,
         "targets": {
             "top_ranking": {"predicted_top": predicted_top, "measured_top": measured_top,
                             "met": predicted_top == measured_top},
+            "top_ranking_up_to_ties": {"predicted_top": predicted_top, "conflicts": conflicts,
+                                       "met": not conflicts},
             "within_tolerance": {"tolerance": TOLERANCE, "worst_layout": worst,
                                  "worst_predicted_over_measured": rows[worst]["predicted_over_measured"],
                                  "met": all(abs(rows[n]["predicted_over_measured"] - 1.0) <= TOLERANCE
                                             for n in names)}}}
+
+
+def order_conflicts(predicted_order: List[str], top: int,
+                    times: Dict[str, List[List[float]]]) -> List[dict]:
+    """Pairs the measurement orders against the prediction: a layout of the predicted top `top`
+    and one predicted slower, whose paired ratio (same round, same iteration) has a 95% interval
+    wholly above 1. Pairs whose interval contains 1 are ties: the measurement cannot order them,
+    so either order agrees with it."""
+    conflicts = []
+    for index, faster in enumerate(predicted_order[:top]):
+        for slower in predicted_order[index + 1:]:
+            ratios = paired_ratios(times[faster], times[slower], 0)
+            low, high = ratios["interval_95"]
+            if low > 1.0:
+                conflicts.append({"predicted_faster": faster, "predicted_slower": slower,
+                                  "measured_ratio": ratios["median"], "interval_95": [low, high]})
+    return conflicts
 
 
 def format_table(summary: dict) -> str:
@@ -316,11 +342,18 @@ def format_table(summary: dict) -> str:
 
 def target_lines(summary: dict) -> List[str]:
     top = summary["targets"]["top_ranking"]
+    ties = summary["targets"]["top_ranking_up_to_ties"]
     accuracy = summary["targets"]["within_tolerance"]
+    conflicts = "; ".join(
+        f"{c['predicted_faster']} / {c['predicted_slower']} measured {c['measured_ratio']:.3f} "
+        f"({c['interval_95'][0]:.3f}-{c['interval_95'][1]:.3f})" for c in ties["conflicts"])
     return [
         f"# target measured ranking of the top {len(top['predicted_top'])} = predicted: predicted "
         f"{', '.join(top['predicted_top'])}; measured {', '.join(top['measured_top'])}: "
         f"{'met' if top['met'] else 'not met'}",
+        f"# target measured ranking of the top {len(ties['predicted_top'])} = predicted, where the "
+        f"measurement orders a pair (paired ratio's 95% interval without 1): "
+        + (f"not met: {conflicts}" if conflicts else "met: no pair measured in the other order"),
         f"# target every prediction within {accuracy['tolerance']:.0%} of the measured median: worst "
         f"{accuracy['worst_layout']} predicted / measured {accuracy['worst_predicted_over_measured']:.2f}: "
         f"{'met' if accuracy['met'] else 'not met'}"]

@@ -111,7 +111,8 @@ def _measured_extras_profile(overhead=(0.25, 0.5)):
     writes them."""
     from megatron_dpp.search.model_profile import MemoryProfile, ModelProfile
 
-    extras = {"first_forward": 0.5, "first_backward": 0.25, "last_forward": 3.0, "last_backward": 4.0}
+    extras = {"first_forward": 0.5, "first_backward": 0.25, "last_forward": 3.0, "last_backward": 4.0,
+              "chunk_forward": 0.125, "chunk_backward": 0.0625}
     return ModelProfile(model="gpt", hidden_size=256, num_attention_heads=16, dtype="fp32",
                         forward_ms={(0, 1, 1024): 2.0, (0, 2, 1024): 4.0},
                         backward_ms={(0, 1, 1024): 3.0, (0, 2, 1024): 6.0},
@@ -134,7 +135,8 @@ def test_closed_form_bound_with_stage_extras_and_task_overheads(changes):
     layout = _layout(**changes)
     model, _ = pricer.durations(layout)
     assert model.rank_speed[0] > 1.0 and model.rank_speed[-1] > 1.0
-    assert (model.forward_overhead, model.backward_overhead) == (0.25, 0.5)
+    # forward_step / backward_step's overhead plus the chunk's fixed work (at micro-batch 1)
+    assert (model.forward_overhead, model.backward_overhead) == (0.25 + 0.125, 0.5 + 0.0625)
     result = pricer.simulate(layout, layout.num_microbatches)
     assert pricer.pipeline_bound_ms(layout) == pytest.approx(result.pipeline_bound, rel=1e-9)
     full = cost.Pricer(extras_problem, extrapolate=False)
@@ -394,5 +396,49 @@ def test_a_model_profile_sets_the_layer_times(tmp_path, capsys):
     per_sequence = 8 * 5.0 + (0.5 + 0.25 + 3.0 + 4.0)  # layers and extras (linear in the batch)
     tasks = content["layout"]["num_microbatches"]  # one forward and one backward each
     optimizer_ms = 1e-6 * mm.total_parameter_count(small_shape())  # every parameter on the one GPU
+    chunk_ms = 16 * (0.125 + 0.0625)  # each task's fixed chunk work, linear in the batch too
     assert content["predicted"]["iteration_ms"] == pytest.approx(
-        16 * per_sequence + tasks * (0.25 + 0.5) + optimizer_ms, abs=2e-3)
+        16 * per_sequence + tasks * (0.25 + 0.5) + chunk_ms + optimizer_ms, abs=2e-3)
+
+
+def test_a_chunk_s_fixed_work_makes_more_tasks_dearer():
+    """The same pipeline with interleaved stages runs twice the tasks: with a measured fixed work
+    per chunk task its price rises by at least that work on the busiest rank; without, by less."""
+    base = _measured_extras_profile(overhead=(0.0, 0.0))
+    no_chunk = dataclasses.replace(base, stage_extra_ms={
+        part: table for part, table in base.stage_extra_ms.items() if not part.startswith("chunk")})
+    hardware = flat_hardware(4, 100.0, 0.5)
+    prices = {}
+    for name, profile in (("chunk", base), ("none", no_chunk)):
+        pricer = cost.Pricer(dataclasses.replace(problem(hardware=hardware), model_profile=profile))
+        prices[name] = [pricer.price(layout, pricer.estimate(layout)).time_ms for layout in (
+            _layout(), _layout(vpp=2, schedule=space.megatron_schedule(2)))]
+    extra_tasks = _layout().num_microbatches  # per rank, forward and backward each
+    assert prices["chunk"][1] - prices["chunk"][0] >= (
+        prices["none"][1] - prices["none"][0] + extra_tasks * (0.125 + 0.0625) * 0.99)
+
+
+def test_times_measured_at_a_tensor_parallel_size_replace_the_modelled_ones():
+    """A profile with times measured on 2 processes: at TP 2 the layer, the chunk's fixed work
+    and the stages' extras are those (all-reduces included); other TP sizes keep tp = 1 / TP
+    plus the hardware's all-reduces."""
+    from megatron_dpp.search.model_profile import TENSOR_PARALLEL_PARTS
+
+    measured = {"forward": 1.5, "backward": 2.5, "chunk_forward": 0.75, "chunk_backward": 0.25,
+                "first_forward": 0.375, "first_backward": 0.125, "last_forward": 2.0, "last_backward": 3.0}
+    assert set(measured) == set(TENSOR_PARALLEL_PARTS)
+    base = _measured_extras_profile(overhead=(0.0, 0.0))
+    profile = dataclasses.replace(base, tensor_parallel_ms={2: {
+        part: {(1, 1024): ms, (2, 1024): 2 * ms} for part, ms in measured.items()}})
+    hardware = flat_hardware(4, 100.0, 0.5)
+    pricer = cost.Pricer(dataclasses.replace(problem(hardware=hardware), model_profile=profile))
+    plain = cost.Pricer(dataclasses.replace(problem(hardware=hardware), model_profile=base))
+    layer = pricer.layer(1, 1024, 2, False, "none")
+    assert (layer.forward_ms, layer.backward_ms) == pytest.approx((1.5, 2.5))
+    assert pricer.stage_extras_ms(2, 1024, 2) == pytest.approx((2 * 0.5, 2 * 5.0))
+    assert pricer.task_overhead_ms(1, 1024, 2) == pytest.approx((0.75, 0.25))
+    # Sequence parallelism and TP 4 were not measured: as without the measurement.
+    for tp, sp in ((2, True), (4, False)):
+        assert pricer.layer(1, 1024, tp, sp, "none") == plain.layer(1, 1024, tp, sp, "none")
+    assert pricer.task_overhead_ms(1, 1024, 4) == plain.task_overhead_ms(1, 1024, 4)
+    assert pricer.stage_extras_ms(1, 1024, 4) == plain.stage_extras_ms(1, 1024, 4)

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_dpp.search import memory_model as mm
 from megatron_dpp.search.errors import SearchInputError
-from megatron_dpp.search.model_profile import (STAGE_EXTRA_PARTS, LayerMemory, MemoryProfile, ModelProfile,
+from megatron_dpp.search.model_profile import (CHUNK_PARTS, STAGE_EXTRA_PARTS, TENSOR_PARALLEL_PARTS, LayerMemory, MemoryProfile, ModelProfile,
                                                 OtherMemory, read_model_profile_dir,
                                                 write_model_profile_dir)
 
@@ -42,17 +42,21 @@ def _profile() -> ModelProfile:
 def test_stage_extras_and_task_overhead_round_trip_and_fit(tmp_path):
     extras = {part: {(1, 128): 1.0 + i, (2, 128): 2.0 + 2 * i}
               for i, part in enumerate(STAGE_EXTRA_PARTS)}
+    at_tp2 = {part: {(1, 128): 0.5 + i, (2, 128): 0.75 + i} for i, part in enumerate(TENSOR_PARALLEL_PARTS)}
     profile = dataclasses.replace(_profile(), stage_extra_ms=extras, task_overhead_ms=(0.125, 0.25),
-                                  optimizer_ms_per_parameter=2e-6)
+                                  optimizer_ms_per_parameter=2e-6, tensor_parallel_ms={2: at_tp2})
     write_model_profile_dir(profile, tmp_path)
     read = read_model_profile_dir(tmp_path, 256, 8, "bf16")
     assert read == profile
+    assert read.tensor_parallel(2, "forward", 2, 128) == 0.75
+    assert read.tensor_parallel(2, "backward", 3, 128) == pytest.approx(1.75 + 0.25)  # the line
+    assert read.tensor_parallel(4, "forward", 2, 128) is None
     assert read.stage_extra("last_forward", 4, 128) == pytest.approx(4 * 3.0)  # linear in the batch
     assert read.stage_extra("first_forward", 2, 256) == pytest.approx(2 * 2.0)  # one length: proportional
     # A profile without them (older files) reads with neither.
     write_model_profile_dir(_profile(), tmp_path / "old")
     old = read_model_profile_dir(tmp_path / "old", 256, 8, "bf16")
-    assert old.stage_extra_ms == {} and old.task_overhead_ms is None
+    assert old.stage_extra_ms == {} and old.task_overhead_ms is None and old.tensor_parallel_ms == {}
     assert old.optimizer_ms_per_parameter is None
     assert old.stage_extra("first_forward", 1, 128) is None
 
@@ -60,9 +64,17 @@ def test_stage_extras_and_task_overhead_round_trip_and_fit(tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"stage_extra_ms": {"middle_forward": {}}}, "stage_extra_ms has 'middle_forward'"),
     ({"stage_extra_ms": {"first_forward": {"b1_s128": 1.0}}}, "is not bszB_seqS"),
+    ({"stage_extra_ms": {"last_forward": {"bsz1_seq128": 1.0}}}, "some of first_forward"),
+    ({"stage_extra_ms": {"first_forward": {"bsz1_seq128": 1.0}, "first_backward": {"bsz1_seq128": 1.0},
+                         "last_forward": {"bsz1_seq128": 1.0}, "last_backward": {"bsz1_seq128": 1.0},
+                         "chunk_forward": {"bsz1_seq128": 1.0}}}, "some of chunk_forward"),
     ({"task_overhead_ms": {"forward": 1.0}}, "task_overhead_ms must be"),
     ({"task_overhead_ms": {"forward": -1.0, "backward": 0.0}}, "must not be negative"),
     ({"optimizer_ms_per_parameter": "fast"}, "must be a number"),
+    ({"tensor_parallel_ms": {"1": {}}}, "must be a tp size above 1"),
+    ({"tensor_parallel_ms": {"2": {"forward": {"bsz1_seq128": 1.0}}}}, "times for each of forward"),
+    ({"tensor_parallel_ms": {"2": {part: {"bsz1_seq128": -1.0} for part in TENSOR_PARALLEL_PARTS}}},
+     "must not be negative"),
 ])
 def test_bad_companion_extras_are_one_line_errors(tmp_path, change, message):
     paths = write_model_profile_dir(_profile(), tmp_path)
@@ -147,6 +159,65 @@ def test_time_fit_batch_linear_and_seq_quadratic():
     assert profile.layer_backward_ms(0, 3, 300) == pytest.approx(2 * truth(3, 300), rel=1e-9)
     one_point = dataclasses.replace(profile, forward_ms={(0, 2, 128): 4.0})
     assert one_point.layer_forward_ms(0, 4, 256) == pytest.approx(16.0)  # proportional
+
+
+class _Sleep(__import__("torch").autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        __import__("time").sleep(seconds[0])
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        __import__("time").sleep(ctx.seconds[1])
+        return grad, None
+
+
+class _SleepingBlock(__import__("torch").nn.Module):
+    """A block of `layers` layers that takes fixed + layers x per_layer seconds, per phase."""
+
+    def __init__(self, layers, fixed=(0.004, 0.002), per_layer=(0.006, 0.010)):
+        super().__init__()
+        self.seconds = tuple(f + layers * p for f, p in zip(fixed, per_layer))
+
+    def forward(self, hidden, attention_mask=None):
+        return _Sleep.apply(hidden, self.seconds)
+
+
+def test_time_layer_splits_a_block_into_the_layer_and_the_chunk_s_fixed_work():
+    from megatron_dpp.search import model_profiling
+
+    shape = mm.model_shape("gpt", 1, 16, 2, 64, VOCAB, max_position_embeddings=16, dtype="fp32")
+    times = model_profiling.time_layer((_SleepingBlock(1), _SleepingBlock(2)), shape, batch=2,
+                                       warmup=1, repeats=7)
+    assert times.layer == pytest.approx((6.0, 10.0), abs=1.5)
+    assert times.chunk == pytest.approx((4.0, 2.0), abs=1.5)
+    assert times.one_layer_block == pytest.approx(
+        tuple(a + b for a, b in zip(times.layer, times.chunk)), rel=1e-9)
+    # A second layer that noise hides (no dearer than one): all of the block is the layer.
+    same = model_profiling.time_layer((_SleepingBlock(1), _SleepingBlock(1)), shape, batch=2,
+                                      warmup=1, repeats=3)
+    for phase in (0, 1):
+        assert 0 < same.layer[phase] <= same.one_layer_block[phase]
+        assert same.chunk[phase] == pytest.approx(same.one_layer_block[phase] - same.layer[phase])
+
+
+def test_time_fit_batch_keeps_measured_points_and_interpolates_between_them():
+    # Per sample cheapest at batch 4 (a CPU's cache sweet spot): no line through all four.
+    measured = {1: 1.1, 2: 1.8, 4: 3.1, 8: 6.7}
+    profile = dataclasses.replace(_profile(), forward_ms={(0, b, 128): ms for b, ms in measured.items()},
+                                  backward_ms={})
+    for b, ms in measured.items():
+        assert profile.layer_forward_ms(0, b, 128) == pytest.approx(ms, rel=1e-12)
+    assert profile.layer_forward_ms(0, 3, 128) == pytest.approx((1.8 + 3.1) / 2)
+    assert profile.layer_forward_ms(0, 6, 128) == pytest.approx((3.1 + 6.7) / 2)
+    assert profile.layer_forward_ms(0, 16, 128) == pytest.approx(6.7 + 0.9 * 8)  # the last line
+    # Below the smallest size: the line through the two smallest, never below proportional.
+    small = dataclasses.replace(profile, forward_ms={(0, 4, 128): 4.0, (0, 8, 128): 6.0})
+    assert small.layer_forward_ms(0, 2, 128) == pytest.approx(3.0)
+    superlinear = dataclasses.replace(profile, forward_ms={(0, 4, 128): 4.0, (0, 8, 128): 10.0})
+    assert superlinear.layer_forward_ms(0, 2, 128) == pytest.approx(2.0)
     with pytest.raises(SearchInputError, match="layer type 1"):
         profile.layer_forward_ms(1, 1, 128)
 
@@ -297,12 +368,19 @@ def test_quick_profile_writes_readable_files(tmp_path):
         layer.activation_mb_per_sample[1]
     assert profile.memory.other[("pp_on_first", True, 32)].model_states_mb[1] > 0
     # The stages' extra work at every (batch, seq), and the schedules' per-task overhead.
-    assert set(profile.stage_extra_ms) == set(STAGE_EXTRA_PARTS)
+    assert set(profile.stage_extra_ms) == {*STAGE_EXTRA_PARTS, *CHUNK_PARTS}
     assert all(set(table) == {(b, s) for b in (1, 2) for s in (32, 64)}
                for table in profile.stage_extra_ms.values())
     assert profile.stage_extra_ms["first_forward"][(2, 64)] > 0
     assert profile.stage_extra_ms["last_forward"][(2, 64)] > 0  # the 512-token head and the loss
     assert profile.task_overhead_ms is not None and min(profile.task_overhead_ms) >= 0
+    # The same times measured by the two tp=2 processes, their all-reduces included.
+    assert set(profile.tensor_parallel_ms) == {2}
+    assert set(profile.tensor_parallel_ms[2]) == set(TENSOR_PARALLEL_PARTS)
+    assert all(set(table) == {(b, s) for b in (1, 2) for s in (32, 64)}
+               for table in profile.tensor_parallel_ms[2].values())
+    assert profile.tensor_parallel(2, "forward", 2, 64) > 0
+    assert "layer times at tp=1 and 2" in profile.source
     assert "first/last stage extras" in profile.source
     assert profile.optimizer_ms_per_parameter > 0
 

@@ -17,7 +17,9 @@ layer).
 
 Time of a task (ms): per layer, forward = compute / TP + two tensor-parallel all-reduces of the
 layer's output (sequence parallelism: all-gathers and reduce-scatters of the same bus volume,
-Korthikanti et al. 2022); backward = backward compute / TP + two all-reduces, plus with full
+Korthikanti et al. 2022); backward = backward compute / TP + two all-reduces (at a TP size the
+model profile measured on that many processes, without sequence parallelism: the measured
+forward and backward, all-reduces included; likewise the chunk's and the stages' extra work), plus with full
 recompute one more forward and with selective recompute the core attention's forward again (the
 part of the layer's FLOPs quadratic in the sequence). Compute comes from the model profile
 (forward, backward; measured at TP 1) or, without one, from memory_model.layer_forward_flops at
@@ -26,8 +28,10 @@ compute. The first and last rank's extra work (`stage_extras_ms`) is spread over
 the simulator's rank speed: the model profile's measured embedding (first) and final norm +
 output layer + loss (last, / TP), forward and backward; without them only the last rank's output
 layer (2 * tokens * hidden * vocab FLOPs, 3x with its backward). Every task also costs the model
-profile's measured per-task overhead of Megatron-Core's forward_step / backward_step (the
-simulator's forward_overhead / backward_overhead; 0 without it). Point-to-point messages carry
+profile's measured per-task overhead of Megatron-Core's forward_step / backward_step and its
+measured fixed work of a chunk beyond its layers (`task_overhead_ms`: the simulator's
+forward_overhead / backward_overhead; 0 for what the profile lacks), so a layout of more, smaller
+tasks (interleaved stages, smaller micro-batches) pays for them. Point-to-point messages carry
 micro-batch x length x hidden values (/ TP with sequence parallelism) at hardware.p2p_ms. Every
 collective and message costs the hardware profile's latency (alpha) plus bytes / bandwidth
 (alpha 0 where the profile has none).
@@ -59,7 +63,7 @@ from megatron_dpp.pipeline import Phase, TaskGraph, megatron_inflight_forwards
 from megatron_dpp.search import memory_model
 from megatron_dpp.search.hardware import HardwareProfile
 from megatron_dpp.search.lengths import LengthDistribution, microbatch_lengths
-from megatron_dpp.search.model_profile import MB, ModelProfile
+from megatron_dpp.search.model_profile import CHUNK_PARTS, MB, STAGE_EXTRA_PARTS, ModelProfile
 from megatron_dpp.search.space import Layout
 from megatron_dpp.sim import CommModel, DurationModel, SimResult, simulate
 
@@ -166,14 +170,21 @@ class Pricer:
         doubled = dataclasses.replace(shape, seq_length=2 * length)
         attention_share = max(0.0, (memory_model.layer_forward_flops(doubled, micro_batch) - 2 * flops)
                               / 2.0) / flops
-        if problem.model_profile is not None:
+        message = micro_batch * length * shape.hidden_size * problem.dtype_bytes
+        tp_comm = 2 * problem.hardware.allreduce_ms(message, tp, True)
+        measured_at_tp = self._measured_at_tp(tp, sp, "forward", micro_batch, length)
+        if measured_at_tp is not None:
+            # Measured on tp processes running the layer together: its all-reduces are in it
+            # (the modelled ones, at most the measured time, are only split out of it).
+            measured_backward = self._measured_at_tp(tp, sp, "backward", micro_batch, length)
+            tp_comm = min(tp_comm, measured_at_tp, measured_backward)
+            forward, backward = measured_at_tp - tp_comm, measured_backward - tp_comm
+        elif problem.model_profile is not None:
             forward = problem.model_profile.layer_forward_ms(TRANSFORMER_LAYER_TYPE, micro_batch, length) / tp
             backward = problem.model_profile.layer_backward_ms(TRANSFORMER_LAYER_TYPE, micro_batch, length) / tp
         else:
             forward = problem.hardware.matmul_ms(flops / tp, shape.dtype)
             backward = BACKWARD_FLOPS_RATIO * forward
-        message = micro_batch * length * shape.hidden_size * problem.dtype_bytes
-        tp_comm = 2 * problem.hardware.allreduce_ms(message, tp, True)
         recomputed = {"none": 0.0, "selective": attention_share * forward, "full": forward + tp_comm}
         kept_for_w = micro_batch * length * (5 * shape.hidden_size + shape.ffn_hidden_size) // tp
         activation = self._profiled_activation(micro_batch, length, tp, sp, recompute)
@@ -186,6 +197,15 @@ class Pricer:
             activation_bytes=activation,
             weight_grad_bytes=kept_for_w * problem.dtype_bytes,
         )
+
+    def _measured_at_tp(self, tp: int, sp: bool, part: str, micro_batch: int,
+                        length: int) -> Optional[float]:
+        """The model profile's `part` measured on tp processes (tensor_parallel_ms), without
+        sequence parallelism (which it cannot measure here); None otherwise."""
+        profile = self.problem.model_profile
+        if profile is None or tp == 1 or sp:
+            return None
+        return profile.tensor_parallel(tp, part, micro_batch, length)
 
     def _profiled_activation(self, micro_batch, length, tp, sp, recompute) -> int | None:
         """The model profile's measured activation bytes of one layer, when it has this length,
@@ -334,8 +354,8 @@ class Pricer:
                                       layout.recompute).forward_ms / full.forward_ms
                    for length in set(self.lengths(layout))}
         sizes = [size_of[length] for length in self.lengths(layout)]
-        profile = self.problem.model_profile
-        overhead = (0.0, 0.0) if profile is None or profile.task_overhead_ms is None else profile.task_overhead_ms
+        overhead = self.task_overhead_ms(layout.micro_batch_size, shape.seq_length, layout.tp,
+                                         layout.sequence_parallel)
         model = DurationModel(
             linear=forward, backward_ratio=full.backward_ms / full.forward_ms, rank_speed=tuple(speed),
             forward_overhead=overhead[0], backward_overhead=overhead[1],
@@ -343,13 +363,37 @@ class Pricer:
             else DurationModel.weight_grad_fraction)
         return model, sizes
 
+    def task_overhead_ms(self, micro_batch: int, length: int, tp: int = 1,
+                         sp: bool = False) -> tuple[float, float]:
+        """(forward, backward) ms every task costs besides its layers: the model profile's
+        measured forward_step / backward_step overhead of Megatron-Core's schedules plus its
+        measured fixed work of a chunk (a one-layer block's time less the layer's; measured at
+        this tp where the profile has it), at this micro-batch and length; 0 for what the
+        profile lacks."""
+        profile = self.problem.model_profile
+        if profile is None:
+            return 0.0, 0.0
+        steps = profile.task_overhead_ms or (0.0, 0.0)
+        chunk = []
+        for part in CHUNK_PARTS:
+            at_tp = self._measured_at_tp(tp, sp, part, micro_batch, length)
+            chunk.append(at_tp if at_tp is not None else
+                         profile.stage_extra(part, micro_batch, length) or 0.0)
+        return steps[0] + chunk[0], steps[1] + chunk[1]
+
     def stage_extras_ms(self, micro_batch: int, length: int, tp: int) -> tuple[float, float]:
         """(first, last) stage's work besides its layers per microbatch, forward + backward: the
-        model profile's measured embedding and final norm + output layer + loss (the latter over
-        TP, as its logits are split), or without them no embedding cost and the analytical
-        logits matmul (`output_forward_ms`, OUTPUT_WORK_RATIO with its backward)."""
+        model profile's measured embedding and final norm + output layer + loss (measured at
+        this TP where the profile has it, else tp = 1's with the latter over TP, as its logits
+        are split), or without them no embedding cost and the analytical logits matmul
+        (`output_forward_ms`, OUTPUT_WORK_RATIO with its backward)."""
         profile = self.problem.model_profile
-        if profile is not None and profile.stage_extra_ms:
+        if self._measured_at_tp(tp, False, "first_forward", micro_batch, length) is not None:
+            # Measured on tp processes: the vocabulary-parallel all-reduces are in it.
+            first, last = (sum(self._measured_at_tp(tp, False, f"{stage}_{phase}", micro_batch, length)
+                               for phase in ("forward", "backward")) for stage in ("first", "last"))
+            return first, last
+        if profile is not None and all(part in profile.stage_extra_ms for part in STAGE_EXTRA_PARTS):
             first, last = (sum(profile.stage_extra(f"{stage}_{phase}", micro_batch, length)
                                for phase in ("forward", "backward")) for stage in ("first", "last"))
             return first, last / tp

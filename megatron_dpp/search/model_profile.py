@@ -18,24 +18,34 @@ and our companion file `megatron_dpp_profiling_{dtype}_hidden_{h}_head_{a}.json`
 ignores: {"model": "gpt"|"bert", "source": str,
           "backward_ms": {"layertype_{t}_bsz{b}_seq{s}": ms},
           "selective_activation_per_bsz": {"layertype_{t}[_sp]": {"{seq}": {"{tp}": MB}}},
-          "stage_extra_ms": {"first_forward"|"first_backward"|"last_forward"|"last_backward":
-                             {"bsz{b}_seq{s}": ms}},          (optional)
+          "stage_extra_ms": {"first_forward"|"first_backward"|"last_forward"|"last_backward"
+                             |"chunk_forward"|"chunk_backward": {"bsz{b}_seq{s}": ms}},
+                                                                  (optional; chunk_*: optional)
           "task_overhead_ms": {"forward": ms, "backward": ms},  (optional)
+          "tensor_parallel_ms": {"{tp}": {"forward"|"backward"|"chunk_*"|"first_*"|"last_*":
+                                 {"bsz{b}_seq{s}": ms}}},       (optional)
           "optimizer_ms_per_parameter": ms}                       (optional).
 Without the companion, backward is taken as 2x forward (said in `source`); without stage_extra_ms
-the cost model prices the first and last stage's extra work analytically, without
-task_overhead_ms it adds no per-task cost, without optimizer_ms_per_parameter no optimizer step
-(older profiles have none of them).
+the cost model prices the first and last stage's extra work analytically, without its chunk_*
+parts (every pipeline chunk's fixed work per task beyond its layers) no such cost, without
+task_overhead_ms it adds no per-task cost, without optimizer_ms_per_parameter no optimizer step,
+and a tp size without tensor_parallel_ms (times measured on tp processes running the layer
+together) is priced as tp = 1's compute / tp plus the hardware profile's all-reduces (older
+profiles have none of them).
 
 Time between and beyond the measured points (`layer_forward_ms`): at each measured sequence
-length the times are fitted linearly in the batch size, t = alpha * b + beta by least squares
-(Galvatron's 'batch' profile mode; one batch size: proportional to b, its 'static' mode). Across
+length a measured batch size takes its measured time, one between two measured sizes the line
+through them, one outside the line through the two nearest (below the smallest never less than
+proportional to it); one batch size: proportional to b (Galvatron's 'static' mode). Not
+Galvatron's least-squares line over all sizes ('batch' mode): on CPUs the time per sample is not
+monotonic in the batch (cache sizes), and a line over all sizes moves every measured point. Across
 sequence lengths the per-length values at the asked batch are fitted in the length: one length:
 proportional to s; two: the line through both; three or more: a + b*s + c*s^2 by least squares.
 Outside the measured range the same fits extrapolate; a result is never below 0.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import pathlib
@@ -56,6 +66,12 @@ _EXTRA_KEY = re.compile(r"^bsz(\d+)_seq(\d+)$")
 # The work besides the layers: the first stage's embedding, the last stage's final norm, output
 # layer and loss; forward and backward (one pipeline stage's tasks at a micro-batch and length).
 STAGE_EXTRA_PARTS = ("first_forward", "first_backward", "last_forward", "last_backward")
+# Every chunk's fixed work per task beyond its layers (the block's own: a one-layer block's time
+# less the layer's); optional in stage_extra_ms (profiles before it have none: no such cost).
+CHUNK_PARTS = ("chunk_forward", "chunk_backward")
+# What a tensor-parallel measurement times (tensor_parallel_ms), per (batch, seq): one layer's
+# forward and backward with its all-reduces, and the chunk's and stages' extra work, on one rank.
+TENSOR_PARALLEL_PARTS = ("forward", "backward", *CHUNK_PARTS, *STAGE_EXTRA_PARTS)
 TASK_OVERHEAD_PHASES = ("forward", "backward")
 _LAYER_KEY = re.compile(r"^layertype_(\d+)(_sp)?$")
 _OTHER_KEY = re.compile(r"^other_memory_(pp_off|pp_on_first|pp_on_last)(_sp)?$")
@@ -115,7 +131,8 @@ class ModelProfile:
     stage_extra_ms: Mapping[str, Mapping[tuple[int, int], float]] = dataclasses.field(
         default_factory=dict)
     """part (STAGE_EXTRA_PARTS) -> (batch, seq) -> ms of the first or last stage's work besides
-    its layers, at tp = 1 (companion file; empty: not measured)."""
+    its layers, at tp = 1; and part (CHUNK_PARTS) -> the same for every chunk's fixed work per
+    task besides its layers (companion file; empty, or no chunk parts: not measured)."""
     task_overhead_ms: Optional[tuple[float, float]] = None
     """(forward, backward) ms that Megatron-Core's schedules' forward_step / backward_step add to
     one task beyond the model's own compute (companion file; None: not measured)."""
@@ -123,10 +140,24 @@ class ModelProfile:
     optimizer_ms_per_parameter: Optional[float] = None
     """ms per parameter of Megatron-Core's optimizer step (companion file; None: not measured)."""
 
+    tensor_parallel_ms: Mapping[int, Mapping[str, Mapping[tuple[int, int], float]]] = \
+        dataclasses.field(default_factory=dict)
+    """tp -> part (TENSOR_PARALLEL_PARTS) -> (batch, seq) -> ms on one rank of tp processes that
+    ran the layer together, its all-reduces included (companion file; a tp size without an entry:
+    tp = 1's compute / tp plus the hardware's all-reduces)."""
+
     def stage_extra(self, part: str, batch: int, seq: int) -> Optional[float]:
         """The measured extra work `part` at (batch, seq), fitted as the layer times are; None
         when the profile lacks it."""
         table = self.stage_extra_ms.get(part)
+        if not table:
+            return None
+        return _fit_time({(0, b, s): ms for (b, s), ms in table.items()}, 0, batch, seq, part)
+
+    def tensor_parallel(self, tp: int, part: str, batch: int, seq: int) -> Optional[float]:
+        """The measured `part` (TENSOR_PARALLEL_PARTS) at this tp, fitted as the layer times
+        are; None when the profile has no measurement at this tp."""
+        table = self.tensor_parallel_ms.get(tp, {}).get(part)
         if not table:
             return None
         return _fit_time({(0, b, s): ms for (b, s), ms in table.items()}, 0, batch, seq, part)
@@ -144,14 +175,22 @@ class ModelProfile:
 # fitting
 # ----------------------------------------------------------------------------------------------
 def _fit_batch(points: Mapping[int, float], batch: int) -> float:
-    """alpha * b + beta by least squares; one batch size: proportional."""
-    if len(points) == 1:
-        (b0, t0), = points.items()
-        return t0 * batch / b0
-    batches = numpy.array(sorted(points), dtype=float)
-    times = numpy.array([points[int(b)] for b in batches])
-    alpha, beta = numpy.polyfit(batches, times, 1)
-    return float(alpha * batch + beta)
+    """A measured batch size: its time. Between two measured sizes: the line through them.
+    Outside: the line through the two nearest, and below the smallest never less than
+    proportional to it (a per-call cost is not negative). One batch size: proportional."""
+    if batch in points:
+        return points[batch]
+    batches = sorted(points)
+    if len(batches) == 1:
+        return points[batches[0]] * batch / batches[0]
+    above = bisect.bisect_left(batches, batch)
+    low, high = (batches[0], batches[1]) if above == 0 else (
+        (batches[-2], batches[-1]) if above == len(batches) else (batches[above - 1], batches[above]))
+    slope = (points[high] - points[low]) / (high - low)
+    line = points[low] + slope * (batch - low)
+    if above == 0:
+        return max(line, points[low] * batch / low)
+    return line
 
 
 def _fit_seq(values: Mapping[int, float], seq: int) -> float:
@@ -244,6 +283,11 @@ def write_model_profile_dir(profile: ModelProfile, directory) -> list[pathlib.Pa
         companion["task_overhead_ms"] = dict(zip(TASK_OVERHEAD_PHASES, profile.task_overhead_ms))
     if profile.optimizer_ms_per_parameter is not None:
         companion["optimizer_ms_per_parameter"] = profile.optimizer_ms_per_parameter
+    if profile.tensor_parallel_ms:
+        companion["tensor_parallel_ms"] = {
+            str(tp): {part: {f"bsz{b}_seq{s}": ms for (b, s), ms in sorted(table.items())}
+                      for part, table in parts.items()}
+            for tp, parts in sorted(profile.tensor_parallel_ms.items())}
     paths = []
     for name, content in ((computation_file_name(*names), computation),
                           (memory_file_name(*names), memory),
@@ -301,16 +345,47 @@ def _read_stage_extras(content, path: pathlib.Path) -> dict[str, dict[tuple[int,
         raise SearchInputError(f"{path}: stage_extra_ms must be an object of part -> times")
     extras = {}
     for part, table in content.items():
-        if part not in STAGE_EXTRA_PARTS or not isinstance(table, dict):
+        if part not in (*STAGE_EXTRA_PARTS, *CHUNK_PARTS) or not isinstance(table, dict):
             raise SearchInputError(f"{path}: stage_extra_ms has {part!r}; expected an object for "
-                                   f"each of {', '.join(STAGE_EXTRA_PARTS)}")
+                                   f"each of {', '.join(STAGE_EXTRA_PARTS)} (and optionally "
+                                   f"{', '.join(CHUNK_PARTS)})")
         extras[part] = {}
         for key, ms in table.items():
             match = _EXTRA_KEY.match(key)
             if not match:
                 raise SearchInputError(f"{path}: stage_extra_ms.{part} key {key!r} is not bszB_seqS")
             extras[part][tuple(int(g) for g in match.groups())] = _number(ms, f"{path}: {part}.{key}")
+    for parts in (STAGE_EXTRA_PARTS, CHUNK_PARTS):
+        if any(part in extras for part in parts) and not all(extras.get(part) for part in parts):
+            raise SearchInputError(f"{path}: stage_extra_ms has some of {', '.join(parts)} but "
+                                   "not all, or one without times")
     return extras
+
+
+def _read_tensor_parallel(content, path: pathlib.Path) -> dict:
+    if not isinstance(content, dict):
+        raise SearchInputError(f"{path}: tensor_parallel_ms must be an object of tp -> part -> times")
+    result = {}
+    for tp, parts in content.items():
+        if not (isinstance(tp, str) and tp.isdigit() and int(tp) > 1) or not isinstance(parts, dict) \
+                or set(parts) != set(TENSOR_PARALLEL_PARTS):
+            raise SearchInputError(f"{path}: tensor_parallel_ms[{tp!r}] must be a tp size above 1 "
+                                   f"with times for each of {', '.join(TENSOR_PARALLEL_PARTS)}")
+        result[int(tp)] = {}
+        for part, table in parts.items():
+            where = f"{path}: tensor_parallel_ms.{tp}.{part}"
+            if not isinstance(table, dict) or not table:
+                raise SearchInputError(f"{where} must be an object of bszB_seqS -> ms")
+            result[int(tp)][part] = {}
+            for key, ms in table.items():
+                match = _EXTRA_KEY.match(key)
+                if not match:
+                    raise SearchInputError(f"{where} key {key!r} is not bszB_seqS")
+                value = _number(ms, f"{where}.{key}")
+                if value < 0:
+                    raise SearchInputError(f"{where}.{key} must not be negative")
+                result[int(tp)][part][tuple(int(g) for g in match.groups())] = value
+    return result
 
 
 def _read_task_overhead(content, path: pathlib.Path) -> Optional[tuple[float, float]]:
@@ -418,4 +493,6 @@ def read_model_profile_dir(directory, hidden_size: int, num_attention_heads: int
         stage_extra_ms=_read_stage_extras(companion.get("stage_extra_ms", {}), companion_path),
         task_overhead_ms=_read_task_overhead(companion.get("task_overhead_ms"), companion_path),
         optimizer_ms_per_parameter=_read_optimizer(companion.get("optimizer_ms_per_parameter"),
-                                                   companion_path))
+                                                   companion_path),
+        tensor_parallel_ms=_read_tensor_parallel(companion.get("tensor_parallel_ms", {}),
+                                                 companion_path))

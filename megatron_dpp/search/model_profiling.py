@@ -2,13 +2,17 @@
 builds them (GPT: get_gpt_layer_local_spec, BERT: bert_layer_local_spec on CPU; Transformer
 Engine's specs on a GPU that has it), in one process (tp = pp = 1).
 
-Per sequence length and micro-batch size, for one transformer layer (a one-layer TransformerBlock
-without the final layer norm):
+Per sequence length and micro-batch size, for one transformer layer (TransformerBlocks without
+the final layer norm):
 
-- forward and backward time: the median of --repeats runs after --warmup runs;
+- forward and backward time: a one-layer and a two-layer block run alternately, --repeats runs of
+  each after --warmup runs; the layer's time is the median of the two-layer less the one-layer
+  block's times (Galvatron's way: a model's time at two layer counts), and what the one-layer
+  block takes beyond it is the fixed work every pipeline chunk does once per task, whatever its
+  number of layers (the companion's stage_extra_ms chunk_forward / chunk_backward);
 - the first and the last stage's extra work, forward and backward, the same way: the embedding
   timed alone; the last stage's (final layer norm, output layer at the model's vocabulary, loss)
-  as a whole one-layer model's time less the embedding's and the layer's;
+  as a whole one-layer model's time less the embedding's and the one-layer block's;
 - activation bytes kept for backward, exactly: every tensor that autograd saves during the forward
   (torch.autograd.graph.saved_tensors_hooks), each storage counted once, parameters excluded, and
   only storages still alive when the forward returns (a recomputed forward saves nothing); once
@@ -24,10 +28,14 @@ optimizer) on the one-layer model at the first sequence length, per parameter; a
 pipeline_parallel.schedules.forward_step and backward_step take around a one-parameter stage
 beyond that stage's own forward and backward (medians over TASK_OVERHEAD_REPEATS runs).
 
-Activations at one tensor-parallel size (--measure-tensor-parallel-size, default 2) are measured
-the same way on rank 0 of that many spawned gloo processes (micro-batch: the largest). The other
-tensor-parallel sizes and every sequence-parallel figure (sequence parallelism needs Transformer
-Engine in megatron_dpp) come from the analytical model (megatron_dpp.search.memory_model), and so do
+At one tensor-parallel size (--measure-tensor-parallel-size, default 2), that many spawned gloo
+processes (each on a core of its own where there are enough) run the same measurements together,
+rank 0's figures kept: the times at every sequence length and micro-batch size (layer, chunk,
+first and last stage, the all-reduces they do included: the companion's tensor_parallel_ms, which
+the cost model takes instead of tp = 1's compute / tp plus modelled all-reduces), and the
+activations (micro-batch: the largest). The other tensor-parallel sizes and every
+sequence-parallel figure (sequence parallelism needs Transformer Engine in megatron_dpp) come
+from the analytical model (megatron_dpp.search.memory_model), and so do
 parameter counts and model states; memory_model's parameter counts are checked here against the
 built model's.
 """
@@ -52,7 +60,8 @@ import torch
 
 from megatron_dpp.search import memory_model as mm
 from megatron_dpp.search.errors import SearchInputError
-from megatron_dpp.search.model_profile import (MB, STAGE_EXTRA_PARTS, LayerMemory, MemoryProfile,
+from megatron_dpp.search.model_profile import (CHUNK_PARTS, MB, STAGE_EXTRA_PARTS,
+                                                TENSOR_PARALLEL_PARTS, LayerMemory, MemoryProfile,
                                                 ModelProfile, OtherMemory, write_model_profile_dir)
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -178,12 +187,13 @@ def layer_spec(model: str, config):
     return gpt_layer_spec(config) if model == "gpt" else bert_layer_spec()
 
 
-def build_layer(shape: mm.ModelShape, recompute: str = "none", tp: int = 1) -> torch.nn.Module:
-    """One transformer layer in a TransformerBlock (the block runs Megatron's full-recompute
-    path), without the final layer norm, in training mode; tp: this rank's shard."""
+def build_layer(shape: mm.ModelShape, recompute: str = "none", tp: int = 1,
+                num_layers: int = 1) -> torch.nn.Module:
+    """One transformer layer (or `num_layers`) in a TransformerBlock (the block runs Megatron's
+    full-recompute path), without the final layer norm, in training mode; tp: this rank's shard."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    config = transformer_config(dataclasses.replace(shape, num_layers=1), recompute, tp)
+    config = transformer_config(dataclasses.replace(shape, num_layers=num_layers), recompute, tp)
     block = TransformerBlock(config, layer_spec(shape.model, config), pre_process=True,
                              post_process=False)
     return block.train()
@@ -343,29 +353,47 @@ def check_parameter_counts(model: torch.nn.Module, block: torch.nn.Module,
 # ----------------------------------------------------------------------------------------------
 def _tensor_parallel_worker(rank: int, tp: int, options: ProfilingOptions, store_path: str,
                             result_path: str) -> None:
-    """One tensor-parallel rank: every rank runs the same layers (their forward all-reduces);
-    rank 0 writes {"seq:part": bytes} (part: a recompute mode, "embedding" or "head")."""
+    """One tensor-parallel rank, on a core of its own where there are enough (as training pins
+    its ranks): every rank runs the same layers (their all-reduces); rank 0 writes
+    {"activations": {"seq:part": bytes} (part: a recompute mode, "embedding" or "head"),
+    "times": {part (TENSOR_PARALLEL_PARTS): {"batch:seq": ms}}}."""
     for message in EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=message)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) >= tp:
+        os.sched_setaffinity(0, {cores[rank]})
     torch.set_num_threads(1)
-    batch = max(options.micro_batch_sizes)
-    results = {}
+    largest = max(options.micro_batch_sizes)
+    activations: dict[str, int] = {}
+    times: dict[str, dict[str, float]] = {part: {} for part in TENSOR_PARALLEL_PARTS}
     with megatron_process_group(options.model, rank, tp, store_path):
         for seq in options.seq_lengths:
             shape = options.shape(seq)
             for mode in mm.RECOMPUTE_MODES:
                 block = build_layer(shape, mode, tp)
-                results[f"{seq}:{mode}"] = measured_layer_activation_bytes(block, shape, batch)
-            embedding, head = measured_other_activation_bytes(build_model(shape, tp), shape,
-                                                              batch)
-            results[f"{seq}:embedding"], results[f"{seq}:head"] = embedding, head
+                activations[f"{seq}:{mode}"] = measured_layer_activation_bytes(block, shape, largest)
+            model = build_model(shape, tp)
+            embedding, head = measured_other_activation_bytes(model, shape, largest)
+            activations[f"{seq}:embedding"], activations[f"{seq}:head"] = embedding, head
+            blocks = (build_layer(shape, tp=tp), build_layer(shape, tp=tp, num_layers=2))
+            for batch in options.micro_batch_sizes:
+                layer = time_layer(blocks, shape, batch, options.warmup, options.repeats)
+                extras = time_stage_extras(model, shape, batch, options.warmup, options.repeats,
+                                           layer.one_layer_block)
+                measured = {"forward": layer.layer[0], "backward": layer.layer[1],
+                            **dict(zip(CHUNK_PARTS, layer.chunk)), **extras}
+                for part, ms in measured.items():
+                    times[part][f"{batch}:{seq}"] = ms
     if rank == 0:
-        pathlib.Path(result_path).write_text(json.dumps(results))
+        pathlib.Path(result_path).write_text(json.dumps({"activations": activations,
+                                                         "times": times}))
 
 
-def measure_tensor_parallel(options: ProfilingOptions, tp: int) -> dict[tuple[int, str], int]:
-    """(seq, part) -> bytes one rank keeps at micro-batch max(micro_batch_sizes), measured by tp
-    spawned processes over gloo (no sequence parallelism: it needs Transformer Engine here)."""
+def measure_tensor_parallel(options: ProfilingOptions, tp: int
+                            ) -> tuple[dict[tuple[int, str], int], dict[str, dict[tuple[int, int], float]]]:
+    """Measured by tp spawned processes over gloo (no sequence parallelism: it needs Transformer
+    Engine here): (seq, part) -> bytes one rank keeps at micro-batch max(micro_batch_sizes), and
+    part (TENSOR_PARALLEL_PARTS) -> (batch, seq) -> ms on rank 0."""
     context = torch.multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="model_profiling_tp_") as directory:
         result_path = os.path.join(directory, "result.json")
@@ -383,36 +411,64 @@ def measure_tensor_parallel(options: ProfilingOptions, tp: int) -> dict[tuple[in
             worker.terminate()
             worker.join(10)
         if unfinished:
-            raise RuntimeError(f"the tp={tp} activation measurement ({tp} gloo processes) did not "
+            raise RuntimeError(f"the tp={tp} measurement ({tp} gloo processes) did not "
                                f"finish within {WORKER_TIMEOUT_S} s")
         failed = [worker.exitcode for worker in workers if worker.exitcode != 0]
         if failed or not os.path.exists(result_path):
-            raise RuntimeError(f"the tp={tp} activation measurement failed (exit codes "
+            raise RuntimeError(f"the tp={tp} measurement failed (exit codes "
                                f"{[worker.exitcode for worker in workers]}); see its stderr above")
         raw = json.loads(pathlib.Path(result_path).read_text())
-    return {(int(key.split(":")[0]), key.split(":")[1]): nbytes for key, nbytes in raw.items()}
+    activations = {(int(key.split(":")[0]), key.split(":")[1]): nbytes
+                   for key, nbytes in raw["activations"].items()}
+    times = {part: {tuple(int(x) for x in key.split(":")): ms for key, ms in table.items()}
+             for part, table in raw["times"].items()}
+    return activations, times
 
 
 # ----------------------------------------------------------------------------------------------
 # timing
 # ----------------------------------------------------------------------------------------------
-def time_layer(block: torch.nn.Module, shape: mm.ModelShape, batch: int, warmup: int,
-               repeats: int) -> tuple[float, float]:
-    """(forward ms, backward ms): medians over `repeats` after `warmup` untimed runs."""
+@dataclasses.dataclass(frozen=True)
+class LayerTimes:
+    """Forward and backward ms of a one-layer block, split as Galvatron splits a model's time: the
+    layer's own (a two-layer block's time less a one-layer block's) and the block's fixed part
+    (the one-layer block's time less the layer's), which every pipeline chunk pays once per task
+    whatever its number of layers."""
+    one_layer_block: tuple[float, float]
+    layer: tuple[float, float]
+    chunk: tuple[float, float]
+
+
+def time_layer(blocks: Sequence[torch.nn.Module], shape: mm.ModelShape, batch: int, warmup: int,
+               repeats: int) -> LayerTimes:
+    """`blocks`: a one-layer and a two-layer block, run alternately (`repeats` runs of each after
+    `warmup` untimed ones) so that both see the same load. Per phase: the layer = the median of
+    the runs' two-layer minus one-layer times, when that is above 0 and at most the one-layer
+    block's median, else that median; the chunk's fixed part = the one-layer block's median less
+    the layer."""
     hidden, mask = layer_inputs(shape, batch)
     grad = torch.ones(shape.seq_length, batch, shape.hidden_size, dtype=hidden.dtype)
-    forward, backward = [], []
+    timed = [([], []) for _ in blocks]
     for run in range(warmup + repeats):
-        start = time.perf_counter()
-        output = block(hidden, attention_mask=mask)
-        middle = time.perf_counter()
-        output.backward(grad)
-        end = time.perf_counter()
-        hidden.grad = None
-        if run >= warmup:
-            forward.append((middle - start) * 1e3)
-            backward.append((end - middle) * 1e3)
-    return statistics.median(forward), statistics.median(backward)
+        for block, (forward, backward) in zip(blocks, timed):
+            start = time.perf_counter()
+            output = block(hidden, attention_mask=mask)
+            middle = time.perf_counter()
+            output.backward(grad)
+            end = time.perf_counter()
+            hidden.grad = None
+            if run >= warmup:
+                forward.append((middle - start) * 1e3)
+                backward.append((end - middle) * 1e3)
+    one, two = timed
+    whole = tuple(statistics.median(one[phase]) for phase in (0, 1))
+    added = [statistics.median(b - a for a, b in zip(one[phase], two[phase])) for phase in (0, 1)]
+    # Where noise hides the second layer (no positive difference), or makes it dearer than the
+    # whole one-layer block, the block is all layer: no fixed part.
+    layer = tuple(added[phase] if 0.0 < added[phase] <= whole[phase] else whole[phase]
+                  for phase in (0, 1))
+    return LayerTimes(one_layer_block=whole, layer=layer,
+                      chunk=tuple(max(0.0, whole[phase] - layer[phase]) for phase in (0, 1)))
 
 
 def _loss(output) -> torch.Tensor:
@@ -429,8 +485,9 @@ def _median_ms(times: list[float]) -> float:
 def time_stage_extras(model: torch.nn.Module, shape: mm.ModelShape, batch: int, warmup: int,
                       repeats: int, layer_ms: tuple[float, float]) -> dict[str, float]:
     """{part: ms} for model_profile.STAGE_EXTRA_PARTS: the embedding alone (first stage), and the
-    whole one-layer model less the embedding and `layer_ms` (the layer's forward, backward): the
-    last stage's final norm, output layer and loss. Never below 0."""
+    whole one-layer model less the embedding and `layer_ms` (a one-layer block's forward,
+    backward: the layer and the chunk's fixed work): the last stage's final norm, output layer
+    and loss. Never below 0."""
     inner = getattr(model, "module", model)  # inside Float16Module
     inputs = model_inputs(shape, batch)
     positions = torch.arange(shape.seq_length).repeat(batch, 1)
@@ -539,29 +596,41 @@ def profile_model(options: ProfilingOptions,
                   progress: Callable[[str], None] = lambda line: None) -> ModelProfile:
     """Measure every (seq, batch) of `options`; call inside `single_process_megatron`."""
     forward_ms, backward_ms = {}, {}
-    extras: dict[str, dict[tuple[int, int], float]] = {part: {} for part in STAGE_EXTRA_PARTS}
+    extras: dict[str, dict[tuple[int, int], float]] = {part: {} for part in
+                                                       (*STAGE_EXTRA_PARTS, *CHUNK_PARTS)}
     layers, other = {}, {}
     largest_batch = max(options.micro_batch_sizes)
     tp_measured: dict[tuple[int, str], int] = {}
+    tensor_parallel_ms = {}
     if options.measured_tp_size > 1:
-        progress(f"measuring activations at tp={options.measured_tp_size} "
+        progress(f"measuring times and activations at tp={options.measured_tp_size} "
                  f"({options.measured_tp_size} gloo processes, up to {WORKER_TIMEOUT_S} s)")
-        tp_measured = measure_tensor_parallel(options, options.measured_tp_size)
+        tp_measured, tp_times = measure_tensor_parallel(options, options.measured_tp_size)
+        tensor_parallel_ms = {options.measured_tp_size: tp_times}
+        largest_seq = options.seq_lengths[-1]
+        progress(f"tp={options.measured_tp_size}, seq {largest_seq} micro-batch {largest_batch}: "
+                 f"forward {tp_times['forward'][(largest_batch, largest_seq)]:.3f} ms, backward "
+                 f"{tp_times['backward'][(largest_batch, largest_seq)]:.3f} ms per layer, "
+                 "all-reduces included")
     steps = len(options.seq_lengths) * len(options.micro_batch_sizes)
     step = 0
     for seq in options.seq_lengths:
         shape = options.shape(seq)
         blocks = {mode: build_layer(shape, mode) for mode in mm.RECOMPUTE_MODES}
+        two_layers = build_layer(shape, num_layers=2)
         model = build_model(shape)
         check_parameter_counts(model, blocks["none"], shape)
         measured = {}
         for batch in options.micro_batch_sizes:
             step += 1
-            fwd, bwd = time_layer(blocks["none"], shape, batch, options.warmup, options.repeats)
+            times = time_layer((blocks["none"], two_layers), shape, batch, options.warmup,
+                               options.repeats)
+            fwd, bwd = times.layer
             forward_ms[(LAYER_TYPE, batch, seq)] = fwd
             backward_ms[(LAYER_TYPE, batch, seq)] = bwd
+            extras["chunk_forward"][(batch, seq)], extras["chunk_backward"][(batch, seq)] = times.chunk
             for part, ms in time_stage_extras(model, shape, batch, options.warmup, options.repeats,
-                                              (fwd, bwd)).items():
+                                              times.one_layer_block).items():
                 extras[part][(batch, seq)] = ms
             if batch == largest_batch:
                 measured = {mode: measured_layer_activation_bytes(block, shape, batch)
@@ -569,7 +638,8 @@ def profile_model(options: ProfilingOptions,
                 measured["embedding"], measured["head"] = measured_other_activation_bytes(
                     model, shape, batch)
             progress(f"[{step}/{steps}] {options.model} seq {seq} micro-batch {batch}: "
-                     f"forward {fwd:.3f} ms, backward {bwd:.3f} ms; first stage +"
+                     f"forward {fwd:.3f} ms, backward {bwd:.3f} ms per layer; every chunk +"
+                     f"{times.chunk[0]:.3f}/{times.chunk[1]:.3f} ms; first stage +"
                      f"{extras['first_forward'][(batch, seq)]:.3f}/"
                      f"{extras['first_backward'][(batch, seq)]:.3f} ms, last stage +"
                      f"{extras['last_forward'][(batch, seq)]:.3f}/"
@@ -591,8 +661,10 @@ def profile_model(options: ProfilingOptions,
               f"{options.model} layers, {options.dtype}, one process, torch threads "
               f"{torch.get_num_threads()}, median of {options.repeats} after {options.warmup} "
               f"warm-up; first/last stage extras (embedding; final norm, output layer at vocabulary "
-              f"{options.padded_vocab_size}, loss) measured at tp=1; per-task overhead of "
-              f"forward_step/backward_step and optimizer step per parameter measured; activations measured at tp={measured_tps} (saved tensors at "
+              f"{options.padded_vocab_size}, loss) and every chunk's fixed work measured at "
+              f"tp={measured_tps}; layer times at tp={measured_tps}; per-task overhead of "
+              f"forward_step/backward_step and optimizer step per parameter measured; activations "
+              f"measured at tp={measured_tps} (saved tensors at "
               f"micro-batch {largest_batch}, per sample; tp>1 with as many gloo processes), "
               f"other tp sizes, all sequence-parallel activations and all model states from the "
               f"analytical model (memory_model)")
@@ -601,7 +673,7 @@ def profile_model(options: ProfilingOptions,
                         forward_ms=forward_ms, backward_ms=backward_ms,
                         memory=MemoryProfile(layers=layers, other=other), source=source,
                         stage_extra_ms=extras, task_overhead_ms=overhead,
-                        optimizer_ms_per_parameter=optimizer)
+                        optimizer_ms_per_parameter=optimizer, tensor_parallel_ms=tensor_parallel_ms)
 
 
 def _device_name() -> str:
