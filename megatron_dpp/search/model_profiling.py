@@ -778,11 +778,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Tensor-parallel sizes written to the memory file (default 1 2 4 8; "
                              "those that do not divide the heads are dropped; tp>1 analytical).")
     parser.add_argument("--measure-tensor-parallel-size", type=int, default=2,
-                        help="Also measure the activations at this tensor-parallel size with that "
-                             "many local gloo processes (default 2; 1: only tp=1 is measured).")
+                        help="Also measure the times (all-reduces included) and activations at "
+                             "this tensor-parallel size with that many local gloo processes "
+                             "(default 2; 1: only tp=1 is measured).")
     parser.add_argument("--warmup", type=int, default=3, help="Untimed runs first (default 3).")
     parser.add_argument("--repeats", type=int, default=10,
-                        help="Timed runs; the median is kept (default 10).")
+                        help="Timed runs of each block; the median is kept (default 10). More "
+                             "steady the tensor-parallel times, the noisiest figures.")
     parser.add_argument("--quick", action="store_true",
                         help="For tests: 1 warm-up run and 3 timed runs.")
     parser.add_argument("--output-dir", required=True,
