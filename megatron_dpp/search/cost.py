@@ -388,14 +388,16 @@ class Pricer:
         are split), or without them no embedding cost and the analytical logits matmul
         (`output_forward_ms`, OUTPUT_WORK_RATIO with its backward)."""
         profile = self.problem.model_profile
+
+        def per_stage(time_of) -> tuple[float, float]:  # time_of(part) -> ms
+            return tuple(sum(time_of(f"{stage}_{phase}") for phase in ("forward", "backward"))
+                         for stage in ("first", "last"))
+
         if self._measured_at_tp(tp, False, "first_forward", micro_batch, length) is not None:
             # Measured on tp processes: the vocabulary-parallel all-reduces are in it.
-            first, last = (sum(self._measured_at_tp(tp, False, f"{stage}_{phase}", micro_batch, length)
-                               for phase in ("forward", "backward")) for stage in ("first", "last"))
-            return first, last
+            return per_stage(lambda part: self._measured_at_tp(tp, False, part, micro_batch, length))
         if profile is not None and all(part in profile.stage_extra_ms for part in STAGE_EXTRA_PARTS):
-            first, last = (sum(profile.stage_extra(f"{stage}_{phase}", micro_batch, length)
-                               for phase in ("forward", "backward")) for stage in ("first", "last"))
+            first, last = per_stage(lambda part: profile.stage_extra(part, micro_batch, length))
             return first, last / tp
         return 0.0, OUTPUT_WORK_RATIO * self.output_forward_ms(micro_batch, length, tp)
 

@@ -149,18 +149,12 @@ class ModelProfile:
     def stage_extra(self, part: str, batch: int, seq: int) -> Optional[float]:
         """The measured extra work `part` at (batch, seq), fitted as the layer times are; None
         when the profile lacks it."""
-        table = self.stage_extra_ms.get(part)
-        if not table:
-            return None
-        return _fit_time({(0, b, s): ms for (b, s), ms in table.items()}, 0, batch, seq, part)
+        return _fit_table(self.stage_extra_ms.get(part), batch, seq, part)
 
     def tensor_parallel(self, tp: int, part: str, batch: int, seq: int) -> Optional[float]:
         """The measured `part` (TENSOR_PARALLEL_PARTS) at this tp, fitted as the layer times
         are; None when the profile has no measurement at this tp."""
-        table = self.tensor_parallel_ms.get(tp, {}).get(part)
-        if not table:
-            return None
-        return _fit_time({(0, b, s): ms for (b, s), ms in table.items()}, 0, batch, seq, part)
+        return _fit_table(self.tensor_parallel_ms.get(tp, {}).get(part), batch, seq, part)
 
     def layer_forward_ms(self, layer_type: int, batch: int, seq: int) -> float:
         return _fit_time(self.forward_ms, layer_type, batch, seq, "forward")
@@ -204,6 +198,14 @@ def _fit_seq(values: Mapping[int, float], seq: int) -> float:
     times = numpy.array([values[int(s)] for s in seqs])
     coefficients = numpy.polyfit(seqs, times, 1 if len(values) == 2 else 2)
     return float(numpy.polyval(coefficients, seq))
+
+
+def _fit_table(table: Optional[Mapping[tuple[int, int], float]], batch: int, seq: int,
+               what: str) -> Optional[float]:
+    """A (batch, seq) -> ms table fitted as the layer times are; None for no table."""
+    if not table:
+        return None
+    return _fit_time({(0, b, s): ms for (b, s), ms in table.items()}, 0, batch, seq, what)
 
 
 def _fit_time(table: Mapping[tuple[int, int, int], float], layer_type: int, batch: int, seq: int,
@@ -349,12 +351,7 @@ def _read_stage_extras(content, path: pathlib.Path) -> dict[str, dict[tuple[int,
             raise SearchInputError(f"{path}: stage_extra_ms has {part!r}; expected an object for "
                                    f"each of {', '.join(STAGE_EXTRA_PARTS)} (and optionally "
                                    f"{', '.join(CHUNK_PARTS)})")
-        extras[part] = {}
-        for key, ms in table.items():
-            match = _EXTRA_KEY.match(key)
-            if not match:
-                raise SearchInputError(f"{path}: stage_extra_ms.{part} key {key!r} is not bszB_seqS")
-            extras[part][tuple(int(g) for g in match.groups())] = _number(ms, f"{path}: {part}.{key}")
+        extras[part] = _read_batch_seq_times(table, f"{path}: stage_extra_ms.{part}")
     for parts in (STAGE_EXTRA_PARTS, CHUNK_PARTS):
         if any(part in extras for part in parts) and not all(extras.get(part) for part in parts):
             raise SearchInputError(f"{path}: stage_extra_ms has some of {', '.join(parts)} but "
@@ -376,16 +373,21 @@ def _read_tensor_parallel(content, path: pathlib.Path) -> dict:
             where = f"{path}: tensor_parallel_ms.{tp}.{part}"
             if not isinstance(table, dict) or not table:
                 raise SearchInputError(f"{where} must be an object of bszB_seqS -> ms")
-            result[int(tp)][part] = {}
-            for key, ms in table.items():
-                match = _EXTRA_KEY.match(key)
-                if not match:
-                    raise SearchInputError(f"{where} key {key!r} is not bszB_seqS")
-                value = _number(ms, f"{where}.{key}")
-                if value < 0:
-                    raise SearchInputError(f"{where}.{key} must not be negative")
-                result[int(tp)][part][tuple(int(g) for g in match.groups())] = value
+            times = result[int(tp)][part] = _read_batch_seq_times(table, where)
+            if min(times.values()) < 0:
+                raise SearchInputError(f"{where}: times must not be negative")
     return result
+
+
+def _read_batch_seq_times(table: dict, where: str) -> dict[tuple[int, int], float]:
+    """{"bsz{b}_seq{s}": ms} -> {(b, s): ms}; `where` names the table in errors."""
+    times = {}
+    for key, ms in table.items():
+        match = _EXTRA_KEY.match(key)
+        if not match:
+            raise SearchInputError(f"{where} key {key!r} is not bszB_seqS")
+        times[tuple(int(g) for g in match.groups())] = _number(ms, f"{where}.{key}")
+    return times
 
 
 def _read_task_overhead(content, path: pathlib.Path) -> Optional[tuple[float, float]]:

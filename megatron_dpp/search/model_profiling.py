@@ -377,12 +377,7 @@ def _tensor_parallel_worker(rank: int, tp: int, options: ProfilingOptions, store
             activations[f"{seq}:embedding"], activations[f"{seq}:head"] = embedding, head
             blocks = (build_layer(shape, tp=tp), build_layer(shape, tp=tp, num_layers=2))
             for batch in options.micro_batch_sizes:
-                layer = time_layer(blocks, shape, batch, options.warmup, options.repeats)
-                extras = time_stage_extras(model, shape, batch, options.warmup, options.repeats,
-                                           layer.one_layer_block)
-                measured = {"forward": layer.layer[0], "backward": layer.layer[1],
-                            **dict(zip(CHUNK_PARTS, layer.chunk)), **extras}
-                for part, ms in measured.items():
+                for part, ms in time_parts(blocks, model, shape, batch, options).items():
                     times[part][f"{batch}:{seq}"] = ms
     if rank == 0:
         pathlib.Path(result_path).write_text(json.dumps({"activations": activations,
@@ -468,7 +463,19 @@ def time_layer(blocks: Sequence[torch.nn.Module], shape: mm.ModelShape, batch: i
     layer = tuple(added[phase] if 0.0 < added[phase] <= whole[phase] else whole[phase]
                   for phase in (0, 1))
     return LayerTimes(one_layer_block=whole, layer=layer,
-                      chunk=tuple(max(0.0, whole[phase] - layer[phase]) for phase in (0, 1)))
+                      chunk=tuple(whole[phase] - layer[phase] for phase in (0, 1)))
+
+
+def time_parts(blocks: Sequence[torch.nn.Module], model: torch.nn.Module, shape: mm.ModelShape,
+               batch: int, options: ProfilingOptions) -> dict[str, float]:
+    """{part (TENSOR_PARALLEL_PARTS): ms} at this batch: the layer's forward and backward and the
+    chunk's fixed work (time_layer on the one- and two-layer `blocks`), the stages' extras
+    (time_stage_extras on the one-layer `model`)."""
+    layer = time_layer(blocks, shape, batch, options.warmup, options.repeats)
+    extras = time_stage_extras(model, shape, batch, options.warmup, options.repeats,
+                               layer.one_layer_block)
+    return {"forward": layer.layer[0], "backward": layer.layer[1],
+            **dict(zip(CHUNK_PARTS, layer.chunk)), **extras}
 
 
 def _loss(output) -> torch.Tensor:
@@ -623,14 +630,11 @@ def profile_model(options: ProfilingOptions,
         measured = {}
         for batch in options.micro_batch_sizes:
             step += 1
-            times = time_layer((blocks["none"], two_layers), shape, batch, options.warmup,
-                               options.repeats)
-            fwd, bwd = times.layer
+            times = time_parts((blocks["none"], two_layers), model, shape, batch, options)
+            fwd, bwd = times.pop("forward"), times.pop("backward")
             forward_ms[(LAYER_TYPE, batch, seq)] = fwd
             backward_ms[(LAYER_TYPE, batch, seq)] = bwd
-            extras["chunk_forward"][(batch, seq)], extras["chunk_backward"][(batch, seq)] = times.chunk
-            for part, ms in time_stage_extras(model, shape, batch, options.warmup, options.repeats,
-                                              times.one_layer_block).items():
+            for part, ms in times.items():
                 extras[part][(batch, seq)] = ms
             if batch == largest_batch:
                 measured = {mode: measured_layer_activation_bytes(block, shape, batch)
@@ -639,7 +643,7 @@ def profile_model(options: ProfilingOptions,
                     model, shape, batch)
             progress(f"[{step}/{steps}] {options.model} seq {seq} micro-batch {batch}: "
                      f"forward {fwd:.3f} ms, backward {bwd:.3f} ms per layer; every chunk +"
-                     f"{times.chunk[0]:.3f}/{times.chunk[1]:.3f} ms; first stage +"
+                     f"{times['chunk_forward']:.3f}/{times['chunk_backward']:.3f} ms; first stage +"
                      f"{extras['first_forward'][(batch, seq)]:.3f}/"
                      f"{extras['first_backward'][(batch, seq)]:.3f} ms, last stage +"
                      f"{extras['last_forward'][(batch, seq)]:.3f}/"
@@ -784,7 +788,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3, help="Untimed runs first (default 3).")
     parser.add_argument("--repeats", type=int, default=10,
                         help="Timed runs of each block; the median is kept (default 10). More "
-                             "steady the tensor-parallel times, the noisiest figures.")
+                             "repeats steady the tensor-parallel times, the noisiest figures.")
     parser.add_argument("--quick", action="store_true",
                         help="For tests: 1 warm-up run and 3 timed runs.")
     parser.add_argument("--output-dir", required=True,
