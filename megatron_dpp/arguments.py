@@ -13,11 +13,18 @@ import argparse
 import importlib.util
 import os
 import sys
-import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron_dpp.kernels import (
+    ATTENTION_BACKENDS,
+    TRANSFORMER_ENGINE,
+    TRANSFORMER_ENGINE_BACKENDS,
+    core_attention_from_args,
+    install_warning_filters,
+    transformer_engine_available,
+)
 from megatron_dpp.one_line_errors import OneLineErrorParser
 
 
@@ -106,7 +113,19 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="Give the output layer its own weights instead of sharing the embedding.")
     group.add_argument("--use-flash-attn", action="store_true",
-                       help="Use FlashAttention (the flash-attn package) for core attention; GPU only.")
+                       help="Use FlashAttention for core attention; GPU only: Transformer Engine's "
+                            "flash backend where it is installed, else the flash-attn package's "
+                            "flash_attn_func, else (one log line says so) torch SDPA, whose flash "
+                            "kernel is the same algorithm.")
+    group.add_argument("--attention-backend", type=str, default="auto",
+                       choices=ATTENTION_BACKENDS,
+                       help="Core attention (Megatron-LM's flag). auto: Transformer Engine's where "
+                            "installed on a GPU, else torch scaled_dot_product_attention on a GPU "
+                            "and Megatron-Core's local DotProductAttention on CPU; sdpa: torch "
+                            "scaled_dot_product_attention (any device); local: Megatron-Core's "
+                            "DotProductAttention (unfused softmax); flash, fused, unfused: "
+                            "Transformer Engine's kernels (need Transformer Engine). The startup "
+                            "line `kernels: core attention: ...` says which runs and why.")
     group.add_argument("--recompute-activations", action="store_true",
                        help="Recompute activations (selective granularity) to save memory.")
     group.add_argument("--recompute-granularity", type=str, default=None,
@@ -178,15 +197,16 @@ def validate_model_args(args: argparse.Namespace) -> None:
                  "--recompute-method and --recompute-num-layers need --recompute-granularity full")
 
     if args.use_flash_attn:
+        # Without flash-attn (or Transformer Engine) it runs torch SDPA and says so at startup.
         _require(torch.cuda.is_available(),
                  "--use-flash-attn needs a CUDA GPU; remove it to use the default attention on CPU")
-        _require(importlib.util.find_spec("flash_attn") is not None,
-                 "--use-flash-attn needs the flash-attn package; `pip install flash-attn "
-                 "--no-build-isolation` or remove the flag")
-        # Megatron-Core reaches flash-attn through Transformer Engine's attention backend.
-        _require(importlib.util.find_spec("transformer_engine") is not None,
-                 "--use-flash-attn needs Transformer Engine (Megatron-Core's flash attention "
-                 "backend); install transformer-engine or remove the flag")
+        _require(args.attention_backend in ("auto", "flash"),
+                 f"--use-flash-attn asks for flash attention and --attention-backend "
+                 f"{args.attention_backend} for another; drop one of them")
+    if args.attention_backend in TRANSFORMER_ENGINE_BACKENDS:
+        _require(transformer_engine_available(),
+                 f"--attention-backend {args.attention_backend} is Transformer Engine's attention "
+                 f"and needs Transformer Engine on a CUDA GPU; use auto, sdpa or local")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,7 +340,7 @@ def validate_parallel_args(args: argparse.Namespace) -> None:
     _require(cuda or not args.use_distributed_optimizer,
              "--use-distributed-optimizer needs CUDA GPUs (Megatron-Core's distributed optimizer "
              "wraps CUDA tensors only); remove it on CPU")
-    te_layers = cuda and importlib.util.find_spec("transformer_engine") is not None
+    te_layers = core_attention_from_args(args).module == TRANSFORMER_ENGINE  # megatron_dpp.kernels
     _require(te_layers or not args.sequence_parallel,
              "--sequence-parallel needs Transformer Engine layers on a GPU (Megatron-Core's local "
              "LayerNorm does not support it); remove it or install transformer-engine")
@@ -788,7 +808,8 @@ def add_dpp_args(parser: argparse.ArgumentParser) -> None:
                             "deferrable weight gradients; a microbatch's W keeps its layer inputs "
                             "and output gradients until it runs, which the memory budget counts. "
                             "Not with Transformer Engine layers, --sequence-parallel or "
-                            "--use-flash-attn.")
+                            "--attention-backend flash/fused/unfused (core attention is "
+                            "--attention-backend's sdpa or local, or --use-flash-attn's flash-attn).")
 
 
 def validate_dpp_args(args: argparse.Namespace) -> None:
@@ -818,16 +839,18 @@ def validate_dpp_args(args: argparse.Namespace) -> None:
 def _validate_split_backward(args: argparse.Namespace) -> None:
     """--dpp-split-backward (with --use-dpp; checked above): what the deferred layers (megatron_dpp.models.weight_grad) cover.
     Transformer Engine needs no check: with the flag the model is built from Megatron-Core's local
-    layers even where Transformer Engine is installed; gradient-accumulation fusion, RMSNorm and
+    layers even where Transformer Engine is installed (with our SDPA or flash-attn core attention
+    on a GPU, megatron_dpp.kernels); gradient-accumulation fusion, RMSNorm and
     multi-token prediction have no flag here (always off)."""
     if not getattr(args, "dpp_split_backward", False):
         return
     _require(not args.sequence_parallel,
              "--dpp-split-backward does not support --sequence-parallel (deferred weight gradients "
              "cover Megatron-Core's local layers without it); drop one of them")
-    _require(not args.use_flash_attn,
-             "--dpp-split-backward builds Megatron-Core's local layers, which do not use "
-             "FlashAttention; drop --use-flash-attn or --dpp-split-backward")
+    _require(args.attention_backend not in TRANSFORMER_ENGINE_BACKENDS,
+             f"--dpp-split-backward builds Megatron-Core's local layers, not Transformer Engine's "
+             f"attention; drop --attention-backend {args.attention_backend} or "
+             f"--dpp-split-backward")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -844,7 +867,7 @@ def add_trace_args(parser: argparse.ArgumentParser) -> None:
                             "interleaved schedule (run over --p2p-transport, torch included).")
     group.add_argument("--trace-dir", type=str, default="benchmark",
                        help="Directory that gets one sub-directory per traced or profiled run (--trace, "
-                            "--profile), named by its start "
+                            "--profile --use-pytorch-profiler), named by its start "
                             "time, layout and schedule (e.g. 20261124-153000-pp2-dpp, "
                             "20261124-153000-pp2-vpp2-interleaved).")
 
@@ -879,13 +902,18 @@ PROFILE_STEP_START, PROFILE_STEP_END, PROFILE_RANKS = 10, 12, [0]
 def add_profile_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("profiling")
     group.add_argument("--profile", action="store_true",
-                       help="Run torch.profiler (CPU activities; CUDA too on a GPU; with shapes) "
-                            "over iterations [--profile-step-start, --profile-step-end) on each "
-                            "rank of --profile-ranks, which writes "
-                            "TRACE_DIR/<run>/profile-rank<R>.json (a Chrome trace) when the window "
-                            "closes. Unlike Megatron-LM, where --profile alone opens an nsys capture "
-                            "range and --use-pytorch-profiler selects torch.profiler, this is always "
-                            "torch.profiler (use --nvtx for nsys).")
+                       help="As in Megatron-LM: on each rank of --profile-ranks, open an nsys capture "
+                            "range (torch.cuda.cudart().cudaProfilerStart()) when iteration "
+                            "--profile-step-start starts and close it (cudaProfilerStop()) before "
+                            "iteration --profile-step-end, for `nsys profile "
+                            "--capture-range=cudaProfilerApi --capture-range-end=stop ...` around "
+                            "the training command; needs a CUDA GPU. With --use-pytorch-profiler: "
+                            "torch.profiler over the same iterations instead.")
+    group.add_argument("--use-pytorch-profiler", action="store_true",
+                       help="With --profile, as in Megatron-LM: torch.profiler instead of the nsys "
+                            "capture range (CPU activities; CUDA too on a GPU; with shapes), which "
+                            "writes TRACE_DIR/<run>/profile-rank<R>.json (a Chrome trace) on each "
+                            "rank of --profile-ranks when the window closes. Works on CPU.")
     group.add_argument("--profile-step-start", type=int, default=None,
                        help=f"With --profile: the first profiled iteration, counted as Megatron-LM "
                             f"does (iterations completed before it; default {PROFILE_STEP_START}, "
@@ -900,18 +928,24 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
         _add_refused_flag(group, flag, takes_value=True)
     group.add_argument("--nvtx", action="store_true",
                        help="On a CUDA GPU: an NVTX range around each pipeline task, named like the "
-                            "task (F3.0, B3.0), for nsys or Nsight: around each task the DPP runtime "
-                            "runs with --use-dpp, else around each forward and backward step of "
-                            "Megatron's own 1F1B or interleaved schedule (pipeline size 2 or more).")
+                            "task (F3.0, B3.0, W3.0), for nsys or Nsight: around each task the DPP "
+                            "runtime runs with --use-dpp, else around each forward and backward step "
+                            "of Megatron's own 1F1B or interleaved schedule (pipeline size 2 or "
+                            "more); and a range around each iteration's gradient sync and optimizer "
+                            "step.")
 
 
 def validate_profile_args(args: argparse.Namespace) -> None:
     window = {"--profile-step-start": args.profile_step_start,
-              "--profile-step-end": args.profile_step_end, "--profile-ranks": args.profile_ranks}
+              "--profile-step-end": args.profile_step_end, "--profile-ranks": args.profile_ranks,
+              "--use-pytorch-profiler": args.use_pytorch_profiler or None}
     if not args.profile:
         given = [flag for flag, value in window.items() if value is not None]
         _require(not given, f"{' and '.join(given)} need --profile; add it or drop them")
     else:
+        _require(args.use_pytorch_profiler or torch.cuda.is_available(),
+                 "--profile opens an nsys capture range (cudaProfilerStart/Stop), which needs a "
+                 "CUDA GPU and there is none here; add --use-pytorch-profiler for torch.profiler")
         if args.profile_step_start is None:
             args.profile_step_start = PROFILE_STEP_START
         if args.profile_step_end is None:
@@ -928,11 +962,12 @@ def validate_profile_args(args: argparse.Namespace) -> None:
         _require(not outside, f"--profile-ranks {' '.join(map(str, outside))}: not a rank of a "
                               f"world of {args.world_size} (0..{args.world_size - 1})")
         args.profile_ranks = sorted(set(args.profile_ranks))
-        _check_trace_dir(args.trace_dir)
+        if args.use_pytorch_profiler:  # the nsys capture range writes nothing itself
+            _check_trace_dir(args.trace_dir)
     if args.nvtx:
         _require(torch.cuda.is_available(),
                  "--nvtx annotates CUDA work for nsys and there is no CUDA GPU here; drop --nvtx "
-                 "(--trace and --profile work on CPU)")
+                 "(--trace and --profile --use-pytorch-profiler work on CPU)")
         _require(args.use_dpp or args.pipeline_model_parallel_size >= 2,
                  "--nvtx names pipeline tasks; set --pipeline-model-parallel-size 2 or more (or "
                  "--use-dpp), or drop --nvtx")
@@ -997,9 +1032,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "megatron_dpp",
                description: str = DEFAULT_DESCRIPTION, model: str = "gpt") -> argparse.Namespace:
     """Parse and validate; on a bad flag print one line to stderr and exit with code 2."""
     # Megatron-Core warns on import when Transformer Engine and Apex are absent (always on CPU) and
-    # falls back to torch, which is what we use; the warning would also break the one-line error of
-    # a flag checked after the data validator imports Megatron.
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
+    # falls back to torch; the `kernels:` startup lines say so instead, and the warning would also
+    # break the one-line error of a flag checked after the data validator imports Megatron.
+    install_warning_filters()
     parser = build_parser(prog, description, model)
     args = parser.parse_args(argv)
     try:

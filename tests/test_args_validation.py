@@ -57,16 +57,22 @@ BAD_FLAGS = {
     "trace_without_pipeline": (["--trace"], 1,
                                "--trace records a pipeline schedule; set "
                                "--pipeline-model-parallel-size 2 or more"),
-    "profile_window_empty": (["--profile", "--profile-step-start", "3", "--profile-step-end",
-                              "3"], 1, "--profile-step-start 3 must be >= 0 and below "
-                                       "--profile-step-end 3"),
-    "profile_window_past_training": (["--profile"], 1,
+    "profile_window_empty": (["--profile", "--use-pytorch-profiler", "--profile-step-start", "3",
+                              "--profile-step-end", "3"], 1,
+                             "--profile-step-start 3 must be >= 0 and below --profile-step-end 3"),
+    "profile_window_past_training": (["--profile", "--use-pytorch-profiler"], 1,
                                      "--profile-step-end 12 is past --train-iters 5"),
-    "profile_rank_outside_world": (["--profile", "--profile-step-start", "1", "--profile-step-end",
-                                    "3", "--profile-ranks", "0", "2"], 2,
+    "profile_rank_outside_world": (["--profile", "--use-pytorch-profiler", "--profile-step-start",
+                                    "1", "--profile-step-end", "3", "--profile-ranks", "0", "2"], 2,
                                    "--profile-ranks 2: not a rank of a world of 2 (0..1)"),
     "profile_flags_without_profile": (["--profile-ranks", "1"], 1,
                                       "--profile-ranks need --profile"),
+    "pytorch_profiler_without_profile": (["--use-pytorch-profiler"], 1,
+                                         "--use-pytorch-profiler need --profile"),
+    "profile_nsys_on_cpu": (["--profile", "--profile-step-start", "1", "--profile-step-end", "3"],
+                            1, "--profile opens an nsys capture range (cudaProfilerStart/Stop), "
+                               "which needs a CUDA GPU and there is none here; add "
+                               "--use-pytorch-profiler for torch.profiler"),
     "nvtx_on_cpu": (["--nvtx"], 1, "--nvtx annotates CUDA work"),
     "split_backward_without_use_dpp": (["--pipeline-model-parallel-size", "2",
                                         "--dpp-split-backward"], 2,
@@ -98,7 +104,8 @@ BAD_FLAGS = {
 @pytest.mark.parametrize("case", list(BAD_FLAGS))
 def test_bad_flag_is_one_line_exit_2(case):
     if case in ("bf16_on_cpu", "fp16_on_cpu", "flash_attn_on_cpu", "nccl_on_cpu",
-                "distributed_optimizer_on_cpu", "sequence_parallel_without_te", "nvtx_on_cpu"):
+                "distributed_optimizer_on_cpu", "sequence_parallel_without_te", "nvtx_on_cpu",
+                "profile_nsys_on_cpu"):
         torch = pytest.importorskip("torch")
         if torch.cuda.is_available():
             pytest.skip("GPU-only flags are valid on this machine")
@@ -113,7 +120,8 @@ def test_bad_flag_is_one_line_exit_2(case):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("extra", [[], ["--trace"], ["--profile", "--profile-step-start", "2",
+@pytest.mark.parametrize("extra", [[], ["--trace"], ["--profile", "--use-pytorch-profiler",
+                                                      "--profile-step-start", "2",
                                                       "--profile-step-end", "4", "--profile-ranks",
                                                       "0", "1"]],
                          ids=["plain", "trace_without_dpp", "profile"])

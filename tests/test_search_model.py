@@ -265,7 +265,7 @@ def test_gpt_stage_parameter_counts(megatron, untie):
     layers = 2 * mm.layer_parameter_count(shape)
     for pre, post, extra in [(True, False, mm.embedding_parameter_count(shape)),
                              (False, True, mm.output_parameter_count(shape))]:
-        stage = GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(config),
+        stage = GPTModel(config=config, transformer_layer_spec=gpt_layer_spec(),
                          vocab_size=VOCAB, max_sequence_length=32, pre_process=pre,
                          post_process=post, share_embeddings_and_output_weights=not untie)
         assert _numel(stage) == layers + extra

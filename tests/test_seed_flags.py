@@ -50,14 +50,14 @@ CASES = [
     ("--context-parallel-size", ["--context-parallel-size", "1"], 1, ACCEPTED),
     ("--context-parallel-size", ["--context-parallel-size", "2"], 2,
      "--context-parallel-size 2: only 1 runs here"),
-    ("--profile", ["--profile", "--profile-step-start", "1", "--profile-step-end", "3"], 1,
-     ACCEPTED),
-    ("--profile-step-start", ["--profile", "--profile-step-start", "2", "--profile-step-end", "4"],
-     1, ACCEPTED),
-    ("--profile-step-end", ["--profile", "--profile-step-start", "2", "--profile-step-end", "5"],
-     1, ACCEPTED),
-    ("--profile-ranks", ["--profile", "--profile-step-start", "1", "--profile-step-end", "2",
-                         "--profile-ranks", "0", "1"], 2, ACCEPTED),
+    ("--profile", ["--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
+                   "--profile-step-end", "3"], 1, ACCEPTED),
+    ("--profile-step-start", ["--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
+                              "--profile-step-end", "4"], 1, ACCEPTED),
+    ("--profile-step-end", ["--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
+                            "--profile-step-end", "5"], 1, ACCEPTED),
+    ("--profile-ranks", ["--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
+                         "--profile-step-end", "2", "--profile-ranks", "0", "1"], 2, ACCEPTED),
     ("--manual-gc", ["--manual-gc"], 1, ACCEPTED),
     ("--manual-gc-interval", ["--manual-gc", "--manual-gc-interval", "2"], 1, ACCEPTED),
     ("--no-manual-gc-eval", ["--manual-gc", "--no-manual-gc-eval"], 1, ACCEPTED),
@@ -92,6 +92,8 @@ CASES = [
      "--capture-range-end is an option of `nsys profile`"),
 ]
 GPU_ONLY = [
+    ("--profile", ["--profile", "--profile-step-start", "1", "--profile-step-end", "3"], 1,
+     "--profile opens an nsys capture range (cudaProfilerStart/Stop), which needs a CUDA GPU"),
     ("--use-flash-attn", ["--use-flash-attn"], 1, "--use-flash-attn needs a CUDA GPU"),
     ("--use-distributed-optimizer", ["--use-distributed-optimizer"], 2,
      "--use-distributed-optimizer needs CUDA GPUs"),
@@ -275,10 +277,14 @@ def test_distribute_saved_activations_reaches_transformer_config(monkeypatch, ca
 @pytest.mark.parametrize("kernel_present", [True, False])
 def test_gradient_accumulation_fusion_follows_the_flag_where_the_kernel_exists(
         kernel_present, monkeypatch, capsys):
+    from megatron_dpp import kernels
     from megatron_dpp.training import config as config_module
 
-    monkeypatch.setattr(config_module, "fused_wgrad_kernel_available", lambda: kernel_present)
-    fused = config_module.gradient_accumulation_fusion_from_args
+    monkeypatch.setattr(kernels, "fused_wgrad_kernel_available", lambda: kernel_present)
+
+    def fused(args):
+        return kernels.gradient_accumulation_fusion(args).on
+
     assert fused(_parsed([], 1, monkeypatch, capsys)) is kernel_present
     assert fused(_parsed(["--no-gradient-accumulation-fusion"], 1, monkeypatch, capsys)) is False
     args = _parsed([*PP2, "--use-dpp", "--dpp-split-backward"], 2, monkeypatch, capsys)
@@ -291,19 +297,20 @@ def test_gradient_accumulation_fusion_follows_the_flag_where_the_kernel_exists(
 @pytest.mark.parametrize("kernel_present", [True, False])
 def test_persist_layer_norm_follows_the_flag_where_the_kernel_exists(
         kernel_present, monkeypatch, capsys):
+    from megatron_dpp import kernels
     from megatron_dpp.training import config as config_module
 
-    monkeypatch.setattr(config_module, "persistent_layer_norm_available", lambda: kernel_present)
-    monkeypatch.setattr(config_module, "transformer_engine_available", lambda: False)
+    monkeypatch.setattr(kernels, "persistent_layer_norm_available", lambda: kernel_present)
+    monkeypatch.setattr(kernels, "transformer_engine_available", lambda: False)
     args = _parsed([], 1, monkeypatch, capsys)
     assert config_module.transformer_config_from_args(args).persist_layer_norm is kernel_present
     args = _parsed(["--no-persist-layer-norm"], 1, monkeypatch, capsys)
     assert config_module.transformer_config_from_args(args).persist_layer_norm is False
     args = _parsed([*PP2, "--use-dpp", "--dpp-split-backward"], 2, monkeypatch, capsys)
-    assert config_module.persist_layer_norm_from_args(args) is False
+    assert kernels.persist_layer_norm(args).on is False
     # Transformer Engine's norm ignores the setting: left off.
-    monkeypatch.setattr(config_module, "transformer_engine_available", lambda: True)
-    assert config_module.persist_layer_norm_from_args(_parsed([], 1, monkeypatch, capsys)) is False
+    monkeypatch.setattr(kernels, "transformer_engine_available", lambda: True)
+    assert kernels.persist_layer_norm(_parsed([], 1, monkeypatch, capsys)).on is False
 
 
 def test_param_gather_flags_reach_ddp_config(monkeypatch, capsys):

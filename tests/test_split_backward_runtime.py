@@ -245,7 +245,8 @@ def _dpp_args(**overrides):
     values = dict(use_dpp=True, dpp_policy="dpp:adaptive", dpp_memory_budget="auto",
                   dpp_timeout=30.0, pipeline_model_parallel_size=2,
                   virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
-                  dpp_split_backward=True, sequence_parallel=False, use_flash_attn=False)
+                  dpp_split_backward=True, sequence_parallel=False, use_flash_attn=False,
+                  attention_backend="auto")
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -253,7 +254,7 @@ def _dpp_args(**overrides):
 @pytest.mark.parametrize("overrides,message", [
     ({"use_dpp": False}, "--dpp-split-backward splits the backward of the DPP runtime; add --use-dpp"),
     ({"sequence_parallel": True}, "--dpp-split-backward does not support --sequence-parallel"),
-    ({"use_flash_attn": True}, "drop --use-flash-attn or --dpp-split-backward"),
+    ({"attention_backend": "flash"}, "drop --attention-backend flash or --dpp-split-backward"),
 ])
 def test_split_backward_flag_errors_are_one_line(overrides, message):
     from megatron_dpp.arguments import ArgsError, validate_dpp_args

@@ -215,11 +215,17 @@ class _ListRecorder:
     def __init__(self):
         self.tasks, self.marks = [], []
 
-    def task(self, name, category, start, end, args):
+    def task_starts(self):
+        return None  # no device clock: host times
+
+    def task_ends(self, device_start):
+        return None
+
+    def task(self, name, category, start, end, args, device_span=None):
         self.tasks.append((name, category, start <= end, args))
 
-    def mark(self, name, time, args=None):
-        self.marks.append(name)
+    def iteration_starts(self, iteration, time, args):
+        self.marks.append(f"iteration {iteration}")
 
 
 def test_schedule_timers_record_steps_and_pass_every_timer_on():

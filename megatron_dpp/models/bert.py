@@ -19,9 +19,10 @@ from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_dpp import kernels
 from megatron_dpp.data.bert_datasets import build_bert_datasets
-from megatron_dpp.models.gpt import transformer_engine_available
 from megatron_dpp.models.init import initialize_layout_independent, stacked_model_global_name
+from megatron_dpp.models.sdpa_attention import uses_sdpa_core_attention, with_core_attention
 from megatron_dpp.models.spec import ModelSpec
 
 # Sentence-order prediction has two classes; Megatron-LM gives the token-type embedding two rows
@@ -38,9 +39,12 @@ class BertShape:
     binary_head: bool  # the sentence-order head (Megatron-LM: on unless --bert-no-binary-head)
 
 
-def bert_layer_spec() -> ModuleSpec:
-    """Transformer Engine layers on a GPU that has them, else Megatron-Core's local layers."""
-    if transformer_engine_available():
+def bert_layer_spec(attention: Optional[str] = None) -> ModuleSpec:
+    """Transformer Engine's layers where megatron_dpp.kernels chose its attention, else
+    Megatron-Core's local layers with the chosen core attention (kernels.SDPA, FLASH_ATTN, LOCAL);
+    None: this machine's default (kernels.core_attention())."""
+    attention = attention or kernels.core_attention().module
+    if attention == kernels.TRANSFORMER_ENGINE:
         from megatron.core.models.bert.bert_layer_specs import (
             get_bert_layer_with_transformer_engine_spec,
         )
@@ -48,27 +52,40 @@ def bert_layer_spec() -> ModuleSpec:
         return get_bert_layer_with_transformer_engine_spec()
     from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 
-    return bert_layer_local_spec
+    return with_core_attention(bert_layer_local_spec, attention)
+
+
+class LocalMaskBertModel(BertModel):
+    """BertModel that also gives our core attention (SdpaCoreAttention) Megatron's local padding
+    mask ([b, 1, s, s], True = masked out). BertModel picks the mask's shape by comparing the
+    spec's core attention with its own DotProductAttention, and otherwise asks Transformer
+    Engine's version (which fails without Transformer Engine)."""
+
+    def _sanity_check_attention_and_get_attn_mask_dimension(self) -> str:
+        if uses_sdpa_core_attention(self.transformer_layer_spec):
+            return "b1ss"
+        return super()._sanity_check_attention_and_get_attn_mask_dimension()
 
 
 def build_bert_chunks(config: TransformerConfig, shape: BertShape, seed: int,
-                      deferred_weight_grads: bool = False) -> list[BertModel]:
-    """The model chunks of this pipeline rank (one per virtual stage), initialized layout-free.
+                      deferred_weight_grads: bool = False,
+                      attention: Optional[str] = None) -> list[BertModel]:
+    """The model chunks of this pipeline rank (one per virtual stage), initialized layout-free;
+    attention: the core attention megatron_dpp.kernels chose (None: this machine's default).
     Embeddings and the masked-LM output layer share their weight, as in Megatron-LM.
 
     deferred_weight_grads (--dpp-split-backward): DeferredBertModel over Megatron-Core's local
-    layer spec (never Transformer Engine's), whose weight gradients a split backward defers to W;
-    the same parameters, initialization and numbers as the default chunks."""
+    layer spec (never Transformer Engine's; kernels chooses no Transformer Engine attention with
+    it), whose weight gradients a split backward defers to W; the same parameters,
+    initialization and numbers as the default chunks (core attention has no weights)."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    model_class = BertModel
+    model_class = LocalMaskBertModel
+    spec = bert_layer_spec(attention or
+                           kernels.core_attention(split_backward=deferred_weight_grads).module)
     if deferred_weight_grads:
-        from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
-
         from megatron_dpp.models.weight_grad import DeferredBertModel
 
-        model_class, spec = DeferredBertModel, bert_layer_local_spec
-    else:
-        spec = bert_layer_spec()
+        model_class = DeferredBertModel
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -96,7 +113,8 @@ def _build_chunks_from_args(args: argparse.Namespace, config: TransformerConfig,
                       max_position_embeddings=args.max_position_embeddings,
                       binary_head=args.bert_binary_head)
     return build_bert_chunks(config, shape, seed,
-                             deferred_weight_grads=getattr(args, "dpp_split_backward", False))
+                             deferred_weight_grads=getattr(args, "dpp_split_backward", False),
+                             attention=kernels.core_attention_from_args(args).module)
 
 
 _LAYERS_PREFIX = "encoder.layers."

@@ -5,10 +5,9 @@ GPT_SPEC is the ModelSpec the training loop, the runtime and the platform use.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -17,8 +16,10 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_dpp import kernels
 from megatron_dpp.data.datasets import build_train_valid_test_datasets
 from megatron_dpp.models.init import initialize_layout_independent, stacked_model_global_name
+from megatron_dpp.models.sdpa_attention import with_core_attention
 from megatron_dpp.models.spec import ModelSpec
 
 
@@ -31,36 +32,38 @@ class GPTShape:
     untie_embeddings_and_output_weights: bool
 
 
-def transformer_engine_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
-
-
-def gpt_layer_spec(config: TransformerConfig) -> ModuleSpec:
-    """Transformer Engine layers on a GPU that has them, else Megatron-Core's local layers."""
-    if transformer_engine_available():
+def gpt_layer_spec(attention: Optional[str] = None) -> ModuleSpec:
+    """Transformer Engine's layers where megatron_dpp.kernels chose its attention, else
+    Megatron-Core's local layers with the chosen core attention (kernels.SDPA, FLASH_ATTN, LOCAL);
+    None: this machine's default (kernels.core_attention())."""
+    attention = attention or kernels.core_attention().module
+    if attention == kernels.TRANSFORMER_ENGINE:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec()
+    return with_core_attention(get_gpt_layer_local_spec(), attention)
 
 
 def build_gpt_chunks(config: TransformerConfig, shape: GPTShape, seed: int,
-                     deferred_weight_grads: bool = False) -> list[GPTModel]:
-    """The model chunks of this pipeline rank (one per virtual stage), initialized layout-free.
+                     deferred_weight_grads: bool = False,
+                     attention: Optional[str] = None) -> list[GPTModel]:
+    """The model chunks of this pipeline rank (one per virtual stage), initialized layout-free;
+    attention: the core attention megatron_dpp.kernels chose (None: this machine's default).
 
     deferred_weight_grads (--dpp-split-backward): DeferredGPTModel over Megatron-Core's local
-    layer spec (never Transformer Engine's), whose weight gradients a split backward defers to W;
-    the same parameters, initialization and numbers as the default chunks."""
+    layer spec (never Transformer Engine's; kernels chooses no Transformer Engine attention with
+    it), whose weight gradients a split backward defers to W; the same parameters,
+    initialization and numbers as the default chunks (core attention has no weights)."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     model_class = GPTModel
+    spec = gpt_layer_spec(attention or
+                          kernels.core_attention(split_backward=deferred_weight_grads).module)
     if deferred_weight_grads:
         from megatron_dpp.models.weight_grad import DeferredGPTModel
 
-        model_class, spec = DeferredGPTModel, get_gpt_layer_local_spec()
-    else:
-        spec = gpt_layer_spec(config)
+        model_class = DeferredGPTModel
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -86,7 +89,8 @@ def _build_chunks_from_args(args: argparse.Namespace, config: TransformerConfig,
                      max_position_embeddings=args.max_position_embeddings,
                      untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
     return build_gpt_chunks(config, shape, seed,
-                            deferred_weight_grads=getattr(args, "dpp_split_backward", False))
+                            deferred_weight_grads=getattr(args, "dpp_split_backward", False),
+                            attention=kernels.core_attention_from_args(args).module)
 
 
 _LAYERS_PREFIX = "decoder.layers."

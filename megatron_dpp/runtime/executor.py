@@ -366,8 +366,9 @@ class IterationRunner:
                     self.models[chunk].parameters())
         self._post_receives()
         if self.recorder is not None:
-            self.recorder.mark(f"iteration {self.iteration}", time.perf_counter(),
-                               {"forward_only": self.forward_only, "policy": self.scheduler.name})
+            self.recorder.iteration_starts(self.iteration, time.perf_counter(),
+                                           {"forward_only": self.forward_only,
+                                            "policy": self.scheduler.name})
         if self.channel.is_leader:
             self._lead()
         else:
@@ -498,7 +499,10 @@ class IterationRunner:
         self.record.task_started.append(time.perf_counter())
         if self.session.nvtx:
             torch.cuda.nvtx.range_push(str(task))
+        # On a GPU with --trace: events on the compute stream around the task's compute alone.
+        device_start = None if self.recorder is None else self.recorder.task_starts()
         self.handlers[task.phase].run(task)
+        device_span = None if self.recorder is None else self.recorder.task_ends(device_start)
         if self.session.nvtx:
             torch.cuda.nvtx.range_pop()
         self.record.task_ended.append(time.perf_counter())
@@ -511,7 +515,7 @@ class IterationRunner:
             self.scheduler.on_finish(task)
             self.record.peak_held_bytes = max(self.record.peak_held_bytes, self.scheduler.held_bytes)
         if self.recorder is not None:
-            self._record_task(task, accounts_memory)
+            self._record_task(task, accounts_memory, device_span)
         self.ran.add(task)
         self.record.tasks.append(task)
         self.record.task_seconds.append(time.perf_counter() - turn_start)
@@ -569,13 +573,13 @@ class IterationRunner:
         self.pending_sends = []
 
     # ---- tracing ------------------------------------------------------------------------------
-    def _record_task(self, task: Task, with_memory: bool) -> None:
+    def _record_task(self, task: Task, with_memory: bool, device_span) -> None:
         m = task.microbatch
         self.recorder.task(str(task), task.phase.label, self.record.task_started[-1],
                            self.record.task_ended[-1],
                            {"iteration": self.iteration, "microbatch": m, "chunk": task.chunk,
                             "virtual_stage": self.graph.virtual_stage(self.rank, task.chunk),
-                            "tokens": int(self.graph.sizes[m])})
+                            "tokens": int(self.graph.sizes[m])}, device_span=device_span)
         if with_memory:
             self.recorder.memory(self.record.task_ended[-1], self.scheduler.held_bytes,
                                  self.scheduler.budget_bytes,

@@ -58,6 +58,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from megatron_dpp import kernels
 from megatron_dpp.search import memory_model as mm
 from megatron_dpp.search.errors import SearchInputError
 from megatron_dpp.search.model_profile import (CHUNK_PARTS, MB, STAGE_EXTRA_PARTS,
@@ -159,7 +160,8 @@ def single_process_megatron(model: str):
 
 def transformer_config(shape: mm.ModelShape, recompute: str = "none", tp: int = 1):
     """Megatron-Core's TransformerConfig as megatron_dpp.training.config builds it from the flags
-    (fused kernels only with CUDA; full recompute: uniform, one layer per unit)."""
+    (fused kernels where megatron_dpp.kernels finds them; full recompute: uniform, one layer per
+    unit)."""
     from megatron.core.transformer import TransformerConfig
 
     dtype = TORCH_DTYPES[shape.dtype]
@@ -168,7 +170,6 @@ def transformer_config(shape: mm.ModelShape, recompute: str = "none", tp: int = 
         recompute_args["recompute_granularity"] = recompute
     if recompute == "full":
         recompute_args.update(recompute_method="uniform", recompute_num_layers=1)
-    cuda = torch.cuda.is_available()
     return TransformerConfig(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.ffn_hidden_size, num_attention_heads=shape.num_attention_heads,
@@ -176,15 +177,15 @@ def transformer_config(shape: mm.ModelShape, recompute: str = "none", tp: int = 
         tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=shape.dtype == "bf16", fp16=shape.dtype == "fp16",
-        bias_activation_fusion=cuda, bias_dropout_fusion=cuda, masked_softmax_fusion=cuda,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, **recompute_args)
+        gradient_accumulation_fusion=False, **recompute_args,
+        **kernels.fusion_settings(kernels.core_attention()))
 
 
 def layer_spec(model: str, config):
     from megatron_dpp.models.bert import bert_layer_spec
     from megatron_dpp.models.gpt import gpt_layer_spec
 
-    return gpt_layer_spec(config) if model == "gpt" else bert_layer_spec()
+    return gpt_layer_spec() if model == "gpt" else bert_layer_spec()
 
 
 def build_layer(shape: mm.ModelShape, recompute: str = "none", tp: int = 1,

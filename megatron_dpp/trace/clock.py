@@ -23,6 +23,10 @@ from typing import Dict, List, Sequence, Tuple
 # the reference; a few more give one without queueing.
 ROUNDS = 8
 
+# A device-timed span's args (trace/recorder.py): the host's start and duration of the task, on
+# the same clock as ts, so corrected with it.
+HOST_START, HOST_DURATION = "host_ts", "host_dur"
+
 # (t_sent, t_reference, t_back): one round, t_sent and t_back on this rank's clock.
 Round = Tuple[float, float, float]
 
@@ -92,6 +96,12 @@ class ClockAlignment:
             event["ts"] = self.corrected(start)
             if "dur" in event:
                 event["dur"] = self.corrected(start + event["dur"]) - event["ts"]
+            host_start = event.get("args", {}).get(HOST_START)
+            if host_start is not None:
+                host_end = host_start + event["args"][HOST_DURATION]
+                args = event["args"] = dict(event["args"])
+                args[HOST_START] = self.corrected(host_start)
+                args[HOST_DURATION] = self.corrected(host_end) - args[HOST_START]
             fixed.append(event)
         return fixed
 

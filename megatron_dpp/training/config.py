@@ -5,7 +5,6 @@ Every flag the training path uses is read here, so "is this flag wired?" has one
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
@@ -14,7 +13,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
 
-from megatron_dpp.models.gpt import transformer_engine_available
+from megatron_dpp import kernels
 
 
 @dataclass(frozen=True)
@@ -82,37 +81,6 @@ def params_dtype_from_args(args: argparse.Namespace) -> torch.dtype:
     return torch.float32
 
 
-def fused_wgrad_kernel_available() -> bool:
-    """Apex's fused_weight_gradient_mlp_cuda on a CUDA machine: what Megatron-Core's linear layers
-    need for gradient_accumulation_fusion (they refuse the setting without it)."""
-    return (torch.cuda.is_available()
-            and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None)
-
-
-def persistent_layer_norm_available() -> bool:
-    """Apex's persistent LayerNorm kernel, which Megatron-Core's FusedLayerNorm runs for
-    persist_layer_norm (without Apex the local layers use torch's LayerNorm, which refuses it)."""
-    from megatron.core.fusions import fused_layer_norm
-
-    return fused_layer_norm.HAVE_PERSIST_LAYER_NORM
-
-
-def gradient_accumulation_fusion_from_args(args: argparse.Namespace) -> bool:
-    """Megatron-LM's choice: fused unless --no-gradient-accumulation-fusion, where the kernel
-    exists. The deferred layers of --dpp-split-backward do not support the fusion."""
-    return (args.gradient_accumulation_fusion and fused_wgrad_kernel_available()
-            and not args.dpp_split_backward)
-
-
-def persist_layer_norm_from_args(args: argparse.Namespace) -> bool:
-    """Megatron-LM's choice: the persistent LayerNorm kernel unless --no-persist-layer-norm, where
-    the model's norm is Megatron-Core's local one and the kernel exists. Transformer Engine's norm
-    (models/gpt.py and bert.py pick its layers where available) does not read the setting; the
-    deferred norm of --dpp-split-backward refuses it."""
-    return (not args.no_persist_layer_norm and persistent_layer_norm_available()
-            and not transformer_engine_available() and not args.dpp_split_backward)
-
-
 def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     recompute = {}
     if args.recompute_granularity is not None:
@@ -120,11 +88,13 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     if args.recompute_granularity == "full":
         recompute["recompute_method"] = args.recompute_method
         recompute["recompute_num_layers"] = args.recompute_num_layers
+    # Every kernel-dependent setting comes from megatron_dpp.kernels (what is installed here).
+    choices = kernels.kernel_choices(args)
     attention = {}
-    if args.use_flash_attn:
+    if choices.attention.module == kernels.TRANSFORMER_ENGINE:
         from megatron.core.transformer.enums import AttnBackend
 
-        attention["attention_backend"] = AttnBackend.flash
+        attention["attention_backend"] = AttnBackend[choices.attention.te_backend]
     dtype = params_dtype_from_args(args)
     return TransformerConfig(
         num_layers=args.num_layers,
@@ -154,13 +124,12 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         # TransformerConfig rejects variable_seq_lengths with the default MoE dispatcher
         # ("allgather"); the dispatcher is unused by dense models, so pick one that allows it.
         moe_token_dispatcher_type="alltoall",
-        # Fused CUDA kernels (bias-gelu, bias-dropout-add, masked softmax, rope) only exist on GPUs.
-        bias_activation_fusion=torch.cuda.is_available(),
-        bias_dropout_fusion=torch.cuda.is_available(),
-        masked_softmax_fusion=torch.cuda.is_available(),
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=gradient_accumulation_fusion_from_args(args),
-        persist_layer_norm=persist_layer_norm_from_args(args),
+        bias_activation_fusion=choices.bias_activation_fusion.on,
+        bias_dropout_fusion=choices.bias_dropout_fusion.on,
+        masked_softmax_fusion=choices.masked_softmax_fusion.on,
+        apply_rope_fusion=choices.rope_fusion.on,
+        gradient_accumulation_fusion=choices.gradient_accumulation_fusion.on,
+        persist_layer_norm=choices.persist_layer_norm.on,
         clone_scatter_output_in_embedding=args.clone_scatter_output_in_embedding,
         distribute_saved_activations=args.distribute_saved_activations,
         **recompute,

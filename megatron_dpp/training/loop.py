@@ -28,11 +28,12 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_dpp.comm.nodes import this_node_rank, use_node_network
 from megatron_dpp.data.iterators import build_data_iterators
 from megatron_dpp.data.tokenizer import build_tokenizer
+from megatron_dpp.kernels import log_kernel_choices
 from megatron_dpp.models import ModelSpec
 from megatron_dpp.platform import Platform, setup_platform
 from megatron_dpp.runtime.config import DPPConfig
 from megatron_dpp.runtime.watchdog import StallWatchdog, report_and_exit
-from megatron_dpp.trace.recorder import OPTIMIZER_STEP
+from megatron_dpp.trace.recorder import GRADIENT_SYNC, OPTIMIZER_STEP
 from megatron_dpp.training.checkpointing import TrainState, load_checkpoint, save_checkpoint
 from megatron_dpp.training.config import (
     TrainingConfig,
@@ -217,10 +218,13 @@ class Trainer:
         self.config, self.model, self.optimizer = build_model_and_optimizer(
             args, platform, args.seed, spec)
         self.scheduler = build_scheduler(self.optimizer, self.train)
-        # --trace and --profile write into one directory per run, agreed on by all ranks.
-        run_directory = agree_run_directory(args) if args.trace or args.profile else None
+        # --trace and torch.profiler write into one directory per run, agreed on by all ranks.
+        writes_files = args.trace or (args.profile and args.use_pytorch_profiler)
+        run_directory = agree_run_directory(args) if writes_files else None
         self.forward_backward = build_forward_backward(args, spec, run_directory)
         self.step_tracer = _step_tracer(self.forward_backward, self.config)
+        if args.nvtx:
+            _nvtx_around_gradient_sync(self.config)
         self.profiler = make_profiler(args, dist.get_rank(), run_directory)
         self.forward_step = spec.make_forward_step(args, platform.device)
         self.state = TrainState()
@@ -268,8 +272,14 @@ class Trainer:
         return reduced, grad_norm, updated
 
     def traced_step(self, name: str):
-        """With --trace: a span of the training step (training/step_tracing.py)."""
-        return contextlib.nullcontext() if self.step_tracer is None else self.step_tracer.step(name)
+        """With --trace: a span of the training step (training/step_tracing.py); with --nvtx, an
+        NVTX range named like it."""
+        stack = contextlib.ExitStack()
+        if self.args.nvtx:
+            stack.enter_context(_nvtx_range(name))
+        if self.step_tracer is not None:
+            stack.enter_context(self.step_tracer.step(name))
+        return stack
 
     def in_collective(self, what: str, takes_part: bool = True):
         """With --trace, where this rank takes part: a wait in a blocking collective."""
@@ -330,6 +340,29 @@ class Trainer:
             path = save_checkpoint(self.train.save, self.state, self.model, self.optimizer,
                                    self.scheduler)
         log_rank0(f" saved checkpoint at iteration {self.state.iteration} to {path}")
+
+
+@contextlib.contextmanager
+def _nvtx_range(name: str):
+    torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()
+
+
+def _nvtx_around_gradient_sync(config) -> None:
+    """--nvtx: an NVTX range GRADIENT_SYNC around config.finalize_model_grads_func, the hook both
+    the DPP runtime and Megatron's schedules call once an iteration's last backward ran."""
+    finalize = config.finalize_model_grads_func
+    if finalize is None:
+        return
+
+    def finalize_model_grads(*args, **kwargs):
+        with _nvtx_range(GRADIENT_SYNC):
+            return finalize(*args, **kwargs)
+
+    config.finalize_model_grads_func = finalize_model_grads
 
 
 def _step_tracer(forward_backward, config) -> StepTracer | None:
@@ -393,6 +426,7 @@ def pretrain(args: argparse.Namespace, spec: ModelSpec) -> int:
 
 def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec) -> int:
     set_seeds(args.seed)
+    log_kernel_choices(args, log_rank0)  # one `kernels:` line per optional kernel or backend
     tokenizer = build_tokenizer(args)
     train_ds, valid_ds, _test_ds = spec.build_datasets(args, tokenizer)
     trainer = Trainer(args, platform, spec)

@@ -21,6 +21,8 @@ How the schedule is hooked (no Megatron function is wrapped, patched or copied):
   sends one, and the k-th receive posted is the input of the k-th task that reads one (TaskGraph says
   which do, as for the DPP runtime). A receive is named when posted: the overlapped interleaved
   schedule may take it in later.
+- Device time. On a GPU the recorder's DeviceClock (trace/device_clock.py) brackets each step's
+  compute with CUDA events, so its span is device time, as for the DPP runtime's tasks.
 - Tokens. Each chunk's data iterator is wrapped to note the work (ModelSpec.microbatch_work) of each
   item drawn: the forward of microbatch m on chunk c draws that chunk's m-th item. A stage whose
   forward step reads no data records no tokens.
@@ -97,7 +99,7 @@ class MegatronScheduleTracer:
         self.upcoming: Dict[tuple, Iterator[Task]] = {}  # (kind, phase) -> the rest of the order
         self.expected: Dict[tuple, Task] = {}  # (peer, tag) of a posted receive -> its reader
         self.iterators: List[Optional[_WorkCountingIterator]] = []
-        self.step_started: Dict[Phase, tuple] = {}  # phase -> (task, start time) of the running step
+        self.step_started: Dict[Phase, tuple] = {}  # phase -> (task, start time, device start)
 
     def run(self, schedule: Callable, config, kwargs: Dict[str, Any]) -> Any:
         """schedule(**kwargs) with this rank's steps, messages and waits recorded."""
@@ -123,8 +125,8 @@ class MegatronScheduleTracer:
                          for phase, tasks in by_phase.items()}
         self.step_started = {}
         if self.recorder is not None:
-            self.recorder.mark(f"iteration {self.iteration}", time.perf_counter(),
-                               {"forward_only": forward_only, "policy": self.policy})
+            self.recorder.iteration_starts(self.iteration, time.perf_counter(),
+                                           {"forward_only": forward_only, "policy": self.policy})
 
     def _wrap_iterators(self, data_iterator):
         sources = data_iterator if isinstance(data_iterator, list) else [data_iterator]
@@ -152,21 +154,24 @@ class MegatronScheduleTracer:
         task = self._next("steps", phase)  # the k-th step of a phase started is its k-th task
         if self.nvtx:
             torch.cuda.nvtx.range_push(str(task))
-        self.step_started[phase] = (task, time.perf_counter())
+        # On a GPU with --trace: an event on the compute stream where the step starts.
+        device_start = None if self.recorder is None else self.recorder.task_starts()
+        self.step_started[phase] = (task, time.perf_counter(), device_start)
 
     def finished(self, phase: Phase) -> None:
         ended = time.perf_counter()
         if self.nvtx:
             torch.cuda.nvtx.range_pop()
-        task, started = self.step_started.pop(phase)
+        task, started, device_start = self.step_started.pop(phase)
         if self.recorder is None:
             return
+        device_span = self.recorder.task_ends(device_start)
         args = {"iteration": self.iteration, "microbatch": task.microbatch, "chunk": task.chunk,
                 "virtual_stage": self.graph.virtual_stage(self.rank, task.chunk)}
         tokens = self._tokens(task)
         if tokens is not None:
             args["tokens"] = tokens
-        self.recorder.task(str(task), phase.label, started, ended, args)
+        self.recorder.task(str(task), phase.label, started, ended, args, device_span=device_span)
 
     # ---- P2PObserver (comm/megatron_p2p.py) ------------------------------------------------------
     def sent(self, direction: Direction, peer: int, tag: int, nbytes: int, posted: float) -> None:

@@ -14,12 +14,14 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dpp.comm.nodes import this_node_rank
 from megatron_dpp.pipeline.registry import ONE_F_ONE_B
 from megatron_dpp.trace.clock import ClockAlignment, OffsetSample
+from megatron_dpp.trace.device_clock import DeviceClock
 from megatron_dpp.trace.recorder import TraceRecorder
 from megatron_dpp.training.clock_sync import REFERENCE_RANK, clock_group, measure_offset
 
@@ -97,7 +99,9 @@ def start_trace(args: argparse.Namespace, directory: str) -> RunTrace:
     pp = parallel_state.get_pipeline_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_rank()
     dp = parallel_state.get_data_parallel_rank()
-    recorder = TraceRecorder(rank, f"rank {rank} (pp {pp}, tp {tp}, dp {dp})")
+    # On a GPU, task spans are device time (trace/device_clock.py; calibrating synchronizes once).
+    device_clock = DeviceClock.for_current_cuda_device() if torch.cuda.is_available() else None
+    recorder = TraceRecorder(rank, f"rank {rank} (pp {pp}, tp {tp}, dp {dp})", device_clock)
     metadata = {"run": os.path.basename(directory), "rank": rank, "world_size": dist.get_world_size(),
                 "pipeline_rank": pp, "tensor_rank": tp, "data_rank": dp,
                 "schedule": schedule_name(args), "policy": policy_label(args), **_node_metadata()}

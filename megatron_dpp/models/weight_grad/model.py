@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
+from megatron_dpp.models.bert import LocalMaskBertModel
 from megatron_dpp.models.weight_grad.layers import (
     DEFERRED_CLASSES,
     DeferredColumnParallelLinear,
@@ -155,11 +156,12 @@ class DeferredGPTModel(GPTModel):
 _BERT_ARGUMENTS = inspect.signature(BertModel.__init__)
 
 
-class DeferredBertModel(BertModel):
+class DeferredBertModel(LocalMaskBertModel):
     """BertModel whose every trainable parameter's gradient can be deferred to W.
 
-    Takes BertModel's arguments; `transformer_layer_spec` is Megatron-Core's local BERT layer spec,
-    rewritten here. BertModel reads the attention-mask type from a *layer* spec, so it gets the
+    Takes BertModel's arguments; `transformer_layer_spec` is Megatron-Core's local BERT layer spec
+    (its core attention the one megatron_dpp.kernels chose), rewritten here. BertModel reads the
+    attention-mask type from a *layer* spec, so it gets the
     rewritten layer spec (not a block spec, as GPT does), and the modules built outside it (the
     encoder's final norm, the embeddings, the output layer and the heads) change class after the
     build, as in `adopt_deferred_embedding_and_output`. Outside `WeightGradStash.defer`, it

@@ -1,0 +1,323 @@
+"""Which optional kernel or backend each Megatron-Core feature uses on this machine, and why.
+
+Megatron-Core switches a fusion on when its config asks, whether or not the kernel behind it is
+installed; a missing one fails at the first forward (`No module named 'scaled_masked_softmax_cuda'`).
+Every such choice is made here, from what is importable (nothing is imported to decide), and each
+is a `Choice`: on/off and the reason, printed once at startup as one `kernels: ...` line. Those
+lines replace Megatron-Core's own "Apex is not installed" warnings (`install_warning_filters`).
+
+This module imports only torch at load time: the warning filters must be in place before the first
+Megatron-Core import.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+# What each optional kernel is imported as, by Megatron-Core or by our attention module.
+FUSED_SOFTMAX_MODULES = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda",
+                         "scaled_softmax_cuda")  # megatron/core/fusions/fused_softmax.py
+FUSED_WGRAD_MODULE = "fused_weight_gradient_mlp_cuda"  # Apex; tensor_parallel/layers.py
+TRANSFORMER_ENGINE_MODULE = "transformer_engine"
+FLASH_ATTN_MODULE = "flash_attn"
+TRITON_MODULE = "triton"  # torch.compile's GPU code generator (Megatron-Core's jit_fuser)
+
+# --attention-backend values (Megatron-LM's flag). Megatron-LM's own values flash, fused and
+# unfused pick Transformer Engine's attention kernels; sdpa is ours (torch's
+# scaled_dot_product_attention, megatron_dpp.models.sdpa_attention).
+ATTENTION_BACKENDS = ("auto", "sdpa", "local", "flash", "fused", "unfused")
+TRANSFORMER_ENGINE_BACKENDS = ("flash", "fused", "unfused")
+
+# The core attention modules a layer spec can get (CoreAttentionChoice.module).
+TRANSFORMER_ENGINE = "transformer_engine"  # Transformer Engine's layers and TEDotProductAttention
+SDPA = "sdpa"                              # ours: torch.nn.functional.scaled_dot_product_attention
+FLASH_ATTN = "flash_attn"                  # ours, calling flash_attn.flash_attn_func
+LOCAL = "local"                            # Megatron-Core's DotProductAttention (unfused softmax)
+
+
+# ----------------------------------------------------------------------------------------------
+# what is importable
+# ----------------------------------------------------------------------------------------------
+def module_importable(name: str) -> bool:
+    """Whether `import name` would find the module (found, not imported)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package that is missing or broken
+        return False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def transformer_engine_available() -> bool:
+    return cuda_available() and module_importable(TRANSFORMER_ENGINE_MODULE)
+
+
+def flash_attn_available() -> bool:
+    return cuda_available() and module_importable(FLASH_ATTN_MODULE)
+
+
+def fused_softmax_kernels_available() -> bool:
+    return cuda_available() and all(module_importable(name) for name in FUSED_SOFTMAX_MODULES)
+
+
+def fused_wgrad_kernel_available() -> bool:
+    """Apex's fused_weight_gradient_mlp_cuda on a CUDA machine: what Megatron-Core's linear layers
+    need for gradient_accumulation_fusion (they refuse the setting without it)."""
+    return cuda_available() and module_importable(FUSED_WGRAD_MODULE)
+
+
+def persistent_layer_norm_available() -> bool:
+    """Apex's persistent LayerNorm kernel, which Megatron-Core's FusedLayerNorm runs for
+    persist_layer_norm (without Apex the local layers use torch's LayerNorm, which refuses it)."""
+    from megatron.core.fusions import fused_layer_norm
+
+    return fused_layer_norm.HAVE_PERSIST_LAYER_NORM
+
+
+def torch_compile_fusions_available() -> bool:
+    """Megatron-Core's bias-gelu and bias-dropout-add fusions are torch.compile'd (its jit_fuser):
+    on a GPU that needs triton, which CUDA builds of torch ship."""
+    return cuda_available() and module_importable(TRITON_MODULE)
+
+
+# ----------------------------------------------------------------------------------------------
+# the choices
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Choice:
+    feature: str
+    on: bool
+    reason: str
+
+    def line(self) -> str:
+        return f"kernels: {self.feature} {'on' if self.on else 'off'}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class CoreAttentionChoice:
+    """Which core attention the layer specs get (`module`), and Transformer Engine's backend when
+    it is Transformer Engine's (TransformerConfig.attention_backend, an AttnBackend name)."""
+
+    module: str  # TRANSFORMER_ENGINE, SDPA, FLASH_ATTN or LOCAL
+    reason: str
+    te_backend: str = "auto"
+
+    def line(self) -> str:
+        names = {TRANSFORMER_ENGINE: "Transformer Engine's DotProductAttention",
+                 SDPA: "torch scaled_dot_product_attention (megatron_dpp.models.sdpa_attention)",
+                 FLASH_ATTN: "flash-attn's flash_attn_func (megatron_dpp.models.sdpa_attention)",
+                 LOCAL: "Megatron-Core's local DotProductAttention"}
+        return f"kernels: core attention: {names[self.module]}: {self.reason}"
+
+
+def core_attention(backend: str = "auto", use_flash_attn: bool = False,
+                   split_backward: bool = False) -> CoreAttentionChoice:
+    """The core attention for --attention-backend `backend` and --use-flash-attn (both validated by
+    megatron_dpp.arguments). --dpp-split-backward builds Megatron-Core's local layers, never
+    Transformer Engine's: its attention is then ours on a GPU."""
+    te = transformer_engine_available() and not split_backward
+    if backend in TRANSFORMER_ENGINE_BACKENDS:
+        return CoreAttentionChoice(TRANSFORMER_ENGINE, f"--attention-backend {backend}", backend)
+    if use_flash_attn:
+        if te and flash_attn_available():  # Transformer Engine's flash backend runs flash-attn
+            return CoreAttentionChoice(TRANSFORMER_ENGINE,
+                                       "--use-flash-attn: Transformer Engine's flash backend", "flash")
+        if te:
+            return CoreAttentionChoice(TRANSFORMER_ENGINE, "--use-flash-attn asked for flash-attn, "
+                                       "which is not installed; Transformer Engine picks its own "
+                                       "fused kernel instead")
+        if flash_attn_available():
+            return CoreAttentionChoice(FLASH_ATTN, "--use-flash-attn (flash-attn is installed; "
+                                       "BERT's padding mask and fp32 go through torch SDPA)")
+        return CoreAttentionChoice(SDPA, "--use-flash-attn asked for flash-attn, which is not "
+                                   "installed; torch SDPA runs instead (its flash kernel is the same "
+                                   "algorithm)")
+    if backend == SDPA:
+        return CoreAttentionChoice(SDPA, "--attention-backend sdpa")
+    if backend == LOCAL:
+        return CoreAttentionChoice(LOCAL, "--attention-backend local")
+    if te:  # (installed on a CUDA machine)
+        return CoreAttentionChoice(TRANSFORMER_ENGINE, "Transformer Engine is installed")
+    if not cuda_available():
+        return CoreAttentionChoice(LOCAL, "CPU default (the activation-memory model of the search "
+                                   "is checked against its saved tensors); --attention-backend "
+                                   "sdpa for torch SDPA")
+    if split_backward and transformer_engine_available():
+        return CoreAttentionChoice(SDPA, "--dpp-split-backward builds Megatron-Core's local layers")
+    return CoreAttentionChoice(SDPA, "Transformer Engine not installed")
+
+
+def core_attention_from_args(args: argparse.Namespace) -> CoreAttentionChoice:
+    return core_attention(args.attention_backend, args.use_flash_attn,
+                          getattr(args, "dpp_split_backward", False))
+
+
+@dataclass(frozen=True)
+class KernelChoices:
+    """Every choice for one run; TransformerConfig's fusion settings are the `.on` of each."""
+
+    attention: CoreAttentionChoice
+    transformer_engine_layers: Choice
+    masked_softmax_fusion: Choice
+    bias_activation_fusion: Choice
+    bias_dropout_fusion: Choice
+    rope_fusion: Choice
+    gradient_accumulation_fusion: Choice
+    persist_layer_norm: Choice
+    fused_optimizer: Choice
+
+    def lines(self) -> list[str]:
+        return [self.attention.line(), self.transformer_engine_layers.line(),
+                self.masked_softmax_fusion.line(), self.bias_activation_fusion.line(),
+                self.bias_dropout_fusion.line(), self.rope_fusion.line(),
+                self.gradient_accumulation_fusion.line(), self.persist_layer_norm.line(),
+                self.fused_optimizer.line()]
+
+
+def _transformer_engine_layers(attention: CoreAttentionChoice) -> Choice:
+    feature = "Transformer Engine layers"
+    if attention.module == TRANSFORMER_ENGINE:
+        return Choice(feature, True, "Transformer Engine is installed")
+    if transformer_engine_available():
+        return Choice(feature, False, "Megatron-Core's local layers, for the core attention chosen")
+    return Choice(feature, False, "Megatron-Core's local layers (Transformer Engine not installed"
+                  + ("" if cuda_available() else "; CPU") + ")")
+
+
+def _masked_softmax_fusion(attention: CoreAttentionChoice) -> Choice:
+    feature = "masked softmax fusion"
+    if attention.module != LOCAL:
+        return Choice(feature, False, "unused: only Megatron-Core's local DotProductAttention "
+                      "reads it")
+    if not cuda_available():
+        return Choice(feature, False, "CPU: torch softmax")
+    missing = [name for name in FUSED_SOFTMAX_MODULES if not module_importable(name)]
+    if missing:
+        return Choice(feature, False, f"{', '.join(missing)} not importable (Apex/Megatron "
+                      "kernels not installed): torch softmax")
+    return Choice(feature, True, "Megatron's scaled masked softmax kernels are installed")
+
+
+def _compiled_fusion(feature: str) -> Choice:
+    if not cuda_available():
+        return Choice(feature, False, "CPU: unfused torch ops")
+    if not module_importable(TRITON_MODULE):
+        return Choice(feature, False, "triton not importable (torch.compile's GPU backend): "
+                      "unfused torch ops")
+    return Choice(feature, True, "torch.compile (Megatron-Core's jit_fuser), needs no extra package")
+
+
+def _rope_fusion() -> Choice:
+    return Choice("rope fusion", False, "unused: the models use learned absolute position "
+                  "embeddings (the fused rotary kernel is Transformer Engine's)")
+
+
+def gradient_accumulation_fusion(args: argparse.Namespace) -> Choice:
+    """Megatron-LM's choice: fused unless --no-gradient-accumulation-fusion, where the kernel
+    exists. The deferred layers of --dpp-split-backward do not support the fusion."""
+    feature = "gradient accumulation fusion"
+    if not args.gradient_accumulation_fusion:
+        return Choice(feature, False, "--no-gradient-accumulation-fusion")
+    if getattr(args, "dpp_split_backward", False):
+        return Choice(feature, False, "--dpp-split-backward defers weight gradients without it")
+    if not fused_wgrad_kernel_available():
+        return Choice(feature, False, f"{FUSED_WGRAD_MODULE} not importable (Apex not installed"
+                      + ("" if cuda_available() else "; CPU") + ")")
+    return Choice(feature, True, f"Apex {FUSED_WGRAD_MODULE} is installed")
+
+
+def persist_layer_norm(args: argparse.Namespace, te_layers: Optional[bool] = None) -> Choice:
+    """Megatron-LM's choice: the persistent LayerNorm kernel unless --no-persist-layer-norm, where
+    the model's norm is Megatron-Core's local one and the kernel exists. Transformer Engine's norm
+    does not read the setting; the deferred norm of --dpp-split-backward refuses it."""
+    feature = "persistent layer norm"
+    if te_layers is None:
+        te_layers = core_attention_from_args(args).module == TRANSFORMER_ENGINE
+    if args.no_persist_layer_norm:
+        return Choice(feature, False, "--no-persist-layer-norm")
+    if getattr(args, "dpp_split_backward", False):
+        return Choice(feature, False, "--dpp-split-backward's deferred norm is torch's LayerNorm")
+    if te_layers:
+        return Choice(feature, False, "unused: Transformer Engine's norm")
+    if not persistent_layer_norm_available():
+        return Choice(feature, False, "Apex's persistent LayerNorm not importable: torch LayerNorm")
+    return Choice(feature, True, "Apex's persistent LayerNorm is installed")
+
+
+def _fused_optimizer() -> Choice:
+    feature = "fused optimizer"
+    if module_importable(TRANSFORMER_ENGINE_MODULE):
+        return Choice(feature, True, "Transformer Engine's FusedAdam and multi-tensor kernels")
+    if module_importable("apex") and module_importable("amp_C"):
+        return Choice(feature, True, "Apex's FusedAdam and multi-tensor kernels")
+    return Choice(feature, False, "torch Adam and Megatron-Core's local multi-tensor ops "
+                  "(Transformer Engine and Apex not installed)")
+
+
+def kernel_choices(args: argparse.Namespace) -> KernelChoices:
+    attention = core_attention_from_args(args)
+    te_layers = _transformer_engine_layers(attention)
+    return KernelChoices(
+        attention=attention,
+        transformer_engine_layers=te_layers,
+        masked_softmax_fusion=_masked_softmax_fusion(attention),
+        bias_activation_fusion=_compiled_fusion("bias-gelu fusion"),
+        bias_dropout_fusion=_compiled_fusion("bias-dropout-add fusion"),
+        rope_fusion=_rope_fusion(),
+        gradient_accumulation_fusion=gradient_accumulation_fusion(args),
+        persist_layer_norm=persist_layer_norm(args, te_layers.on),
+        fused_optimizer=_fused_optimizer(),
+    )
+
+
+def fusion_settings(attention: CoreAttentionChoice) -> dict:
+    """TransformerConfig's kernel-dependent fusions for a model without training flags (the
+    search's profiling): the same choices as a training run with Megatron-LM's defaults, with
+    gradient accumulation fusion and persistent layer norm off."""
+    return dict(
+        masked_softmax_fusion=_masked_softmax_fusion(attention).on,
+        bias_activation_fusion=_compiled_fusion("bias-gelu fusion").on,
+        bias_dropout_fusion=_compiled_fusion("bias-dropout-add fusion").on,
+        apply_rope_fusion=False,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron-Core's warnings about the same packages
+# ----------------------------------------------------------------------------------------------
+# Each is a fallback the `kernels:` lines already report, or a deprecation of Megatron-Core's own
+# default that a user cannot act on. Matched by message and by the warning's Megatron-Core module,
+# so nothing else is hidden.
+OPTIONAL_PACKAGE_WARNINGS = (
+    r"Apex is not installed\. Falling back to Torch Norm",       # per spec module, at import
+    r"Transformer Engine and Apex are not installed\. Falling back",  # optimizer modules, at import
+    r"full scope is deprecated\.",  # TransformerConfig's own default cuda_graph_scope, per config
+)
+
+
+def install_warning_filters() -> None:
+    """Silence Megatron-Core's optional-package warnings (process-wide; call before importing
+    Megatron-Core): the `kernels:` lines say which path runs instead."""
+    for message in OPTIONAL_PACKAGE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning,
+                                module=r"megatron\.core(\.|$)")
+
+
+_logged = False
+
+
+def log_kernel_choices(args: argparse.Namespace, log) -> None:
+    """One `kernels:` line per feature through `log` (call on one rank), once per process."""
+    global _logged
+    if _logged:
+        return
+    _logged = True
+    for line in kernel_choices(args).lines():
+        log(line)
