@@ -16,6 +16,10 @@ without single copy. For every message size:
 Prints a table and writes {"results": [{"transport", "bytes", "bandwidth_gbps", "latency_us_p50",
 "latency_us_p99"}]} to --json. bandwidth_gbps is in gigabytes per second (1e9 B/s).
 
+--device cuda instead measures GPU tensors (transport_bench_cuda.py): shm_tensor's CUDA IPC between
+two processes on one GPU beside one device-to-device copy, and NCCL where there are 2 GPUs; without
+a GPU it says so in one line and exits 0.
+
 --cross-namespace instead runs the two ranks in two network namespaces joined by a veth pair (root
 and iproute2 needed) with the transports rdma (rdma_tensor), gloo and tcp (a plain socket), rounds
 interleaved; see cross_namespace_bench.py.
@@ -23,6 +27,7 @@ interleaved; see cross_namespace_bench.py.
     python benchmarks/transport_bench.py --json runs/transport.json
     python benchmarks/transport_bench.py --quick
     python benchmarks/transport_bench.py --cross-namespace --json runs/transport_xns.json
+    python benchmarks/transport_bench.py --device cuda --json runs/transport_cuda.json
 """
 from __future__ import annotations
 
@@ -43,6 +48,8 @@ DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 QUICK_SIZES = [4 * KiB, 1 * MiB]
 TRANSPORTS = ("shm", "shm-1copy", "shm-2copy", "gloo", "memcpy")
 CROSS_NAMESPACE_TRANSPORTS = ("rdma", "gloo", "tcp")  # cross_namespace_bench.TRANSPORTS
+CUDA_TRANSPORTS = ("shm", "d2d", "nccl")  # transport_bench_cuda.TRANSPORTS
+CUDA_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 # ShmConfig of each shm row: lending (zero_copy_receive) and single copy on or off.
 SHM_TRANSPORTS = {
     "shm": dict(zero_copy_receive=True, single_copy=True),
@@ -61,12 +68,17 @@ def parse_size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu (default): CPU tensors; cuda: GPU tensors (shm_tensor's CUDA IPC, "
+                             "a device copy, NCCL), see transport_bench_cuda.py")
     parser.add_argument("--sizes", type=str, default=None,
                         help="comma-separated message sizes, e.g. 4KiB,1MiB,64MiB "
-                             "(default 4KiB,64KiB,1MiB,4MiB,16MiB,64MiB)")
+                             "(default 4KiB,64KiB,1MiB,4MiB,16MiB,64MiB; --device cuda: "
+                             "4KiB,64KiB,1MiB,16MiB,64MiB,256MiB)")
     parser.add_argument("--transports", type=str, default=None,
                         help=f"comma-separated subset of {','.join(TRANSPORTS)} (default all; with "
-                             f"--cross-namespace of {','.join(CROSS_NAMESPACE_TRANSPORTS)})")
+                             f"--cross-namespace of {','.join(CROSS_NAMESPACE_TRANSPORTS)}; with "
+                             f"--device cuda of {','.join(CUDA_TRANSPORTS)})")
     parser.add_argument("--latency-iters", type=int, default=200,
                         help="round trips per size for latency (fewer for large sizes)")
     parser.add_argument("--stream-bytes", type=parse_size, default=256 * MiB,
@@ -77,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="shm: bytes per copy thread")
     parser.add_argument("--copy-threads", type=int, default=2, help="shm: most threads per copy")
     parser.add_argument("--num-slots", type=int, default=4, help="shm: slots per directed pair")
+    parser.add_argument("--slot-bytes", type=parse_size, default=None,
+                        help="shm --device cuda: bytes per slot; larger messages are refused "
+                             "(default ShmConfig's, 64MiB; on CPU: the largest size)")
     parser.add_argument("--spin-us", type=float, default=20.0,
                         help="shm: microseconds a waiter watches its doorbell before sleeping")
     parser.add_argument("--single-copy-min-bytes", type=parse_size, default=None,
@@ -98,21 +113,30 @@ def _fail(message: str) -> None:
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    if args.cross_namespace and args.device == "cuda":
+        _fail("--cross-namespace measures CPU tensors; drop --device cuda")
+    if args.slot_bytes is not None and (args.device != "cuda" or args.slot_bytes < 4096):
+        _fail("--slot-bytes is for --device cuda, at least 4096")
+    full_sizes = CUDA_SIZES if args.device == "cuda" else DEFAULT_SIZES
     try:
         args.size_list = ([parse_size(s) for s in args.sizes.split(",")] if args.sizes
-                          else (QUICK_SIZES if args.quick else DEFAULT_SIZES))
+                          else (QUICK_SIZES if args.quick else full_sizes))
     except ValueError:
         _fail(f"--sizes {args.sizes!r}: use sizes like 4KiB,1MiB,65536")
-    known = CROSS_NAMESPACE_TRANSPORTS if args.cross_namespace else TRANSPORTS
+    known = (CROSS_NAMESPACE_TRANSPORTS if args.cross_namespace
+             else CUDA_TRANSPORTS if args.device == "cuda" else TRANSPORTS)
     args.transport_list = ([t.strip() for t in args.transports.split(",") if t.strip()]
                            if args.transports else list(known))
     unknown = set(args.transport_list) - set(known)
     if unknown:
         _fail(f"--transports: unknown {sorted(unknown)}; pick from {','.join(known)}")
-    if args.single_copy_min_bytes is None:
+    if args.single_copy_min_bytes is None or args.slot_bytes is None:
         from shm_tensor import ShmConfig
 
-        args.single_copy_min_bytes = ShmConfig().single_copy_min_bytes
+        if args.single_copy_min_bytes is None:
+            args.single_copy_min_bytes = ShmConfig().single_copy_min_bytes
+        if args.slot_bytes is None and args.device == "cuda":
+            args.slot_bytes = ShmConfig().slot_bytes
     if args.single_copy_min_bytes < 4096:
         _fail("--single-copy-min-bytes must be at least 4096")
     if any(size <= 0 for size in args.size_list):
@@ -330,6 +354,10 @@ def main(argv=None) -> int:
         import cross_namespace_bench
 
         return cross_namespace_bench.main(args)
+    if args.device == "cuda":
+        import transport_bench_cuda
+
+        return transport_bench_cuda.main(args)
     rows = run(args)
     print_table(rows)
     describe_paths(args)

@@ -10,6 +10,8 @@
 #   launch_check_nodes ROLE    single | master | worker | slurm: NNODES, NODE_RANK, MASTER_ADDR,
 #                              MASTER_PORT, NODE_IPS (slurm: after setting NNODES and NODE_IPS)
 #   launch_prepare             Python environment, GPU-dependent defaults, recipe, data -> ALL_FLAGS
+#                              (GPUs: PP=2 where they hold two stages, else 1; NPROC = the GPUs,
+#                              rounded down to a multiple of PP x TP. CPU: PP=2, NPROC=2)
 #   launch_precheck            bad flags: one line, exit 2, before torchrun starts
 #   launch_start NODE_RANK     prints the layout and execs torchrun, or prints its command (DRY_RUN)
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -203,15 +205,29 @@ launch_prepare() {
   if [ -n "$STRATEGY_FILE" ]; then
     launch_read_strategy
   fi
-  local gpus
+  local gpus group
   gpus="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
+  TP="${TP:-1}"
+  VPP="${VPP:-1}"
   if [ "$gpus" -gt 0 ]; then
-    NPROC="${NPROC:-$gpus}"; PP="${PP:-1}"; RECIPE="${RECIPE:-$GPU_RECIPE}"
+    RECIPE="${RECIPE:-$GPU_RECIPE}"
+    # A pipeline whenever the GPUs hold two stages, so that --use-dpp has a schedule to run.
+    if [ -z "${PP:-}" ]; then
+      if [ "$gpus" -ge "$((2 * TP))" ]; then PP=2; else PP=1; fi
+    fi
+    if [ -z "${NPROC:-}" ]; then
+      group=$((PP * TP))
+      NPROC=$((gpus / group * group))
+      if [ "$NPROC" -eq 0 ]; then
+        launch_fail "PP=$PP x TP=$TP needs $group GPUs; this machine has $gpus (lower PP or TP, or set NPROC)"
+      fi
+      if [ "$NPROC" -ne "$gpus" ]; then
+        echo "$LAUNCH_NAME: NPROC=$NPROC: $NPROC of the $gpus GPUs, a multiple of PP x TP = $group"
+      fi
+    fi
   else
     NPROC="${NPROC:-2}"; PP="${PP:-2}"; RECIPE="${RECIPE:-$CPU_RECIPE}"
   fi
-  TP="${TP:-1}"
-  VPP="${VPP:-1}"
 
   local recipe_file="$RECIPE_DIR/$RECIPE.sh"
   if [ ! -f "$recipe_file" ]; then
@@ -286,13 +302,24 @@ launch_print_command() {
   echo "node $1: $line"
 }
 
+# launch_schedule_state: the banner's word on the schedule; with USE_DPP=1 and no pipeline it says
+# that --use-dpp is off, and why (launch_prepare passes --use-dpp only from PP=2 on).
+launch_schedule_state() {
+  if [ "$USE_DPP" = 1 ] && [ "$PP" -lt 2 ]; then
+    echo "--use-dpp off (USE_DPP=1 but PP=$PP: the dynamic schedule needs a pipeline; set PP>=2)"
+  else
+    echo "USE_DPP=$USE_DPP"
+  fi
+}
+
 launch_describe() {
-  local node_rank="$1"
+  local node_rank="$1" schedule
+  schedule="$(launch_schedule_state)"
   if [ "$LAUNCH_ROLE" = single ]; then
-    echo "$LAUNCH_NAME: $NPROC processes, TP=$TP PP=$PP VPP=$VPP, USE_DPP=$USE_DPP, recipe $RECIPE${STRATEGY_FILE:+, strategy $STRATEGY_FILE}"
+    echo "$LAUNCH_NAME: $NPROC processes, TP=$TP PP=$PP VPP=$VPP, $schedule, recipe $RECIPE${STRATEGY_FILE:+, strategy $STRATEGY_FILE}"
   else
     echo "$LAUNCH_NAME: node $node_rank of $NNODES, $NPROC processes per node, TP=$TP PP=$PP" \
-         "VPP=$VPP, USE_DPP=$USE_DPP, recipe $RECIPE${STRATEGY_FILE:+, strategy $STRATEGY_FILE}," \
+         "VPP=$VPP, $schedule, recipe $RECIPE${STRATEGY_FILE:+, strategy $STRATEGY_FILE}," \
          "master $MASTER_ADDR:$MASTER_PORT"
   fi
 }

@@ -3,9 +3,11 @@
 # Works from any directory; sets up the environment and the sample data when missing.
 #
 # Environment (all optional):
-#   PP, TP        pipeline / tensor parallel sizes (CPU default PP=2, TP=1; GPU default PP=1, TP=1)
+#   PP, TP        pipeline / tensor parallel sizes (default TP=1; PP=2 on CPU and on 2 or more GPUs,
+#                 PP=1 on one GPU, where USE_DPP has no pipeline to schedule and the banner says so)
 #   VPP           virtual pipeline stages per pipeline rank (interleaved 1F1B; default 1)
-#   NPROC         processes on this node (default: number of GPUs, else 2); DP = NPROC / (PP*TP)
+#   NPROC         processes on this node (default: the GPUs, rounded down to a multiple of PP*TP,
+#                 else 2); DP = NPROC / (PP*TP)
 #   RECIPE        model recipe in examples/bert (default: bert_tiny on CPU, bert_base on GPU)
 #   DATA_DIR      sample data directory (default: <repo>/data/sample)
 #   DATA_ARGS     data flags replacing the sample data (e.g. "--data-path P --vocab-file V ...")

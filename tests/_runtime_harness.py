@@ -7,6 +7,9 @@ backward_step); only the process groups are replaced by a RankLayout per rank.
     result.records[rank].tasks, result.grads, result.losses
 
 `reference_grads(...)` computes the same batch without a pipeline, for parity.
+`device="cuda"` puts the models and the data of every rank on the current GPU (built before the
+threads start); `sync_debug_mode="error"` then runs the ranks under
+torch.cuda.set_sync_debug_mode, so a host-device synchronization in the runtime fails the rank.
 `split_backward=True` runs B and W tasks: the toy linear defers its weight gradient to W
 (models.weight_grad's DeferredLinearFunction) inside the runtime's `stash.defer(key)`.
 """
@@ -108,7 +111,8 @@ def run_pipeline(P: int, V: int, sizes: List[int], policy: str, *, tp: int = 1,
                  budget_bytes: Optional[int] = None, split_backward: bool = False,
                  timeout_s: float = 10.0, forward_only: bool = False, join_s: float = 30.0,
                  rank_fn: Optional[Callable[[int, IterationRunner], None]] = None,
-                 hub: Optional[MemoryHub] = None) -> PipelineResult:
+                 hub: Optional[MemoryHub] = None, device: str = "cpu",
+                 sync_debug_mode: Optional[str] = None) -> PipelineResult:
     """One global batch of len(sizes) microbatches (sizes = tokens) on P ranks x V chunks, each
     stage held by `tp` ranks (global rank = stage * tp + i) that follow their group's first rank's
     decisions (the toy chunks compute the whole layer on every one of them).
@@ -118,14 +122,18 @@ def run_pipeline(P: int, V: int, sizes: List[int], policy: str, *, tp: int = 1,
     M = len(sizes)
     hub = hub if hub is not None else MemoryHub(timeout_s=timeout_s)
     config = toy_config(P)
-    items = [microbatch(m, tokens) for m, tokens in enumerate(sizes)]
+    items = [{**item, "x": item["x"].to(device)}
+             for item in (microbatch(m, tokens) for m, tokens in enumerate(sizes))]
+    # Every rank's chunks, built here: moving weights to a GPU synchronizes, the ranks must not.
+    models_of = {rank: [ToyChunk(c * P + divmod(rank, tp)[0], config).to(device) for c in range(V)]
+                 for rank in range(P * tp)}
     result = PipelineResult(hub=hub)
     lock = threading.Lock()
 
     def rank_main(rank: int) -> None:
         try:
             stage, tp_index = divmod(rank, tp)
-            models = [ToyChunk(c * P + stage, config) for c in range(V)]
+            models = models_of[rank]
             session = DPPSession(
                 config=DPPConfig(policy=policy, memory_budget_bytes=budget_bytes, timeout_s=timeout_s,
                                  split_backward=split_backward),
@@ -152,21 +160,28 @@ def run_pipeline(P: int, V: int, sizes: List[int], policy: str, *, tp: int = 1,
                     if model.linear.weight.grad is not None and tp_index == 0:
                         result.grads[c * P + stage] = model.linear.weight.grad.clone()
                 if rank == (P - 1) * tp:
-                    result.losses = [float(entry["loss"]) for entry in store]
+                    result.losses = [entry["loss"] for entry in store]  # floats after the join
         except BaseException as error:  # reported to the test
             with lock:
                 result.errors[rank] = error
 
     threads = [threading.Thread(target=rank_main, args=(rank,), name=f"harness-rank-{rank}")
                for rank in range(P * tp)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(join_s)
+    if sync_debug_mode is not None:
+        torch.cuda.set_sync_debug_mode(sync_debug_mode)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(join_s)
+    finally:
+        if sync_debug_mode is not None:
+            torch.cuda.set_sync_debug_mode("default")
     stuck = [thread.name for thread in threads if thread.is_alive()]
     if stuck:
         hub.lost(-1)
         raise AssertionError(f"harness ranks did not finish within {join_s} s: {stuck}")
+    result.losses = [float(loss) for loss in result.losses]
     return result
 
 

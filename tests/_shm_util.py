@@ -11,7 +11,11 @@ import torch
 import torch.multiprocessing as mp
 
 
-def _entry(fn: Callable, rank: int, world_size: int, store_path: str, results, args) -> None:
+def _entry(fn: Callable, rank: int, world_size: int, store_path: str, results, args,
+           env: dict[str, str] | None) -> None:
+    if env is not None:  # before anything initializes CUDA in this process
+        os.environ.clear()
+        os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         from torch.distributed import FileStore
@@ -25,15 +29,16 @@ def _entry(fn: Callable, rank: int, world_size: int, store_path: str, results, a
 
 def run_ranks(
     fn: Callable, world_size: int, tmp_path, *args: Any, timeout_s: float = 120.0,
-    expect_killed: tuple[int, ...] = (),
+    expect_killed: tuple[int, ...] = (), env: dict[str, str] | None = None,
 ) -> dict[int, Any]:
     """Runs fn(rank, world_size, store, *args) in `world_size` spawned processes; returns
-    {rank: return value}. Ranks in `expect_killed` may die without reporting."""
+    {rank: return value}. Ranks in `expect_killed` may die without reporting. `env`: the
+    environment of each process (GPU tests: _gpu.gpu_env(), so that the ranks see the GPUs)."""
     context = mp.get_context("spawn")
     results = context.Queue()
     store_path = str(tmp_path / f"store-{os.getpid()}-{id(fn)}")
     processes = [
-        context.Process(target=_entry, args=(fn, rank, world_size, store_path, results, args))
+        context.Process(target=_entry, args=(fn, rank, world_size, store_path, results, args, env))
         for rank in range(world_size)
     ]
     for process in processes:

@@ -53,8 +53,9 @@ TINY_GPT_ARGS = [
 ]
 
 
-def _env() -> dict:
-    env = dict(os.environ)
+def _env(base: dict | None = None) -> dict:
+    """`base` (default: this process's environment; GPU tests: _gpu.gpu_env()) with one thread."""
+    env = dict(os.environ if base is None else base)
     env["OMP_NUM_THREADS"] = "1"
     env["MKL_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
@@ -75,17 +76,18 @@ def parse_log(stdout: str) -> tuple[list[float], list[float]]:
 
 def run_training(extra_args: Sequence[str] = (), nproc: int = 2, timeout: float = 300,
                  base_args: Sequence[str] | None = None, with_data: bool = True,
-                 entry: str = "megatron_dpp.pretrain_gpt",
+                 entry: str = "megatron_dpp.pretrain_gpt", env: dict | None = None,
                  ) -> tuple[int, list[float], list[float], str]:
     """Train under torchrun; (returncode, lm losses, grad norms, stdout+stderr).
 
-    extra_args come last, so they override base_args (default TINY_GPT_ARGS). On timeout the whole
+    extra_args come last, so they override base_args (default TINY_GPT_ARGS). `env`: the ranks'
+    environment (default: this process's, pinned to the CPU by conftest.py). On timeout the whole
     process group is killed and AssertionError is raised with the output so far.
     """
     base = TINY_GPT_ARGS if base_args is None else list(base_args)
     args = [*(data_args() if with_data else []), *base, *extra_args]
     process = subprocess.Popen(torchrun_command(args, nproc, entry), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO_ROOT,
+                               stderr=subprocess.STDOUT, text=True, env=_env(env), cwd=REPO_ROOT,
                                start_new_session=True)
     try:
         stdout, _ = process.communicate(timeout=timeout)

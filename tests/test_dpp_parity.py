@@ -9,9 +9,13 @@ run: pp=2, pp=4, pp=2 x vpp=2 and dp=2 x pp=2 split the same 4-layer model and t
 batch, and Megatron gives equal losses for them (tests/test_train_parity.py checks that within
 1e-5); they are compared with Megatron's pp=2 1F1B. pp=4 x vpp=2 (8 layers), tp=2 x pp=2 (other
 reduction order) and variable-length data each have their own Megatron run.
+
+On GPUs (marked `gpu(N)`, skipped with fewer than the layout's N processes): the same comparison
+with one rank per GPU, NCCL for Megatron's P2P and shm_tensor's CUDA IPC for DPP's.
 """
 import pytest
 
+from _gpu import gpu_env
 from _train_util import run_training
 
 ITERATIONS = 10
@@ -47,16 +51,17 @@ LAYOUTS = {
 _reference_cache = {}
 
 
-def megatron_reference(name):
-    if name not in _reference_cache:
+def megatron_reference(name, on_gpus=False):
+    if (name, on_gpus) not in _reference_cache:
         flags, nproc = REFERENCES[name]
         # Megatron's own schedule and P2P (torch.distributed), not our transports.
         rc, losses, grad_norms, out = run_training(COMMON + flags + ["--p2p-transport", "torch"],
-                                                   nproc=nproc, timeout=240)
+                                                   nproc=nproc, timeout=240,
+                                                   env=gpu_env() if on_gpus else None)
         assert rc == 0, out[-3000:]
         assert len(losses) == ITERATIONS and len(grad_norms) == ITERATIONS, out[-3000:]
-        _reference_cache[name] = (losses, grad_norms)
-    return _reference_cache[name]
+        _reference_cache[(name, on_gpus)] = (losses, grad_norms)
+    return _reference_cache[(name, on_gpus)]
 
 
 @pytest.mark.slow
@@ -70,3 +75,24 @@ def test_dpp_matches_megatron(layout):
     assert len(losses) == ITERATIONS and len(grad_norms) == ITERATIONS, out[-3000:]
     assert losses == pytest.approx(ref_losses, rel=REL_TOL), (layout, losses, ref_losses)
     assert grad_norms == pytest.approx(ref_grad_norms, rel=REL_TOL), (layout, grad_norms, ref_grad_norms)
+
+
+# GPU kernels (cuBLAS split-K, atomics in embedding backward) need not add in one fixed order.
+GPU_REL_TOL = 1e-4
+GPU_LAYOUTS = ["pp2", "pp2_vpp2", "dp2_pp2", "pp4"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.gpu(LAYOUTS[name][2]))
+                                    for name in GPU_LAYOUTS])
+def test_dpp_matches_megatron_on_gpus(layout):
+    reference_name, flags, nproc = LAYOUTS[layout]
+    ref_losses, ref_grad_norms = megatron_reference(reference_name, on_gpus=True)
+    rc, losses, grad_norms, out = run_training(COMMON + DPP + flags, nproc=nproc, timeout=240,
+                                               env=gpu_env())
+    assert rc == 0, out[-3000:]
+    assert len(losses) == ITERATIONS and len(grad_norms) == ITERATIONS, out[-3000:]
+    assert losses == pytest.approx(ref_losses, rel=GPU_REL_TOL), (layout, losses, ref_losses)
+    assert grad_norms == pytest.approx(ref_grad_norms, rel=GPU_REL_TOL), (layout, grad_norms,
+                                                                          ref_grad_norms)

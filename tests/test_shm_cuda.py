@@ -1,7 +1,8 @@
 """shm_tensor's CUDA IPC path. On any machine: the libcudart loader's errors, the wire header's
 device flag, and a receiver's rejection of a device message it cannot take. On a machine with a
-GPU (skipped otherwise): GPU tensors between two real processes, several dtypes and sizes,
-out-of-order tags, slot reuse under back-pressure, non-default streams, mixed with CPU tensors."""
+GPU (marked `gpu`, skipped otherwise; their processes see the GPUs through _gpu.gpu_env()): GPU
+tensors between two real processes, several dtypes and sizes, out-of-order tags, slot reuse under
+back-pressure, non-default streams, mixed with CPU tensors."""
 from __future__ import annotations
 
 import os
@@ -16,12 +17,12 @@ import torch
 import shm_tensor
 from shm_tensor import ShmConfig
 from shm_tensor.context import store_barrier
+from _gpu import gpu_env
 from _shm_util import payload, run_ranks
 
 MiB = 1 << 20
 FLAGS_OFFSET = 100  # of WireHeader.flags: after magic..src_rank (csrc/common/wire_header.h)
 CHECKSUM_OFFSET = 120
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def _fnv1a(data: bytes) -> int:
@@ -39,9 +40,11 @@ def _with_flags(header: bytes, flags: int, fix_checksum: bool) -> bytes:
     return bytes(raw)
 
 
-def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+def _python(code: str, gpu: bool = False, **env: str) -> subprocess.CompletedProcess:
+    """Runs `code` pinned to the CPU as the suite is (conftest.py), or with the GPUs (gpu=True)."""
+    base = gpu_env() if gpu else dict(os.environ)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+                          env={**base, "OMP_NUM_THREADS": "1", **env})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,7 +70,7 @@ def test_loader_rejects_a_library_without_the_cuda_symbols():
     assert "libm.so.6: missing symbols cudaGetDevice" in result.stdout
 
 
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.timeout(90)
 def test_cuda_send_without_runtime_is_a_clear_value_error():
     code = ("import torch, shm_tensor._C as C\n"
@@ -77,7 +80,7 @@ def test_cuda_send_without_runtime_is_a_clear_value_error():
             "except ValueError as error:\n"
             "    print('ValueError:', error)\n"
             "ctx.close()\n")
-    result = _python(code, SHM_TENSOR_CUDART="/nonexistent/libcudart-bogus.so.99")
+    result = _python(code, gpu=True, SHM_TENSOR_CUDART="/nonexistent/libcudart-bogus.so.99")
     assert result.returncode == 0, result.stderr
     assert "shm_tensor.isend(peer=1, tag=7)" in result.stdout
     assert "--p2p-transport torch" in result.stdout
@@ -209,8 +212,8 @@ def _gpu_exchange_worker(rank, world, store):
     return problems
 
 
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.timeout(240)
 def test_gpu_tensors_by_cuda_ipc_between_two_processes(tmp_path):
-    results = run_ranks(_gpu_exchange_worker, 2, tmp_path, timeout_s=200)
+    results = run_ranks(_gpu_exchange_worker, 2, tmp_path, timeout_s=200, env=gpu_env())
     assert results == {0: [], 1: []}

@@ -1,0 +1,243 @@
+"""transport_bench.py --device cuda: GPU tensors between two processes.
+
+  shm   shm_tensor's CUDA IPC: both processes on GPU 0, bf16 tensors, ping-pong (rank 0 sends, rank
+        1 sends what it received back); one-way time = half the round trip, p50 and mean over
+        --latency-iters round trips after 3 warm-up ones. A message larger than the slot
+        (--slot-bytes, default ShmConfig's) is refused by shm_tensor (MessageTooLargeError): its row
+        says "refused" with the reason.
+  d2d   one device-to-device copy of the same bytes in one process (torch copy_, CUDA events): the
+        limit of any transport on this GPU.
+  nccl  torch.distributed NCCL send/recv ping-pong, rank r on GPU r: only with 2 or more GPUs
+        (NCCL does not run two ranks on one GPU); skipped with the reason otherwise.
+
+Prints a table and writes {"device": "cuda", "gpu", "gpus", "results": [{"transport", "bytes",
+"one_way_us_p50", "one_way_us_mean", "gbps", "refused"}], "skipped": {transport: reason},
+"config"} to --json. Without a GPU it prints one line saying so and exits 0 (as gpu_check.sh).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+KiB, MiB = 1 << 10, 1 << 20
+TRANSPORTS = ("shm", "d2d", "nccl")
+DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+QUICK_SIZES = [4 * KiB, 1 * MiB]
+WARMUP = 3
+WAIT_S = 60.0
+
+
+def no_gpu_reason() -> Optional[str]:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU here (torch.cuda.is_available() is False)"
+    return None
+
+
+def _row(transport: str, size: int, one_way: list[float]) -> dict:
+    p50 = statistics.median(one_way)
+    return {"transport": transport, "bytes": size, "one_way_us_p50": p50 * 1e6,
+            "one_way_us_mean": statistics.fmean(one_way) * 1e6, "gbps": size / p50 / 1e9,
+            "refused": None}
+
+
+def _bf16(size: int, device) -> torch.Tensor:
+    return torch.randn(max(1, size // 2), device=device, dtype=torch.bfloat16)
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _shm_size(ctx, store, rank: int, size: int, iters: int, tag: int,
+              device: str = "cuda") -> Optional[dict]:
+    """Rank 0's row of one size (None on rank 1). Rank 0's first send says whether shm_tensor
+    takes the size; rank 1 learns the verdict through the store before it receives. (`device`
+    "cpu": the same exchange with CPU tensors, for the tests of a machine without a GPU.)"""
+    import shm_tensor
+
+    peer = 1 - rank
+    tensor = None
+    if rank == 0:
+        tensor = _bf16(size, device)
+        _synchronize(device)
+        try:
+            first = ctx.isend(tensor, peer, tag)
+        except shm_tensor.MessageTooLargeError as error:
+            store.set(f"verdict/{size}", "refused")
+            return {"transport": "shm", "bytes": size, "one_way_us_p50": None,
+                    "one_way_us_mean": None, "gbps": None, "refused": str(error)}
+        store.set(f"verdict/{size}", "ok")
+        first.wait(timeout=WAIT_S)
+    elif store.get(f"verdict/{size}") != b"ok":
+        return None
+    round_trips, back = [], None
+    for i in range(WARMUP + iters):
+        start = time.perf_counter()
+        if rank == 0:
+            if i:  # the first send went out above
+                ctx.isend(tensor, peer, tag).wait(timeout=WAIT_S)
+            back = ctx.irecv(peer, tag + 1).wait(timeout=WAIT_S)
+        else:
+            got = ctx.irecv(peer, tag).wait(timeout=WAIT_S)
+            ctx.isend(got, peer, tag + 1).wait(timeout=WAIT_S)
+        round_trips.append(time.perf_counter() - start)
+        tag += 2
+    if rank == 1:
+        return None
+    if not torch.equal(back, tensor):
+        raise RuntimeError(f"shm: the {size} B message came back changed")
+    return _row("shm", size, [seconds / 2 for seconds in round_trips[WARMUP:]])
+
+
+def _d2d_size(size: int, iters: int) -> dict:
+    source = _bf16(size, "cuda")
+    target = torch.empty_like(source)
+    for _ in range(WARMUP):
+        target.copy_(source)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        target.copy_(source)
+        end.record()
+    torch.cuda.synchronize()
+    return _row("d2d", size, [start.elapsed_time(end) / 1e3 for start, end in events])
+
+
+def _nccl_size(rank: int, size: int, iters: int) -> Optional[dict]:
+    peer = 1 - rank
+    tensor = _bf16(size, torch.device("cuda", rank))
+    buffer = torch.empty_like(tensor)
+    round_trips = []
+    for _ in range(WARMUP + iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(tensor, peer)
+            dist.recv(buffer, peer)
+        else:
+            dist.recv(buffer, peer)
+            dist.send(buffer, peer)
+        torch.cuda.synchronize()
+        round_trips.append(time.perf_counter() - start)
+    if rank == 1:
+        return None
+    return _row("nccl", size, [seconds / 2 for seconds in round_trips[WARMUP:]])
+
+
+def _iters(args, size: int) -> int:
+    return max(5, min(args.latency_iters, (1 << 30) // size))
+
+
+def _worker(rank: int, args, store_path: str, results) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import shm_tensor
+    from shm_tensor.context import store_barrier
+
+    store = dist.FileStore(store_path, 2)
+    rows = []
+    try:
+        torch.cuda.set_device(0)
+        if "shm" in args.transport_list:
+            config = shm_tensor.ShmConfig(num_slots=args.num_slots, slot_bytes=args.slot_bytes,
+                                          timeout_s=WAIT_S)
+            ctx = shm_tensor.create_context_with_store(store, rank=rank, world_size=2,
+                                                       peers=[1 - rank], config=config,
+                                                       prefix="transport_bench_cuda")
+            for index, size in enumerate(args.size_list):
+                row = _shm_size(ctx, store, rank, size, _iters(args, size), tag=index << 20)
+                rows += [row] if row else []
+            store_barrier(store, "shm/done", 2, timeout_s=WAIT_S)  # the peer's pool outlives reads
+            ctx.close()
+        if "d2d" in args.transport_list and rank == 0:
+            rows += [_d2d_size(size, _iters(args, size)) for size in args.size_list]
+        if "nccl" in args.transport_list and torch.cuda.device_count() >= 2:
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", store=dist.PrefixStore("nccl", store), rank=rank,
+                                    world_size=2, device_id=torch.device("cuda", rank))
+            for size in args.size_list:
+                row = _nccl_size(rank, size, _iters(args, size))
+                rows += [row] if row else []
+            dist.destroy_process_group()
+        results.put((rank, "ok", rows))
+    except BaseException as error:  # reported by the parent
+        results.put((rank, "error", f"{type(error).__name__}: {error}"))
+        raise
+
+
+def run(args) -> dict:
+    gpus = torch.cuda.device_count()
+    skipped = {}
+    if "nccl" in args.transport_list and gpus < 2:
+        skipped["nccl"] = f"needs 2 GPUs (NCCL runs one rank per GPU); {gpus} here"
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        processes = [context.Process(target=_worker, args=(rank, args, f"{tmp}/store", results))
+                     for rank in range(2)]
+        for process in processes:
+            process.start()
+        try:
+            reports = [results.get(timeout=args.timeout) for _ in range(2)]
+        finally:
+            for process in processes:
+                process.join(timeout=30)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+    errors = [f"rank {rank}: {value}" for rank, status, value in reports if status != "ok"]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    rows = [row for _, _, rank_rows in sorted(reports) for row in rank_rows]
+    return {"device": "cuda", "gpu": torch.cuda.get_device_name(0), "gpus": gpus,
+            "results": rows, "skipped": skipped,
+            "config": {"sizes": args.size_list, "latency_iters": args.latency_iters,
+                       "num_slots": args.num_slots, "slot_bytes": args.slot_bytes,
+                       "dtype": "bfloat16"}}
+
+
+def _us(row: Optional[dict]) -> str:
+    if row is None:
+        return "-"
+    return "refused" if row["refused"] else f"{row['one_way_us_p50']:.1f}"
+
+
+def print_table(document: dict) -> None:
+    by_key = {(row["transport"], row["bytes"]): row for row in document["results"]}
+    print(f"one-way time (p50, us), bf16, {document['gpu']} x {document['gpus']}")
+    print(f"{'bytes':>10} {'shm':>10} {'d2d copy':>10} {'shm/d2d':>8} {'nccl':>10}")
+    for size in document["config"]["sizes"]:
+        shm, d2d, nccl = (by_key.get((name, size)) for name in ("shm", "d2d", "nccl"))
+        ratio = "-"
+        if shm and d2d and not shm["refused"]:
+            ratio = f"{shm['one_way_us_p50'] / d2d['one_way_us_p50']:.1f}"
+        print(f"{size:>10} {_us(shm):>10} {_us(d2d):>10} {ratio:>8} {_us(nccl):>10}")
+    for row in document["results"]:
+        if row["refused"]:
+            print(f"shm refused {row['bytes']} B: {row['refused']}")
+    for name, reason in document["skipped"].items():
+        print(f"{name}: skipped: {reason}")
+
+
+def main(args) -> int:
+    reason = no_gpu_reason()
+    if reason:
+        print(f"transport_bench: --device cuda: {reason}; nothing measured")
+        return 0
+    document = run(args)
+    print_table(document)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as handle:
+            json.dump(document, handle, indent=1)
+    return 0

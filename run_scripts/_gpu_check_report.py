@@ -1,0 +1,144 @@
+"""The table of run_scripts/gpu_check.sh, from what its steps left in OUTPUT_DIR: steps.tsv (name,
+exit status, log, seconds per step), the logs, transport_cuda.json and anchor_*.json. Prints the
+table, writes OUTPUT_DIR/summary.json, exits 1 when a step failed (0 otherwise).
+
+    python run_scripts/_gpu_check_report.py OUTPUT_DIR --gpt-seq-length 2048 --bert-seq-length 512
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Optional
+
+TARGET_RATIO = 0.8  # issue 26: our GPT-125m at >= 0.8x the eager SDPA anchor's tokens/s
+SKIP_LOG_LINES = 1  # the first logged interval holds start-up (allocation, autotuning)
+ITERATION_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+).*?"
+                          r"global batch size:\s+(\d+).*?lm loss: ([-+0-9.eE]+)")
+PYTEST_SUMMARY_RE = re.compile(r"^=*\s*(\d+ (passed|failed|skipped|error|deselected).*?)\s*=*$")
+
+
+def read_steps(output_dir: Path) -> list[dict]:
+    steps = []
+    for line in (output_dir / "steps.tsv").read_text().splitlines():
+        name, status, log, seconds = line.split("\t")
+        steps.append({"name": name, "exit_status": int(status), "log": log, "seconds": int(seconds)})
+    return steps
+
+
+def training_figures(log_text: str, seq_length: int) -> dict:
+    """tokens/s (global batch x sequence / the median time per iteration after the first logged
+    interval) and the first and last lm loss of a training log."""
+    lines = [(float(ms), int(batch), float(loss)) for ms, batch, loss in ITERATION_RE.findall(log_text)]
+    if not lines:
+        return {}
+    steady = lines[SKIP_LOG_LINES:] or lines
+    ms = statistics.median(ms for ms, _, _ in steady)
+    return {"ms_per_iteration": ms, "tokens_per_s": steady[-1][1] * seq_length / (ms / 1e3),
+            "first_loss": lines[0][2], "last_loss": lines[-1][2]}
+
+
+def pytest_summary(log_text: str) -> str:
+    for line in reversed(log_text.splitlines()):
+        match = PYTEST_SUMMARY_RE.match(line.strip())
+        if match:
+            return match.group(1)
+    return ""
+
+
+def _load(path: Path) -> Optional[dict]:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _rate(tokens_per_s: Optional[float]) -> str:
+    return "-" if tokens_per_s is None else f"{tokens_per_s / 1e3:.1f}k tokens/s"
+
+
+def _ipc_lines(transport: Optional[dict]) -> list[str]:
+    if not transport:
+        return []
+    rows = {(row["transport"], row["bytes"]): row for row in transport["results"]}
+    lines = []
+    for size in transport["config"]["sizes"]:
+        shm, d2d, nccl = (rows.get((name, size)) for name in ("shm", "d2d", "nccl"))
+        parts = []
+        if shm:
+            parts.append("shm refused (slot too small)" if shm["refused"]
+                         else f"shm {shm['one_way_us_p50']:.1f} us")
+        if d2d:
+            parts.append(f"device copy {d2d['one_way_us_p50']:.1f} us")
+        if nccl:
+            parts.append(f"nccl {nccl['one_way_us_p50']:.1f} us")
+        lines.append(f"  {size:>10} B one-way: " + ", ".join(parts))
+    lines += [f"  {name}: skipped: {reason}" for name, reason in transport["skipped"].items()]
+    return lines
+
+
+def summarize(output_dir: Path, seq_lengths: dict) -> dict:
+    steps = read_steps(output_dir)
+    anchors = {"anchor": _load(output_dir / "anchor_sdpa.json"),
+               "anchor-unfused": _load(output_dir / "anchor_unfused.json")}
+    for step in steps:
+        text = (output_dir / step["log"]).read_text(errors="replace")
+        passed = step["exit_status"] == 0
+        if step["name"] in seq_lengths:
+            figures = training_figures(text, seq_lengths[step["name"]])
+            step.update(figures)
+            passed = passed and bool(figures) and figures["last_loss"] < figures["first_loss"]
+            step["detail"] = (f"{_rate(figures.get('tokens_per_s'))}, lm loss "
+                              f"{figures['first_loss']:.2f} -> {figures['last_loss']:.2f}"
+                              if figures else "")  # the log's last line, below
+        elif step["name"] == "tests":
+            step["detail"] = pytest_summary(text)
+        elif step["name"] in anchors:
+            anchor = anchors[step["name"]]
+            step["tokens_per_s"] = anchor["tokens_per_s"] if anchor else None
+            step["detail"] = _rate(step["tokens_per_s"])
+        elif step["name"] == "transport" and passed:
+            step["detail"] = "CUDA IPC figures below"
+        else:
+            step["detail"] = ""
+        if not passed and not step["detail"]:
+            step["detail"] = text.strip().splitlines()[-1][:100] if text.strip() else ""
+        step["passed"] = passed
+    by_name = {step["name"]: step for step in steps}
+    ours = by_name.get("gpt", {}).get("tokens_per_s")
+    anchor = by_name.get("anchor", {}).get("tokens_per_s")
+    ratio = ours / anchor if ours and anchor else None
+    return {"steps": steps, "gpt_vs_anchor": ratio, "target_ratio": TARGET_RATIO,
+            "transport": _load(output_dir / "transport_cuda.json")}
+
+
+def print_summary(summary: dict, output_dir: Path) -> None:
+    print(f"gpu_check: results in {output_dir}")
+    print(f"{'step':<16} {'result':<7} {'seconds':>7}  detail")
+    for step in summary["steps"]:
+        print(f"{step['name']:<16} {'pass' if step['passed'] else 'FAIL':<7} {step['seconds']:>7}  "
+              f"{step['detail']}")
+    ratio = summary["gpt_vs_anchor"]
+    if ratio is not None:
+        verdict = "meets" if ratio >= TARGET_RATIO else "below"
+        print(f"our GPT / SDPA anchor: {ratio:.2f}x ({verdict} the target {TARGET_RATIO}x)")
+    ipc = _ipc_lines(summary["transport"])
+    if ipc:
+        print("CUDA IPC (bf16, two processes on one GPU):")
+        print("\n".join(ipc))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("--gpt-seq-length", type=int, required=True)
+    parser.add_argument("--bert-seq-length", type=int, required=True)
+    args = parser.parse_args(argv)
+    summary = summarize(args.output_dir, {"gpt": args.gpt_seq_length, "bert": args.bert_seq_length})
+    print_summary(summary, args.output_dir)
+    (args.output_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return 0 if all(step["passed"] for step in summary["steps"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# One check of this project on a GPU machine. It runs, each step logged under --output-dir:
+#   tests      the GPU tests (pytest -m gpu: CUDA IPC, GPT/BERT bf16, the runtime without host syncs,
+#              DPP against Megatron's schedule on 2+ GPUs)
+#   transport  benchmarks/transport_bench.py --device cuda --json (CUDA IPC one-way times against a
+#              device copy; NCCL on 2+ GPUs)
+#   gpt, bert  run_single_gpt.sh / run_single_bert.sh with the GPU recipes (gpt3_125m, bert_base)
+#              at pp=1 on one GPU, a few iterations; tokens/s from the log
+#   anchor     benchmarks/gpu_speed_anchor.py: a plain PyTorch GPT of the GPT run's shape and work,
+#              SDPA attention and, for reference, attention written out (--unfused)
+# and prints one table (what ran, pass/fail, GPT tokens/s against the SDPA anchor, whose target is
+# >= 0.8x, and the IPC figures), also written to OUTPUT_DIR/summary.txt and summary.json.
+# Without a GPU it says so in one line and exits 0. It exits 1 when a step failed.
+#
+# Flags:
+#   --output-dir DIR            where logs and results go (default: runs/gpu_check-<UTC time>)
+#   --train-iters N             iterations of each smoke run (default 30)
+#   --gpt-global-batch-size N   GPT smoke run's global batch, micro-batches of 4 (default 32: 8 per
+#                               step, as the anchor's default)
+#   --bert-global-batch-size N  BERT smoke run's global batch (default 64)
+#   --anchor-steps N            measured steps of each anchor run (default 10)
+#   --skip-tests                leave out pytest -m gpu
+#   -h, --help                  this text
+set -euo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${DPP_VENV:-$REPO_ROOT/.venv}/bin/python"
+NAME=gpu_check
+# The GPU recipes' sequence lengths, passed to the smoke runs and the anchor alike.
+GPT_SEQ_LENGTH=2048
+BERT_SEQ_LENGTH=512
+GPT_MICRO_BATCH=4
+
+OUTPUT_DIR=""
+TRAIN_ITERS=30
+GPT_GBS=32
+BERT_GBS=64
+ANCHOR_STEPS=10
+RUN_TESTS=1
+
+fail_usage() {
+  echo "$NAME: $*" >&2
+  exit 2
+}
+
+require_count() {  # FLAG VALUE
+  [[ "$2" =~ ^[1-9][0-9]*$ ]] || fail_usage "$1 $2: expected a positive whole number"
+}
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    --skip-tests) RUN_TESTS=0 ;;
+    --output-dir|--train-iters|--gpt-global-batch-size|--bert-global-batch-size|--anchor-steps)
+      [ $# -ge 2 ] || fail_usage "$1 needs a value (see --help)"
+      case "$1" in
+        --output-dir) OUTPUT_DIR="$2" ;;
+        --train-iters) require_count "$1" "$2"; TRAIN_ITERS="$2" ;;
+        --gpt-global-batch-size) require_count "$1" "$2"; GPT_GBS="$2" ;;
+        --bert-global-batch-size) require_count "$1" "$2"; BERT_GBS="$2" ;;
+        --anchor-steps) require_count "$1" "$2"; ANCHOR_STEPS="$2" ;;
+      esac
+      shift ;;
+    *) fail_usage "unknown argument $1 (see --help)" ;;
+  esac
+  shift
+done
+if [ $((GPT_GBS % GPT_MICRO_BATCH)) -ne 0 ]; then
+  fail_usage "--gpt-global-batch-size $GPT_GBS: expected a multiple of the micro-batch, $GPT_MICRO_BATCH"
+fi
+if [ "$TRAIN_ITERS" -lt 10 ]; then
+  fail_usage "--train-iters $TRAIN_ITERS: expected at least 10 (tokens/s leaves out the first 5)"
+fi
+[ -x "$PY" ] || fail_usage "no Python environment at $(dirname "$(dirname "$PY")"); run run_scripts/setup_env.sh first"
+
+GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
+if [ "$GPUS" -eq 0 ]; then
+  echo "$NAME: no CUDA GPU here (torch.cuda.is_available() is False); nothing to check"
+  exit 0
+fi
+
+OUTPUT_DIR="${OUTPUT_DIR:-$REPO_ROOT/runs/gpu_check-$(date -u +%Y%m%d-%H%M%S)}"
+mkdir -p "$OUTPUT_DIR"
+OUTPUT_DIR="$(cd "$OUTPUT_DIR" && pwd)"
+STEPS="$OUTPUT_DIR/steps.tsv"
+: >"$STEPS"
+cd "$REPO_ROOT"
+
+# step NAME LOG COMMAND...: runs COMMAND with its output in OUTPUT_DIR/LOG; records its exit status.
+step() {
+  local name="$1" log="$2" started status=0
+  shift 2
+  echo "$NAME: $name ... (log: $OUTPUT_DIR/$log)"
+  started=$SECONDS
+  "$@" >"$OUTPUT_DIR/$log" 2>&1 || status=$?
+  printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$log" "$((SECONDS - started))" >>"$STEPS"
+}
+
+# One GPU, no pipeline, the recipe's model; the log reports every 5 iterations.
+# The recipes' warm-up (200, 10000 iterations) must be shorter than the run.
+SMOKE_FLAGS=(--train-iters "$TRAIN_ITERS" --log-interval 5 --eval-iters 0 --lr-warmup-iters 2)
+if [ "$RUN_TESTS" = 1 ]; then
+  step tests tests.log "$PY" -m pytest -m gpu -q -p no:cacheprovider tests
+fi
+step transport transport.log "$PY" benchmarks/transport_bench.py --device cuda \
+  --json "$OUTPUT_DIR/transport_cuda.json"
+step gpt gpt.log env PP=1 TP=1 NPROC=1 bash run_scripts/run_single_gpt.sh "${SMOKE_FLAGS[@]}" \
+  --seq-length "$GPT_SEQ_LENGTH" --max-position-embeddings "$GPT_SEQ_LENGTH" \
+  --micro-batch-size "$GPT_MICRO_BATCH" --global-batch-size "$GPT_GBS"
+step bert bert.log env PP=1 TP=1 NPROC=1 bash run_scripts/run_single_bert.sh "${SMOKE_FLAGS[@]}" \
+  --seq-length "$BERT_SEQ_LENGTH" --max-position-embeddings "$BERT_SEQ_LENGTH" \
+  --global-batch-size "$BERT_GBS"
+ANCHOR_FLAGS=(--seq-length "$GPT_SEQ_LENGTH" --micro-batch-size "$GPT_MICRO_BATCH"
+              --micro-batches "$((GPT_GBS / GPT_MICRO_BATCH))" --steps "$ANCHOR_STEPS")
+step anchor anchor.log "$PY" benchmarks/gpu_speed_anchor.py "${ANCHOR_FLAGS[@]}" \
+  --json "$OUTPUT_DIR/anchor_sdpa.json"
+step anchor-unfused anchor_unfused.log "$PY" benchmarks/gpu_speed_anchor.py "${ANCHOR_FLAGS[@]}" \
+  --unfused --json "$OUTPUT_DIR/anchor_unfused.json"
+
+"$PY" "$REPO_ROOT/run_scripts/_gpu_check_report.py" "$OUTPUT_DIR" \
+  --gpt-seq-length "$GPT_SEQ_LENGTH" --bert-seq-length "$BERT_SEQ_LENGTH" | tee "$OUTPUT_DIR/summary.txt"
+exit "${PIPESTATUS[0]}"

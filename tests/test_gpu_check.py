@@ -1,0 +1,107 @@
+"""run_scripts/gpu_check.sh on the CPU: without a GPU one line and exit 0; --help; bad flags one
+line, exit 2, before anything runs. Its table (run_scripts/_gpu_check_report.py) from a real CPU
+training log, a real anchor JSON (--device cpu --quick) and a transport JSON as
+benchmarks/transport_bench_cuda.py writes it: tokens/s, the ratio to the anchor, failed steps, IPC
+figures with a refused size."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from _train_util import REPO_ROOT, TINY_GPT_ARGS, _env, run_training
+
+SCRIPT = str(REPO_ROOT / "run_scripts" / "gpu_check.sh")
+REPORT = str(REPO_ROOT / "run_scripts" / "_gpu_check_report.py")
+SEQ = int(TINY_GPT_ARGS[TINY_GPT_ARGS.index("--seq-length") + 1])
+
+
+def _script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, timeout=100,
+                          env=_env(), cwd=REPO_ROOT)
+
+
+@pytest.mark.timeout(120)
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_0(tmp_path):
+    result = _script("--output-dir", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ("gpu_check: no CUDA GPU here (torch.cuda.is_available() is "
+                                     "False); nothing to check")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(60)
+def test_help_explains_every_flag():
+    result = _script("--help")
+    assert result.returncode == 0
+    for flag in ("--output-dir", "--train-iters", "--gpt-global-batch-size",
+                 "--bert-global-batch-size", "--anchor-steps", "--skip-tests", "--help"):
+        assert flag in result.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,message", [
+    (["--bogus"], "unknown argument --bogus (see --help)"),
+    (["--train-iters", "x"], "--train-iters x: expected a positive whole number"),
+    (["--train-iters", "5"], "--train-iters 5: expected at least 10"),
+    (["--anchor-steps", "0"], "--anchor-steps 0: expected a positive whole number"),
+    (["--output-dir"], "--output-dir needs a value (see --help)"),
+    (["--gpt-global-batch-size", "30"], "expected a multiple of the micro-batch, 4"),
+])
+def test_bad_flags_are_one_line_exit_2(args, message):
+    result = _script(*args)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
+
+
+def _transport_json() -> dict:
+    def row(transport, size, us, refused=None):
+        return {"transport": transport, "bytes": size, "one_way_us_p50": us, "one_way_us_mean": us,
+                "gbps": None if us is None else size / us / 1e3, "refused": refused}
+
+    return {"device": "cuda", "gpu": "GPU", "gpus": 1, "skipped": {"nccl": "needs 2 GPUs"},
+            "config": {"sizes": [4096, 1 << 28]},
+            "results": [row("shm", 4096, 270.0), row("shm", 1 << 28, None, "exceeds the slot"),
+                        row("d2d", 4096, 11.0), row("d2d", 1 << 28, 182.0)]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_report_table_from_real_logs(tmp_path):
+    rc, losses, _, log = run_training(["--pipeline-model-parallel-size", "1", "--train-iters", "12",
+                                       "--log-interval", "2"], nproc=1, timeout=240)
+    assert rc == 0 and losses[-1] < losses[0], log[-3000:]
+    (tmp_path / "gpt.log").write_text(log)
+    (tmp_path / "bert.log").write_text("Traceback ...\nRuntimeError: out of memory\n")
+    anchor = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_speed_anchor.py"),
+                             "--device", "cpu", "--quick", "--json", str(tmp_path / "anchor_sdpa.json")],
+                            capture_output=True, text=True, timeout=110, env=_env())
+    assert anchor.returncode == 0, anchor.stderr
+    (tmp_path / "anchor.log").write_text(anchor.stdout)
+    (tmp_path / "transport.log").write_text("")
+    (tmp_path / "transport_cuda.json").write_text(json.dumps(_transport_json()))
+    (tmp_path / "steps.tsv").write_text("gpt\t0\tgpt.log\t30\nbert\t1\tbert.log\t5\n"
+                                        "anchor\t0\tanchor.log\t9\ntransport\t0\ttransport.log\t4\n")
+    result = subprocess.run([sys.executable, REPORT, str(tmp_path), "--gpt-seq-length", str(SEQ),
+                             "--bert-seq-length", "512"], capture_output=True, text=True,
+                            timeout=60, env=_env())
+    assert result.returncode == 1, result.stdout + result.stderr  # the BERT step failed
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    steps = {step["name"]: step for step in summary["steps"]}
+    assert steps["gpt"]["passed"] and not steps["bert"]["passed"]
+    assert steps["bert"]["detail"] == "RuntimeError: out of memory"
+    gpt = steps["gpt"]
+    assert gpt["first_loss"] == pytest.approx(losses[0], rel=1e-6)
+    assert gpt["last_loss"] == pytest.approx(losses[-1], rel=1e-6)
+    assert gpt["tokens_per_s"] == pytest.approx(8 * SEQ / (gpt["ms_per_iteration"] / 1e3))
+    anchor_rate = json.loads((tmp_path / "anchor_sdpa.json").read_text())["tokens_per_s"]
+    assert summary["gpt_vs_anchor"] == pytest.approx(gpt["tokens_per_s"] / anchor_rate)
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("gpt ") and "pass" in line and "tokens/s" in line for line in lines)
+    assert any(line.startswith("bert ") and "FAIL" in line for line in lines)
+    assert any(line.startswith("our GPT / SDPA anchor: ") and "target 0.8x" in line for line in lines)
+    assert "4096 B one-way: shm 270.0 us, device copy 11.0 us" in result.stdout
+    assert "268435456 B one-way: shm refused (slot too small), device copy 182.0 us" in result.stdout
+    assert "nccl: skipped: needs 2 GPUs" in result.stdout
