@@ -53,8 +53,23 @@ if os.path.exists(UCX_HEADER):
 else:
     print(f"setup.py: {UCX_HEADER} not found: building without rdma_tensor (install libucx-dev)")
 
+
+class BuildExtensionsInTurn(BuildExtension):
+    """`build_ext -j N` as N compile jobs within each extension (ninja's MAX_JOBS), the extensions one
+    after the other. Both extensions compile csrc/common/*.cpp, and torch's BuildExtension writes every
+    extension's objects and its build.ninja into the one build_temp: built at once, they overwrote each
+    other's files (link error: cannot find .../ucx_objects.o)."""
+
+    def build_extensions(self):
+        if self.parallel:
+            jobs = os.cpu_count() if self.parallel is True else self.parallel
+            os.environ.setdefault("MAX_JOBS", str(jobs))
+            self.parallel = None
+        super().build_extensions()
+
+
 setup(
     packages=find_packages(include=["megatron_dpp*", "shm_tensor*", "rdma_tensor*"]),
     ext_modules=extensions,
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtensionsInTurn.with_options(use_ninja=True)},
 )

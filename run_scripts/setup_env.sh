@@ -1,19 +1,18 @@
 #!/usr/bin/env bash
-# Idempotent environment setup: a Python 3.11 virtual environment with torch, megatron-core and this
-# package installed editable (with the compiled shm_tensor and rdma_tensor), and UCX from the system
-# packages. Second run: a few seconds.
+# Idempotent environment setup: a Python virtual environment with torch, megatron-core and this
+# package installed editable (with the compiled shm_tensor and rdma_tensor, checked by
+# tools/check_extensions.py after each build), and UCX from the system packages. Second run: a few
+# seconds.
 #   DPP_VENV=/path/to/venv   where the environment lives (default: <repo>/.venv)
-#   DPP_PYTHON=python3.11    the interpreter that creates it
+#   DPP_PYTHON=python3.12    the interpreter that creates it (default: run_scripts/choose_python.sh
+#                            picks one: a Python 3.11-3.13 that already imports a CUDA torch, else
+#                            a CPU torch, else the newest; an existing environment keeps its own)
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${DPP_VENV:-$REPO_ROOT/.venv}"
-PYTHON="${DPP_PYTHON:-python3.11}"
 TORCH_PIN="torch==2.13.0"
 
-if ! command -v "$PYTHON" >/dev/null 2>&1; then
-  echo "setup_env: $PYTHON not found; install Python 3.11 or set DPP_PYTHON to its path" >&2
-  exit 2
-fi
+PYTHON="$(bash "$REPO_ROOT/run_scripts/choose_python.sh" "$VENV")" || exit 2
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup_env: creating $VENV"
@@ -39,7 +38,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   echo "setup_env: installing $TORCH_PIN"
   "$PY" -m pip install -q "$TORCH_PIN"
 fi
-TORCH_VERSION="$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
+TORCH_VERSION="$("$PY" -W ignore -c 'import torch; print(torch.__version__.split("+")[0])')"
 
 # Stamp: the install is redone only when the package metadata or the C++ sources change.
 STAMP="$VENV/.megatron_dpp_installed"
@@ -51,6 +50,9 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
   echo "torch==$TORCH_VERSION" >"$CONSTRAINTS"
   "$PY" -m pip install -q -c "$CONSTRAINTS" setuptools wheel ninja
   (cd "$REPO_ROOT" && "$PY" -m pip install -q -c "$CONSTRAINTS" --no-build-isolation -e ".[test]")
+  # Every transport error raised through every extension, in a subprocess: a build whose error path
+  # crashes is rebuilt with the system compiler, or stops here with one line (exit 2).
+  "$PY" "$REPO_ROOT/tools/check_extensions.py"
   echo "$HASH" >"$STAMP"
 fi
-echo "setup_env: ready ($VENV, torch $TORCH_VERSION)"
+echo "setup_env: ready ($VENV, Python $("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])'), torch $TORCH_VERSION)"

@@ -13,6 +13,8 @@ using namespace rdma_tensor;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "rdma_tensor: tag-matched point-to-point tensor messages between nodes over UCX";
   register_transport_errors(m, "rdma_tensor._C");
+  // The build self-check (tools/check_extensions.py, run by setup_env.sh after every build).
+  m.def("raise_for_build_check", &raise_for_build_check, py::arg("error_class"));
 
   m.attr("HEADER_BYTES") = py::int_(sizeof(dpp_wire::WireHeader));
   m.def("ucx_version", [] {

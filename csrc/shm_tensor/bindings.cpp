@@ -74,6 +74,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "shm_tensor: tag-matched point-to-point tensor messages over POSIX shared memory";
 
   register_transport_errors(m, "shm_tensor._C");
+  // The build self-check (tools/check_extensions.py, run by setup_env.sh after every build).
+  m.def("raise_for_build_check", &raise_for_build_check, py::arg("error_class"));
 
   m.attr("HEADER_BYTES") = py::int_(sizeof(dpp_wire::WireHeader));
   m.attr("FLAG_CUDA_IPC") = py::int_(dpp_wire::kFlagCudaIpc);
