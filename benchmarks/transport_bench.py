@@ -36,12 +36,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from two_ranks import run_two_ranks  # benchmarks/ (this script's directory)
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -299,25 +299,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         torch.set_num_threads(1)
         rows += [bench_memcpy(args, size) for size in args.size_list]
     if set(args.transport_list) - {"memcpy"}:
-        context = mp.get_context("spawn")
-        results = context.Queue()
-        with tempfile.TemporaryDirectory() as tmp:
-            processes = [context.Process(target=_worker, args=(r, args, f"{tmp}/store", results))
-                         for r in range(2)]
-            for process in processes:
-                process.start()
-            try:
-                reports = dict(results.get(timeout=args.timeout) for _ in range(2))
-                rows += reports["rows"]
-                args.shm_paths = reports["paths"]
-            finally:
-                for process in processes:
-                    process.join(timeout=30)
-                    if process.is_alive():
-                        process.kill()
-                        process.join()
-            if any(process.exitcode != 0 for process in processes):
-                raise RuntimeError(f"benchmark ranks exited with {[p.exitcode for p in processes]}")
+        reports = dict(run_two_ranks(_worker, args, args.timeout))
+        rows += reports["rows"]
+        args.shm_paths = reports["paths"]
     return rows
 
 

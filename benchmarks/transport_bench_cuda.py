@@ -20,13 +20,13 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from two_ranks import run_two_ranks  # benchmarks/ (this script's directory)
 
 KiB, MiB = 1 << 10, 1 << 20
 TRANSPORTS = ("shm", "d2d", "nccl")
@@ -180,21 +180,7 @@ def run(args) -> dict:
     skipped = {}
     if "nccl" in args.transport_list and gpus < 2:
         skipped["nccl"] = f"needs 2 GPUs (NCCL runs one rank per GPU); {gpus} here"
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        processes = [context.Process(target=_worker, args=(rank, args, f"{tmp}/store", results))
-                     for rank in range(2)]
-        for process in processes:
-            process.start()
-        try:
-            reports = [results.get(timeout=args.timeout) for _ in range(2)]
-        finally:
-            for process in processes:
-                process.join(timeout=30)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
+    reports = run_two_ranks(_worker, args, args.timeout)
     errors = [f"rank {rank}: {value}" for rank, status, value in reports if status != "ok"]
     if errors:
         raise RuntimeError("; ".join(errors))
