@@ -458,44 +458,45 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds) -> in
     interval_ms = 0.0
     last_saved = trainer.state.iteration if train.load else None
     with StopSignals(trainer.platform.device) as signals:
-        while trainer.state.iteration < train.train_iters:
-            start = time.perf_counter()
-            try:
+        # A peer that dies while this rank waits in a collective (the training step's, an
+        # evaluation's, a save's or the stop agreement's): say who, then end at once (interpreter
+        # shutdown could block on the same dead peer).
+        try:
+            while trainer.state.iteration < train.train_iters:
+                start = time.perf_counter()
                 reduced, grad_norm, updated = trainer.train_step(train_iters)
-            except RuntimeError as error:
-                if not is_lost_peer_error(error):
-                    raise
-                # A peer died while this rank waited in a collective: say who, then end at once
-                # (interpreter shutdown could block on the same dead peer).
-                reason, lines = lost_peer_report(error, trainer.phase, getattr(args, "node_ips", None))
-                report_and_exit(reason, lines, exit_code=1)
-            skipped += 0 if updated else 1
-            interval_ms += (time.perf_counter() - start) * 1000.0
-            iteration = trainer.state.iteration
-            if iteration % train.log_interval == 0:
-                if reduced is not None and is_logging_rank():
-                    log(_format_iteration(trainer, reduced, grad_norm,
-                                          interval_ms / train.log_interval, skipped))
-                interval_ms = 0.0
-            if train.manual_gc and train.manual_gc_interval and \
-                    iteration % train.manual_gc_interval == 0:
-                gc.collect()
-            if valid_iters is not None and train.eval_iters > 0 and \
-                    iteration % train.eval_interval == 0:
-                trainer.evaluate(valid_iters)
-            if train.save and train.save_interval and iteration % train.save_interval == 0:
-                trainer.save()
-                last_saved = iteration
-            trainer.watch("agreeing on a stop signal (all-reduce over every rank)")
-            with trainer.in_collective(STOP_AGREEMENT):
-                stop = signals.agreed_stop()
-            trainer.unwatch()
-            if stop is not None:
-                if train.save and last_saved != iteration:
+                skipped += 0 if updated else 1
+                interval_ms += (time.perf_counter() - start) * 1000.0
+                iteration = trainer.state.iteration
+                if iteration % train.log_interval == 0:
+                    if reduced is not None and is_logging_rank():
+                        log(_format_iteration(trainer, reduced, grad_norm,
+                                              interval_ms / train.log_interval, skipped))
+                    interval_ms = 0.0
+                if train.manual_gc and train.manual_gc_interval and \
+                        iteration % train.manual_gc_interval == 0:
+                    gc.collect()
+                if valid_iters is not None and train.eval_iters > 0 and \
+                        iteration % train.eval_interval == 0:
+                    trainer.evaluate(valid_iters)
+                if train.save and train.save_interval and iteration % train.save_interval == 0:
                     trainer.save()
-                log_rank0(f" stopped by signal {stop} after iteration {iteration}")
-                trainer.close()
-                return 128 + stop
+                    last_saved = iteration
+                trainer.watch("agreeing on a stop signal (all-reduce over every rank)")
+                with trainer.in_collective(STOP_AGREEMENT):
+                    stop = signals.agreed_stop()
+                trainer.unwatch()
+                if stop is not None:
+                    if train.save and last_saved != iteration:
+                        trainer.save()
+                    log_rank0(f" stopped by signal {stop} after iteration {iteration}")
+                    trainer.close()
+                    return 128 + stop
+        except RuntimeError as error:
+            if not is_lost_peer_error(error):
+                raise
+            reason, lines = lost_peer_report(error, trainer.phase, getattr(args, "node_ips", None))
+            report_and_exit(reason, lines, exit_code=1)
     if train.save and last_saved != trainer.state.iteration:
         trainer.save()
     if train.manual_gc:
