@@ -5,7 +5,7 @@ extensions compile against the torch already installed instead of a fresh one pu
 """
 import os
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 # shm_tensor._C: POSIX shared memory transport for CPU tensors, CUDA IPC for GPU tensors. Plain C++
@@ -47,7 +47,15 @@ rdma_tensor_extension = CppExtension(
     libraries=["ucp", "uct", "ucs"],
     extra_link_args=["-lpthread"],
 )
-extensions = [shm_tensor_extension]
+# shm_tensor._fake_cudart: a fake libcudart (host memory for device memory, no torch, no Python) that
+# tests load through SHM_TENSOR_CUDART to run the CUDA IPC protocol on CPU-only machines.
+fake_cudart_extension = Extension(
+    name="shm_tensor._fake_cudart",
+    sources=["csrc/fake_cudart/fake_cudart.cpp"],
+    extra_compile_args=["-O2", "-std=c++17"],
+    libraries=["rt"],
+)
+extensions = [shm_tensor_extension, fake_cudart_extension]
 if os.path.exists(UCX_HEADER):
     extensions.append(rdma_tensor_extension)
 else:

@@ -48,7 +48,8 @@ DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 QUICK_SIZES = [4 * KiB, 1 * MiB]
 TRANSPORTS = ("shm", "shm-1copy", "shm-2copy", "gloo", "memcpy")
 CROSS_NAMESPACE_TRANSPORTS = ("rdma", "gloo", "tcp")  # cross_namespace_bench.TRANSPORTS
-CUDA_TRANSPORTS = ("shm", "d2d", "nccl")  # transport_bench_cuda.TRANSPORTS
+CUDA_TRANSPORTS = ("shm", "shm-host", "d2d", "nccl")  # transport_bench_cuda.TRANSPORTS
+FAKE_CUDA_TRANSPORTS = ("shm", "shm-host", "d2d")  # transport_bench_cuda.FAKE_TRANSPORTS
 CUDA_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 # ShmConfig of each shm row: lending (zero_copy_receive) and single copy on or off.
 SHM_TRANSPORTS = {
@@ -68,9 +69,10 @@ def parse_size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+    parser.add_argument("--device", choices=("cpu", "cuda", "fake-cuda"), default="cpu",
                         help="cpu (default): CPU tensors; cuda: GPU tensors (shm_tensor's CUDA IPC, "
-                             "a device copy, NCCL), see transport_bench_cuda.py")
+                             "a device copy, NCCL), see transport_bench_cuda.py; fake-cuda: the CUDA "
+                             "IPC protocol on CPU through the fake CUDA runtime (its signalling cost)")
     parser.add_argument("--sizes", type=str, default=None,
                         help="comma-separated message sizes, e.g. 4KiB,1MiB,64MiB "
                              "(default 4KiB,64KiB,1MiB,4MiB,16MiB,64MiB; --device cuda: "
@@ -113,18 +115,20 @@ def _fail(message: str) -> None:
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    if args.cross_namespace and args.device == "cuda":
+    on_device = args.device in ("cuda", "fake-cuda")  # transport_bench_cuda.py measures it
+    if args.cross_namespace and on_device:
         _fail("--cross-namespace measures CPU tensors; drop --device cuda")
-    if args.slot_bytes is not None and (args.device != "cuda" or args.slot_bytes < 4096):
+    if args.slot_bytes is not None and (not on_device or args.slot_bytes < 4096):
         _fail("--slot-bytes is for --device cuda, at least 4096")
-    full_sizes = CUDA_SIZES if args.device == "cuda" else DEFAULT_SIZES
+    full_sizes = CUDA_SIZES if on_device else DEFAULT_SIZES
     try:
         args.size_list = ([parse_size(s) for s in args.sizes.split(",")] if args.sizes
                           else (QUICK_SIZES if args.quick else full_sizes))
     except ValueError:
         _fail(f"--sizes {args.sizes!r}: use sizes like 4KiB,1MiB,65536")
     known = (CROSS_NAMESPACE_TRANSPORTS if args.cross_namespace
-             else CUDA_TRANSPORTS if args.device == "cuda" else TRANSPORTS)
+             else CUDA_TRANSPORTS if args.device == "cuda"
+             else FAKE_CUDA_TRANSPORTS if args.device == "fake-cuda" else TRANSPORTS)
     args.transport_list = ([t.strip() for t in args.transports.split(",") if t.strip()]
                            if args.transports else list(known))
     unknown = set(args.transport_list) - set(known)
@@ -135,7 +139,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
         if args.single_copy_min_bytes is None:
             args.single_copy_min_bytes = ShmConfig().single_copy_min_bytes
-        if args.slot_bytes is None and args.device == "cuda":
+        if args.slot_bytes is None and on_device:
             args.slot_bytes = ShmConfig().slot_bytes
     if args.single_copy_min_bytes < 4096:
         _fail("--single-copy-min-bytes must be at least 4096")
@@ -338,7 +342,7 @@ def main(argv=None) -> int:
         import cross_namespace_bench
 
         return cross_namespace_bench.main(args)
-    if args.device == "cuda":
+    if args.device in ("cuda", "fake-cuda"):
         import transport_bench_cuda
 
         return transport_bench_cuda.main(args)

@@ -1,18 +1,27 @@
 """transport_bench.py --device cuda: GPU tensors between two processes.
 
-  shm   shm_tensor's CUDA IPC: both processes on GPU 0, bf16 tensors, ping-pong (rank 0 sends, rank
-        1 sends what it received back); one-way time = half the round trip, p50 and mean over
-        --latency-iters round trips after 3 warm-up ones. A message larger than the slot
-        (--slot-bytes, default ShmConfig's) is refused by shm_tensor (MessageTooLargeError): its row
-        says "refused" with the reason.
-  d2d   one device-to-device copy of the same bytes in one process (torch copy_, CUDA events): the
-        limit of any transport on this GPU.
-  nccl  torch.distributed NCCL send/recv ping-pong, rank r on GPU r: only with 2 or more GPUs
-        (NCCL does not run two ranks on one GPU); skipped with the reason otherwise.
+  shm       shm_tensor's CUDA IPC: both processes on GPU 0, bf16 tensors, ping-pong (rank 0 sends,
+            rank 1 sends what it received back); rank 0 synchronizes its device after each round
+            trip, so the time includes the copies on the device, not only the signalling. One-way
+            time = half the round trip, p50 and mean over --latency-iters round trips after 3
+            warm-up ones. A message shm_tensor refuses (MessageTooLargeError: only where the
+            tensor's memory cannot be exported and it exceeds --slot-bytes) says "refused".
+  shm-host  the same ping-pong without the per-round-trip device synchronization: the host side
+            (descriptor through shared memory, doorbell, event calls) alone, since no shm_tensor
+            call waits for the device. The device work trails behind and is checked at the end.
+  d2d       one device-to-device copy of the same bytes in one process (torch copy_, CUDA events):
+            the limit of any transport on this GPU.
+  nccl      torch.distributed NCCL send/recv ping-pong, rank r on GPU r: only with 2 or more GPUs
+            (NCCL does not run two ranks on one GPU); skipped with the reason otherwise.
 
-Prints a table and writes {"device": "cuda", "gpu", "gpus", "results": [{"transport", "bytes",
+--device fake-cuda runs shm and shm-host on a machine without a GPU: CPU tensors take the CUDA IPC
+protocol through the fake CUDA runtime (csrc/fake_cudart: host memory, process_vm_readv for the
+"device" copy), which measures the protocol's signalling cost; d2d is then one CPU copy_ of the bytes.
+
+Prints a table and writes {"device", "gpu", "gpus", "results": [{"transport", "bytes",
 "one_way_us_p50", "one_way_us_mean", "gbps", "refused"}], "skipped": {transport: reason},
-"config"} to --json. Without a GPU it prints one line saying so and exits 0 (as gpu_check.sh).
+"config"} to --json. With --device cuda and no GPU it prints one line saying so and exits 0 (as
+gpu_check.sh).
 """
 from __future__ import annotations
 
@@ -29,7 +38,8 @@ import torch.distributed as dist
 from two_ranks import run_two_ranks  # benchmarks/ (this script's directory)
 
 KiB, MiB = 1 << 10, 1 << 20
-TRANSPORTS = ("shm", "d2d", "nccl")
+TRANSPORTS = ("shm", "shm-host", "d2d", "nccl")
+FAKE_TRANSPORTS = ("shm", "shm-host", "d2d")
 DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 QUICK_SIZES = [4 * KiB, 1 * MiB]
 WARMUP = 3
@@ -58,45 +68,62 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _shm_size(ctx, store, rank: int, size: int, iters: int, tag: int,
-              device: str = "cuda") -> Optional[dict]:
+def _shm_size(ctx, store, rank: int, size: int, iters: int, tag: int, device: str,
+              sync_each: bool) -> Optional[dict]:
     """Rank 0's row of one size (None on rank 1). Rank 0's first send says whether shm_tensor
-    takes the size; rank 1 learns the verdict through the store before it receives. (`device`
-    "cpu": the same exchange with CPU tensors, for the tests of a machine without a GPU.)"""
+    takes the size; rank 1 learns the verdict through the store before it receives. `device`
+    "cpu": CPU tensors (the fake CUDA runtime's path). `sync_each`: rank 0 synchronizes its device
+    after every round trip ("shm"); otherwise only at the end ("shm-host")."""
     import shm_tensor
 
+    name = "shm" if sync_each else "shm-host"
     peer = 1 - rank
     tensor = None
+    key = f"verdict/{name}/{size}"
     if rank == 0:
         tensor = _bf16(size, device)
         _synchronize(device)
         try:
             first = ctx.isend(tensor, peer, tag)
         except shm_tensor.MessageTooLargeError as error:
-            store.set(f"verdict/{size}", "refused")
-            return {"transport": "shm", "bytes": size, "one_way_us_p50": None,
+            store.set(key, "refused")
+            return {"transport": name, "bytes": size, "one_way_us_p50": None,
                     "one_way_us_mean": None, "gbps": None, "refused": str(error)}
-        store.set(f"verdict/{size}", "ok")
-        first.wait(timeout=WAIT_S)
-    elif store.get(f"verdict/{size}") != b"ok":
+        store.set(key, "ok")
+    elif store.get(key) != b"ok":
         return None
     round_trips, back = [], None
     for i in range(WARMUP + iters):
         start = time.perf_counter()
         if rank == 0:
-            if i:  # the first send went out above
-                ctx.isend(tensor, peer, tag).wait(timeout=WAIT_S)
+            send = first if i == 0 else ctx.isend(tensor, peer, tag)
             back = ctx.irecv(peer, tag + 1).wait(timeout=WAIT_S)
+            send.wait(timeout=WAIT_S)  # complete by now: the peer's copy was queued before its reply
+            if sync_each:
+                _synchronize(device)
         else:
             got = ctx.irecv(peer, tag).wait(timeout=WAIT_S)
             ctx.isend(got, peer, tag + 1).wait(timeout=WAIT_S)
         round_trips.append(time.perf_counter() - start)
         tag += 2
+    _synchronize(device)
     if rank == 1:
         return None
     if not torch.equal(back, tensor):
-        raise RuntimeError(f"shm: the {size} B message came back changed")
-    return _row("shm", size, [seconds / 2 for seconds in round_trips[WARMUP:]])
+        raise RuntimeError(f"{name}: the {size} B message came back changed")
+    return _row(name, size, [seconds / 2 for seconds in round_trips[WARMUP:]])
+
+
+def _host_copy_size(size: int, iters: int) -> dict:
+    """--device fake-cuda's d2d row: one CPU copy_ of the bytes."""
+    source = _bf16(size, "cpu")
+    target = torch.empty_like(source)
+    times = []
+    for i in range(WARMUP + iters):
+        start = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - start)
+    return _row("d2d", size, times[WARMUP:])
 
 
 def _d2d_size(size: int, iters: int) -> dict:
@@ -146,21 +173,37 @@ def _worker(rank: int, args, store_path: str, results) -> None:
 
     store = dist.FileStore(store_path, 2)
     rows = []
+    fake = args.device == "fake-cuda"
+    device = "cpu" if fake else "cuda"
     try:
-        torch.cuda.set_device(0)
-        if "shm" in args.transport_list:
+        if fake:
+            os.environ["SHM_TENSOR_CUDART"] = shm_tensor.fake_cudart_path()  # before the first load
+        else:
+            torch.cuda.set_device(0)
+        shm_kinds = [kind for kind in ("shm", "shm-host") if kind in args.transport_list]
+        if shm_kinds:
             config = shm_tensor.ShmConfig(num_slots=args.num_slots, slot_bytes=args.slot_bytes,
-                                          timeout_s=WAIT_S)
+                                          timeout_s=WAIT_S, spin_us=args.spin_us)
             ctx = shm_tensor.create_context_with_store(store, rank=rank, world_size=2,
                                                        peers=[1 - rank], config=config,
-                                                       prefix="transport_bench_cuda")
-            for index, size in enumerate(args.size_list):
-                row = _shm_size(ctx, store, rank, size, _iters(args, size), tag=index << 20)
-                rows += [row] if row else []
-            store_barrier(store, "shm/done", 2, timeout_s=WAIT_S)  # the peer's pool outlives reads
+                                                       prefix="transport_bench_cuda",
+                                                       host_tensors_by_cuda_ipc=fake)
+            tag = 0
+            for kind in shm_kinds:
+                for size in args.size_list:
+                    row = _shm_size(ctx, store, rank, size, _iters(args, size), tag, device,
+                                    sync_each=kind == "shm")
+                    rows += [row] if row else []
+                    tag += 1 << 20
+            if rank == 0:
+                rows.append({"transport": "paths", "counts": ctx.message_counts()})
+            store_barrier(store, "shm/done", 2, timeout_s=WAIT_S)  # the peer's reads are queued
+            _synchronize(device)
+            store_barrier(store, "shm/synced", 2, timeout_s=WAIT_S)  # ...and done on the device
             ctx.close()
         if "d2d" in args.transport_list and rank == 0:
-            rows += [_d2d_size(size, _iters(args, size)) for size in args.size_list]
+            measure = _host_copy_size if fake else _d2d_size
+            rows += [measure(size, _iters(args, size)) for size in args.size_list]
         if "nccl" in args.transport_list and torch.cuda.device_count() >= 2:
             torch.cuda.set_device(rank)
             dist.init_process_group("nccl", store=dist.PrefixStore("nccl", store), rank=rank,
@@ -176,7 +219,8 @@ def _worker(rank: int, args, store_path: str, results) -> None:
 
 
 def run(args) -> dict:
-    gpus = torch.cuda.device_count()
+    fake = args.device == "fake-cuda"
+    gpus = 0 if fake else torch.cuda.device_count()
     skipped = {}
     if "nccl" in args.transport_list and gpus < 2:
         skipped["nccl"] = f"needs 2 GPUs (NCCL runs one rank per GPU); {gpus} here"
@@ -185,8 +229,11 @@ def run(args) -> dict:
     if errors:
         raise RuntimeError("; ".join(errors))
     rows = [row for _, _, rank_rows in sorted(reports) for row in rank_rows]
-    return {"device": "cuda", "gpu": torch.cuda.get_device_name(0), "gpus": gpus,
-            "results": rows, "skipped": skipped,
+    paths = [row["counts"] for row in rows if row["transport"] == "paths"]
+    rows = [row for row in rows if row["transport"] != "paths"]
+    gpu = "fake CUDA runtime on CPU" if fake else torch.cuda.get_device_name(0)
+    return {"device": args.device, "gpu": gpu, "gpus": gpus, "results": rows, "skipped": skipped,
+            "message_counts": paths[0] if paths else {},
             "config": {"sizes": args.size_list, "latency_iters": args.latency_iters,
                        "num_slots": args.num_slots, "slot_bytes": args.slot_bytes,
                        "dtype": "bfloat16"}}
@@ -201,13 +248,19 @@ def _us(row: Optional[dict]) -> str:
 def print_table(document: dict) -> None:
     by_key = {(row["transport"], row["bytes"]): row for row in document["results"]}
     print(f"one-way time (p50, us), bf16, {document['gpu']} x {document['gpus']}")
-    print(f"{'bytes':>10} {'shm':>10} {'d2d copy':>10} {'shm/d2d':>8} {'nccl':>10}")
+    print(f"{'bytes':>10} {'shm':>10} {'shm-host':>10} {'d2d copy':>10} {'shm/d2d':>8} {'nccl':>10}")
     for size in document["config"]["sizes"]:
-        shm, d2d, nccl = (by_key.get((name, size)) for name in ("shm", "d2d", "nccl"))
+        shm, host, d2d, nccl = (by_key.get((name, size)) for name in ("shm", "shm-host", "d2d", "nccl"))
         ratio = "-"
         if shm and d2d and not shm["refused"]:
             ratio = f"{shm['one_way_us_p50'] / d2d['one_way_us_p50']:.1f}"
-        print(f"{size:>10} {_us(shm):>10} {_us(d2d):>10} {ratio:>8} {_us(nccl):>10}")
+        print(f"{size:>10} {_us(shm):>10} {_us(host):>10} {_us(d2d):>10} {ratio:>8} {_us(nccl):>10}")
+    counts = document.get("message_counts") or {}
+    if counts:
+        print(f"paths (rank 0): sent {counts.get('sent_device_direct', 0)} direct, "
+              f"{counts.get('sent_device_staged', 0)} staged; received "
+              f"{counts.get('received_device_direct', 0)} direct, "
+              f"{counts.get('received_device_staged', 0)} staged")
     for row in document["results"]:
         if row["refused"]:
             print(f"shm refused {row['bytes']} B: {row['refused']}")
@@ -216,7 +269,7 @@ def print_table(document: dict) -> None:
 
 
 def main(args) -> int:
-    reason = no_gpu_reason()
+    reason = None if args.device == "fake-cuda" else no_gpu_reason()
     if reason:
         print(f"transport_bench: --device cuda: {reason}; nothing measured")
         return 0

@@ -257,8 +257,8 @@ def _fused_optimizer() -> Choice:
         return Choice(feature, True, "Transformer Engine's FusedAdam and multi-tensor kernels")
     if module_importable("apex") and module_importable("amp_C"):
         return Choice(feature, True, "Apex's FusedAdam and multi-tensor kernels")
-    return Choice(feature, False, "torch Adam and Megatron-Core's local multi-tensor ops "
-                  "(Transformer Engine and Apex not installed)")
+    return Choice(feature, False, "torch Adam, and torch's foreach ops in place of Megatron-Core's "
+                  "per-tensor multi-tensor fallbacks (Transformer Engine and Apex not installed)")
 
 
 def kernel_choices(args: argparse.Namespace) -> KernelChoices:
@@ -321,3 +321,70 @@ def log_kernel_choices(args: argparse.Namespace, log) -> None:
     _logged = True
     for line in kernel_choices(args).lines():
         log(line)
+
+
+# ----------------------------------------------------------------------------------------------
+# multi-tensor ops without Apex / Transformer Engine
+# ----------------------------------------------------------------------------------------------
+def foreach_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Drop-in for amp_C.multi_tensor_l2norm (per_tensor=False): the l2 norm of all tensors of
+    tensor_lists[0] as a 1-element fp32 tensor on their device, and None.
+
+    Megatron-Core's own fallback (megatron.core.utils.local_multi_tensor_l2_norm) takes one
+    torch.norm per tensor, then builds a CPU tensor from the list of device scalars and a device
+    tensor from its float: on CUDA one host-device synchronization per parameter tensor (about 150
+    for GPT-125m) and one more, every optimizer step. This one is two launches (torch._foreach_norm
+    and the norm of the stacked norms) and never synchronizes. On CPU the numbers are the same bits
+    (the same per-tensor norm, then the norm of the same fp32 vector)."""
+    if per_tensor:
+        from megatron.core.utils import local_multi_tensor_l2_norm
+
+        return local_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args)
+    norms = torch.stack(torch._foreach_norm(tensor_lists[0]))
+    if norms.dtype != torch.float32:  # the fallback's torch.tensor(list) made fp32 values
+        norms = norms.float()
+    return torch.linalg.vector_norm(norms).reshape(1), None
+
+
+def foreach_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """Drop-in for amp_C.multi_tensor_scale: tensor_lists[1][i] = tensor_lists[0][i] * scale.
+
+    Megatron-Core's fallback (local_multi_tensor_scale) loops in Python, two launches per tensor
+    (`dst.copy_(src * scale)`); it copies the fp32 main parameters to the bf16 model parameters
+    (scale 1.0) and clips gradients (in place) once per step. The same values here, with foreach
+    ops: x * 1.0 is x, and a product is rounded once, to the source's dtype, before the copy."""
+    sources, destinations = tensor_lists[0], tensor_lists[1]
+    if not sources:
+        return
+    if scale == 1.0:
+        torch._foreach_copy_(destinations, sources)
+    elif all(s is d for s, d in zip(sources, destinations)):
+        torch._foreach_mul_(sources, scale)
+    else:
+        torch._foreach_copy_(destinations, torch._foreach_mul(sources, scale))
+
+
+def install_foreach_multi_tensor_ops() -> bool:
+    """Where Megatron-Core fell back to its local multi-tensor ops (neither Transformer Engine nor
+    Apex importable), point its gradient-norm and scale/copy calls at the foreach versions above.
+    True when something was replaced; idempotent.
+
+    This replaces module globals of Megatron-Core (clip_grads.l2_norm_impl, and
+    multi_tensor_scale_impl in clip_grads and optimizer), chosen by Megatron-Core at import from
+    what is installed: it has no config or hook to choose them, and its fallbacks cost a
+    host-device synchronization per parameter tensor on every step (see
+    foreach_multi_tensor_l2_norm). The call signatures are amp_C's, which Megatron-Core calls them
+    with through multi_tensor_applier."""
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    replaced = False
+    if getattr(clip_grads, "l2_norm_impl", None) is mcore_utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = foreach_multi_tensor_l2_norm
+        replaced = True
+    for module in (clip_grads, mcore_optimizer):
+        if getattr(module, "multi_tensor_scale_impl", None) is mcore_utils.local_multi_tensor_scale:
+            module.multi_tensor_scale_impl = foreach_multi_tensor_scale
+            replaced = True
+    return replaced

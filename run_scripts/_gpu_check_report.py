@@ -63,11 +63,13 @@ def _ipc_lines(transport: Optional[dict]) -> list[str]:
     rows = {(row["transport"], row["bytes"]): row for row in transport["results"]}
     lines = []
     for size in transport["config"]["sizes"]:
-        shm, d2d, nccl = (rows.get((name, size)) for name in ("shm", "d2d", "nccl"))
+        shm, host, d2d, nccl = (rows.get((name, size)) for name in ("shm", "shm-host", "d2d", "nccl"))
         parts = []
         if shm:
             parts.append("shm refused (slot too small)" if shm["refused"]
                          else f"shm {shm['one_way_us_p50']:.1f} us")
+        if host and not host["refused"]:
+            parts.append(f"host side {host['one_way_us_p50']:.1f} us")
         if d2d:
             parts.append(f"device copy {d2d['one_way_us_p50']:.1f} us")
         if nccl:

@@ -18,6 +18,17 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "setup_env: creating $VENV"
   # --system-site-packages keeps a CUDA torch that a GPU machine already has.
   "$PYTHON" -m venv --system-site-packages "$VENV"
+  # --system-site-packages reaches only the base interpreter's packages. When the chosen Python is
+  # itself a venv (a GPU image's /opt/torch/.venv/bin/python3, say), a .pth file makes that venv's
+  # packages (its CUDA torch) visible too, behind ours.
+  PARENT_SITE="$("$PYTHON" -c 'import sys, sysconfig
+if sys.prefix != sys.base_prefix:
+    print("\n".join(dict.fromkeys([sysconfig.get_path("purelib"), sysconfig.get_path("platlib")])))')"
+  if [ -n "$PARENT_SITE" ]; then
+    VENV_SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"
+    echo "$PARENT_SITE" >"$VENV_SITE/_megatron_dpp_parent_venv.pth"
+    echo "setup_env: $PYTHON is a virtual environment itself; its packages stay visible ($VENV_SITE/_megatron_dpp_parent_venv.pth)"
+  fi
 fi
 PY="$VENV/bin/python"
 
@@ -27,7 +38,11 @@ if [ ! -f /usr/include/ucp/api/ucp.h ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup_env: installing libucx-dev (UCX, for rdma_tensor)"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q libucx-dev >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q libucx-dev >/dev/null; }
+    if ! { apt-get install -y -q libucx-dev >/dev/null 2>&1 ||
+           { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libucx-dev >/dev/null 2>&1; }; }; then
+      # No package registry (an offline GPU image): one node still works through shm_tensor.
+      echo "setup_env: could not install libucx-dev (apt-get failed); building without rdma_tensor, so --p2p-transport rdma (across nodes) is unavailable"
+    fi
   else
     echo "setup_env: UCX headers missing; install them first (Debian/Ubuntu: sudo apt-get install libucx-dev), then run this again" >&2
     exit 2

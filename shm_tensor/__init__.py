@@ -9,9 +9,11 @@ node, over POSIX shared memory (compiled `shm_tensor._C`).
     index = ctx.wait_any([h1, h2], timeout=30) # sleeps on one futex doorbell, no spinning
 
 Peers and ranks are global torch.distributed ranks; tags are non-negative 63-bit ints. CUDA tensors
-travel by CUDA IPC (device to device, libcudart loaded with dlopen at run time); where the CUDA
-runtime does not load, sending one raises ValueError saying why (`cuda_runtime_error()`). The CUDA
-path has not been run on a GPU yet (docs/transport.md).
+travel by CUDA IPC (libcudart loaded with dlopen at run time): the receiver copies once, straight
+from the sender's tensor, on its current stream, and neither side waits for the device on the host
+(docs/transport.md, "CUDA IPC"); where the CUDA runtime does not load, sending one raises ValueError
+saying why (`cuda_runtime_error()`). `fake_cudart_path()` is the fake CUDA runtime the tests run
+that protocol on without a GPU.
 
 `ShmConfig` (shm_tensor.config) is pure Python. Every other name loads the compiled transport on
 first use, so `import shm_tensor.config` (a parser showing the defaults) does not.
@@ -48,3 +50,17 @@ def __getattr__(name: str):
     value = getattr(module, name)
     globals()[name] = value
     return value
+
+
+def fake_cudart_path() -> str:
+    """Absolute path of the fake CUDA runtime built next to this file (csrc/fake_cudart): tests name
+    it in SHM_TENSOR_CUDART to run the CUDA IPC path on machines without a GPU."""
+    import glob
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = sorted(glob.glob(os.path.join(here, "_fake_cudart*.so")))
+    if not found:
+        raise FileNotFoundError("shm_tensor: the fake CUDA runtime (_fake_cudart*.so) is not built; "
+                                "rebuild with run_scripts/setup_env.sh")
+    return found[0]

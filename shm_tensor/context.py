@@ -47,9 +47,10 @@ def _cuda_caller() -> tuple[int, int]:
     return device, torch.cuda.current_stream(device).cuda_stream
 
 
-def _to_c(settings: ShmConfig) -> "_C.ContextConfig":
+def _to_c(settings: ShmConfig, host_tensors_by_cuda_ipc: bool = False) -> "_C.ContextConfig":
     settings.validate()
     config = _C.ContextConfig()
+    config.host_tensors_by_cuda_ipc = bool(host_tensors_by_cuda_ipc)
     config.num_slots = settings.num_slots
     config.slot_bytes = settings.slot_bytes
     config.copy_threads = settings.copy_threads
@@ -115,7 +116,9 @@ class Context:
         return self._context.rank
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Handle:
-        """CUDA tensors go by CUDA IPC, ordered after the work queued on the current stream."""
+        """CUDA tensors go by CUDA IPC, ordered after the work queued on the current stream. Such a
+        send completes once the receiver has queued its copy; the current stream at isend then
+        waits (on the device) for that copy, so the tensor may be overwritten afterwards."""
         if tensor.is_cuda:
             stream = torch.cuda.current_stream(tensor.device).cuda_stream
             return Handle(self._context.isend(tensor, peer, tag, stream))
@@ -203,11 +206,14 @@ def create_context(
     job_name: str,
     barrier: Callable[[], None],
     config: ShmConfig = ShmConfig(),
+    host_tensors_by_cuda_ipc: bool = False,
 ) -> Context:
     """Collective over `rank` and its peers: creates this process's inbox `/<job_name>-r<rank>`
     (mode 0600), maps the peers' inboxes after `barrier()`, and unlinks the names after a second
-    barrier, so nothing is left in /dev/shm however the processes end afterwards."""
-    context = _C.Context(rank, list(peers), job_name, _to_c(config))
+    barrier, so nothing is left in /dev/shm however the processes end afterwards.
+    `host_tensors_by_cuda_ipc` (tests): CPU tensors take the CUDA IPC path through the fake CUDA
+    runtime named by SHM_TENSOR_CUDART (`fake_cudart_path()`); refused with a real runtime."""
+    context = _C.Context(rank, list(peers), job_name, _to_c(config, host_tensors_by_cuda_ipc))
     try:
         barrier()
         context.connect()
@@ -240,6 +246,7 @@ def create_context_with_store(
     config: ShmConfig = ShmConfig(),
     prefix: str = "shm_tensor",
     rendezvous_timeout_s: float = 120.0,
+    host_tensors_by_cuda_ipc: bool = False,
 ) -> Context:
     """create_context with the rendezvous done over a torch.distributed Store shared by
     `world_size` processes (all of them call this). Rank 0 draws a random job token so concurrent
@@ -261,4 +268,5 @@ def create_context_with_store(
         phase[0] += 1
         store_barrier(store, f"{prefix}/barrier{phase[0]}", world_size, rendezvous_timeout_s)
 
-    return create_context(rank=rank, peers=peers, job_name=job_name, barrier=barrier, config=config)
+    return create_context(rank=rank, peers=peers, job_name=job_name, barrier=barrier, config=config,
+                          host_tensors_by_cuda_ipc=host_tensors_by_cuda_ipc)

@@ -165,7 +165,14 @@ def main() -> int:
     result = SCENARIOS[scenario](ctx, rank, store)
     # Keep the store (hosted by rank 0) alive until both are done, then close together.
     store.set(f"finished/{rank}", "1")
-    store.wait([f"finished/{1 - rank}"], timedelta(seconds=60)) if scenario != "peer_killed" else None
+    if scenario != "peer_killed":
+        store.wait([f"finished/{1 - rank}"], timedelta(seconds=60))
+        # Rank 0 hosts the store: it leaves only after rank 1's last store call has been answered,
+        # or rank 1's wait above can meet a closed socket ("Connection reset by peer").
+        if rank == 1:
+            store.set("left/1", "1")
+        else:
+            store.wait(["left/1"], timedelta(seconds=60))
     ctx.close()
     print(json.dumps(result), flush=True)
     return 0

@@ -98,7 +98,9 @@ def test_single_copy_values_around_threshold_and_dtypes(tmp_path):
         assert report["counts"] == {"sent_single_copy": LARGE, "sent_two_copy": len(CASES) - LARGE,
                                     "received_single_copy": LARGE,
                                     "received_two_copy": len(CASES) - LARGE,
-                                    "received_zero_copy": 0}, report
+                                    "received_zero_copy": 0, "sent_device_direct": 0,
+                                    "sent_device_staged": 0, "received_device_direct": 0,
+                                    "received_device_staged": 0}, report
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ skipped NCCL) from a document as transport_bench_cuda.run returns it. The measur
 a GPU: run_scripts/gpu_check.sh runs it there."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -33,7 +34,8 @@ def test_without_a_gpu_one_line_and_exit_0(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args,message", [
-    (["--device", "cuda", "--transports", "shm,gloo"], "unknown ['gloo']; pick from shm,d2d,nccl"),
+    (["--device", "cuda", "--transports", "shm,gloo"], "unknown ['gloo']; pick from shm,shm-host,d2d,nccl"),
+    (["--device", "fake-cuda", "--transports", "nccl"], "unknown ['nccl']; pick from shm,shm-host,d2d"),
     (["--slot-bytes", "1MiB"], "--slot-bytes is for --device cuda"),
     (["--device", "cuda", "--slot-bytes", "1"], "--slot-bytes is for --device cuda, at least 4096"),
     (["--device", "cuda", "--cross-namespace"], "drop --device cuda"),
@@ -56,10 +58,28 @@ def test_table_shows_refused_sizes_and_skipped_nccl(capsys):
         "results": [row("shm", 4096, 270.0), row("d2d", 4096, 10.0), row("d2d", 1 << 28, 182.0),
                     row("shm", 1 << 28, None, "message of 268435456 B exceeds the slot size")]})
     lines = capsys.readouterr().out.splitlines()
-    assert lines[2].split() == ["4096", "270.0", "10.0", "27.0", "-"]
-    assert lines[3].split() == ["268435456", "refused", "182.0", "-", "-"]
+    assert lines[2].split() == ["4096", "270.0", "-", "10.0", "27.0", "-"]
+    assert lines[3].split() == ["268435456", "refused", "-", "182.0", "-", "-"]
     assert "shm refused 268435456 B: message of 268435456 B exceeds the slot size" in lines
     assert "nccl: skipped: needs 2 GPUs (NCCL runs one rank per GPU); 1 here" in lines
+
+
+@pytest.mark.timeout(180)
+def test_fake_cuda_quick_mode_runs_the_protocol_on_cpu(tmp_path):
+    """--device fake-cuda: the CUDA IPC protocol between two processes through the fake runtime,
+    every message direct, the round trip checked; its JSON has the rows the table shows."""
+    out = tmp_path / "fake.json"
+    result = subprocess.run([sys.executable, BENCH, "--device", "fake-cuda", "--quick",
+                             "--latency-iters", "10", "--json", str(out)],
+                            capture_output=True, text=True, timeout=170, env=_env(), cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(out.read_text())
+    assert document["device"] == "fake-cuda" and document["gpu"] == "fake CUDA runtime on CPU"
+    rows = {(row["transport"], row["bytes"]) for row in document["results"]}
+    assert rows == {(name, size) for name in ("shm", "shm-host", "d2d") for size in (4096, 1 << 20)}
+    counts = document["message_counts"]
+    assert counts["sent_device_direct"] > 0 and counts["sent_device_staged"] == 0
+    assert "paths (rank 0): sent" in result.stdout
 
 
 def _shm_sizes_worker(rank, world, store, sizes, slot_bytes):
@@ -68,7 +88,8 @@ def _shm_sizes_worker(rank, world, store, sizes, slot_bytes):
     ctx = shm_tensor.create_context_with_store(
         store, rank=rank, world_size=world, peers=[1 - rank],
         config=shm_tensor.ShmConfig(slot_bytes=slot_bytes, timeout_s=30))
-    rows = [transport_bench_cuda._shm_size(ctx, store, rank, size, 5, index << 20, device="cpu")
+    rows = [transport_bench_cuda._shm_size(ctx, store, rank, size, 5, index << 20, device="cpu",
+                                           sync_each=True)
             for index, size in enumerate(sizes)]
     shm_tensor.context.store_barrier(store, "done", world, timeout_s=30)
     ctx.close()

@@ -102,7 +102,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("single_copy_min_bytes", &ContextConfig::single_copy_min_bytes)
       .def_readwrite("zero_copy_receive", &ContextConfig::zero_copy_receive)
       .def_readwrite("zero_copy_min_bytes", &ContextConfig::zero_copy_min_bytes)
-      .def_readwrite("batch_while_sleeping", &ContextConfig::batch_while_sleeping);
+      .def_readwrite("batch_while_sleeping", &ContextConfig::batch_while_sleeping)
+      .def_readwrite("host_tensors_by_cuda_ipc", &ContextConfig::host_tensors_by_cuda_ipc);
 
   py::class_<Handle, std::shared_ptr<Handle>>(m, "Handle")
       .def("test", &Handle::test, py::arg("cuda_device") = -1, py::arg("cuda_stream") = 0,
@@ -141,6 +142,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              result["received_single_copy"] = counts.received_single_copy;
              result["received_two_copy"] = counts.received_two_copy;
              result["received_zero_copy"] = counts.received_zero_copy;
+             result["sent_device_direct"] = counts.sent_device_direct;
+             result["sent_device_staged"] = counts.sent_device_staged;
+             result["received_device_direct"] = counts.received_device_direct;
+             result["received_device_staged"] = counts.received_device_staged;
              return result;
            })
       .def("post_stats",

@@ -105,6 +105,7 @@ static_assert(sizeof(ChannelHeader) <= kChannelHeaderBytes, "channel header outg
 struct InFlightSend {
   uint64_t position;
   std::shared_ptr<Handle> handle;
+  uint32_t slot;  // the slot it went in (a direct device send reads the receiver's answer there)
 };
 
 struct Context::Peer {
@@ -192,6 +193,13 @@ Context::Context(int rank, std::vector<int> peers, std::string job_name, Context
           std::string::npos) {
     throw std::invalid_argument("shm_tensor: job name '" + job_name_ +
                                 "' must be 1-200 characters of [A-Za-z0-9_.-]");
+  }
+  if (config_.host_tensors_by_cuda_ipc) {
+    const cuda::Runtime& runtime = cuda::runtime_or_throw("shm_tensor.Context", -1, 0);
+    if (!runtime.fake) {
+      throw std::invalid_argument("shm_tensor: host_tensors_by_cuda_ipc needs the fake CUDA runtime "
+                                  "(SHM_TENSOR_CUDART); " + runtime.library + " is a real one");
+    }
   }
   if (static_cast<int>(peer_ranks_.size()) > kMaxPeers) {
     throw std::invalid_argument("shm_tensor: at most " + std::to_string(kMaxPeers) + " peers");
@@ -357,8 +365,8 @@ std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64
                                        uintptr_t cuda_stream) {
   const char* call = "shm_tensor.isend";
   Clock::time_point posted = Clock::now();
-  bool on_cuda = tensor.device().is_cuda();
-  if (!tensor.device().is_cpu() && !on_cuda) {
+  bool on_cuda = tensor.device().is_cuda() || (config_.host_tensors_by_cuda_ipc && tensor.device().is_cpu());
+  if (!tensor.device().is_cpu() && !tensor.device().is_cuda()) {
     throw std::invalid_argument(describe(call, peer, tag,
                                          "tensor is on " + tensor.device().str() +
                                              "; shm_tensor carries CPU and CUDA tensors only"));
@@ -382,16 +390,23 @@ std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64
 
   std::lock_guard<std::mutex> lock(mutex_);
   Peer& target = peer_or_throw(call, peer, tag);
-  if (nbytes > target.out_slot_bytes) {
+  // A device message goes direct (no size cap) when its memory can be exported; else staged.
+  cuda::Export exported;
+  std::string export_failure;
+  bool direct = on_cuda && nbytes > 0 &&
+                cuda_ipc(call, peer, tag).export_tensor(source, source.is_cuda() ? source.device().index() : 0,
+                                                        &exported, &export_failure, peer, tag);
+  if (nbytes > target.out_slot_bytes && !(on_cuda && (direct || nbytes == 0))) {
     std::ostringstream what;
     what << "message of " << nbytes << " B exceeds the slot size of " << target.out_slot_bytes
          << " B; raise ShmConfig.slot_bytes (--shm-slot-mb) or send smaller tensors";
+    if (on_cuda) what << " (a device tensor goes without that cap only where its memory can be exported: " << export_failure << ")";
     throw MessageTooLarge(describe(call, peer, tag, what.str()));
   }
-  if (on_cuda && target.out_slot_bytes < sizeof(cuda::IpcDescriptor)) {
+  if (on_cuda && target.out_slot_bytes < cuda::kDeviceDescriptorBytes) {
     throw MessageTooLarge(describe(call, peer, tag,
                                    "a CUDA message needs slots of at least " +
-                                       std::to_string(sizeof(cuda::IpcDescriptor)) +
+                                       std::to_string(cuda::kDeviceDescriptorBytes) +
                                        " B for its IPC descriptor; raise ShmConfig.slot_bytes"));
   }
   // Single copy or not is decided when the message gets its slot (push_sends), with the receiver's
@@ -405,8 +420,13 @@ std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64
   // and unchanged until the send completes.
   handle->tensor_ = source.detach();
   if (on_cuda) {
+    handle->cuda_ = true;
     handle->cuda_stream_ = cuda_stream;
-    handle->cuda_ready_ = cuda_ipc(call, peer, tag).record_ready(source, cuda_stream, call, peer, tag);
+    handle->cuda_direct_ = direct;
+    handle->export_ = exported;
+    // Direct and written inside this isend (the usual case): its slot's event goes on the caller's
+    // stream then. Otherwise an event taken now orders the later copy or slot event.
+    if (!direct) handle->cuda_ready_ = cuda_ipc(call, peer, tag).record_ready(source, cuda_stream, call, peer, tag);
   }
   handle->raw_header_.assign(reinterpret_cast<const char*>(&header),
                              reinterpret_cast<const char*>(&header) + sizeof(header));
@@ -426,6 +446,9 @@ std::shared_ptr<Handle> Context::isend(const at::Tensor& tensor, int peer, int64
   push_sends(target, true);
   if (!target.pending_sends.empty() && target.pending_sends.back() == handle) {
     ++post_stats_.queued_at_post;  // no free slot: a later progress call writes it
+    if (handle->cuda_direct_) {
+      handle->cuda_ready_ = cuda_ipc(call, peer, tag).record_ready(source, cuda_stream, call, peer, tag);
+    }
   }
   return handle;
 }
@@ -485,7 +508,14 @@ bool Context::use_single_copy(Peer& peer, uint64_t nbytes) {
 uint64_t Context::write_slot(Peer& peer, Handle& handle, uint32_t index) {
   uint64_t head = peer.out_channel->head.load(std::memory_order_relaxed);
   char* slot = peer.out_slots + index * peer.out_stride;
-  if (handle.cuda_ready_ != nullptr) {
+  if (handle.cuda_direct_) {
+    cuda::DirectDescriptor descriptor =
+        cuda_ipc("shm_tensor.isend", peer.rank, handle.tag_)
+            .send_direct(peer.rank, handle.tag_, handle.export_, handle.cuda_ready_.get(), handle.cuda_stream_,
+                         index, peer.out_num_slots);
+    std::memcpy(slot, handle.raw_header_.data(), sizeof(WireHeader));
+    std::memcpy(slot + sizeof(WireHeader), &descriptor, sizeof(descriptor));
+  } else if (handle.cuda_) {
     // Device copy first: if it fails nothing has been written to the slot.
     cuda::IpcDescriptor descriptor =
         cuda_ipc("shm_tensor.isend", peer.rank, handle.tag_)
@@ -515,7 +545,7 @@ uint64_t Context::write_slot(Peer& peer, Handle& handle, uint32_t index) {
 
 void Context::choose_payload_path(Peer& peer, Handle& handle) {
   // Raw sends (tests) keep their header as given; CUDA messages always go by IPC.
-  if (!handle.tensor_.defined() || handle.cuda_ready_ != nullptr) return;
+  if (!handle.tensor_.defined() || handle.cuda_) return;
   bool single_copy = use_single_copy(peer, handle.tensor_.nbytes());
   if (single_copy == handle.single_copy_) return;
   handle.single_copy_ = single_copy;
@@ -534,6 +564,9 @@ void Context::push_sends(Peer& peer, bool posting) {
     // lent tensor was freed).
     uint64_t free = peer.out_channel->free_slots.load(std::memory_order_acquire);
     if (free == 0) break;  // every slot taken: back-pressure
+    // The receiver advances the tail before it frees a slot: a send still in flight in a slot seen
+    // free is completed now, before that slot (and its answer in it) is reused.
+    complete_pulled_sends(peer);
     // Every message in the ring holds a slot, so a free slot implies ring room; checked anyway, as
     // slot_of[head % num_slots] must not overwrite an unread entry.
     uint64_t head = peer.out_channel->head.load(std::memory_order_relaxed);
@@ -555,17 +588,21 @@ void Context::push_sends(Peer& peer, bool posting) {
     peer.pending_sends.pop_front();
     if (posting && handle->tensor_.defined()) {
       ++post_stats_.written_at_post;
-      if (!handle->single_copy_ && handle->cuda_ready_ == nullptr) {
+      if (!handle->single_copy_ && !handle->cuda_) {
         post_stats_.bytes_copied_at_post += handle->tensor_.nbytes();
       }
     }
     int64_t tag = handle->tag_;
-    if (handle->single_copy_) {
+    if (handle->single_copy_ || handle->cuda_direct_) {
       // The receiver reads our memory until it frees the slot: keep the source until then.
-      ++counts_.sent_single_copy;
-      peer.in_flight_sends.push_back({position, std::move(handle)});
+      ++(handle->cuda_direct_ ? counts_.sent_device_direct : counts_.sent_single_copy);
+      peer.in_flight_sends.push_back({position, std::move(handle), index});
     } else {
-      if (handle->cuda_ready_ == nullptr && handle->tensor_.defined()) ++counts_.sent_two_copy;
+      if (handle->cuda_) {
+        ++counts_.sent_device_staged;
+      } else if (handle->tensor_.defined()) {
+        ++counts_.sent_two_copy;
+      }
       handle->done_ = true;
       handle->tensor_ = at::Tensor();  // the caller may reuse or free its tensor now
       handle->cuda_ready_.reset();
@@ -596,6 +633,16 @@ void Context::complete_pulled_sends(Peer& peer) {
   uint64_t tail = peer.out_channel->tail.load(std::memory_order_acquire);
   while (!peer.in_flight_sends.empty() && peer.in_flight_sends.front().position < tail) {
     Handle& handle = *peer.in_flight_sends.front().handle;
+    if (handle.cuda_direct_) {
+      // The receiver's answer in the slot: the event its copy recorded; the caller's stream waits.
+      cuda::DirectDescriptor answer;
+      std::memcpy(&answer, peer.out_slots + peer.in_flight_sends.front().slot * peer.out_stride + sizeof(WireHeader),
+                  sizeof(answer));
+      cuda_ipc("shm_tensor.isend", peer.rank, handle.tag_)
+          .complete_direct(peer.rank, handle.tag_, answer, handle.export_.device, handle.cuda_stream_,
+                           peer.out_num_slots);
+      handle.cuda_ready_.reset();
+    }
     handle.done_ = true;
     handle.tensor_ = at::Tensor();  // pulled: the caller may reuse or free its tensor now
     peer.in_flight_sends.pop_front();
@@ -738,7 +785,10 @@ void Context::drain_inbound(Peer& peer, const std::vector<std::shared_ptr<Handle
     char* slot = peer.in_slots + index * slot_stride_;
     WireHeader header;
     std::memcpy(&header, slot, sizeof(header));
-    std::string problem = dpp_wire::validate_header(header, config_.slot_bytes);
+    // A device message's payload is not in the slot: only the descriptor is (its bounds are checked
+    // against the sender's allocation or staging pool when it is read).
+    std::string problem = dpp_wire::validate_header(
+        header, (header.flags & dpp_wire::kFlagCudaIpc) ? cuda::kMaxDeviceMessageBytes : config_.slot_bytes);
     if (!problem.empty()) {
       // The channel cannot be trusted past this slot: every later operation with this peer fails.
       peer.broken = "message from peer " + std::to_string(peer.rank) + " (header tag " +
@@ -789,20 +839,43 @@ void Context::drain_inbound(Peer& peer, const std::vector<std::shared_ptr<Handle
       if (header.nbytes > 0) copy_pool_.copy(tensor.data_ptr(), slot + sizeof(WireHeader), header.nbytes);
       ++counts_.received_two_copy;
     }
-    if (bit != 0) peer.in_channel->free_slots.fetch_or(bit, std::memory_order_release);
+    // Tail first: a sender that sees the slot free also sees its message consumed (push_sends).
     peer.in_channel->tail.store(tail + 1, std::memory_order_release);
+    if (bit != 0) peer.in_channel->free_slots.fetch_or(bit, std::memory_order_release);
     deliver(peer.rank, header.tag, std::move(tensor));
     ring_peer(peer, "shm_tensor.irecv", header.tag, false);  // the sender may be waiting for this slot
   }
 }
 
-at::Tensor Context::receive_device_message(Peer& peer, const WireHeader& header, const char* slot,
+at::Tensor Context::receive_device_message(Peer& peer, const WireHeader& header, char* slot,
                                            uint32_t slot_index) {
   const char* call = "shm_tensor.irecv";
-  if (config_.slot_bytes < sizeof(cuda::IpcDescriptor)) {
+  if (config_.slot_bytes < cuda::kDeviceDescriptorBytes) {
     throw ProtocolError(describe(call, peer.rank, header.tag,
                                  "device message in a slot too small for its IPC descriptor"));
   }
+  Peer* sender = &peer;
+  uint64_t magic;
+  std::memcpy(&magic, slot + sizeof(WireHeader), sizeof(magic));
+  if (magic == cuda::kDirectMagic) {
+    cuda::DirectDescriptor direct;
+    std::memcpy(&direct, slot + sizeof(WireHeader), sizeof(direct));
+    if (direct.slot != slot_index) {
+      throw ProtocolError(describe(call, peer.rank, header.tag,
+                                   "direct descriptor names slot " + std::to_string(direct.slot) +
+                                       " but arrived in slot " + std::to_string(slot_index)));
+    }
+    at::Tensor tensor = cuda_ipc(call, peer.rank, header.tag)
+                            .receive_direct(peer.rank, header, &direct, caller_cuda_device_, caller_cuda_stream_,
+                                            config_.host_tensors_by_cuda_ipc,
+                                            static_cast<uint64_t>(config_.num_slots),
+                                            [sender] { return sender->alive(); });
+    // The answer for the sender, read once it sees the slot free.
+    std::memcpy(slot + sizeof(WireHeader), &direct, sizeof(direct));
+    ++counts_.received_device_direct;
+    return tensor;
+  }
+  ++counts_.received_device_staged;
   cuda::IpcDescriptor descriptor;
   std::memcpy(&descriptor, slot + sizeof(WireHeader), sizeof(descriptor));
   // The sender's device ring mirrors our host ring: device slot i travels in host slot i.
@@ -811,10 +884,10 @@ at::Tensor Context::receive_device_message(Peer& peer, const WireHeader& header,
                                  "device slot " + std::to_string(descriptor.slot) + " arrived in host slot " +
                                      std::to_string(slot_index)));
   }
-  Peer* sender = &peer;
   return cuda_ipc(call, peer.rank, header.tag)
       .receive(peer.rank, header, descriptor, caller_cuda_device_, caller_cuda_stream_,
-               [sender] { return sender->alive(); }, config_.timeout_s, config_.spin_us);
+               config_.host_tensors_by_cuda_ipc, [sender] { return sender->alive(); }, config_.timeout_s,
+               config_.spin_us);
 }
 
 void Context::progress(const std::vector<std::shared_ptr<Handle>>& awaited) {

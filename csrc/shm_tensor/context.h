@@ -94,17 +94,27 @@ struct ContextConfig {
   // A thread asleep on the doorbell is SCHED_BATCH (sleep_policy.h): the peer whose message or freed
   // slot wakes it keeps its CPU instead of being preempted by the woken thread in mid-isend.
   bool batch_while_sleeping = true;
+  // Tests only: CPU tensors take the CUDA IPC path, through the fake CUDA runtime (SHM_TENSOR_CUDART
+  // names it; csrc/fake_cudart), so that path's protocol runs on machines without a GPU. Refused
+  // with the real runtime.
+  bool host_tensors_by_cuda_ipc = false;
 };
 
 constexpr int kMaxSlots = 64;  // the free-slot bitmask is one 64-bit word
 
-// Host messages this context sent and received, by path (CUDA messages are not counted).
+// Messages this context sent and received, by path.
 struct MessageCounts {
   uint64_t sent_single_copy = 0;
   uint64_t sent_two_copy = 0;
   uint64_t received_single_copy = 0;
   uint64_t received_two_copy = 0;
   uint64_t received_zero_copy = 0;  // through a slot, which the received tensor borrows
+  // Device messages: direct (the receiver copies from the sender's tensor) or staged (through the
+  // sender's device pool, where the tensor's memory could not be exported).
+  uint64_t sent_device_direct = 0;
+  uint64_t sent_device_staged = 0;
+  uint64_t received_device_direct = 0;
+  uint64_t received_device_staged = 0;
 };
 
 // What isend() did on the caller's thread, summed over the calls (tensor sends only; the CUDA path
@@ -134,8 +144,10 @@ class Context;
 // send when the receiver has pulled them (its slot was freed); either way the tensor may be reused
 // then. A receive completes when its tensor has been copied out of the slot, lent the slot, or been
 // pulled from the sender.
-// CUDA tensors: a send completes when its device copy is queued (the caller's stream waits for it),
-// a receive when the copy has finished.
+// CUDA tensors, direct: a receive completes once its copy is queued on the caller's stream; a send
+// once the receiver has queued its copy (the caller's stream then waits for that copy, on the device).
+// Staged: a send completes when its copy into the staging slot is queued, a receive when the copy
+// out has finished.
 // `cuda_device`/`cuda_stream` name the caller's current device and torch stream (-1/0 when torch
 // has not initialised CUDA: the thread's current device and the legacy default stream).
 class Handle : public std::enable_shared_from_this<Handle> {
@@ -164,7 +176,10 @@ class Handle : public std::enable_shared_from_this<Handle> {
   std::vector<char> raw_header_;
   // A CUDA send: the caller's stream and an event recorded on it after the tensor was produced.
   uintptr_t cuda_stream_ = 0;
-  std::shared_ptr<cuda::OwnedEvent> cuda_ready_;
+  std::shared_ptr<cuda::OwnedEvent> cuda_ready_;  // null for a direct send written inside its isend
+  bool cuda_ = false;         // a device message (or a host tensor on the fake runtime's CUDA path)
+  bool cuda_direct_ = false;  // its memory is exported: the receiver copies from it (no size cap)
+  cuda::Export export_;
 };
 
 class Context : public std::enable_shared_from_this<Context> {
@@ -228,7 +243,7 @@ class Context : public std::enable_shared_from_this<Context> {
   at::Tensor allocate_received(const dpp_wire::WireHeader& header);
   struct Pull;
   Pull pull_payload(Peer& peer, const dpp_wire::WireHeader& header, const char* slot, const at::Tensor& tensor);
-  at::Tensor receive_device_message(Peer& peer, const dpp_wire::WireHeader& header, const char* slot,
+  at::Tensor receive_device_message(Peer& peer, const dpp_wire::WireHeader& header, char* slot,
                                     uint32_t slot_index);
   cuda::CudaIpc& cuda_ipc(const char* call, int peer, int64_t tag);  // lock held; loads on first use
 

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <sstream>
@@ -21,6 +22,18 @@ constexpr auto kPollSleep = std::chrono::microseconds(20);
 std::atomic<uint64_t> g_pool_counter{0};
 
 Stream as_stream(uintptr_t handle) { return reinterpret_cast<Stream>(handle); }
+
+// The device a tensor's bytes live on: a CPU tensor (the fake runtime's host path) counts as device 0.
+int tensor_device(const at::Tensor& tensor) { return tensor.is_cuda() ? tensor.device().index() : 0; }
+
+bool same_bytes(const void* a, const void* b, size_t n) { return std::memcmp(a, b, n) == 0; }
+
+// The received tensor: on `device`, or on the CPU where the fake runtime stands for the device.
+at::Tensor allocate(const dpp_wire::WireHeader& header, int device, bool host_tensors) {
+  std::vector<int64_t> shape(header.shape, header.shape + header.ndim);
+  auto options = at::TensorOptions().dtype(dpp_wire::scalar_type_of(header.dtype));
+  return at::empty(shape, host_tensors ? options : options.device(at::kCUDA, device));
+}
 
 }  // namespace
 
@@ -108,7 +121,7 @@ OwnedStream& CudaIpc::stream_for(int device, const char* call, int peer, int64_t
 
 std::shared_ptr<OwnedEvent> CudaIpc::record_ready(const at::Tensor& source, uintptr_t caller_stream,
                                                   const char* call, int peer, int64_t tag) {
-  DeviceGuard guard(runtime_, source.device().index(), call, peer, tag);
+  DeviceGuard guard(runtime_, tensor_device(source), call, peer, tag);
   auto event = std::make_shared<OwnedEvent>(runtime_, kEventDisableTiming, call, peer, tag);
   check(runtime_.EventRecord(event->get(), as_stream(caller_stream)), "cudaEventRecord", call, peer,
         tag);
@@ -122,7 +135,7 @@ IpcDescriptor CudaIpc::send(int peer, int64_t tag, const at::Tensor& source, con
   auto& pool_entry = send_pools_[peer];
   if (pool_entry == nullptr) {
     auto pool = std::make_unique<SendPool>();
-    pool->device = source.device().index();
+    pool->device = tensor_device(source);
     pool->id = (static_cast<uint64_t>(::getpid()) << 24) | (++g_pool_counter & 0xffffff);
     pool->slot_bytes = slot_bytes;
     pool->num_slots = num_slots;
@@ -215,8 +228,8 @@ void CudaIpc::wait_for(Event event, int peer, int64_t tag, const std::function<b
 
 at::Tensor CudaIpc::receive(int peer, const dpp_wire::WireHeader& header,
                             const IpcDescriptor& descriptor, int device, uintptr_t caller_stream,
-                            const std::function<bool()>& peer_alive, double timeout_s,
-                            double spin_us) {
+                            bool host_tensors, const std::function<bool()>& peer_alive,
+                            double timeout_s, double spin_us) {
   const char* call = "shm_tensor.irecv";
   int64_t tag = header.tag;
   if (descriptor.magic != kDescriptorMagic || descriptor.offset + header.nbytes > descriptor.pool_bytes) {
@@ -226,9 +239,7 @@ at::Tensor CudaIpc::receive(int peer, const dpp_wire::WireHeader& header,
   if (device < 0) check(runtime_.GetDevice(&device), "cudaGetDevice", call, peer, tag);
   DeviceGuard guard(runtime_, device, call, peer, tag);
 
-  std::vector<int64_t> shape(header.shape, header.shape + header.ndim);
-  at::Tensor tensor = at::empty(
-      shape, at::TensorOptions().dtype(dpp_wire::scalar_type_of(header.dtype)).device(at::kCUDA, device));
+  at::Tensor tensor = allocate(header, device, host_tensors);
   if (header.nbytes == 0) return tensor;
 
   auto& cache_entry = receive_caches_[peer];
@@ -262,6 +273,193 @@ at::Tensor CudaIpc::receive(int peer, const dpp_wire::WireHeader& header,
   check(runtime_.EventRecord(cache.copied->get(), stream), "cudaEventRecord", call, peer, tag);
   wait_for(cache.copied->get(), peer, tag, peer_alive, timeout_s, spin_us);
   return tensor;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Direct path
+
+bool CudaIpc::export_tensor(const at::Tensor& source, int device, Export* out, std::string* why,
+                            int peer, int64_t tag) {
+  const char* call = "shm_tensor.isend";
+  if (runtime_.MemGetAddressRange == nullptr) {
+    *why = "the driver's cuMemGetAddressRange_v2 is not available";
+    return false;
+  }
+  DeviceGuard guard(runtime_, device, call, peer, tag);
+  auto address = reinterpret_cast<unsigned long long>(source.data_ptr());
+  unsigned long long base = 0;
+  size_t size = 0;
+  int result = runtime_.MemGetAddressRange(&base, &size, address);
+  if (result != 0) {
+    *why = "cuMemGetAddressRange_v2 failed (CUresult " + std::to_string(result) + ")";
+    return false;
+  }
+  Error error = runtime_.IpcGetMemHandle(&out->memory, reinterpret_cast<void*>(base));
+  if (error != kSuccess) {
+    const char* text = runtime_.GetErrorString(error);
+    // torch's expandable segments (cuMemCreate) cannot be exported by cudaIpcGetMemHandle.
+    *why = std::string("cudaIpcGetMemHandle failed: ") + (text ? text : "unknown error") +
+           " (cudaError " + std::to_string(error) + ")";
+    return false;
+  }
+  out->offset = address - base;
+  out->allocation_bytes = size;
+  out->device = device;
+  return true;
+}
+
+DirectDescriptor CudaIpc::send_direct(int peer, int64_t tag, const Export& exported,
+                                      const OwnedEvent* ready, uintptr_t caller_stream, uint64_t slot,
+                                      uint64_t num_slots) {
+  const char* call = "shm_tensor.isend";
+  DeviceGuard guard(runtime_, exported.device, call, peer, tag);
+  DirectSendState& state = direct_sends_[peer];
+  if (state.device != exported.device || state.ready.size() != num_slots) {
+    // First message to this peer, or from another device: events are tied to their device.
+    state.ready.clear();
+    state.ready_handles.clear();
+    for (uint64_t i = 0; i < num_slots; ++i) {
+      state.ready.push_back(std::make_unique<OwnedEvent>(
+          runtime_, kEventDisableTiming | kEventInterprocess, call, peer, tag));
+      IpcEventHandle handle;
+      check(runtime_.IpcGetEventHandle(&handle, state.ready.back()->get()), "cudaIpcGetEventHandle", call,
+            peer, tag);
+      state.ready_handles.push_back(handle);
+    }
+    state.device = exported.device;
+  }
+  if (slot >= num_slots) {
+    throw dpp_errors::TransportError(dpp_errors::describe(call, peer, tag, "host slot out of range"));
+  }
+  Event slot_event = state.ready[slot]->get();
+  if (ready == nullptr) {
+    // Inside this message's own isend: the caller's stream holds exactly the producing work.
+    check(runtime_.EventRecord(slot_event, as_stream(caller_stream)), "cudaEventRecord", call, peer, tag);
+  } else {
+    // Queued earlier: our stream orders the slot's event after the event taken at isend.
+    Stream stream = stream_for(exported.device, call, peer, tag).get();
+    check(runtime_.StreamWaitEvent(stream, ready->get(), 0), "cudaStreamWaitEvent", call, peer, tag);
+    check(runtime_.EventRecord(slot_event, stream), "cudaEventRecord", call, peer, tag);
+  }
+  DirectDescriptor descriptor;
+  std::memset(&descriptor, 0, sizeof(descriptor));
+  descriptor.magic = kDirectMagic;
+  descriptor.device = exported.device;
+  descriptor.slot = static_cast<uint32_t>(slot);
+  descriptor.offset = exported.offset;
+  descriptor.allocation_bytes = exported.allocation_bytes;
+  descriptor.memory = exported.memory;
+  descriptor.ready = state.ready_handles[slot];
+  return descriptor;
+}
+
+at::Tensor CudaIpc::receive_direct(int peer, const dpp_wire::WireHeader& header,
+                                   DirectDescriptor* descriptor, int device, uintptr_t caller_stream,
+                                   bool host_tensors, uint64_t num_slots,
+                                   const std::function<bool()>& peer_alive) {
+  const char* call = "shm_tensor.irecv";
+  int64_t tag = header.tag;
+  if (descriptor->slot >= num_slots ||
+      (descriptor->allocation_bytes != 0 &&
+       (descriptor->offset > descriptor->allocation_bytes ||
+        header.nbytes > descriptor->allocation_bytes - descriptor->offset))) {
+    throw dpp_errors::ProtocolError(dpp_errors::describe(
+        call, peer, tag, "device message carries an invalid direct descriptor (slot or bounds)"));
+  }
+  if (device < 0) check(runtime_.GetDevice(&device), "cudaGetDevice", call, peer, tag);
+  DeviceGuard guard(runtime_, device, call, peer, tag);
+  at::Tensor tensor = allocate(header, device, host_tensors);
+  if (header.nbytes == 0) return tensor;  // nothing read: the sender waits for nothing
+  try {
+    queue_direct_copy(peer, header, descriptor, tensor, device, caller_stream, num_slots);
+  } catch (const dpp_errors::TransportError&) {
+    // A sender that died took its memory and events with it: that is a lost peer, not a bad message.
+    if (!peer_alive()) {
+      throw dpp_errors::PeerLost(dpp_errors::describe(
+          call, peer, tag, "peer process exited before its device message was read"));
+    }
+    throw;
+  }
+  return tensor;
+}
+
+void CudaIpc::queue_direct_copy(int peer, const dpp_wire::WireHeader& header, DirectDescriptor* descriptor,
+                                const at::Tensor& tensor, int device, uintptr_t caller_stream,
+                                uint64_t num_slots) {
+  const char* call = "shm_tensor.irecv";
+  int64_t tag = header.tag;
+  DirectReceiveState& state = direct_receives_[peer];
+  // The sender's allocation, mapped once (most recently used last).
+  std::string key(descriptor->memory.reserved, sizeof(descriptor->memory.reserved));
+  auto found = std::find_if(state.memories.begin(), state.memories.end(),
+                            [&key](const auto& entry) { return entry.first == key; });
+  if (found == state.memories.end()) {
+    if (state.memories.size() >= kMaxOpenedAllocationsPerPeer) state.memories.erase(state.memories.begin());
+    state.memories.emplace_back(key, std::make_unique<OpenedMemory>(runtime_, descriptor->memory, call, peer, tag));
+  } else if (found + 1 != state.memories.end()) {
+    std::rotate(found, found + 1, state.memories.end());
+  }
+  const char* source = state.memories.back().second->data() + descriptor->offset;
+
+  if (state.ready.size() != num_slots) {
+    state.ready.clear();
+    state.ready.resize(num_slots);
+    state.ready_handles.assign(num_slots, IpcEventHandle{});
+  }
+  uint32_t slot = descriptor->slot;
+  if (state.ready[slot] == nullptr ||
+      !same_bytes(&state.ready_handles[slot], &descriptor->ready, sizeof(IpcEventHandle))) {
+    state.ready[slot] = std::make_unique<OpenedEvent>(runtime_, descriptor->ready, call, peer, tag);
+    state.ready_handles[slot] = descriptor->ready;
+  }
+  if (state.copied_device != device || state.copied.size() != num_slots) {
+    state.copied.clear();
+    state.copied_handles.clear();
+    for (uint64_t i = 0; i < num_slots; ++i) {
+      state.copied.push_back(std::make_unique<OwnedEvent>(
+          runtime_, kEventDisableTiming | kEventInterprocess, call, peer, tag));
+      IpcEventHandle handle;
+      check(runtime_.IpcGetEventHandle(&handle, state.copied.back()->get()), "cudaIpcGetEventHandle", call,
+            peer, tag);
+      state.copied_handles.push_back(handle);
+    }
+    state.copied_device = device;
+  }
+  // All on the caller's stream: the fresh tensor's allocation, then the copy, in that stream's order.
+  Stream stream = as_stream(caller_stream);
+  check(runtime_.StreamWaitEvent(stream, state.ready[slot]->get(), 0), "cudaStreamWaitEvent", call, peer,
+        tag);
+  check(runtime_.MemcpyAsync(tensor.data_ptr(), source, header.nbytes, kMemcpyDefault, stream),
+        "cudaMemcpyAsync", call, peer, tag);
+  check(runtime_.EventRecord(state.copied[slot]->get(), stream), "cudaEventRecord", call, peer, tag);
+  descriptor->copied = state.copied_handles[slot];
+  descriptor->copied_magic = kCopiedMagic;
+}
+
+void CudaIpc::complete_direct(int peer, int64_t tag, const DirectDescriptor& descriptor, int device,
+                              uintptr_t caller_stream, uint64_t num_slots) {
+  const char* call = "shm_tensor.isend";
+  if (descriptor.copied_magic != kCopiedMagic) return;  // an empty message: nothing was read
+  uint32_t slot = descriptor.slot;
+  if (slot >= num_slots) {
+    throw dpp_errors::ProtocolError(dpp_errors::describe(call, peer, tag, "freed slot names no slot"));
+  }
+  DeviceGuard guard(runtime_, device, call, peer, tag);
+  DirectSendState& state = direct_sends_[peer];
+  if (state.copied.size() != num_slots) {
+    state.copied.clear();
+    state.copied.resize(num_slots);
+    state.copied_handles.assign(num_slots, IpcEventHandle{});
+  }
+  if (state.copied[slot] == nullptr ||
+      !same_bytes(&state.copied_handles[slot], &descriptor.copied, sizeof(IpcEventHandle))) {
+    state.copied[slot] = std::make_unique<OpenedEvent>(runtime_, descriptor.copied, call, peer, tag);
+    state.copied_handles[slot] = descriptor.copied;
+  }
+  // Whatever the caller queues next on its stream (say, reusing the tensor's memory) runs after the
+  // receiver's copy. No host wait.
+  check(runtime_.StreamWaitEvent(as_stream(caller_stream), state.copied[slot]->get(), 0),
+        "cudaStreamWaitEvent", call, peer, tag);
 }
 
 }  // namespace cuda

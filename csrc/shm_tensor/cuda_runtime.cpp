@@ -64,6 +64,20 @@ bool resolve_all(void* library, Runtime* runtime, std::string* missing) {
   return ok;
 }
 
+// Optional entry points: the driver's address-range query and the fake runtime's marker.
+void resolve_driver_entry_points(void* library, Runtime* runtime) {
+  using RangeFn = int (*)(unsigned long long*, size_t*, unsigned long long);
+  void* range = ::dlsym(library, "cuMemGetAddressRange_v2");
+  if (range == nullptr) {
+    // The driver is loaded already wherever the runtime works; RTLD_NOLOAD first, never a second one.
+    void* driver = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    if (driver == nullptr) driver = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (driver != nullptr) range = ::dlsym(driver, "cuMemGetAddressRange_v2");
+  }
+  runtime->MemGetAddressRange = reinterpret_cast<RangeFn>(range);
+  runtime->fake = ::dlsym(library, "fake_cudart_is_fake") != nullptr;
+}
+
 void load_locked() {
   g_attempted = true;
   std::vector<std::string> names = candidates();
@@ -88,6 +102,7 @@ void load_locked() {
       }
       // Kept open for the life of the process: handles it created may be released at exit.
       runtime->library = name;
+      resolve_driver_entry_points(library, runtime.get());
       g_runtime = std::move(runtime);
       return;
     }

@@ -53,6 +53,15 @@ struct Runtime {
   Error (*IpcGetEventHandle)(IpcEventHandle*, Event);
   Error (*IpcOpenEventHandle)(Event*, IpcEventHandle);
   const char* (*GetErrorString)(Error);
+  // The driver's cuMemGetAddressRange_v2 (CUresult, CUdeviceptr* base, size_t* size, CUdeviceptr):
+  // the allocation that holds a pointer, so a tensor inside a caching-allocator block can be
+  // exported by its allocation's IPC handle plus an offset. Resolved from the loaded library first
+  // (the fake runtime has it), else from libcuda.so.1; nullptr when neither has it (then device
+  // messages go through the sender's staging pool).
+  int (*MemGetAddressRange)(unsigned long long*, size_t*, unsigned long long) = nullptr;
+  // True for the fake runtime of the tests (it exports fake_cudart_is_fake): host memory stands for
+  // device memory, so CPU tensors may take the CUDA path (ContextConfig::host_tensors_by_cuda_ipc).
+  bool fake = false;
   std::string library;  // what was loaded
 };
 

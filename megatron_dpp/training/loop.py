@@ -28,7 +28,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_dpp.comm.nodes import this_node_rank, use_node_network
 from megatron_dpp.data.iterators import build_data_iterators
 from megatron_dpp.data.tokenizer import build_tokenizer
-from megatron_dpp.kernels import log_kernel_choices
+from megatron_dpp.kernels import install_foreach_multi_tensor_ops, log_kernel_choices
 from megatron_dpp.models import ModelSpec
 from megatron_dpp.platform import Platform, setup_platform
 from megatron_dpp.runtime.config import DPPConfig
@@ -115,6 +115,10 @@ def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSp
     chunks = spec.build_chunks(args, config, seed)  # args.padded_vocab_size: set by build_tokenizer
     chunks = wrap_for_mixed_precision(config, [chunk.to(platform.device) for chunk in chunks])
     ddp_config = ddp_config_from_args(args)
+    # Without Apex / Transformer Engine: torch foreach ops for the gradient norm, clipping and the
+    # main-to-model parameter copy instead of Megatron-Core's per-tensor loops, which synchronize
+    # with the GPU once per parameter tensor (kernels.foreach_multi_tensor_l2_norm).
+    install_foreach_multi_tensor_ops()
     model = [
         # Only the first chunk buckets its gradients (Megatron-LM does the same).
         DistributedDataParallel(config, ddp_config, module=chunk, disable_bucketing=index > 0)
@@ -173,11 +177,27 @@ def build_scheduler(optimizer, train: TrainingConfig) -> OptimizerParamScheduler
 LM_LOSS = "lm loss"
 
 
-def reduce_losses(losses_reduced: list[dict], device: torch.device) -> dict | None:
-    """On last-stage ranks: every loss the model reported, {name: (mean over the global batch,
-    its count)}, LM_LOSS first; None on the other ranks. A model's loss function reports each loss
-    as [sum, count] per microbatch (e.g. tokens for the LM loss, samples for BERT's sentence-order
-    loss); the mean is the sum over microbatches and data-parallel ranks over the count."""
+class ReducedLosses:
+    """An iteration's losses, summed over its microbatches and data-parallel ranks on the device.
+    Reading them (read()) is a host-device synchronization, so the training loop reads them only
+    when it logs, not every iteration; the sums are final once the all-reduce is queued."""
+
+    def __init__(self, names: list[str], total: torch.Tensor):
+        self.names = names
+        self.total = total  # [len(names), 2] float64: (sum, count) per name
+        self._values: dict | None = None
+
+    def read(self) -> dict:
+        """{name: (mean over the global batch, its count)}, LM_LOSS first."""
+        if self._values is None:
+            self._values = {name: (loss_sum / max(count, 1.0), count)
+                            for name, (loss_sum, count) in zip(self.names, self.total.tolist())}
+        return self._values
+
+
+def reduce_losses_on_device(losses_reduced: list[dict],
+                            device: torch.device) -> ReducedLosses | None:
+    """reduce_losses without reading the result (no host-device synchronization)."""
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
     names = [LM_LOSS] + sorted({name for entry in losses_reduced for name in entry} - {LM_LOSS})
@@ -187,8 +207,16 @@ def reduce_losses(losses_reduced: list[dict], device: torch.device) -> dict | No
             if name in entry:
                 total[index] += entry[name].to(device=device, dtype=torch.float64)
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    return {name: (loss_sum / max(count, 1.0), count)
-            for name, (loss_sum, count) in zip(names, total.tolist())}
+    return ReducedLosses(names, total)
+
+
+def reduce_losses(losses_reduced: list[dict], device: torch.device) -> dict | None:
+    """On last-stage ranks: every loss the model reported, {name: (mean over the global batch,
+    its count)}, LM_LOSS first; None on the other ranks. A model's loss function reports each loss
+    as [sum, count] per microbatch (e.g. tokens for the LM loss, samples for BERT's sentence-order
+    loss); the mean is the sum over microbatches and data-parallel ranks over the count."""
+    reduced = reduce_losses_on_device(losses_reduced, device)
+    return None if reduced is None else reduced.read()
 
 
 def _iterators_per_chunk(args, train_ds, valid_ds, consumed_train: int, consumed_valid: int,
@@ -245,6 +273,9 @@ class Trainer:
         )
 
     def train_step(self, data_iterators):
+        """One iteration: (ReducedLosses on last-stage ranks else None, grad norm, updated).
+        Nothing here waits for the device except what Megatron-Core's optimizer step does (the
+        gradient norm's read, with --clip-grad); the losses are read when the loop logs them."""
         if self.profiler is not None:
             self.profiler.iteration_starts(self.state.iteration)
         for chunk in self.model:
@@ -265,7 +296,7 @@ class Trainer:
         self.state.consumed_samples += self.train.global_batch_size
         self.watch("the loss all-reduce over the data-parallel group")
         with self.in_collective(LOSS_ALL_REDUCE, parallel_state.is_pipeline_last_stage(ignore_virtual=True)):
-            reduced = reduce_losses(losses, self.platform.device)
+            reduced = reduce_losses_on_device(losses, self.platform.device)
         self.unwatch()
         if self.profiler is not None:
             self.profiler.iteration_ended(self.state.iteration)
@@ -438,6 +469,15 @@ def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec) -> 
             trainer.watchdog.close()
 
 
+def stop_signals(platform: Platform) -> StopSignals:
+    """The stop agreement after each iteration. On GPUs it goes over a gloo group of every rank
+    with a CPU flag: over NCCL the flag's copy to the GPU and its read back would each wait for
+    all the work queued on the GPU, every iteration. Collective (creates a group) on CUDA."""
+    if platform.is_cuda:
+        return StopSignals(torch.device("cpu"), group=dist.new_group(backend="gloo"))
+    return StopSignals(platform.device)
+
+
 def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds) -> int:
     train = trainer.train
     if train.load is not None:
@@ -457,7 +497,7 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds) -> in
     skipped = 0
     interval_ms = 0.0
     last_saved = trainer.state.iteration if train.load else None
-    with StopSignals(trainer.platform.device) as signals:
+    with stop_signals(trainer.platform) as signals:
         # A peer that dies while this rank waits in a collective (the training step's, an
         # evaluation's, a save's or the stop agreement's): say who, then end at once (interpreter
         # shutdown could block on the same dead peer).
@@ -470,7 +510,7 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds) -> in
                 iteration = trainer.state.iteration
                 if iteration % train.log_interval == 0:
                     if reduced is not None and is_logging_rank():
-                        log(_format_iteration(trainer, reduced, grad_norm,
+                        log(_format_iteration(trainer, reduced.read(), grad_norm,
                                               interval_ms / train.log_interval, skipped))
                     interval_ms = 0.0
                 if train.manual_gc and train.manual_gc_interval and \

@@ -14,8 +14,11 @@ import torch.distributed as dist
 
 
 class StopSignals:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, group=None):
+        """device: where the flag lives, which `group`'s backend must take (None: the default
+        group; a CPU device with a gloo group keeps the agreement off the GPU's stream)."""
         self.device = device
+        self.group = group
         self.received: int | None = None
         self._previous = {}
 
@@ -35,6 +38,6 @@ class StopSignals:
     def agreed_stop(self) -> int | None:
         """Collective over the world: the signal number if any rank received one, else None."""
         flag = torch.tensor([self.received or 0], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         value = int(flag.item())
         return value or None
