@@ -717,7 +717,9 @@ def add_transport_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shm-copy-threads", type=int, default=SHM_DEFAULTS.copy_threads,
                        help="shm: most threads that copy one message.")
     group.add_argument("--shm-slot-mb", type=int, default=SHM_DEFAULTS.slot_bytes >> 20,
-                       help="shm: payload MiB of one slot; every pipeline message must fit in one.")
+                       help="shm: payload MiB of one slot; every CPU pipeline message must fit in "
+                            "one (GPU messages need only a descriptor there, unless torch's "
+                            "expandable segments stop CUDA IPC from exporting their memory).")
     group.add_argument("--shm-num-slots", type=int, default=SHM_DEFAULTS.num_slots,
                        help="shm: slots per directed pair of ranks, 1..64 (messages in flight before a "
                             "send waits for the receiver; up to half of them may be lent to received "

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ShmConfig:
     """Sizes and limits of one context. Every receiver owns, per peer, `num_slots` slots of
-    `slot_bytes` payload each; a message must fit in one slot (single-copy messages too).
+    `slot_bytes` payload each; a CPU message must fit in one slot (single-copy messages too). A GPU
+    message carries only a descriptor in its slot and has no size cap (CUDA IPC's direct path),
+    except where its memory cannot be exported (torch's expandable segments: staged, capped).
 
     Other CPU messages go through a slot: the sender copies them in, and the receiver either copies
     them out or, for messages of at least `zero_copy_min_bytes`, lends the slot: the received

@@ -120,6 +120,23 @@ def test_auto_falls_back_to_torch_and_says_why():
     assert "shm_tensor not used: one activation (1099511627776 B) exceeds a shm slot" in chosen.reason()
 
 
+def test_device_activations_larger_than_a_slot_stay_on_shm_unless_unexportable(monkeypatch):
+    """GPU messages go by CUDA IPC's direct path, without the slot cap; only memory CUDA IPC cannot
+    export (torch's expandable segments) keeps the cap, and the reason says so."""
+    import shm_tensor
+    from megatron_dpp.comm.router import ROUTE_TABLES, assign_routes
+
+    monkeypatch.setattr(shm_tensor, "cuda_runtime_error", lambda: "")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    setup = _setup(["node 0", "node 0"], max_message_bytes=1 << 40, device=torch.device("cuda", 0))
+    assert assign_routes(ROUTE_TABLES["auto"], setup, [1])[1].route.transport == "shm_tensor"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    chosen = assign_routes(ROUTE_TABLES["auto"], setup, [1])[1]
+    assert chosen.route.transport == "torch.distributed"
+    assert "expandable segments cannot be exported by CUDA IPC" in chosen.reason()
+
+
 def test_rdma_unavailable_is_a_reason_not_a_crash(monkeypatch):
     import rdma_tensor
     from megatron_dpp.comm.router import ROUTE_TABLES, assign_routes

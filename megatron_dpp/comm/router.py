@@ -15,6 +15,7 @@ network namespaces of one machine, as in the tests; node ranks can.)
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import sys
 import time
@@ -166,16 +167,30 @@ def _shm_unavailable(setup: RouteSetup) -> str:
     from shm_tensor.config import ShmConfig
 
     slot_bytes = (setup.shm_config or ShmConfig()).slot_bytes
-    if setup.max_message_bytes is not None and setup.max_message_bytes > slot_bytes:
-        return (f"one activation ({setup.max_message_bytes} B) exceeds a shm slot ({slot_bytes} B; "
-                "raise --shm-slot-mb to use shm_tensor)")
+    too_large = setup.max_message_bytes is not None and setup.max_message_bytes > slot_bytes
     if setup.device.type == "cuda":
         import shm_tensor
 
         problem = shm_tensor.cuda_runtime_error()
         if problem:
             return "the CUDA runtime does not load for CUDA IPC: " + problem.replace("\n", " ")
+        # Device messages go direct, with no slot cap, unless their memory cannot be exported.
+        if too_large and _expandable_segments():
+            return (f"one activation ({setup.max_message_bytes} B) exceeds a shm slot ({slot_bytes} "
+                    "B) and torch's expandable segments cannot be exported by CUDA IPC (raise "
+                    "--shm-slot-mb, or drop expandable_segments from PYTORCH_CUDA_ALLOC_CONF)")
+        return ""
+    if too_large:
+        return (f"one activation ({setup.max_message_bytes} B) exceeds a shm slot ({slot_bytes} B; "
+                "raise --shm-slot-mb to use shm_tensor)")
     return ""
+
+
+def _expandable_segments() -> bool:
+    """torch's caching allocator maps its memory with cuMemCreate (not exportable by
+    cudaIpcGetMemHandle) when expandable_segments is on."""
+    settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" in settings.replace(" ", "").lower()
 
 
 def _rdma_unavailable(_setup: RouteSetup) -> str:
