@@ -277,18 +277,6 @@ def kernel_choices(args: argparse.Namespace) -> KernelChoices:
     )
 
 
-def fusion_settings(attention: CoreAttentionChoice) -> dict:
-    """TransformerConfig's kernel-dependent fusions for a model without training flags (the
-    search's profiling): the same choices as a training run with Megatron-LM's defaults, with
-    gradient accumulation fusion and persistent layer norm off."""
-    return dict(
-        masked_softmax_fusion=_masked_softmax_fusion(attention).on,
-        bias_activation_fusion=_compiled_fusion("bias-gelu fusion").on,
-        bias_dropout_fusion=_compiled_fusion("bias-dropout-add fusion").on,
-        apply_rope_fusion=False,
-    )
-
-
 # ----------------------------------------------------------------------------------------------
 # Megatron-Core's warnings about the same packages
 # ----------------------------------------------------------------------------------------------

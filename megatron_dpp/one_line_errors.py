@@ -5,6 +5,12 @@ import argparse
 import sys
 
 
+class InputError(ValueError):
+    """Bad user input that a command prints as one line, exit 2: the search's SearchInputError
+    (search/errors.py), and what the analytical model (models/memory_model.py) raises for a shape
+    it cannot price."""
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse prints usage plus the error; we print the error alone, on one line, exit code 2."""
 

@@ -1,12 +1,14 @@
 """Unit tests of the DPP runtime's single-process pieces: flags, budget parsing, global-batch
 prefetch and reorder, activation-byte estimates, decision messages."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from megatron_dpp.models import memory_model as mm
 from megatron_dpp.pipeline import Phase, Task, parse_memory_budget
 from megatron_dpp.runtime.batch import GlobalBatch, agree_on_sizes
 from megatron_dpp.runtime.config import DPPConfig
-from megatron_dpp.runtime.memory import transformer_activation_bytes
 from megatron_dpp.runtime.tensor_parallel import DecisionChannel
 
 
@@ -76,11 +78,40 @@ def test_sizes_without_any_collective_group_are_local():
     assert agree_on_sizes(None, 2, []) == [1, 1]
 
 
-def test_activation_estimate_grows_with_length_and_dtype():
-    short, long = transformer_activation_bytes([64, 128], 1, 32, 4, 2, torch.float32)
-    assert long > 2 * short  # the attention term is quadratic in the sequence length
-    (half,) = transformer_activation_bytes([64], 1, 32, 4, 2, torch.bfloat16)
-    assert half * 2 == short
+def _config(**changes):
+    """The TransformerConfig fields the runtime's activation estimate reads."""
+    fields = dict(num_layers=8, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4,
+                  hidden_dropout=0.1, attention_dropout=0.1, tensor_model_parallel_size=1,
+                  sequence_parallel=False, recompute_granularity=None, recompute_method=None,
+                  recompute_num_layers=None, pipeline_dtype=torch.float32)
+    return SimpleNamespace(**{**fields, **changes})
+
+
+def _layer(length, micro_batch, tp=1, sp=False, mode="none", dtype="fp32"):
+    shape = mm.model_shape("gpt", 8, 32, 4, length, 1, ffn_hidden_size=128, dtype=dtype)
+    return mm.layer_activation_bytes(shape, micro_batch, tp, sp, mode)
+
+
+def test_activation_estimate_is_the_search_model_per_microbatch_length():
+    """Each microbatch at its own length (tokens / micro-batch size), the chunk's layers (8 over
+    P=2 x V=2), the config's dtype, tensor and sequence parallelism and recompute."""
+    estimate = mm.chunk_activation_bytes
+    short, long = estimate("gpt", _config(), [2 * 64, 2 * 128], 2, 2, 2)
+    assert (short, long) == (2 * _layer(64, 2), 2 * _layer(128, 2))
+    assert long > 2 * short  # the attention scores are quadratic in the length
+    (half,) = estimate("gpt", _config(pipeline_dtype=torch.bfloat16), [128], 2, 2, 2)
+    assert half == 2 * _layer(64, 2, dtype="bf16") and half < short
+    (tp2,) = estimate("gpt", _config(tensor_model_parallel_size=2, sequence_parallel=True),
+                      [128], 2, 2, 2)
+    assert tp2 == 2 * _layer(64, 2, tp=2, sp=True) and tp2 < short
+    (selective,) = estimate("gpt", _config(recompute_granularity="selective"), [128], 2, 2, 2)
+    assert selective == 2 * _layer(64, 2, mode="selective")
+    full = _config(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    assert estimate("gpt", full, [128], 2, 1, 1) == [8 * 64 * 2 * 32 * 4]  # each layer's input
+    full.recompute_num_layers = 3  # one checkpoint per 3 layers: ceil(8 / 3) inputs kept
+    assert estimate("gpt", full, [128], 2, 1, 1) == [3 * 64 * 2 * 32 * 4]
+    full.recompute_method = "block"  # the first 3 layers checkpointed, 5 keep everything
+    assert estimate("gpt", full, [128], 2, 1, 1) == [3 * 64 * 2 * 32 * 4 + 5 * _layer(64, 2)]
 
 
 def test_decision_round_trip():

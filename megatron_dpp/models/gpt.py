@@ -19,6 +19,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_dpp import kernels
 from megatron_dpp.data.datasets import build_train_valid_test_datasets
 from megatron_dpp.models.init import initialize_layout_independent, stacked_model_global_name
+from megatron_dpp.models.memory_model import chunk_activation_bytes
 from megatron_dpp.models.sdpa_attention import with_core_attention
 from megatron_dpp.models.spec import ModelSpec
 
@@ -159,4 +160,5 @@ GPT_SPEC = ModelSpec(
         "megatron.core.models.common.embeddings.language_model_embedding",  # current_device()
     ),
     global_parameter_name=_global_name,
+    activation_bytes=partial(chunk_activation_bytes, "gpt"),
 )

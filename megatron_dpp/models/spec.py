@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -45,3 +45,9 @@ class ModelSpec:
     global_parameter_name: Callable[[torch.nn.Module, str], str]
     """(chunk, chunk-local parameter name) -> the parameter's name in the unsplit model; the
     layout-independent init (megatron_dpp.models.init) seeds each parameter by this name."""
+
+    activation_bytes: Callable[[TransformerConfig, Sequence[int], int, int, int], list[int]]
+    """(config, micro-batch sizes as microbatch_work counts them, micro-batch size, model chunks
+    per rank, pipeline size) -> the bytes one forward of each micro-batch keeps on one model chunk
+    until its backward, on one tensor-parallel rank: what the DPP runtime's memory budget admits
+    against. The search's analytical model (models/memory_model.py's chunk_activation_bytes)."""

@@ -19,8 +19,12 @@ Split backwards (DPPConfig.split_backward, --dpp-split-backward): the task graph
 forwards under the session's WeightGradStash, B computes input gradients and sends them at once,
 W runs the microbatch's stored weight-gradient work (runtime/handlers.py). Gradient sync follows
 each chunk's last W; every W runs inside the loop, so before finalize_model_grads. The stash's
-bytes (output gradients and the inputs outside the transformer layers, runtime/memory.py) are
-added to each microbatch's activation bytes, which the scheduler holds from F to the end of W.
+bytes (output gradients and the inputs outside the transformer layers, the caller's
+weight_grad_bytes_fn) are added to each microbatch's activation bytes, which the scheduler holds
+from F to the end of W.
+
+Activation bytes per microbatch come from the caller too (activation_bytes_fn: training passes the
+model's ModelSpec.activation_bytes, the search's analytical model), so the runtime knows no model.
 """
 from __future__ import annotations
 
@@ -46,18 +50,18 @@ from megatron_dpp.runtime.config import DPPConfig
 from megatron_dpp.runtime.grad_sync import GradSync
 from megatron_dpp.runtime.handlers import make_handlers
 from megatron_dpp.runtime.layout import RankLayout
-from megatron_dpp.runtime.memory import megatron_activation_bytes
 from megatron_dpp.runtime.tags import decision_tag, message_tag
 from megatron_dpp.runtime.tensor_parallel import DecisionChannel
 from megatron_dpp.runtime.watchdog import ProgressDeadline, report_and_exit
 from megatron_dpp.trace.recorder import POSTING_SEND, TraceRecorder
 
-# (model_config, sizes, micro_batch_size, num_model_chunks, pipeline_size) -> bytes per microbatch
+# (model_config, sizes, micro_batch_size, num_model_chunks, pipeline_size) -> bytes one forward of
+# each microbatch keeps on one chunk until its backward (ModelSpec.activation_bytes)
 ActivationBytesFn = Callable[[Any, Sequence[int], int, int, int], List[int]]
 # One microbatch item, as the data iterator yields it -> its relative work (ModelSpec.microbatch_work)
 MicrobatchWorkFn = Callable[[Any], int]
 # (model chunks of the rank, sizes, pipeline dtype) -> bytes a split backward's stash adds per
-# microbatch, held from B to W (runtime/memory.py's megatron_weight_grad_bytes)
+# microbatch, held from B to W (models.weight_grad's megatron_weight_grad_bytes)
 WeightGradBytesFn = Callable[[Sequence[Any], Sequence[int], torch.dtype], List[int]]
 
 
@@ -109,7 +113,7 @@ class DPPSession:
     config: DPPConfig
     transport: Any
     microbatch_work: MicrobatchWorkFn
-    activation_bytes_fn: ActivationBytesFn = megatron_activation_bytes
+    activation_bytes_fn: ActivationBytesFn
     recorder: Optional[TraceRecorder] = None  # --trace: what each iteration did, per rank
     nvtx: bool = False  # --nvtx: an NVTX range named like the task around each task's step
     # Split backwards (DPPConfig.split_backward), both given by the caller (training/pipeline.py:
@@ -137,7 +141,7 @@ def dpp_peers() -> List[int]:
 
 
 def make_forward_backward_dpp(config: DPPConfig, transport: Any, microbatch_work: MicrobatchWorkFn,
-                              activation_bytes_fn: ActivationBytesFn = megatron_activation_bytes,
+                              activation_bytes_fn: ActivationBytesFn,
                               recorder: Optional[TraceRecorder] = None, nvtx: bool = False,
                               stash: Any = None,
                               weight_grad_bytes_fn: Optional[WeightGradBytesFn] = None):

@@ -18,7 +18,7 @@ the final layer norm):
   only storages still alive when the forward returns (a recomputed forward saves nothing); once
   per recompute mode, through Megatron-Core's own recompute paths (TransformerConfig
   recompute_granularity "selective", and "full" with recompute_method "uniform" and one layer per
-  unit, as megatron_dpp.training.config sets them from the flags);
+  unit, as training sets them from the flags: megatron_dpp.models.transformer_config);
 - the embedding's and the output head's activations (first and last stage's "other" memory), the
   same way on a whole one-layer model, each storage attributed to the module that saved it first.
 
@@ -158,34 +158,62 @@ def single_process_megatron(model: str):
     return megatron_process_group(model)
 
 
-def transformer_config(shape: mm.ModelShape, recompute: str = "none", tp: int = 1):
-    """Megatron-Core's TransformerConfig as megatron_dpp.training.config builds it from the flags
-    (fused kernels where megatron_dpp.kernels finds them; full recompute: uniform, one layer per
-    unit)."""
-    from megatron.core.transformer import TransformerConfig
+# The profiler's flags beyond the model's shape, each for a reason of its own; every other
+# setting is what a training run's flags give (megatron_dpp.arguments, its defaults included).
+PROFILER_FLAGS = (
+    # It measures on the CPU whatever the machine (its inputs are CPU tensors).
+    "--use-cpu-initialization",
+    # Its layers run without DistributedDataParallel, whose main_grad buffers Megatron-Core's fused
+    # weight-gradient accumulation writes into (the fusion is off on CPU anyway).
+    "--no-gradient-accumulation-fusion",
+)
 
-    dtype = TORCH_DTYPES[shape.dtype]
-    recompute_args = {}
+
+def training_args(shape: mm.ModelShape, recompute: str = "none",
+                  tp: int = 1) -> argparse.Namespace:
+    """The training flags of a run of this shape at tensor-parallel size tp and pp = 1, parsed by
+    megatron_dpp.arguments (full recompute: uniform, one layer per unit), plus PROFILER_FLAGS."""
+    from megatron_dpp import arguments
+
+    flags = ["--num-layers", shape.num_layers, "--hidden-size", shape.hidden_size,
+             "--ffn-hidden-size", shape.ffn_hidden_size,
+             "--num-attention-heads", shape.num_attention_heads, "--seq-length", shape.seq_length,
+             "--max-position-embeddings", shape.max_position_embeddings,
+             "--hidden-dropout", shape.hidden_dropout,
+             "--attention-dropout", shape.attention_dropout,
+             "--tensor-model-parallel-size", tp, *PROFILER_FLAGS]
+    if shape.dtype != "fp32":
+        flags.append(f"--{shape.dtype}")
     if recompute != "none":
-        recompute_args["recompute_granularity"] = recompute
+        flags += ["--recompute-granularity", recompute]
     if recompute == "full":
-        recompute_args.update(recompute_method="uniform", recompute_num_layers=1)
-    return TransformerConfig(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size,
-        ffn_hidden_size=shape.ffn_hidden_size, num_attention_heads=shape.num_attention_heads,
-        hidden_dropout=shape.hidden_dropout, attention_dropout=shape.attention_dropout,
-        tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=shape.dtype == "bf16", fp16=shape.dtype == "fp16",
-        gradient_accumulation_fusion=False, **recompute_args,
-        **kernels.fusion_settings(kernels.core_attention()))
+        flags += ["--recompute-method", "uniform", "--recompute-num-layers", 1]
+    if shape.untie_embeddings_and_output_weights:
+        flags.append("--untie-embeddings-and-output-weights")
+    if shape.model == "bert" and not shape.bert_binary_head:
+        flags.append("--bert-no-binary-head")
+    args = arguments.build_parser(model=shape.model).parse_args([str(flag) for flag in flags])
+    arguments.validate_model_args(args)
+    args.virtual_pipeline_model_parallel_size = None  # pp = 1 (validate_parallel_args derives it)
+    args.padded_vocab_size = shape.padded_vocab_size  # as build_tokenizer sets it
+    return args
 
 
-def layer_spec(model: str, config):
+def transformer_config(shape: mm.ModelShape, recompute: str = "none", tp: int = 1):
+    """Megatron-Core's TransformerConfig as training builds it (megatron_dpp.models.
+    transformer_config) from training_args."""
+    from megatron_dpp.models.transformer_config import transformer_config_from_args
+
+    return transformer_config_from_args(training_args(shape, recompute, tp))
+
+
+def layer_spec(model: str, args: argparse.Namespace):
+    """The layer spec training builds for these flags (the core attention kernels chose)."""
     from megatron_dpp.models.bert import bert_layer_spec
     from megatron_dpp.models.gpt import gpt_layer_spec
 
-    return gpt_layer_spec() if model == "gpt" else bert_layer_spec()
+    attention = kernels.core_attention_from_args(args).module
+    return gpt_layer_spec(attention) if model == "gpt" else bert_layer_spec(attention)
 
 
 def build_layer(shape: mm.ModelShape, recompute: str = "none", tp: int = 1,
@@ -194,30 +222,24 @@ def build_layer(shape: mm.ModelShape, recompute: str = "none", tp: int = 1,
     full-recompute path), without the final layer norm, in training mode; tp: this rank's shard."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    config = transformer_config(dataclasses.replace(shape, num_layers=num_layers), recompute, tp)
-    block = TransformerBlock(config, layer_spec(shape.model, config), pre_process=True,
-                             post_process=False)
+    from megatron_dpp.models.transformer_config import transformer_config_from_args
+
+    args = training_args(dataclasses.replace(shape, num_layers=num_layers), recompute, tp)
+    block = TransformerBlock(transformer_config_from_args(args), layer_spec(shape.model, args),
+                             pre_process=True, post_process=False)
     return block.train()
 
 
 def build_model(shape: mm.ModelShape, tp: int = 1) -> torch.nn.Module:
-    """The whole model with one layer, as megatron_dpp.models builds it (pp = 1); in bf16/fp16
-    wrapped in Megatron-Core's Float16Module as Megatron-LM's get_model does (its position
-    embedding is a plain fp32 torch.nn.Embedding until then)."""
-    config = transformer_config(dataclasses.replace(shape, num_layers=1), tp=tp)
-    if shape.model == "gpt":
-        from megatron_dpp.models.gpt import GPTShape, build_gpt_chunks
+    """The whole model with one layer, as training builds it (the model spec's build_chunks,
+    pp = 1); in bf16/fp16 wrapped in Megatron-Core's Float16Module as Megatron-LM's get_model does
+    (its position embedding is a plain fp32 torch.nn.Embedding until then)."""
+    from megatron_dpp.models import MODEL_SPECS
+    from megatron_dpp.models.transformer_config import transformer_config_from_args
 
-        (model,) = build_gpt_chunks(config, GPTShape(shape.padded_vocab_size,
-                                                     shape.max_position_embeddings,
-                                                     shape.untie_embeddings_and_output_weights),
-                                    seed=INIT_SEED)
-    else:
-        from megatron_dpp.models.bert import BertShape, build_bert_chunks
-
-        (model,) = build_bert_chunks(config, BertShape(shape.padded_vocab_size,
-                                                       shape.max_position_embeddings,
-                                                       shape.bert_binary_head), seed=INIT_SEED)
+    args = training_args(dataclasses.replace(shape, num_layers=1), tp=tp)
+    config = transformer_config_from_args(args)
+    (model,) = MODEL_SPECS[shape.model].build_chunks(args, config, INIT_SEED)
     if shape.dtype != "fp32":
         from megatron.core.transformer.module import Float16Module
 

@@ -1,6 +1,8 @@
 """Parsed flags -> config dataclasses (Megatron-Core's and our TrainingConfig).
 
-Every flag the training path uses is read here, so "is this flag wired?" has one place to look.
+Every flag the training path uses is read here, so "is this flag wired?" has one place to look,
+but for Megatron-Core's TransformerConfig: megatron_dpp.models.transformer_config builds it, for
+training (transformer_config_from_args, imported here) and for the search's profiler alike.
 """
 from __future__ import annotations
 
@@ -8,12 +10,12 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.transformer import TransformerConfig
 
-from megatron_dpp import kernels
+# transformer_config_from_args: the training loop imports it from here.
+from megatron_dpp.models.transformer_config import (params_dtype_from_args,
+                                                    transformer_config_from_args)
 
 
 @dataclass(frozen=True)
@@ -70,70 +72,6 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
         manual_gc_eval=args.manual_gc_eval,
         empty_unused_memory_level=args.empty_unused_memory_level,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
-    )
-
-
-def params_dtype_from_args(args: argparse.Namespace) -> torch.dtype:
-    if args.bf16:
-        return torch.bfloat16
-    if args.fp16:
-        return torch.float16
-    return torch.float32
-
-
-def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
-    recompute = {}
-    if args.recompute_granularity is not None:
-        recompute["recompute_granularity"] = args.recompute_granularity
-    if args.recompute_granularity == "full":
-        recompute["recompute_method"] = args.recompute_method
-        recompute["recompute_num_layers"] = args.recompute_num_layers
-    # Every kernel-dependent setting comes from megatron_dpp.kernels (what is installed here).
-    choices = kernels.kernel_choices(args)
-    attention = {}
-    if choices.attention.module == kernels.TRANSFORMER_ENGINE:
-        from megatron.core.transformer.enums import AttnBackend
-
-        attention["attention_backend"] = AttnBackend[choices.attention.te_backend]
-    dtype = params_dtype_from_args(args)
-    return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        init_method_std=args.init_method_std,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        use_cpu_initialization=args.use_cpu_initialization,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        # Megatron-LM's default: with virtual stages, per-direction p2p ops overlapped with compute
-        # instead of one batch (--no-overlap-p2p-communication: per-direction ops, each awaited).
-        # A batch pairs messages by order, and with pp=2 both directions go to the same peer, so
-        # activations and gradients could be swapped; the unbatched path keeps them apart.
-        overlap_p2p_comm=(args.virtual_pipeline_model_parallel_size is not None
-                          and args.overlap_p2p_comm),
-        batch_p2p_comm=args.virtual_pipeline_model_parallel_size is None,
-        variable_seq_lengths=bool(getattr(args, "variable_seq_lengths", False)),
-        # TransformerConfig rejects variable_seq_lengths with the default MoE dispatcher
-        # ("allgather"); the dispatcher is unused by dense models, so pick one that allows it.
-        moe_token_dispatcher_type="alltoall",
-        bias_activation_fusion=choices.bias_activation_fusion.on,
-        bias_dropout_fusion=choices.bias_dropout_fusion.on,
-        masked_softmax_fusion=choices.masked_softmax_fusion.on,
-        apply_rope_fusion=choices.rope_fusion.on,
-        gradient_accumulation_fusion=choices.gradient_accumulation_fusion.on,
-        persist_layer_norm=choices.persist_layer_norm.on,
-        clone_scatter_output_in_embedding=args.clone_scatter_output_in_embedding,
-        distribute_saved_activations=args.distribute_saved_activations,
-        **recompute,
-        **attention,
     )
 
 

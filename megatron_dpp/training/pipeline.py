@@ -104,7 +104,8 @@ def _closer(trace, transport) -> Callable[[], None]:
 
 def _build_dpp(args: argparse.Namespace, spec: ModelSpec, run_directory: Optional[str]) -> Callable:
     """--use-dpp: forward_backward_dpp over the --p2p-transport transport; the model's spec says
-    how much work each microbatch is (the policy's sizes). --nvtx: an NVTX range per task."""
+    how much work each microbatch is (the policy's sizes) and how many activation bytes it keeps
+    (the memory budget's). --nvtx: an NVTX range per task."""
     from megatron_dpp.comm import make_transport_from_args
     from megatron_dpp.runtime.config import DPPConfig
     from megatron_dpp.runtime.executor import dpp_peers, make_forward_backward_dpp
@@ -125,8 +126,8 @@ def _build_dpp(args: argparse.Namespace, spec: ModelSpec, run_directory: Optiona
         # The chunks' deferred layers store their weight-gradient work into this stash at B.
         split = {"stash": WeightGradStash(), "weight_grad_bytes_fn": megatron_weight_grad_bytes}
     forward_backward = make_forward_backward_dpp(
-        config, transport, spec.microbatch_work, recorder=None if trace is None else trace.recorder,
-        nvtx=args.nvtx, **split)
+        config, transport, spec.microbatch_work, spec.activation_bytes,
+        recorder=None if trace is None else trace.recorder, nvtx=args.nvtx, **split)
     forward_backward.close = _closer(trace, transport)
     forward_backward.trace = trace
     return forward_backward

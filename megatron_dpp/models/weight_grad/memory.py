@@ -21,7 +21,7 @@ def weight_grad_bytes_per_token(model, dtype: torch.dtype) -> int:
 
     Per deferred module: its output gradient dY (a column-parallel linear's output per partition,
     a row-parallel linear's full output, a norm's or embedding's width), plus a layer norm's mean
-    and rstd (fp32). Their inputs X are the activations counted by transformer_activation_bytes
+    and rstd (fp32). Their inputs X are the activations counted by ModelSpec.activation_bytes
     (a fused backward frees them at B, a split one at W, which the runtime's scheduler already
     follows), except outside the transformer layers: the final norm's and the output layer's
     inputs (one hidden vector each) and the embeddings' token ids (int64). On the last stage the
