@@ -109,6 +109,21 @@ OpenedEvent::~OpenedEvent() {
 
 CudaIpc::~CudaIpc() = default;
 
+void CudaIpc::make_interprocess_events(uint64_t count, std::vector<std::unique_ptr<OwnedEvent>>* events,
+                                       std::vector<IpcEventHandle>* handles, const char* call, int peer,
+                                       int64_t tag) {
+  events->clear();
+  handles->clear();
+  for (uint64_t i = 0; i < count; ++i) {
+    events->push_back(
+        std::make_unique<OwnedEvent>(runtime_, kEventDisableTiming | kEventInterprocess, call, peer, tag));
+    IpcEventHandle handle;
+    check(runtime_.IpcGetEventHandle(&handle, events->back()->get()), "cudaIpcGetEventHandle", call, peer,
+          tag);
+    handles->push_back(handle);
+  }
+}
+
 OwnedStream& CudaIpc::stream_for(int device, const char* call, int peer, int64_t tag) {
   auto found = streams_.find(device);
   if (found != streams_.end()) return *found->second;
@@ -143,14 +158,7 @@ IpcDescriptor CudaIpc::send(int peer, int64_t tag, const at::Tensor& source, con
     pool->buffer = std::make_unique<DeviceBuffer>(runtime_, slot_bytes * num_slots, call, peer, tag);
     check(runtime_.IpcGetMemHandle(&pool->memory_handle, pool->buffer->data()), "cudaIpcGetMemHandle",
           call, peer, tag);
-    for (uint64_t i = 0; i < num_slots; ++i) {
-      pool->events.push_back(std::make_unique<OwnedEvent>(
-          runtime_, kEventDisableTiming | kEventInterprocess, call, peer, tag));
-      IpcEventHandle handle;
-      check(runtime_.IpcGetEventHandle(&handle, pool->events.back()->get()), "cudaIpcGetEventHandle",
-            call, peer, tag);
-      pool->event_handles.push_back(handle);
-    }
+    make_interprocess_events(num_slots, &pool->events, &pool->event_handles, call, peer, tag);
     pool->sources.resize(num_slots);
     pool_entry = std::move(pool);
   }
@@ -316,16 +324,7 @@ DirectDescriptor CudaIpc::send_direct(int peer, int64_t tag, const Export& expor
   DirectSendState& state = direct_sends_[peer];
   if (state.device != exported.device || state.ready.size() != num_slots) {
     // First message to this peer, or from another device: events are tied to their device.
-    state.ready.clear();
-    state.ready_handles.clear();
-    for (uint64_t i = 0; i < num_slots; ++i) {
-      state.ready.push_back(std::make_unique<OwnedEvent>(
-          runtime_, kEventDisableTiming | kEventInterprocess, call, peer, tag));
-      IpcEventHandle handle;
-      check(runtime_.IpcGetEventHandle(&handle, state.ready.back()->get()), "cudaIpcGetEventHandle", call,
-            peer, tag);
-      state.ready_handles.push_back(handle);
-    }
+    make_interprocess_events(num_slots, &state.ready, &state.ready_handles, call, peer, tag);
     state.device = exported.device;
   }
   if (slot >= num_slots) {
@@ -413,16 +412,7 @@ void CudaIpc::queue_direct_copy(int peer, const dpp_wire::WireHeader& header, Di
     state.ready_handles[slot] = descriptor->ready;
   }
   if (state.copied_device != device || state.copied.size() != num_slots) {
-    state.copied.clear();
-    state.copied_handles.clear();
-    for (uint64_t i = 0; i < num_slots; ++i) {
-      state.copied.push_back(std::make_unique<OwnedEvent>(
-          runtime_, kEventDisableTiming | kEventInterprocess, call, peer, tag));
-      IpcEventHandle handle;
-      check(runtime_.IpcGetEventHandle(&handle, state.copied.back()->get()), "cudaIpcGetEventHandle", call,
-            peer, tag);
-      state.copied_handles.push_back(handle);
-    }
+    make_interprocess_events(num_slots, &state.copied, &state.copied_handles, call, peer, tag);
     state.copied_device = device;
   }
   // All on the caller's stream: the fresh tensor's allocation, then the copy, in that stream's order.

@@ -254,6 +254,10 @@ class CudaIpc {
 
  private:
   OwnedStream& stream_for(int device, const char* call, int peer, int64_t tag);
+  // `count` new interprocess events (on the current device) and their IPC handles, replacing any.
+  void make_interprocess_events(uint64_t count, std::vector<std::unique_ptr<OwnedEvent>>* events,
+                                std::vector<IpcEventHandle>* handles, const char* call, int peer,
+                                int64_t tag);
   void queue_direct_copy(int peer, const dpp_wire::WireHeader& header, DirectDescriptor* descriptor,
                          const at::Tensor& tensor, int device, uintptr_t caller_stream, uint64_t num_slots);
   void wait_for(Event event, int peer, int64_t tag, const std::function<bool()>& peer_alive,
