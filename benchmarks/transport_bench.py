@@ -48,7 +48,7 @@ DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
 QUICK_SIZES = [4 * KiB, 1 * MiB]
 TRANSPORTS = ("shm", "shm-1copy", "shm-2copy", "gloo", "memcpy")
 CROSS_NAMESPACE_TRANSPORTS = ("rdma", "gloo", "tcp")  # cross_namespace_bench.TRANSPORTS
-CUDA_TRANSPORTS = ("shm", "shm-host", "d2d", "nccl")  # transport_bench_cuda.TRANSPORTS
+CUDA_TRANSPORTS = ("shm", "shm-host", "d2d", "events", "nccl")  # transport_bench_cuda.TRANSPORTS
 FAKE_CUDA_TRANSPORTS = ("shm", "shm-host", "d2d")  # transport_bench_cuda.FAKE_TRANSPORTS
 CUDA_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 # ShmConfig of each shm row: lending (zero_copy_receive) and single copy on or off.

@@ -11,6 +11,12 @@
             call waits for the device. The device work trails behind and is checked at the end.
   d2d       one device-to-device copy of the same bytes in one process (torch copy_, CUDA events):
             the limit of any transport on this GPU.
+  events    the floor of any design that hands a GPU tensor to another process through events, with
+            no shm_tensor in it: per hop, the sender copies the bytes on its own device (the one copy a
+            message needs), records an interprocess CUDA event and bumps a counter in shared memory;
+            the peer spins on the counter, makes its stream wait on the event (opened once) and does
+            the same back. Rank 0 synchronizes its device after each round trip, as "shm" does. On
+            one GPU this is the cost of handing work between two processes' CUDA contexts.
   nccl      torch.distributed NCCL send/recv ping-pong, rank r on GPU r: only with 2 or more GPUs
             (NCCL does not run two ranks on one GPU); skipped with the reason otherwise.
 
@@ -38,7 +44,7 @@ import torch.distributed as dist
 from two_ranks import run_two_ranks  # benchmarks/ (this script's directory)
 
 KiB, MiB = 1 << 10, 1 << 20
-TRANSPORTS = ("shm", "shm-host", "d2d", "nccl")
+TRANSPORTS = ("shm", "shm-host", "d2d", "events", "nccl")
 FAKE_TRANSPORTS = ("shm", "shm-host", "d2d")
 DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 QUICK_SIZES = [4 * KiB, 1 * MiB]
@@ -141,6 +147,68 @@ def _d2d_size(size: int, iters: int) -> dict:
     return _row("d2d", size, [start.elapsed_time(end) / 1e3 for start, end in events])
 
 
+def _events_size(rank: int, store, size: int, iters: int, tag: int) -> Optional[dict]:
+    """The "events" row of one size on rank 0 (None on rank 1), see the module docstring."""
+    import numpy as np
+    from multiprocessing import shared_memory
+
+    peer = 1 - rank
+    source, target = _bf16(size, "cuda"), torch.empty(max(1, size // 2), device="cuda",
+                                                      dtype=torch.bfloat16)
+    mine = torch.cuda.Event(interprocess=True)
+    mine.record()  # an event must have been recorded once before its handle is shared
+    store.set(f"events/{tag}/{rank}", bytes(mine.ipc_handle()))
+    theirs = torch.cuda.Event.from_ipc_handle(torch.cuda.current_device(),
+                                              store.get(f"events/{tag}/{peer}"))
+    name = f"dpp_events_{os.getppid()}_{tag}"
+    memory = (shared_memory.SharedMemory(name, create=True, size=16) if rank == 0 else None)
+    store.set(f"events/{tag}/memory", "ready") if rank == 0 else store.get(f"events/{tag}/memory")
+    if memory is None:
+        memory = shared_memory.SharedMemory(name)
+        # Rank 0 owns and unlinks it; keep rank 1's resource tracker from unlinking it again.
+        from multiprocessing import resource_tracker
+        resource_tracker.unregister(memory._name, "shared_memory")
+    counters = np.ndarray((2,), dtype=np.int64, buffer=memory.buf)  # counters[r]: hops rank r sent
+    if rank == 0:
+        counters[:] = 0
+    torch.cuda.synchronize()
+    store.set(f"events/{tag}/go/{rank}", "1")
+    store.get(f"events/{tag}/go/{peer}")
+    deadline = time.monotonic() + WAIT_S
+
+    def hand_over(count: int) -> None:
+        target.copy_(source)
+        mine.record()
+        counters[rank] = count
+
+    def wait_for(count: int) -> None:
+        while counters[peer] < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"events: waited {WAIT_S} s for hop {count} of rank {peer}")
+        torch.cuda.current_stream().wait_event(theirs)
+
+    round_trips = []
+    for i in range(1, WARMUP + iters + 1):
+        start = time.perf_counter()
+        if rank == 0:
+            hand_over(i)
+            wait_for(i)
+            torch.cuda.synchronize()
+        else:
+            wait_for(i)
+            hand_over(i)
+        round_trips.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    store.set(f"events/{tag}/done/{rank}", "1")
+    store.get(f"events/{tag}/done/{peer}")
+    del counters
+    memory.close()
+    if rank == 0:
+        memory.unlink()
+        return _row("events", size, [seconds / 2 for seconds in round_trips[WARMUP:]])
+    return None
+
+
 def _nccl_size(rank: int, size: int, iters: int) -> Optional[dict]:
     peer = 1 - rank
     tensor = _bf16(size, torch.device("cuda", rank))
@@ -204,6 +272,10 @@ def _worker(rank: int, args, store_path: str, results) -> None:
         if "d2d" in args.transport_list and rank == 0:
             measure = _host_copy_size if fake else _d2d_size
             rows += [measure(size, _iters(args, size)) for size in args.size_list]
+        if "events" in args.transport_list:
+            for index, size in enumerate(args.size_list):
+                row = _events_size(rank, store, size, _iters(args, size), index)
+                rows += [row] if row else []
         if "nccl" in args.transport_list and torch.cuda.device_count() >= 2:
             torch.cuda.set_device(rank)
             dist.init_process_group("nccl", store=dist.PrefixStore("nccl", store), rank=rank,
@@ -248,13 +320,16 @@ def _us(row: Optional[dict]) -> str:
 def print_table(document: dict) -> None:
     by_key = {(row["transport"], row["bytes"]): row for row in document["results"]}
     print(f"one-way time (p50, us), bf16, {document['gpu']} x {document['gpus']}")
-    print(f"{'bytes':>10} {'shm':>10} {'shm-host':>10} {'d2d copy':>10} {'shm/d2d':>8} {'nccl':>10}")
+    print(f"{'bytes':>10} {'shm':>10} {'shm-host':>10} {'d2d copy':>10} {'shm/d2d':>8} {'events':>10} "
+          f"{'nccl':>10}")
     for size in document["config"]["sizes"]:
-        shm, host, d2d, nccl = (by_key.get((name, size)) for name in ("shm", "shm-host", "d2d", "nccl"))
+        shm, host, d2d, events, nccl = (by_key.get((name, size))
+                                        for name in ("shm", "shm-host", "d2d", "events", "nccl"))
         ratio = "-"
         if shm and d2d and not shm["refused"]:
             ratio = f"{shm['one_way_us_p50'] / d2d['one_way_us_p50']:.1f}"
-        print(f"{size:>10} {_us(shm):>10} {_us(host):>10} {_us(d2d):>10} {ratio:>8} {_us(nccl):>10}")
+        print(f"{size:>10} {_us(shm):>10} {_us(host):>10} {_us(d2d):>10} {ratio:>8} {_us(events):>10} "
+              f"{_us(nccl):>10}")
     counts = document.get("message_counts") or {}
     if counts:
         print(f"paths (rank 0): sent {counts.get('sent_device_direct', 0)} direct, "

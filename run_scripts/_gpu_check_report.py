@@ -63,7 +63,8 @@ def _ipc_lines(transport: Optional[dict]) -> list[str]:
     rows = {(row["transport"], row["bytes"]): row for row in transport["results"]}
     lines = []
     for size in transport["config"]["sizes"]:
-        shm, host, d2d, nccl = (rows.get((name, size)) for name in ("shm", "shm-host", "d2d", "nccl"))
+        shm, host, d2d, events, nccl = (rows.get((name, size))
+                                        for name in ("shm", "shm-host", "d2d", "events", "nccl"))
         parts = []
         if shm:
             parts.append("shm refused (slot too small)" if shm["refused"]
@@ -72,6 +73,8 @@ def _ipc_lines(transport: Optional[dict]) -> list[str]:
             parts.append(f"host side {host['one_way_us_p50']:.1f} us")
         if d2d:
             parts.append(f"device copy {d2d['one_way_us_p50']:.1f} us")
+        if events:
+            parts.append(f"bare event hand-over {events['one_way_us_p50']:.1f} us")
         if nccl:
             parts.append(f"nccl {nccl['one_way_us_p50']:.1f} us")
         lines.append(f"  {size:>10} B one-way: " + ", ".join(parts))

@@ -64,7 +64,7 @@ def _transport_json() -> dict:
     return {"device": "cuda", "gpu": "GPU", "gpus": 1, "skipped": {"nccl": "needs 2 GPUs"},
             "config": {"sizes": [4096, 1 << 28]},
             "results": [row("shm", 4096, 270.0), row("shm-host", 4096, 22.5), row("shm", 1 << 28, None, "exceeds the slot"),
-                        row("d2d", 4096, 11.0), row("d2d", 1 << 28, 182.0)]}
+                        row("d2d", 4096, 11.0), row("d2d", 1 << 28, 182.0), row("events", 4096, 250.0)]}
 
 
 @pytest.mark.slow
@@ -102,6 +102,6 @@ def test_report_table_from_real_logs(tmp_path):
     assert any(line.startswith("gpt ") and "pass" in line and "tokens/s" in line for line in lines)
     assert any(line.startswith("bert ") and "FAIL" in line for line in lines)
     assert any(line.startswith("our GPT / SDPA anchor: ") and "target 0.8x" in line for line in lines)
-    assert "4096 B one-way: shm 270.0 us, host side 22.5 us, device copy 11.0 us" in result.stdout
+    assert "4096 B one-way: shm 270.0 us, host side 22.5 us, device copy 11.0 us, bare event hand-over 250.0 us" in result.stdout
     assert "268435456 B one-way: shm refused (slot too small), device copy 182.0 us" in result.stdout
     assert "nccl: skipped: needs 2 GPUs" in result.stdout

@@ -34,7 +34,7 @@ def test_without_a_gpu_one_line_and_exit_0(tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args,message", [
-    (["--device", "cuda", "--transports", "shm,gloo"], "unknown ['gloo']; pick from shm,shm-host,d2d,nccl"),
+    (["--device", "cuda", "--transports", "shm,gloo"], "unknown ['gloo']; pick from shm,shm-host,d2d,events,nccl"),
     (["--device", "fake-cuda", "--transports", "nccl"], "unknown ['nccl']; pick from shm,shm-host,d2d"),
     (["--slot-bytes", "1MiB"], "--slot-bytes is for --device cuda"),
     (["--device", "cuda", "--slot-bytes", "1"], "--slot-bytes is for --device cuda, at least 4096"),
@@ -56,10 +56,11 @@ def test_table_shows_refused_sizes_and_skipped_nccl(capsys):
         "gpu": "H100", "gpus": 1, "skipped": {"nccl": "needs 2 GPUs (NCCL runs one rank per GPU); 1 here"},
         "config": {"sizes": [4096, 1 << 28]},
         "results": [row("shm", 4096, 270.0), row("d2d", 4096, 10.0), row("d2d", 1 << 28, 182.0),
+                    row("events", 4096, 250.0),
                     row("shm", 1 << 28, None, "message of 268435456 B exceeds the slot size")]})
     lines = capsys.readouterr().out.splitlines()
-    assert lines[2].split() == ["4096", "270.0", "-", "10.0", "27.0", "-"]
-    assert lines[3].split() == ["268435456", "refused", "-", "182.0", "-", "-"]
+    assert lines[2].split() == ["4096", "270.0", "-", "10.0", "27.0", "250.0", "-"]
+    assert lines[3].split() == ["268435456", "refused", "-", "182.0", "-", "-", "-"]
     assert "shm refused 268435456 B: message of 268435456 B exceeds the slot size" in lines
     assert "nccl: skipped: needs 2 GPUs (NCCL runs one rank per GPU); 1 here" in lines
 

@@ -120,16 +120,18 @@ def build_data_loader(dataset, consumed_samples: int, micro_batch_size: int,
                       pad_token: int = 0,
                       trim_padding: bool = False) -> torch.utils.data.DataLoader:
     """A DataLoader over `dataset` that starts at consumed_samples (see PretrainingSampler);
-    trim_padding: see collate_samples. Batches are in pinned memory where a GPU trains (as
-    Megatron-LM's loader): the forward step's copies to the device are then asynchronous; from
-    pageable memory a copy can hold the host until the stream's earlier work has run."""
+    trim_padding: see collate_samples. Batches stay in pageable memory: pinning them (as
+    Megatron-LM's loader does) made GPT-125m on one H200 slower, 450 and 553 ms per iteration
+    against 370 ms pageable on the same machine (docs/gpu.md), since this loop is bound by the
+    host, and pinning adds host work per micro-batch that the copies it makes asynchronous do not
+    pay back."""
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
                                  data_parallel_rank, data_parallel_size)
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers,
         collate_fn=functools.partial(collate_samples, pad_token=pad_token,
                                      trim_padding=trim_padding),
-        persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available())
+        persistent_workers=num_workers > 0)
 
 
 def build_data_iterators(args, train_ds, valid_ds, test_ds,
