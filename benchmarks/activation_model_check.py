@@ -64,7 +64,7 @@ def tensor_parallel_rows(model: str, dtype: str, dropout: float, tp: int) -> lis
             model=model, hidden_size=hidden, num_attention_heads=HEADS, ffn_hidden_size=4 * hidden,
             seq_lengths=SEQ_LENGTHS, micro_batch_sizes=(2,), dtype=dtype, padded_vocab_size=VOCAB,
             max_position_embeddings=max(SEQ_LENGTHS), hidden_dropout=dropout,
-            attention_dropout=dropout, bert_binary_head=True, tp_sizes=(1, tp),
+            attention_dropout=dropout, tp_sizes=(1, tp),
             measured_tp_size=tp, warmup=0, repeats=1)
         for (seq, part), measured in sorted(mp.measure_tensor_parallel(options, tp).items()):
             shape = options.shape(seq)

@@ -25,7 +25,9 @@ from megatron_dpp.kernels import (
     install_warning_filters,
     transformer_engine_available,
 )
-from megatron_dpp.one_line_errors import OneLineErrorParser
+from megatron_dpp.data.tokenizer import GPT2_BPE
+from megatron_dpp.models import families
+from megatron_dpp.one_line_errors import InputError, OneLineErrorParser
 
 
 class ArgsError(ValueError):
@@ -563,9 +565,8 @@ def validate_logging_args(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------------------
 # data (flags and validation owned by the data module)
 # ----------------------------------------------------------------------------------------------
-BPE_TOKENIZER = "GPT2BPETokenizer"
-WORDPIECE_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
-TOKENIZER_TYPES = (BPE_TOKENIZER, *WORDPIECE_TOKENIZERS)
+# The tokenizers some model trains with; each model's own are in models/families.py.
+TOKENIZER_TYPES = families.TOKENIZER_TYPES
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -621,7 +622,7 @@ def validate_data_args(args: argparse.Namespace) -> None:
                                   f"it with tools/preprocess_data.py or `python -m "
                                   f"megatron_dpp.data.prepare_sample --output-dir DIR`")
         tokenizer_files = [("--vocab-file", args.vocab_file)]
-        if args.tokenizer_type == BPE_TOKENIZER:
+        if args.tokenizer_type == GPT2_BPE:
             tokenizer_files.append(("--merge-file", args.merge_file))
         for flag, path in tokenizer_files:
             _require(path is not None and os.path.isfile(path),
@@ -633,65 +634,11 @@ def validate_data_args(args: argparse.Namespace) -> None:
             _require(not (args.reset_position_ids or args.reset_attention_mask),
                      "--variable-seq-lengths puts one document per sample, so --reset-position-ids "
                      "and --reset-attention-mask do not apply; remove them")
-        if args.model == "bert":  # BERT packs sentences into samples: its own checks
-            from megatron_dpp.data.bert_datasets import check_bert_args, check_bert_splits_have_data
-
-            check_bert_args(args)
-            check_bert_splits_have_data(prefixes, weights, split, samples_per_split(args),
-                                        args.bert_binary_head)
-        else:
-            check_splits_have_data(prefixes, weights, split, samples_per_split(args),
-                                   args.variable_seq_lengths)
+        # Each model builds its samples its own way (token windows, packed sentences).
+        families.model_family(args.model).check_data(args, prefixes, weights, split,
+                                                     samples_per_split(args))
     except DataInputError as error:
         raise ArgsError(str(error)) from None
-
-
-# ----------------------------------------------------------------------------------------------
-# the model's own flags (one entry point per model: pretrain_gpt, pretrain_bert)
-# ----------------------------------------------------------------------------------------------
-def validate_gpt_args(args: argparse.Namespace) -> None:
-    if args.tokenizer_type is None:
-        args.tokenizer_type = BPE_TOKENIZER
-    _require(args.tokenizer_type == BPE_TOKENIZER,
-             f"--tokenizer-type {args.tokenizer_type} is BERT's; GPT trains with GPT2BPETokenizer")
-
-
-def add_bert_args(parser: argparse.ArgumentParser) -> None:
-    from megatron_dpp.data.bert_datasets import BERT_ARG_DEFAULTS
-
-    group = parser.add_argument_group("BERT")
-    group.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
-                       help="Train without the sentence-order prediction (binary) head and its "
-                            "token types: the masked-LM loss alone.")
-    group.add_argument("--mask-prob", type=float, default=BERT_ARG_DEFAULTS["mask_prob"],
-                       help="Probability that a token is masked for the masked-LM loss "
-                            "(default %(default)s).")
-    group.add_argument("--short-seq-prob", type=float, default=BERT_ARG_DEFAULTS["short_seq_prob"],
-                       help="Probability that a sample is made shorter than --seq-length "
-                            "(default %(default)s).")
-
-
-def validate_bert_args(args: argparse.Namespace) -> None:
-    if args.tokenizer_type is None:
-        args.tokenizer_type = WORDPIECE_TOKENIZERS[0]
-    _require(args.tokenizer_type in WORDPIECE_TOKENIZERS,
-             f"--tokenizer-type {args.tokenizer_type} is GPT's; BERT trains with "
-             f"{' or '.join(WORDPIECE_TOKENIZERS)} and a WordPiece --vocab-file")
-    for flag in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
-        _require(not getattr(args, flag), f"--{flag.replace('_', '-')} is a GPT data flag; BERT's "
-                                          f"samples are packed sentences: remove it")
-
-
-# Per model (the entry point's): its own flag groups, and its validator, which runs before the
-# shared ones (the data validator needs the model's tokenizer default).
-MODEL_ARG_GROUPS: dict[str, list[Callable[[argparse.ArgumentParser], None]]] = {
-    "gpt": [],
-    "bert": [add_bert_args],
-}
-MODEL_VALIDATORS: dict[str, Callable[[argparse.Namespace], None]] = {
-    "gpt": validate_gpt_args,
-    "bert": validate_bert_args,
-}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1012,32 +959,72 @@ VALIDATORS: list[Callable[[argparse.Namespace], None]] = [
 DEFAULT_DESCRIPTION = "Megatron-Core pretraining with dynamic pipeline parallelism."
 
 
+def _add_model_choice(parser: argparse.ArgumentParser, model: Optional[str]) -> None:
+    """`--model` on the one entry point (megatron_dpp.pretrain); an alias (pretrain_gpt) fixes the
+    model instead. model: the value already read from the command line (None: not yet)."""
+    parser.add_argument(
+        "--model", choices=sorted(families.MODEL_FAMILIES), required=model is None, default=model,
+        help="The model to train (its own flags are listed with --model NAME --help): "
+             + "; ".join(f.summary for f in families.MODEL_FAMILIES.values()) + ".")
+
+
+def _model_from_argv(argv: Sequence[str], prog: str) -> Optional[str]:
+    """The --model value of the one entry point's command line, read before the full parser is
+    built (the model's own flag group depends on it); None when absent."""
+    finder = OneLineErrorParser(prog=prog, add_help=False, allow_abbrev=False)
+    finder.add_argument("--model", choices=sorted(families.MODEL_FAMILIES))
+    known, _ = finder.parse_known_args(argv)
+    return known.model
+
+
 def build_parser(prog: str = "megatron_dpp", description: str = DEFAULT_DESCRIPTION,
-                 model: str = "gpt") -> argparse.ArgumentParser:
+                 model: Optional[str] = families.DEFAULT_MODEL, model_flag: bool = False) -> argparse.ArgumentParser:
     """Every shared flag group and the model's own; `prog`, `description` and `model` are the
-    entry point's (pretrain_gpt and pretrain_bert pass theirs). args.model is `model`."""
-    _require(model in MODEL_VALIDATORS, f"unknown model {model!r}; one of {sorted(MODEL_VALIDATORS)}")
+    entry point's. model_flag: the parser takes --model (the one entry point, megatron_dpp.pretrain;
+    model is then the value read from the command line, or None when it has none: no model's own
+    flags are listed). args.model is the model's name."""
+    if model is not None:
+        _require(model in families.MODEL_FAMILIES,
+                 f"unknown model {model!r}; one of {sorted(families.MODEL_FAMILIES)}")
     parser = OneLineErrorParser(prog=prog, allow_abbrev=False, description=description)
-    for add_group in [*ARG_GROUPS, *MODEL_ARG_GROUPS[model]]:
+    if model_flag:
+        _add_model_choice(parser, model)
+    for add_group in ARG_GROUPS:
         add_group(parser)
-    parser.set_defaults(model=model)
+    if model is not None:
+        families.MODEL_FAMILIES[model].add_args(parser)
+        parser.set_defaults(model=model)
     return parser
 
 
+def _validate_model_args(args: argparse.Namespace) -> None:
+    try:
+        families.model_family(args.model).validate(args)
+    except InputError as error:
+        raise ArgsError(str(error)) from None
+
+
 def validate_args(args: argparse.Namespace) -> None:
-    """Check and complete `args` in place; raises ArgsError. Creates no process group."""
-    for validate in [validate_refused_args, MODEL_VALIDATORS[args.model], *VALIDATORS]:
+    """Check and complete `args` in place; raises ArgsError. Creates no process group. The model's
+    checks run before the shared ones (the data checks need the model's tokenizer default)."""
+    for validate in [validate_refused_args, _validate_model_args, *VALIDATORS]:
         validate(args)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "megatron_dpp",
-               description: str = DEFAULT_DESCRIPTION, model: str = "gpt") -> argparse.Namespace:
-    """Parse and validate; on a bad flag print one line to stderr and exit with code 2."""
+               description: str = DEFAULT_DESCRIPTION,
+               model: Optional[str] = families.DEFAULT_MODEL) -> argparse.Namespace:
+    """Parse and validate; on a bad flag print one line to stderr and exit with code 2. model None:
+    the command line names it with --model (megatron_dpp.pretrain)."""
     # Megatron-Core warns on import when Transformer Engine and Apex are absent (always on CPU) and
     # falls back to torch; the `kernels:` startup lines say so instead, and the warning would also
     # break the one-line error of a flag checked after the data validator imports Megatron.
     install_warning_filters()
-    parser = build_parser(prog, description, model)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model_flag = model is None
+    if model_flag:
+        model = _model_from_argv(argv, prog)
+    parser = build_parser(prog, description, model, model_flag=model_flag)
     args = parser.parse_args(argv)
     try:
         validate_args(args)
@@ -1048,9 +1035,9 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "megatron_dpp",
 
 
 if __name__ == "__main__":
-    # `WORLD_SIZE=N python -m megatron_dpp.arguments [gpt|bert] <flags>`: validate only (exit 0, or
-    # 2 with the one-line error), e.g. before a launcher starts N processes. The model (default gpt)
-    # is a bare word: flags start with "--".
+    # `WORLD_SIZE=N python -m megatron_dpp.arguments [MODEL] <flags>`: validate only (exit 0, or 2
+    # with the one-line error), e.g. before a launcher starts N processes. The model (default
+    # families.DEFAULT_MODEL) is a bare word: flags start with "--".
     argv = sys.argv[1:]
-    model = argv.pop(0) if argv and argv[0] in MODEL_VALIDATORS else "gpt"
+    model = argv.pop(0) if argv and argv[0] in families.MODEL_FAMILIES else families.DEFAULT_MODEL
     parse_args(argv, model=model)

@@ -1,22 +1,13 @@
-"""Entry point: `torchrun ... -m megatron_dpp.pretrain_gpt <Megatron-LM flags>`.
-
-Flags are validated before any process group exists (bad input: one line, exit code 2).
-"""
-from __future__ import annotations
-
+"""`torchrun ... -m megatron_dpp.pretrain_gpt <Megatron-LM flags>`: megatron_dpp.pretrain with
+--model gpt (Megatron-LM's pretrain_gpt.py, by name)."""
 import sys
-from typing import Optional, Sequence
+
+from megatron_dpp.pretrain import main as pretrain_main
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    from megatron_dpp.arguments import parse_args
-
-    args = parse_args(argv, prog="megatron_dpp.pretrain_gpt",
-                      description="Megatron-Core GPT pretraining with dynamic pipeline parallelism.")
-    from megatron_dpp.models import MODEL_SPECS
-    from megatron_dpp.training.loop import pretrain
-
-    return pretrain(args, MODEL_SPECS["gpt"])
+def main(argv=None) -> int:
+    return pretrain_main(argv, model="gpt", prog="megatron_dpp.pretrain_gpt",
+                         description="Megatron-Core GPT pretraining with dynamic pipeline parallelism.")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-# Shared by the run_*_gpt.sh and run_*_bert.sh launchers; sourced, never run. It holds every
+# Shared by the run_*_gpt.sh, run_*_bert.sh and run_*_llama.sh launchers; sourced, never run. It holds every
 # default and check of their environment variables, builds the trainer's flags, runs the flag
 # pre-check and starts (or, with --dry-run, prints) torchrun. A launcher sets LAUNCH_NAME (the
 # prefix of its messages), sources this file and calls `launch_main ROLE MODEL "$@"`, which runs,
 # in this order (run_slurm_gpt.sh calls them itself):
-#   launch_set_model MODEL     gpt | bert: its entry point, recipes and sample data
+#   launch_set_model MODEL     gpt | bert | llama: its entry point, recipes and sample data
 #   launch_parse_args "$@"     --dry-run (anywhere) -> DRY_RUN=1; --strategy FILE -> STRATEGY_FILE;
 #                              the other arguments -> EXTRA_ARGS
 #   launch_check_layout_env    USE_DPP, PP, TP, VPP, NPROC as given (before any slow setup)
@@ -23,6 +23,7 @@ DEFAULT_MULTINODE_MASTER_PORT=29500
 # launch_set_model MODEL: what differs between the models, all here.
 launch_set_model() {
   LAUNCH_MODEL="$1"
+  ENTRY_ARGS=()  # flags the entry module takes before the training flags
   case "$LAUNCH_MODEL" in
     gpt)
       ENTRY_MODULE=megatron_dpp.pretrain_gpt
@@ -30,8 +31,12 @@ launch_set_model() {
     bert)
       ENTRY_MODULE=megatron_dpp.pretrain_bert
       RECIPE_DIR="$REPO_ROOT/examples/bert"; CPU_RECIPE=bert_tiny; GPU_RECIPE=bert_base ;;
+    llama)
+      # The one entry point with the model named; Llama trains on GPT's sample data.
+      ENTRY_MODULE=megatron_dpp.pretrain; ENTRY_ARGS=(--model llama)
+      RECIPE_DIR="$REPO_ROOT/examples/llama"; CPU_RECIPE=llama_tiny; GPU_RECIPE=llama_tiny ;;  # llama2_7b: its own data
     *)
-      launch_fail "unknown model $LAUNCH_MODEL (gpt or bert)" ;;
+      launch_fail "unknown model $LAUNCH_MODEL (gpt, bert or llama)" ;;
   esac
 }
 
@@ -287,7 +292,7 @@ launch_torchrun_command() {
     rendezvous=(--node-rank "$node_rank" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
   fi
   TORCHRUN=("$PY" -m torch.distributed.run --nnodes "$NNODES" "${rendezvous[@]}"
-            --nproc-per-node "$NPROC" -m "$ENTRY_MODULE" "${ALL_FLAGS[@]}")
+            --nproc-per-node "$NPROC" -m "$ENTRY_MODULE" "${ENTRY_ARGS[@]}" "${ALL_FLAGS[@]}")
 }
 
 # launch_print_command NODE_RANK: "node R: <that node's torchrun command>", quoted for a shell

@@ -115,3 +115,23 @@ def test_the_torch_transport_loads_no_compiled_shm_code():
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = result.stdout.split()
     assert "shm_tensor._C" not in loaded and "shm_tensor.context" not in loaded, loaded
+
+
+MODEL_NAMES = {"gpt", "bert", "llama"}
+# Megatron-LM's entry points by name: each fixes its model, one line.
+MODEL_ALIAS_ENTRIES = {"pretrain_gpt.py", "pretrain_bert.py", "pretrain_llama.py"}
+
+
+def test_no_model_is_named_outside_the_models_package():
+    """Only megatron_dpp/models/ knows what a model is: elsewhere no string constant is a model's
+    name (the rest takes a ModelSpec or a ModelFamily), the entry-point aliases aside."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if relative.parts[0] == "models" or str(relative) in MODEL_ALIAS_ENTRIES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and node.value.lower() in MODEL_NAMES:
+                offenders.append(f"megatron_dpp/{relative}:{node.lineno} {node.value!r}")
+    assert not offenders, "model names outside megatron_dpp/models/: " + ", ".join(offenders)

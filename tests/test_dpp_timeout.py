@@ -5,6 +5,11 @@ with SIGSTOP (the process stays alive, so only the no-progress deadline can noti
 print its state within --dpp-timeout (ready tasks, awaited tags and bytes held when it was inside the
 schedule; the phase when it was in one of the step's collectives) and exit non-zero, and torchrun
 must then end the job.
+
+torchrun ends the job by sending SIGTERM to the ranks left, and SIGKILL to those still there 30 s
+later (fixed in torch; its --shutdown-timeout does not apply there). A stopped process cannot act on
+a SIGTERM, so the frozen rank would always get that SIGKILL: once torchrun has sent the SIGTERM (its
+log line), the test sends the SIGKILL itself instead of waiting out the 30 s.
 """
 import os
 import signal
@@ -61,6 +66,7 @@ def test_stuck_peer_reports_state_and_exits_nonzero():
                                start_new_session=True)
     lines = []
     iterating = threading.Event()
+    terminating = threading.Event()
 
     def read():
         for line in process.stdout:
@@ -68,6 +74,8 @@ def test_stuck_peer_reports_state_and_exits_nonzero():
             match = ITERATION_RE.search(line)
             if match and int(match.group(1)) >= 2:  # DPP is running (not still setting up)
                 iterating.set()
+            if "closing signal SIGTERM" in line:  # torchrun's log line as it ends the job
+                terminating.set()
 
     reader = threading.Thread(target=read)
     reader.start()
@@ -79,6 +87,14 @@ def test_stuck_peer_reports_state_and_exits_nonzero():
         assert stopped is not None, "could not find the process of rank 1"
         os.kill(stopped, signal.SIGSTOP)
         frozen_at = time.monotonic()
+        # Rank 0 gives up and exits; torchrun sends the frozen rank SIGTERM, which cannot act on a
+        # stopped process: its SIGKILL 30 s later is sent here at once. (Without that log line,
+        # torchrun's own SIGKILL ends the frozen rank.)
+        deadline = frozen_at + 120
+        while not terminating.wait(timeout=0.2) and process.poll() is None and time.monotonic() < deadline:
+            pass
+        if terminating.is_set():
+            os.kill(stopped, signal.SIGKILL)
         returncode = process.wait(timeout=120)
         elapsed = time.monotonic() - frozen_at
     finally:

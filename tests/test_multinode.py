@@ -46,8 +46,19 @@ def _env(**layout: str) -> dict:
     return env
 
 
+_single_node_cache: dict = {}
+
+
 def _single_node(layout: dict, extra: list[str], timeout: float) -> tuple[list[float], list[float]]:
-    """run_single_gpt.sh on this machine (one node, shm_tensor between its ranks)."""
+    """run_single_gpt.sh on this machine (one node, shm_tensor between its ranks); run once per
+    layout and flags (pp2_dpp and pp2_1f1b compare with the same single-node run)."""
+    key = (tuple(sorted(layout.items())), tuple(extra))
+    if key not in _single_node_cache:
+        _single_node_cache[key] = _run_single_node(layout, extra, timeout)
+    return _single_node_cache[key]
+
+
+def _run_single_node(layout: dict, extra: list[str], timeout: float) -> tuple[list[float], list[float]]:
     result = subprocess.run(["bash", str(SCRIPTS / "run_single_gpt.sh"), *TRAIN_ARGS, *extra],
                             env=_env(**layout), cwd=REPO_ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, timeout=timeout)

@@ -67,7 +67,7 @@ def test_runtime_estimate_matches_saved_tensors_at_tp2(profiling):
         model="gpt", hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=4 * HIDDEN,
         seq_lengths=(64, 128), micro_batch_sizes=(MICRO_BATCH,), dtype="fp32",
         padded_vocab_size=VOCAB, max_position_embeddings=128, hidden_dropout=0.1,
-        attention_dropout=0.1, bert_binary_head=True, tp_sizes=(1, 2), measured_tp_size=2,
+        attention_dropout=0.1, tp_sizes=(1, 2), measured_tp_size=2,
         warmup=0, repeats=1)
     activations, _times = profiling.measure_tensor_parallel(options, 2)
     for recompute in mm.RECOMPUTE_MODES:

@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import pytest
 import torch
 
 import shm_tensor
 from shm_tensor import ShmConfig
-from _shm_util import payload, run_ranks
+from _shm_util import payload, run_ranks, wait_until_dead
 
 KiB, MiB = 1 << 10, 1 << 20
 SLOTS = 4  # so at most 2 slots are lent at a time
@@ -178,13 +177,9 @@ def _killed_sender_worker(rank, world, store):
     lent = ctx.message_counts()["received_zero_copy"] == 1
     sender_pid = int(store.get("sent"))
     store.set("received", "1")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.kill(sender_pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
+    # Dead once gone or a zombie: the test process reaps the sender only after every rank reported,
+    # so waiting for kill(pid, 0) to fail would always run out the whole deadline.
+    wait_until_dead(sender_pid, timeout_s=30)
     # The tensor lives in this process's inbox: the sender's death does not touch it, and freeing
     # it (which rings the dead sender's doorbell) is harmless.
     intact = torch.equal(received, payload(0, 7, torch.float32, LARGE))

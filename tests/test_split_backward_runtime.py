@@ -52,11 +52,12 @@ def test_the_budget_holds_with_the_stash(policy):
     for record in result.records.values():
         assert record.budget_bytes == 3 * largest
         assert 0 < record.peak_held_bytes <= record.budget_bytes
-        assert record.weight_grad_bytes_estimated == [32 * s for s in SIZES]
-        assert len(record.weight_grad_bytes_measured) == len(SIZES) * V
-        for (m, _chunk), measured in record.weight_grad_bytes_measured.items():
-            assert 0 < measured <= record.weight_grad_bytes_estimated[m]
-        assert 0 < record.peak_stash_bytes <= record.peak_held_bytes
+        stash = record.split_backward
+        assert stash.weight_grad_bytes_estimated == [32 * s for s in SIZES]
+        assert len(stash.weight_grad_bytes_measured) == len(SIZES) * V
+        for (m, _chunk), measured in stash.weight_grad_bytes_measured.items():
+            assert 0 < measured <= stash.weight_grad_bytes_estimated[m]
+        assert 0 < stash.peak_stash_bytes <= record.peak_held_bytes
 
 
 @pytest.mark.timeout(60)
@@ -86,7 +87,7 @@ def test_a_failed_iteration_discards_the_stash():
         try:
             runner.run()
         finally:
-            stashes[rank] = runner.stash
+            stashes[rank] = runner.session.stash
 
     stashes = {}
     result = run_pipeline(2, 1, SIZES, "1f1b", split_backward=True, timeout_s=2.0,
@@ -189,7 +190,7 @@ def test_provisioned_lets_the_last_rank_run_ahead_within_its_budget():
     for records in runs.values():
         for record in records.values():
             assert 0 < record.peak_held_bytes <= record.budget_bytes
-            assert 0 < record.peak_stash_bytes <= record.peak_held_bytes
+            assert 0 < record.split_backward.peak_stash_bytes <= record.peak_held_bytes
 
 
 class _FakeChunkSync:
@@ -216,7 +217,8 @@ def test_reductions_start_in_chunk_order_whatever_order_the_last_ws_run():
     chunks = [_FakeChunkSync(c, log) for c in range(3)]
     config = argparse.Namespace(no_sync_func=[c.no_sync for c in chunks],
                                 grad_sync_func=[c.start_grad_sync for c in chunks])
-    sync = GradSync(config, chunks, forward_only=False, split_backward=True)
+    sync = GradSync(config, chunks, forward_only=False)
+    sync.check_split_backward()
     sync.disable()
     launches = lambda: [c for kind, c in log if kind == "launch"]
     sync.before_weight_grad(0, True)
@@ -237,8 +239,8 @@ def test_overlap_without_grad_sync_func_is_refused_with_split():
     model.ddp_config = argparse.Namespace(overlap_grad_reduce=True)
     config = argparse.Namespace(no_sync_func=None, grad_sync_func=None)
     with pytest.raises(ValueError, match="grad_sync_func"):
-        GradSync(config, [model], forward_only=False, split_backward=True)
-    GradSync(config, [model], forward_only=False, split_backward=False)
+        GradSync(config, [model], forward_only=False).check_split_backward()
+    GradSync(config, [model], forward_only=False)  # the fused backward takes any order
 
 
 def _dpp_args(**overrides):

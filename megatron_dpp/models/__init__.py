@@ -1,9 +1,11 @@
 """The models megatron_dpp trains, each described by a ModelSpec.
 
-Nothing outside this package names a concrete model: the training loop, the pipeline runtime and
-the platform take a ModelSpec. To add a model, write one module here (models/gpt.py is the
-example) that builds its chunks with the layout-independent init (models/init.py) and defines a
-ModelSpec, then register that spec in MODEL_SPECS below under its name.
+Nothing outside this package names a concrete model: the training loop, the pipeline runtime, the
+platform and the search take a ModelSpec or a ModelFamily. A model is two things here: its
+ModelFamily in families.py (flags, checks, tokenizer, vocabulary: what needs no torch) and its
+module (models/gpt.py is the example) that builds its chunks with the layout-independent init
+(models/init.py) and defines its ModelSpec, which the family names. MODEL_SPECS follows
+families.MODEL_FAMILIES. docs/architecture.md, "Where to add a model", goes step by step.
 
 `memory_model.py` (the analytical parameter and activation model) is standard library only, and
 the search's torch-free tools import it: so the specs, which import torch and Megatron-Core, load
@@ -20,10 +22,15 @@ __all__ = ["MODEL_SPECS", "ModelSpec"]
 
 
 def _model_specs() -> dict[str, ModelSpec]:
-    from megatron_dpp.models.bert import BERT_SPEC
-    from megatron_dpp.models.gpt import GPT_SPEC
+    import importlib
 
-    return {"gpt": GPT_SPEC, "bert": BERT_SPEC}
+    from megatron_dpp.models.families import MODEL_FAMILIES
+
+    specs = {}
+    for name, family in MODEL_FAMILIES.items():
+        module, attribute = family.spec.split(":")
+        specs[name] = getattr(importlib.import_module(module), attribute)
+    return specs
 
 
 def __getattr__(name: str):

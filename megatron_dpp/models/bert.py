@@ -24,6 +24,7 @@ from megatron_dpp.data.bert_datasets import build_bert_datasets
 from megatron_dpp.models.init import initialize_layout_independent, stacked_model_global_name
 from megatron_dpp.models.memory_model import chunk_activation_bytes
 from megatron_dpp.models.sdpa_attention import uses_sdpa_core_attention, with_core_attention
+from megatron_dpp.models import families
 from megatron_dpp.models.spec import ModelSpec
 
 # Sentence-order prediction has two classes; Megatron-LM gives the token-type embedding two rows
@@ -182,8 +183,30 @@ def bert_microbatch_work(item: Any) -> int:
 
 
 
+# ----------------------------------------------------------------------------------------------
+# what the search's profiler feeds a layer and a chunk
+# ----------------------------------------------------------------------------------------------
+def bert_sample_layer_mask(shape: Any, batch: int) -> torch.Tensor:
+    """The [b, 1, s, s] padding mask BertModel makes (True = masked), one padded token per sample
+    so that the mask is not trivial."""
+    keep = torch.ones(batch, shape.seq_length, dtype=torch.bool)
+    keep[:, -1] = False
+    return ~(keep[:, None, :, None] & keep[:, None, None, :])
+
+
+def bert_sample_model_inputs(shape: Any, batch: int) -> dict:
+    """Random tokens as labels too, no padding; token types with the binary head."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, shape.padded_vocab_size, (batch, shape.seq_length),
+                           generator=generator)
+    inputs = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "lm_labels": tokens}
+    if shape.bert_binary_head:
+        inputs["tokentype_ids"] = torch.zeros_like(tokens)
+    return inputs
+
+
 BERT_SPEC = ModelSpec(
-    name="bert",
+    family=families.BERT,
     build_chunks=_build_chunks_from_args,
     make_forward_step=make_bert_forward_step,
     microbatch_work=bert_microbatch_work,
@@ -194,4 +217,9 @@ BERT_SPEC = ModelSpec(
     ),
     global_parameter_name=_global_name,
     activation_bytes=partial(chunk_activation_bytes, "bert"),
+    layer_spec=bert_layer_spec,
+    config_fields=lambda args: {},  # Megatron-Core's defaults (LayerNorm, GeLU, biases)
+    transformer_layers=lambda model: model.encoder.layers,
+    sample_layer_mask=bert_sample_layer_mask,
+    sample_model_inputs=bert_sample_model_inputs,
 )

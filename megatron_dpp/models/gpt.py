@@ -21,6 +21,7 @@ from megatron_dpp.data.datasets import build_train_valid_test_datasets
 from megatron_dpp.models.init import initialize_layout_independent, stacked_model_global_name
 from megatron_dpp.models.memory_model import chunk_activation_bytes
 from megatron_dpp.models.sdpa_attention import with_core_attention
+from megatron_dpp.models import families
 from megatron_dpp.models.spec import ModelSpec
 
 
@@ -57,7 +58,6 @@ def build_gpt_chunks(config: TransformerConfig, shape: GPTShape, seed: int,
     layer spec (never Transformer Engine's; kernels chooses no Transformer Engine attention with
     it), whose weight gradients a split backward defers to W; the same parameters,
     initialization and numbers as the default chunks (core attention has no weights)."""
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     model_class = GPTModel
     spec = gpt_layer_spec(attention or
                           kernels.core_attention(split_backward=deferred_weight_grads).module)
@@ -65,21 +65,32 @@ def build_gpt_chunks(config: TransformerConfig, shape: GPTShape, seed: int,
         from megatron_dpp.models.weight_grad import DeferredGPTModel
 
         model_class = DeferredGPTModel
+    return build_gpt_model_chunks(
+        config, seed, model_class, spec,
+        vocab_size=shape.padded_vocab_size,
+        max_sequence_length=shape.max_position_embeddings,
+        share_embeddings_and_output_weights=not shape.untie_embeddings_and_output_weights,
+        position_embedding_type="learned_absolute")
+
+
+def build_gpt_model_chunks(config: TransformerConfig, seed: int, model_class: type,
+                           layer_spec: ModuleSpec, **model_arguments) -> list[GPTModel]:
+    """This pipeline rank's chunks of a GPTModel (or subclass) with `layer_spec` and
+    `model_arguments` (vocabulary, positions, tying), one per virtual stage, each initialized
+    layout-free: GPT's and Llama's (models/llama.py) chunks."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         model = model_class(
             config=config,
-            transformer_layer_spec=spec,
-            vocab_size=shape.padded_vocab_size,
-            max_sequence_length=shape.max_position_embeddings,
+            transformer_layer_spec=layer_spec,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=not shape.untie_embeddings_and_output_weights,
-            position_embedding_type="learned_absolute",
             vp_stage=stage,
+            **model_arguments,
         )
-        initialize_layout_independent(model, config, seed, _global_name)
+        initialize_layout_independent(model, config, seed, gpt_global_parameter_name)
         chunks.append(model)
     return chunks
 
@@ -97,7 +108,7 @@ def _build_chunks_from_args(args: argparse.Namespace, config: TransformerConfig,
 _LAYERS_PREFIX = "decoder.layers."
 
 
-def _global_name(model: GPTModel, local_name: str) -> str:
+def gpt_global_parameter_name(model: GPTModel, local_name: str) -> str:
     """Map a chunk-local parameter name to its name in the unsplit model."""
     return stacked_model_global_name(model.decoder.layers, _LAYERS_PREFIX,
                                      model.share_embeddings_and_output_weights, local_name)
@@ -148,8 +159,21 @@ def gpt_microbatch_work(item: Any) -> int:
     return 1
 
 
+# ----------------------------------------------------------------------------------------------
+# what the search's profiler feeds a layer and a chunk
+# ----------------------------------------------------------------------------------------------
+def gpt_sample_model_inputs(shape: Any, batch: int) -> dict:
+    """Random tokens as labels too, positions as the GPT dataset gives them, no mask (causal)."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, shape.padded_vocab_size, (batch, shape.seq_length),
+                           generator=generator)
+    positions = torch.arange(shape.seq_length).repeat(batch, 1)
+    return {"input_ids": tokens, "position_ids": positions, "attention_mask": None,
+            "labels": tokens}
+
+
 GPT_SPEC = ModelSpec(
-    name="gpt",
+    family=families.GPT,
     build_chunks=_build_chunks_from_args,
     make_forward_step=make_gpt_forward_step,
     microbatch_work=gpt_microbatch_work,
@@ -159,6 +183,11 @@ GPT_SPEC = ModelSpec(
         "megatron.core.models.gpt.gpt_model",            # current_device() buffers
         "megatron.core.models.common.embeddings.language_model_embedding",  # current_device()
     ),
-    global_parameter_name=_global_name,
+    global_parameter_name=gpt_global_parameter_name,
     activation_bytes=partial(chunk_activation_bytes, "gpt"),
+    layer_spec=gpt_layer_spec,
+    config_fields=lambda args: {},  # Megatron-Core's defaults are GPT's
+    transformer_layers=lambda model: model.decoder.layers,
+    sample_layer_mask=lambda shape, batch: None,  # the layer spec's causal mask
+    sample_model_inputs=gpt_sample_model_inputs,
 )

@@ -28,8 +28,6 @@ def _name_seed(seed: int, global_name: str) -> int:
 def _full_shape(param: torch.nn.Parameter, tp_size: int) -> tuple[list[int], int | None]:
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
-        if getattr(param, "partition_stride", 1) != 1:
-            raise ValueError("layout-independent init supports partition stride 1 only")
         dim = param.partition_dim
         shape[dim] *= tp_size
         return shape, dim
@@ -57,7 +55,11 @@ def initialize_layout_independent(model: torch.nn.Module, config: TransformerCon
         full = torch.empty(shape, dtype=torch.float32, device=param.device)
         full.normal_(mean=0.0, std=std, generator=generator)
         if split_dim is not None:
-            full = full.chunk(tp_size, dim=split_dim)[tp_rank]
+            # A strided shard (SwiGLU's fc1: gate and up halves, stride 2) holds every tp_size-th
+            # of tp_size * stride pieces, as Megatron-Core's own CPU init splits it.
+            stride = getattr(param, "partition_stride", 1)
+            pieces = full.chunk(tp_size * stride, dim=split_dim)
+            full = torch.cat(pieces[tp_rank::tp_size], dim=split_dim)
         param.copy_(full)
 
 

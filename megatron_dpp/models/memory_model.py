@@ -1,4 +1,4 @@
-"""The analytical model of one GPT or BERT model: parameter counts, activation bytes, model-state
+"""The analytical model of one GPT, BERT or Llama model: parameter counts, activation bytes, model-state
 bytes and forward FLOPs, for sizes that cannot be run here. The strategy search prices layouts with
 it (megatron_dpp.search.memory_model is this module), and the DPP runtime's memory budget counts
 its activations per micro-batch (`chunk_activation_bytes`, each model's ModelSpec.activation_bytes).
@@ -31,10 +31,11 @@ local shard and gathers again in backward) is split by t as well.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
 # The search's input error (search/errors.py names it SearchInputError): a bad shape ends a search
 # command as one line, exit 2; models/ must not import the search, so the class lives below both.
+from megatron_dpp.models.families import MODEL_FAMILIES
 from megatron_dpp.one_line_errors import InputError
 
 __all__ = [
@@ -46,12 +47,13 @@ __all__ = [
     "total_parameter_count",
 ]
 
-MODELS = ("gpt", "bert")
+MODELS = tuple(MODEL_FAMILIES)  # "gpt", "bert", "llama"
 RECOMPUTE_MODES = ("none", "selective", "full")
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP32_BYTES = 4
 INDEX_BYTES = 8  # token, position and token-type ids are int64
 MASK_BYTES = 1  # torch.bool attention masks
+CHECKPOINT_MASK_TYPE_BYTES = 4  # Llama's selective checkpoint keeps the mask type as one int32
 BERT_TOKEN_TYPES = 2  # sentence-order prediction: two token types when the binary head is on
 
 
@@ -60,7 +62,7 @@ class ModelShape:
     """One model's shape, in Megatron's flag names."""
 
     model: str
-    """"gpt" or "bert"."""
+    """"gpt", "bert" or "llama" (a name of models.families.MODEL_FAMILIES)."""
     num_layers: int
     """--num-layers: transformer layers of the whole model."""
     hidden_size: int
@@ -76,7 +78,7 @@ class ModelShape:
     max_position_embeddings: int
     """--max-position-embeddings: rows of the learned position embedding."""
     untie_embeddings_and_output_weights: bool = False
-    """--untie-embeddings-and-output-weights (GPT only; BERT always ties them)."""
+    """--untie-embeddings-and-output-weights (GPT only; BERT always ties them, Llama never)."""
     dtype: str = "bf16"
     """"bf16", "fp16" or "fp32": the parameters' and activations' dtype."""
     bert_binary_head: bool = True
@@ -85,6 +87,15 @@ class ModelShape:
     """--hidden-dropout (Megatron-LM's default 0.1); 0 keeps no hidden dropout masks."""
     attention_dropout: float = 0.1
     """--attention-dropout (Megatron-LM's default 0.1); 0 keeps no attention dropout mask."""
+    num_query_groups: Optional[int] = None
+    """Llama's --num-query-groups (grouped-query attention); None: one per head."""
+    rotary_base: int = 10000
+    """Llama's --rotary-base (rotary position embeddings; no parameters, no memory)."""
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value head groups: num_query_groups, else one per attention head."""
+        return self.num_query_groups or self.num_attention_heads
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -99,6 +110,9 @@ class ModelShape:
         if self.hidden_size % self.num_attention_heads:
             raise InputError(f"hidden_size {self.hidden_size} is not divisible by "
                                    f"num_attention_heads {self.num_attention_heads}")
+        if self.query_groups <= 0 or self.num_attention_heads % self.query_groups:
+            raise InputError(f"num_query_groups {self.num_query_groups} must be positive and "
+                             f"divide num_attention_heads {self.num_attention_heads}")
 
 
 def model_shape(model: str, num_layers: int, hidden_size: int, num_attention_heads: int,
@@ -121,16 +135,30 @@ def layer_parameter_count(shape: ModelShape, tp: int = 1) -> int:
     column-parallel weights and biases and the row-parallel weights are split; the layer norms and
     the row-parallel biases are replicated)."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
+    if shape.model == "llama":
+        return _llama_layer_parameter_count(shape, tp)
     layer_norms = 2 * 2 * h
     attention = (h * 3 * h + 3 * h) // tp + h * h // tp + h
     mlp = (h * f + f) // tp + f * h // tp + h
     return layer_norms + attention + mlp
 
 
+def _llama_layer_parameter_count(shape: ModelShape, tp: int) -> int:
+    """Llama's layer: two RMSNorm weights, no biases; QKV h x (h + 2 groups x head size)
+    (grouped-query attention), the output projection h x h, SwiGLU's fc1 h x 2f (gate and up in
+    one linear) and fc2 f x h."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    head_size = h // shape.num_attention_heads
+    qkv = h * (h + 2 * head_size * shape.query_groups)
+    return 2 * h + (qkv + h * h + h * 2 * f + f * h) // tp
+
+
 def embedding_parameter_count(shape: ModelShape, tp: int = 1) -> int:
     """The first stage's extra parameters: word and position embeddings (BERT: and token types).
     With tp > 1: one rank's share (the word embedding is split over the vocabulary)."""
     h = shape.hidden_size
+    if shape.model == "llama":
+        return shape.padded_vocab_size * h // tp  # rotary positions have no parameters
     count = shape.padded_vocab_size * h // tp + shape.max_position_embeddings * h
     if shape.model == "bert" and shape.bert_binary_head:
         count += BERT_TOKEN_TYPES * h
@@ -144,6 +172,8 @@ def output_parameter_count(shape: ModelShape, tp: int = 1) -> int:
     adds its LM head (dense, layer norm, output bias), the pooler and the binary head. With
     tp > 1: one rank's share (the output layer is split over the vocabulary)."""
     h, vocab = shape.hidden_size, shape.padded_vocab_size // tp
+    if shape.model == "llama":
+        return h + vocab * h  # the final RMSNorm's weight, the output layer
     count = 2 * h + vocab * h
     if shape.model == "bert":
         count += (h * h + h) + 2 * h + vocab  # LM head dense, its layer norm, the output bias
@@ -154,7 +184,7 @@ def output_parameter_count(shape: ModelShape, tp: int = 1) -> int:
 
 def total_parameter_count(shape: ModelShape) -> int:
     """The whole model on one pipeline stage (pp = 1): a tied output weight is counted once."""
-    tied = shape.model == "bert" or not shape.untie_embeddings_and_output_weights
+    tied = MODEL_FAMILIES[shape.model].ties_output(shape.untie_embeddings_and_output_weights)
     shared = shape.padded_vocab_size * shape.hidden_size if tied else 0
     return (shape.num_layers * layer_parameter_count(shape) + embedding_parameter_count(shape)
             + output_parameter_count(shape) - shared)
@@ -188,6 +218,8 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1,
     if recompute not in RECOMPUTE_MODES:
         raise InputError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     _check_parallel(shape, micro_batch, tp)
+    if shape.model == "llama":
+        return _llama_layer_activation_bytes(shape, micro_batch, tp, sequence_parallel, recompute)
     e = ELEMENT_BYTES[shape.dtype]
     s, b, h, a, f = (shape.seq_length, micro_batch, shape.hidden_size, shape.num_attention_heads,
                      shape.ffn_hidden_size)
@@ -218,6 +250,52 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1,
     return total + softmax + probabilities + _attention_mask_bytes(shape, b)
 
 
+def _llama_layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int,
+                                  sequence_parallel: bool, recompute: str) -> int:
+    """Llama's layer as Megatron-Core's local spec saves it (see the module docstring for what it
+    shares with GPT's): each RMSNorm (torch's, computed in fp32) keeps its fp32 input, its fp32
+    normalized output and its fp32 rstd; the rotary embedding keeps the cos and sin of its angles
+    for queries and keys (4 x s x head size, in the activations' dtype, for any batch); the local
+    attention repeats the key/value groups to every head before its matmuls, which keep them at
+    full size (values without groups are a view of the QKV output, kept whole); SwiGLU keeps fc1's 2f-wide output, the SiLU output, the product and one more
+    f-wide tensor (5 x f in all). Selective recompute keeps the core attention's inputs instead
+    of its scores."""
+    e = ELEMENT_BYTES[shape.dtype]
+    s, b, h, a, f = (shape.seq_length, micro_batch, shape.hidden_size, shape.num_attention_heads,
+                     shape.ffn_hidden_size)
+    sp = tp if sequence_parallel else 1
+    sbh = s * b * h
+    head_size = h // a
+    rotary = 4 * s * head_size * e
+    if recompute == "full":
+        # The checkpoint keeps the layer input and the rotary angles (fp32, s x head size).
+        return sbh * e // sp + s * head_size * FP32_BYTES
+    hidden_masks = 2 if shape.hidden_dropout > 0 else 0
+    norms = 2 * (2 * sbh * FP32_BYTES + s * b * FP32_BYTES) // sp
+    outside = (2 + hidden_masks) * sbh * e // sp  # two column-parallel inputs, dropout masks
+    mlp = 5 * s * b * f * e // tp
+    if recompute == "selective":
+        # The checkpoint's inputs: the rotated queries and keys (per group), and the values, a
+        # view that keeps the whole QKV output alive; and the mask type, a one-element int32.
+        groups_share = shape.query_groups * sbh // a  # keys or values of the groups
+        attention_inputs = (sbh + groups_share + (sbh + 2 * groups_share)) * e // tp
+        return (norms + outside + mlp + rotary + attention_inputs + sbh * e // tp
+                + CHECKPOINT_MASK_TYPE_BYTES)
+    groups_share = shape.query_groups * sbh // a
+    # Q and K after rotation; V repeated to every head, or without groups to repeat, a view that
+    # keeps the whole QKV output alive; the projection's input.
+    values = sbh if shape.query_groups < a else sbh + 2 * groups_share
+    inside = (2 * sbh + values + sbh) * e // tp
+    scores = a * s * s * b // tp
+    softmax = scores * FP32_BYTES
+    if shape.attention_dropout > 0:
+        probabilities = 2 * scores * e
+    else:
+        probabilities = scores * e if e != FP32_BYTES else 0
+    return (norms + outside + mlp + rotary + inside + softmax + probabilities
+            + _attention_mask_bytes(shape, b))
+
+
 def embedding_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1,
                                sequence_parallel: bool = False) -> int:
     """The first stage's embedding: the int64 token and position ids (BERT: token types too;
@@ -229,6 +307,8 @@ def embedding_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1,
     sp = tp if sequence_parallel else 1
     if shape.model == "gpt":
         ids = 2 * s * b * INDEX_BYTES
+    elif shape.model == "llama":
+        ids = s * b * INDEX_BYTES  # token ids; rotary positions need no lookup
     else:
         ids = s * b * INDEX_BYTES + s * INDEX_BYTES
         if shape.bert_binary_head:
@@ -250,6 +330,8 @@ def output_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1,
     s, b, h = shape.seq_length, micro_batch, shape.hidden_size
     sp = tp if sequence_parallel else 1
     layer_norm = s * b * h * e // sp + 2 * s * b * FP32_BYTES // sp
+    if shape.model == "llama":  # RMSNorm: fp32 input and normalized output, fp32 rstd
+        layer_norm = (2 * s * b * h * FP32_BYTES + s * b * FP32_BYTES) // sp
     output_input = s * b * h * e // sp
     cross_entropy = (s * b * shape.padded_vocab_size // tp * FP32_BYTES
                      + s * b * MASK_BYTES + s * b * INDEX_BYTES)
@@ -297,6 +379,10 @@ def layer_forward_flops(shape: ModelShape, micro_batch: int) -> float:
     QKV 6sbh^2, scores and context 4bs^2h, output projection 2sbh^2, MLP 4sbhf
     (= 24sbh^2 + 4bs^2h with f = 4h, Megatron's count)."""
     s, b, h, f = shape.seq_length, micro_batch, shape.hidden_size, shape.ffn_hidden_size
+    if shape.model == "llama":
+        # QKV with grouped keys and values, output projection, SwiGLU's fc1 (2f wide) and fc2.
+        kv = 2 * (h // shape.num_attention_heads) * shape.query_groups
+        return float(2 * s * b * (h * (h + kv) + h * h + 3 * h * f) + 4 * b * s * s * h)
     return float(2 * s * b * (4 * h * h + 2 * h * f) + 4 * b * s * s * h)
 
 
@@ -366,7 +452,8 @@ def chunk_activation_bytes(model: str, config: Any, sizes: Sequence[int], micro_
                       ffn_hidden_size=config.ffn_hidden_size, seq_length=1, padded_vocab_size=1,
                       max_position_embeddings=1, dtype=config_dtype(config),
                       hidden_dropout=config.hidden_dropout,
-                      attention_dropout=config.attention_dropout)
+                      attention_dropout=config.attention_dropout,
+                      num_query_groups=getattr(config, "num_query_groups", None))
     by_length: dict[int, int] = {}
     estimates = []
     for tokens in sizes:

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
+
+from megatron_dpp.models.families import ModelFamily
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -15,8 +17,8 @@ if TYPE_CHECKING:
 class ModelSpec:
     """One model family (GPT, ...) as the rest of megatron_dpp sees it."""
 
-    name: str
-    """Short name of the model, as registered in MODEL_SPECS (e.g. "gpt")."""
+    family: ModelFamily
+    """What the model is without torch (models/families.py): its name, flags, tokenizer."""
 
     build_chunks: Callable[[argparse.Namespace, TransformerConfig, int], list[torch.nn.Module]]
     """(args, config, seed) -> the model chunks of this pipeline rank, one per virtual stage.
@@ -51,3 +53,27 @@ class ModelSpec:
     per rank, pipeline size) -> the bytes one forward of each micro-batch keeps on one model chunk
     until its backward, on one tensor-parallel rank: what the DPP runtime's memory budget admits
     against. The search's analytical model (models/memory_model.py's chunk_activation_bytes)."""
+
+    layer_spec: Callable[[Optional[str]], Any]
+    """(core attention megatron_dpp.kernels chose, None: this machine's default) -> Megatron-Core's
+    ModuleSpec of one transformer layer, as build_chunks uses it (the search's profiler times it)."""
+
+    config_fields: Callable[[argparse.Namespace], dict]
+    """args -> the model's own TransformerConfig fields (normalization, MLP, attention groups...),
+    on top of the shared ones (models/transformer_config.py adds them)."""
+
+    transformer_layers: Callable[[torch.nn.Module], torch.nn.ModuleList]
+    """A model chunk (unwrapped) -> its transformer layers (the profiler hooks each)."""
+
+    sample_layer_mask: Callable[[Any, int], Optional[torch.Tensor]]
+    """(models.memory_model.ModelShape, micro-batch size) -> the attention mask one layer gets in
+    training (None: the layer spec's own causal mask); the profiler's sample input."""
+
+    sample_model_inputs: Callable[[Any, int], dict]
+    """(ModelShape, micro-batch size) -> keyword inputs of a whole chunk's forward with random
+    tokens and labels, as the forward step passes them; the profiler's sample input."""
+
+    @property
+    def name(self) -> str:
+        """The model's name, as in MODEL_SPECS and --model (e.g. "gpt")."""
+        return self.family.name

@@ -39,6 +39,9 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
 
         attention["attention_backend"] = AttnBackend[choices.attention.te_backend]
     dtype = params_dtype_from_args(args)
+    from megatron_dpp.models import MODEL_SPECS
+
+    model_fields = MODEL_SPECS[args.model].config_fields(args)  # the model's own (Llama's RMSNorm...)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -77,4 +80,5 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         distribute_saved_activations=args.distribute_saved_activations,
         **recompute,
         **attention,
+        **model_fields,
     )

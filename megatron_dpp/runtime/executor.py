@@ -15,13 +15,11 @@ to the others, which follow it (runtime/tensor_parallel.py).
 Data parallelism: gradient reduction is held back (Megatron's no_sync_func) until the last backward of
 each model chunk, as in Megatron's schedules (runtime/grad_sync.py).
 
-Split backwards (DPPConfig.split_backward, --dpp-split-backward): the task graph has W tasks; F
-forwards under the session's WeightGradStash, B computes input gradients and sends them at once,
-W runs the microbatch's stored weight-gradient work (runtime/handlers.py). Gradient sync follows
-each chunk's last W; every W runs inside the loop, so before finalize_model_grads. The stash's
-bytes (output gradients and the inputs outside the transformer layers, the caller's
-weight_grad_bytes_fn) are added to each microbatch's activation bytes, which the scheduler holds
-from F to the end of W.
+Split backwards (DPPConfig.split_backward, --dpp-split-backward) are the loop's one optional
+feature, runtime/split_backward.py's SplitBackward: it adds W tasks and the stash's bytes to the
+task graph, puts its F, B and W handlers into the handler table, and is told when the iteration
+ends (its stash must be empty, or is emptied after a failure); the loop reports its state and
+memory next to its own. Without the flag the loop runs F and B exactly as before.
 
 Activation bytes per microbatch come from the caller too (activation_bytes_fn: training passes the
 model's ModelSpec.activation_bytes, the search's analytical model), so the runtime knows no model.
@@ -50,6 +48,7 @@ from megatron_dpp.runtime.config import DPPConfig
 from megatron_dpp.runtime.grad_sync import GradSync
 from megatron_dpp.runtime.handlers import make_handlers
 from megatron_dpp.runtime.layout import RankLayout
+from megatron_dpp.runtime.split_backward import SplitBackward, SplitBackwardRecord, WeightGradBytesFn
 from megatron_dpp.runtime.tags import decision_tag, message_tag
 from megatron_dpp.runtime.tensor_parallel import DecisionChannel
 from megatron_dpp.runtime.watchdog import ProgressDeadline, report_and_exit
@@ -60,9 +59,6 @@ from megatron_dpp.trace.recorder import POSTING_SEND, TraceRecorder
 ActivationBytesFn = Callable[[Any, Sequence[int], int, int, int], List[int]]
 # One microbatch item, as the data iterator yields it -> its relative work (ModelSpec.microbatch_work)
 MicrobatchWorkFn = Callable[[Any], int]
-# (model chunks of the rank, sizes, pipeline dtype) -> bytes a split backward's stash adds per
-# microbatch, held from B to W (models.weight_grad's megatron_weight_grad_bytes)
-WeightGradBytesFn = Callable[[Sequence[Any], Sequence[int], torch.dtype], List[int]]
 
 
 class DPPFailure(RuntimeError):
@@ -98,12 +94,8 @@ class IterationRecord:
     task_ended: List[float] = field(default_factory=list)
     peak_held_bytes: int = 0
     budget_bytes: int = 0
-    # Split backwards: the bytes per microbatch the budget counts for the stash (estimated, in the
-    # graph's act_bytes), and what the stash held for each (microbatch, chunk) right after its B
-    # (measured: distinct storages, the layer inputs included), and its largest total.
-    weight_grad_bytes_estimated: List[int] = field(default_factory=list)
-    weight_grad_bytes_measured: Dict[tuple, int] = field(default_factory=dict)
-    peak_stash_bytes: int = 0
+    # With split backwards, what the stash held (estimated and measured bytes), else None.
+    split_backward: Optional[SplitBackwardRecord] = None
 
 
 @dataclass
@@ -116,9 +108,11 @@ class DPPSession:
     activation_bytes_fn: ActivationBytesFn
     recorder: Optional[TraceRecorder] = None  # --trace: what each iteration did, per rank
     nvtx: bool = False  # --nvtx: an NVTX range named like the task around each task's step
-    # Split backwards (DPPConfig.split_backward), both given by the caller (training/pipeline.py:
-    # models.weight_grad's megatron_weight_grad_bytes and a WeightGradStash): the stash's bytes per
-    # microbatch, and the rank's stash (the model chunks' deferred layers store into it).
+    # Split backwards (DPPConfig.split_backward): the model side, given by the caller
+    # (training/pipeline.py: models.weight_grad's megatron_weight_grad_bytes and a
+    # WeightGradStash): the stash's bytes per microbatch, and the rank's stash (the model chunks'
+    # deferred layers store into it). Each iteration's SplitBackward (runtime/split_backward.py)
+    # is made from them; the loop itself never touches them.
     weight_grad_bytes_fn: Optional[WeightGradBytesFn] = None
     stash: Any = None
     iteration: int = 0
@@ -148,7 +142,8 @@ def make_forward_backward_dpp(config: DPPConfig, transport: Any, microbatch_work
     """A callable with Megatron's forward_backward_func keyword signature, bound to one DPP session.
     Its `close()` closes the transport (collective; training.pipeline.close_forward_backward).
     With a recorder, every iteration's tasks, waits, messages and memory go into it. With
-    config.split_backward, `stash` and `weight_grad_bytes_fn` are the split's (DPPSession)."""
+    config.split_backward, `stash` and `weight_grad_bytes_fn` are the model side of the split
+    (DPPSession), which runtime/split_backward.py's SplitBackward drives."""
     session = DPPSession(config=config, transport=transport, microbatch_work=microbatch_work,
                          activation_bytes_fn=activation_bytes_fn, recorder=recorder, nvtx=nvtx,
                          stash=stash, weight_grad_bytes_fn=weight_grad_bytes_fn)
@@ -271,33 +266,28 @@ class IterationRunner:
         self.deadline = ProgressDeadline(self.dpp.timeout_s)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
-        # Split backwards in training only: evaluation (forward_only) keeps no gradients.
-        self.split = self.dpp.split_backward and not forward_only
-        if self.split and (session.stash is None or session.weight_grad_bytes_fn is None):
-            raise ValueError("forward_backward_dpp: split_backward needs the session's stash and "
-                             "weight_grad_bytes_fn (models.weight_grad's WeightGradStash and "
-                             "megatron_weight_grad_bytes; training/pipeline.py passes them)")
-        self.stash = session.stash if self.split else None
-
         sizes = layout.agree_sizes(self._local_sizes(), self.M)
-        act_bytes = session.activation_bytes_fn(config, sizes, micro_batch_size, self.V, self.P)
         # Budgets are provisioned for the largest microbatch any batch can hold (a full sequence),
         # as Megatron's fixed schedules must be, not for the largest of this batch.
+        largest_size = seq_length * micro_batch_size
+        # The one optional feature: split backwards, in training only (None otherwise). The loop
+        # reaches it through the task graph, the handler table, and the hooks `end_iteration`,
+        # `state_lines` and `memory_counters`.
+        self.feature = SplitBackward.for_iteration(session, models, config, forward_only,
+                                                   sizes, largest_size)
+
+        act_bytes = session.activation_bytes_fn(config, sizes, micro_batch_size, self.V, self.P)
         largest_possible = session.activation_bytes_fn(
-            config, [seq_length * micro_batch_size], micro_batch_size, self.V, self.P)[0]
-        stash_bytes: List[int] = []
-        if self.split:
-            # The stash counts against the budget: held from F (the scheduler cannot know B's
-            # moment in advance, so it reserves at F) to the end of W, like the activations.
-            dtype = (getattr(config, "pipeline_dtype", None) or getattr(config, "params_dtype", None)
-                     or torch.float32)
-            stash_bytes = session.weight_grad_bytes_fn(models, sizes, dtype)
-            act_bytes = [a + b for a, b in zip(act_bytes, stash_bytes)]
-            largest_possible += session.weight_grad_bytes_fn(
-                models, [seq_length * micro_batch_size], dtype)[0]
+            config, [largest_size], micro_batch_size, self.V, self.P)[0]
+        graph_options = {}
+        if self.feature is not None:
+            # What the feature keeps per microbatch counts against the budget like activations.
+            act_bytes = [a + b for a, b in zip(act_bytes, self.feature.held_bytes)]
+            largest_possible += self.feature.largest_held_bytes
+            graph_options = self.feature.graph_options
         self.graph = TaskGraph(self.P, self.V, self.M, sizes, act_bytes,
                                max_act_bytes=max(largest_possible, max(act_bytes)),
-                               split_backward=self.split)
+                               **graph_options)
         self.channel = DecisionChannel(self.transport, layout.tp_ranks, layout.global_rank,
                                        partial(decision_tag, self.iteration))
         options = {}
@@ -309,8 +299,8 @@ class IterationRunner:
                                       sizes=sizes, policy=self.scheduler.name,
                                       strategy=self.scheduler.strategy,
                                       budget_bytes=self.scheduler.budget_bytes,
-                                      weight_grad_bytes_estimated=stash_bytes)
-        self._stash_held = 0
+                                      split_backward=(None if self.feature is None
+                                                      else self.feature.record))
         self.order_position = {m: i for i, m in enumerate(self.scheduler.microbatch_order)}
 
         self.tracker = ReadyTracker(self.graph, self.rank, forward_only=forward_only)
@@ -324,8 +314,10 @@ class IterationRunner:
         self.outgoing: Optional[tuple] = None  # (task, output) handed to `send`, posted after the task
         self.saved: Dict[tuple, tuple] = {}  # (microbatch, chunk) -> (input, output) until backward
         self.outputs_by_microbatch: Dict[int, list] = {}
-        self.grad_sync = GradSync(config, models, forward_only, split_backward=self.split)
+        self.grad_sync = GradSync(config, models, forward_only)
         self.handlers = make_handlers(self)
+        if self.feature is not None:
+            self.feature.register_handlers(self, self.handlers)
         self.recorder = session.recorder
 
     # ---- setup ------------------------------------------------------------------------------
@@ -350,16 +342,15 @@ class IterationRunner:
 
     # ---- main loop ----------------------------------------------------------------------------
     def run(self) -> list:
-        if self.stash is None:
+        if self.feature is None:
             return self._run()
         try:
             store = self._run()
-            self.stash.check_drained()  # every W ran (the loop ran every task): nothing left
-            return store
         except BaseException:
-            # A failed iteration leaves stored work behind; the next one must not find it.
-            self.stash.discard()
+            self.feature.end_iteration(failed=True)
             raise
+        self.feature.end_iteration(failed=False)
+        return store
 
     def _run(self) -> list:
         self.grad_sync.disable()
@@ -510,9 +501,6 @@ class IterationRunner:
         if self.session.nvtx:
             torch.cuda.nvtx.range_pop()
         self.record.task_ended.append(time.perf_counter())
-        if task.phase is Phase.W:
-            self._stash_held -= self.record.weight_grad_bytes_measured.get(
-                (task.microbatch, task.chunk), 0)
         self._post_output()
         self.tracker.finish(task)
         if accounts_memory:
@@ -526,13 +514,6 @@ class IterationRunner:
         self.deadline.progressed()
 
     # ---- what handlers call -------------------------------------------------------------------
-    def weight_grad_stored(self, task: Task, nbytes: int) -> None:
-        """Split backwards: B(task) left `nbytes` in the stash for its W (measured)."""
-        key = (task.microbatch, task.chunk)
-        self.record.weight_grad_bytes_measured[key] = nbytes
-        self._stash_held += nbytes
-        self.record.peak_stash_bytes = max(self.record.peak_stash_bytes, self._stash_held)
-
     def is_last_virtual_stage(self, chunk: int) -> bool:
         return self.rank == self.P - 1 and chunk == self.V - 1
 
@@ -585,9 +566,9 @@ class IterationRunner:
                             "virtual_stage": self.graph.virtual_stage(self.rank, task.chunk),
                             "tokens": int(self.graph.sizes[m])}, device_span=device_span)
         if with_memory:
+            extra = {} if self.feature is None else self.feature.memory_counters()
             self.recorder.memory(self.record.task_ended[-1], self.scheduler.held_bytes,
-                                 self.scheduler.budget_bytes,
-                                 stash_bytes=self._stash_held if self.split else None)
+                                 self.scheduler.budget_bytes, **extra)
 
     def _wait_reason(self) -> str:
         """Why the rank just waited: nothing was ready, or the policy held ready tasks back."""
@@ -616,9 +597,8 @@ class IterationRunner:
         if self.channel.is_leader and not self.forward_only:
             lines.append(f"activation bytes held {self.scheduler.held_bytes} of budget "
                          f"{self.scheduler.budget_bytes}")
-        if self.stash is not None:
-            lines.append(f"weight-gradient stash: {self._stash_held} bytes, keys "
-                         + " ".join(f"{m}.{c}" for m, c in sorted(self.stash.keys(), key=str)[:16]))
+        if self.feature is not None:
+            lines += self.feature.state_lines()
         return lines
 
     def _fail(self, reason: str):

@@ -6,16 +6,18 @@ virtual stage s depends on that of s+1), so every data-parallel replica launches
 the same order, whatever its dynamic schedule was.
 
 Split backwards (--dpp-split-backward): a chunk's gradients are complete after its LAST W, not its
-last B, so the protocol follows the W tasks (`before_weight_grad` / `after_weight_grad`); every B
-runs under no_sync. W tasks depend on nothing across chunks, so the order in which chunks run their
-last W differs between data-parallel replicas (their schedules and microbatch sizes differ), while
-reductions on one data-parallel group must start in the same order on every replica. So
+last B, so the protocol follows the W tasks (`before_weight_grad` / `after_weight_grad`, called
+by runtime/split_backward.py's W handler); every B runs under no_sync. W tasks depend on nothing
+across chunks, so the order in which chunks run their last W differs between data-parallel
+replicas (their schedules and microbatch sizes differ), while reductions on one data-parallel group
+must start in the same order on every replica. So
 grad_sync_func (--overlap-grad-reduce) starts chunk c's reductions only once c and every chunk
 after it have run their last W, always in the order V-1, ..., 0: a chunk whose last W comes early
 waits for the chunks after it, and the rest still overlaps with the remaining W tasks. Without
 grad_sync_func, no_sync is lifted for each chunk's last W as for the last B: without
 overlap_grad_reduce, DDP's hooks only accumulate and finalize_model_grads reduces in chunk order;
-overlap_grad_reduce without grad_sync_func (hooks launching reductions in last-W order) is refused.
+overlap_grad_reduce without grad_sync_func (hooks launching reductions in last-W order) is refused
+(`check_split_backward`).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import contextlib
 class GradSync:
     """Megatron's no_sync / grad_sync_func protocol, driven by when each chunk's last backward runs."""
 
-    def __init__(self, config, models, forward_only: bool, split_backward: bool = False):
+    def __init__(self, config, models, forward_only: bool):
         self.config = config
         self.models = models
         no_sync = config.no_sync_func
@@ -46,13 +48,17 @@ class GradSync:
             grad_sync = [grad_sync for _ in models]
         self.grad_sync_funcs = grad_sync
         self.synchronized = set()
-        self.split_backward = split_backward and not forward_only
         # Split backwards: chunks whose last W ran, and the next chunk whose reductions may start.
         self._weight_grads_done: set = set()
         self._next_to_launch = len(models) - 1
-        if self.split_backward and self.grad_sync_funcs is None and any(
+
+    def check_split_backward(self):
+        """Split backwards (the W tasks complete the gradients): refuse overlap_grad_reduce
+        without grad_sync_func, where DDP's hooks would start reductions in the order the last W
+        tasks run, which differs between data-parallel replicas."""
+        if self.grad_sync_funcs is None and any(
                 getattr(getattr(model, "ddp_config", None), "overlap_grad_reduce", False)
-                for model in models):
+                for model in self.models):
             raise ValueError("split backwards with overlap_grad_reduce need config.grad_sync_func "
                              "(each chunk's start_grad_sync), so that reductions start in chunk "
                              "order on every data-parallel replica")

@@ -1,20 +1,14 @@
 """One handler per task kind: what running a task means on this rank.
 
-With split backwards (--dpp-split-backward) F runs its forward under `stash.defer((m, c))`, B
-computes the input gradient only (the deferred layers store their weight-gradient work under that
-key) and W runs the stored work: `stash.run((m, c))`.
-
 A handler computes its task with Megatron-Core's own step functions (forward_step, backward_step)
 and hands its output to the runner's `send`; the runner does everything around it (choosing the
 task, the ready rule, memory accounting, the record). `IterationView` lists what a handler may use
-of the runner. A new task kind (the weight-gradient W of
-split backwards) is one new handler registered in `make_handlers`.
+of the runner. `make_handlers` gives the table of F and B; a feature with task kinds of its own
+puts its handlers into that table (the split backward's F, B and W: runtime/split_backward.py).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
-
-import contextlib
 
 import torch
 from megatron.core.pipeline_parallel.schedules import (
@@ -48,9 +42,6 @@ class IterationView(Protocol):
     saved: Dict[Tuple[int, int], tuple]  # (microbatch, chunk) -> (input, output) until backward
     outputs_by_microbatch: Dict[int, list]
     total_num_tokens: torch.Tensor
-    stash: Any  # models.weight_grad.WeightGradStash with split backwards, else None
-
-    def weight_grad_stored(self, task: Task, nbytes: int) -> None: ...
 
     def is_last_virtual_stage(self, chunk: int) -> bool: ...
 
@@ -74,10 +65,7 @@ class ForwardHandler:
         if input_tensor is not None:
             input_tensor.requires_grad_(True)
         store: list = []
-        deferral = (runner.stash.defer((m, c)) if runner.stash is not None and not runner.forward_only
-                    else contextlib.nullcontext())
-        with deferral:
-            output_tensor, num_tokens = self._forward(task, input_tensor, store)
+        output_tensor, num_tokens = self._forward(task, input_tensor, store)
         self.ran_on_chunk[c] = True
         runner.outputs_by_microbatch.setdefault(m, []).extend(store)
         runner.total_num_tokens += num_tokens
@@ -89,6 +77,8 @@ class ForwardHandler:
             runner.saved[(m, c)] = (input_tensor, output_tensor)
 
     def _forward(self, task: Task, input_tensor, store: list):
+        """Megatron's forward_step of the task alone (the split backward's F runs it under its
+        stash's deferral)."""
         runner = self.runner
         m, c = task.microbatch, task.chunk
         return forward_step(
@@ -133,48 +123,6 @@ class BackwardHandler:
         runner.send(task, input_tensor_grad)
 
 
-class SplitBackwardHandler:
-    """B(m, c) of a split backward: the input gradient only, sent upstream at once. The deferred
-    layers store the weight-gradient work under (m, c); its data-parallel sync moves to W. The
-    backward runs under defer((m, c)) too, so a recomputed forward (activation checkpointing)
-    defers into the same key."""
-
-    def __init__(self, runner: IterationView):
-        self.runner = runner
-
-    def run(self, task: Task) -> None:
-        runner = self.runner
-        m, c = task.microbatch, task.chunk
-        input_tensor, output_tensor = runner.saved.pop((m, c))
-        output_tensor_grad = runner.take_input(task)
-        with runner.stash.defer((m, c)):  # no_sync is on: GradSync follows the W tasks
-            input_tensor_grad = backward_step(input_tensor, output_tensor, output_tensor_grad,
-                                              runner.model_type, runner.config)
-        runner.send(task, input_tensor_grad)
-        runner.weight_grad_stored(task, runner.stash.bytes_held((m, c)))
-
-
-class WeightGradHandler:
-    """W(m, c): the weight gradients B(m, c) stored, into .grad / DDP's main_grad (the hooks run
-    here). Drives the data-parallel gradient sync at each chunk's last W."""
-
-    def __init__(self, runner: IterationView):
-        self.runner = runner
-        self.weight_grads_left = [runner.M] * runner.V
-
-    def run(self, task: Task) -> None:
-        runner = self.runner
-        m, c = task.microbatch, task.chunk
-        self.weight_grads_left[c] -= 1
-        is_last_of_chunk = self.weight_grads_left[c] == 0
-        runner.grad_sync.before_weight_grad(c, is_last_of_chunk)
-        runner.stash.run((m, c))
-        runner.grad_sync.after_weight_grad(c, is_last_of_chunk)
-
-
 def make_handlers(runner: IterationView) -> Dict[Phase, object]:
-    """The handler of each task kind the runner executes."""
-    if runner.stash is None or runner.forward_only:
-        return {Phase.F: ForwardHandler(runner), Phase.B: BackwardHandler(runner)}
-    return {Phase.F: ForwardHandler(runner), Phase.B: SplitBackwardHandler(runner),
-            Phase.W: WeightGradHandler(runner)}
+    """The handler of each task kind the runner executes without a feature: F and B."""
+    return {Phase.F: ForwardHandler(runner), Phase.B: BackwardHandler(runner)}

@@ -22,14 +22,12 @@ from megatron_dpp.search.errors import SearchInputError
 from megatron_dpp.search.hardware import PRESETS, load_hardware
 from megatron_dpp.search.lengths import parse_distribution
 from megatron_dpp.search.model_profile import read_model_profile_dir
+from megatron_dpp.models.families import DEFAULT_MODEL, MODEL_FAMILIES
 from megatron_dpp.one_line_errors import OneLineErrorParser
 from megatron_dpp.search.strategy import build_strategy, megatron_flags, write_strategy
 
 PROG = "start-search.sh"
 GB = 10**9  # --memory-budget-gb's unit
-# Vocabulary of each model's tokenizer in this repo (GPT-2 BPE, BERT uncased WordPiece), padded as
-# Megatron pads it: up to a multiple of --make-vocab-size-divisible-by.
-DEFAULT_VOCAB = {"gpt": 50257, "bert": 30522}
 ANALYTICAL_SOURCE = ("analytical: memory_model.layer_forward_flops at the hardware's matmul "
                      "TFLOP/s, backward 2x forward")
 
@@ -37,8 +35,9 @@ ANALYTICAL_SOURCE = ("analytical: memory_model.layer_forward_flops at the hardwa
 def build_parser() -> OneLineErrorParser:
     parser = OneLineErrorParser(prog=PROG, allow_abbrev=False, description=__doc__.split("\n\n")[0])
     model = parser.add_argument_group("model (Megatron's flag names)")
-    model.add_argument("--model", choices=sorted(DEFAULT_VOCAB), default="gpt",
-                       help="Model family: gpt (causal LM head) or bert (MLM head, binary head).")
+    model.add_argument("--model", choices=sorted(MODEL_FAMILIES), default=DEFAULT_MODEL,
+                       help="The model: " + "; ".join(f.summary for f in MODEL_FAMILIES.values())
+                            + f" (default {DEFAULT_MODEL}).")
     model.add_argument("--num-layers", type=int, required=True, help="Transformer layers.")
     model.add_argument("--hidden-size", type=int, required=True, help="Hidden size.")
     model.add_argument("--num-attention-heads", type=int, required=True, help="Attention heads.")
@@ -49,8 +48,9 @@ def build_parser() -> OneLineErrorParser:
     model.add_argument("--max-position-embeddings", type=int, default=None,
                        help="Position embeddings (default --seq-length).")
     model.add_argument("--vocab-size", type=int, default=None,
-                       help="Tokenizer vocabulary before padding (default: GPT-2 BPE 50257 for gpt, "
-                            "BERT uncased 30522 for bert).")
+                       help="Tokenizer vocabulary before padding (default: the model's tokenizer's, "
+                            + ", ".join(f"{f.default_vocab_size} for {f.name}"
+                                        for f in MODEL_FAMILIES.values()) + ").")
     model.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                        help="Pad the vocabulary up to a multiple of this (Megatron's default 128).")
     model.add_argument("--hidden-dropout", type=float, default=memory_model.ModelShape.hidden_dropout,
@@ -60,8 +60,8 @@ def build_parser() -> OneLineErrorParser:
                        help="Attention dropout (0 keeps no attention dropout mask).")
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="Separate output-layer weights (default: tied to the embedding).")
-    model.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
-                       help="BERT without the sentence-order head.")
+    for family in MODEL_FAMILIES.values():  # each model's own shape flags
+        family.add_shape_args(model)
     precision = model.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="bf16 mixed precision.")
     precision.add_argument("--fp16", action="store_true", help="fp16 mixed precision.")
@@ -132,7 +132,8 @@ def problem_from_args(args) -> tuple[Problem, str]:
     """The Problem and the model figures' source."""
     _check(args)
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    vocab = args.vocab_size or DEFAULT_VOCAB[args.model]
+    family = MODEL_FAMILIES[args.model]
+    vocab = args.vocab_size or family.default_vocab_size
     divisor = args.make_vocab_size_divisible_by
     shape = memory_model.ModelShape(
         model=args.model, num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -141,8 +142,8 @@ def problem_from_args(args) -> tuple[Problem, str]:
         padded_vocab_size=-(-vocab // divisor) * divisor,
         max_position_embeddings=args.max_position_embeddings or args.seq_length,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights, dtype=dtype,
-        bert_binary_head=args.bert_binary_head, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout)
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        **family.shape_fields(args))
     hardware = load_hardware(args.hardware, args.num_nodes, args.num_gpus_per_node)
     profile, source = None, ANALYTICAL_SOURCE
     if args.model_profile is None:
@@ -176,9 +177,8 @@ def format_table(result: SearchResult) -> str:
 
 def command_line(problem: Problem, flags: list[str]) -> str:
     hardware = problem.hardware
-    entry = "megatron_dpp.pretrain_bert" if problem.shape.model == "bert" else "megatron_dpp.pretrain_gpt"
     return (f"torchrun --nnodes {hardware.num_nodes} --nproc-per-node {hardware.gpus_per_node} "
-            f"-m {entry} " + " ".join(flags))
+            f"-m megatron_dpp.pretrain --model {problem.shape.model} " + " ".join(flags))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

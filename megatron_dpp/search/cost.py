@@ -59,6 +59,7 @@ import dataclasses
 import math
 from typing import Optional
 
+from megatron_dpp.models.families import MODEL_FAMILIES
 from megatron_dpp.pipeline import Phase, TaskGraph, megatron_inflight_forwards
 from megatron_dpp.search import memory_model
 from megatron_dpp.search.hardware import HardwareProfile
@@ -241,9 +242,9 @@ class Pricer:
         return layers + embedding, layers + output
 
     def tied(self) -> bool:
-        """Output weights tied to the word embedding (BERT always ties them)."""
+        """Output weights tied to the word embedding (some models always tie them)."""
         shape = self.problem.shape
-        return shape.model == "bert" or not shape.untie_embeddings_and_output_weights
+        return MODEL_FAMILIES[shape.model].ties_output(shape.untie_embeddings_and_output_weights)
 
     def embedding_sync_ms(self, layout: Layout) -> float:
         """Tied weights on several stages: after the data-parallel sync, Megatron all-reduces the

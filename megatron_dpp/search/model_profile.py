@@ -15,7 +15,7 @@ own readers accept it:
   each, Galvatron's fp32 convention)
 
 and our companion file `megatron_dpp_profiling_{dtype}_hidden_{h}_head_{a}.json`, which Galvatron
-ignores: {"model": "gpt"|"bert", "source": str,
+ignores: {"model": <a models.families name>, "source": str,
           "backward_ms": {"layertype_{t}_bsz{b}_seq{s}": ms},
           "selective_activation_per_bsz": {"layertype_{t}[_sp]": {"{seq}": {"{tp}": MB}}},
           "stage_extra_ms": {"first_forward"|"first_backward"|"last_forward"|"last_backward"
@@ -116,7 +116,7 @@ class ModelProfile:
     """One model's layer times and memory at one hidden size, head count and dtype."""
 
     model: str
-    """"gpt" or "bert" (from the companion file; "unknown" without it)."""
+    """The model's name (models.families; from the companion file; "unknown" without it)."""
     hidden_size: int
     num_attention_heads: int
     dtype: str

@@ -59,6 +59,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import torch
 
 from megatron_dpp import kernels
+from megatron_dpp.models import families
 from megatron_dpp.search import memory_model as mm
 from megatron_dpp.search.errors import SearchInputError
 from megatron_dpp.search.model_profile import (CHUNK_PARTS, MB, STAGE_EXTRA_PARTS,
@@ -67,7 +68,6 @@ from megatron_dpp.search.model_profile import (CHUNK_PARTS, MB, STAGE_EXTRA_PART
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LAYER_TYPE = 0  # GPT's decoder layer and BERT's encoder layer: Galvatron's layer type 0
-DEFAULT_VOCAB_SIZE = {"gpt": 50257, "bert": 30522}  # GPT-2's BPE, BERT's uncased WordPiece
 DEFAULT_TP_SIZES = (1, 2, 4, 8)
 INIT_SEED = 1234
 TASK_OVERHEAD_REPEATS = 200  # runs of the one-parameter stage (each takes microseconds)
@@ -85,7 +85,7 @@ class ProfilingOptions:
     """What to measure (from the command line)."""
 
     model: str
-    """"gpt" or "bert"."""
+    """A name in models.families.MODEL_FAMILIES."""
     hidden_size: int
     num_attention_heads: int
     ffn_hidden_size: int
@@ -97,7 +97,6 @@ class ProfilingOptions:
     max_position_embeddings: int
     hidden_dropout: float
     attention_dropout: float
-    bert_binary_head: bool
     tp_sizes: tuple[int, ...]
     """Tensor-parallel sizes written to the memory file (tp = 1 and measured_tp_size measured,
     the others analytical)."""
@@ -108,6 +107,8 @@ class ProfilingOptions:
     """Untimed runs before timing each (seq, batch)."""
     repeats: int
     """Timed runs; the median is kept."""
+    shape_fields: dict = dataclasses.field(default_factory=dict)
+    """The model's own ModelShape fields (its family's shape_fields: BERT's binary head...)."""
 
     def shape(self, seq_length: int) -> mm.ModelShape:
         return mm.ModelShape(
@@ -115,8 +116,8 @@ class ProfilingOptions:
             num_attention_heads=self.num_attention_heads, ffn_hidden_size=self.ffn_hidden_size,
             seq_length=seq_length, padded_vocab_size=self.padded_vocab_size,
             max_position_embeddings=self.max_position_embeddings, dtype=self.dtype,
-            bert_binary_head=self.bert_binary_head, hidden_dropout=self.hidden_dropout,
-            attention_dropout=self.attention_dropout)
+            hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
+            **self.shape_fields)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,8 +191,7 @@ def training_args(shape: mm.ModelShape, recompute: str = "none",
         flags += ["--recompute-method", "uniform", "--recompute-num-layers", 1]
     if shape.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
-    if shape.model == "bert" and not shape.bert_binary_head:
-        flags.append("--bert-no-binary-head")
+    flags += families.model_family(shape.model).shape_flags(shape)
     args = arguments.build_parser(model=shape.model).parse_args([str(flag) for flag in flags])
     arguments.validate_model_args(args)
     args.virtual_pipeline_model_parallel_size = None  # pp = 1 (validate_parallel_args derives it)
@@ -209,11 +209,9 @@ def transformer_config(shape: mm.ModelShape, recompute: str = "none", tp: int = 
 
 def layer_spec(model: str, args: argparse.Namespace):
     """The layer spec training builds for these flags (the core attention kernels chose)."""
-    from megatron_dpp.models.bert import bert_layer_spec
-    from megatron_dpp.models.gpt import gpt_layer_spec
+    from megatron_dpp.models import MODEL_SPECS
 
-    attention = kernels.core_attention_from_args(args).module
-    return gpt_layer_spec(attention) if model == "gpt" else bert_layer_spec(attention)
+    return MODEL_SPECS[model].layer_spec(kernels.core_attention_from_args(args).module)
 
 
 def build_layer(shape: mm.ModelShape, recompute: str = "none", tp: int = 1,
@@ -248,32 +246,20 @@ def build_model(shape: mm.ModelShape, tp: int = 1) -> torch.nn.Module:
 
 
 def layer_inputs(shape: mm.ModelShape, batch: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The layer's input [s, b, h] (requires grad, as a received activation) and its attention
-    mask: GPT None (the layer spec's causal mask), BERT the [b, 1, s, s] padding mask BertModel
-    makes (True = masked; one padded token per sample so the mask is not trivial)."""
+    """The layer's input [s, b, h] (requires grad, as a received activation) and the attention mask
+    the model's layers get in training (its ModelSpec's sample_layer_mask)."""
+    from megatron_dpp.models import MODEL_SPECS
+
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(shape.seq_length, batch, shape.hidden_size, generator=generator)
     hidden = hidden.to(TORCH_DTYPES[shape.dtype]).requires_grad_()
-    if shape.model == "gpt":
-        return hidden, None
-    keep = torch.ones(batch, shape.seq_length, dtype=torch.bool)
-    keep[:, -1] = False
-    mask = ~(keep[:, None, :, None] & keep[:, None, None, :])
-    return hidden, mask
+    return hidden, MODEL_SPECS[shape.model].sample_layer_mask(shape, batch)
 
 
 def model_inputs(shape: mm.ModelShape, batch: int) -> dict:
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, shape.padded_vocab_size, (batch, shape.seq_length),
-                           generator=generator)
-    if shape.model == "gpt":
-        positions = torch.arange(shape.seq_length).repeat(batch, 1)  # as the GPT dataset gives
-        return {"input_ids": tokens, "position_ids": positions, "attention_mask": None,
-                "labels": tokens}
-    inputs = {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "lm_labels": tokens}
-    if shape.bert_binary_head:
-        inputs["tokentype_ids"] = torch.zeros_like(tokens)
-    return inputs
+    from megatron_dpp.models import MODEL_SPECS
+
+    return MODEL_SPECS[shape.model].sample_model_inputs(shape, batch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -341,7 +327,9 @@ def measured_other_activation_bytes(model: torch.nn.Module, shape: mm.ModelShape
         return hook
 
     inner = getattr(model, "module", model)  # inside Float16Module
-    layers = inner.decoder.layers if shape.model == "gpt" else inner.encoder.layers
+    from megatron_dpp.models import MODEL_SPECS
+
+    layers = MODEL_SPECS[shape.model].transformer_layers(inner)
     handles = [inner.embedding.register_forward_pre_hook(enter("embedding")),
                inner.embedding.register_forward_hook(enter("head"))]
     for layer in layers:
@@ -734,7 +722,7 @@ def _other_memory(options: ProfilingOptions, shape: mm.ModelShape,
     """Model states from memory_model's counts (dp = 1, no distributed optimizer: Galvatron's
     cost model shards them itself); activations per sample, measured at the measured tp sizes
     (without sequence parallelism, or tp = 1), else from memory_model."""
-    tied = shape.model == "bert" or not shape.untie_embeddings_and_output_weights
+    tied = families.model_family(shape.model).ties_output(shape.untie_embeddings_and_output_weights)
     result = {}
     for sp in (False, True):
         for stage in ("pp_off", "pp_on_first", "pp_on_last"):
@@ -765,12 +753,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = OneLineErrorParser(
         prog="profile_model.sh", allow_abbrev=False,
-        description="Measure one GPT or BERT transformer layer (Megatron-Core, one process): "
+        description="Measure one transformer layer of a model (Megatron-Core, one process): "
                     "forward/backward time and activation memory per sequence length and "
                     "micro-batch size; write Galvatron's computation_profiling_* and "
                     "memory_profiling_* files plus our megatron_dpp_profiling_* companion.")
-    parser.add_argument("--model", choices=("gpt", "bert"), default="gpt",
-                        help="Which model's layers to run (default gpt).")
+    parser.add_argument("--model", choices=sorted(families.MODEL_FAMILIES),
+                        default=families.DEFAULT_MODEL,
+                        help=f"Which model's layers to run (default {families.DEFAULT_MODEL}).")
     parser.add_argument("--hidden-size", type=int, required=True, help="Transformer hidden size.")
     parser.add_argument("--num-attention-heads", type=int, required=True,
                         help="Number of attention heads.")
@@ -788,8 +777,10 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--bf16", action="store_true", help="Run in bf16 (default fp32).")
     precision.add_argument("--fp16", action="store_true", help="Run in fp16 (default fp32).")
     parser.add_argument("--vocab-size", type=int, default=None,
-                        help="Vocabulary size before padding (default: GPT-2's 50257 for gpt, "
-                             "BERT's 30522 for bert); padded as Megatron-LM does.")
+                        help="Vocabulary size before padding (default: the model's tokenizer's, "
+                             + ", ".join(f"{f.default_vocab_size} for {f.name}"
+                                         for f in families.MODEL_FAMILIES.values())
+                             + "); padded as Megatron-LM does.")
     parser.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                         help="Pad the vocabulary to a multiple of this (default 128).")
     parser.add_argument("--max-position-embeddings", type=int, default=None,
@@ -798,8 +789,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Hidden dropout probability (default 0.1, as Megatron-LM).")
     parser.add_argument("--attention-dropout", type=float, default=0.1,
                         help="Attention dropout probability (default 0.1, as Megatron-LM).")
-    parser.add_argument("--bert-no-binary-head", action="store_true",
-                        help="BERT without the sentence-order head.")
+    for family in families.MODEL_FAMILIES.values():  # each model's own shape flags
+        family.add_shape_args(parser)
     parser.add_argument("--tensor-model-parallel-sizes", type=int, nargs="+",
                         default=list(DEFAULT_TP_SIZES),
                         help="Tensor-parallel sizes written to the memory file (default 1 2 4 8; "
@@ -849,7 +840,8 @@ def options_from_args(args: argparse.Namespace) -> ProfilingOptions:
     if max(seqs) > max_positions:
         raise SearchInputError(f"--seq-length {max(seqs)} exceeds --max-position-embeddings "
                                f"{max_positions}")
-    vocab = args.vocab_size or DEFAULT_VOCAB_SIZE[args.model]
+    family = families.model_family(args.model)
+    vocab = args.vocab_size or family.default_vocab_size
     multiple = args.make_vocab_size_divisible_by
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
     def divides(tp: int) -> bool:
@@ -871,7 +863,7 @@ def options_from_args(args: argparse.Namespace) -> ProfilingOptions:
         dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
         padded_vocab_size=-(-vocab // multiple) * multiple,
         max_position_embeddings=max_positions, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, bert_binary_head=not args.bert_no_binary_head,
+        attention_dropout=args.attention_dropout, shape_fields=family.shape_fields(args),
         tp_sizes=tp_sizes, measured_tp_size=measured_tp, warmup=1 if quick else args.warmup,
         repeats=3 if quick else args.repeats)
 

@@ -3,7 +3,7 @@
 Format (version STRATEGY_VERSION), one JSON object:
   format            "megatron-dpp-strategy"
   version           STRATEGY_VERSION
-  model             {"model": "gpt"|"bert", "num_layers", "hidden_size", "num_attention_heads",
+  model             {"model": <models.families name>, "num_layers", "hidden_size", "num_attention_heads",
                      "ffn_hidden_size", "seq_length", "max_position_embeddings",
                      "padded_vocab_size", "dtype"}
   num_nodes         nodes of the job
@@ -32,6 +32,7 @@ import pathlib
 import sys
 from typing import TYPE_CHECKING, Any
 
+from megatron_dpp.models.families import MODEL_FAMILIES
 from megatron_dpp.one_line_errors import OneLineErrorParser
 from megatron_dpp.search.errors import SearchInputError
 
@@ -41,7 +42,6 @@ if TYPE_CHECKING:  # only for annotations: --print must not import numpy or the 
 STRATEGY_FORMAT = "megatron-dpp-strategy"
 STRATEGY_VERSION = 1
 PRINTABLE = ("flags", "nproc_per_node", "num_nodes", "model")
-MODEL_NAMES = ("gpt", "bert")
 
 # key -> expected Python type(s) of each section, checked by read_strategy.
 _MODEL_KEYS = {"model": str, "num_layers": int, "hidden_size": int, "num_attention_heads": int,
@@ -87,8 +87,7 @@ def megatron_flags(problem: "Problem", cost: "LayoutCost") -> list[str]:
                   "--recompute-num-layers", 1]
     if shape.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
-    if shape.model == "bert" and not shape.bert_binary_head:
-        flags.append("--bert-no-binary-head")
+    flags += MODEL_FAMILIES[shape.model].shape_flags(shape)
     if shape.dtype != "fp32":
         flags.append(f"--{shape.dtype}")
     if problem.lengths is not None:
@@ -153,8 +152,9 @@ def validate_strategy(content: Any, where: str = "strategy") -> dict:
     _check_keys(where, content, _TOP_KEYS)
     for section, keys in _SECTIONS.items():
         _check_keys(f"{where}: {section}", content[section], keys)
-    if content["model"]["model"] not in MODEL_NAMES:
-        raise SearchInputError(f"{where}: model {content['model']['model']!r} is not one of {MODEL_NAMES}")
+    if content["model"]["model"] not in MODEL_FAMILIES:
+        raise SearchInputError(f"{where}: model {content['model']['model']!r} is not one of "
+                               f"{tuple(MODEL_FAMILIES)}")
     if not all(isinstance(token, str) for token in content["megatron_flags"]):
         raise SearchInputError(f"{where}: megatron_flags must be a list of strings")
     for key in ("num_nodes", "nproc_per_node"):

@@ -122,6 +122,46 @@ class DeferredLayerNormFunction(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------
+# RMS norm (Llama's): y = x * rstd * gamma, rstd = 1 / sqrt(mean(x^2) + eps)
+# ----------------------------------------------------------------------------------------------
+class DeferredRMSNormFunction(torch.autograd.Function):
+    """torch's RMS norm (computed in fp32 at least, as torch's own); B computes dX, W dgamma."""
+
+    @staticmethod
+    def forward(ctx, input, weight, site: _Site, normalized_shape, eps: Optional[float]):
+        dims = tuple(range(-len(normalized_shape), 0))
+        x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
+        eps = torch.finfo(input.dtype).eps if eps is None else eps
+        rstd = torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+        output = (x * rstd).to(input.dtype)
+        if weight is not None:
+            output = output * weight
+        ctx.save_for_backward(input, weight, rstd)
+        ctx.site, ctx.dims = site, dims
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight, rstd = ctx.saved_tensors
+        dims = ctx.dims
+        x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
+        normalized = x * rstd
+        grad = grad_output.to(normalized.dtype)
+        grad_normalized = grad * weight.to(grad.dtype) if weight is not None else grad
+        grad_input = rstd * (grad_normalized
+                             - normalized * (grad_normalized * normalized).mean(dims, keepdim=True))
+        leading = tuple(range(grad_output.dim() - len(dims)))
+
+        def wgrad(g, x_, r):
+            x_ = x_.float() if x_.dtype in (torch.float16, torch.bfloat16) else x_
+            return ((g.to(x_.dtype) * (x_ * r)).sum(leading).to(g.dtype),)
+
+        if weight is not None:
+            ctx.site.store((grad_output.detach(), input.detach(), rstd), wgrad)
+        return grad_input.to(input.dtype), None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
 # embedding: the whole backward is the weight gradient (the input is token ids)
 # ----------------------------------------------------------------------------------------------
 class DeferredEmbeddingFunction(torch.autograd.Function):

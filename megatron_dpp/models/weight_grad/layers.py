@@ -27,6 +27,7 @@ from megatron_dpp.models.weight_grad.functions import (
     DeferredEmbeddingFunction,
     DeferredLayerNormFunction,
     DeferredLinearFunction,
+    DeferredRMSNormFunction,
     open_site,
     proxy,
     tap,
@@ -37,6 +38,8 @@ __all__ = [
     "DeferredColumnParallelLinear",
     "DeferredRowParallelLinear",
     "DeferredLayerNorm",
+    "DeferredRMSNorm",
+    "DeferredTorchNorm",
     "DeferredVocabParallelEmbedding",
     "DeferredEmbedding",
     "DeferredTorchLinear",
@@ -144,6 +147,41 @@ class DeferredLayerNorm(torch.nn.LayerNorm):
             site, self.normalized_shape, self.eps)
 
 
+class DeferredRMSNorm(torch.nn.RMSNorm):
+    """torch.nn.RMSNorm built from WrappedTorchNorm's arguments (Llama's norm in the local spec),
+    with a deferrable weight gradient."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+                 persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
+                 normalization: str = "RMSNorm"):
+        unsupported = [flag for flag in ("layernorm_zero_centered_gamma", "sequence_parallel")
+                       if getattr(config, flag, False)]
+        if unsupported:
+            raise WeightGradError("DeferredRMSNorm is torch's RMSNorm; it does not support "
+                                  + ", ".join(unsupported))
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        deferral = active_deferral()
+        if deferral is None or not _trainable_leaf(self.weight):
+            return super().forward(input)
+        site = open_site(deferral[0], deferral[1], self.weight)
+        return DeferredRMSNormFunction.apply(input, proxy(self.weight), site,
+                                             self.normalized_shape, self.eps)
+
+
+class DeferredTorchNorm:
+    """Our WrappedTorchNorm: builds DeferredLayerNorm or DeferredRMSNorm by
+    config.normalization, as WrappedTorchNorm builds torch's LayerNorm or RMSNorm."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+                persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
+                normalization: str = "LayerNorm"):
+        norm_class = DeferredRMSNorm if config.normalization == "RMSNorm" else DeferredLayerNorm
+        return norm_class(config, hidden_size, eps, persist_layer_norm, zero_centered_gamma,
+                          normalization)
+
+
 class DeferredVocabParallelEmbedding(VocabParallelEmbedding):
     """VocabParallelEmbedding with a deferred weight gradient. VocabParallelEmbedding.forward has
     no seam around its lookup, so the deferring path is written here: the same tp masking, our
@@ -208,5 +246,6 @@ DEFERRED_CLASSES: dict[type, type] = {
     VocabParallelEmbedding: DeferredVocabParallelEmbedding,
     torch.nn.Embedding: DeferredEmbedding,
     torch.nn.LayerNorm: DeferredLayerNorm,
+    torch.nn.RMSNorm: DeferredRMSNorm,
     torch.nn.Linear: DeferredTorchLinear,
 }

@@ -1,4 +1,4 @@
-"""GPT and BERT model chunks whose every weight gradient can be deferred to W.
+"""GPT (and Llama, a GPTModel) and BERT model chunks whose every weight gradient can be deferred to W.
 
 The transformer layers and the final layer norm come from a Megatron layer spec rewritten to our
 classes (`deferred_layer_spec`, `deferred_block_spec`): the public way Megatron-Core lets a model
@@ -35,6 +35,7 @@ from megatron_dpp.models.weight_grad.layers import (
     DeferredColumnParallelLinear,
     DeferredLayerNorm,
     DeferredRowParallelLinear,
+    DeferredTorchNorm,
 )
 from megatron_dpp.models.weight_grad.store import WeightGradError
 
@@ -49,10 +50,11 @@ __all__ = [
 
 # The classes of Megatron-Core's local spec (get_gpt_layer_local_spec) and ours. With apex,
 # the local spec's norm is FusedLayerNorm: ours is torch's LayerNorm (same math, other kernel).
+# WrappedTorchNorm builds torch's LayerNorm or RMSNorm (Llama) by the config: so does ours.
 _SPEC_CLASSES: dict[type, type] = {
     ColumnParallelLinear: DeferredColumnParallelLinear,
     RowParallelLinear: DeferredRowParallelLinear,
-    WrappedTorchNorm: DeferredLayerNorm,
+    WrappedTorchNorm: DeferredTorchNorm,
     FusedLayerNorm: DeferredLayerNorm,
 }
 
@@ -91,11 +93,11 @@ def deferred_block_spec(config: TransformerConfig,
     if isinstance(layer_spec, TransformerBlockSubmodules):
         submodules = _rewrite(layer_spec)
         if submodules.layer_norm is not None:
-            submodules = dataclasses.replace(submodules, layer_norm=DeferredLayerNorm)
+            submodules = dataclasses.replace(submodules, layer_norm=DeferredTorchNorm)
     else:
         count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
         submodules = TransformerBlockSubmodules(layer_specs=[_rewrite(layer_spec)] * count,
-                                                layer_norm=DeferredLayerNorm)
+                                                layer_norm=DeferredTorchNorm)
     return ModuleSpec(module=TransformerBlock, submodules=submodules)
 
 

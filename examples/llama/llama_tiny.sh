@@ -1,0 +1,17 @@
+# Tiny Llama for CPU (2 cores): a few minutes, lm loss visibly falling. Flags only.
+# RMSNorm, SwiGLU, rotary positions, no biases and the untied output come with --model llama.
+# 4 heads in 2 key/value groups (grouped-query attention). Layers must divide by pipeline x
+# virtual stages: 4 layers fit PP=1,2,4 and PP=2 with VPP=2. Trains on the GPT sample data.
+MODEL_ARGS=(
+  --num-layers 4 --hidden-size 128 --num-attention-heads 4 --num-query-groups 2
+  --ffn-hidden-size 352 --seq-length 128 --max-position-embeddings 128
+  --hidden-dropout 0.0 --attention-dropout 0.0
+)
+TRAINING_ARGS=(
+  --micro-batch-size 2 --global-batch-size 16 --train-iters 60
+  --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 5
+  --weight-decay 0.01 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95 --seed 1234
+)
+LOGGING_ARGS=(
+  --log-interval 5 --eval-interval 30 --eval-iters 2
+)

@@ -1,0 +1,267 @@
+"""What each model is, as far as the tools that must not import torch need to know: its flags and
+their checks, its tokenizer, its default vocabulary, whether its output layer is tied to the word
+embedding, the trainer flags its shape adds. Standard library only (the search's command line and
+the launchers' flag check import it); the torch side of a model is its ModelSpec (models/spec.py),
+which carries its family.
+
+MODEL_FAMILIES is the one registry of model names: `--model`'s choices, the search's, the
+launchers' validation. To add a model, add its ModelFamily here and its ModelSpec module beside
+(see docs/architecture.md, "Where to add a model").
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from megatron_dpp.data.tokenizer import GPT2_BPE, WORDPIECE_LOWER_CASE
+from megatron_dpp.one_line_errors import InputError
+
+WORDPIECE_TOKENIZERS = tuple(WORDPIECE_LOWER_CASE)  # lower case first: BERT's default
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise InputError(message)
+
+
+def _no_flags(parser: argparse.ArgumentParser) -> None:
+    """A model without flags of its own."""
+
+
+def _no_shape_flags(shape: Any) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model as the flag parser, the data checks and the search see it."""
+
+    name: str
+    """`--model`'s value; the key of MODEL_FAMILIES and of models.MODEL_SPECS."""
+
+    summary: str
+    """One line for `--model`'s help."""
+
+    spec: str
+    """"module:attribute" of its ModelSpec (the torch side: chunks, forward step, layer spec),
+    imported on first use of models.MODEL_SPECS."""
+
+    default_vocab_size: int
+    """Its tokenizer's vocabulary before Megatron pads it (the sample data's; the search's
+    default --vocab-size)."""
+
+    tokenizer_types: tuple[str, ...]
+    """The --tokenizer-type values it trains with; the first is the default."""
+
+    wrong_tokenizer_message: Callable[[str], str]
+    """(--tokenizer-type given) -> the one-line error for a tokenizer it does not train with."""
+
+    always_tied_output: bool
+    """True when the output layer always shares the word embedding's weight (BERT's LM head);
+    False: --untie-embeddings-and-output-weights decides."""
+
+    check_data: Callable[[argparse.Namespace, Sequence[str], Any, list, list], None]
+    """(args, data prefixes, blend weights, split weights, samples each split must give): raises
+    megatron_dpp.data.errors.DataInputError when the data cannot give them (the model's samples
+    are built its own way: GPT's token windows, BERT's packed sentences)."""
+
+    always_untied_output: bool = False
+    """True when the output layer always has its own weight (Llama's), with or without
+    --untie-embeddings-and-output-weights."""
+
+    add_shape_args: Callable[[Any], None] = _no_flags
+    """Adds the flags of its model-specific shape (BERT's --bert-no-binary-head) to a parser or
+    argument group: the trainer's, the search's and the profiler's take the same ones."""
+
+    shape_fields: Callable[[argparse.Namespace], dict] = lambda args: {}
+    """Parsed flags -> its models.memory_model.ModelShape fields beyond the shared ones."""
+
+    add_args: Callable[[argparse.ArgumentParser], None] = _no_flags
+    """Adds the trainer's flag group of the model (its shape flags and its data flags)."""
+
+    validate_args: Callable[[argparse.Namespace], None] = lambda args: None
+    """Its own checks beyond the tokenizer's; raises InputError. Runs before the shared ones."""
+
+    shape_flags: Callable[[Any], list[str]] = _no_shape_flags
+    """(models.memory_model.ModelShape) -> the trainer flags of its model-specific shape fields
+    (the search's strategy file writes them after the shared ones)."""
+
+    def ties_output(self, untie_embeddings_and_output_weights: bool) -> bool:
+        """Is the output layer's weight the word embedding's?"""
+        if self.always_untied_output:
+            return False
+        return self.always_tied_output or not untie_embeddings_and_output_weights
+
+    def validate(self, args: argparse.Namespace) -> None:
+        """The tokenizer (defaulted to its first) and the model's own checks; raises InputError."""
+        if args.tokenizer_type is None:
+            args.tokenizer_type = self.tokenizer_types[0]
+        _require(args.tokenizer_type in self.tokenizer_types,
+                 self.wrong_tokenizer_message(args.tokenizer_type))
+        self.validate_args(args)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPT: token windows of the documents, causal LM loss
+# ----------------------------------------------------------------------------------------------
+def _check_token_windows(args, prefixes, weights, split, samples) -> None:
+    from megatron_dpp.data.datasets import check_splits_have_data
+
+    check_splits_have_data(prefixes, weights, split, samples, args.variable_seq_lengths)
+
+
+GPT = ModelFamily(
+    name="gpt",
+    spec="megatron_dpp.models.gpt:GPT_SPEC",
+    summary="GPT: causal LM, learned absolute positions, LayerNorm, GeLU MLP",
+    default_vocab_size=50257,  # GPT-2's BPE
+    tokenizer_types=(GPT2_BPE,),
+    wrong_tokenizer_message=lambda given: (f"--tokenizer-type {given} is BERT's; GPT trains with "
+                                           f"{GPT2_BPE}"),
+    always_tied_output=False,
+    check_data=_check_token_windows,
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# BERT: packed sentences, masked LM (+ sentence-order) loss
+# ----------------------------------------------------------------------------------------------
+def _add_bert_shape_args(group: Any) -> None:
+    group.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
+                       help="BERT without the sentence-order prediction (binary) head and its "
+                            "token types: the masked-LM loss alone.")
+
+
+def _add_bert_args(parser: argparse.ArgumentParser) -> None:
+    from megatron_dpp.data.bert_datasets import BERT_ARG_DEFAULTS
+
+    group = parser.add_argument_group("BERT")
+    _add_bert_shape_args(group)
+    group.add_argument("--mask-prob", type=float, default=BERT_ARG_DEFAULTS["mask_prob"],
+                       help="Probability that a token is masked for the masked-LM loss "
+                            "(default %(default)s).")
+    group.add_argument("--short-seq-prob", type=float, default=BERT_ARG_DEFAULTS["short_seq_prob"],
+                       help="Probability that a sample is made shorter than --seq-length "
+                            "(default %(default)s).")
+
+
+def _validate_bert_args(args: argparse.Namespace) -> None:
+    for flag in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+        _require(not getattr(args, flag), f"--{flag.replace('_', '-')} is a GPT data flag; BERT's "
+                                          f"samples are packed sentences: remove it")
+
+
+def _check_packed_sentences(args, prefixes, weights, split, samples) -> None:
+    from megatron_dpp.data.bert_datasets import check_bert_args, check_bert_splits_have_data
+
+    check_bert_args(args)
+    check_bert_splits_have_data(prefixes, weights, split, samples, args.bert_binary_head)
+
+
+def _bert_shape_flags(shape: Any) -> list[str]:
+    return [] if shape.bert_binary_head else ["--bert-no-binary-head"]
+
+
+BERT = ModelFamily(
+    name="bert",
+    spec="megatron_dpp.models.bert:BERT_SPEC",
+    summary="BERT: masked LM and sentence-order heads, padding mask, LayerNorm, GeLU MLP",
+    default_vocab_size=30522,  # BERT's uncased WordPiece
+    tokenizer_types=WORDPIECE_TOKENIZERS,
+    wrong_tokenizer_message=lambda given: (f"--tokenizer-type {given} is GPT's; BERT trains with "
+                                           f"{' or '.join(WORDPIECE_TOKENIZERS)} and a WordPiece "
+                                           f"--vocab-file"),
+    always_tied_output=True,
+    check_data=_check_packed_sentences,
+    add_shape_args=_add_bert_shape_args,
+    shape_fields=lambda args: {"bert_binary_head": args.bert_binary_head},
+    add_args=_add_bert_args,
+    validate_args=_validate_bert_args,
+    shape_flags=_bert_shape_flags,
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Llama: GPT's token windows and causal LM loss; RMSNorm, SwiGLU, rotary positions, grouped-query
+# attention, no biases, an untied output layer (all implied by --model llama, not flags)
+# ----------------------------------------------------------------------------------------------
+def _add_llama_shape_args(group: Any) -> None:
+    """Megatron-LM's flag names for the two shape choices Llama has beyond GPT's flags."""
+    group.add_argument("--num-query-groups", type=int, default=None,
+                       help="Key/value head groups of grouped-query attention (Llama 2 70B: 8); "
+                            "must divide --num-attention-heads (default: one per head, "
+                            "multi-head attention).")
+    group.add_argument("--rotary-base", type=int, default=10000,
+                       help="Base period of the rotary position embeddings (default %(default)s, "
+                            "Llama 2's).")
+
+
+def _add_llama_args(parser: argparse.ArgumentParser) -> None:
+    _add_llama_shape_args(parser.add_argument_group("Llama"))
+
+
+def _validate_llama_args(args: argparse.Namespace) -> None:
+    heads = args.num_attention_heads
+    groups = args.num_query_groups
+    if groups is None:
+        args.num_query_groups = groups = heads
+    _require(groups > 0 and (heads is None or heads % groups == 0),
+             f"--num-query-groups {groups} must be positive and divide --num-attention-heads "
+             f"{heads}")
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    _require(groups % tp == 0, f"--num-query-groups {groups} is not divisible by "
+                               f"--tensor-model-parallel-size {tp}; each rank needs whole groups")
+    _require(args.rotary_base > 0, f"--rotary-base must be positive, got {args.rotary_base}")
+    # Llama's output layer always has its own weight (always_untied_output): the flag is implied;
+    # set it for the shared code that reads it.
+    args.untie_embeddings_and_output_weights = True
+
+
+def _llama_shape_fields(args: argparse.Namespace) -> dict:
+    return {"num_query_groups": args.num_query_groups or args.num_attention_heads,
+            "rotary_base": args.rotary_base}
+
+
+def _llama_shape_flags(shape: Any) -> list[str]:
+    return ["--num-query-groups", str(shape.num_query_groups or shape.num_attention_heads),
+            "--rotary-base", str(shape.rotary_base)]
+
+
+LLAMA = ModelFamily(
+    name="llama",
+    spec="megatron_dpp.models.llama:LLAMA_SPEC",
+    summary="Llama: causal LM, rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, "
+            "no biases, untied output",
+    # Llama 2's SentencePiece vocabulary (the search's default). The sample data here is tokenized
+    # with GPT-2's BPE instead (50257), which the trainer reads from the tokenizer.
+    default_vocab_size=32000,
+    tokenizer_types=(GPT2_BPE,),
+    wrong_tokenizer_message=lambda given: (f"--tokenizer-type {given} is BERT's; Llama trains "
+                                           f"here with {GPT2_BPE}"),
+    always_tied_output=False,
+    always_untied_output=True,
+    check_data=_check_token_windows,
+    add_shape_args=_add_llama_shape_args,
+    shape_fields=_llama_shape_fields,
+    add_args=_add_llama_args,
+    validate_args=_validate_llama_args,
+    shape_flags=_llama_shape_flags,
+)
+
+
+MODEL_FAMILIES: dict[str, ModelFamily] = {family.name: family
+                                          for family in (GPT, BERT, LLAMA)}
+"""Every model megatron_dpp trains, by name."""
+
+DEFAULT_MODEL = GPT.name
+"""The model of a command that names none (the search, the profiler, `megatron_dpp.arguments`)."""
+
+TOKENIZER_TYPES = tuple(dict.fromkeys(t for f in MODEL_FAMILIES.values() for t in f.tokenizer_types))
+"""Every --tokenizer-type some model trains with."""
+
+
+def model_family(name: str) -> ModelFamily:
+    """The family called `name`; InputError naming the known ones otherwise."""
+    _require(name in MODEL_FAMILIES, f"unknown model {name!r}; one of {sorted(MODEL_FAMILIES)}")
+    return MODEL_FAMILIES[name]

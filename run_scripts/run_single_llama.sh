@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Train Llama on one node: all GPUs, or 2 CPU ranks (pipeline size 2) when there is no GPU.
+# Works from any directory; sets up the environment and the sample data when missing.
+#
+# Environment (all optional):
+#   PP, TP        pipeline / tensor parallel sizes (default TP=1; PP=2 on CPU and on 2 or more GPUs,
+#                 PP=1 on one GPU, where USE_DPP has no pipeline to schedule and the banner says so)
+#   VPP           virtual pipeline stages per pipeline rank (interleaved 1F1B; default 1)
+#   NPROC         processes on this node (default: the GPUs, rounded down to a multiple of PP*TP,
+#                 else 2); DP = NPROC / (PP*TP)
+#   RECIPE        model recipe in examples/llama (default: llama_tiny; llama2_7b needs a Llama tokenizer and data)
+#   DATA_DIR      sample data directory (default: <repo>/data/sample)
+#   DATA_ARGS     data flags replacing the sample data (e.g. "--data-path P --vocab-file V ...")
+#   MASTER_PORT   rendezvous port (default: a free one)
+#   USE_DPP       1 (default): dynamic pipeline schedule (--use-dpp) whenever PP >= 2; 0: Megatron's
+#                 fixed 1F1B / interleaved schedule
+# Extra arguments are passed to megatron_dpp.pretrain --model llama and override the recipe's flags.
+# --strategy FILE (among them): the model shape, batch, layout and schedule of a strategy JSON
+# written by run_scripts/start-search.sh; it replaces PP, TP, VPP, USE_DPP and NPROC.
+# --dry-run (anywhere among them) checks everything and prints the torchrun command instead of
+# running it. Several nodes: run_master_llama.sh and run_worker_llama.sh, or run_slurm_llama.sh.
+set -euo pipefail
+LAUNCH_NAME=run_single_llama
+# shellcheck source=run_scripts/_launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_launch.sh"
+launch_main single llama "$@"

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Train Llama on several nodes: run this on every node but the master (node 0), which runs
+# run_master_llama.sh with the same environment apart from NODE_RANK. Environment variables choose
+# everything; nothing is written to disk. Works from any directory.
+#
+#   NODE_IPS=10.0.0.1,10.0.0.2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 bash run_scripts/run_worker_llama.sh
+#
+# Environment:
+#   NODE_RANK     this node's rank, 1..NNODES-1 (required)
+#   MASTER_ADDR   the master's address (required; usually the first of NODE_IPS)
+#   NODE_IPS      every node's address, InfiniBand or Ethernet, in node-rank order (passed as
+#                 --multi-node --node-ips; required)
+#   NNODES        number of nodes (default 2)
+#   MASTER_PORT   rendezvous port, the same on every node (default 29500)
+#   NPROC         processes per node (default: number of GPUs, else 2); DP = NNODES*NPROC / (PP*TP)
+#   PP, TP, VPP, USE_DPP, RECIPE, DATA_DIR, DATA_ARGS   as in run_single_llama.sh
+# Extra arguments are passed to megatron_dpp.pretrain --model llama and override the recipe's flags.
+# --strategy FILE (among them): the model shape, batch, layout and schedule of a strategy JSON
+# written by run_scripts/start-search.sh; it replaces PP, TP, VPP, USE_DPP and NPROC.
+# --dry-run (anywhere among them) checks everything and prints this node's torchrun command
+# instead of running it. Bad variables or flags: one line on stderr, exit code 2, before torchrun.
+set -euo pipefail
+LAUNCH_NAME=run_worker_llama
+# shellcheck source=run_scripts/_launch.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_launch.sh"
+launch_main worker llama "$@"
