@@ -1,5 +1,5 @@
 """The analytical activation model (megatron_dpp.search.memory_model) against the bytes
-Megatron-Core really keeps (megatron_dpp.search.model_profiling's saved-tensor count): tp = 1 in
+Megatron-Core really keeps (megatron_dpp.search.model_measurement's saved-tensor count): tp = 1 in
 one process, tp = --tp in that many.
 
 For every model, dtype, hidden size, sequence length, micro-batch and recompute mode of the grid:
@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_dpp.search import memory_model as mm  # noqa: E402
-from megatron_dpp.search import model_profiling as mp  # noqa: E402
+from megatron_dpp.search import model_measurement as mp  # noqa: E402
 
 HIDDEN_SIZES = (64, 128)
 SEQ_LENGTHS = (64, 128)

@@ -47,12 +47,12 @@ from paired import (PINNED_ENTRY, REPO, describe, ensure_sample_data, median_int
                     run_gpt, run_gpt_with_output, sample_data_args)
 from schedules_in_one_process import RESULT_PREFIX
 
-sys.path.insert(0, REPO)  # profiling/ (megatron_dpp is installed)
+sys.path.insert(0, REPO)  # trace_analysis/ (megatron_dpp is installed)
 
-from profiling.analysis import OTHER, POSTING, iteration_time  # noqa: E402
-from profiling.critical_path import critical_path  # noqa: E402
-from profiling.load import find_run_directory, load_run  # noqa: E402
-from profiling.timeline import run_timeline  # noqa: E402
+from trace_analysis.analysis import OTHER, POSTING, iteration_time  # noqa: E402
+from trace_analysis.critical_path import critical_path  # noqa: E402
+from trace_analysis.load import find_run_directory, load_run  # noqa: E402
+from trace_analysis.timeline import run_timeline  # noqa: E402
 
 REFERENCE = "megatron-1f1b"
 # name -> extra flags. Megatron's 1F1B goes over the same transport as DPP (--p2p-transport auto:

@@ -843,7 +843,7 @@ def _check_trace_dir(trace_dir: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# profiling (Megatron-LM's --profile flags; training/profiling.py)
+# profiling (Megatron-LM's --profile flags; training/profiler_window.py)
 # ----------------------------------------------------------------------------------------------
 PROFILE_STEP_START, PROFILE_STEP_END, PROFILE_RANKS = 10, 12, [0]
 

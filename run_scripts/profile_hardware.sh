@@ -2,7 +2,7 @@
 # Measure this cluster's communication and compute figures and write them as Galvatron's hardware
 # files (allreduce_bandwidth_*, p2p_bandwidth_*, overlap_coefficient.json, sp_time_*) plus our
 # megatron_dpp_compute_* file, for the strategy search (start-search.sh --hardware DIR). Runs
-# megatron_dpp.search.hardware_profiling under torchrun, one process per rank (one per GPU; on a
+# megatron_dpp.search.hardware_measurement under torchrun, one process per rank (one per GPU; on a
 # machine without GPUs, CPU processes over gloo). Works from any directory.
 #
 #   OUTPUT_DIR=runs/hardware bash run_scripts/profile_hardware.sh
@@ -58,7 +58,7 @@ if [ -n "${NODE_IPS:-}" ]; then
 fi
 for arg in "${ARGS[@]}"; do
   if [ "$arg" = "-h" ] || [ "$arg" = "--help" ]; then
-    exec "$PY" -m megatron_dpp.search.hardware_profiling --help
+    exec "$PY" -m megatron_dpp.search.hardware_measurement --help
   fi
 done
 
@@ -99,6 +99,6 @@ else
 fi
 
 # Flags are checked in one process before torchrun starts the ranks (exit 2, one line).
-"$PY" -m megatron_dpp.search.hardware_profiling --check-flags-only "${ARGS[@]}"
+"$PY" -m megatron_dpp.search.hardware_measurement --check-flags-only "${ARGS[@]}"
 exec "$PY" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc-per-node "$NPROC" \
-  -m megatron_dpp.search.hardware_profiling "${ARGS[@]}"
+  -m megatron_dpp.search.hardware_measurement "${ARGS[@]}"

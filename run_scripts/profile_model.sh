@@ -24,4 +24,4 @@ fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # The package is installed in the environment (editable): relative --output-dir paths stay the
 # caller's.
-exec "$VENV/bin/python" -m megatron_dpp.search.model_profiling "$@"
+exec "$VENV/bin/python" -m megatron_dpp.search.model_measurement "$@"

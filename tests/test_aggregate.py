@@ -16,12 +16,12 @@ sys.path.insert(0, str(REPO_ROOT))
 from megatron_dpp.trace import chrome  # noqa: E402
 from megatron_dpp.trace.recorder import (GRADIENT_SYNC, IN_COLLECTIVE, OPTIMIZER_STEP,  # noqa: E402
                                          POSTING_SEND, TraceRecorder)
-from profiling.analysis import (COLLECTIVE, HELD_BACK, INPUT, OTHER, POSTING,  # noqa: E402
+from trace_analysis.analysis import (COLLECTIVE, HELD_BACK, INPUT, OTHER, POSTING,  # noqa: E402
                                TENSOR_PARALLEL, iteration_time, mean_step_times)
-from profiling.critical_path import critical_path  # noqa: E402
-from profiling.load import load_run  # noqa: E402
-from profiling.replay import replay  # noqa: E402
-from profiling.timeline import run_timeline  # noqa: E402
+from trace_analysis.critical_path import critical_path  # noqa: E402
+from trace_analysis.load import load_run  # noqa: E402
+from trace_analysis.replay import replay  # noqa: E402
+from trace_analysis.timeline import run_timeline  # noqa: E402
 
 AGGREGATE = str(REPO_ROOT / "profiling" / "aggregate.py")
 INPUT_WAIT = "no task ready: waiting for an input"

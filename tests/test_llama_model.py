@@ -75,10 +75,10 @@ def test_llama_flags_defaults_and_shape_round_trip():
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def megatron():
-    from megatron_dpp.search import model_profiling
+    from megatron_dpp.search import model_measurement
 
-    with model_profiling.single_process_megatron("llama"):
-        yield model_profiling
+    with model_measurement.single_process_megatron("llama"):
+        yield model_measurement
 
 
 def _shape(**others) -> mm.ModelShape:

@@ -21,7 +21,7 @@ import torch
 from _runtime_harness import run_pipeline
 from _train_util import run_training
 from megatron_dpp.trace.recorder import GRADIENT_SYNC, OPTIMIZER_STEP
-from megatron_dpp.training.profiling import (
+from megatron_dpp.training.profiler_window import (
     NSYS_COMMAND,
     NsysCaptureRange,
     TorchProfilerWindow,

@@ -4,7 +4,7 @@ The runtime admits forwards against ModelSpec.activation_bytes (the search's ana
 models/memory_model.py), given the TransformerConfig the layers were built from and each
 micro-batch's own length. Here a pipeline stage's layers (a TransformerBlock of two layers, what
 a middle stage runs) do one forward per micro-batch under the search's saved-tensor count
-(search/model_profiling.py: torch.autograd.graph.saved_tensors_hooks, each storage once,
+(search/model_measurement.py: torch.autograd.graph.saved_tensors_hooks, each storage once,
 parameters excluded, only what is still held when the forward returns), and the runtime's
 estimate for that micro-batch must match it. tp=2 runs on two gloo processes through the same
 harness the model profiler measures tensor parallelism with.
@@ -30,10 +30,10 @@ LENGTHS = (48, 64, 128)  # one batch of variable-length micro-batches
 
 @pytest.fixture(scope="module")
 def profiling():
-    from megatron_dpp.search import model_profiling
+    from megatron_dpp.search import model_measurement
 
-    with model_profiling.single_process_megatron("gpt"):
-        yield model_profiling
+    with model_measurement.single_process_megatron("gpt"):
+        yield model_measurement
 
 
 def _shape(model: str, dtype: str, length: int) -> mm.ModelShape:

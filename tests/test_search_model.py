@@ -186,17 +186,17 @@ class _SleepingBlock(__import__("torch").nn.Module):
 
 
 def test_time_layer_splits_a_block_into_the_layer_and_the_chunk_s_fixed_work():
-    from megatron_dpp.search import model_profiling
+    from megatron_dpp.search import model_measurement
 
     shape = mm.model_shape("gpt", 1, 16, 2, 64, VOCAB, max_position_embeddings=16, dtype="fp32")
-    times = model_profiling.time_layer((_SleepingBlock(1), _SleepingBlock(2)), shape, batch=2,
+    times = model_measurement.time_layer((_SleepingBlock(1), _SleepingBlock(2)), shape, batch=2,
                                        warmup=1, repeats=7)
     assert times.layer == pytest.approx((6.0, 10.0), abs=1.5)
     assert times.chunk == pytest.approx((4.0, 2.0), abs=1.5)
     assert times.one_layer_block == pytest.approx(
         tuple(a + b for a, b in zip(times.layer, times.chunk)), rel=1e-9)
     # A second layer that noise hides (no dearer than one): all of the block is the layer.
-    same = model_profiling.time_layer((_SleepingBlock(1), _SleepingBlock(1)), shape, batch=2,
+    same = model_measurement.time_layer((_SleepingBlock(1), _SleepingBlock(1)), shape, batch=2,
                                       warmup=1, repeats=3)
     for phase in (0, 1):
         assert 0 < same.layer[phase] <= same.one_layer_block[phase]
@@ -227,10 +227,10 @@ def test_time_fit_batch_keeps_measured_points_and_interpolates_between_them():
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def megatron():
-    from megatron_dpp.search import model_profiling
+    from megatron_dpp.search import model_measurement
 
-    with model_profiling.single_process_megatron("gpt"):
-        yield model_profiling
+    with model_measurement.single_process_megatron("gpt"):
+        yield model_measurement
 
 
 def _numel(module) -> int:

@@ -1,6 +1,6 @@
 """The search's profiler builds the TransformerConfig that training builds, field by field
 (megatron_dpp.models.transformer_config, the one builder), so the profiled layer is the trained
-one; only the profiler's own flags (model_profiling.PROFILER_FLAGS) may set a field differently.
+one; only the profiler's own flags (model_measurement.PROFILER_FLAGS) may set a field differently.
 """
 import dataclasses
 import functools
@@ -87,12 +87,12 @@ def _differences(one, other) -> dict:
 def test_the_profiler_builds_training_s_transformer_config(model, shape_fields, extra, recompute,
                                                            tp, dtype, monkeypatch):
     from megatron_dpp.search import memory_model as mm
-    from megatron_dpp.search import model_profiling
+    from megatron_dpp.search import model_measurement
 
     shape = mm.model_shape(model, padded_vocab_size=VOCAB, dtype=dtype, **shape_fields)
-    profiled = model_profiling.transformer_config(shape, recompute, tp)
+    profiled = model_measurement.transformer_config(shape, recompute, tp)
     # Training with the profiler's own flags: the same config, every field.
-    same_flags = _training_config(shape, [*extra, *model_profiling.PROFILER_FLAGS], tp, dtype,
+    same_flags = _training_config(shape, [*extra, *model_measurement.PROFILER_FLAGS], tp, dtype,
                                   monkeypatch)
     assert _differences(same_flags, profiled) == {}
     # Training with its defaults: at most the fields those flags set differ.

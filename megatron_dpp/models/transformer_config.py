@@ -1,6 +1,6 @@
 """Megatron-Core's TransformerConfig from the training flags: the one builder, used by the training
 loop (through megatron_dpp.training.config) and by the search's profiler
-(megatron_dpp.search.model_profiling, which parses the same flags), so that the profiled layer is
+(megatron_dpp.search.model_measurement, which parses the same flags), so that the profiled layer is
 the trained one. tests/test_transformer_config.py holds the two to the same config.
 
 Every kernel-dependent setting comes from megatron_dpp.kernels (what is installed here).

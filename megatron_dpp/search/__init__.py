@@ -11,13 +11,13 @@ Modules, each with one job (dependencies point down this list, never up):
   and contiguity, point-to-point bandwidth per pipeline size, the overlap slowdown, optional
   sequence-parallel collective times), read from and written to Galvatron's file names and
   formats; named presets from published nominal figures, each with its source.
-- `hardware_profiling.py`: measures a `HardwareProfile` over the backend in use (torch.distributed
+- `hardware_measurement.py`: measures a `HardwareProfile` over the backend in use (torch.distributed
   collectives; `shm_tensor` / `rdma_tensor` for point-to-point).
 - `model_profile.py`: `ModelProfile`, forward time per layer type over batch sizes and sequence
   lengths and memory per layer (Galvatron's `computation_profiling_*` / `memory_profiling_*`).
 - `memory_model.py`: the analytical model (parameter counts, the activation formulas of Megatron's
   selective-recompute paper) for sizes that cannot be run here.
-- `model_profiling.py`: measures a `ModelProfile` by running Megatron-Core's layers (GPT, BERT).
+- `model_measurement.py`: measures a `ModelProfile` by running Megatron-Core's layers (GPT, BERT).
 - `space.py`, `cost.py`, `engine.py`: the layouts, their memory and time (the simulator's pipeline
   time on modeled task durations, plus gradient sync and tensor-parallel communication), the pruned
   search with its progress bar; `lengths.py`: the sequence-length distribution of

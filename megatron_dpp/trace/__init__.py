@@ -7,4 +7,4 @@ device time on a GPU (CUDA events, given by its caller, read without a host-devi
 
 NVTX ranges (--nvtx) are pushed by the runtime itself (runtime/executor.py), Megatron's schedules'
 tracer and the trainer (training/loop.py); --profile's nsys capture range or torch.profiler
-(--use-pytorch-profiler) runs from training/profiling.py, and the aggregation lives in `profiling/`."""
+(--use-pytorch-profiler) runs from training/profiler_window.py, and the aggregation lives in `trace_analysis/`."""

@@ -43,7 +43,7 @@ from megatron_dpp.training.config import (
     transformer_config_from_args,
 )
 from megatron_dpp.training.pipeline import build_forward_backward, close_forward_backward
-from megatron_dpp.training.profiling import make_profiler
+from megatron_dpp.training.profiler_window import make_profiler
 from megatron_dpp.training.failures import is_lost_peer_error, lost_peer_report
 from megatron_dpp.training.signals import StopSignals
 from megatron_dpp.training.step_tracing import LOSS_ALL_REDUCE, STOP_AGREEMENT, StepTracer

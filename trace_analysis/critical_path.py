@@ -23,8 +23,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-from profiling.load import TraceInputError
-from profiling.timeline import RunTimeline, TaskSpan
+from trace_analysis.load import TraceInputError
+from trace_analysis.timeline import RunTimeline, TaskSpan
 
 _Key = Tuple[int, int, int, str, int, int]  # tensor rank, data rank, pipeline rank, phase, microbatch, chunk
 

@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from megatron_dpp.pipeline.task import Task
 from megatron_dpp.trace.recorder import STEP_CATEGORY
-from profiling.load import RankTrace, RunTraces, TraceInputError
+from trace_analysis.load import RankTrace, RunTraces, TraceInputError
 
 TASK_CATEGORIES = ("forward", "backward", "weight-grad")
 

@@ -16,8 +16,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 from matplotlib.patches import Patch  # noqa: E402
 
-from profiling.analysis import IterationTime, total  # noqa: E402
-from profiling.timeline import RunTimeline  # noqa: E402
+from trace_analysis.analysis import IterationTime, total  # noqa: E402
+from trace_analysis.timeline import RunTimeline  # noqa: E402
 
 PHASE_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 PHASE_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}

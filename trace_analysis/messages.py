@@ -10,7 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-from profiling.timeline import Message, RunTimeline
+from trace_analysis.timeline import Message, RunTimeline
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Sequence, Tuple
 
 from megatron_dpp.trace.recorder import GRADIENT_SYNC, IN_COLLECTIVE, OPTIMIZER_STEP, POSTING_SEND
-from profiling.load import TraceInputError
-from profiling.timeline import RankTimeline, RunTimeline
+from trace_analysis.load import TraceInputError
+from trace_analysis.timeline import RankTimeline, RunTimeline
 
 INPUT, HELD_BACK, TENSOR_PARALLEL, POSTING, COLLECTIVE, OTHER = (
     "input wait", "held back", "tp decision", "send posting", "collective", "other")

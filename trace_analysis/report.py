@@ -5,10 +5,10 @@ from __future__ import annotations
 from statistics import mean
 from typing import List, Sequence
 
-from profiling.analysis import IDLE_GROUPS, IterationTime, StepTime, per_rank_totals, total
-from profiling.critical_path import CriticalPath
-from profiling.replay import Replay
-from profiling.timeline import RunTimeline
+from trace_analysis.analysis import IDLE_GROUPS, IterationTime, StepTime, per_rank_totals, total
+from trace_analysis.critical_path import CriticalPath
+from trace_analysis.replay import Replay
+from trace_analysis.timeline import RunTimeline
 
 US_PER_MS = 1000.0
 

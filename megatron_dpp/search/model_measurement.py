@@ -672,7 +672,7 @@ def profile_model(options: ProfilingOptions,
     progress(f"per-task overhead of Megatron-Core's forward_step/backward_step: "
              f"{overhead[0]:.3f}/{overhead[1]:.3f} ms")
     measured_tps = "1" + (f" and {options.measured_tp_size}" if tp_measured else "")
-    source = (f"measured on {_device_name()} by megatron_dpp.search.model_profiling: Megatron-Core "
+    source = (f"measured on {_device_name()} by megatron_dpp.search.model_measurement: Megatron-Core "
               f"{options.model} layers, {options.dtype}, one process, torch threads "
               f"{torch.get_num_threads()}, median of {options.repeats} after {options.warmup} "
               f"warm-up; first/last stage extras (embedding; final norm, output layer at vocabulary "

@@ -16,9 +16,9 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_dpp.trace import chrome
 from megatron_dpp.trace.recorder import COMPUTE_LANE
-from profiling.load import RunTraces
-from profiling.messages import MessageMatch
-from profiling.timeline import RunTimeline, TaskSpan
+from trace_analysis.load import RunTraces
+from trace_analysis.messages import MessageMatch
+from trace_analysis.timeline import RunTimeline, TaskSpan
 
 AGGREGATED_SUFFIX = "-aggregated.json"
 

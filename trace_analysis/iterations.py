@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from profiling.load import TraceInputError
+from trace_analysis.load import TraceInputError
 
 IterationRange = Tuple[Optional[int], Optional[int]]
 

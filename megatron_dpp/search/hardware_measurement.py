@@ -2,7 +2,7 @@
 
 Runs under torchrun, one process per rank (run_scripts/profile_hardware.sh starts it):
 
-    torchrun --standalone --nproc-per-node 2 -m megatron_dpp.search.hardware_profiling \\
+    torchrun --standalone --nproc-per-node 2 -m megatron_dpp.search.hardware_measurement \\
         --output-dir runs/hardware [--quick]
 
 Backend: NCCL on cuda:LOCAL_RANK where torch sees a GPU, else gloo on the CPU (platform.py's rule).
@@ -554,7 +554,7 @@ def _source(ctx: Context, num_nodes: int, gpus_per_node: int, carried_by, overla
     transports = "; ".join(f"pp {size}: {', '.join(names)}" for size, names in carried_by.items())
     settings = ctx.settings
     parts = [
-        f"measured by megatron_dpp.search.hardware_profiling on {','.join(sorted(set(hosts)))} "
+        f"measured by megatron_dpp.search.hardware_measurement on {','.join(sorted(set(hosts)))} "
         f"({num_nodes} node(s) x {gpus_per_node} ranks, {device}) at "
         f"{datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%MZ')}",
         f"all-reduce, sp_time and overlap over torch.distributed {dist.get_backend()}",

@@ -21,9 +21,9 @@ from megatron_dpp.pipeline import SCHEDULE_NAMES, TaskGraph, check_policy_layout
 from megatron_dpp.pipeline import megatron_inflight_forwards
 from megatron_dpp.pipeline.registry import INTERLEAVED_1F1B, ONE_F_ONE_B
 from megatron_dpp.sim import SimulationDeadlock, TaskDurations, simulate
-from profiling.analysis import window
-from profiling.load import TraceInputError
-from profiling.timeline import RankTimeline, RunTimeline, TaskSpan
+from trace_analysis.analysis import window
+from trace_analysis.load import TraceInputError
+from trace_analysis.timeline import RankTimeline, RunTimeline, TaskSpan
 
 PHASES = ("F", "B", "W")
 US_PER_MS = 1000.0
