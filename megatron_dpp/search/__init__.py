@@ -17,11 +17,14 @@ Modules, each with one job (dependencies point down this list, never up):
   lengths and memory per layer (Galvatron's `computation_profiling_*` / `memory_profiling_*`).
 - `memory_model.py`: the analytical model (parameter counts, the activation formulas of Megatron's
   selective-recompute paper) for sizes that cannot be run here.
-- `model_measurement.py`: measures a `ModelProfile` by running Megatron-Core's layers (GPT, BERT).
+- `model_measurement.py`: measures a `ModelProfile` by running Megatron-Core's layers (any model in
+  `models.families`).
 - `space.py`, `cost.py`, `engine.py`: the layouts, their memory and time (the simulator's pipeline
   time on modeled task durations, plus gradient sync and tensor-parallel communication), the pruned
   search with its progress bar; `lengths.py`: the sequence-length distribution of
   --variable-seq-lengths and each microbatch's padded length.
 - `strategy.py`: the strategy JSON that the run scripts accept with `--strategy FILE`.
+- `galvatron_strategy.py`: Galvatron's strategy file (`galvatron_config_*.json`) to our layout
+  (`--galvatron-config`) and our winner to it (`--output-format galvatron`), where expressible.
 - `cli.py`: `start-search.sh`'s flags and output.
 """

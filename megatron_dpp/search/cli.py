@@ -8,18 +8,24 @@ Prints (stdout) where the hardware and model figures come from, what the search 
 the K fastest layouts, the winner as a Megatron command line and its strategy JSON; the progress
 goes to stderr. Bad flags or input: one line on stderr, exit 2. No layout fits the memory budget:
 one line with the least memory any layout needs, exit 2.
+
+`--galvatron-config FILE` prices a Galvatron strategy converted to our layout instead of searching
+(galvatron_strategy.py says what converts); `--output-format galvatron` also writes the winner in
+Galvatron's strategy format, besides ours (docs/search.md, "Galvatron's files").
 """
 from __future__ import annotations
 
 import json
+import pathlib
 import sys
 from typing import Optional, Sequence
 
 from megatron_dpp.search import memory_model
-from megatron_dpp.search.cost import Problem
-from megatron_dpp.search.engine import Progress, SearchResult, search
+from megatron_dpp.search import galvatron_strategy
+from megatron_dpp.search.cost import LayoutCost, Pricer, Problem
+from megatron_dpp.search.engine import Progress, SearchResult, search, space_inputs
 from megatron_dpp.search.errors import SearchInputError
-from megatron_dpp.search.hardware import PRESETS, load_hardware
+from megatron_dpp.search.hardware import PRESETS, load_hardware, with_matmul_rates
 from megatron_dpp.search.lengths import parse_distribution
 from megatron_dpp.search.model_profile import read_model_profile_dir
 from megatron_dpp.models.families import DEFAULT_MODEL, MODEL_FAMILIES
@@ -88,8 +94,29 @@ def build_parser() -> OneLineErrorParser:
                          help=f"The cluster's figures: a preset ({', '.join(PRESETS)}) or a directory "
                               "of Galvatron hardware files (profile_hardware.sh).")
     cluster.add_argument("--model-profile", type=str, default=None, metavar="DIR",
-                         help="Measured layer times (profile_model.sh's directory); default: "
-                              "analytical FLOPs at the hardware's matmul rate.")
+                         help="Measured layer times: profile_model.sh's directory, or one "
+                              "Galvatron's profiler wrote (its computation_profiling_* and "
+                              "memory_profiling_* files); default: analytical FLOPs at the "
+                              "hardware's matmul rate.")
+    cluster.add_argument("--model-profile-name", type=str, default=None, metavar="NAME",
+                         help="Which profile of --model-profile to read when it holds several: "
+                              "the file names' part after computation_profiling_{dtype}_ (e.g. "
+                              "llama2-7b_all, hidden4096_head32_seqlen2048).")
+    cluster.add_argument("--matmul-preset", type=str, default=None, choices=sorted(PRESETS),
+                         help="Take the dense matmul TFLOP/s from this preset's datasheet. "
+                              "Default: the hardware profile's; a directory without them "
+                              "(Galvatron's) gets a quick matmul measured on this machine. One "
+                              "output line says which.")
+    cluster.add_argument("--galvatron-config", type=str, default=None, metavar="FILE",
+                         help="Instead of searching, convert this Galvatron strategy "
+                              "(galvatron_config_*.json) to our layout and price it; a strategy "
+                              "ours cannot express (per-layer TP, recompute or DP type, uneven "
+                              "stages, ZeRO-3, Ulysses, GPipe) is one line, exit 2.")
+    cluster.add_argument("--output-format", choices=("ours", "galvatron"), default="ours",
+                         help="galvatron: besides our strategy JSON, write the winner (the best "
+                              "of the top K that Galvatron's format expresses: no virtual stages, "
+                              "dynamic schedules or selective recompute) as Galvatron's "
+                              "galvatron_config_*.json, next to --output-strategy (default ours).")
     cluster.add_argument("--simulate-every-microbatch", action="store_true",
                          help="Simulate all microbatches of each layout instead of extrapolating long "
                               "pipelines from two shorter runs (slower; the extrapolation's error is "
@@ -130,6 +157,13 @@ def _check(args) -> None:
 
 def problem_from_args(args) -> tuple[Problem, str]:
     """The Problem and the model figures' source."""
+    problem, source, _rates = load_problem(args)
+    return problem, source
+
+
+def load_problem(args) -> tuple[Problem, str, str]:
+    """The Problem, the model figures' source and the line that says where the matmul rates
+    come from (`hardware.with_matmul_rates`)."""
     _check(args)
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     family = MODEL_FAMILIES[args.model]
@@ -145,11 +179,12 @@ def problem_from_args(args) -> tuple[Problem, str]:
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         **family.shape_fields(args))
     hardware = load_hardware(args.hardware, args.num_nodes, args.num_gpus_per_node)
+    # Analytical times, and the output layer without a measured one, need this dtype's rate.
+    hardware, rates = with_matmul_rates(hardware, dtype, args.matmul_preset)
     profile, source = None, ANALYTICAL_SOURCE
-    if args.model_profile is None:
-        hardware.matmul_ms(1.0, dtype)  # the analytical times need this dtype's rate: fail now
-    else:
-        profile = read_model_profile_dir(args.model_profile, args.hidden_size, args.num_attention_heads, dtype)
+    if args.model_profile is not None:
+        profile = read_model_profile_dir(args.model_profile, args.hidden_size, args.num_attention_heads,
+                                         dtype, seq_length=args.seq_length, name=args.model_profile_name)
         if profile.model not in (args.model, "unknown"):  # "unknown": Galvatron's files alone
             raise SearchInputError(f"--model-profile {args.model_profile} profiles {profile.model} "
                                    f"layers, not --model {args.model}")
@@ -157,7 +192,7 @@ def problem_from_args(args) -> tuple[Problem, str]:
     lengths = parse_distribution(args.seq_length_distribution) if args.variable_seq_lengths else None
     return Problem(shape=shape, global_batch_size=args.global_batch_size, hardware=hardware,
                    memory_budget_bytes=int(args.memory_budget_gb * GB), model_profile=profile,
-                   lengths=lengths, on_gpus=not args.cpu), source
+                   lengths=lengths, on_gpus=not args.cpu), source, rates
 
 
 def format_table(result: SearchResult) -> str:
@@ -181,14 +216,48 @@ def command_line(problem: Problem, flags: list[str]) -> str:
             f"-m megatron_dpp.pretrain --model {problem.shape.model} " + " ".join(flags))
 
 
+def _error(message) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _from_galvatron(args, problem: Problem) -> LayoutCost:
+    """The Galvatron strategy of --galvatron-config as our layout, priced."""
+    config = galvatron_strategy.read_galvatron_config(args.galvatron_config)
+    layout = galvatron_strategy.layout_from_galvatron(
+        config, f"--galvatron-config {args.galvatron_config}", space_inputs(problem))
+    pricer = Pricer(problem, extrapolate=not args.simulate_every_microbatch)
+    return pricer.price(layout, pricer.estimate(layout))
+
+
+def _galvatron_output(args, problem: Problem, best: Sequence[LayoutCost]) -> tuple[dict, str]:
+    """Galvatron's strategy of the best layout it expresses, and the line that says which."""
+    for rank, cost in enumerate(best, 1):
+        if galvatron_strategy.inexpressible(cost.layout):
+            continue
+        config = galvatron_strategy.galvatron_config_from_layout(
+            cost.layout, problem.shape.num_layers, problem.global_batch_size)
+        line = (f"Galvatron's strategy format: layout #{rank}" +
+                ("" if rank == 1 else f" (#1 has {', '.join(galvatron_strategy.inexpressible(best[0].layout))},"
+                                      f" which the format cannot hold)"))
+        note = galvatron_strategy.sequence_parallel_note(cost.layout)
+        return config, line + (f"; {note}" if note else "")
+    raise SearchInputError(f"none of the top {len(best)} layouts is expressible in Galvatron's "
+                           f"strategy format (#1 has "
+                           f"{', '.join(galvatron_strategy.inexpressible(best[0].layout))}); "
+                           f"raise --top")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        problem, model_source = problem_from_args(args)
+        problem, model_source, rates = load_problem(args)
+        converted = _from_galvatron(args, problem) if args.galvatron_config else None
     except SearchInputError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
-        return 2
+        return _error(error)
+    if converted is not None:
+        return _print_converted(args, problem, model_source, rates, converted)
     result = search(problem, args.top, Progress(sys.stderr),
                     extrapolate=not args.simulate_every_microbatch)
     if not result.best:
@@ -198,8 +267,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     winner = result.best[0]
     strategy = build_strategy(problem, winner, model_source)
+    galvatron = None
+    if args.output_format == "galvatron":
+        try:
+            galvatron = _galvatron_output(args, problem, result.best)
+        except SearchInputError as error:
+            return _error(error)
     print(f"hardware figures: {problem.hardware.source}")
     print(f"model figures: {model_source}")
+    print(rates)
     if problem.lengths is not None:
         print(f"sequence lengths: {problem.lengths.spec} (one sampled batch per micro-batch size)")
     print(f"searched {result.layouts} layouts in {result.seconds:.2f} s: {result.dominated} dominated "
@@ -212,10 +288,50 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("winner as a Megatron command line:")
     print("  " + command_line(problem, megatron_flags(problem, winner)))
     print()
+    _write_outputs(args, problem, strategy, galvatron)
+    return 0
+
+
+def _write_outputs(args, problem: Problem, strategy: dict, galvatron: Optional[tuple[dict, str]]) -> None:
+    """Our strategy JSON (written to --output-strategy when given), then with --output-format
+    galvatron Galvatron's, written next to it under Galvatron's own file name."""
     if args.output_strategy is not None:
         path = write_strategy(strategy, args.output_strategy)
         print(f"strategy written to {path}:")
     print(json.dumps(strategy, indent=2))
+    if galvatron is None:
+        return
+    config, line = galvatron
+    print(line)
+    if args.output_strategy is not None:
+        name = galvatron_strategy.galvatron_config_file_name(
+            problem.shape.model, problem.hardware.num_nodes, problem.hardware.gpus_per_node,
+            args.memory_budget_gb, problem.shape.dtype)
+        path = galvatron_strategy.write_galvatron_config(
+            config, pathlib.Path(args.output_strategy).parent / name)
+        print(f"Galvatron's strategy written to {path}:")
+    print(json.dumps(config, indent=4))
+
+
+def _print_converted(args, problem: Problem, model_source: str, rates: str, cost: LayoutCost) -> int:
+    """--galvatron-config: the converted layout, priced, as the search prints its winner."""
+    galvatron = None
+    if args.output_format == "galvatron":
+        galvatron = (galvatron_strategy.galvatron_config_from_layout(
+            cost.layout, problem.shape.num_layers, problem.global_batch_size),
+            "Galvatron's strategy format: the converted layout")
+    print(f"hardware figures: {problem.hardware.source}")
+    print(f"model figures: {model_source}")
+    print(rates)
+    fits = "fits" if cost.memory_bytes <= problem.memory_budget_bytes else "does NOT fit"
+    print(f"converted from Galvatron's strategy {args.galvatron_config}: {cost.layout.describe()}; "
+          f"{cost.time_ms:.1f} ms per iteration, {cost.memory_bytes / GB:.2f} GB per GPU ({fits} "
+          f"--memory-budget-gb {args.memory_budget_gb:g})")
+    print()
+    print("as a Megatron command line:")
+    print("  " + command_line(problem, megatron_flags(problem, cost)))
+    print()
+    _write_outputs(args, problem, build_strategy(problem, cost, model_source), galvatron)
     return 0
 
 

@@ -22,6 +22,10 @@ by profile_hardware.sh on small messages), 0 where it has none (Galvatron's file
 their bandwidths are for large messages, and no datasheet gives a latency).
 
 Units: bandwidths in GB/s (1e9 B/s), times in ms, sp_time message sizes in MB (2**20 B).
+
+A directory without our compute file (Galvatron's) has no matmul rate: `with_matmul_rates` adds a
+preset's, or our quick measurement on this machine (`quick_matmul_tflops`), with the line that
+says which.
 """
 from __future__ import annotations
 
@@ -458,3 +462,67 @@ def load_hardware(spec: str, num_nodes: int, gpus_per_node: int) -> HardwareProf
         return read_hardware_dir(spec, num_nodes, gpus_per_node)
     raise SearchInputError(f"hardware {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a "
                            f"directory of hardware files")
+
+
+# ----------------------------------------------------------------------------------------------
+# compute rates for a directory without them (Galvatron's)
+# ----------------------------------------------------------------------------------------------
+_NODES: Mapping[str, NodeSpec] = types.MappingProxyType(
+    {node.name: node for node in (H100_NODE, A100_NODE)})
+# Our quick measurement: square matmuls of this size, the best of a few after one warm-up.
+QUICK_MATMUL_SIZE = {"cuda": 4096, "cpu": 512}
+QUICK_MATMUL_REPEATS = 5
+
+
+def quick_matmul_tflops(dtype: str) -> tuple[float, str]:
+    """Dense matmul TFLOP/s of `dtype` on this machine (its first GPU, else its CPU, one
+    process): the best of QUICK_MATMUL_REPEATS square matmuls after one warm-up; and what ran."""
+    import time
+
+    import torch
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    n = QUICK_MATMUL_SIZE[device.type]
+    a = torch.randn(n, n, device=device).to(torch_dtype)
+    b = torch.randn(n, n, device=device).to(torch_dtype)
+    best = math.inf
+    for repeat in range(QUICK_MATMUL_REPEATS + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if repeat:  # the first is the warm-up
+            best = min(best, time.perf_counter() - start)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"CPU, {torch.get_num_threads()} thread(s)"
+    return 2 * n ** 3 / best / 1e12, f"{n}x{n} {dtype} matmul on this machine ({name})"
+
+
+def with_matmul_rates(profile: HardwareProfile, dtype: str, preset: Optional[str] = None,
+                      measure: Callable[[str], tuple[float, str]] = quick_matmul_tflops
+                      ) -> tuple[HardwareProfile, str]:
+    """The profile with a matmul rate for `dtype`, and the one line that says where it comes
+    from: the preset `preset`'s datasheet rates when named (they replace the profile's); else
+    the profile's own (our compute file, or a preset); else (a directory Galvatron wrote) our
+    quick measurement on this machine (`quick_matmul_tflops`)."""
+    if preset is not None:
+        if preset not in _NODES:
+            raise SearchInputError(f"--matmul-preset {preset!r} is not a preset "
+                                   f"({', '.join(_NODES)})")
+        rates = dict(_NODES[preset].matmul_tflops)
+        how = (f"preset {preset} (datasheet: " + ", ".join(f"{d} {r:g}" for d, r in
+                                                           sorted(rates.items())) + ")")
+    elif dtype in profile.matmul_tflops:
+        return profile, (f"matmul TFLOP/s: {dtype} {profile.matmul_tflops[dtype]:.4g} from the "
+                         f"hardware profile ({profile.source.split(':')[0]})")
+    else:
+        tflops, what = measure(dtype)
+        rates = {**profile.matmul_tflops, dtype: tflops}
+        how = (f"measured: {dtype} {tflops:.4g}, quick {what}; the hardware profile has none "
+               f"(--matmul-preset NAME takes a preset's instead)")
+    line = f"matmul TFLOP/s: {how}"
+    return dataclasses.replace(profile, matmul_tflops=rates,
+                               source=f"{profile.source}; {line}"), line

@@ -33,6 +33,24 @@ and a tp size without tensor_parallel_ms (times measured on tp processes running
 together) is priced as tp = 1's compute / tp plus the hardware profile's all-reduces (older
 profiles have none of them).
 
+Galvatron's own profiler's files (its current and previous layouts) read too, without a
+companion (docs/search.md, "Galvatron's model profiles", has the evidence for each):
+
+- names `{computation,memory}_profiling_{dtype}_{model}_{unit}.json` (e.g. `..._llama2-7b_all.json`),
+  `..._hidden{h}_head{a}_seqlen{s}.json` and `..._hidden{h}_head{a}.json`;
+- computation keys `layertype_{t}_bsz{b}_seq{s}`: forward ms of one layer PER SAMPLE at micro-batch
+  b (Galvatron divides by the batch; its search engine multiplies by it), read as that x b;
+  `layertype_{t}` (previous layout): per sample, no batch or length (the length from the file name
+  `seqlen{s}`, else --seq-length); `layernum[...]_bsz{b}[_seq{s}]` (the raw model times it derives
+  them from) and `layertype_other_...` (the non-layer part) are skipped, as its reader skips them;
+- memory keys `layertype_{t}[_sp]` and `other_memory_{stage}[_sp]` with a sequence level, or
+  (previous layout) without it: {"parameter_size", "tp_activation_per_bsz_dict"} and
+  {"model_states": MB, "activation": MB} (one figure for every tp); the raw per-strategy
+  measurements `{pp}_{tp}_{dp}[_c][_vtp][_sp]` are skipped.
+Our own names' computation files (`hidden_{h}_head_{a}`, the layout of Galvatron's usage page for
+third-party data) keep this module's reading: ms per micro-batch, as profile_model.sh writes them.
+A key that is neither ours nor one of Galvatron's is an error (a typo would drop a figure).
+
 Time between and beyond the measured points (`layer_forward_ms`): at each measured sequence
 length a measured batch size takes its measured time, one between two measured sizes the line
 through them, one outside the line through the two nearest (below the smallest never less than
@@ -62,6 +80,21 @@ STAGES = ("pp_off", "pp_on_first", "pp_on_last")
 CHECKPOINT_KEY = "checkpoint"
 BACKWARD_FACTOR_WITHOUT_COMPANION = 2.0
 _TIME_KEY = re.compile(r"^layertype_(\d+)_bsz(\d+)_seq(\d+)$")
+# Galvatron's previous layout: one layer's forward ms per sample, at the file's length.
+_PER_SAMPLE_KEY = re.compile(r"^layertype_(\d+)$")
+# Galvatron's keys the search does not need: the raw model times its layer times are derived from
+# (layernum[2]_bsz1_seq2048, layernum[6]_bsz2, layernum[2,2]_bsz1_seq[512,512]) and the time of
+# everything besides the layers (layertype_other_bsz1_seq2048, layertype_other_0_bsz1_seq128).
+_SKIPPED_TIME_KEY = re.compile(
+    r"^(layernum\[[\d,]+\]|layernum\d+)_bsz\d+(_seq(\d+|\[[\d,]+\]))?$"
+    r"|^layertype_other(_\d+)?_bsz\d+_seq(\d+|\[[\d,]+\])$")
+# Galvatron's raw per-strategy memory measurements ("{pp}_{tp}_{dp}[_c][_vtp][_sp]": 1_1_8, 1_1_8_sp,
+# 1_2_4_vtp_sp, 1_1_8_c), from which it derives the layertype_* and other_memory_* entries.
+_SKIPPED_MEMORY_KEY = re.compile(r"^\d+_\d+_\d+(_c)?(_vtp)?(_sp)?$")
+# File names: ours, and Galvatron's hidden/head styles (the rest: Galvatron's {model}_{unit}).
+_OURS_NAME = re.compile(r"^hidden_(\d+)_head_(\d+)$")
+_GALVATRON_HIDDEN_NAME = re.compile(r"^hidden(\d+)_head(\d+)(?:_seqlen(\d+))?$")
+_SEQLEN_IN_NAME = re.compile(r"(?:^|_)seqlen(\d+)(?:_|$)")
 _EXTRA_KEY = re.compile(r"^bsz(\d+)_seq(\d+)$")
 # The work besides the layers: the first stage's embedding, the last stage's final norm, output
 # layer and loss; forward and backward (one pipeline stage's tasks at a micro-batch and length).
@@ -332,13 +365,32 @@ def _tp_values(values, where: str) -> dict[int, float]:
     return out
 
 
-def _read_times(content: dict, path: pathlib.Path) -> dict[tuple[int, int, int], float]:
+def _read_times(content: dict, path: pathlib.Path, per_sample: bool = False,
+                default_seq: Optional[int] = None) -> dict[tuple[int, int, int], float]:
+    """{"layertype_T_bszB_seqS": ms} -> {(T, B, S): ms of one layer at micro-batch B}.
+    per_sample: Galvatron's files, whose times are per sample (x B here), which may also hold
+    its previous layout's "layertype_T" (per sample at `default_seq`, taken at B = 1) and the
+    keys it derives them from (skipped)."""
     times = {}
     for key, ms in content.items():
         match = _TIME_KEY.match(key)
-        if not match:
-            raise SearchInputError(f"{path}: key {key!r} is not layertype_T_bszB_seqS")
-        times[tuple(int(g) for g in match.groups())] = _number(ms, f"{path}: {key}")
+        if match:
+            t, b, s = (int(g) for g in match.groups())
+            times[(t, b, s)] = _number(ms, f"{path}: {key}") * (b if per_sample else 1)
+            continue
+        if per_sample or _SKIPPED_TIME_KEY.match(key):
+            if _SKIPPED_TIME_KEY.match(key):
+                continue
+            old = _PER_SAMPLE_KEY.match(key)
+            if old:
+                if default_seq is None:
+                    raise SearchInputError(f"{path}: key {key!r} has no sequence length and the "
+                                           f"file name none (seqlen{{S}}): give --seq-length")
+                times[(int(old.group(1)), 1, default_seq)] = _number(ms, f"{path}: {key}")
+                continue
+        raise SearchInputError(f"{path}: key {key!r} is not layertype_T_bszB_seqS (nor one of "
+                               f"Galvatron's layertype_T, layernum[...]_bszB[_seqS], "
+                               f"layertype_other_bszB_seqS)")
     return times
 
 
@@ -418,32 +470,53 @@ def _seq(key: str, where: str) -> int:
     return int(key)
 
 
-def _read_memory(content: dict, selective: dict, path: pathlib.Path) -> MemoryProfile:
-    layers, other = {}, {}
+def _layer_memory(entry, here: str, selective_mb: dict) -> LayerMemory:
+    try:
+        activation = entry["tp_activation_per_bsz_dict"]
+        parameter_mb = _number(entry["parameter_size"], here + " parameter_size")
+        checkpoint = _number(activation[CHECKPOINT_KEY], here + " checkpoint")
+    except (KeyError, TypeError) as error:
+        raise SearchInputError(f"{here} lacks {error}") from None
+    return LayerMemory(parameter_mb=parameter_mb,
+                       activation_mb_per_sample=_tp_values(activation, here),
+                       checkpoint_mb_per_sample=checkpoint,
+                       selective_mb_per_sample=_tp_values(selective_mb, here + " (selective)"))
+
+
+def _read_memory(content: dict, selective: dict, path: pathlib.Path,
+                 default_seq: Optional[int] = None) -> MemoryProfile:
+    """Galvatron's memory file: entries with a sequence level ({"{seq}": figures}) or, in its
+    previous layout, without (the figures at `default_seq`; other_memory's one MB figure then
+    holds at every tp size the layers list). Its raw per-strategy entries are skipped."""
+    layers, other, flat_other = {}, {}, {}
+
+    def at_default_seq(where: str) -> int:
+        if default_seq is None:
+            raise SearchInputError(f"{where} has no sequence level and the file name none "
+                                   f"(seqlen{{S}}): give --seq-length")
+        return default_seq
+
     for key, by_seq in content.items():
         where = f"{path}: {key}"
+        if _SKIPPED_MEMORY_KEY.match(key):
+            continue
         if not isinstance(by_seq, dict):
             raise SearchInputError(f"{where} must be an object of seq -> figures")
         layer_match, other_match = _LAYER_KEY.match(key), _OTHER_KEY.match(key)
         if layer_match:
             layer_type, sp = int(layer_match.group(1)), layer_match.group(2) is not None
-            for seq_key, entry in by_seq.items():
-                here = f"{where}[{seq_key!r}]"
-                try:
-                    activation = entry["tp_activation_per_bsz_dict"]
-                    parameter_mb = _number(entry["parameter_size"], here + " parameter_size")
-                    checkpoint = _number(activation[CHECKPOINT_KEY], here + " checkpoint")
-                except (KeyError, TypeError) as error:
-                    raise SearchInputError(f"{here} lacks {error}") from None
-                s = _seq(seq_key, where)
-                selective_mb = selective.get(key, {}).get(seq_key, {})
-                layers[(layer_type, sp, s)] = LayerMemory(
-                    parameter_mb=parameter_mb,
-                    activation_mb_per_sample=_tp_values(activation, here),
-                    checkpoint_mb_per_sample=checkpoint,
-                    selective_mb_per_sample=_tp_values(selective_mb, here + " (selective)"))
+            entries = ({str(at_default_seq(where)): by_seq} if "parameter_size" in by_seq
+                       else by_seq)
+            for seq_key, entry in entries.items():
+                layers[(layer_type, sp, _seq(seq_key, where))] = _layer_memory(
+                    entry, f"{where}[{seq_key!r}]", selective.get(key, {}).get(seq_key, {}))
         elif other_match:
             stage, sp = other_match.group(1), other_match.group(2) is not None
+            if "model_states" in by_seq and not isinstance(by_seq["model_states"], dict):
+                flat_other[(stage, sp, at_default_seq(where))] = (
+                    _number(by_seq["model_states"], where + " model_states"),
+                    _number(by_seq.get("activation"), where + " activation"))
+                continue
             for seq_key, entry in by_seq.items():
                 here = f"{where}[{seq_key!r}]"
                 try:
@@ -454,25 +527,113 @@ def _read_memory(content: dict, selective: dict, path: pathlib.Path) -> MemoryPr
                     model_states_mb=_tp_values(states, here + " model_states"),
                     activation_mb_per_sample=_tp_values(activation, here + " activation"))
         else:
-            raise SearchInputError(f"{path}: unknown key {key!r} (expected layertype_T[_sp] or "
-                                   f"other_memory_{{pp_off,pp_on_first,pp_on_last}}[_sp])")
+            raise SearchInputError(f"{path}: unknown key {key!r} (expected layertype_T[_sp], "
+                                   f"other_memory_{{pp_off,pp_on_first,pp_on_last}}[_sp] or "
+                                   f"Galvatron's PP_TP_DP[_c][_vtp][_sp])")
+    tps = sorted({tp for layer in layers.values() for tp in layer.activation_mb_per_sample}) or [1]
+    for key, (states, activation) in flat_other.items():
+        other[key] = OtherMemory({tp: states for tp in tps}, {tp: activation for tp in tps})
     return MemoryProfile(layers=layers, other=other)
 
 
-def read_model_profile_dir(directory, hidden_size: int, num_attention_heads: int,
-                           dtype: str) -> ModelProfile:
-    """Read Galvatron's two files (and our companion when present) from a directory."""
-    if dtype not in DTYPES:
-        raise SearchInputError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    directory = pathlib.Path(directory)
-    names = (dtype, hidden_size, num_attention_heads)
-    computation_path = directory / computation_file_name(*names)
-    memory_path = directory / memory_file_name(*names)
-    for path in (computation_path, memory_path):
+@dataclasses.dataclass(frozen=True)
+class ProfileFiles:
+    """One computation/memory file pair of a directory and how to read it."""
+
+    computation: pathlib.Path
+    memory: pathlib.Path
+    galvatron: bool  # Galvatron's profiler's layout (times per sample), not our own names
+    seq_length: Optional[int]  # the file name's seqlen{S}, for entries without a length
+
+
+def _pair(directory: pathlib.Path, dtype: str, name: str, galvatron: bool) -> ProfileFiles:
+    computation = directory / f"computation_profiling_{dtype}_{name}.json"
+    memory = directory / f"memory_profiling_{dtype}_{name}.json"
+    for path in (computation, memory):
         if not path.is_file():
             raise SearchInputError(f"no {path.name} in {directory} (profile the model with "
                                    f"run_scripts/profile_model.sh)")
-    companion_path = directory / companion_file_name(*names)
+    seq = _SEQLEN_IN_NAME.search(name)
+    return ProfileFiles(computation, memory, galvatron, int(seq.group(1)) if seq else None)
+
+
+def find_profile_files(directory, hidden_size: int, num_attention_heads: int, dtype: str,
+                       name: Optional[str] = None) -> list[ProfileFiles]:
+    """The file pairs to read, by name: `name` (the part after `_{dtype}_`) when given; else our
+    `hidden_{h}_head_{a}`; else every Galvatron `hidden{h}_head{a}[_seqlen{s}]` pair (merged); else
+    the one Galvatron `{model}_{unit}` pair of this dtype (several: SearchInputError asking for
+    the name)."""
+    directory = pathlib.Path(directory)
+    if name is not None:
+        return [_pair(directory, dtype, name, _OURS_NAME.match(name) is None)]
+    ours = f"hidden_{hidden_size}_head_{num_attention_heads}"
+    if (directory / f"computation_profiling_{dtype}_{ours}.json").is_file() or \
+            not directory.is_dir():
+        return [_pair(directory, dtype, ours, False)]
+    prefix = f"computation_profiling_{dtype}_"
+    names = sorted(path.name[len(prefix):-len(".json")] for path in directory.glob(prefix + "*.json"))
+    matching = [n for n in names if (m := _GALVATRON_HIDDEN_NAME.match(n))
+                and (int(m.group(1)), int(m.group(2))) == (hidden_size, num_attention_heads)]
+    if matching:
+        return [_pair(directory, dtype, n, True) for n in matching]
+    models = [n for n in names if not (_GALVATRON_HIDDEN_NAME.match(n) or _OURS_NAME.match(n))]
+    if len(models) == 1:
+        return [_pair(directory, dtype, models[0], True)]
+    if len(models) > 1:
+        raise SearchInputError(f"{directory} holds several model profiles for {dtype} ("
+                               + ", ".join(prefix + n + ".json" for n in models)
+                               + "): choose one with --model-profile-name NAME (the part after "
+                               f"{prefix})")
+    return [_pair(directory, dtype, ours, False)]  # the error names our file
+
+
+def _merge(into: dict, new: Mapping, what: str) -> None:
+    for key, value in new.items():
+        if key in into and into[key] != value:
+            raise SearchInputError(f"{what}: two files give different figures for {key}")
+        into[key] = value
+
+
+def read_model_profile_dir(directory, hidden_size: int, num_attention_heads: int,
+                           dtype: str, seq_length: Optional[int] = None,
+                           name: Optional[str] = None) -> ModelProfile:
+    """Read a model profile directory: our files (with our companion when present) or
+    Galvatron's profiler's (`find_profile_files` says which pair). `seq_length`: the length of
+    Galvatron entries that have none (previous layout) when the file name has no seqlen{S}."""
+    if dtype not in DTYPES:
+        raise SearchInputError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    directory = pathlib.Path(directory)
+    pairs = find_profile_files(directory, hidden_size, num_attention_heads, dtype, name)
+    if not pairs[0].galvatron:
+        return _read_ours(directory, pairs[0], hidden_size, num_attention_heads, dtype)
+    forward: dict = {}
+    layers: dict = {}
+    other: dict = {}
+    for pair in pairs:
+        seq = pair.seq_length or seq_length
+        _merge(forward, _read_times(_read_json(pair.computation), pair.computation, True, seq),
+               f"{directory} (computation)")
+        memory = _read_memory(_read_json(pair.memory), {}, pair.memory, seq)
+        _merge(layers, memory.layers, f"{directory} (memory)")
+        _merge(other, memory.other, f"{directory} (memory)")
+    if not forward:
+        raise SearchInputError(f"{pairs[0].computation}: no layer times (layertype_T_bszB_seqS "
+                               f"or layertype_T keys)")
+    files = ", ".join(p.name for pair in pairs for p in (pair.computation, pair.memory))
+    source = (f"Galvatron's profiler's files read from {directory}: {files}; its per-sample "
+              f"layer times x the micro-batch; no companion: backward time taken as "
+              f"{BACKWARD_FACTOR_WITHOUT_COMPANION:g}x forward, no selective recompute figures")
+    return ModelProfile(model="unknown", hidden_size=hidden_size,
+                        num_attention_heads=num_attention_heads, dtype=dtype, forward_ms=forward,
+                        backward_ms={}, memory=MemoryProfile(layers=layers, other=other),
+                        source=source)
+
+
+def _read_ours(directory: pathlib.Path, pair: ProfileFiles, hidden_size: int,
+               num_attention_heads: int, dtype: str) -> ModelProfile:
+    """Our two files (and our companion when present)."""
+    computation_path, memory_path = pair.computation, pair.memory
+    companion_path = directory / companion_file_name(dtype, hidden_size, num_attention_heads)
     companion = _read_json(companion_path) if companion_path.is_file() else {}
     backward = companion.get("backward_ms", {})
     selective = companion.get("selective_activation_per_bsz", {})

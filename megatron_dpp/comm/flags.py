@@ -1,0 +1,131 @@
+"""The transport flags (--p2p-transport, --workload, --shm-*, --p2p-timeout) and the multi-node
+flags (--multi-node, --node-ips), and their checks: --help's "transport" and "multi-node" groups.
+The defaults and the checks of the values live once, in comm/settings.py (ShmConfig), router.py,
+transport.py and nodes.py; this module maps them onto flags. megatron_dpp.arguments composes it.
+
+The compiled shm_tensor and rdma_tensor are imported only to check a transport the flags ask for.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+import torch
+
+from megatron_dpp.comm.nodes import check_node_count, num_nodes, parse_node_ips
+from megatron_dpp.comm.router import DEFAULT_TRANSPORT_KIND, TRANSPORT_KINDS
+from megatron_dpp.comm.settings import SHM_DEFAULTS, check_shm_args, largest_message_bytes
+from megatron_dpp.comm.transport import DEFAULT_TIMEOUT_S
+from megatron_dpp.flag_errors import ArgsError, require
+
+
+# ----------------------------------------------------------------------------------------------
+# point-to-point transports
+# ----------------------------------------------------------------------------------------------
+def add_transport_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("transport")
+    group.add_argument("--p2p-transport", type=str, default=DEFAULT_TRANSPORT_KIND,
+                       choices=TRANSPORT_KINDS,
+                       help="Pipeline point-to-point transport. auto (default): shm_tensor between "
+                            "ranks of one node (shared memory; CUDA IPC for GPU tensors), rdma_tensor "
+                            "between nodes (UCX: InfiniBand/RoCE or TCP), torch.distributed only where "
+                            "neither can run; each rank logs the route every peer got and why. shm: "
+                            "shm_tensor on the node, torch.distributed across nodes. rdma: rdma_tensor "
+                            "for every peer. torch: torch.distributed send/recv for every peer.")
+    group.add_argument("--workload", type=int, default=SHM_DEFAULTS.bytes_per_thread,
+                       help="shm: bytes each copy thread handles; a message gets one thread per this "
+                            "many bytes, up to --shm-copy-threads (smaller messages are copied inline).")
+    group.add_argument("--shm-copy-threads", type=int, default=SHM_DEFAULTS.copy_threads,
+                       help="shm: most threads that copy one message.")
+    group.add_argument("--shm-slot-mb", type=int, default=SHM_DEFAULTS.slot_bytes >> 20,
+                       help="shm: payload MiB of one slot; every CPU pipeline message must fit in "
+                            "one (GPU messages need only a descriptor there, unless torch's "
+                            "expandable segments stop CUDA IPC from exporting their memory).")
+    group.add_argument("--shm-num-slots", type=int, default=SHM_DEFAULTS.num_slots,
+                       help="shm: slots per directed pair of ranks, 1..64 (messages in flight before a "
+                            "send waits for the receiver; up to half of them may be lent to received "
+                            "tensors, see --shm-zero-copy-min-kb).")
+    group.add_argument("--shm-zero-copy-min-kb", type=int, default=SHM_DEFAULTS.zero_copy_min_bytes >> 10,
+                       help="shm: a received CPU message of at least this many KiB borrows the slot it "
+                            "arrived in (no copy out) while fewer than half the slots from that sender "
+                            "are lent; 0 copies every message out.")
+    group.add_argument("--p2p-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                       help="Seconds a pipeline send or receive may wait before failing with the peer "
+                            "and tag it waited for.")
+
+
+def validate_transport_args(args: argparse.Namespace) -> None:
+    require(args.p2p_timeout > 0, f"--p2p-timeout must be positive seconds, got {args.p2p_timeout}")
+    if args.p2p_transport == "rdma":
+        import rdma_tensor
+
+        problem = rdma_tensor.unavailable_reason()
+        require(not problem, f"--p2p-transport rdma: {problem}")
+    if args.p2p_transport not in ("shm", "auto"):
+        return
+    # Flag units first (MiB, KiB), then the transport's own checks of the values they set.
+    require(args.shm_slot_mb >= 1, "--shm-slot-mb must be at least 1")
+    require(args.shm_zero_copy_min_kb >= 0,
+            f"--shm-zero-copy-min-kb must be >= 0 (0 turns zero-copy receive off), got {args.shm_zero_copy_min_kb}")
+    try:
+        check_shm_args(args)
+    except ValueError as error:
+        raise ArgsError(str(error)) from None
+    if args.p2p_transport == "auto":
+        return  # auto falls back to torch.distributed where shm_tensor cannot run, and logs why
+    require(importlib.util.find_spec("shm_tensor._C") is not None,
+            "--p2p-transport shm needs the compiled shm_tensor._C; run "
+            "`pip install --no-build-isolation -e .` in the repository")
+    if torch.cuda.is_available():
+        # GPU tensors travel by CUDA IPC, which needs libcudart loadable by shm_tensor.
+        import shm_tensor
+
+        cuda_problem = shm_tensor.cuda_runtime_error()
+        require(not cuda_problem,
+                "--p2p-transport shm on a CUDA machine needs the CUDA runtime, which did not load ("
+                + cuda_problem.replace("\n", " ") + "); use --p2p-transport torch")
+    # One activation (seq x micro-batch x hidden, fp32 at most) must fit in one slot.
+    needed = largest_message_bytes(args)
+    if needed is not None:
+        require(needed <= args.shm_slot_mb << 20,
+                f"--shm-slot-mb {args.shm_slot_mb} is too small for one activation of {needed} B "
+                f"(seq x micro-batch x hidden x 4); raise --shm-slot-mb to "
+                f"{-(-needed // (1 << 20))}")
+
+
+# ----------------------------------------------------------------------------------------------
+# multi-node (the node list and its checks live in megatron_dpp.comm.nodes)
+# ----------------------------------------------------------------------------------------------
+def add_multinode_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("multi-node")
+    group.add_argument("--multi-node", action="store_true",
+                       help="The job spans several nodes (torchrun --nnodes N): each node checks at "
+                            "startup that its --node-ips address is one of its own and points gloo "
+                            "and NCCL at that interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, "
+                            "unless already set). Needs --node-ips.")
+    group.add_argument("--node-ips", type=str, default=None, metavar="IP[,IP...]",
+                       help="With --multi-node: the address of each node, InfiniBand or Ethernet, "
+                            "IPv4 or IPv6, comma-separated in node-rank order (torchrun's "
+                            "--node-rank), exactly one per node (torchrun's --nnodes).")
+
+
+def validate_multinode_args(args: argparse.Namespace) -> None:
+    if not args.multi_node:
+        require(args.node_ips is None, "--node-ips needs --multi-node; add it, or drop --node-ips "
+                                       "on one node")
+        return
+    require(args.node_ips is not None, "--multi-node needs --node-ips IP[,IP...], the address of "
+                                       "each node in node-rank order")
+    text = args.node_ips
+    try:
+        args.node_ips = parse_node_ips(text)
+    except ValueError as error:
+        raise ArgsError(f"--node-ips {text}: {error}") from None
+    try:
+        node_count = num_nodes()
+    except ValueError as error:
+        raise ArgsError(f"--multi-node: {error}") from None
+    try:
+        check_node_count(args.node_ips, node_count)
+    except ValueError as error:
+        raise ArgsError(f"--node-ips {text}: {error}") from None

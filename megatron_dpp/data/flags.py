@@ -1,0 +1,98 @@
+"""The data flags (--data-path, --split, the tokenizer files, --variable-seq-lengths, ...; --help's
+"data" group) and their checks: the files exist, the blend and the split parse. Which samples a
+model builds from the data is the model's (models/families.py, ModelFamily.check_data), which
+megatron_dpp.arguments passes in: the data package does not import models.
+
+The datasets module (and with it megatron.core) is imported only when the flags are checked.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Callable, Optional, Sequence
+
+from megatron_dpp.data.tokenizer import GPT2_BPE, SUPPORTED_TOKENIZER_TYPES
+from megatron_dpp.flag_errors import ArgsError, require
+
+
+ModelDataCheck = Callable[[argparse.Namespace, Sequence[str], Any, list, list], None]
+"""(args, data prefixes, blend weights, split weights, samples each split must give): raises
+megatron_dpp.data.errors.DataInputError when the data cannot give the model's samples."""
+
+
+def add_data_args(parser: argparse.ArgumentParser,
+                  tokenizer_types: Sequence[str] = SUPPORTED_TOKENIZER_TYPES) -> None:
+    """tokenizer_types: the choices of --tokenizer-type (megatron_dpp.arguments gives the ones
+    some model trains with)."""
+    group = parser.add_argument_group("data")
+    group.add_argument("--data-path", nargs="*", default=None,
+                       help="Indexed dataset prefix (PREFIX for PREFIX.bin/.idx), or a blend "
+                            "`W1 PREFIX1 W2 PREFIX2 ...`. `python -m megatron_dpp.data.prepare_sample "
+                            "--output-dir data` makes data/sample_text_document.")
+    group.add_argument("--split", type=str, default="969, 30, 1",
+                       help="Train, validation and test weights of the documents, e.g. 969,30,1.")
+    group.add_argument("--data-cache-path", type=str, default=None,
+                       help="Where dataset index caches go (default: beside the data).")
+    group.add_argument("--tokenizer-type", type=str, default=None, choices=tokenizer_types,
+                       help="GPT2BPETokenizer (GPT's, and its default: byte-level BPE, needs "
+                            "--vocab-file vocab.json and --merge-file) or BertWordPieceLowerCase / "
+                            "BertWordPieceCase (BERT's, lower-case the default: WordPiece, needs "
+                            "--vocab-file vocab.txt).")
+    group.add_argument("--vocab-file", type=str, default=None,
+                       help="The tokenizer's vocabulary: BPE vocab.json (GPT) or WordPiece vocab.txt "
+                            "(BERT).")
+    group.add_argument("--merge-file", type=str, default=None,
+                       help="Path to the BPE merges.txt (GPT2BPETokenizer only).")
+    group.add_argument("--variable-seq-lengths", action="store_true",
+                       help="Micro-batches of different lengths. GPT: one document per sample, "
+                            "truncated to --seq-length, padded to the longest within a "
+                            "micro-batch. BERT: each micro-batch cut to its longest sample "
+                            "(BERT's padding is masked, so the losses are unchanged).")
+    group.add_argument("--reset-position-ids", action="store_true",
+                       help="Restart position ids after each end-of-document token.")
+    group.add_argument("--reset-attention-mask", action="store_true",
+                       help="Block attention across end-of-document tokens (makes the data loader "
+                            "build an explicit attention mask).")
+    group.add_argument("--eod-mask-loss", action="store_true",
+                       help="Exclude end-of-document tokens from the loss.")
+    group.add_argument("--num-workers", type=int, default=0,
+                       help="Data loader worker processes (0: load in the training process).")
+
+
+def validate_data_args(args: argparse.Namespace,
+                       check_model_data: Optional[ModelDataCheck] = None) -> None:
+    """check_model_data: the model's own check that the data gives the samples each split
+    needs (each model builds its samples its own way: token windows, packed sentences), run
+    after the checks of the data itself; megatron_dpp.arguments gives the model family's."""
+    # Imported here: the data package pulls in megatron.core only when a check needs it.
+    from megatron_dpp.data.datasets import (dataset_files_missing, parse_data_path, parse_split,
+                                            samples_per_split)
+    from megatron_dpp.data.errors import DataInputError
+
+    require(args.data_path, "--data-path is required; make the sample data with `python -m "
+                            "megatron_dpp.data.prepare_sample --output-dir data` and pass "
+                            "--data-path data/sample_text_document")
+    try:
+        prefixes, weights = parse_data_path(args.data_path)
+        for prefix in prefixes:
+            missing = dataset_files_missing(prefix)
+            require(not missing, f"--data-path {prefix}: {' and '.join(missing)} not found; make "
+                                 f"it with tools/preprocess_data.py or `python -m "
+                                 f"megatron_dpp.data.prepare_sample --output-dir DIR`")
+        tokenizer_files = [("--vocab-file", args.vocab_file)]
+        if args.tokenizer_type == GPT2_BPE:
+            tokenizer_files.append(("--merge-file", args.merge_file))
+        for flag, path in tokenizer_files:
+            require(path is not None and os.path.isfile(path),
+                    f"{flag} {path} not found; pass the file made with the data (`python -m "
+                    f"megatron_dpp.data.prepare_sample --output-dir DIR` writes GPT's and BERT's)")
+        split = parse_split(args.split)
+        require(args.num_workers >= 0, "--num-workers must be >= 0")
+        if args.variable_seq_lengths:
+            require(not (args.reset_position_ids or args.reset_attention_mask),
+                    "--variable-seq-lengths puts one document per sample, so --reset-position-ids "
+                    "and --reset-attention-mask do not apply; remove them")
+        if check_model_data is not None:
+            check_model_data(args, prefixes, weights, split, samples_per_split(args))
+    except DataInputError as error:
+        raise ArgsError(str(error)) from None

@@ -1,0 +1,40 @@
+"""The one error type of flag validation, shared by every package's flags module (standard library
+only): a bad flag or flag combination raises `ArgsError` with one line that says how to fix it, and
+`megatron_dpp.arguments.parse_args` prints that line and exits with code 2.
+
+Also the Megatron-LM flags that cannot apply here: each is still a flag, in its group, so that
+--help explains it and using it is refused with the reason, not "unrecognized". A group declares
+them as {flag: why it cannot apply} (the error is "FLAG REASON; remove it")."""
+from __future__ import annotations
+
+import argparse
+from typing import Collection, Mapping
+
+
+class ArgsError(ValueError):
+    """A bad flag or flag combination; the message is one line that says how to fix it."""
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ArgsError(message)
+
+
+def _refused_dest(flag: str) -> str:
+    return "refused_" + flag.lstrip("-").replace("-", "_")
+
+
+def add_refused_flags(group, refused: Mapping[str, str], taking_a_value: Collection[str] = ()) -> None:
+    """Each flag of `refused` in `group`; those in `taking_a_value` take a value in Megatron-LM (or
+    nsys), which is optional here so that the refusal, not argparse, explains the problem."""
+    for flag, reason in refused.items():
+        extra = {"nargs": "?", "const": "", "metavar": "VALUE"} if flag in taking_a_value else \
+            {"action": "store_const", "const": True}
+        group.add_argument(flag, dest=_refused_dest(flag), default=None,
+                           help=f"Refused here: {flag} {reason}.", **extra)
+
+
+def check_refused_flags(args: argparse.Namespace, refused: Mapping[str, str]) -> None:
+    """The first flag of `refused` given: one line with its reason."""
+    for flag, reason in refused.items():
+        require(getattr(args, _refused_dest(flag)) is None, f"{flag} {reason}; remove it")

@@ -1,0 +1,354 @@
+"""The shared model-shape and parallel-layout flags (--help's "model" and "parallelism" groups) and
+their checks: what becomes Megatron-Core's TransformerConfig and ModelParallelConfig
+(models/transformer_config.py) and the data-parallel config (training/config.py). Each model's own
+flags are its family's (models/families.py); megatron_dpp.arguments composes both.
+
+Imports torch (the checks ask whether there is a CUDA GPU): the torch-free modules of this package
+(families.py, memory_model.py) do not import it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from megatron_dpp.flag_errors import add_refused_flags, require
+from megatron_dpp.kernels import (
+    ATTENTION_BACKENDS,
+    TRANSFORMER_ENGINE,
+    TRANSFORMER_ENGINE_BACKENDS,
+    core_attention_from_args,
+    transformer_engine_available,
+)
+
+
+_TP_COMM_OVERLAP = ("Transformer Engine's userbuffer overlap of tensor-parallel communication with "
+                    "GEMMs, which this runtime does not set up (Megatron-LM's initialize_ub step)")
+# Megatron-LM's parallelism flags that cannot apply here: flag -> why (flag_errors.py).
+REFUSED_PARALLEL_FLAGS: dict[str, str] = {
+    "--pipeline-model-parallel-split-rank":
+        "splits an encoder-decoder model's pipeline between encoder and decoder ranks; GPT and "
+        "BERT are one stack of layers with no such split",
+    "--use-ring-exchange-p2p":
+        "needs torch.distributed.ring_exchange, which only custom PyTorch builds have (stock "
+        "PyTorch, this one included, has none)",
+    "--no-async-tensor-model-parallel-allreduce":
+        "is ignored by Megatron-Core 0.16 (ModelParallelConfig.async_tensor_model_parallel_allreduce "
+        "is deprecated): the tensor-parallel all-reduce always runs asynchronously beside the "
+        "weight-gradient GEMM",
+    "--tp-comm-overlap": f"needs {_TP_COMM_OVERLAP}",
+    "--tp-comm-overlap-cfg": f"configures --tp-comm-overlap, {_TP_COMM_OVERLAP}",
+    **{flag: f"tunes --tp-comm-overlap, {_TP_COMM_OVERLAP}"
+       for flag in ("--disable-tp-comm-split-ag", "--disable-tp-comm-split-rs",
+                    "--disable-tp-comm-bulk-dgrad", "--disable-tp-comm-bulk-wgrad")},
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# model shape
+# ----------------------------------------------------------------------------------------------
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    group.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
+    group.add_argument("--ffn-hidden-size", type=int, default=None,
+                       help="MLP hidden size (default: 4 * hidden size).")
+    group.add_argument("--num-attention-heads", type=int, default=None,
+                       help="Number of attention heads.")
+    group.add_argument("--seq-length", type=int, default=None,
+                       help="Maximum sequence length of a training sample.")
+    group.add_argument("--max-position-embeddings", type=int, default=None,
+                       help="Number of position embeddings (default: --seq-length).")
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                       help="Pad the vocabulary to a multiple of this times the tensor parallel size.")
+    group.add_argument("--init-method-std", type=float, default=0.02,
+                       help="Standard deviation of the normal weight initialization.")
+    group.add_argument("--hidden-dropout", type=float, default=0.1,
+                       help="Dropout probability on the hidden state (0 disables).")
+    group.add_argument("--attention-dropout", type=float, default=0.1,
+                       help="Dropout probability on attention scores (0 disables).")
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="Give the output layer its own weights instead of sharing the embedding.")
+    group.add_argument("--use-flash-attn", action="store_true",
+                       help="Use FlashAttention for core attention; GPU only: Transformer Engine's "
+                            "flash backend where it is installed, else the flash-attn package's "
+                            "flash_attn_func, else (one log line says so) torch SDPA, whose flash "
+                            "kernel is the same algorithm.")
+    group.add_argument("--attention-backend", type=str, default="auto",
+                       choices=ATTENTION_BACKENDS,
+                       help="Core attention (Megatron-LM's flag). auto: Transformer Engine's where "
+                            "installed on a GPU, else torch scaled_dot_product_attention on a GPU "
+                            "and Megatron-Core's local DotProductAttention on CPU; sdpa: torch "
+                            "scaled_dot_product_attention (any device); local: Megatron-Core's "
+                            "DotProductAttention (unfused softmax); flash, fused, unfused: "
+                            "Transformer Engine's kernels (need Transformer Engine). The startup "
+                            "line `kernels: core attention: ...` says which runs and why.")
+    group.add_argument("--recompute-activations", action="store_true",
+                       help="Recompute activations (selective granularity) to save memory.")
+    group.add_argument("--recompute-granularity", type=str, default=None,
+                       choices=["full", "selective"],
+                       help="full: recompute whole transformer layers; selective: core attention only.")
+    group.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"],
+                       help="With full granularity: uniform divides the layers into recompute units "
+                            "of --recompute-num-layers; block recomputes the first "
+                            "--recompute-num-layers layers of each pipeline stage.")
+    group.add_argument("--recompute-num-layers", type=int, default=None,
+                       help="Layers per recompute unit (uniform) or layers recomputed per stage (block).")
+    group.add_argument("--distribute-saved-activations", action="store_true",
+                       help="With --recompute-granularity full and tensor parallelism: split the "
+                            "input each recomputed unit saves across the tensor-parallel ranks "
+                            "(Megatron-Core's distribute_saved_activations). GPU only; not with "
+                            "--sequence-parallel.")
+    group.add_argument("--no-clone-scatter-output-in-embedding", action="store_false",
+                       dest="clone_scatter_output_in_embedding",
+                       help="Do not clone the embedding output after scattering it to the "
+                            "sequence-parallel ranks (Megatron-Core's "
+                            "clone_scatter_output_in_embedding; the clone lets the unscattered "
+                            "tensor be freed). Has an effect with --sequence-parallel only.")
+    group.add_argument("--no-persist-layer-norm", action="store_true",
+                       help="Do not use Apex's persistent fused LayerNorm kernel (Megatron-Core's "
+                            "persist_layer_norm). Without the flag it is used where Megatron-Core's "
+                            "local layers find it (Apex installed), as in Megatron-LM; without Apex, "
+                            "with Transformer Engine layers or with --dpp-split-backward it is never "
+                            "used.")
+    group.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                       dest="gradient_accumulation_fusion",
+                       help="Do not fuse the weight-gradient accumulation into the weight-gradient "
+                            "GEMM (Megatron-Core's gradient_accumulation_fusion). Without the flag "
+                            "it is fused where it can run (a CUDA GPU with Apex's "
+                            "fused_weight_gradient_mlp_cuda extension), as in Megatron-LM; on CPU, "
+                            "without Apex or with --dpp-split-backward it is always off.")
+    group.add_argument("--use-mcore-models", action="store_true",
+                       help="Accepted as in Megatron-LM: the models here are always Megatron-Core's "
+                            "(GPTModel, BertModel); there are no legacy models to choose instead.")
+
+
+def validate_model_args(args: argparse.Namespace) -> None:
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        value = getattr(args, flag)
+        require(value is not None and value > 0,
+                f"--{flag.replace('_', '-')} is required and must be positive")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    require(args.hidden_size % args.num_attention_heads == 0,
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads}; pick a head count that divides the hidden size")
+    require(args.seq_length <= args.max_position_embeddings,
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+            f"{args.max_position_embeddings}; raise --max-position-embeddings")
+    for flag in ("hidden_dropout", "attention_dropout"):
+        value = getattr(args, flag)
+        require(0.0 <= value < 1.0, f"--{flag.replace('_', '-')} must be in [0, 1), got {value}")
+
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "full":
+        require(args.recompute_method is not None and args.recompute_num_layers is not None,
+                "--recompute-granularity full needs --recompute-method {uniform,block} and "
+                "--recompute-num-layers N")
+        require(args.recompute_num_layers > 0, "--recompute-num-layers must be positive")
+    else:
+        require(args.recompute_method is None and args.recompute_num_layers is None,
+                "--recompute-method and --recompute-num-layers need --recompute-granularity full")
+
+    if args.use_flash_attn:
+        # Without flash-attn (or Transformer Engine) it runs torch SDPA and says so at startup.
+        require(torch.cuda.is_available(),
+                "--use-flash-attn needs a CUDA GPU; remove it to use the default attention on CPU")
+        require(args.attention_backend in ("auto", "flash"),
+                f"--use-flash-attn asks for flash attention and --attention-backend "
+                f"{args.attention_backend} for another; drop one of them")
+    if args.attention_backend in TRANSFORMER_ENGINE_BACKENDS:
+        require(transformer_engine_available(),
+                f"--attention-backend {args.attention_backend} is Transformer Engine's attention "
+                f"and needs Transformer Engine on a CUDA GPU; use auto, sdpa or local")
+
+
+# ----------------------------------------------------------------------------------------------
+# parallel layout and distributed runtime
+# ----------------------------------------------------------------------------------------------
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallelism")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                       help="Degree of tensor model parallelism.")
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                       help="Degree of pipeline model parallelism.")
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                       help="Layers per virtual pipeline stage (enables the interleaved schedule).")
+    group.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                       help="Virtual pipeline stages (model chunks) per pipeline rank; an alternative "
+                            "to --num-layers-per-virtual-pipeline-stage.")
+    group.add_argument("--sequence-parallel", action="store_true",
+                       help="Enable sequence parallelism (only has an effect with tensor parallelism, "
+                            "as in Megatron-LM).")
+    group.add_argument("--use-distributed-optimizer", action="store_true",
+                       help="Shard optimizer state across data-parallel ranks.")
+    group.add_argument("--overlap-grad-reduce", action="store_true",
+                       help="Overlap the data-parallel gradient reduction with backward.")
+    group.add_argument("--distributed-backend", type=str, default=None, choices=["nccl", "gloo"],
+                       help="torch.distributed backend (default: nccl with CUDA, gloo without).")
+    group.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                       help="Timeout for collective operations, in minutes.")
+    group.add_argument("--use-cpu-initialization", action="store_true",
+                       help="Initialize parameters on the CPU (then move them to the device).")
+    group.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                       help="Call torch.cuda.empty_cache() each iteration: 0 off, 1 after the "
+                            "forward-backward, 2 also after the optimizer step. GPU only.")
+    group.add_argument("--context-parallel-size", type=int, default=1,
+                       help="Degree of context parallelism. Only 1 runs here: context parallelism "
+                            "needs Transformer Engine's attention and a data path that gives each "
+                            "context-parallel rank its part of every sequence, which this runtime "
+                            "does not have.")
+    group.add_argument("--no-delay-grad-reduce", action="store_false", dest="delay_grad_reduce",
+                       help="With --overlap-grad-reduce: every pipeline stage's DDP hooks start its "
+                            "gradient reductions during its last backward, instead of the schedule "
+                            "delaying them in all but the first stage and launching them at aligned "
+                            "points (Megatron-Core's grad_sync_func; Megatron-LM's later name is "
+                            "--no-align-grad-reduce). Without --overlap-grad-reduce nothing is "
+                            "overlapped, so nothing is delayed.")
+    group.add_argument("--overlap-param-gather", action="store_true",
+                       help="With --use-distributed-optimizer and --overlap-grad-reduce: gather the "
+                            "updated parameters during the next forward (DDP forward pre-hooks wait "
+                            "for each bucket's all-gather) instead of at the end of the optimizer "
+                            "step (Megatron-Core's overlap_param_gather).")
+    group.add_argument("--delay-param-gather", action="store_true",
+                       help="With --overlap-param-gather and virtual pipeline stages or --use-dpp: "
+                            "the schedule launches each model chunk's parameter all-gathers at "
+                            "aligned points across pipeline stages instead of the forward pre-hooks "
+                            "launching them on demand (Megatron-Core's align_param_gather and "
+                            "param_sync_func; Megatron-LM's later name is --align-param-gather).")
+    group.add_argument("--no-overlap-p2p-communication", action="store_false",
+                       dest="overlap_p2p_comm",
+                       help="Interleaved schedule (virtual pipeline stages): wait for each pipeline "
+                            "send and receive before computing on, instead of overlapping them with "
+                            "the next forward or backward (Megatron-Core's overlap_p2p_comm). "
+                            "Megatron's 1F1B schedule never overlaps, as in Megatron-LM; not with "
+                            "--use-dpp, whose runtime always overlaps its messages.")
+    group.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_false",
+                       dest="scatter_gather_tensors_in_pipeline",
+                       help="Accepted as in Megatron-LM: pipeline messages are always whole tensors "
+                            "here (Megatron-Core 0.16 no longer has the scatter/gather split of "
+                            "pipeline tensors across tensor-parallel ranks).")
+    add_refused_flags(group, REFUSED_PARALLEL_FLAGS,
+                      taking_a_value=("--pipeline-model-parallel-split-rank", "--tp-comm-overlap-cfg"))
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validate_parallel_args(args: argparse.Namespace) -> None:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    require(tp >= 1 and pp >= 1, "--tensor-model-parallel-size and --pipeline-model-parallel-size "
+                                 "must be at least 1")
+    args.world_size = _world_size()
+    args.rank = int(os.environ.get("RANK", "0"))
+    require(args.world_size % (tp * pp) == 0,
+            f"world size {args.world_size} is not a multiple of tensor ({tp}) x pipeline ({pp}) "
+            f"parallel sizes; launch a multiple of {tp * pp} processes or change the sizes")
+    args.data_parallel_size = args.world_size // (tp * pp)
+
+    require(args.num_layers % pp == 0,
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
+            f"{pp}; use a multiple of {pp} layers")
+    layers_per_rank = args.num_layers // pp
+    require(args.num_layers_per_virtual_pipeline_stage is None
+            or args.num_virtual_stages_per_pipeline_rank is None,
+            "give either --num-layers-per-virtual-pipeline-stage or "
+            "--num-virtual-stages-per-pipeline-rank, not both")
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = args.num_layers_per_virtual_pipeline_stage
+        require(per_stage > 0 and layers_per_rank % per_stage == 0,
+                f"--num-layers {args.num_layers} is not divisible by pipeline ({pp}) x layers per "
+                f"virtual stage ({per_stage}); pick a --num-layers-per-virtual-pipeline-stage that "
+                f"divides {layers_per_rank}")
+        args.virtual_pipeline_model_parallel_size = layers_per_rank // per_stage
+    elif args.num_virtual_stages_per_pipeline_rank is not None:
+        vpp = args.num_virtual_stages_per_pipeline_rank
+        require(vpp > 0 and layers_per_rank % vpp == 0,
+                f"--num-layers {args.num_layers} is not divisible by pipeline ({pp}) x virtual "
+                f"stages ({vpp}); use a multiple of {pp * vpp} layers")
+        args.virtual_pipeline_model_parallel_size = vpp
+    if args.virtual_pipeline_model_parallel_size == 1:
+        args.virtual_pipeline_model_parallel_size = None
+    if args.virtual_pipeline_model_parallel_size is not None:
+        require(pp > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1")
+
+    require(args.num_attention_heads % tp == 0,
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}")
+    require(args.ffn_hidden_size % tp == 0,
+            f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+            f"--tensor-model-parallel-size {tp}")
+    if tp == 1:
+        # Megatron-LM semantics: sequence parallelism is meaningless without tensor parallelism.
+        args.sequence_parallel = False
+
+    cuda = torch.cuda.is_available()
+    require(cuda or not args.use_distributed_optimizer,
+            "--use-distributed-optimizer needs CUDA GPUs (Megatron-Core's distributed optimizer "
+            "wraps CUDA tensors only); remove it on CPU")
+    te_layers = core_attention_from_args(args).module == TRANSFORMER_ENGINE  # megatron_dpp.kernels
+    require(te_layers or not args.sequence_parallel,
+            "--sequence-parallel needs Transformer Engine layers on a GPU (Megatron-Core's local "
+            "LayerNorm does not support it); remove it or install transformer-engine")
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if cuda else "gloo"
+    require(cuda or args.distributed_backend != "nccl",
+            "--distributed-backend nccl needs CUDA GPUs; use gloo (the default on CPU)")
+    require(cuda or args.empty_unused_memory_level == 0,
+            "--empty-unused-memory-level is GPU only; remove it on CPU")
+    require(args.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive")
+    require(args.context_parallel_size == 1,
+            f"--context-parallel-size {args.context_parallel_size}: only 1 runs here (context "
+            f"parallelism needs Transformer Engine's attention and data split along the sequence "
+            f"per rank, which this runtime does not have)")
+    _validate_distribute_saved_activations(args, cuda)
+    _validate_overlap_args(args)
+
+
+def _validate_distribute_saved_activations(args: argparse.Namespace, cuda: bool) -> None:
+    """--distribute-saved-activations, with Megatron-LM's conditions and Megatron-Core's."""
+    if not args.distribute_saved_activations:
+        return
+    require(args.recompute_granularity == "full",
+            "--distribute-saved-activations splits what full recomputation saves; add "
+            "--recompute-granularity full --recompute-method M --recompute-num-layers N")
+    require(args.tensor_model_parallel_size > 1,
+            "--distribute-saved-activations splits across tensor-parallel ranks; set "
+            "--tensor-model-parallel-size 2 or more")
+    require(not args.sequence_parallel,
+            "--distribute-saved-activations does not go with --sequence-parallel (Megatron-Core "
+            "refuses the pair: sequence parallelism already splits those activations); drop one")
+    require(cuda, "--distribute-saved-activations needs CUDA GPUs (Megatron-Core gathers the split "
+                  "activations into CUDA buffers); remove it on CPU")
+
+
+def _validate_overlap_args(args: argparse.Namespace) -> None:
+    """The data-parallel and pipeline overlap flags (Megatron-LM's rules; they reach the DDP
+    config in training/config.py and the schedules' sync functions in training/loop.py)."""
+    if args.overlap_param_gather:
+        require(args.use_distributed_optimizer,
+                "--overlap-param-gather overlaps the distributed optimizer's parameter all-gather; "
+                "add --use-distributed-optimizer")
+        require(args.overlap_grad_reduce,
+                "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM); add it")
+    if args.delay_param_gather:
+        require(args.overlap_param_gather,
+                "--delay-param-gather aligns the all-gathers of --overlap-param-gather; add "
+                "--overlap-param-gather or drop --delay-param-gather")
+        require(args.virtual_pipeline_model_parallel_size is not None or args.use_dpp,
+                "--delay-param-gather is launched by the interleaved schedule or the DPP runtime "
+                "(Megatron's 1F1B ignores it); add virtual pipeline stages or --use-dpp")
+    if args.use_dpp:
+        require(args.overlap_p2p_comm,
+                "--no-overlap-p2p-communication applies to Megatron's interleaved schedule; the "
+                "DPP runtime (--use-dpp) always overlaps its messages; drop one of them")
+        require(args.delay_grad_reduce or not (args.overlap_grad_reduce and args.dpp_split_backward),
+                "--dpp-split-backward with --overlap-grad-reduce starts each chunk's reductions "
+                "in chunk order through the schedule (grad_sync_func), which "
+                "--no-delay-grad-reduce turns off; drop --no-delay-grad-reduce")

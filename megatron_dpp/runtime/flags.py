@@ -1,0 +1,92 @@
+"""The dynamic pipeline parallelism flags (--use-dpp, --dpp-policy, --dpp-memory-budget,
+--dpp-timeout, --dpp-split-backward; --help's "dynamic pipeline parallelism" group) and their
+checks. The policies, budgets and their parsers live in megatron_dpp.pipeline, the runtime's
+defaults in runtime/config.py (DPPConfig); megatron_dpp.arguments composes this module.
+
+Both are imported when the flags are added or checked, not with this module, so that importing
+megatron_dpp.arguments loads neither.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron_dpp.flag_errors import ArgsError, require
+from megatron_dpp.kernels import TRANSFORMER_ENGINE_BACKENDS
+
+
+def add_dpp_args(parser: argparse.ArgumentParser) -> None:
+    from megatron_dpp.pipeline import AUTO_BUDGET, DEFAULT_POLICY, PROVISIONED_BUDGET, SCHEDULE_NAMES
+    from megatron_dpp.runtime.config import DPPConfig
+
+    group = parser.add_argument_group("dynamic pipeline parallelism")
+    group.add_argument("--use-dpp", action="store_true",
+                       help="Run the pipeline with the dynamic scheduler (forward_backward_dpp) instead "
+                            "of Megatron's fixed 1F1B / interleaved order.")
+    group.add_argument("--dpp-policy", type=str, default=DEFAULT_POLICY, choices=SCHEDULE_NAMES,
+                       help="Scheduling policy of --use-dpp (the static orders run through the same "
+                            "runtime, for comparison).")
+    group.add_argument("--dpp-memory-budget", type=str, default=AUTO_BUDGET,
+                       help=f"Activation bytes a pipeline rank may hold, counted for full-length "
+                            f"microbatches. '{AUTO_BUDGET}' (default): as many microbatches as Megatron's "
+                            "1F1B (interleaved for virtual stages) holds at most on that rank. "
+                            f"'{PROVISIONED_BUDGET}': as many as it holds on its fullest rank, the "
+                            "first (P under 1F1B; 2(P-1)+(V-1)*G+1 chunk activations interleaved, "
+                            "G the group size, default P), on every rank: the devices of a pipeline "
+                            "have the same memory, so the later ranks' headroom is free and a "
+                            "policy may run further ahead there; use it when the first rank's "
+                            "memory is what you provision anyway. Or a byte count such as "
+                            "2147483648 or 2GiB, on every rank. With --dpp-split-backward each "
+                            "microbatch also counts what its W keeps from B to W.")
+    group.add_argument("--dpp-timeout", type=float, default=DPPConfig.timeout_s,
+                       help="Seconds without progress after which every DPP rank prints its state "
+                            "(ready tasks, awaited tags, memory held) and the job exits non-zero.")
+    group.add_argument("--dpp-split-backward", action="store_true",
+                       help="Split every backward of --use-dpp into B (the input gradient, sent "
+                            "upstream at once) and W (the weight gradients, run later by the "
+                            "policy). The model is built from Megatron-Core's local layers with "
+                            "deferrable weight gradients; a microbatch's W keeps its layer inputs "
+                            "and output gradients until it runs, which the memory budget counts. "
+                            "Not with Transformer Engine layers, --sequence-parallel or "
+                            "--attention-backend flash/fused/unfused (core attention is "
+                            "--attention-backend's sdpa or local, or --use-flash-attn's flash-attn).")
+
+
+def validate_dpp_args(args: argparse.Namespace) -> None:
+    from megatron_dpp.pipeline import check_policy_layout, parse_memory_budget
+
+    try:
+        args.dpp_memory_budget_bytes = parse_memory_budget(args.dpp_memory_budget,
+                                                           what="--dpp-memory-budget")
+    except ValueError as error:
+        raise ArgsError(str(error)) from None
+    require(args.dpp_timeout > 0, f"--dpp-timeout must be positive seconds, got {args.dpp_timeout}")
+    if not args.use_dpp:
+        require(not getattr(args, "dpp_split_backward", False),
+                "--dpp-split-backward splits the backward of the DPP runtime; add --use-dpp or "
+                "drop --dpp-split-backward")
+        return
+    require(args.pipeline_model_parallel_size >= 2,
+            "--use-dpp schedules a pipeline; set --pipeline-model-parallel-size 2 or more, or drop "
+            "--use-dpp")
+    try:
+        check_policy_layout(args.dpp_policy, args.virtual_pipeline_model_parallel_size or 1)
+    except ValueError as error:
+        raise ArgsError(f"--dpp-policy {error}") from None
+    _validate_split_backward(args)
+
+
+def _validate_split_backward(args: argparse.Namespace) -> None:
+    """--dpp-split-backward (with --use-dpp; checked above): what the deferred layers (megatron_dpp.models.weight_grad) cover.
+    Transformer Engine needs no check: with the flag the model is built from Megatron-Core's local
+    layers even where Transformer Engine is installed (with our SDPA or flash-attn core attention
+    on a GPU, megatron_dpp.kernels); gradient-accumulation fusion, RMSNorm and
+    multi-token prediction have no flag here (always off)."""
+    if not getattr(args, "dpp_split_backward", False):
+        return
+    require(not args.sequence_parallel,
+            "--dpp-split-backward does not support --sequence-parallel (deferred weight gradients "
+            "cover Megatron-Core's local layers without it); drop one of them")
+    require(args.attention_backend not in TRANSFORMER_ENGINE_BACKENDS,
+            f"--dpp-split-backward builds Megatron-Core's local layers, not Transformer Engine's "
+            f"attention; drop --attention-backend {args.attention_backend} or "
+            f"--dpp-split-backward")

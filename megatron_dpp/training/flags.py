@@ -1,0 +1,261 @@
+"""The training loop's flags and their checks, in --help's groups "training" (optimization, batch,
+precision, garbage collection), "checkpointing", "logging and evaluation", "tracing" (--trace,
+training/tracing.py) and "profiling" (Megatron-LM's --profile window, training/profiler_window.py;
+--nvtx). training/config.py turns the parsed flags into config dataclasses; megatron_dpp.arguments
+composes this module with the other packages' flags.
+
+Standard library and torch only: tracing.py and profiler_window.py import Megatron-Core, which the
+flag check must not load.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from megatron_dpp.flag_errors import add_refused_flags, require
+
+
+# ----------------------------------------------------------------------------------------------
+# optimization, batch, precision
+# ----------------------------------------------------------------------------------------------
+def add_training_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("training")
+    group.add_argument("--micro-batch-size", type=int, default=None,
+                       help="Samples per micro-batch on one data-parallel rank.")
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="Samples per optimizer step across all data-parallel ranks "
+                            "(default: micro-batch size x data-parallel size).")
+    group.add_argument("--train-iters", type=int, default=None, help="Optimizer steps to train.")
+    group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    group.add_argument("--min-lr", type=float, default=0.0, help="Learning rate floor of the decay.")
+    group.add_argument("--lr-decay-style", type=str, default="linear",
+                       choices=["constant", "linear", "cosine", "inverse-square-root"],
+                       help="Learning rate decay function.")
+    group.add_argument("--lr-decay-iters", type=int, default=None,
+                       help="Iterations to decay over (default: --train-iters).")
+    group.add_argument("--lr-warmup-iters", type=int, default=0,
+                       help="Iterations of linear warmup from 0 to --lr.")
+    group.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay.")
+    group.add_argument("--clip-grad", type=float, default=1.0,
+                       help="Clip gradients to this global L2 norm (0 disables clipping).")
+    group.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
+    group.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
+    group.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
+    group.add_argument("--seed", type=int, default=1234, help="Random seed.")
+    group.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (GPU only).")
+    group.add_argument("--fp16", action="store_true",
+                       help="float16 mixed precision with dynamic loss scaling (GPU only).")
+    group.add_argument("--manual-gc", action="store_true",
+                       help="Disable Python's automatic garbage collector and collect every "
+                            "--manual-gc-interval iterations, aligned across ranks.")
+    group.add_argument("--manual-gc-interval", type=int, default=0,
+                       help="Iterations between manual collections (0: only around evaluation).")
+    group.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                       help="With --manual-gc: do not collect at the start and the end of each "
+                            "evaluation (without --manual-gc Python's collector runs as usual).")
+
+
+def validate_training_args(args: argparse.Namespace) -> None:
+    require(args.micro_batch_size is not None and args.micro_batch_size > 0,
+            "--micro-batch-size is required and must be positive")
+    require(args.train_iters is not None and args.train_iters > 0,
+            "--train-iters is required and must be positive")
+    require(args.lr is not None and args.lr >= 0, "--lr is required and must be >= 0")
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    require(args.global_batch_size > 0 and args.global_batch_size % per_step == 0,
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}; use a "
+            f"multiple of {per_step}")
+    args.num_microbatches = args.global_batch_size // per_step
+    require(0 <= args.min_lr <= args.lr, f"--min-lr {args.min_lr} must be in [0, --lr]")
+    require(args.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    require(args.lr_decay_iters > args.lr_warmup_iters,
+            f"--lr-decay-iters {args.lr_decay_iters} must exceed --lr-warmup-iters "
+            f"{args.lr_warmup_iters}")
+    require(args.clip_grad >= 0, "--clip-grad must be >= 0")
+    require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; pick one")
+    cuda = torch.cuda.is_available()
+    if args.bf16 or args.fp16:
+        require(cuda, f"--{'bf16' if args.bf16 else 'fp16'} needs a CUDA GPU; on CPU train in "
+                      f"fp32 (remove the flag)")
+    require(args.manual_gc_interval >= 0, "--manual-gc-interval must be >= 0")
+    require(args.manual_gc or args.manual_gc_interval == 0,
+            "--manual-gc-interval needs --manual-gc")
+    if args.virtual_pipeline_model_parallel_size is not None:
+        pp = args.pipeline_model_parallel_size
+        require(args.num_microbatches % pp == 0,
+                f"the interleaved schedule needs the number of micro-batches "
+                f"({args.num_microbatches}) to be a multiple of --pipeline-model-parallel-size "
+                f"{pp}; adjust --global-batch-size")
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints
+# ----------------------------------------------------------------------------------------------
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("checkpointing")
+    group.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
+    group.add_argument("--load", type=str, default=None,
+                       help="Directory to resume from (its latest checkpoint).")
+    group.add_argument("--save-interval", type=int, default=None,
+                       help="Save a checkpoint every this many iterations (needs --save).")
+
+
+def validate_checkpoint_args(args: argparse.Namespace) -> None:
+    if args.save_interval is not None:
+        require(args.save_interval > 0, "--save-interval must be positive")
+        require(args.save is not None, "--save-interval needs --save DIR")
+    if args.load is not None:
+        require(os.path.isdir(args.load),
+                f"--load {args.load}: no such directory; point it at a --save directory")
+
+
+# ----------------------------------------------------------------------------------------------
+# logging and evaluation
+# ----------------------------------------------------------------------------------------------
+def add_logging_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("logging and evaluation")
+    group.add_argument("--log-interval", type=int, default=100,
+                       help="Print an iteration line every this many iterations.")
+    group.add_argument("--eval-interval", type=int, default=1000,
+                       help="Evaluate on the validation set every this many iterations.")
+    group.add_argument("--eval-iters", type=int, default=100,
+                       help="Batches per evaluation (0 disables evaluation).")
+
+
+def validate_logging_args(args: argparse.Namespace) -> None:
+    require(args.log_interval > 0, "--log-interval must be positive")
+    require(args.eval_interval > 0, "--eval-interval must be positive")
+    require(args.eval_iters >= 0, "--eval-iters must be >= 0")
+
+
+# ----------------------------------------------------------------------------------------------
+# tracing
+# ----------------------------------------------------------------------------------------------
+def add_trace_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("tracing")
+    group.add_argument("--trace", action="store_true",
+                       help="Record what every pipeline rank did (each task, each wait and its reason, "
+                            "each message; with --use-dpp also the activation bytes held) as one "
+                            "Chrome trace per rank, on rank 0's clock: "
+                            "TRACE_DIR/<run>/benchmark-rank<R>.json, written when training ends. "
+                            "Records the DPP runtime with --use-dpp, else Megatron's own 1F1B or "
+                            "interleaved schedule (run over --p2p-transport, torch included).")
+    group.add_argument("--trace-dir", type=str, default="benchmark",
+                       help="Directory that gets one sub-directory per traced or profiled run (--trace, "
+                            "--profile --use-pytorch-profiler), named by its start "
+                            "time, layout and schedule (e.g. 20261124-153000-pp2-dpp, "
+                            "20261124-153000-pp2-vpp2-interleaved).")
+
+
+def validate_trace_args(args: argparse.Namespace) -> None:
+    if not args.trace:
+        return
+    require(args.pipeline_model_parallel_size >= 2,
+            "--trace records a pipeline schedule; set --pipeline-model-parallel-size 2 or more, or "
+            "drop --trace")
+    check_trace_dir(args.trace_dir)
+
+
+def check_trace_dir(trace_dir: str) -> None:
+    """--trace-dir, where --trace and --profile write: a directory, or one that can be made."""
+    require(not os.path.exists(trace_dir) or os.path.isdir(trace_dir),
+            f"--trace-dir {trace_dir} exists and is not a directory; pick another path")
+    # Made with its missing parents (os.makedirs): the nearest existing ancestor must take it.
+    ancestor = os.path.dirname(os.path.abspath(trace_dir))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    require(os.path.isdir(trace_dir) or (os.path.isdir(ancestor) and os.access(ancestor, os.W_OK)),
+            f"--trace-dir {trace_dir}: cannot create it in {ancestor}; pick a writable path")
+
+
+# ----------------------------------------------------------------------------------------------
+# profiling (Megatron-LM's --profile flags; training/profiler_window.py)
+# ----------------------------------------------------------------------------------------------
+# nsys options that Megatron-LM's --profile help shows: refused, each with its reason
+# (flag_errors.py).
+NSYS_OPTIONS = ("--force-overwrite", "--capture-range", "--capture-range-end")
+REFUSED_PROFILE_FLAGS: dict[str, str] = {
+    flag: "is an option of `nsys profile` (Megatron-LM's --profile help shows it on the nsys "
+          "command line), not of training; give it to nsys"
+    for flag in NSYS_OPTIONS}
+PROFILE_STEP_START, PROFILE_STEP_END, PROFILE_RANKS = 10, 12, [0]
+
+
+def add_profile_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("profiling")
+    group.add_argument("--profile", action="store_true",
+                       help="As in Megatron-LM: on each rank of --profile-ranks, open an nsys capture "
+                            "range (torch.cuda.cudart().cudaProfilerStart()) when iteration "
+                            "--profile-step-start starts and close it (cudaProfilerStop()) before "
+                            "iteration --profile-step-end, for `nsys profile "
+                            "--capture-range=cudaProfilerApi --capture-range-end=stop ...` around "
+                            "the training command; needs a CUDA GPU. With --use-pytorch-profiler: "
+                            "torch.profiler over the same iterations instead.")
+    group.add_argument("--use-pytorch-profiler", action="store_true",
+                       help="With --profile, as in Megatron-LM: torch.profiler instead of the nsys "
+                            "capture range (CPU activities; CUDA too on a GPU; with shapes), which "
+                            "writes TRACE_DIR/<run>/profile-rank<R>.json (a Chrome trace) on each "
+                            "rank of --profile-ranks when the window closes. Works on CPU.")
+    group.add_argument("--profile-step-start", type=int, default=None,
+                       help=f"With --profile: the first profiled iteration, counted as Megatron-LM "
+                            f"does (iterations completed before it; default {PROFILE_STEP_START}, "
+                            f"i.e. the one logged as iteration {PROFILE_STEP_START + 1}).")
+    group.add_argument("--profile-step-end", type=int, default=None,
+                       help=f"With --profile: profiling stops before this iteration (default "
+                            f"{PROFILE_STEP_END}); at most --train-iters.")
+    group.add_argument("--profile-ranks", type=int, nargs="+", default=None, metavar="RANK",
+                       help=f"With --profile: the global ranks that profile (default "
+                            f"{' '.join(map(str, PROFILE_RANKS))}).")
+    add_refused_flags(group, REFUSED_PROFILE_FLAGS, taking_a_value=NSYS_OPTIONS)
+    group.add_argument("--nvtx", action="store_true",
+                       help="On a CUDA GPU: an NVTX range around each pipeline task, named like the "
+                            "task (F3.0, B3.0, W3.0), for nsys or Nsight: around each task the DPP "
+                            "runtime runs with --use-dpp, else around each forward and backward step "
+                            "of Megatron's own 1F1B or interleaved schedule (pipeline size 2 or "
+                            "more); and a range around each iteration's gradient sync and optimizer "
+                            "step.")
+
+
+def validate_profile_args(args: argparse.Namespace) -> None:
+    window = {"--profile-step-start": args.profile_step_start,
+              "--profile-step-end": args.profile_step_end, "--profile-ranks": args.profile_ranks,
+              "--use-pytorch-profiler": args.use_pytorch_profiler or None}
+    if not args.profile:
+        given = [flag for flag, value in window.items() if value is not None]
+        require(not given, f"{' and '.join(given)} need --profile; add it or drop them")
+    else:
+        require(args.use_pytorch_profiler or torch.cuda.is_available(),
+                "--profile opens an nsys capture range (cudaProfilerStart/Stop), which needs a "
+                "CUDA GPU and there is none here; add --use-pytorch-profiler for torch.profiler")
+        if args.profile_step_start is None:
+            args.profile_step_start = PROFILE_STEP_START
+        if args.profile_step_end is None:
+            args.profile_step_end = PROFILE_STEP_END
+        if args.profile_ranks is None:
+            args.profile_ranks = list(PROFILE_RANKS)
+        start, end = args.profile_step_start, args.profile_step_end
+        require(0 <= start < end, f"--profile-step-start {start} must be >= 0 and below "
+                                  f"--profile-step-end {end}")
+        require(end <= args.train_iters,
+                f"--profile-step-end {end} is past --train-iters {args.train_iters}; lower it (the "
+                f"profiled iterations are [--profile-step-start, --profile-step-end))")
+        outside = [rank for rank in args.profile_ranks if not 0 <= rank < args.world_size]
+        require(not outside, f"--profile-ranks {' '.join(map(str, outside))}: not a rank of a "
+                             f"world of {args.world_size} (0..{args.world_size - 1})")
+        args.profile_ranks = sorted(set(args.profile_ranks))
+        if args.use_pytorch_profiler:  # the nsys capture range writes nothing itself
+            check_trace_dir(args.trace_dir)
+    if args.nvtx:
+        require(torch.cuda.is_available(),
+                "--nvtx annotates CUDA work for nsys and there is no CUDA GPU here; drop --nvtx "
+                "(--trace and --profile --use-pytorch-profiler work on CPU)")
+        require(args.use_dpp or args.pipeline_model_parallel_size >= 2,
+                "--nvtx names pipeline tasks; set --pipeline-model-parallel-size 2 or more (or "
+                "--use-dpp), or drop --nvtx")
