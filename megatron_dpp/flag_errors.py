@@ -8,6 +8,7 @@ them as {flag: why it cannot apply} (the error is "FLAG REASON; remove it")."""
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Collection, Mapping
 
 
@@ -38,3 +39,30 @@ def check_refused_flags(args: argparse.Namespace, refused: Mapping[str, str]) ->
     """The first flag of `refused` given: one line with its reason."""
     for flag, reason in refused.items():
         require(getattr(args, _refused_dest(flag)) is None, f"{flag} {reason}; remove it")
+
+
+def require_output_dir(flag: str, path: str) -> None:
+    """A flag naming a directory the run writes into (--save, --trace-dir, --data-cache-path): an
+    existing writable directory, or one that can be made with its missing parents (os.makedirs),
+    i.e. no file on the path and a writable nearest existing ancestor."""
+    require(bool(path), f"{flag} is empty; give a directory")
+    require(not os.path.exists(path) or os.path.isdir(path),
+            f"{flag} {path} exists and is not a directory; pick another path")
+    if os.path.isdir(path):
+        require(os.access(path, os.W_OK | os.X_OK),
+                f"{flag} {path}: the directory is not writable; pick a writable path")
+        return
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    require(os.path.isdir(ancestor) and os.access(ancestor, os.W_OK | os.X_OK),
+            f"{flag} {path}: cannot create it in {ancestor}; pick a writable path")
+
+
+def require_input_dir(flag: str, path: str, what: str) -> None:
+    """A flag naming a directory the run reads (--load): it exists, is a directory and readable.
+    what: what the directory should be, for the message ("a --save directory")."""
+    require(os.path.exists(path), f"{flag} {path}: no such directory; point it at {what}")
+    require(os.path.isdir(path), f"{flag} {path} is not a directory; point it at {what}")
+    require(os.access(path, os.R_OK | os.X_OK),
+            f"{flag} {path}: the directory is not readable; point it at {what}")

@@ -14,7 +14,31 @@
 #                              rounded down to a multiple of PP x TP. CPU: PP=2, NPROC=2)
 #   launch_precheck            bad flags: one line, exit 2, before torchrun starts
 #   launch_start NODE_RANK     prints the layout and execs torchrun, or prints its command (DRY_RUN)
+# Paths are the caller's: a relative path in a path-valued flag (LAUNCH_PATH_FLAGS, --strategy),
+# in DATA_DIR, DATA_ARGS or DPP_VENV, is resolved against the directory the launcher was run from,
+# before anything changes directory (the precheck and torchrun run in the repository root).
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CALLER_DIR="$PWD"
+# The trainer's flags that name files or directories (megatron_dpp/arguments.py); --data-path also
+# takes a blend, W1 PREFIX1 W2 PREFIX2 ...
+LAUNCH_PATH_FLAGS=(--data-path --data-cache-path --vocab-file --merge-file --save --load --trace-dir)
+
+# launch_abspath VAR PATH: VAR = PATH made absolute against CALLER_DIR (a leading ~ is the home
+# directory, as DATA_ARGS's words are not expanded by a shell); empty and absolute paths unchanged.
+launch_abspath() {
+  local abspath="$2"  # not the caller's VAR: its name is never "abspath"
+  case "$abspath" in
+    "~") abspath="$HOME" ;;
+    "~/"*) abspath="$HOME/${abspath#"~/"}" ;;
+  esac
+  if [ -n "$abspath" ] && [[ "$abspath" != /* ]]; then
+    while [[ "$abspath" == ./* ]]; do abspath="${abspath#./}"; abspath="${abspath#"${abspath%%[!/]*}"}"; done
+    if [ -z "$abspath" ] || [ "$abspath" = . ]; then abspath="$CALLER_DIR"; else abspath="$CALLER_DIR/$abspath"; fi
+  fi
+  printf -v "$1" '%s' "$abspath"
+}
+
+if [ -n "${DPP_VENV:-}" ]; then launch_abspath DPP_VENV "$DPP_VENV"; fi
 VENV="${DPP_VENV:-$REPO_ROOT/.venv}"
 PY="$VENV/bin/python"
 # Both sides of a multi-node job must agree on the port, so it cannot be picked at random.
@@ -55,6 +79,47 @@ launch_sample_data_flags() {
     DATA_FLAGS=(--data-path "$dir/sample_text_document" --vocab-file "$dir/vocab.json"
                 --merge-file "$dir/merges.txt" --split 98,2,0)
   fi
+}
+
+# launch_resolve_paths: every path of ALL_FLAGS (the LAUNCH_PATH_FLAGS, as `--flag VALUE` or
+# `--flag=VALUE`) made absolute against the caller's directory; in a blend `--data-path W1 P1 W2 P2`
+# the prefixes only (as megatron_dpp.data.datasets.parse_data_path reads it: one value is a prefix,
+# an even number are weight-prefix pairs; anything else is left for the flag check to refuse).
+launch_resolve_paths() {
+  local resolved=() n=${#ALL_FLAGS[@]} i=0 j word name path values
+  while [ "$i" -lt "$n" ]; do
+    word="${ALL_FLAGS[i]}"
+    i=$((i + 1))
+    name="${word%%=*}"
+    if [[ " ${LAUNCH_PATH_FLAGS[*]} " != *" $name "* ]]; then
+      resolved+=("$word")
+    elif [ "$name" != "$word" ]; then  # --flag=VALUE: one value
+      launch_abspath path "${word#*=}"
+      resolved+=("$name=$path")
+    elif [ "$name" = --data-path ]; then
+      values=()
+      while [ "$i" -lt "$n" ] && [[ "${ALL_FLAGS[i]}" != -* ]]; do
+        values+=("${ALL_FLAGS[i]}")
+        i=$((i + 1))
+      done
+      if [ "${#values[@]}" -eq 1 ]; then
+        launch_abspath 'values[0]' "${values[0]}"
+      elif [ $((${#values[@]} % 2)) -eq 0 ]; then
+        for ((j = 1; j < ${#values[@]}; j += 2)); do
+          launch_abspath "values[$j]" "${values[j]}"
+        done
+      fi
+      resolved+=("$word" "${values[@]}")
+    else
+      resolved+=("$word")
+      if [ "$i" -lt "$n" ] && [[ "${ALL_FLAGS[i]}" != -* ]]; then
+        launch_abspath path "${ALL_FLAGS[i]}"
+        resolved+=("$path")
+        i=$((i + 1))
+      fi
+    fi
+  done
+  ALL_FLAGS=("${resolved[@]}")
 }
 
 launch_fail() {
@@ -245,7 +310,7 @@ launch_prepare() {
   if [ -n "${DATA_ARGS:-}" ]; then
     read -r -a data_flags <<<"$DATA_ARGS"
   else
-    DATA_DIR="${DATA_DIR:-$REPO_ROOT/data/sample}"
+    launch_abspath DATA_DIR "${DATA_DIR:-$REPO_ROOT/data/sample}"
     launch_sample_data_flags "$DATA_DIR"
     data_flags=("${DATA_FLAGS[@]}")
   fi
@@ -269,6 +334,7 @@ launch_prepare() {
   # Extra arguments come last, so they override the recipe's (and the strategy's) flags.
   ALL_FLAGS=("${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${LOGGING_ARGS[@]}"
              "${data_flags[@]}" "${parallel_flags[@]}" "${node_flags[@]}" "${EXTRA_ARGS[@]}")
+  launch_resolve_paths
 }
 
 launch_precheck() {

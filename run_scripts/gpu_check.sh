@@ -23,6 +23,8 @@
 #   -h, --help                  this text
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# Relative paths (DPP_VENV, --output-dir) are the caller's; this script later runs in REPO_ROOT.
+if [ -n "${DPP_VENV:-}" ] && [[ "$DPP_VENV" != /* ]]; then DPP_VENV="$PWD/$DPP_VENV"; fi
 PY="${DPP_VENV:-$REPO_ROOT/.venv}/bin/python"
 NAME=gpu_check
 # The GPU recipes' sequence lengths, passed to the smoke runs and the anchor alike.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Train GPT on several nodes: run this on the master (node 0) and run_worker_gpt.sh on every other
 # node, with the same environment apart from NODE_RANK. Environment variables choose everything;
-# nothing is written to disk. Works from any directory.
+# nothing is written to disk. Works from any directory
+# (relative paths, in flags and variables, are the caller's).
 #
 #   NODE_IPS=10.0.0.1,10.0.0.2 bash run_scripts/run_master_gpt.sh                      # node 0
 #   NODE_IPS=10.0.0.1,10.0.0.2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Train GPT on one node: all GPUs, or 2 CPU ranks (pipeline size 2) when there is no GPU.
-# Works from any directory; sets up the environment and the sample data when missing.
+# Works from any directory, whose relative paths it takes (flags, DATA_DIR, DATA_ARGS, --strategy);
+# sets up the environment and the sample data when missing.
 #
 # Environment (all optional):
 #   PP, TP        pipeline / tensor parallel sizes (default TP=1; PP=2 on CPU and on 2 or more GPUs,

@@ -12,7 +12,8 @@
 #
 # Submit from the repository root: sbatch runs a copy of this script, and the repository is then
 # found as SLURM_SUBMIT_DIR. Run as the batch script (outside any job step), it checks the flags
-# and starts itself once per node with `srun --ntasks-per-node=1`.
+# and starts itself once per node with `srun --ntasks-per-node=1`. Relative paths, in flags and
+# variables, are the job's working directory's (the submit directory unless sbatch --chdir).
 #
 # From SLURM (the job step's variables when inside one, else the job's):
 #   NNODES        SLURM_STEP_NUM_NODES, SLURM_JOB_NUM_NODES or SLURM_NNODES

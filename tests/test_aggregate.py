@@ -56,7 +56,7 @@ def _tag(iteration: int, task: str) -> int:
 
 
 def write_synthetic_run(directory: Path, name: str = "synthetic-pp2-dpp", scale: float = 1.0,
-                        iterations: int = 2, world_size=None, rank1_clock_offset_us: float = 0.0) -> Path:
+                        iterations: int = 2, world_size: int = 2, rank1_clock_offset_us: float = 0.0) -> Path:
     """Iteration i starts at 1 s * i and runs the schedule above; iteration 0 twice as slow (a
     warm-up), every iteration `scale` times as slow. With rank1_clock_offset_us, rank 1's events are
     written on a clock that far ahead, with the uncorrected alignment that says so."""
@@ -92,10 +92,8 @@ def write_synthetic_run(directory: Path, name: str = "synthetic-pp2-dpp", scale:
                     recorder.message(f"send {task}", at(computed), {"peer": 1 - rank, "tag": _tag(iteration, task),
                                                                     "bytes": 64})
                     recorder.wait(at(computed), at(end), f"{POSTING_SEND} {task}")
-        metadata = {"run": name, "rank": rank, "pipeline_rank": rank, "tensor_rank": 0, "data_rank": 0,
-                    "policy": "1f1b"}
-        if world_size is not None:
-            metadata["world_size"] = world_size
+        metadata = {"run": name, "rank": rank, "world_size": world_size, "pipeline_rank": rank,
+                    "tensor_rank": 0, "data_rank": 0, "policy": "1f1b"}
         events = recorder.events
         if rank == 1 and rank1_clock_offset_us:
             events = [{**e, "ts": e["ts"] + rank1_clock_offset_us} if "ts" in e else e for e in events]
@@ -199,6 +197,107 @@ def _error(result) -> str:
     return lines[0]
 
 
+def _edit_rank_file(path: Path, edit) -> None:
+    """Rewrite one rank file (still valid JSON) after edit(document) changed it in place."""
+    document = json.loads(path.read_text())
+    edit(document)
+    path.write_text(json.dumps(document))
+
+
+def _drop_events(path: Path, keep) -> None:
+    """Keep only the events keep(event) accepts."""
+    _edit_rank_file(path, lambda d: d.update(traceEvents=[e for e in d["traceEvents"] if keep(e)]))
+
+
+def _is_task(event: dict, name: str = "", iteration=None) -> bool:
+    return (event.get("cat") in ("forward", "backward", "weight-grad")
+            and event["name"].startswith(name)
+            and (iteration is None or event["args"]["iteration"] == iteration))
+
+
+def _set_metadata(path: Path, **values) -> None:
+    _edit_rank_file(path, lambda d: d["otherData"].update(values))
+
+
+def _del_metadata(path: Path, *keys) -> None:
+    _edit_rank_file(path, lambda d: [d["otherData"].pop(key) for key in keys])
+
+
+def _halve_events(path: Path) -> None:
+    """The first half of the events (a recorder's file cut where an iteration ends or midway)."""
+    _edit_rank_file(path, lambda d: d.update(traceEvents=d["traceEvents"][:len(d["traceEvents"]) // 2]))
+
+
+def _duplicate_task(path: Path) -> None:
+    def edit(document):
+        first = next(e for e in document["traceEvents"] if _is_task(e))
+        document["traceEvents"].append(dict(first))
+    _edit_rank_file(path, edit)
+
+
+# Damaged rank files: (what is done to benchmark-rank1.json of a complete run, the one-line error).
+# Each is refused before any table is printed (nothing on stdout). The same damage to a real traced
+# run is refused in test_real_traced_runs_aggregate_and_compare.
+RANK1_FILE = "benchmark-rank1.json"
+BAD_RANK_FILES = {
+    "no_events": (lambda p: _drop_events(p, lambda e: False),
+                  f"{RANK1_FILE}: no task events (an empty or cut rank file"),
+    "only_metadata_events": (lambda p: _drop_events(p, lambda e: e.get("ph") == "M"),
+                             f"{RANK1_FILE}: no task events"),
+    "half_its_events": (_halve_events, f"{RANK1_FILE}: no events of iteration(s) 1, which other ranks "
+                                       f"record (an incomplete rank file)"),
+    "an_iteration_missing": (lambda p: _drop_events(p, lambda e: "iteration" not in e.get("args", {})
+                                                    or e["args"]["iteration"] != 1
+                                                    if e.get("cat") != "iteration"
+                                                    else e["name"] != "iteration 1"),
+                             f"{RANK1_FILE}: no events of iteration(s) 1"),
+    "backwards_missing": (lambda p: _drop_events(p, lambda e: not _is_task(e, "B", iteration=1)),
+                          f"{RANK1_FILE}: iteration 1 lacks 2 of the 4 tasks every rank runs (B0.0, "
+                          f"B1.0; 2 microbatches x 1 chunks x F/B): an incomplete rank file"),
+    "one_task_missing": (lambda p: _drop_events(p, lambda e: not _is_task(e, "F1.0", iteration=0)),
+                         f"{RANK1_FILE}: iteration 0 lacks 1 of the 4 tasks every rank runs (F1.0;"),
+    "a_task_twice": (_duplicate_task, f"{RANK1_FILE}: iteration 0 records F0.0 more than once"),
+    "world_size_a_string": (lambda p: _set_metadata(p, world_size="two"),
+                            f"{RANK1_FILE}: otherData.world_size is 'two'; expected an integer above 0 "
+                            f"(the number of ranks)"),
+    "world_size_zero": (lambda p: _set_metadata(p, world_size=0),
+                        f"{RANK1_FILE}: otherData.world_size is 0; expected an integer above 0"),
+    "rank_a_float": (lambda p: _set_metadata(p, rank=1.0),
+                     f"{RANK1_FILE}: otherData.rank is 1.0; expected an integer >= 0 (the global rank)"),
+    "pipeline_rank_negative": (lambda p: _set_metadata(p, pipeline_rank=-1),
+                               f"{RANK1_FILE}: otherData.pipeline_rank is -1; expected an integer >= 0"),
+    "policy_a_number": (lambda p: _set_metadata(p, policy=3),
+                        f"{RANK1_FILE}: otherData.policy is 3; expected a string"),
+    "node_a_string": (lambda p: _set_metadata(p, node="0"),
+                      f"{RANK1_FILE}: otherData.node is '0'; expected an integer >= 0 (the node rank)"),
+    "clock_alignment_a_list": (lambda p: _set_metadata(p, clock_alignment=[1, 2]),
+                               f"{RANK1_FILE}: otherData.clock_alignment is [1, 2]; expected an object"),
+    "world_size_missing": (lambda p: _del_metadata(p, "world_size"),
+                           f"{RANK1_FILE}: otherData lacks world_size (a rank trace has run, rank, "
+                           f"world_size, pipeline_rank, tensor_rank, data_rank, policy)"),
+    "keys_missing": (lambda p: _del_metadata(p, "rank", "pipeline_rank"),
+                     f"{RANK1_FILE}: otherData lacks rank, pipeline_rank"),
+    "rank_mismatch": (lambda p: _set_metadata(p, rank=0), f"{RANK1_FILE}: its otherData says rank 0"),
+    "truncated_json": (lambda p: p.write_text(p.read_text()[: len(p.read_text()) // 2]),
+                       f"{RANK1_FILE}: truncated or invalid JSON"),
+    "not_a_trace": (lambda p: p.write_text("[]"), f"{RANK1_FILE}: not a rank trace"),
+    "uncorrected_clock_without_numbers": (
+        lambda p: _set_metadata(p, clock_alignment={"timestamps_corrected": False}),
+        f"{RANK1_FILE}: clock_alignment"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(BAD_RANK_FILES))
+def test_bad_rank_file_is_one_line_and_exit_2(tmp_path, case):
+    damage, expected = BAD_RANK_FILES[case]
+    run = write_synthetic_run(tmp_path / "runs")
+    damage(run / RANK1_FILE)
+    result = aggregate("--benchmark_dir", run)
+    assert expected in _error(result), result.stderr
+    assert result.stdout == "", result.stdout  # no table measured from the damaged file
+
+
 @pytest.mark.timeout(300)
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     empty = tmp_path / "empty"
@@ -217,12 +316,6 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     other = write_synthetic_run(tmp_path / "other", "run-two")
     shutil.copy(other / "benchmark-rank1.json", mixed / "benchmark-rank1.json")
     assert "files from different runs" in _error(aggregate("--benchmark_dir", mixed))
-
-    cut = write_synthetic_run(tmp_path / "cut")
-    text = (cut / "benchmark-rank1.json").read_text()
-    (cut / "benchmark-rank1.json").write_text(text[: len(text) // 2])
-    message = _error(aggregate("--benchmark_dir", cut))
-    assert "benchmark-rank1.json: truncated or invalid JSON" in message
 
     two = tmp_path / "two"
     write_synthetic_run(two, "run-x")
@@ -306,3 +399,18 @@ def test_real_traced_runs_aggregate_and_compare(tmp_path):
     for suffix in ("timeline", "bubble", f"vs-{other.name}-timeline", f"vs-{other.name}-iterations"):
         png = run_dir / f"{run_dir.name}-{suffix}.png"
         assert png.stat().st_size > 1000, png
+    # A real trace satisfies the completeness rule (above); the same run with rank 1's file
+    # damaged is refused in one line, before any table.
+    for case, damage, expected in (
+            ("empty", lambda p: _drop_events(p, lambda e: False), "no task events"),
+            ("half", _halve_events, "no events of iteration(s) "),
+            ("backwards", lambda p: _drop_events(p, lambda e: not _is_task(e, "B", iteration=1)),
+             f"iteration 1 lacks {MICROBATCHES} of the {2 * MICROBATCHES} tasks every rank runs"),
+            ("world_size", lambda p: _set_metadata(p, world_size="two"),
+             "otherData.world_size is 'two'")):
+        damaged = tmp_path / f"damaged-{case}" / dpp_dir.name
+        shutil.copytree(dpp_dir, damaged)
+        damage(damaged / RANK1_FILE)
+        result = aggregate("--benchmark_dir", damaged)
+        assert expected in _error(result), (case, result.stderr)
+        assert result.stdout == "", (case, result.stdout)

@@ -15,10 +15,16 @@ TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         "--train-iters", "5", "--lr", "1e-3"]
 
 
-def run_validation(args, world_size=1, timeout=60):
+# An existing file where a directory is expected; an address no machine here has (TEST-NET-3).
+A_FILE = str(REPO_ROOT / "pyproject.toml")
+FOREIGN = "203.0.113.7"
+
+
+def run_validation(args, world_size=1, timeout=60, env_extra=None):
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE=str(world_size), RANK="0")
     for name in ("MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE", "GROUP_RANK"):
         env.pop(name, None)
+    env.update(env_extra or {})
     return subprocess.run([PYTHON, "-m", "megatron_dpp.pretrain_gpt", *args], env=env,
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
@@ -97,6 +103,88 @@ BAD_FLAGS = {
     "multi_node_without_node_count": (["--multi-node", "--node-ips", "10.0.0.1"], 1,
                                       "--multi-node: GROUP_WORLD_SIZE (the number of nodes) is "
                                       "not set"),
+    # The launchers' pre-check sets GROUP_WORLD_SIZE (ENV below): a one-node job is node 0, whose
+    # address must be this machine's; torchrun's ranks also know their node (GROUP_RANK).
+    "multi_node_on_one_node_foreign_address": (["--multi-node", "--node-ips", FOREIGN], 1,
+                                               f"--node-ips gives node rank 0 the address {FOREIGN}, "
+                                               f"but no interface of this machine has it"),
+    "multi_node_this_node_foreign_address": (["--multi-node", "--node-ips", f"127.0.0.1,{FOREIGN}"],
+                                             2, f"--node-ips gives node rank 1 the address "
+                                                f"{FOREIGN}, but no interface"),
+    "multi_node_count_mismatch": (["--multi-node", "--node-ips", "127.0.0.1,127.0.0.2"], 1,
+                                  "the job has 1 node but 2 addresses are given"),
+    # --dpp-memory-budget below what the dynamic policies need: refused before launch, with the
+    # minimum the runtime would refuse it with (test_budget_minimum_is_the_runtimes below).
+    "memory_budget_below_minimum": (["--pipeline-model-parallel-size", "2", "--use-dpp",
+                                     "--dpp-memory-budget", "10"], 2,
+                                    "--dpp-memory-budget 10 (10 bytes) is below the minimum "
+                                    "993280 bytes of --dpp-policy dpp:adaptive"),
+    "memory_budget_below_minimum_interleaved": (["--pipeline-model-parallel-size", "2", "--use-dpp",
+                                                 "--num-layers-per-virtual-pipeline-stage", "1",
+                                                 "--dpp-policy", "dpp:greedy",
+                                                 "--dpp-memory-budget", "900kB"], 2,
+                                                "--dpp-memory-budget 900kB (900000 bytes) is below "
+                                                "the minimum 993280 bytes of --dpp-policy "
+                                                "dpp:greedy on these flags (one full-length "
+                                                "microbatch, --seq-length x --micro-batch-size, on "
+                                                "each of the 2 model chunks of a rank)"),
+    "memory_budget_not_a_size": (["--dpp-memory-budget", "lots"], 1,
+                                 "--dpp-memory-budget 'lots': expected 'auto', 'provisioned' or a "
+                                 "byte count"),
+    "memory_budget_zero": (["--dpp-memory-budget", "0"], 1,
+                           "--dpp-memory-budget '0': the budget must be positive"),
+    # Paths: checked before launch, not when training first writes or reads them.
+    "save_is_a_file": (["--save", A_FILE], 1, f"--save {A_FILE} exists and is not a directory"),
+    "save_under_a_file": (["--save", f"{A_FILE}/checkpoints"], 1,
+                          f"--save {A_FILE}/checkpoints: cannot create it in {A_FILE}"),
+    "load_is_a_file": (["--load", A_FILE], 1,
+                       f"--load {A_FILE} is not a directory; point it at a --save directory"),
+    "load_missing": (["--load", "/nonexistent/checkpoints"], 1,
+                     "--load /nonexistent/checkpoints: no such directory"),
+    "trace_dir_is_a_file": (["--pipeline-model-parallel-size", "2", "--trace", "--trace-dir", A_FILE],
+                            2, f"--trace-dir {A_FILE} exists and is not a directory"),
+    "data_cache_path_under_a_file": (["--data-cache-path", f"{A_FILE}/cache"], 1,
+                                     f"--data-cache-path {A_FILE}/cache: cannot create it in "
+                                     f"{A_FILE}"),
+    # Value ranges: each says what is wrong.
+    "global_batch_zero": (["--global-batch-size", "0"], 1,
+                          "--global-batch-size must be positive, got 0; use a multiple of "
+                          "--micro-batch-size 1 x data-parallel size 1 = 1"),
+    "global_batch_negative": (["--global-batch-size", "-8"], 1,
+                              "--global-batch-size must be positive, got -8"),
+    "micro_batch_zero": (["--micro-batch-size", "0"], 1,
+                         "--micro-batch-size is required and must be positive"),
+    "train_iters_zero": (["--train-iters", "0"], 1, "--train-iters is required and must be positive"),
+    "lr_negative": (["--lr", "-1"], 1, "--lr is required and must be >= 0"),
+    "seed_negative": (["--seed", "-1"], 1, "--seed must be in [0, 2**32), got -1"),
+    "seed_too_large": (["--seed", str(2**32)], 1, "--seed must be in [0, 2**32)"),
+    "adam_beta2_one": (["--adam-beta2", "1"], 1, "--adam-beta2 must be in [0, 1), got 1.0"),
+    "adam_beta1_negative": (["--adam-beta1", "-0.1"], 1, "--adam-beta1 must be in [0, 1)"),
+    "adam_eps_zero": (["--adam-eps", "0"], 1, "--adam-eps must be positive, got 0.0"),
+    "weight_decay_negative": (["--weight-decay", "-0.1"], 1, "--weight-decay must be >= 0"),
+    "clip_grad_negative": (["--clip-grad", "-1"], 1, "--clip-grad must be >= 0 (0 disables "
+                                                     "clipping), got -1.0"),
+    "init_method_std_zero": (["--init-method-std", "0"], 1, "--init-method-std must be positive"),
+    "ffn_hidden_size_zero": (["--ffn-hidden-size", "0"], 1, "--ffn-hidden-size must be positive"),
+    "max_position_embeddings_zero": (["--max-position-embeddings", "0"], 1,
+                                     "--max-position-embeddings must be positive"),
+    "vocab_divisible_by_zero": (["--make-vocab-size-divisible-by", "0"], 1,
+                                "--make-vocab-size-divisible-by must be positive"),
+    "dropout_one": (["--hidden-dropout", "1"], 1, "--hidden-dropout must be in [0, 1)"),
+    "log_interval_zero": (["--log-interval", "0"], 1, "--log-interval must be positive"),
+    "save_interval_zero": (["--save-interval", "0"], 1, "--save-interval must be positive"),
+    "dpp_timeout_zero": (["--dpp-timeout", "0"], 1, "--dpp-timeout must be positive seconds"),
+    "p2p_timeout_negative": (["--p2p-timeout", "-1"], 1, "--p2p-timeout must be positive seconds"),
+    "num_workers_negative": (["--num-workers", "-1"], 1, "--num-workers must be >= 0"),
+}
+
+# Environment a case runs with, beyond WORLD_SIZE and RANK (the launchers' pre-check sets
+# GROUP_WORLD_SIZE, torchrun's ranks GROUP_RANK too).
+ENV = {
+    "multi_node_on_one_node_foreign_address": {"GROUP_WORLD_SIZE": "1"},
+    "multi_node_this_node_foreign_address": {"GROUP_WORLD_SIZE": "2", "GROUP_RANK": "1",
+                                             "LOCAL_WORLD_SIZE": "1"},
+    "multi_node_count_mismatch": {"GROUP_WORLD_SIZE": "1"},
 }
 
 
@@ -110,7 +198,8 @@ def test_bad_flag_is_one_line_exit_2(case):
         if torch.cuda.is_available():
             pytest.skip("GPU-only flags are valid on this machine")
     extra, world_size, expected = BAD_FLAGS[case]
-    result = run_validation([*data_args(), *TINY, *extra], world_size=world_size)
+    result = run_validation([*data_args(), *TINY, *extra], world_size=world_size,
+                            env_extra=ENV.get(case))
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
     assert len(lines) == 1, result.stderr
@@ -119,18 +208,85 @@ def test_bad_flag_is_one_line_exit_2(case):
     assert result.stdout == ""
 
 
+GOOD_FLAGS = {
+    "plain": ([], {}),
+    "trace_without_dpp": (["--trace"], {}),
+    "profile": (["--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
+                 "--profile-step-end", "4", "--profile-ranks", "0", "1"], {}),
+    # Megatron-LM's flag; the behaviour is always on here (its help says so).
+    "exit_signal_handler": (["--exit-signal-handler"], {}),
+    # Exactly the minimum of memory_budget_below_minimum; static orders only report a budget.
+    "memory_budget_at_minimum": (["--use-dpp", "--dpp-memory-budget", "993280"], {}),
+    "memory_budget_static_order": (["--use-dpp", "--dpp-policy", "1f1b", "--dpp-memory-budget",
+                                    "10"], {}),
+    "save_and_trace_dir_to_make": (["--save", "/tmp/megatron-dpp-test-never-made/ckpt", "--trace",
+                                    "--trace-dir", "/tmp/megatron-dpp-test-never-made/traces"], {}),
+    "multi_node_on_one_node_local_address": (["--multi-node", "--node-ips", "127.0.0.1"],
+                                             {"GROUP_WORLD_SIZE": "1"}),
+}
+
+
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("extra", [[], ["--trace"], ["--profile", "--use-pytorch-profiler",
-                                                      "--profile-step-start", "2",
-                                                      "--profile-step-end", "4", "--profile-ranks",
-                                                      "0", "1"]],
-                         ids=["plain", "trace_without_dpp", "profile"])
-def test_good_flags_pass_validation(extra):
+@pytest.mark.parametrize("case", list(GOOD_FLAGS))
+def test_good_flags_pass_validation(case):
     """The same base flags validate cleanly (so each bad case fails for its own reason); --trace
     without --use-dpp records Megatron's own schedule."""
+    extra, env = GOOD_FLAGS[case]
     result = subprocess.run(
         [PYTHON, "-m", "megatron_dpp.arguments", *data_args(), *TINY,
          "--pipeline-model-parallel-size", "2", *extra],
-        env=dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2"), cwd=REPO_ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", **env), cwd=REPO_ROOT,
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+    assert not os.path.exists("/tmp/megatron-dpp-test-never-made")  # checked, not made
+
+
+def test_exit_signal_handler_help_says_it_is_always_on():
+    from megatron_dpp.arguments import build_parser
+
+    (action,) = [a for a in build_parser()._actions if "--exit-signal-handler" in a.option_strings]
+    assert "does nothing here: its behaviour is always on" in action.help
+
+
+# Shapes whose minimum budget the flag check and the runtime compute: (model flags, world size).
+BUDGET_SHAPES = {
+    "gpt_fp32": ([], 2),
+    "gpt_interleaved": (["--num-layers-per-virtual-pipeline-stage", "1"], 2),
+    "gpt_longer_bigger_batch": (["--seq-length", "128", "--max-position-embeddings", "128",
+                                 "--micro-batch-size", "2", "--global-batch-size", "8"], 2),
+    "gpt_selective_recompute": (["--recompute-activations"], 2),
+    "gpt_full_recompute": (["--recompute-granularity", "full", "--recompute-method", "uniform",
+                            "--recompute-num-layers", "1"], 2),
+    "gpt_no_dropout_ffn": (["--hidden-dropout", "0", "--attention-dropout", "0",
+                            "--ffn-hidden-size", "96"], 2),
+    "gpt_tensor_parallel": (["--tensor-model-parallel-size", "2"], 4),
+}
+
+
+@pytest.mark.parametrize("shape", list(BUDGET_SHAPES))
+def test_budget_minimum_is_the_runtimes(shape, monkeypatch):
+    """The pre-check's minimum (runtime/flags.py) is the one the schedulers refuse a budget below:
+    pipeline/budget.py's minimum over the model's activation bytes of the TransformerConfig the
+    training loop builds from the same flags."""
+    from megatron_dpp.arguments import parse_args
+    from megatron_dpp.models import MODEL_SPECS
+    from megatron_dpp.models.transformer_config import transformer_config_from_args
+    from megatron_dpp.pipeline import TaskGraph, make_scheduler
+    from megatron_dpp.pipeline.budget import largest_microbatch_bytes, minimum_budget_bytes
+    from megatron_dpp.runtime.flags import dpp_minimum_budget_bytes
+
+    extra, world_size = BUDGET_SHAPES[shape]
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    args = parse_args([*data_args(), *TINY, "--pipeline-model-parallel-size", "2", "--use-dpp",
+                       *extra], model="gpt")
+    V, P = args.virtual_pipeline_model_parallel_size or 1, args.pipeline_model_parallel_size
+    config = transformer_config_from_args(args)
+    largest = largest_microbatch_bytes(MODEL_SPECS["gpt"].activation_bytes, config,
+                                       args.seq_length, args.micro_batch_size, V, P)
+    minimum = dpp_minimum_budget_bytes(args)
+    assert minimum == minimum_budget_bytes(V, largest)
+    sizes = [args.seq_length * args.micro_batch_size] * (2 * P)
+    graph = TaskGraph(P, V, len(sizes), sizes, [largest] * len(sizes), max_act_bytes=largest)
+    make_scheduler("dpp:adaptive", graph, 0, budget_bytes=minimum)  # accepted at the minimum
+    with pytest.raises(ValueError, match=f"below the minimum V \\* max_act_bytes = {minimum}"):
+        make_scheduler("dpp:adaptive", graph, 0, budget_bytes=minimum - 1)

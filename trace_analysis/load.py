@@ -76,6 +76,45 @@ def read_rank_file(path: Path) -> dict:
     return document
 
 
+# otherData as megatron_dpp/training/tracing.py writes it: key -> (type, what it is). Required ones
+# first; `schedule` (older traces lack it), `node` (where torchrun says it) and `clock_alignment`
+# may be absent.
+REQUIRED_METADATA = {
+    "run": (str, "the run's name"),
+    "rank": (int, "the global rank"),
+    "world_size": (int, "the number of ranks"),
+    "pipeline_rank": (int, "the pipeline stage"),
+    "tensor_rank": (int, "the tensor-parallel rank"),
+    "data_rank": (int, "the data-parallel rank"),
+    "policy": (str, "the schedule's policy"),
+}
+OPTIONAL_METADATA = {
+    "schedule": (str, "dpp, 1f1b or interleaved"),
+    "node": (int, "the node rank"),
+    "clock_alignment": (dict, "the clock correction"),
+}
+_TYPE_NAMES = {str: "a string", int: "an integer", dict: "an object"}
+
+
+def check_metadata(path: Path, metadata: dict) -> None:
+    """Every required otherData key present, each known key of its type (integers not negative,
+    world_size positive): one line naming the first that is not."""
+    absent = [key for key in REQUIRED_METADATA if key not in metadata]
+    if absent:
+        raise TraceInputError(f"{path}: otherData lacks {', '.join(absent)} (a rank trace has "
+                              f"{', '.join(REQUIRED_METADATA)})")
+    for key, (kind, meaning) in {**REQUIRED_METADATA, **OPTIONAL_METADATA}.items():
+        if key not in metadata:
+            continue
+        value = metadata[key]
+        if not isinstance(value, kind) or isinstance(value, bool) or (
+                kind is int and value < (1 if key == "world_size" else 0)):
+            wanted = _TYPE_NAMES[kind] + (" above 0" if key == "world_size" else
+                                          " >= 0" if kind is int else "")
+            raise TraceInputError(f"{path}: otherData.{key} is {value!r}; expected {wanted} "
+                                  f"({meaning})")
+
+
 def align_clock(events: List[dict], alignment: Optional[dict]) -> List[dict]:
     """The events on the reference rank's clock. Files written with `clock_alignment` (the
     recorder's ClockAlignment.metadata()) say `timestamps_corrected: true`: their events are on it
@@ -108,7 +147,8 @@ def load_run(directory: Path) -> RunTraces:
     for rank, path in files:
         document = read_rank_file(path)
         metadata = document["otherData"]
-        if metadata.get("rank", rank) != rank:
+        check_metadata(path, metadata)
+        if metadata["rank"] != rank:
             raise TraceInputError(f"{path}: its otherData says rank {metadata['rank']}")
         try:
             events = align_clock(document["traceEvents"], metadata.get("clock_alignment"))
@@ -122,8 +162,8 @@ def load_run(directory: Path) -> RunTraces:
             by_name.setdefault(trace.metadata.get("run"), trace.path.name)
         detail = ", ".join(f"{file} is {name!r}" for name, file in by_name.items())
         raise TraceInputError(f"{directory}: files from different runs ({detail})")
-    world_sizes = {trace.metadata["world_size"] for trace in ranks if "world_size" in trace.metadata}
-    if world_sizes and world_sizes != {len(ranks)}:
+    world_sizes = {trace.metadata["world_size"] for trace in ranks}
+    if world_sizes != {len(ranks)}:
         raise TraceInputError(f"{directory}: {len(ranks)} rank files, but the run had "
                               f"{max(world_sizes)} ranks (otherData.world_size)")
     name = names.pop() or directory.name

@@ -2,6 +2,7 @@
 writes): its tasks, waits, messages and activation-memory samples. Times stay in microseconds."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -10,6 +11,7 @@ from megatron_dpp.trace.recorder import STEP_CATEGORY
 from trace_analysis.load import RankTrace, RunTraces, TraceInputError
 
 TASK_CATEGORIES = ("forward", "backward", "weight-grad")
+TASK_PHASES = ("F", "B", "W")  # Phase names, in the order a microbatch runs them
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,58 @@ def _add_event(timeline: RankTimeline, event: Dict) -> None:
 def run_timeline(run: RunTraces) -> RunTimeline:
     policies = {trace.metadata.get("policy") for trace in run.ranks} - {None}
     schedules = {trace.metadata.get("schedule") for trace in run.ranks} - {None}
-    return RunTimeline(run.name, ", ".join(sorted(policies)) or "unknown",
-                       schedules.pop() if len(schedules) == 1 else None,
-                       [rank_timeline(trace) for trace in run.ranks])
+    timeline = RunTimeline(run.name, ", ".join(sorted(policies)) or "unknown",
+                           schedules.pop() if len(schedules) == 1 else None,
+                           [rank_timeline(trace) for trace in run.ranks])
+    check_complete(run, timeline)
+    return timeline
+
+
+def _listed(names: List[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def check_complete(run: RunTraces, timeline: RunTimeline) -> None:
+    """What every rank of a traced run records (training/tracing.py), checked so that a rank file
+    with events missing is refused in one line instead of measured as idle time:
+    - at least one task;
+    - the same iterations (its "iteration N" marks and the iterations of its tasks) as every rank;
+    - in each iteration with tasks, each task of the grid exactly once: every microbatch 0..M-1 on
+      every model chunk 0..V-1, in each phase (F; B and W where any rank ran one that iteration:
+      forward-only iterations run F only, split backwards add W), M the iteration's microbatch count
+      and V the chunks per rank, both as large as any rank records them."""
+    for trace, rank in zip(run.ranks, timeline.ranks):
+        if not rank.tasks:
+            raise TraceInputError(f"{trace.path}: no task events (an empty or cut rank file: every "
+                                  f"rank of a --trace run records its tasks)")
+    seen = [{task.iteration for task in rank.tasks} | {it for _, it in rank.marks}
+            for rank in timeline.ranks]
+    every = set().union(*seen)
+    for trace, iterations in zip(run.ranks, seen):
+        absent = sorted(every - iterations)
+        if absent:
+            raise TraceInputError(f"{trace.path}: no events of iteration(s) "
+                                  f"{_listed([str(i) for i in absent])}, which other ranks record "
+                                  f"(an incomplete rank file)")
+    chunks = max(task.chunk for rank in timeline.ranks for task in rank.tasks) + 1
+    for iteration in sorted(every):
+        tasks = [rank.tasks_of(iteration) for rank in timeline.ranks]
+        if not any(tasks):
+            continue
+        microbatches = max(task.microbatch for ranks in tasks for task in ranks) + 1
+        phases = sorted({task.phase for ranks in tasks for task in ranks},
+                        key=TASK_PHASES.index)
+        grid = [f"{phase}{m}.{c}" for phase in phases for m in range(microbatches)
+                for c in range(chunks)]
+        for trace, ranks in zip(run.ranks, tasks):
+            counts = Counter(f"{task.phase}{task.microbatch}.{task.chunk}" for task in ranks)
+            twice = sorted(name for name, count in counts.items() if count > 1)
+            if twice:
+                raise TraceInputError(f"{trace.path}: iteration {iteration} records "
+                                      f"{_listed(twice)} more than once (a damaged rank file)")
+            missing = [name for name in grid if name not in counts]
+            if missing:
+                raise TraceInputError(
+                    f"{trace.path}: iteration {iteration} lacks {len(missing)} of the {len(grid)} "
+                    f"tasks every rank runs ({_listed(missing)}; {microbatches} microbatches x "
+                    f"{chunks} chunks x {'/'.join(phases)}): an incomplete rank file")

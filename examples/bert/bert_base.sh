@@ -1,6 +1,12 @@
+#!/usr/bin/env bash
 # BERT-Base (110M): 12 layers, hidden 768, 12 heads, 512 tokens, batch 256 for 1M steps, Adam with
 # lr 1e-4, linear decay and 10k warm-up steps (Devlin et al. 2019, section A.2). GPU recipe, bf16.
-# Flags only.
+# The launchers source this file for its flags. Run directly, it trains with them on one node:
+#   bash examples/bert/bert_base.sh [--dry-run] [trainer flags]
+# is RECIPE=bert_base bash run_scripts/run_single_bert.sh [...] (environment and flags as there).
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  RECIPE=bert_base exec bash "$(dirname "$0")/../../run_scripts/run_single_bert.sh" "$@"
+fi
 MODEL_ARGS=(
   --num-layers 12 --hidden-size 768 --num-attention-heads 12 --ffn-hidden-size 3072
   --seq-length 512 --max-position-embeddings 512

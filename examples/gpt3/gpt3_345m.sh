@@ -1,4 +1,11 @@
-# GPT-2 Medium size (345M, Megatron-LM's classic example). GPU recipe, bf16. Flags only.
+#!/usr/bin/env bash
+# GPT-2 Medium size (345M, Megatron-LM's classic example). GPU recipe, bf16.
+# The launchers source this file for its flags. Run directly, it trains with them on one node:
+#   bash examples/gpt3/gpt3_345m.sh [--dry-run] [trainer flags]
+# is RECIPE=gpt3_345m bash run_scripts/run_single_gpt.sh [...] (environment and flags as there).
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  RECIPE=gpt3_345m exec bash "$(dirname "$0")/../../run_scripts/run_single_gpt.sh" "$@"
+fi
 MODEL_ARGS=(
   --num-layers 24 --hidden-size 1024 --num-attention-heads 16
   --seq-length 1024 --max-position-embeddings 1024

@@ -1,5 +1,12 @@
-# Tiny GPT for CPU (2 cores): a few minutes, lm loss visibly falling. Flags only.
+#!/usr/bin/env bash
+# Tiny GPT for CPU (2 cores): a few minutes, lm loss visibly falling.
 # Layers must divide by pipeline x virtual stages: 4 layers fit PP=1,2,4 and PP=2 with VPP=2.
+# The launchers source this file for its flags. Run directly, it trains with them on one node:
+#   bash examples/gpt3/gpt3_tiny.sh [--dry-run] [trainer flags]
+# is RECIPE=gpt3_tiny bash run_scripts/run_single_gpt.sh [...] (environment and flags as there).
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  RECIPE=gpt3_tiny exec bash "$(dirname "$0")/../../run_scripts/run_single_gpt.sh" "$@"
+fi
 MODEL_ARGS=(
   --num-layers 4 --hidden-size 128 --num-attention-heads 4 --ffn-hidden-size 512
   --seq-length 128 --max-position-embeddings 128

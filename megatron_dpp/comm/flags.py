@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 
 import torch
 
-from megatron_dpp.comm.nodes import check_node_count, num_nodes, parse_node_ips
+from megatron_dpp.comm.nodes import (NODE_RANK_VARIABLE, NodeNetworkError, check_node_count,
+                                     num_nodes, parse_node_ips, use_node_network)
 from megatron_dpp.comm.router import DEFAULT_TRANSPORT_KIND, TRANSPORT_KINDS
 from megatron_dpp.comm.settings import SHM_DEFAULTS, check_shm_args, largest_message_bytes
 from megatron_dpp.comm.transport import DEFAULT_TIMEOUT_S
@@ -129,3 +131,23 @@ def validate_multinode_args(args: argparse.Namespace) -> None:
         check_node_count(args.node_ips, node_count)
     except ValueError as error:
         raise ArgsError(f"--node-ips {text}: {error}") from None
+    # This node's address must be one of its own (the startup check, training/loop.py, refuses it
+    # otherwise on every rank after launch). A job of one node is node 0; on several nodes the
+    # node rank is torchrun's GROUP_RANK, which the check sees in every rank (and in a pre-check
+    # that sets it).
+    if node_count == 1:
+        node_rank = 0
+    elif os.environ.get(NODE_RANK_VARIABLE) is not None:
+        try:
+            node_rank = int(os.environ[NODE_RANK_VARIABLE])
+        except ValueError:
+            raise ArgsError(f"--multi-node: {NODE_RANK_VARIABLE}="
+                            f"{os.environ[NODE_RANK_VARIABLE]!r} (the rank of this node) is not an "
+                            f"integer") from None
+    else:
+        return
+    try:  # on a copy of the environment: the startup check sets the socket variables itself
+        use_node_network(args.node_ips, node_rank, environ=dict(os.environ))
+    except NodeNetworkError as error:
+        one_node = ("; on one node, drop --multi-node and --node-ips" if node_count == 1 else "")
+        raise ArgsError(f"{error}{one_node}") from None

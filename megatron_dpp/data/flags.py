@@ -12,7 +12,7 @@ import os
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_dpp.data.tokenizer import GPT2_BPE, SUPPORTED_TOKENIZER_TYPES
-from megatron_dpp.flag_errors import ArgsError, require
+from megatron_dpp.flag_errors import ArgsError, require, require_output_dir
 
 
 ModelDataCheck = Callable[[argparse.Namespace, Sequence[str], Any, list, list], None]
@@ -87,6 +87,8 @@ def validate_data_args(args: argparse.Namespace,
                     f"{flag} {path} not found; pass the file made with the data (`python -m "
                     f"megatron_dpp.data.prepare_sample --output-dir DIR` writes GPT's and BERT's)")
         split = parse_split(args.split)
+        if args.data_cache_path is not None:  # Megatron's index cache is written there
+            require_output_dir("--data-cache-path", args.data_cache_path)
         require(args.num_workers >= 0, "--num-workers must be >= 0")
         if args.variable_seq_lengths:
             require(not (args.reset_position_ids or args.reset_attention_mask),

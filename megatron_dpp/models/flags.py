@@ -129,10 +129,19 @@ def validate_model_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         require(value is not None and value > 0,
                 f"--{flag.replace('_', '-')} is required and must be positive")
+    for flag in ("ffn_hidden_size", "max_position_embeddings"):
+        value = getattr(args, flag)
+        require(value is None or value > 0,
+                f"--{flag.replace('_', '-')} must be positive, got {value}")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    require(args.make_vocab_size_divisible_by > 0,
+            f"--make-vocab-size-divisible-by must be positive, got "
+            f"{args.make_vocab_size_divisible_by}")
+    require(args.init_method_std > 0,
+            f"--init-method-std must be positive, got {args.init_method_std}")
     require(args.hidden_size % args.num_attention_heads == 0,
             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
             f"{args.num_attention_heads}; pick a head count that divides the hidden size")
@@ -309,6 +318,45 @@ def validate_parallel_args(args: argparse.Namespace) -> None:
             f"per rank, which this runtime does not have)")
     _validate_distribute_saved_activations(args, cuda)
     _validate_overlap_args(args)
+    _derive_activation_bytes(args)
+
+
+def _activation_config(args: argparse.Namespace) -> argparse.Namespace:
+    """The TransformerConfig fields models/memory_model.py's chunk_activation_bytes reads, from the
+    validated flags: the runtime passes it the TransformerConfig models/transformer_config.py
+    builds from the same flags (tests/test_args_validation.py holds the two to the same bytes)."""
+    dtype = "torch.bfloat16" if args.bf16 else "torch.float16" if args.fp16 else "torch.float32"
+    full = args.recompute_granularity == "full"
+    return argparse.Namespace(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        num_query_groups=getattr(args, "num_query_groups", None),
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel, pipeline_dtype=dtype, params_dtype=dtype,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method if full else None,
+        recompute_num_layers=args.recompute_num_layers if full else None)
+
+
+def _derive_activation_bytes(args: argparse.Namespace) -> None:
+    """args.largest_microbatch_activation_bytes: what one full-length microbatch (--seq-length x
+    --micro-batch-size) keeps on one model chunk until its backward, as the DPP runtime counts it
+    (pipeline/budget.py's largest_microbatch_bytes over the model's chunk_activation_bytes, the
+    same call runtime/executor.py makes): runtime/flags.py checks --dpp-memory-budget against it.
+    None until --micro-batch-size is valid (training/flags.py refuses it otherwise)."""
+    from functools import partial
+
+    from megatron_dpp.models.memory_model import chunk_activation_bytes
+    from megatron_dpp.pipeline.budget import largest_microbatch_bytes
+
+    args.largest_microbatch_activation_bytes = None
+    if not (isinstance(args.micro_batch_size, int) and args.micro_batch_size > 0):
+        return
+    args.largest_microbatch_activation_bytes = largest_microbatch_bytes(
+        partial(chunk_activation_bytes, args.model), _activation_config(args), args.seq_length,
+        args.micro_batch_size, args.virtual_pipeline_model_parallel_size or 1,
+        args.pipeline_model_parallel_size)
 
 
 def _validate_distribute_saved_activations(args: argparse.Namespace, cuda: bool) -> None:

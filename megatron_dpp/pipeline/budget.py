@@ -32,6 +32,25 @@ _BYTE_UNITS = {
 }
 
 
+def largest_microbatch_bytes(activation_bytes_fn, config, seq_length: int, micro_batch_size: int,
+                             num_model_chunks: int, pipeline_size: int) -> int:
+    """Activation bytes of the largest microbatch any batch can hold (a full sequence of
+    `micro_batch_size` samples) on one model chunk: what budgets are provisioned for, as Megatron's
+    fixed schedules must be. activation_bytes_fn: a ModelSpec.activation_bytes, (config, sizes,
+    micro-batch size, chunks per rank, pipeline size) -> bytes per microbatch. The runtime calls
+    it with the model's TransformerConfig, the flag check with the flags (runtime/flags.py)."""
+    largest_size = seq_length * micro_batch_size
+    return int(activation_bytes_fn(config, [largest_size], micro_batch_size, num_model_chunks,
+                                   pipeline_size)[0])
+
+
+def minimum_budget_bytes(num_model_chunks: int, max_act_bytes: int) -> int:
+    """The least byte budget a dynamic policy (dpp:*) runs with: one largest microbatch on each of
+    the rank's chunks (V * max_act_bytes), which guarantees progress. The schedulers refuse less
+    (registry.py, rule_based.py: "below the minimum"), and so does the flag check before launch."""
+    return num_model_chunks * max_act_bytes
+
+
 def megatron_inflight_forwards(graph: TaskGraph, rank: int, group_size: int | None = None) -> int:
     """Forward activations Megatron's schedule (1F1B, interleaved for V>1) holds at most on `rank`."""
     P, V, M = graph.P, graph.V, graph.M

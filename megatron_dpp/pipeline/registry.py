@@ -15,7 +15,8 @@ from megatron_dpp.pipeline.adaptive import (
     spine_order,
     spine_warmup_cap,
 )
-from megatron_dpp.pipeline.budget import MemoryBudget, budget_bytes_for, is_explicit_budget
+from megatron_dpp.pipeline.budget import (MemoryBudget, budget_bytes_for, is_explicit_budget,
+                                          minimum_budget_bytes)
 from megatron_dpp.pipeline.graph import TaskGraph
 from megatron_dpp.pipeline.rule_based import BreadthFirstScheduler, DepthFirstScheduler, GreedyScheduler
 from megatron_dpp.pipeline.scheduler import RankScheduler, StaticOrderScheduler
@@ -76,10 +77,11 @@ def _adaptive(
             raise ValueError(f"{ADAPTIVE}: max_inflight={max_inflight} must be >= V={graph.V}")
         weight, limit = [1] * graph.M, int(max_inflight)
     else:
-        if budget < graph.V * graph.max_act_bytes:
+        minimum = minimum_budget_bytes(graph.V, graph.max_act_bytes)
+        if budget < minimum:
             raise ValueError(
                 f"{ADAPTIVE}: budget {budget} bytes on rank {rank} is below the minimum "
-                f"V * max_act_bytes = {graph.V * graph.max_act_bytes}"
+                f"V * max_act_bytes = {minimum}"
             )
         weight, limit = graph.act_bytes, budget
     if graph.V == 1:

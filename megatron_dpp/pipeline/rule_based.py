@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 from typing import Collection, Sequence
 
+from megatron_dpp.pipeline.budget import minimum_budget_bytes
 from megatron_dpp.pipeline.graph import TaskGraph
 from megatron_dpp.pipeline.scheduler import RankScheduler
 from megatron_dpp.pipeline.task import Phase, Task
@@ -43,10 +44,10 @@ class RuleBasedScheduler(RankScheduler):
         if max_inflight is not None:
             if max_inflight < V:
                 raise ValueError(f"max_inflight={max_inflight} must be >= V={V} (one microbatch on every chunk)")
-        elif self.budget_bytes < V * graph.max_act_bytes:
+        elif self.budget_bytes < minimum_budget_bytes(V, graph.max_act_bytes):
             raise ValueError(
                 f"budget_bytes={self.budget_bytes} on rank {rank} is below the minimum "
-                f"V * max_act_bytes = {V * graph.max_act_bytes}"
+                f"V * max_act_bytes = {minimum_budget_bytes(V, graph.max_act_bytes)}"
             )
         self.max_inflight = max_inflight
         self._position = {m: i for i, m in enumerate(self.microbatch_order)}

@@ -42,6 +42,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
 from megatron_dpp.pipeline import Phase, ReadyTracker, Task, TaskGraph, make_scheduler
+from megatron_dpp.pipeline.budget import largest_microbatch_bytes
 from megatron_dpp.pipeline.registry import INTERLEAVED_1F1B
 from megatron_dpp.runtime.batch import GlobalBatch
 from megatron_dpp.runtime.config import DPPConfig
@@ -277,8 +278,9 @@ class IterationRunner:
                                                    sizes, largest_size)
 
         act_bytes = session.activation_bytes_fn(config, sizes, micro_batch_size, self.V, self.P)
-        largest_possible = session.activation_bytes_fn(
-            config, [largest_size], micro_batch_size, self.V, self.P)[0]
+        # The same computation as the flag check's minimum budget (runtime/flags.py).
+        largest_possible = largest_microbatch_bytes(session.activation_bytes_fn, config, seq_length,
+                                                    micro_batch_size, self.V, self.P)
         graph_options = {}
         if self.feature is not None:
             # What the feature keeps per microbatch counts against the budget like activations.

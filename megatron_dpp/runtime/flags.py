@@ -73,6 +73,43 @@ def validate_dpp_args(args: argparse.Namespace) -> None:
     except ValueError as error:
         raise ArgsError(f"--dpp-policy {error}") from None
     _validate_split_backward(args)
+    _validate_budget_minimum(args)
+
+
+def dpp_minimum_budget_bytes(args: argparse.Namespace) -> int:
+    """The least --dpp-memory-budget byte count the dynamic policies run with on these flags: the
+    pipeline's minimum_budget_bytes (V full-length microbatches) over the activation bytes the
+    runtime counts for one, which models/flags.py derives from the flags
+    (args.largest_microbatch_activation_bytes: pipeline/budget.py's largest_microbatch_bytes over
+    the model's chunk_activation_bytes). With --dpp-split-backward the runtime adds what each
+    microbatch's W keeps, measured on the built chunks: the budget must exceed this by that much."""
+    from megatron_dpp.pipeline.budget import minimum_budget_bytes
+
+    return minimum_budget_bytes(args.virtual_pipeline_model_parallel_size or 1,
+                                args.largest_microbatch_activation_bytes)
+
+
+def _validate_budget_minimum(args: argparse.Namespace) -> None:
+    """A byte count below what a dynamic policy needs fails in every rank's first iteration
+    (make_scheduler: "below the minimum"); refused here, before launch. The static orders only
+    report the budget."""
+    from megatron_dpp.pipeline import DYNAMIC_SCHEDULES
+    from megatron_dpp.pipeline.budget import is_explicit_budget
+
+    budget = args.dpp_memory_budget_bytes
+    if args.dpp_policy not in DYNAMIC_SCHEDULES or not is_explicit_budget(budget):
+        return
+    if getattr(args, "largest_microbatch_activation_bytes", None) is None:
+        return  # not derived (validate_parallel_args did not run): the runtime checks it
+    minimum = dpp_minimum_budget_bytes(args)
+    stash = (", plus what --dpp-split-backward's W keeps" if getattr(args, "dpp_split_backward", False)
+             else "")
+    require(budget >= minimum,
+            f"--dpp-memory-budget {args.dpp_memory_budget} ({budget} bytes) is below the minimum "
+            f"{minimum} bytes of --dpp-policy {args.dpp_policy} on these flags (one full-length "
+            f"microbatch, --seq-length x --micro-batch-size, on each of the "
+            f"{args.virtual_pipeline_model_parallel_size or 1} model chunks of a rank{stash}); "
+            f"give at least {minimum}, 'auto' or 'provisioned'")
 
 
 def _validate_split_backward(args: argparse.Namespace) -> None:

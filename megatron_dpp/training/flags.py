@@ -10,11 +10,12 @@ flag check must not load.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
-from megatron_dpp.flag_errors import add_refused_flags, require
+from megatron_dpp.flag_errors import (add_refused_flags, require, require_input_dir,
+                                      require_output_dir)
+from megatron_dpp.training.checkpoint_flags import add_checkpoint_format_args
 
 
 # ----------------------------------------------------------------------------------------------
@@ -47,6 +48,11 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (GPU only).")
     group.add_argument("--fp16", action="store_true",
                        help="float16 mixed precision with dynamic loss scaling (GPU only).")
+    group.add_argument("--exit-signal-handler", action="store_true",
+                       help="Accepted for Megatron-LM command lines and does nothing here: its "
+                            "behaviour is always on. On SIGTERM or SIGINT every rank stops after "
+                            "the same iteration, saves a checkpoint when --save is given, and "
+                            "exits with 128 + the signal number (training/signals.py).")
     group.add_argument("--manual-gc", action="store_true",
                        help="Disable Python's automatic garbage collector and collect every "
                             "--manual-gc-interval iterations, aligned across ranks.")
@@ -66,7 +72,11 @@ def validate_training_args(args: argparse.Namespace) -> None:
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = per_step
-    require(args.global_batch_size > 0 and args.global_batch_size % per_step == 0,
+    require(args.global_batch_size > 0,
+            f"--global-batch-size must be positive, got {args.global_batch_size}; use a multiple "
+            f"of --micro-batch-size {args.micro_batch_size} x data-parallel size "
+            f"{args.data_parallel_size} = {per_step}")
+    require(args.global_batch_size % per_step == 0,
             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
             f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}; use a "
             f"multiple of {per_step}")
@@ -78,7 +88,14 @@ def validate_training_args(args: argparse.Namespace) -> None:
     require(args.lr_decay_iters > args.lr_warmup_iters,
             f"--lr-decay-iters {args.lr_decay_iters} must exceed --lr-warmup-iters "
             f"{args.lr_warmup_iters}")
-    require(args.clip_grad >= 0, "--clip-grad must be >= 0")
+    require(args.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got "
+                                 f"{args.clip_grad}")
+    require(args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}")
+    for flag, value in (("--adam-beta1", args.adam_beta1), ("--adam-beta2", args.adam_beta2)):
+        require(0 <= value < 1, f"{flag} must be in [0, 1), got {value}")
+    require(args.adam_eps > 0, f"--adam-eps must be positive, got {args.adam_eps}")
+    # numpy's seed (set with Python's and torch's, training/loop.py) takes 0..2**32-1.
+    require(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}")
     require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; pick one")
     cuda = torch.cuda.is_available()
     if args.bf16 or args.fp16:
@@ -105,15 +122,17 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                        help="Directory to resume from (its latest checkpoint).")
     group.add_argument("--save-interval", type=int, default=None,
                        help="Save a checkpoint every this many iterations (needs --save).")
+    add_checkpoint_format_args(group)
 
 
 def validate_checkpoint_args(args: argparse.Namespace) -> None:
     if args.save_interval is not None:
         require(args.save_interval > 0, "--save-interval must be positive")
         require(args.save is not None, "--save-interval needs --save DIR")
+    if args.save is not None:  # written after the first --save-interval iterations, or at the end
+        require_output_dir("--save", args.save)
     if args.load is not None:
-        require(os.path.isdir(args.load),
-                f"--load {args.load}: no such directory; point it at a --save directory")
+        require_input_dir("--load", args.load, "a --save directory")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,14 +184,7 @@ def validate_trace_args(args: argparse.Namespace) -> None:
 
 def check_trace_dir(trace_dir: str) -> None:
     """--trace-dir, where --trace and --profile write: a directory, or one that can be made."""
-    require(not os.path.exists(trace_dir) or os.path.isdir(trace_dir),
-            f"--trace-dir {trace_dir} exists and is not a directory; pick another path")
-    # Made with its missing parents (os.makedirs): the nearest existing ancestor must take it.
-    ancestor = os.path.dirname(os.path.abspath(trace_dir))
-    while not os.path.exists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    require(os.path.isdir(trace_dir) or (os.path.isdir(ancestor) and os.access(ancestor, os.W_OK)),
-            f"--trace-dir {trace_dir}: cannot create it in {ancestor}; pick a writable path")
+    require_output_dir("--trace-dir", trace_dir)
 
 
 # ----------------------------------------------------------------------------------------------

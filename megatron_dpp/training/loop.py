@@ -34,7 +34,13 @@ from megatron_dpp.platform import Platform, setup_platform
 from megatron_dpp.runtime.config import DPPConfig
 from megatron_dpp.runtime.watchdog import StallWatchdog, report_and_exit
 from megatron_dpp.trace.recorder import GRADIENT_SYNC, OPTIMIZER_STEP
-from megatron_dpp.training.checkpointing import TrainState, load_checkpoint, save_checkpoint
+from megatron_dpp.training.checkpointing import (
+    CheckpointLoadError,
+    CheckpointSaveError,
+    TrainState,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megatron_dpp.training.config import (
     TrainingConfig,
     ddp_config_from_args,
@@ -367,9 +373,18 @@ class Trainer:
         close_forward_backward(self.forward_backward)
 
     def save(self) -> None:
-        with params_gathered(self.model):
-            path = save_checkpoint(self.train.save, self.state, self.model, self.optimizer,
-                                   self.scheduler)
+        """Collective. A failed save (full disk...) leaves the previous checkpoint the latest;
+        the run then ends with one line and exit code 1 (every rank learns of the failure)."""
+        try:
+            with params_gathered(self.model):
+                path = save_checkpoint(self.train.save, self.state, self.model, self.optimizer,
+                                       self.scheduler, args=self.args,
+                                       ckpt_format=getattr(self.args, "ckpt_format", "torch_dist"))
+        except CheckpointSaveError as error:
+            if dist.get_rank() == 0:
+                print(f"megatron_dpp: error: {error}", file=sys.stderr, flush=True)
+            self.close()
+            raise SystemExit(1) from None
         log_rank0(f" saved checkpoint at iteration {self.state.iteration} to {path}")
 
 
@@ -481,7 +496,14 @@ def stop_signals(platform: Platform) -> StopSignals:
 def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds) -> int:
     train = trainer.train
     if train.load is not None:
-        loaded = load_checkpoint(train.load, trainer.model, trainer.optimizer, trainer.scheduler)
+        try:
+            loaded = load_checkpoint(train.load, trainer.model, trainer.optimizer,
+                                     trainer.scheduler)
+        except CheckpointLoadError as error:  # the same one line on every rank: rank 0 says it
+            if dist.get_rank() == 0:
+                print(f"megatron_dpp: error: {error}", file=sys.stderr, flush=True)
+            trainer.close()
+            return 2
         if loaded is not None:
             trainer.state = loaded
             log_rank0(f" loaded checkpoint from {train.load} at iteration {loaded.iteration}")

@@ -1,0 +1,499 @@
+"""Checkpoints in Megatron-Core's distributed format (megatron.core.dist_checkpointing, torch_dist).
+
+Layout, as Megatron-LM's: SAVE/iter_NNNNNNN/ (Megatron-Core's files: metadata.json, common.pt,
+the torch_dist shards *.distcp and .metadata) and SAVE/latest_checkpointed_iteration.txt. The
+state dict is Megatron-LM's (checkpoint_version 3.0): `model` (one chunk) or `model0`, `model1`...
+(one per virtual-pipeline chunk), `optimizer`, `opt_param_scheduler`, `rng_state`, `iteration`,
+`args` (with consumed_train_samples, the data position), so Megatron-LM's loader reads it.
+
+Every tensor is stored under its global name and shape (a GPTModel/BertModel chunk's sharded state
+dict carries its global layer offsets), so a checkpoint saved at one tensor/pipeline/virtual-pipeline
+layout loads at another, with or without --use-dpp (DPP runs the same chunks). The RNG states are
+per (pipeline, tensor) rank and are restored only at the layout that saved them.
+
+Saves are atomic: the shards go to SAVE/iter_NNNNNNN.saving/, which becomes iter_NNNNNNN/ and
+then the tracker's iteration only once every rank wrote its part; a failed save (full disk, a
+crash) leaves the tracker on the previous checkpoint, which stays complete.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+SAVING_SUFFIX = ".saving"
+REPLACED_SUFFIX = ".replaced"
+# How an old per-rank checkpoint becomes a torch_dist one: the training run itself converts it.
+OLD_FORMAT_CONVERTER = ("resume it at the layout that saved it for one more iteration with --save "
+                        "NEW_DIR (--ckpt-format torch_dist, the default), then load NEW_DIR")
+
+# Megatron-Core modules of the save/load path that call torch.cuda (patched on CPU).
+_CPU_PATCHED = (
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.validation",
+)
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint that cannot be loaded here: one line saying what and where (exit code 2)."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save that failed on some rank; the tracker still names the previous checkpoint."""
+
+
+@dataclass
+class LoadedState:
+    iteration: int
+    consumed_samples: int
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _cpu_patches() -> None:
+    """On CPU, Megatron-Core's torch.cuda calls of the save/load path (platform.py's patches)."""
+    if not torch.cuda.is_available():
+        from megatron_dpp.platform import apply_cpu_patches
+
+        apply_cpu_patches(_CPU_PATCHED)
+
+
+# ----------------------------------------------------------------------------------------------
+# agreement: every rank learns the first failure of any rank, so all raise together (no hang)
+# ----------------------------------------------------------------------------------------------
+def _agree(message: str | None) -> str | None:
+    """Collective: the message of the lowest rank that has one, on every rank (None: none has)."""
+    messages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    return next((m for m in messages if m), None)
+
+
+def _one_line(error: BaseException) -> str:
+    failures = getattr(error, "failures", None)  # torch.distributed.checkpoint's, per rank
+    if isinstance(failures, dict) and failures:
+        ranks = sorted(failures)
+        first = failures[ranks[0]]
+        first = first[0] if isinstance(first, tuple) else first
+        if isinstance(first, BaseException):
+            where = "rank" if len(ranks) == 1 else "ranks"
+            return f"{where} {', '.join(map(str, ranks))}: {_one_line(first)}"
+    text = " ".join(str(error).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+# ----------------------------------------------------------------------------------------------
+# the state dict
+# ----------------------------------------------------------------------------------------------
+def _layout() -> dict:
+    return {
+        "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+        "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+    }
+
+
+def _uses_distributed_optimizer(optimizer) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(isinstance(sub, DistributedOptimizer) for sub in subs)
+
+
+def sharded_sd_metadata(optimizer) -> dict:
+    """Megatron-LM's content metadata: how the sharded state dict was built. The distributed
+    optimizer's state is saved 'fully_reshardable' (per model parameter, like a plain optimizer's),
+    so it too loads at another tensor/pipeline/data-parallel layout."""
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if _uses_distributed_optimizer(optimizer):
+        metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+    return metadata
+
+
+def _rng_state() -> dict:
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _sharded_rng_state():
+    """Megatron-LM's: one object per (pipeline rank, tensor rank), data-parallel ranks replicas."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    return ShardedObject("rng_state", [_rng_state()], (pp_size, tp_size), (pp_rank, tp_rank),
+                         replica_id=parallel_state.get_data_parallel_rank())
+
+
+def _model_key(index: int, count: int) -> str:
+    return "model" if count == 1 else f"model{index}"
+
+
+def unwrap(chunk):
+    """The model chunk inside DistributedDataParallel and Float16Module (Megatron-LM's
+    unwrap_model): its state dict keys carry no `module.` prefix."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
+        chunk = chunk.module
+    return chunk
+
+
+def _model_state_dict(model_chunks, metadata: dict) -> dict:
+    return {_model_key(i, len(model_chunks)): unwrap(chunk).sharded_state_dict(metadata=metadata)
+            for i, chunk in enumerate(model_chunks)}
+
+
+def _args_for_checkpoint(args: argparse.Namespace | None, consumed_samples: int):
+    """Megatron-LM keeps the run's args, the data position among them (consumed_train_samples)."""
+    saved = argparse.Namespace(**{k: v for k, v in vars(args or argparse.Namespace()).items()
+                                  if _picklable(v)})
+    saved.consumed_train_samples = consumed_samples
+    saved.consumed_valid_samples = 0
+    return saved
+
+
+def _picklable(value) -> bool:
+    return isinstance(value, (type(None), bool, int, float, str, list, tuple, dict))
+
+
+def _state_dict(iteration: int, consumed_samples: int, args, model_chunks, optimizer, scheduler,
+                metadata: dict, is_loading: bool, with_rng: bool = True) -> dict:
+    state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+             "consumed_samples": consumed_samples,
+             "args": _args_for_checkpoint(args, consumed_samples),
+             "megatron_dpp_layout": _layout()}
+    state.update(_model_state_dict(model_chunks, metadata))
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
+                                                      metadata=metadata)
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    if with_rng:
+        state["rng_state"] = _sharded_rng_state()
+    return state
+
+
+def _no_rank_differences(common: dict) -> dict:
+    """What save compares across ranks for consistency: all of the common state but `args` (as
+    Megatron-LM leaves its args out of that check)."""
+    return {k: v for k, v in common.items() if k != "args"}
+
+
+# ----------------------------------------------------------------------------------------------
+# save
+# ----------------------------------------------------------------------------------------------
+def _rmtree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_tracker(root: str, iteration: int) -> None:
+    tracker = os.path.join(root, TRACKER_FILE)
+    with open(tracker + ".tmp", "w") as handle:
+        handle.write(f"{iteration}\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tracker + ".tmp", tracker)
+    _fsync_dir(root)
+
+
+def _publish(root: str, iteration: int) -> None:
+    """Rank 0: iter_N.saving -> iter_N (a previous iter_N aside until the tracker moved), then the
+    tracker. Each step is a rename: a crash leaves the tracker on a complete checkpoint."""
+    final = iteration_dir(root, iteration)
+    staging = final + SAVING_SUFFIX
+    replaced = final + REPLACED_SUFFIX
+    _rmtree(replaced)
+    if os.path.exists(final):
+        os.replace(final, replaced)
+    os.replace(staging, final)
+    _fsync_dir(root)
+    _write_tracker(root, iteration)
+    _rmtree(replaced)
+
+
+def save_dist_checkpoint(root: str, iteration: int, consumed_samples: int, model_chunks,
+                         optimizer, scheduler, args=None) -> str:
+    """Collective. Raises CheckpointSaveError (same message on every rank) when any rank failed;
+    the tracker then still names the previous checkpoint."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    _cpu_patches()
+    rank = dist.get_rank()
+    final = iteration_dir(root, iteration)
+    staging = final + SAVING_SUFFIX
+    error = None
+    if rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            _rmtree(staging)  # an earlier save's leftovers (it crashed or ran out of space)
+            os.makedirs(staging)
+        except OSError as exc:
+            error = f"cannot create {staging}: {_one_line(exc)}"
+    error = _agree(error)
+    if error is None:
+        try:
+            metadata = sharded_sd_metadata(optimizer)
+            state = _state_dict(iteration, consumed_samples, args, model_chunks, optimizer,
+                                scheduler, metadata, is_loading=False)
+            strategy = get_default_save_sharded_strategy("torch_dist")
+            if parallel_state.get_data_parallel_world_size() > 1:
+                # Data-parallel replicas split the writing, as Megatron-LM's
+                # --ckpt-fully-parallel-save (its default).
+                strategy = FullyParallelSaveStrategyWrapper(
+                    strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+            dist_checkpointing.save(state, staging, strategy, content_metadata=metadata,
+                                    preprocess_common_before_consistancy_check=_no_rank_differences)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # a rank's write failed (full disk...): all ranks learn it
+            # (torch.distributed.checkpoint's CheckpointException is a BaseException)
+            _debug_traceback()
+            error = f"rank {rank}: {_one_line(exc)}"
+        error = _agree(error)
+    if error is None and rank == 0:
+        try:
+            _publish(root, iteration)
+        except OSError as exc:
+            error = f"cannot publish {final}: {_one_line(exc)}"
+    error = _agree(error)
+    if error is not None:
+        if rank == 0:
+            _rmtree(staging)  # give the space back; the previous checkpoint stays the latest
+        dist.barrier()
+        raise CheckpointSaveError(f"saving the checkpoint of iteration {iteration} to {root} "
+                                  f"failed ({error}); {_latest_words(root)}")
+    return final
+
+
+def _latest_words(root: str) -> str:
+    try:
+        latest = read_tracker(root)
+    except CheckpointLoadError:
+        latest = None
+    return ("no checkpoint there is marked latest" if latest is None else
+            f"the latest checkpoint there is still iteration {latest}")
+
+
+# ----------------------------------------------------------------------------------------------
+# load
+# ----------------------------------------------------------------------------------------------
+def read_tracker(root: str) -> int | None:
+    tracker = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(tracker):
+        return None
+    try:
+        with open(tracker) as handle:
+            text = handle.read().strip()
+    except OSError as exc:
+        raise CheckpointLoadError(f"{tracker}: cannot read it ({_one_line(exc)})") from None
+    if text == "release":
+        raise CheckpointLoadError(f"{tracker}: 'release' checkpoints are not supported; name an "
+                                  f"iteration")
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise CheckpointLoadError(f"{tracker} is damaged: {text[:40]!r} is not an iteration "
+                                  f"number") from None
+    if iteration < 0:
+        raise CheckpointLoadError(f"{tracker} is damaged: negative iteration {iteration}")
+    return iteration
+
+
+def checkpoint_format(directory: str) -> str | None:
+    """'torch_dist' (Megatron-Core's metadata.json), 'torch' (our per-rank rank_RRRRR.pt files),
+    or None (neither)."""
+    if os.path.isfile(os.path.join(directory, "metadata.json")):
+        return "torch_dist"
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return None
+    if any(name.startswith("rank_") and name.endswith(".pt") for name in names):
+        return "torch"
+    if any(name.startswith("mp_rank_") for name in names):
+        return "megatron_torch"
+    return None
+
+
+def _model_mismatch(run_state: dict, directory: str, tensors_metadata: dict) -> str | None:
+    """The first model tensor of this run that the checkpoint lacks or holds at another shape."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    for key in sorted(k for k in run_state if k.startswith("model")):
+        for item in nested_values(run_state[key]):
+            if isinstance(item, ShardedTensorFactory):
+                name, shape = item.key, None
+            elif isinstance(item, ShardedTensor):
+                name, shape = item.key, tuple(item.global_shape)
+            else:
+                continue
+            saved = tensors_metadata.get(name)
+            if saved is None:
+                if not any(k.startswith(name + ".") or k.startswith(name + "/")
+                           for k in tensors_metadata):
+                    return (f"checkpoint {directory} is of another model: it has no tensor "
+                            f"{name!r}")
+                continue
+            saved_shape = tuple(getattr(saved, "global_shape", ()) or ())
+            if shape is not None and saved_shape and saved_shape != shape:
+                return (f"checkpoint {directory} is of another model: tensor {name!r} has shape "
+                        f"{list(saved_shape)} there and {list(shape)} in this model")
+    return None
+
+
+def _debug_traceback() -> None:
+    """MEGATRON_DPP_CHECKPOINT_DEBUG=1: the full traceback behind a one-line checkpoint error."""
+    if os.environ.get("MEGATRON_DPP_CHECKPOINT_DEBUG"):
+        import traceback
+
+        traceback.print_exc()
+
+
+@contextmanager
+def _errors_as(prefix: str):
+    try:
+        yield
+    except (CheckpointLoadError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException too
+        _debug_traceback()
+        raise CheckpointLoadError(f"{prefix}: {_one_line(exc)}") from None
+
+
+def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler) -> LoadedState:
+    """Collective: restore everything from a torch_dist checkpoint directory, at any layout.
+    Raises CheckpointLoadError (the same one line on every rank)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import (
+        get_default_load_sharded_strategy,
+        load_tensors_metadata,
+    )
+
+    _cpu_patches()
+    # 1. Read-only checks every rank makes alone (same files, so the same verdict on each rank).
+    common = metadata = tensors = None
+    error = None
+    try:
+        with _errors_as(f"checkpoint {directory} is damaged (metadata.json/common.pt)"):
+            common = dist_checkpointing.load_common_state_dict(directory)
+            metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
+        if not isinstance(common, dict) or "iteration" not in common:
+            raise CheckpointLoadError(f"checkpoint {directory} is damaged: its common.pt holds no "
+                                      f"iteration")
+        if "opt_param_scheduler" not in common:
+            raise CheckpointLoadError(f"checkpoint {directory} has no optimizer scheduler state; "
+                                      f"it is not a training checkpoint")
+        with _errors_as(f"checkpoint {directory} is damaged (.metadata)"):
+            tensors = load_tensors_metadata(directory)
+        run_metadata = sharded_sd_metadata(optimizer)
+        if bool(metadata.get("distrib_optim_sharding_type")) != \
+                bool(run_metadata.get("distrib_optim_sharding_type")):
+            raise CheckpointLoadError(
+                f"checkpoint {directory} was saved "
+                f"{'with' if metadata.get('distrib_optim_sharding_type') else 'without'} "
+                f"--use-distributed-optimizer; resume the same way")
+        with _errors_as(f"checkpoint {directory}: building this run's state dict"):
+            # RNG states are per (pipeline, tensor) rank: restored at the saving layout only.
+            run_state = _state_dict(int(common["iteration"]), 0, None, model_chunks, optimizer,
+                                    scheduler, run_metadata, is_loading=True,
+                                    with_rng=_same_model_parallel(
+                                        common.get("megatron_dpp_layout", {})))
+        error = _model_mismatch(run_state, directory, tensors)
+    except CheckpointLoadError as exc:
+        error = str(exc)
+    error = _agree(error)
+    if error is not None:
+        raise CheckpointLoadError(error)
+
+    # 2. The collective load (torch.distributed.checkpoint gathers every rank's exceptions).
+    loaded = None
+    try:
+        with _errors_as(f"checkpoint {directory} is damaged"):
+            loaded = dist_checkpointing.load(run_state, directory,
+                                             get_default_load_sharded_strategy(directory))
+    except CheckpointLoadError as exc:
+        error = str(exc)
+    error = _agree(error)
+    if error is not None:
+        raise CheckpointLoadError(error)
+
+    # 3. Into the model, optimizer, scheduler and RNGs.
+    try:
+        with _errors_as(f"checkpoint {directory} does not fit this model"):
+            for i, chunk in enumerate(model_chunks):
+                unwrap(chunk).load_state_dict(loaded[_model_key(i, len(model_chunks))], strict=True)
+            optimizer.load_state_dict(loaded["optimizer"])
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+            if "rng_state" in run_state:
+                rng = loaded["rng_state"]
+                _set_rng_state(rng[0] if isinstance(rng, list) else rng)
+    except CheckpointLoadError as exc:
+        error = str(exc)
+    error = _agree(error)
+    if error is not None:
+        raise CheckpointLoadError(error)
+    consumed = common.get("consumed_samples")
+    if consumed is None:  # a Megatron-LM checkpoint (it counts samples in args)
+        consumed = getattr(common.get("args"), "consumed_train_samples", 0)
+    return LoadedState(iteration=int(common["iteration"]), consumed_samples=int(consumed))
+
+
+def _same_model_parallel(saved: dict) -> bool:
+    here = _layout()
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+    return bool(saved) and all(saved.get(k) == here[k] for k in keys)
+

@@ -1,0 +1,207 @@
+"""Megatron-Core distributed checkpoints (--ckpt-format torch_dist, the default).
+
+- Resharding: a checkpoint saved at pp=2 resumes at pp=4, tp=2 x pp=2, pp=2 x vpp=2, with and
+  without --use-dpp, and the losses continue within 1e-5 relative of the uninterrupted run.
+- Atomic saves: a tmpfs too small for the next save leaves the previous checkpoint the latest and
+  loadable, with no partial directory left behind.
+- A damaged checkpoint or one of another model: one line saying what and where, exit code 2.
+"""
+import os
+import re
+import shutil
+import subprocess
+import uuid
+
+import pytest
+
+from _train_util import run_training
+
+SCHEDULE = ["--lr-decay-iters", "6"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+DPP = ["--use-dpp", "--dpp-timeout", "60"]
+ERROR_RE = re.compile(r"^megatron_dpp: error: .*$", re.MULTILINE)
+
+
+def _close(resumed, expected, rel=1e-5):
+    assert len(resumed) == len(expected), (resumed, expected)
+    for got, want in zip(resumed, expected):
+        assert abs(got - want) <= rel * abs(want), (resumed, expected)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    rc, losses, _norms, out = run_training([*SCHEDULE, *PP2, "--train-iters", "6"], nproc=2)
+    assert rc == 0 and len(losses) == 6, out[-3000:]
+    return losses
+
+
+@pytest.fixture(scope="module")
+def saved_pp2(tmp_path_factory, uninterrupted):
+    save = str(tmp_path_factory.mktemp("pp2") / "ckpt")
+    rc, losses, _norms, out = run_training([*SCHEDULE, *PP2, "--train-iters", "3", "--save", save],
+                                           nproc=2)
+    assert rc == 0, out[-3000:]
+    assert losses == uninterrupted[:3]
+    directory = os.path.join(save, "iter_0000003")
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "3"
+    assert {"metadata.json", "common.pt", ".metadata"} <= set(os.listdir(directory))
+    assert not [name for name in os.listdir(save) if name.endswith(".saving")]
+    return save
+
+
+RESUMES = {
+    "pp4": (["--pipeline-model-parallel-size", "4"], 4),
+    "tp2xpp2": (["--tensor-model-parallel-size", "2", *PP2], 4),
+    "pp2xvpp2": ([*PP2, "--num-virtual-stages-per-pipeline-rank", "2"], 2),
+    "pp2-dpp": ([*PP2, *DPP], 2),
+    "pp4-dpp": (["--pipeline-model-parallel-size", "4", *DPP], 4),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", list(RESUMES))
+def test_resume_at_another_layout_continues_the_losses(saved_pp2, uninterrupted, layout):
+    flags, nproc = RESUMES[layout]
+    rc, losses, _norms, out = run_training(
+        [*SCHEDULE, *flags, "--train-iters", "6", "--load", saved_pp2], nproc=nproc)
+    assert rc == 0, out[-3000:]
+    assert "loaded checkpoint" in out and re.search(r" iteration\s+4/", out), out[-3000:]
+    _close(losses, uninterrupted[3:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_dpp_save_resumes_without_dpp(tmp_path, uninterrupted):
+    save = str(tmp_path / "ckpt")
+    rc, losses, _norms, out = run_training(
+        [*SCHEDULE, *PP2, *DPP, "--train-iters", "3", "--save", save], nproc=2)
+    assert rc == 0, out[-3000:]
+    _close(losses, uninterrupted[:3])
+    rc, losses, _norms, out = run_training(
+        [*SCHEDULE, "--pipeline-model-parallel-size", "4", "--train-iters", "6", "--load", save],
+        nproc=4)
+    assert rc == 0, out[-3000:]
+    _close(losses, uninterrupted[3:])
+
+
+def _one_error(out: str) -> str:
+    errors = ERROR_RE.findall(out)
+    assert len(errors) == 1, out[-4000:]
+    assert re.search(r"exitcode\s*:\s*2\b", out), out[-4000:]  # torchrun's report of the ranks
+    assert not re.search(r'File ".*/megatron_dpp/', out), out[-4000:]  # no traceback of ours
+    return errors[0]
+
+
+def _copy(saved: str, tmp_path) -> str:
+    target = str(tmp_path / "copy")
+    shutil.copytree(saved, target)
+    return target
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_damaged_shard_is_one_line_exit_2(saved_pp2, tmp_path):
+    load = _copy(saved_pp2, tmp_path)
+    directory = os.path.join(load, "iter_0000003")
+    shard = sorted(name for name in os.listdir(directory) if name.endswith(".distcp"))[0]
+    with open(os.path.join(directory, shard), "r+b") as handle:
+        handle.truncate(100)
+    rc, _losses, _norms, out = run_training([*SCHEDULE, *PP2, "--train-iters", "6", "--load", load],
+                                            nproc=2)
+    assert rc != 0
+    line = _one_error(out)
+    assert "damaged" in line and directory in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("damage", ["tracker", "metadata"])
+def test_damaged_tracker_or_metadata_is_one_line_exit_2(saved_pp2, tmp_path, damage):
+    load = _copy(saved_pp2, tmp_path)
+    if damage == "tracker":
+        path = os.path.join(load, "latest_checkpointed_iteration.txt")
+        with open(path, "w") as handle:
+            handle.write("\x00\x13garbage")
+    else:
+        path = os.path.join(load, "iter_0000003", "common.pt")
+        with open(path, "wb") as handle:
+            handle.write(b"not a torch file")
+    rc, _losses, _norms, out = run_training([*SCHEDULE, *PP2, "--train-iters", "6", "--load", load],
+                                            nproc=2)
+    assert rc != 0
+    line = _one_error(out)
+    assert "damaged" in line and os.path.dirname(path) in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_checkpoint_of_another_model_is_one_line_exit_2(saved_pp2):
+    rc, _losses, _norms, out = run_training(
+        [*SCHEDULE, *PP2, "--train-iters", "6", "--load", saved_pp2, "--hidden-size", "128"],
+        nproc=2)
+    assert rc != 0
+    line = _one_error(out)
+    assert "another model" in line and saved_pp2 in line and "shape" in line, line
+
+
+# ----------------------------------------------------------------------------------------------
+# atomic saves: a full disk
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A tmpfs of 8 MiB: one checkpoint of the tiny GPT at pp=2 (about 6 MiB) fits, two do not."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    mount_point = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    try:
+        yield str(mount_point)
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_full_disk_keeps_the_previous_checkpoint_latest_and_loadable(small_tmpfs, uninterrupted):
+    save = os.path.join(small_tmpfs, "ckpt")
+    rc, losses, _norms, out = run_training(
+        [*SCHEDULE, *PP2, "--train-iters", "4", "--save", save, "--save-interval", "2"], nproc=2)
+    assert rc != 0, out[-3000:]
+    assert losses == uninterrupted[:4]
+    errors = ERROR_RE.findall(out)
+    assert len(errors) == 1 and "iteration 4" in errors[0] and \
+        "latest checkpoint there is still iteration 2" in errors[0], out[-3000:]
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
+    assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+    rc, losses, _norms, out = run_training(
+        [*SCHEDULE, *PP2, "--train-iters", "6", "--load", save], nproc=2)
+    assert rc == 0, out[-3000:]
+    _close(losses, uninterrupted[2:])
+
+
+# ----------------------------------------------------------------------------------------------
+# the old per-rank format (--ckpt-format torch): same layout loads, another one is refused
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_old_format_loads_at_its_layout_and_is_refused_at_another(tmp_path, uninterrupted):
+    save = str(tmp_path / "old")
+    rc, _losses, _norms, out = run_training(
+        [*SCHEDULE, *PP2, "--train-iters", "3", "--save", save, "--ckpt-format", "torch"], nproc=2)
+    assert rc == 0, out[-3000:]
+    assert os.path.isfile(os.path.join(save, "iter_0000003", "rank_00000.pt"))
+    rc, losses, _norms, out = run_training([*SCHEDULE, *PP2, "--train-iters", "6", "--load", save],
+                                           nproc=2)
+    assert rc == 0, out[-3000:]
+    assert losses == uninterrupted[3:]
+    rc, _losses, _norms, out = run_training(
+        [*SCHEDULE, "--pipeline-model-parallel-size", "4", "--train-iters", "6", "--load", save],
+        nproc=4)
+    line = _one_error(out)
+    assert "old per-rank format" in line and "convert it" in line and save in line, line
