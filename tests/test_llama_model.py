@@ -126,11 +126,13 @@ def test_parameter_counts_equal_megatron_core(megatron, groups):
 
 
 def _layer_saved_bytes(profiling, block, shape, batch: int, rotary) -> int:
-    """What one layer keeps for backward, with the rotary angles the model hands its layers."""
-    hidden, mask = profiling.layer_inputs(shape, batch)
+    """What one layer keeps for backward, with the rotary angles the model hands its layers (the
+    same as the profiler's own sample input)."""
+    hidden, inputs = profiling.layer_inputs(shape, batch)
+    assert torch.equal(inputs["rotary_pos_emb"], rotary)
     params = list(block.parameters())
     with profiling.SavedTensors(exclude=params) as saved:
-        output = block(hidden, attention_mask=mask, rotary_pos_emb=rotary)
+        output = block(hidden, **inputs)
     nbytes = saved.alive_bytes()
     del output
     return nbytes

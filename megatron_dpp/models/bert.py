@@ -220,6 +220,6 @@ BERT_SPEC = ModelSpec(
     layer_spec=bert_layer_spec,
     config_fields=lambda args: {},  # Megatron-Core's defaults (LayerNorm, GeLU, biases)
     transformer_layers=lambda model: model.encoder.layers,
-    sample_layer_mask=bert_sample_layer_mask,
+    sample_layer_inputs=lambda shape, batch: {"attention_mask": bert_sample_layer_mask(shape, batch)},
     sample_model_inputs=bert_sample_model_inputs,
 )

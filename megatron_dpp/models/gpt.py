@@ -188,6 +188,6 @@ GPT_SPEC = ModelSpec(
     layer_spec=gpt_layer_spec,
     config_fields=lambda args: {},  # Megatron-Core's defaults are GPT's
     transformer_layers=lambda model: model.decoder.layers,
-    sample_layer_mask=lambda shape, batch: None,  # the layer spec's causal mask
+    sample_layer_inputs=lambda shape, batch: {"attention_mask": None},  # the spec's causal mask
     sample_model_inputs=gpt_sample_model_inputs,
 )

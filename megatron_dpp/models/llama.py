@@ -81,8 +81,14 @@ def build_llama_chunks(args: argparse.Namespace, config: TransformerConfig,
         rotary_base=args.rotary_base)
 
 
-def _llama_sample_layer_mask(shape, batch: int):
-    return None  # the layer spec's causal mask, as GPT's
+def _llama_sample_layer_inputs(shape, batch: int) -> dict:
+    """The layer spec's causal mask (as GPT's) and the rotary angles GPTModel hands its layers."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rotary = RotaryEmbedding(kv_channels=shape.hidden_size // shape.num_attention_heads,
+                             rotary_percent=1.0, rotary_base=shape.rotary_base,
+                             use_cpu_initialization=not torch.cuda.is_available())
+    return {"attention_mask": None, "rotary_pos_emb": rotary(shape.seq_length)}
 
 
 LLAMA_SPEC = ModelSpec(
@@ -100,6 +106,6 @@ LLAMA_SPEC = ModelSpec(
     layer_spec=llama_layer_spec,
     config_fields=llama_config_fields,
     transformer_layers=lambda model: model.decoder.layers,
-    sample_layer_mask=_llama_sample_layer_mask,
+    sample_layer_inputs=_llama_sample_layer_inputs,
     sample_model_inputs=gpt_sample_model_inputs,
 )

@@ -65,9 +65,10 @@ class ModelSpec:
     transformer_layers: Callable[[torch.nn.Module], torch.nn.ModuleList]
     """A model chunk (unwrapped) -> its transformer layers (the profiler hooks each)."""
 
-    sample_layer_mask: Callable[[Any, int], Optional[torch.Tensor]]
-    """(models.memory_model.ModelShape, micro-batch size) -> the attention mask one layer gets in
-    training (None: the layer spec's own causal mask); the profiler's sample input."""
+    sample_layer_inputs: Callable[[Any, int], dict]
+    """(models.memory_model.ModelShape, micro-batch size) -> the keyword inputs one transformer
+    layer gets in training besides its hidden states (attention_mask: None for the layer spec's own
+    causal mask; Llama's rotary_pos_emb); the profiler's sample input."""
 
     sample_model_inputs: Callable[[Any, int], dict]
     """(ModelShape, micro-batch size) -> keyword inputs of a whole chunk's forward with random

@@ -245,15 +245,16 @@ def build_model(shape: mm.ModelShape, tp: int = 1) -> torch.nn.Module:
     return model.train()
 
 
-def layer_inputs(shape: mm.ModelShape, batch: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def layer_inputs(shape: mm.ModelShape, batch: int) -> tuple[torch.Tensor, dict]:
     """The layer's input [s, b, h] (requires grad, as a received activation) and the attention mask
-    the model's layers get in training (its ModelSpec's sample_layer_mask)."""
+    the keyword inputs the model's layers get in training (its ModelSpec's sample_layer_inputs:
+    the attention mask, Llama's rotary angles)."""
     from megatron_dpp.models import MODEL_SPECS
 
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(shape.seq_length, batch, shape.hidden_size, generator=generator)
     hidden = hidden.to(TORCH_DTYPES[shape.dtype]).requires_grad_()
-    return hidden, MODEL_SPECS[shape.model].sample_layer_mask(shape, batch)
+    return hidden, MODEL_SPECS[shape.model].sample_layer_inputs(shape, batch)
 
 
 def model_inputs(shape: mm.ModelShape, batch: int) -> dict:
@@ -306,9 +307,9 @@ class SavedTensors:
 def measured_layer_activation_bytes(block: torch.nn.Module, shape: mm.ModelShape,
                                     batch: int) -> int:
     """Bytes one layer keeps for backward for one micro-batch (the layer's input included)."""
-    hidden, mask = layer_inputs(shape, batch)
+    hidden, inputs = layer_inputs(shape, batch)
     with SavedTensors(exclude=block.parameters()) as saved:
-        output = block(hidden, attention_mask=mask)
+        output = block(hidden, **inputs)
     nbytes = saved.alive_bytes()
     del output
     return nbytes
@@ -452,13 +453,13 @@ def time_layer(blocks: Sequence[torch.nn.Module], shape: mm.ModelShape, batch: i
     the runs' two-layer minus one-layer times, when that is above 0 and at most the one-layer
     block's median, else that median; the chunk's fixed part = the one-layer block's median less
     the layer."""
-    hidden, mask = layer_inputs(shape, batch)
+    hidden, inputs = layer_inputs(shape, batch)
     grad = torch.ones(shape.seq_length, batch, shape.hidden_size, dtype=hidden.dtype)
     timed = [([], []) for _ in blocks]
     for run in range(warmup + repeats):
         for block, (forward, backward) in zip(blocks, timed):
             start = time.perf_counter()
-            output = block(hidden, attention_mask=mask)
+            output = block(hidden, **inputs)
             middle = time.perf_counter()
             output.backward(grad)
             end = time.perf_counter()
