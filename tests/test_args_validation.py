@@ -1,7 +1,9 @@
 """Each bad flag: one line on stderr that names the problem, exit code 2, before any process group.
 
-The processes run without torchrun and without MASTER_ADDR: had validation come after creating a
-process group, they would fail differently (or wait), not exit 2 with the line we expect.
+The table runs in this process (parse_args as the entry point calls it, the environment as
+torchrun would set it, without MASTER_ADDR: had validation come after creating a process group, it
+would fail differently or wait, not exit 2); a few cases also run as real processes
+(test_bad_flag_in_a_process), which shows that nothing else reaches stderr there.
 """
 import os
 import subprocess
@@ -188,24 +190,75 @@ ENV = {
 }
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("case", list(BAD_FLAGS))
-def test_bad_flag_is_one_line_exit_2(case):
-    if case in ("bf16_on_cpu", "fp16_on_cpu", "flash_attn_on_cpu", "nccl_on_cpu",
-                "distributed_optimizer_on_cpu", "sequence_parallel_without_te", "nvtx_on_cpu",
-                "profile_nsys_on_cpu"):
+GPU_ONLY_CASES = ("bf16_on_cpu", "fp16_on_cpu", "flash_attn_on_cpu", "nccl_on_cpu",
+                  "distributed_optimizer_on_cpu", "sequence_parallel_without_te", "nvtx_on_cpu",
+                  "profile_nsys_on_cpu")
+
+
+def _skip_gpu_only_case_on_a_gpu(case):
+    if case in GPU_ONLY_CASES:
         torch = pytest.importorskip("torch")
         if torch.cuda.is_available():
             pytest.skip("GPU-only flags are valid on this machine")
+
+
+def _torchrun_environment(monkeypatch, world_size, env_extra=None):
+    """The variables torchrun gives a rank, without a rendezvous (no MASTER_ADDR)."""
+    for name in ("MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE", "GROUP_RANK",
+                 "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    for name, value in (env_extra or {}).items():
+        monkeypatch.setenv(name, value)
+
+
+def validate_in_process(argv, monkeypatch, capsys, world_size=1, env_extra=None):
+    """(exit code, stdout, stderr) of megatron_dpp.pretrain_gpt's flag parsing."""
+    from megatron_dpp.arguments import parse_args
+
+    _torchrun_environment(monkeypatch, world_size, env_extra)
+    try:
+        parse_args(argv, prog="megatron_dpp.pretrain_gpt")
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _assert_one_line_exit_2(code, out, err, expected):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, (code, err[-2000:])
+    assert len(lines) == 1, err
+    assert lines[0].startswith("megatron_dpp.pretrain_gpt: error: "), lines[0]
+    assert expected in lines[0], lines[0]
+    assert out == ""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_bad_flag_is_one_line_exit_2(case, monkeypatch, capsys):
+    _skip_gpu_only_case_on_a_gpu(case)
+    extra, world_size, expected = BAD_FLAGS[case]
+    code, out, err = validate_in_process([*data_args(), *TINY, *extra], monkeypatch, capsys,
+                                         world_size, ENV.get(case))
+    _assert_one_line_exit_2(code, out, err, expected)
+
+
+# One case of each kind as a real process: a shape check, a data check (which imports Megatron-Core
+# on the way), a path check, the multi-node environment check.
+IN_A_PROCESS = ("layers_vs_pipeline", "missing_data_files", "save_is_a_file",
+                "multi_node_count_mismatch")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", [case for case in IN_A_PROCESS if case in BAD_FLAGS])
+def test_bad_flag_in_a_process(case):
     extra, world_size, expected = BAD_FLAGS[case]
     result = run_validation([*data_args(), *TINY, *extra], world_size=world_size,
                             env_extra=ENV.get(case))
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("megatron_dpp.pretrain_gpt: error: "), lines[0]
-    assert expected in lines[0], lines[0]
-    assert result.stdout == ""
+    _assert_one_line_exit_2(result.returncode, result.stdout, result.stderr, expected)
 
 
 GOOD_FLAGS = {
@@ -228,17 +281,26 @@ GOOD_FLAGS = {
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("case", list(GOOD_FLAGS))
-def test_good_flags_pass_validation(case):
+def test_good_flags_pass_validation(case, monkeypatch, capsys):
     """The same base flags validate cleanly (so each bad case fails for its own reason); --trace
     without --use-dpp records Megatron's own schedule."""
     extra, env = GOOD_FLAGS[case]
+    code, _out, err = validate_in_process(
+        [*data_args(), *TINY, "--pipeline-model-parallel-size", "2", *extra], monkeypatch, capsys,
+        world_size=2, env_extra=env)
+    assert code == 0, err
+    assert not os.path.exists("/tmp/megatron-dpp-test-never-made")  # checked, not made
+
+
+@pytest.mark.timeout(90)
+def test_good_flags_pass_the_launchers_precheck():
+    """`python -m megatron_dpp.arguments`, as the launchers run it before torchrun."""
     result = subprocess.run(
         [PYTHON, "-m", "megatron_dpp.arguments", *data_args(), *TINY,
-         "--pipeline-model-parallel-size", "2", *extra],
-        env=dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", **env), cwd=REPO_ROOT,
+         "--pipeline-model-parallel-size", "2"],
+        env=dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2"), cwd=REPO_ROOT,
         capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert not os.path.exists("/tmp/megatron-dpp-test-never-made")  # checked, not made
 
 
 def test_exit_signal_handler_help_says_it_is_always_on():
