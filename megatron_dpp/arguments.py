@@ -26,6 +26,7 @@ from megatron_dpp.models import families
 from megatron_dpp.models.flags import (REFUSED_PARALLEL_FLAGS, add_model_args, add_parallel_args,
                                        validate_model_args, validate_parallel_args)
 from megatron_dpp.one_line_errors import InputError, OneLineErrorParser
+from megatron_dpp.rank_failure import fail
 from megatron_dpp.runtime.flags import add_dpp_args, validate_dpp_args
 from megatron_dpp.training.flags import (
     REFUSED_PROFILE_FLAGS, add_checkpoint_args, add_logging_args, add_profile_args, add_trace_args,
@@ -156,8 +157,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "megatron_dpp",
     try:
         validate_args(args)
     except ArgsError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        fail(f"{parser.prog}: error: {error}", exit_code=2)
     return args
 
 

@@ -2,7 +2,8 @@
 tools and the run scripts' helpers can use it without importing torch): a bad flag prints one
 line and exits with code 2."""
 import argparse
-import sys
+
+from megatron_dpp.rank_failure import fail
 
 
 class InputError(ValueError):
@@ -15,5 +16,4 @@ class OneLineErrorParser(argparse.ArgumentParser):
     """argparse prints usage plus the error; we print the error alone, on one line, exit code 2."""
 
     def error(self, message: str):
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
-        sys.exit(2)
+        fail(f"{self.prog}: error: {message} (see --help)", exit_code=2)

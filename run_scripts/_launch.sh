@@ -12,8 +12,9 @@
 #   launch_prepare             Python environment, GPU-dependent defaults, recipe, data -> ALL_FLAGS
 #                              (GPUs: PP=2 where they hold two stages, else 1; NPROC = the GPUs,
 #                              rounded down to a multiple of PP x TP. CPU: PP=2, NPROC=2)
-#   launch_precheck            bad flags: one line, exit 2, before torchrun starts
-#   launch_start NODE_RANK     prints the layout and execs torchrun, or prints its command (DRY_RUN)
+#   launch_precheck [NODE]     bad flags: one line, exit 2, before torchrun starts
+#   launch_start NODE_RANK     prints the layout and execs torchrun (megatron_dpp.rank_launcher: one
+#                              line when ranks fail), or prints its command (DRY_RUN)
 # Paths are the caller's: a relative path in a path-valued flag (LAUNCH_PATH_FLAGS, --strategy),
 # in DATA_DIR, DATA_ARGS or DPP_VENV, is resolved against the directory the launcher was run from,
 # before anything changes directory (the precheck and torchrun run in the repository root).
@@ -338,9 +339,13 @@ launch_prepare() {
 }
 
 launch_precheck() {
-  # torchrun's variables as every rank will see them; megatron_dpp.comm.nodes counts the nodes
-  # with GROUP_WORLD_SIZE.
-  (cd "$REPO_ROOT" && WORLD_SIZE="$((NNODES * NPROC))" LOCAL_WORLD_SIZE="$NPROC" \
+  # launch_precheck [NODE_RANK]: torchrun's variables as every rank will see them;
+  # megatron_dpp.comm.nodes counts the nodes with GROUP_WORLD_SIZE, and with GROUP_RANK (this node's
+  # rank, when it runs here: not under --dry-run, which may print another machine's commands) the
+  # check also finds this node's --node-ips address among this machine's.
+  local node=()
+  if [ -n "${1:-}" ] && [ "$DRY_RUN" = 0 ]; then node=(GROUP_RANK="$1"); fi
+  (cd "$REPO_ROOT" && env "${node[@]}" WORLD_SIZE="$((NNODES * NPROC))" LOCAL_WORLD_SIZE="$NPROC" \
      GROUP_WORLD_SIZE="$NNODES" RANK=0 "$PY" -m megatron_dpp.arguments "$LAUNCH_MODEL" "${ALL_FLAGS[@]}")
 }
 
@@ -357,7 +362,7 @@ launch_torchrun_command() {
     # Static rendezvous: every node names the master and its own rank.
     rendezvous=(--node-rank "$node_rank" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
   fi
-  TORCHRUN=("$PY" -m torch.distributed.run --nnodes "$NNODES" "${rendezvous[@]}"
+  TORCHRUN=("$PY" -m megatron_dpp.rank_launcher --nnodes "$NNODES" "${rendezvous[@]}"
             --nproc-per-node "$NPROC" -m "$ENTRY_MODULE" "${ENTRY_ARGS[@]}" "${ALL_FLAGS[@]}")
 }
 
@@ -416,6 +421,11 @@ launch_main() {
   launch_check_layout_env
   launch_check_nodes "$role"
   launch_prepare
-  launch_precheck
-  if [ "$role" = worker ]; then launch_start "$NODE_RANK"; else launch_start 0; fi
+  if [ "$role" = worker ]; then
+    launch_precheck "$NODE_RANK"
+    launch_start "$NODE_RANK"
+  else
+    launch_precheck 0
+    launch_start 0
+  fi
 }

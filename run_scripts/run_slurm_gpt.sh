@@ -76,7 +76,8 @@ if [ -z "${NODE_IPS:-}" ]; then
 fi
 launch_check_nodes slurm
 launch_prepare
-launch_precheck
+# In a job step this is node NODE_RANK: the check also finds its --node-ips address here.
+if [ "$IN_STEP" = 1 ]; then launch_precheck "$NODE_RANK"; else launch_precheck; fi
 
 if [ "$DRY_RUN" = 1 ]; then
   launch_describe "0..$((NNODES - 1))"

@@ -258,6 +258,21 @@ def test_master_refuses_bad_node_ips_before_torchrun(tmp_path, node_ips, expecte
     assert seconds < 90
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script, variables, address", [
+    ("run_master_gpt.sh", {"NODE_IPS": "10.9.9.1,10.9.9.2"}, "node rank 0 the address 10.9.9.1"),
+    ("run_worker_gpt.sh", {"NODE_IPS": "127.0.0.1,10.9.9.2", "NODE_RANK": "1",
+                           "MASTER_ADDR": "127.0.0.1"}, "node rank 1 the address 10.9.9.2"),
+])
+def test_node_whose_address_is_elsewhere_stops_before_torchrun(tmp_path, script, variables, address):
+    """Each node's own --node-ips address is checked before launch (not under --dry-run, which
+    prints commands for other machines: see the dry-run test below)."""
+    result, _ = _run_script(script, {**variables, "NPROC": "1", "PP": "2"}, cwd=tmp_path)
+    line = _one_error_line(result)
+    assert address in line and "no interface of this machine has it" in line, line
+    assert ": node " not in result.stdout  # the banner printed just before torchrun starts
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("script, variables, expected", [
     ("run_master_gpt.sh", {}, "NODE_IPS is not set"),
@@ -298,7 +313,7 @@ def test_master_and_worker_dry_run_print_their_torchrun_commands(tmp_path):
         assert result.returncode == 0, result.stderr[-2000:]
     (rank, argv), = _node_commands(master.stdout).items()
     assert rank == 0
-    assert argv[1:4] == ["-m", "torch.distributed.run", "--nnodes"]
+    assert argv[1:4] == ["-m", "megatron_dpp.rank_launcher", "--nnodes"]
     assert (_value(argv, "--nnodes"), _value(argv, "--node-rank"), _value(argv, "--master-addr"),
             _value(argv, "--master-port"), _value(argv, "--nproc-per-node")) == \
         ("2", "0", "10.0.0.1", "29500", "1")

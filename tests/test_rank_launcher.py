@@ -1,0 +1,67 @@
+"""megatron_dpp.rank_launcher: when ranks fail, its last line is the first failing rank's line and
+its exit code is that rank's; no torchrun traceback."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dpp.rank_failure import first_failure, record_failure
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RANK_SCRIPT = str(Path(__file__).with_name("_failing_rank.py"))
+
+
+def _launch(mode: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "megatron_dpp.rank_launcher", "--standalone",
+               "--nproc-per-node", "2", RANK_SCRIPT, mode]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+                          env={**__import__("os").environ, "PYTHONPATH": str(REPO_ROOT)})
+
+
+def _last_line(result: subprocess.CompletedProcess) -> str:
+    return result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode, code, last_line", [
+    ("lines", 5, "rank 1: the first failure"),
+    ("crash", 1, "megatron_dpp.rank_launcher: rank 1 failed with exit code 1; its output above "
+                 "says why"),
+    ("killed", 137, "megatron_dpp.rank_launcher: rank 1 was killed by SIGKILL; its output above "
+                    "says what it was doing"),
+])
+def test_launcher_ends_with_the_first_failure(mode, code, last_line):
+    result = _launch(mode)
+    assert result.returncode == code, result.stderr[-3000:]
+    assert _last_line(result) == last_line, result.stderr[-3000:]
+    assert "ChildFailedError" not in result.stderr, result.stderr[-3000:]
+    if mode != "crash":  # the crashing rank's own traceback is its output, and stays
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.timeout(150)
+def test_launcher_passes_success_through():
+    result = _launch("ok")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0 done" in result.stdout and "rank 1 done" in result.stdout
+
+
+def test_first_failure_is_the_earliest_and_skips_damaged_records(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPP_FAILURE_DIR", str(tmp_path))
+    assert first_failure(str(tmp_path)) is None
+    for rank, line in ((3, "late"), (2, "early")):
+        monkeypatch.setenv("RANK", str(rank))
+        record_failure(line, exit_code=rank)
+    # Rewrite rank 3's record to be the later one, whatever the clock's resolution.
+    (tmp_path / "rank_3.json").write_text('{"rank": 3, "exit_code": 3, "line": "late", "time": 9e12}')
+    (tmp_path / "rank_4.json").write_text('{"rank": 4, "exit_')  # a rank killed while writing
+    found = first_failure(str(tmp_path))
+    assert (found.rank, found.exit_code, found.line) == (2, 2, "early")
+
+
+def test_record_failure_without_a_launcher_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("DPP_FAILURE_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    record_failure("a line", exit_code=2)
+    assert list(tmp_path.iterdir()) == []
