@@ -153,7 +153,7 @@ def _rank_pid(net, node: int) -> int | None:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"megatron_dpp.pretrain_gpt" in cmdline and b"torch.distributed.run" not in cmdline:
+        if b"megatron_dpp.pretrain_gpt" in cmdline and b"megatron_dpp.rank_launcher" not in cmdline:
             return int(pid)
     return None
 

@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Callable, List, Optional
 
+from megatron_dpp.rank_failure import record_failure
+
 
 class ProgressClock:
     """When this process last made progress (a task ran, a message arrived, a step phase began)."""
@@ -59,6 +61,7 @@ def report_and_exit(reason: str, state_lines: List[str], exit_code: int,
     lines = [f"[dpp rank {rank}] {reason}"] + [f"[dpp rank {rank}]   {line}" for line in state_lines]
     sys.stderr.write("\n".join(lines) + "\n")
     sys.stderr.flush()
+    record_failure(lines[0], exit_code)
     sys.stdout.flush()
     exit_fn(exit_code)
 
