@@ -1,0 +1,127 @@
+"""benchmarks/scale_projection.py --quick: the structure of its JSON and checks that can fail.
+
+The bounds, and why they hold:
+- equal lengths at the default ('auto') budget: dpp:adaptive runs exactly Megatron's order
+  (docs/scheduling.md; tests/test_sched_properties.py checks it on random pipelines), so its
+  ratio is 1; dpp:adaptive+W finishes no later than Megatron's order with each W after its B
+  (same property test), which finishes no later than the fused order when tasks cost no overhead
+  (the same order, every input gradient sent no later);
+- no schedule beats the simulator's pipeline bound, and no dynamic policy exceeds its budget.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "benchmarks", "scale_projection.py")
+SCHEDULES = ("megatron", "dpp:adaptive", "dpp:adaptive+W")
+EPSILON = 1e-9
+
+
+def run_script(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *flags], capture_output=True, text=True, timeout=300,
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def quick_output() -> str:
+    done = run_script("--quick", "--json")
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def result(quick_output) -> dict:
+    return json.loads(quick_output)
+
+
+def groups(rows: list[dict]) -> dict:
+    keyed = {}
+    for row in rows:
+        key = (row["model"], row["pp"], row["vpp"], row["distribution"])
+        keyed.setdefault(key, {})[row["schedule"]] = row
+    return keyed
+
+
+def test_every_group_has_every_schedule(result):
+    keyed = groups(result["rows"])
+    # --quick: 13B at pp 4, vpp 1 and 2, three distributions.
+    expected = {(vpp, name) for vpp in (1, 2) for name in ("uniform", "sample", "longtail")}
+    assert {(key[2], key[3]) for key in keyed} == expected
+    for group in keyed.values():
+        assert tuple(group) == SCHEDULES
+        assert group["megatron"]["ratio"] == 1.0
+
+
+def test_figures_are_sane(result):
+    for row in result["rows"]:
+        assert row["time_ms"] > 0 and row["ratio"] > 0, row
+        assert 0.0 <= row["bubble"] < 1.0, row
+        assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"], row
+        # No schedule beats the pipeline bound; the dynamic policies stay within their budgets.
+        assert row["pipeline_ms"] >= row["pipeline_bound_ms"] * (1 - EPSILON), row
+        if row["schedule"] != "megatron":
+            assert row["peak_over_budget"] <= 1.0 + EPSILON, row
+        assert row["fits_memory"] == (row["memory_gb"] <= result["assumptions"]["gpu_memory_gb"])
+
+
+def test_dpp_never_worse_with_equal_lengths(result):
+    for key, group in groups(result["rows"]).items():
+        if key[3] == "uniform":
+            assert group["dpp:adaptive"]["ratio"] == pytest.approx(1.0, abs=EPSILON), key
+            assert group["dpp:adaptive+W"]["ratio"] <= 1.0 + EPSILON, key
+
+
+def test_split_backward_holds_more_memory(result):
+    for key, group in groups(result["rows"]).items():
+        assert group["dpp:adaptive"]["memory_gb"] == group["megatron"]["memory_gb"], key
+        assert group["dpp:adaptive+W"]["memory_gb"] > group["megatron"]["memory_gb"], key
+
+
+def test_assumptions_are_stated(result):
+    facts = result["assumptions"]
+    assert "8xH100-nvlink-ib400" in facts["hardware"]
+    on_node = facts["messages"]["on_node"]
+    assert "CUDA IPC" in on_node and "../shared/gpu/README.md" in on_node
+    assert "InfiniBand" in facts["messages"]["inter_node"]
+    assert set(facts["distributions"]) == {"uniform", "sample", "longtail"}
+    assert facts["memory_budget"].startswith("'auto'")
+    assert facts["memory_by_tp"]
+    for group in facts["groups"]:
+        times = group["task_times"]
+        assert 0 < times["layer_weight_grad_ms"] < times["layer_backward_ms"]
+        assert times["layer_forward_ms"] > 0 and group["hop"]["ms"] > 0
+    assert result["command"].startswith("python benchmarks/scale_projection.py")
+
+
+def test_cpu_overlap_beside_its_measurement(result):
+    cpu = result["cpu_overlap"]
+    names = [row["schedule"] for row in cpu["rows"]]
+    assert names == ["1f1b", "1f1b-sorted", "dpp:adaptive", "dpp:adaptive+W"]
+    for row in cpu["rows"]:
+        assert 0 < row["ratio"] <= 1.0 + EPSILON and 0 <= row["bubble"] < 1
+        assert len(row["measured"]["part1"]) == 2
+    assert cpu["rank_speed"][0] == 1.0 and cpu["rank_speed"][1] > 1.0  # the loss stage is slower
+
+
+def test_identical_inputs_give_identical_outputs(quick_output):
+    again = run_script("--quick", "--json")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == quick_output
+
+
+def test_help_explains_every_flag():
+    done = run_script("--help")
+    assert done.returncode == 0
+    for flag in ("--models", "--pp", "--distributions", "--batches", "--microbatches-per-stage",
+                 "--ipc-latency-us", "--ipc-64mib-us", "--matmul-efficiency", "--sample-data",
+                 "--cpu-batches", "--no-cpu-overlap", "--quick", "--json"):
+        assert flag in done.stdout
+
+
+def test_bad_flag_is_one_line():
+    done = run_script("--ipc-latency-us", "600", "--ipc-64mib-us", "500")
+    assert done.returncode == 2 and "--ipc-64mib-us must exceed" in done.stderr
