@@ -2,9 +2,10 @@
 
 - Resharding: a checkpoint saved at pp=2 resumes at pp=4, tp=2 x pp=2, pp=2 x vpp=2, with and
   without --use-dpp, and the losses continue within 1e-5 relative of the uninterrupted run.
-- Atomic saves: a tmpfs too small for the next save leaves the previous checkpoint the latest and
-  loadable, with no partial directory left behind.
-- A damaged checkpoint or one of another model: one line saying what and where, exit code 2.
+- Atomic saves: on a tmpfs too small for the next save, the free-space check refuses it before
+  writing; the previous checkpoint stays the latest and loadable, with nothing left behind.
+- A damaged checkpoint (its checksums, checksums.json, are checked before loading) or one of
+  another model: one line saying what and where, exit code 2.
 """
 import os
 import re
@@ -44,7 +45,8 @@ def saved_pp2(tmp_path_factory, uninterrupted):
     assert losses == uninterrupted[:3]
     directory = os.path.join(save, "iter_0000003")
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "3"
-    assert {"metadata.json", "common.pt", ".metadata"} <= set(os.listdir(directory))
+    assert {"metadata.json", "common.pt", ".metadata", "checksums.json"} <= \
+        set(os.listdir(directory))
     assert not [name for name in os.listdir(save) if name.endswith(".saving")]
     return save
 
@@ -111,27 +113,31 @@ def test_damaged_shard_is_one_line_exit_2(saved_pp2, tmp_path):
                                             nproc=2)
     assert rc != 0
     line = _one_error(out)
-    assert "damaged" in line and directory in line, line
+    assert f"checkpoint file {os.path.join(directory, shard)} is damaged: truncated" in line, line
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("damage", ["tracker", "metadata"])
+@pytest.mark.parametrize("damage", ["tracker", "metadata", "manifest"])
 def test_damaged_tracker_or_metadata_is_one_line_exit_2(saved_pp2, tmp_path, damage):
     load = _copy(saved_pp2, tmp_path)
     if damage == "tracker":
         path = os.path.join(load, "latest_checkpointed_iteration.txt")
         with open(path, "w") as handle:
             handle.write("\x00\x13garbage")
-    else:
+    elif damage == "metadata":
         path = os.path.join(load, "iter_0000003", "common.pt")
         with open(path, "wb") as handle:
             handle.write(b"not a torch file")
+    else:  # a deleted manifest: common.pt says the save wrote one
+        path = os.path.join(load, "iter_0000003", "checksums.json")
+        os.remove(path)
     rc, _losses, _norms, out = run_training([*SCHEDULE, *PP2, "--train-iters", "6", "--load", load],
                                             nproc=2)
     assert rc != 0
     line = _one_error(out)
-    assert "damaged" in line and os.path.dirname(path) in line, line
+    says = "is missing" if damage == "manifest" else "is damaged"
+    assert f"checkpoint file {path} {says}" in line, line
 
 
 @pytest.mark.slow
@@ -150,12 +156,13 @@ def test_checkpoint_of_another_model_is_one_line_exit_2(saved_pp2):
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A tmpfs of 8 MiB: one checkpoint of the tiny GPT at pp=2 (about 6 MiB) fits, two do not."""
+    """A tmpfs of 10 MiB: room for one checkpoint of the tiny GPT at pp=2 (6 MiB written, 7.6
+    MiB estimated by the free-space check), not for two."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a tmpfs needs root")
     mount_point = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)],
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(mount_point)],
                             capture_output=True, text=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
@@ -175,6 +182,7 @@ def test_full_disk_keeps_the_previous_checkpoint_latest_and_loadable(small_tmpfs
     assert losses == uninterrupted[:4]
     errors = ERROR_RE.findall(out)
     assert len(errors) == 1 and "iteration 4" in errors[0] and \
+        f"not enough free space in {save}: the checkpoint needs about" in errors[0] and \
         "latest checkpoint there is still iteration 2" in errors[0], out[-3000:]
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
     assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]

@@ -81,7 +81,8 @@ def _user_dir(tmp_path: Path) -> Path:
     for name in ("sample_text_document.bin", "sample_text_document.idx", "vocab.json", "merges.txt",
                  "sample_bert_text_sentence.bin", "sample_bert_text_sentence.idx", "bert-vocab.txt"):
         shutil.copy(sample / name, user / "d" / name)
-    (user / "ckpt").mkdir()
+    (user / "ckpt").mkdir()  # with a tracker: --load of a folder without a checkpoint is refused
+    (user / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2\n")
     return user
 
 

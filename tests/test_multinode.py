@@ -24,6 +24,7 @@ import pytest
 from _netns import netns_skip_reason, two_node_network
 from _trace_checks import check_clock_alignment, check_messages, load_traces
 from _train_util import REPO_ROOT, TINY_GPT_ARGS, ensure_sample_data, parse_log
+from megatron_dpp.exit_codes import LOST_PEER
 
 SCRIPTS = REPO_ROOT / "run_scripts"
 BASE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "UCX_TLS": "tcp"}
@@ -192,3 +193,45 @@ def test_killed_worker_ends_every_rank(tmp_path):
     assert named, master_log[-3000:]
     leftover = set(os.listdir("/dev/shm")) - shm_before
     assert not [name for name in leftover if name.startswith("dpp-")], leftover
+
+
+@pytest.mark.timeout(240)
+def test_a_link_down_between_the_nodes_ends_every_rank_naming_the_peer(tmp_path):
+    """A network partition with nothing killed: the link between the nodes goes down while they
+    train. No connection resets, so the transports see nothing; the heartbeats end the rank on
+    each node within the heartbeat timeout (short here; the default's 30 s bound is checked with
+    a frozen rank in test_heartbeat.py), with exit code LOST_PEER, naming the rank on the other
+    node, its address and the direction that went silent."""
+    _skip_unless_two_nodes()
+    ensure_sample_data()
+    heartbeat_timeout_s = 4
+    extra = ["--train-iters", "500", "--heartbeat-interval", "0.5",
+             "--heartbeat-timeout", str(heartbeat_timeout_s)]
+    layout = dict(PP="2", NPROC="1", USE_DPP="1")
+    with two_node_network() as net:
+        processes = _start_nodes(net, layout, extra, tmp_path, 29700 + os.getpid() % 100)
+        worker_log = tmp_path / "node1.log"
+        deadline = time.monotonic() + 200
+        while not re.search(r"iteration\s+3/", worker_log.read_text()):
+            assert time.monotonic() < deadline, worker_log.read_text()[-3000:]
+            assert all(p.poll() is None for p in processes), worker_log.read_text()[-3000:]
+            time.sleep(0.5)
+        subprocess.run(["ip", "-n", net.names[0], "link", "set", net.interfaces[0], "down"],
+                       check=True, timeout=30)
+        down_at = time.monotonic()
+        codes = _wait_all(processes, timeout=60)
+        elapsed = time.monotonic() - down_at
+    logs = [(tmp_path / f"node{node}.log").read_text() for node in range(2)]
+    reports = ["\n".join(line for line in log.splitlines() if line.startswith("[dpp rank"))
+               for log in logs]
+    print(f"both nodes exited {elapsed:.1f} s after the link went down, codes {codes}:\n"
+          + "\n".join(reports))
+    assert None not in codes, f"a node still runs {elapsed:.0f} s after the link went down:\n" \
+                              + "\n".join(log[-2000:] for log in logs)
+    assert elapsed < 30, elapsed
+    assert codes == [LOST_PEER, LOST_PEER], "\n".join(log[-2000:] for log in logs)
+    for node, peer in ((0, 1), (1, 0)):
+        address = re.escape(net.ips[peer])
+        named = rf"^\[dpp rank {node}\] lost rank {peer} \(node {peer}, {address}\): " \
+                rf"(no heartbeat from it for [\d.]+ s \(inbound\)|it hears us no longer \(outbound)"
+        assert re.search(named, reports[node], re.MULTILINE), reports[node] or logs[node][-3000:]

@@ -65,3 +65,20 @@ def test_record_failure_without_a_launcher_writes_nothing(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     record_failure("a line", exit_code=2)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(240)
+def test_a_launcher_ends_with_the_ranks_line_and_code(tmp_path):
+    """Through run_single_gpt.sh: a checkpoint whose tracker is damaged passes the pre-launch check
+    (the folder holds a tracker) and fails in every rank; the launcher's last line is theirs."""
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "latest_checkpointed_iteration.txt").write_text("forty\n")
+    result = subprocess.run(["bash", str(REPO_ROOT / "run_scripts" / "run_single_gpt.sh"), "--load",
+                             str(checkpoint), "--train-iters", "8"], capture_output=True, text=True,
+                            timeout=220, cwd=tmp_path)
+    expected = (f"megatron_dpp: error: checkpoint file {checkpoint}/latest_checkpointed_iteration.txt"
+                f" is damaged: 'forty' is not an iteration number")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert _last_line(result) == expected, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr

@@ -145,7 +145,7 @@ def test_a_silent_peer_ends_the_iteration_with_the_rank_state():
     assert time.monotonic() - started < 5
     error = result.errors[1]
     assert isinstance(error, DPPFailure)
-    assert "no progress for 0.3 s" in error.reason
+    assert "no progress for 0.3 s" in error.reason and not error.lost_peer
     state = "\n".join(error.state_lines)
     assert "pipeline rank 1/2" in state and "awaited (peer, tag) -> task" in state
     assert "-> F" in state  # it names the forwards whose activations never came
@@ -164,3 +164,4 @@ def test_a_lost_peer_ends_the_iteration_at_once():
     assert time.monotonic() - started < 5  # well before the 20 s deadline
     error = result.errors[1]
     assert isinstance(error, DPPFailure) and "peer 0 was lost" in error.reason
+    assert error.lost_peer  # exit code LOST_PEER, not the stall's

@@ -29,6 +29,7 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path):
     assert rc == 0, out[-3000:]
     assert first_losses == full_losses[:3]
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "3"
+    assert os.path.isfile(os.path.join(save, "iter_0000003", "checksums.json"))
 
     rc, resumed_losses, resumed_norms, out = run_training(
         [*SCHEDULE, "--train-iters", "6", "--load", save], nproc=2)

@@ -20,3 +20,12 @@ def test_address_outside_node_ips_and_no_phase():
 def test_other_errors_are_not_lost_peers():
     assert not is_lost_peer_error(RuntimeError("CUDA out of memory"))
     assert not is_lost_peer_error(ValueError("Connection reset by peer"))
+
+
+def test_every_transports_peer_lost_error_counts_as_a_lost_peer():
+    import shm_tensor
+    from megatron_dpp.comm.errors import PeerLostError, TransportTimeout, is_peer_lost
+
+    assert is_peer_lost(PeerLostError("gone")) and is_peer_lost(shm_tensor.PeerLostError("gone"))
+    assert not is_peer_lost(TransportTimeout("slow"))
+    assert not is_peer_lost(shm_tensor.TransportTimeout("slow"))

@@ -17,3 +17,9 @@ class PeerLostError(TransportError):
 
 class ProtocolError(TransportError):
     """A message that is not a valid header and payload of this project's wire format."""
+
+
+def is_peer_lost(error: BaseException) -> bool:
+    """A PeerLostError of any transport: this package's, or a compiled transport's class of the
+    same name (shm_tensor._C, rdma_tensor._C)."""
+    return any(cls.__name__ == PeerLostError.__name__ for cls in type(error).__mro__)

@@ -1,7 +1,8 @@
-"""The transport flags (--p2p-transport, --workload, --shm-*, --p2p-timeout) and the multi-node
-flags (--multi-node, --node-ips), and their checks: --help's "transport" and "multi-node" groups.
-The defaults and the checks of the values live once, in comm/settings.py (ShmConfig), router.py,
-transport.py and nodes.py; this module maps them onto flags. megatron_dpp.arguments composes it.
+"""The transport flags (--p2p-transport, --workload, --shm-*, --p2p-timeout, --heartbeat-*) and the
+multi-node flags (--multi-node, --node-ips), and their checks: --help's "transport" and
+"multi-node" groups. The defaults and the checks of the values live once, in comm/settings.py
+(ShmConfig), router.py, transport.py, heartbeat.py and nodes.py; this module maps them onto
+flags. megatron_dpp.arguments composes it.
 
 The compiled shm_tensor and rdma_tensor are imported only to check a transport the flags ask for.
 """
@@ -13,11 +14,13 @@ import os
 
 import torch
 
+from megatron_dpp.comm import heartbeat
 from megatron_dpp.comm.nodes import (NODE_RANK_VARIABLE, NodeNetworkError, check_node_count,
                                      num_nodes, parse_node_ips, use_node_network)
 from megatron_dpp.comm.router import DEFAULT_TRANSPORT_KIND, TRANSPORT_KINDS
 from megatron_dpp.comm.settings import SHM_DEFAULTS, check_shm_args, largest_message_bytes
 from megatron_dpp.comm.transport import DEFAULT_TIMEOUT_S
+from megatron_dpp.exit_codes import LOST_PEER
 from megatron_dpp.flag_errors import ArgsError, require
 
 
@@ -54,10 +57,28 @@ def add_transport_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--p2p-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                        help="Seconds a pipeline send or receive may wait before failing with the peer "
                             "and tag it waited for.")
+    group.add_argument("--heartbeat-interval", type=float, default=heartbeat.DEFAULT_INTERVAL_S,
+                       help="Seconds between the heartbeats each rank sends every other rank (one "
+                            "UDP datagram, from its node's --node-ips address; 127.0.0.1 on one "
+                            "node), from a thread that beats while the rank computes or waits.")
+    group.add_argument("--heartbeat-timeout", type=float, default=heartbeat.DEFAULT_TIMEOUT_S,
+                       help="Seconds without heartbeats, in either direction, after which a rank "
+                            "declares a peer lost: it names the peer (rank, node, address, which "
+                            f"direction went silent) and exits with code {LOST_PEER}. So a stopped "
+                            "process, a frozen node or a link down ends the job within about this "
+                            "time, while a slow but running rank (a long iteration, a checkpoint "
+                            f"save) is never lost. At least {heartbeat.MIN_BEATS_PER_TIMEOUT} x "
+                            "--heartbeat-interval. 0 turns heartbeats off, for a network that drops "
+                            "UDP between the nodes: a silent peer then ends the job only through "
+                            "--p2p-timeout, --dpp-timeout or --distributed-timeout-minutes.")
 
 
 def validate_transport_args(args: argparse.Namespace) -> None:
     require(args.p2p_timeout > 0, f"--p2p-timeout must be positive seconds, got {args.p2p_timeout}")
+    try:
+        heartbeat.check_heartbeat_settings(args.heartbeat_interval, args.heartbeat_timeout)
+    except ValueError as error:
+        raise ArgsError(str(error)) from None
     if args.p2p_transport == "rdma":
         import rdma_tensor
 

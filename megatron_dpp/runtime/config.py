@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_dpp.exit_codes import STALLED
 from megatron_dpp.pipeline import DEFAULT_POLICY, MemoryBudget, check_memory_budget
 
 
@@ -27,8 +28,9 @@ class DPPConfig:
     """--dpp-split-backward: every backward is B (input gradient) and W (weight gradients); the
     model chunks must be built with deferrable weight gradients (models.weight_grad)."""
 
-    timeout_exit_code: int = 3
-    """Exit status of a rank that timed out or lost a peer."""
+    timeout_exit_code: int = STALLED
+    """Exit status of a rank that made no progress for timeout_s, or whose transport failed
+    (megatron_dpp.exit_codes)."""
 
     def __post_init__(self):
         if self.timeout_s <= 0:

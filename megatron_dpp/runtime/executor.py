@@ -41,6 +41,8 @@ from megatron.core.pipeline_parallel.schedules import (
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
+from megatron_dpp.comm.errors import is_peer_lost
+from megatron_dpp.exit_codes import LOST_PEER
 from megatron_dpp.pipeline import Phase, ReadyTracker, Task, TaskGraph, make_scheduler
 from megatron_dpp.pipeline.budget import largest_microbatch_bytes
 from megatron_dpp.pipeline.registry import INTERLEAVED_1F1B
@@ -66,10 +68,11 @@ class DPPFailure(RuntimeError):
     """The iteration cannot go on (no progress before the deadline, a lost peer, a scheduler bug).
     `state_lines` describe the rank: tasks run and ready, awaited tags, memory held."""
 
-    def __init__(self, reason: str, state_lines: List[str]):
+    def __init__(self, reason: str, state_lines: List[str], lost_peer: bool = False):
         super().__init__(reason)
         self.reason = reason
         self.state_lines = state_lines
+        self.lost_peer = lost_peer  # the transport said a peer is gone (exit code LOST_PEER)
 
     def __str__(self) -> str:
         return "\n".join([self.reason, *self.state_lines])
@@ -222,7 +225,8 @@ def forward_backward_dpp(
         forward_data_store = runner.run()
     except DPPFailure as failure:
         # os._exit inside: interpreter shutdown could block on the very peer that stopped.
-        report_and_exit(failure.reason, failure.state_lines, dpp_session.config.timeout_exit_code)
+        report_and_exit(failure.reason, failure.state_lines,
+                        LOST_PEER if failure.lost_peer else dpp_session.config.timeout_exit_code)
 
     if config.finalize_model_grads_func is not None and not forward_only:
         finish_embedding_wgrad_compute(config, embedding_module, is_last_pipeline_rank, pg_collection.tp)
@@ -442,7 +446,7 @@ class IterationRunner:
             return handle.test()
         except RuntimeError as error:
             what = "a send to finish" if awaited is None else f"input of {awaited}"
-            self._fail(f"transport error while waiting for {what}: {error}")
+            self._fail(f"transport error while waiting for {what}: {error}", is_peer_lost(error))
 
     def _wait_for_arrival(self):
         if not self.pending_recvs:
@@ -483,7 +487,7 @@ class IterationRunner:
         except TimeoutError:
             return None
         except RuntimeError as error:
-            self._fail(f"transport error while waiting for {what}: {error}")
+            self._fail(f"transport error while waiting for {what}: {error}", is_peer_lost(error))
         return index if index is not None and index >= 0 else None
 
     # ---- running tasks ------------------------------------------------------------------------
@@ -603,8 +607,8 @@ class IterationRunner:
             lines += self.feature.state_lines()
         return lines
 
-    def _fail(self, reason: str):
-        raise DPPFailure(reason, self._state_lines())
+    def _fail(self, reason: str, lost_peer: bool = False):
+        raise DPPFailure(reason, self._state_lines(), lost_peer)
 
 
 def _nbytes(tensor: Optional[torch.Tensor]) -> int:

@@ -1,7 +1,8 @@
-"""Checkpoints that resume the exact loss trajectory: save_checkpoint / load_checkpoint.
+"""Checkpoints that resume the exact loss trajectory: save_checkpoint / find_checkpoint +
+load_checkpoint.
 
 Two formats (--ckpt-format), both in Megatron-LM's layout SAVE/iter_NNNNNNN/ plus
-SAVE/latest_checkpointed_iteration.txt (written once every rank's part is on disk):
+SAVE/latest_checkpointed_iteration.txt:
 
 - torch_dist (default): Megatron-Core's distributed checkpoint (training/dist_checkpoint.py).
   Megatron-LM reads it, and it resumes at another tensor/pipeline/virtual-pipeline layout, with
@@ -12,14 +13,29 @@ SAVE/latest_checkpointed_iteration.txt (written once every rank's part is on dis
   the load is refused in one line saying how to convert it (resume once at its layout with
   --save: the default format is torch_dist).
 
-load_checkpoint tells the formats apart by their files. A checkpoint that cannot be loaded
-(damaged, another model, another layout for the old format) raises CheckpointLoadError: one line
-saying what and where, the same on every rank (the training loop exits with code 2).
+Both formats save through one transaction (save_checkpoint), every step agreed by all ranks so
+that a failure on one rank ends the save on every rank at once:
+  1. room: every rank's estimate of its bytes (tensors plus a margin) against the free space of
+     --save; too little and nothing is written;
+  2. rank 0 makes SAVE/iter_NNNNNNN.saving/, every rank writes its files into it;
+  3. checksums: each rank's files (training/checkpoint_integrity.py), into the folder's manifest
+     checksums.json (rank 0);
+  4. rank 0 publishes: .saving -> iter_NNNNNNN, then the tracker.
+Any failure (a full disk, errno 28...) removes the .saving folder and raises CheckpointSaveError,
+the same one line on every rank; the tracker still names the previous checkpoint, complete.
+
+Loading is in two steps: find_checkpoint (collective, before the model is built: --load resolved,
+every file checked against the manifest) and load_checkpoint (the state into the model,
+optimizer, scheduler and RNGs; it tells the formats apart by their files). A checkpoint that
+cannot be loaded raises CheckpointLoadError: one line saying what and where, the same on every
+rank (the training loop exits with code 2).
 """
 from __future__ import annotations
 
 import os
 import random
+import shutil
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,25 +43,65 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_dpp.training.checkpoint_flags import (
+    CHECKPOINT_FORMATS,
+    TRACKER_FILE,
+    iteration_folders,
+    iteration_of_folder,
+    no_checkpoint_words,
+    same_directory,
+)
+from megatron_dpp.training.checkpoint_integrity import (
+    MANIFEST_FILE,
+    SAVED_WITH_CHECKSUMS,
+    CheckpointDamaged,
+    bytes_needed,
+    check_file,
+    check_listing,
+    checkpoint_files,
+    file_entry,
+    free_bytes,
+    missing_manifest,
+    owner_rank,
+    read_manifest,
+    save_with_checksum,
+    space_problem,
+    tensor_bytes,
+    unverified_warning,
+    write_manifest,
+)
 from megatron_dpp.training.dist_checkpoint import (
     OLD_FORMAT_CONVERTER,
-    TRACKER_FILE,
     CheckpointLoadError,
     CheckpointSaveError,
+    _debug_traceback,
+    _one_line,
+    agree,
     checkpoint_format,
+    iteration_dir,
     load_dist_checkpoint,
     read_tracker,
-    save_dist_checkpoint,
+    prepare_dist_checkpoint,
 )
 
-__all__ = ["TrainState", "CheckpointError", "CheckpointLoadError", "CheckpointSaveError",
-           "save_checkpoint", "load_checkpoint", "latest_iteration", "TRACKER_FILE"]
+__all__ = ["TrainState", "CheckpointToLoad", "CheckpointError", "CheckpointLoadError",
+           "CheckpointSaveError", "save_checkpoint", "find_checkpoint", "load_checkpoint",
+           "latest_iteration", "TRACKER_FILE"]
+
+SAVING_SUFFIX = ".saving"  # the folder a save writes into, renamed once complete
+REPLACED_SUFFIX = ".replaced"  # a re-saved iteration's previous folder, until the tracker moved
 
 
 @dataclass
 class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointToLoad:
+    directory: str  # the iteration folder
+    verified: bool  # its files matched its manifest; False: it has none (saved before checksums)
 
 
 # The old name: what a refused or damaged checkpoint raises.
@@ -108,30 +164,236 @@ def _load_optimizer_state(optimizer, states: list[dict]) -> None:
             sub.load_parameter_state_from_dp_reshardable(entry["param_state"])
 
 
-def _iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+def _rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
 
 
-def _rank_file(root: str, iteration: int, rank: int) -> str:
-    return os.path.join(_iteration_dir(root, iteration), f"rank_{rank:05d}.pt")
+def _gather(value) -> list:
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
+# ----------------------------------------------------------------------------------------------
+# save: one transaction for both formats
+# ----------------------------------------------------------------------------------------------
 def save_checkpoint(root: str, state: TrainState, model_chunks, optimizer, scheduler,
                     args=None, ckpt_format: str = "torch_dist") -> str:
-    """Collective; returns the iteration directory. Raises CheckpointSaveError when a rank failed
-    (the tracker still names the previous checkpoint, which stays loadable)."""
-    if ckpt_format == "torch_dist":
-        return save_dist_checkpoint(root, state.iteration, state.consumed_samples, model_chunks,
-                                    optimizer, scheduler, args)
-    if ckpt_format != "torch":
+    """Collective; returns the iteration directory. Raises CheckpointSaveError when it failed on
+    some rank (the tracker still names the previous checkpoint, which stays loadable)."""
+    if ckpt_format not in CHECKPOINT_FORMATS:
         raise ValueError(f"unknown checkpoint format {ckpt_format!r}")
-    return _save_torch(root, state, model_chunks, optimizer, scheduler)
+    if ckpt_format == "torch_dist":
+        def prepare():
+            size, write = prepare_dist_checkpoint(
+                state.iteration, state.consumed_samples, model_chunks, optimizer, scheduler, args)
+
+            def write_dist(directory: str) -> dict:
+                write(directory)
+                return {}  # checksummed once written (Megatron-Core writes the files)
+            return size, write_dist
+    else:
+        def prepare():
+            return _prepare_torch(state, model_chunks, optimizer, scheduler)
+    return _save_atomically(root, state.iteration, prepare)
 
 
-def _save_torch(root: str, state: TrainState, model_chunks, optimizer, scheduler) -> str:
-    """Collective: every rank writes its file, then rank 0 moves the tracker to this iteration."""
+def _save_atomically(root: str, iteration: int, prepare) -> str:
+    """Collective: the save transaction (module docstring). prepare() gathers this rank's state
+    and returns (the bytes of its tensors, write); write(directory) writes this rank's files into
+    the staging directory and returns the checksums it computed on the way ({name: entry}; the
+    other files of this rank's share are read back)."""
     rank = dist.get_rank()
-    os.makedirs(_iteration_dir(root, state.iteration), exist_ok=True)
+    final = iteration_dir(root, iteration)
+    staging = final + SAVING_SUFFIX
+    write, error = _room_problem(root, staging, prepare)
+    if error is None:
+        error = agree(_make_staging(root, staging) if rank == 0 else None)
+    if error is None:
+        written, error = _write_part(write, staging)
+        error = agree(error)
+    if error is None:
+        entries, error = _checksum_share(staging, written)
+    if error is None:
+        error = agree(_finish(root, iteration, staging, entries) if rank == 0 else None)
+    if error is not None:
+        if rank == 0:
+            _rmtree(staging)  # give the space back; the previous checkpoint stays the latest
+        dist.barrier()
+        raise CheckpointSaveError(f"saving the checkpoint of iteration {iteration} to {root} "
+                                  f"failed ({error}); {_latest_words(root)}")
+    return final
+
+
+def _room_problem(root: str, staging: str, prepare) -> tuple:
+    """Collective: (write, None) when every rank gathered its state and all their bytes fit in
+    the free space (the least any rank sees: --save is one filesystem shared by the ranks, as the
+    formats need); else (None, the problem)."""
+    if dist.get_rank() == 0:
+        _rmtree(staging)  # an earlier save's leftovers (it crashed) are not in the way
+    write = error = None
+    needed = free = 0
+    try:
+        tensors, write = prepare()
+        needed = bytes_needed(tensors)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        _debug_traceback()
+        error = f"rank {dist.get_rank()} could not gather its state: {_one_line(exc)}"
+    if error is None:
+        try:
+            free = free_bytes(root)
+        except OSError as exc:
+            error = f"cannot measure the free space of {root}: {_one_line(exc)}"
+    reports = _gather((needed, free, error))
+    error = next((problem for _needed, _free, problem in reports if problem), None)
+    if error is None:
+        error = space_problem(root, sum(r[0] for r in reports), min(r[1] for r in reports))
+    return (write, None) if error is None else (None, error)
+
+
+def _make_staging(root: str, staging: str) -> str | None:
+    try:
+        os.makedirs(root, exist_ok=True)
+        os.makedirs(staging)
+    except OSError as exc:
+        return f"cannot create {staging}: {_os_error_words(exc, staging)}"
+    return None
+
+
+def _write_part(write, staging: str) -> tuple[dict, str | None]:
+    try:
+        return write(staging), None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException too
+        _debug_traceback()
+        return {}, f"rank {dist.get_rank()} could not write {_os_error_words(exc, staging)}"
+
+
+def _checksum_share(staging: str, written: dict) -> tuple[dict, str | None]:
+    """Collective: this rank's files not checksummed while written are read back; every rank
+    gets all entries."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    entries, error = dict(written), None
+    try:
+        for name in checkpoint_files(staging):
+            if owner_rank(name, world) == rank and name not in entries:
+                entries[name] = file_entry(os.path.join(staging, name))
+    except OSError as exc:
+        error = f"rank {rank} could not read back {_os_error_words(exc, staging)}"
+    reports = _gather((entries, error))
+    merged: dict = {}
+    for part, _error in reports:
+        merged.update(part)
+    return merged, next((problem for _entries, problem in reports if problem), None)
+
+
+def _finish(root: str, iteration: int, staging: str, entries: dict) -> str | None:
+    """Rank 0: the manifest into the staging folder, then the folder published."""
+    try:
+        write_manifest(staging, entries)
+        _publish(root, iteration)
+    except OSError as exc:
+        return f"could not publish it: {_os_error_words(exc, staging)}"
+    return None
+
+
+def _publish(root: str, iteration: int) -> None:
+    """iter_N.saving -> iter_N (a previous iter_N aside until the tracker moved), then the
+    tracker. The tracker's new content is written first, the one step that needs space; then
+    each step is a rename, and a crash leaves the tracker on a complete checkpoint."""
+    final = iteration_dir(root, iteration)
+    staging, replaced = final + SAVING_SUFFIX, final + REPLACED_SUFFIX
+    tracker = os.path.join(root, TRACKER_FILE)
+    _write_synced(tracker + ".tmp", f"{iteration}\n")
+    _rmtree(replaced)
+    moved_aside = os.path.exists(final)
+    try:
+        if moved_aside:
+            os.replace(final, replaced)
+        os.replace(staging, final)
+    except OSError:
+        if moved_aside and not os.path.exists(final):
+            os.replace(replaced, final)
+        _remove(tracker + ".tmp")
+        raise
+    _fsync_dir(root)
+    os.replace(tracker + ".tmp", tracker)
+    _fsync_dir(root)
+    _rmtree(replaced)
+
+
+def _write_synced(path: str, text: str) -> None:
+    try:
+        with open(path, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError:
+        _remove(path)  # a full disk leaves no half-written temporary file
+        raise
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _rmtree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _os_error_words(error: BaseException, where: str) -> str:
+    """'PATH: [Errno N] reason' from the OSError behind `error` (torch.distributed.checkpoint
+    wraps each rank's); `where` when it names no file."""
+    found = _os_error_in(error, depth=0)
+    if found is None:
+        return f"{where}: {_one_line(error)}"
+    return f"{found.filename or where}: [Errno {found.errno}] {found.strerror}"
+
+
+def _os_error_in(error, depth: int) -> OSError | None:
+    if isinstance(error, OSError) and error.errno is not None:
+        return error
+    if not isinstance(error, BaseException) or depth > 8:
+        return None
+    inner = list((getattr(error, "failures", None) or {}).values())
+    inner = [item[0] if isinstance(item, tuple) else item for item in inner]
+    for candidate in [*inner, error.__cause__, error.__context__]:
+        found = _os_error_in(candidate, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _latest_words(root: str) -> str:
+    try:
+        latest = read_tracker(root)
+    except CheckpointLoadError:
+        latest = None
+    return ("no checkpoint there is marked latest" if latest is None else
+            f"the latest checkpoint there is still iteration {latest}")
+
+
+def _prepare_torch(state: TrainState, model_chunks, optimizer, scheduler) -> tuple:
+    """This rank's rank_RRRRR.pt: (the bytes of its tensors, write), checksummed as written."""
     payload = {
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,
@@ -140,66 +402,109 @@ def _save_torch(root: str, state: TrainState, model_chunks, optimizer, scheduler
         "optimizer": _optimizer_state(optimizer),
         "scheduler": scheduler.state_dict(),
         "rng": _rng_state(),
+        SAVED_WITH_CHECKSUMS: MANIFEST_FILE,
     }
-    path = _rank_file(root, state.iteration, rank)
-    error = None
-    try:
-        torch.save(payload, path + ".tmp")
-        os.replace(path + ".tmp", path)
-    except OSError as exc:
-        error = f"rank {rank}: {exc}"
-    error = _agree(error)
-    if error is None and rank == 0:
-        try:
-            tracker = os.path.join(root, TRACKER_FILE)
-            with open(tracker + ".tmp", "w") as handle:
-                handle.write(f"{state.iteration}\n")
-            os.replace(tracker + ".tmp", tracker)
-        except OSError as exc:
-            error = f"tracker: {exc}"
-    error = _agree(error)
-    if error is not None:
-        raise CheckpointSaveError(f"saving the checkpoint of iteration {state.iteration} to "
-                                  f"{root} failed ({' '.join(error.split())})")
-    return _iteration_dir(root, state.iteration)
+    name = _rank_file_name(dist.get_rank())
 
-
-def _agree(message):
-    messages: list = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, message)
-    return next((m for m in messages if m), None)
+    def write(directory: str) -> dict:
+        return {name: save_with_checksum(payload, os.path.join(directory, name))}
+    return tensor_bytes(payload), write
 
 
 def latest_iteration(root: str) -> int | None:
     return read_tracker(root)
 
 
-def load_checkpoint(root: str, model_chunks, optimizer, scheduler) -> TrainState | None:
-    """Collective: restore everything saved; None when `root` holds no checkpoint yet (start from
-    scratch). Raises CheckpointLoadError (one line, the same on every rank)."""
-    iteration = read_tracker(root)
-    if iteration is None:
+# ----------------------------------------------------------------------------------------------
+# load: find and verify (before the model is built), then load
+# ----------------------------------------------------------------------------------------------
+def find_checkpoint(load: str, save: str | None = None) -> CheckpointToLoad | None:
+    """Collective: the iteration folder --load names (an iteration folder itself, or the
+    tracker's), every file checked against its manifest, each rank its share. None: --load holds
+    no checkpoint yet and is also --save (start from scratch). Raises CheckpointLoadError (the
+    same one line on every rank)."""
+    directory = error = None
+    try:
+        directory = _directory_to_load(load, save)
+    except CheckpointLoadError as exc:
+        error = str(exc)
+    error = agree(error)
+    if error is not None:
+        raise CheckpointLoadError(error)
+    if directory is None:
         return None
-    directory = _iteration_dir(root, iteration)
+    return CheckpointToLoad(directory, _verify(directory))
+
+
+def _directory_to_load(load: str, save: str | None) -> str | None:
+    if iteration_of_folder(load) is not None:
+        return load
+    iteration = read_tracker(load)
+    if iteration is None:
+        folders = iteration_folders(load)
+        if folders:
+            raise CheckpointLoadError(
+                f"--load {load} has iteration folders ({', '.join(folders[-3:])}) but no "
+                f"{TRACKER_FILE}; name the one to load: --load {os.path.join(load, folders[-1])}")
+        if same_directory(load, save):
+            return None
+        raise CheckpointLoadError(no_checkpoint_words(load))
+    directory = iteration_dir(load, iteration)
     if not os.path.isdir(directory):
-        raise CheckpointLoadError(f"{os.path.join(root, TRACKER_FILE)} names iteration "
-                                  f"{iteration} but {directory} does not exist")
+        raise CheckpointLoadError(f"checkpoint file {os.path.join(load, TRACKER_FILE)} names "
+                                  f"iteration {iteration}, but {directory} does not exist")
+    return directory
+
+
+def _verify(directory: str) -> bool:
+    """Collective: True when every file matched the manifest, False when there is none."""
+    recorded = error = None
+    try:
+        recorded = read_manifest(directory)
+        if recorded is not None:
+            check_listing(directory, recorded)
+            rank, world = dist.get_rank(), dist.get_world_size()
+            for name, entry in sorted(recorded.items()):
+                if owner_rank(name, world) == rank:
+                    check_file(directory, name, entry)
+    except CheckpointDamaged as exc:
+        error = str(exc)
+    except OSError as exc:  # the folder itself cannot be listed
+        error = f"checkpoint {directory} cannot be read: {_os_error_words(exc, directory)}"
+    error = agree(error)
+    if error is not None:
+        raise CheckpointLoadError(error)
+    return recorded is not None
+
+
+def load_checkpoint(checkpoint: CheckpointToLoad, model_chunks, optimizer,
+                    scheduler) -> TrainState:
+    """Collective: restore everything saved in the folder find_checkpoint returned. Raises
+    CheckpointLoadError (one line, the same on every rank)."""
+    directory = checkpoint.directory
     fmt = checkpoint_format(directory)
     if fmt == "torch_dist":
-        loaded = load_dist_checkpoint(directory, model_chunks, optimizer, scheduler)
-        return TrainState(iteration=loaded.iteration, consumed_samples=loaded.consumed_samples)
-    if fmt == "torch":
-        return _load_torch(root, iteration, model_chunks, optimizer, scheduler)
-    if fmt == "megatron_torch":
+        loaded = load_dist_checkpoint(directory, model_chunks, optimizer, scheduler,
+                                      checkpoint.verified)
+        state = TrainState(iteration=loaded.iteration, consumed_samples=loaded.consumed_samples)
+    elif fmt == "torch":
+        state = _load_torch(directory, checkpoint.verified, model_chunks, optimizer, scheduler)
+    elif fmt == "megatron_torch":
         raise CheckpointLoadError(f"{directory} is in Megatron-LM's legacy 'torch' format "
                                   f"(mp_rank_*); convert it to torch_dist with Megatron-LM first")
-    raise CheckpointLoadError(f"checkpoint {directory} is damaged: it has neither Megatron-Core's "
-                              f"metadata.json nor per-rank rank_RRRRR.pt files")
+    else:
+        raise CheckpointLoadError(f"checkpoint {directory} is damaged: it has neither "
+                                  f"Megatron-Core's metadata.json nor per-rank rank_RRRRR.pt files")
+    if not checkpoint.verified and dist.get_rank() == 0:
+        print(f"megatron_dpp: warning: {unverified_warning(directory)}", file=sys.stderr,
+              flush=True)
+    return state
 
 
-def _load_torch(root: str, iteration: int, model_chunks, optimizer, scheduler) -> TrainState:
+def _load_torch(directory: str, verified: bool, model_chunks, optimizer,
+                scheduler) -> TrainState:
     """Our per-rank format, at the layout that saved it only."""
-    path = _rank_file(root, iteration, dist.get_rank())
+    path = os.path.join(directory, _rank_file_name(dist.get_rank()))
     error = payload = None
     if not os.path.isfile(path):
         error = (f"{path} is missing: the checkpoint was saved with another number of ranks; "
@@ -207,13 +512,15 @@ def _load_torch(root: str, iteration: int, model_chunks, optimizer, scheduler) -
     else:
         try:
             payload = torch.load(path, map_location="cpu", weights_only=False)
-            if payload["layout"] != _layout():
+            if not verified and payload.get(SAVED_WITH_CHECKSUMS):
+                error = missing_manifest(directory)
+            elif payload["layout"] != _layout():
                 error = (f"checkpoint {path} (old per-rank format) was saved at layout "
                          f"{_short(payload['layout'])}, this run is {_short(_layout())}; to load "
                          f"it here, convert it: {OLD_FORMAT_CONVERTER}")
-        except Exception as exc:  # truncated or overwritten file
-            error = f"checkpoint {path} is damaged: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-    error = _agree(error)
+        except Exception as exc:  # an unverified checkpoint's truncated or overwritten file
+            error = f"checkpoint file {path} is damaged: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    error = agree(error)
     if error is None:
         try:
             for chunk, chunk_state in zip(model_chunks, payload["model"], strict=True):
@@ -224,7 +531,7 @@ def _load_torch(root: str, iteration: int, model_chunks, optimizer, scheduler) -
         except Exception as exc:
             error = (f"checkpoint {path} does not fit this model: {type(exc).__name__}: "
                      f"{' '.join(str(exc).split())[:200]}")
-        error = _agree(error)
+        error = agree(error)
     if error is not None:
         raise CheckpointLoadError(error)
     return TrainState(iteration=payload["iteration"],

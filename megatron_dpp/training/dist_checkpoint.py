@@ -11,16 +11,15 @@ dict carries its global layer offsets), so a checkpoint saved at one tensor/pipe
 layout loads at another, with or without --use-dpp (DPP runs the same chunks). The RNG states are
 per (pipeline, tensor) rank and are restored only at the layout that saved them.
 
-Saves are atomic: the shards go to SAVE/iter_NNNNNNN.saving/, which becomes iter_NNNNNNN/ and
-then the tracker's iteration only once every rank wrote its part; a failed save (full disk, a
-crash) leaves the tracker on the previous checkpoint, which stays complete.
+Saves are atomic and checksummed, as in both formats (checkpointing.py's save transaction): this
+module writes the files into SAVE/iter_NNNNNNN.saving/; the transaction records their checksums
+and publishes the folder. A load here comes after the transaction's checks of the files.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import random
-import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -29,10 +28,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_dpp.training.checkpoint_flags import TRACKER_FILE
+from megatron_dpp.training.checkpoint_integrity import (MANIFEST_FILE, SAVED_WITH_CHECKSUMS,
+                                                        missing_manifest)
+
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-SAVING_SUFFIX = ".saving"
-REPLACED_SUFFIX = ".replaced"
 # How an old per-rank checkpoint becomes a torch_dist one: the training run itself converts it.
 OLD_FORMAT_CONVERTER = ("resume it at the layout that saved it for one more iteration with --save "
                         "NEW_DIR (--ckpt-format torch_dist, the default), then load NEW_DIR")
@@ -78,7 +78,7 @@ def _cpu_patches() -> None:
 # ----------------------------------------------------------------------------------------------
 # agreement: every rank learns the first failure of any rank, so all raise together (no hang)
 # ----------------------------------------------------------------------------------------------
-def _agree(message: str | None) -> str | None:
+def agree(message: str | None) -> str | None:
     """Collective: the message of the lowest rank that has one, on every rank (None: none has)."""
     messages: list = [None] * dist.get_world_size()
     dist.all_gather_object(messages, message)
@@ -216,54 +216,13 @@ def _no_rank_differences(common: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# save
+# save (checkpointing.py's save transaction calls it: the staging folder, checksums, publishing)
 # ----------------------------------------------------------------------------------------------
-def _rmtree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_tracker(root: str, iteration: int) -> None:
-    tracker = os.path.join(root, TRACKER_FILE)
-    with open(tracker + ".tmp", "w") as handle:
-        handle.write(f"{iteration}\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tracker + ".tmp", tracker)
-    _fsync_dir(root)
-
-
-def _publish(root: str, iteration: int) -> None:
-    """Rank 0: iter_N.saving -> iter_N (a previous iter_N aside until the tracker moved), then the
-    tracker. Each step is a rename: a crash leaves the tracker on a complete checkpoint."""
-    final = iteration_dir(root, iteration)
-    staging = final + SAVING_SUFFIX
-    replaced = final + REPLACED_SUFFIX
-    _rmtree(replaced)
-    if os.path.exists(final):
-        os.replace(final, replaced)
-    os.replace(staging, final)
-    _fsync_dir(root)
-    _write_tracker(root, iteration)
-    _rmtree(replaced)
-
-
-def save_dist_checkpoint(root: str, iteration: int, consumed_samples: int, model_chunks,
-                         optimizer, scheduler, args=None) -> str:
-    """Collective. Raises CheckpointSaveError (same message on every rank) when any rank failed;
-    the tracker then still names the previous checkpoint."""
+def prepare_dist_checkpoint(iteration: int, consumed_samples: int, model_chunks, optimizer,
+                            scheduler, args=None):
+    """This rank's part of the checkpoint: (the bytes of tensors it will write, write), where
+    write(directory) is the collective save into the (empty) `directory`; it raises what the write
+    raised (torch.distributed.checkpoint's CheckpointException, an OSError...)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (
@@ -271,60 +230,34 @@ def save_dist_checkpoint(root: str, iteration: int, consumed_samples: int, model
     )
 
     _cpu_patches()
-    rank = dist.get_rank()
-    final = iteration_dir(root, iteration)
-    staging = final + SAVING_SUFFIX
-    error = None
-    if rank == 0:
-        try:
-            os.makedirs(root, exist_ok=True)
-            _rmtree(staging)  # an earlier save's leftovers (it crashed or ran out of space)
-            os.makedirs(staging)
-        except OSError as exc:
-            error = f"cannot create {staging}: {_one_line(exc)}"
-    error = _agree(error)
-    if error is None:
-        try:
-            metadata = sharded_sd_metadata(optimizer)
-            state = _state_dict(iteration, consumed_samples, args, model_chunks, optimizer,
-                                scheduler, metadata, is_loading=False)
-            strategy = get_default_save_sharded_strategy("torch_dist")
-            if parallel_state.get_data_parallel_world_size() > 1:
-                # Data-parallel replicas split the writing, as Megatron-LM's
-                # --ckpt-fully-parallel-save (its default).
-                strategy = FullyParallelSaveStrategyWrapper(
-                    strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
-            dist_checkpointing.save(state, staging, strategy, content_metadata=metadata,
-                                    preprocess_common_before_consistancy_check=_no_rank_differences)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # a rank's write failed (full disk...): all ranks learn it
-            # (torch.distributed.checkpoint's CheckpointException is a BaseException)
-            _debug_traceback()
-            error = f"rank {rank}: {_one_line(exc)}"
-        error = _agree(error)
-    if error is None and rank == 0:
-        try:
-            _publish(root, iteration)
-        except OSError as exc:
-            error = f"cannot publish {final}: {_one_line(exc)}"
-    error = _agree(error)
-    if error is not None:
-        if rank == 0:
-            _rmtree(staging)  # give the space back; the previous checkpoint stays the latest
-        dist.barrier()
-        raise CheckpointSaveError(f"saving the checkpoint of iteration {iteration} to {root} "
-                                  f"failed ({error}); {_latest_words(root)}")
-    return final
+    metadata = sharded_sd_metadata(optimizer)
+    state = _state_dict(iteration, consumed_samples, args, model_chunks, optimizer, scheduler,
+                        metadata, is_loading=False)
+    state[SAVED_WITH_CHECKSUMS] = MANIFEST_FILE
+
+    def write(directory: str) -> None:
+        strategy = get_default_save_sharded_strategy("torch_dist")
+        if parallel_state.get_data_parallel_world_size() > 1:
+            # Data-parallel replicas split the writing, as Megatron-LM's
+            # --ckpt-fully-parallel-save (its default).
+            strategy = FullyParallelSaveStrategyWrapper(
+                strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+        dist_checkpointing.save(state, directory, strategy, content_metadata=metadata,
+                                preprocess_common_before_consistancy_check=_no_rank_differences)
+
+    return _main_replica_bytes(state), write
 
 
-def _latest_words(root: str) -> str:
-    try:
-        latest = read_tracker(root)
-    except CheckpointLoadError:
-        latest = None
-    return ("no checkpoint there is marked latest" if latest is None else
-            f"the latest checkpoint there is still iteration {latest}")
+def _main_replica_bytes(state: dict) -> int:
+    """Bytes of the tensors this rank holds the main replica of: summed over the ranks, the
+    tensors a save writes (replicas are written once, whichever rank writes them)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import (ShardedTensor, ShardedTensorFactory,
+                                                          is_main_replica)
+
+    return sum(item.data.nbytes for item in nested_values(state)
+               if isinstance(item, (ShardedTensor, ShardedTensorFactory))
+               and isinstance(item.data, torch.Tensor) and is_main_replica(item.replica_id))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,17 +271,19 @@ def read_tracker(root: str) -> int | None:
         with open(tracker) as handle:
             text = handle.read().strip()
     except OSError as exc:
-        raise CheckpointLoadError(f"{tracker}: cannot read it ({_one_line(exc)})") from None
+        raise CheckpointLoadError(f"checkpoint file {tracker} cannot be read: "
+                                  f"{_one_line(exc)}") from None
     if text == "release":
         raise CheckpointLoadError(f"{tracker}: 'release' checkpoints are not supported; name an "
                                   f"iteration")
     try:
         iteration = int(text)
     except ValueError:
-        raise CheckpointLoadError(f"{tracker} is damaged: {text[:40]!r} is not an iteration "
-                                  f"number") from None
+        raise CheckpointLoadError(f"checkpoint file {tracker} is damaged: {text[:40]!r} is not "
+                                  f"an iteration number") from None
     if iteration < 0:
-        raise CheckpointLoadError(f"{tracker} is damaged: negative iteration {iteration}")
+        raise CheckpointLoadError(f"checkpoint file {tracker} is damaged: negative iteration "
+                                  f"{iteration}")
     return iteration
 
 
@@ -414,9 +349,11 @@ def _errors_as(prefix: str):
         raise CheckpointLoadError(f"{prefix}: {_one_line(exc)}") from None
 
 
-def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler) -> LoadedState:
+def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
+                         verified: bool) -> LoadedState:
     """Collective: restore everything from a torch_dist checkpoint directory, at any layout.
-    Raises CheckpointLoadError (the same one line on every rank)."""
+    verified: its files matched its manifest (False: it has none). Raises CheckpointLoadError
+    (the same one line on every rank)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import (
         get_default_load_sharded_strategy,
@@ -434,6 +371,8 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler) -> 
         if not isinstance(common, dict) or "iteration" not in common:
             raise CheckpointLoadError(f"checkpoint {directory} is damaged: its common.pt holds no "
                                       f"iteration")
+        if not verified and common.get(SAVED_WITH_CHECKSUMS):
+            raise CheckpointLoadError(missing_manifest(directory))
         if "opt_param_scheduler" not in common:
             raise CheckpointLoadError(f"checkpoint {directory} has no optimizer scheduler state; "
                                       f"it is not a training checkpoint")
@@ -455,7 +394,7 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler) -> 
         error = _model_mismatch(run_state, directory, tensors)
     except CheckpointLoadError as exc:
         error = str(exc)
-    error = _agree(error)
+    error = agree(error)
     if error is not None:
         raise CheckpointLoadError(error)
 
@@ -467,7 +406,7 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler) -> 
                                              get_default_load_sharded_strategy(directory))
     except CheckpointLoadError as exc:
         error = str(exc)
-    error = _agree(error)
+    error = agree(error)
     if error is not None:
         raise CheckpointLoadError(error)
 
@@ -483,7 +422,7 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler) -> 
                 _set_rng_state(rng[0] if isinstance(rng, list) else rng)
     except CheckpointLoadError as exc:
         error = str(exc)
-    error = _agree(error)
+    error = agree(error)
     if error is not None:
         raise CheckpointLoadError(error)
     consumed = common.get("consumed_samples")

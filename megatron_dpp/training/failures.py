@@ -1,13 +1,25 @@
-"""A collective that fails because a peer went away: one report naming the peer's node and the
-phase, instead of a traceback from deep inside gloo or NCCL.
+"""A peer that went away: one report naming it and exit code LOST_PEER, however it is noticed.
 
-gloo says "Read error [10.0.0.2]:42206: Connection reset by peer"; NCCL "remote process exited or
-there was a network error". The peer's address maps to its node through --node-ips.
+- A collective fails because the peer's process died: gloo says "Read error [10.0.0.2]:42206:
+  Connection reset by peer"; NCCL "remote process exited or there was a network error". The
+  peer's address maps to its node through --node-ips (`lost_peer_report`).
+- The peer stops answering while alive (stopped, frozen, its link down): its heartbeats stop
+  (comm/heartbeat.py, started by `start_peer_heartbeat` right after the process group exists).
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import re
-from typing import Optional, Sequence
+import sys
+from typing import Iterator, Optional, Sequence
+
+import torch.distributed as dist
+
+from megatron_dpp.comm.heartbeat import (HEARTBEAT_OFF, Heartbeat, HeartbeatError, LostPeer,
+                                         heartbeat_host, node_label, start_heartbeat)
+from megatron_dpp.exit_codes import FAILED, LOST_PEER
+from megatron_dpp.runtime.watchdog import report_and_exit
 
 # Messages of torch.distributed backends whose peer process or link went away.
 _LOST_PEER_PATTERNS = (
@@ -39,3 +51,51 @@ def lost_peer_report(error: BaseException, phase: Optional[str],
             peer += f" (node {list(node_ips).index(address)} of --node-ips)"
     reason = f"lost {peer}" + (f" during {phase}" if phase else "")
     return reason, [f"backend: {text}", "that node's log says why its rank stopped"]
+
+
+def exit_for_lost_peer(error: BaseException, phase: Optional[str],
+                       node_ips: Optional[Sequence[str]]) -> None:
+    """Report a collective's lost peer (lost_peer_report) and exit with LOST_PEER."""
+    reason, lines = lost_peer_report(error, phase, node_ips)
+    report_and_exit(reason, lines, LOST_PEER)
+
+
+def exit_for_silent_peer(lost: LostPeer) -> None:
+    """A peer's heartbeats stopped (called from the heartbeat thread): report it, exit LOST_PEER."""
+    report_and_exit(lost.reason(), lost.state_lines(), LOST_PEER)
+
+
+def start_peer_heartbeat(args: argparse.Namespace) -> Optional[Heartbeat]:
+    """Heartbeats with every other rank, on this node's --node-ips address (127.0.0.1 on one
+    node); None with --heartbeat-timeout 0 or a single rank. Collective over the default store:
+    call right after init_process_group, on every rank. Exits FAILED, in one line, when they
+    cannot start."""
+    if args.heartbeat_timeout == HEARTBEAT_OFF or dist.get_world_size() == 1:
+        return None
+    try:
+        return start_heartbeat(
+            dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size(),
+            heartbeat_host(args.node_ips if args.multi_node else None), node_label(),
+            args.heartbeat_interval, args.heartbeat_timeout, on_lost=exit_for_silent_peer,
+            rendezvous_timeout_s=60.0 * args.distributed_timeout_minutes)
+    except HeartbeatError as error:
+        print(f"megatron_dpp: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(FAILED) from None
+
+
+@contextlib.contextmanager
+def peer_heartbeat(args: argparse.Namespace) -> Iterator[Optional[Heartbeat]]:
+    """start_peer_heartbeat around a block, stopped on every way out of it: with a bye when the
+    block returns or raises SystemExit (every rank ends together: training finished, an agreed
+    stop, a failed save), without one on any other error, so that the peers name this rank."""
+    heartbeat = start_peer_heartbeat(args)
+    left_on_purpose = False
+    try:
+        yield heartbeat
+        left_on_purpose = True
+    except SystemExit:
+        left_on_purpose = True
+        raise
+    finally:
+        if heartbeat is not None:
+            heartbeat.close(say_bye=left_on_purpose)

@@ -13,9 +13,8 @@ import argparse
 
 import torch
 
-from megatron_dpp.flag_errors import (add_refused_flags, require, require_input_dir,
-                                      require_output_dir)
-from megatron_dpp.training.checkpoint_flags import add_checkpoint_format_args
+from megatron_dpp.flag_errors import add_refused_flags, require, require_output_dir
+from megatron_dpp.training.checkpoint_flags import add_checkpoint_format_args, check_load_dir
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,7 +118,9 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("checkpointing")
     group.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
     group.add_argument("--load", type=str, default=None,
-                       help="Directory to resume from (its latest checkpoint).")
+                       help="Directory to resume from: a --save directory (its latest checkpoint) "
+                            "or one of its iter_NNNNNNN folders. Without a checkpoint in it, an "
+                            "error, unless it is also --save (the first run starts from scratch).")
     group.add_argument("--save-interval", type=int, default=None,
                        help="Save a checkpoint every this many iterations (needs --save).")
     add_checkpoint_format_args(group)
@@ -132,7 +133,7 @@ def validate_checkpoint_args(args: argparse.Namespace) -> None:
     if args.save is not None:  # written after the first --save-interval iterations, or at the end
         require_output_dir("--save", args.save)
     if args.load is not None:
-        require_input_dir("--load", args.load, "a --save directory")
+        check_load_dir(args.load, args.save)
 
 
 # ----------------------------------------------------------------------------------------------

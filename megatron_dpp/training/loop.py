@@ -3,7 +3,8 @@
 The model comes from a ModelSpec (megatron_dpp.models): its chunks, forward step, datasets and
 CPU patches. `pretrain(args, spec)` returns the process exit code: 0 when training finished,
 128 + signal number when SIGINT/SIGTERM stopped it at an iteration boundary (after saving, if
---save is given), 2 when --multi-node finds this node's --node-ips address on none of its interfaces.
+--save is given), 2 when --multi-node finds this node's --node-ips address on none of its interfaces
+or the checkpoint --load names cannot be loaded; a failed save ends the run with exit code 1.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import gc
 import math
 import os
 import random
-import sys
 import time
 from datetime import timedelta
 
@@ -28,16 +28,20 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_dpp.comm.nodes import this_node_rank, use_node_network
 from megatron_dpp.data.iterators import build_data_iterators
 from megatron_dpp.data.tokenizer import build_tokenizer
+from megatron_dpp.exit_codes import BAD_INPUT, FAILED
 from megatron_dpp.kernels import install_foreach_multi_tensor_ops, log_kernel_choices
 from megatron_dpp.models import ModelSpec
 from megatron_dpp.platform import Platform, setup_platform
+from megatron_dpp.rank_failure import say_failure
 from megatron_dpp.runtime.config import DPPConfig
-from megatron_dpp.runtime.watchdog import StallWatchdog, report_and_exit
+from megatron_dpp.runtime.watchdog import StallWatchdog
 from megatron_dpp.trace.recorder import GRADIENT_SYNC, OPTIMIZER_STEP
 from megatron_dpp.training.checkpointing import (
     CheckpointLoadError,
     CheckpointSaveError,
+    CheckpointToLoad,
     TrainState,
+    find_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
@@ -50,7 +54,7 @@ from megatron_dpp.training.config import (
 )
 from megatron_dpp.training.pipeline import build_forward_backward, close_forward_backward
 from megatron_dpp.training.profiler_window import make_profiler
-from megatron_dpp.training.failures import is_lost_peer_error, lost_peer_report
+from megatron_dpp.training.failures import exit_for_lost_peer, is_lost_peer_error, peer_heartbeat
 from megatron_dpp.training.signals import StopSignals
 from megatron_dpp.training.step_tracing import LOSS_ALL_REDUCE, STOP_AGREEMENT, StepTracer
 from megatron_dpp.training.tracing import agree_run_directory
@@ -62,7 +66,7 @@ def setup_node_network(args: argparse.Namespace) -> bool:
     try:
         network = use_node_network(args.node_ips, this_node_rank())
     except ValueError as error:  # NodeNetworkError, or torchrun's GROUP_RANK missing
-        print(f"megatron_dpp: error: {error}", file=sys.stderr, flush=True)
+        say_failure(f"megatron_dpp: error: {error}", exit_code=BAD_INPUT)
         return False
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one line per node
         log(network.describe())
@@ -380,11 +384,11 @@ class Trainer:
                 path = save_checkpoint(self.train.save, self.state, self.model, self.optimizer,
                                        self.scheduler, args=self.args,
                                        ckpt_format=getattr(self.args, "ckpt_format", "torch_dist"))
-        except CheckpointSaveError as error:
-            if dist.get_rank() == 0:
-                print(f"megatron_dpp: error: {error}", file=sys.stderr, flush=True)
+        except CheckpointSaveError as error:  # the same one line on every rank: rank 0 says it
+            say_failure(f"megatron_dpp: error: {error}", exit_code=FAILED,
+                        printed=dist.get_rank() == 0)
             self.close()
-            raise SystemExit(1) from None
+            raise SystemExit(FAILED) from None
         log_rank0(f" saved checkpoint at iteration {self.state.iteration} to {path}")
 
 
@@ -460,11 +464,14 @@ def train_clip_enabled(trainer: Trainer) -> bool:
 
 def pretrain(args: argparse.Namespace, spec: ModelSpec) -> int:
     if args.multi_node and not setup_node_network(args):
-        return 2
+        return BAD_INPUT
     platform = setup_platform(spec.cpu_patched_modules)
     initialize_distributed(args, platform)
     try:
-        return _pretrain(args, platform, spec)
+        # Heartbeats with every rank from now on: a peer that stops answering is named within
+        # --heartbeat-timeout, whatever this rank waits in (training/failures.py).
+        with peer_heartbeat(args):
+            return _pretrain(args, platform, spec)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -472,12 +479,21 @@ def pretrain(args: argparse.Namespace, spec: ModelSpec) -> int:
 
 def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec) -> int:
     set_seeds(args.seed)
+    try:  # before the slow setup: a damaged checkpoint fails in seconds
+        checkpoint = find_checkpoint(args.load, args.save) if args.load is not None else None
+    except CheckpointLoadError as error:  # the same one line on every rank: rank 0 says it
+        say_failure(f"megatron_dpp: error: {error}", exit_code=BAD_INPUT,
+                    printed=dist.get_rank() == 0)
+        return BAD_INPUT
+    if args.load is not None and checkpoint is None:
+        log_rank0(f" no checkpoint in {args.load} yet (it is also --save): training starts from "
+                  f"scratch")
     log_kernel_choices(args, log_rank0)  # one `kernels:` line per optional kernel or backend
     tokenizer = build_tokenizer(args)
     train_ds, valid_ds, _test_ds = spec.build_datasets(args, tokenizer)
     trainer = Trainer(args, platform, spec)
     try:
-        return _train(args, trainer, train_ds, valid_ds)
+        return _train(args, trainer, train_ds, valid_ds, checkpoint)
     finally:
         # Joins the watchdog thread on every path, an exception included (close() is idempotent).
         if trainer.watchdog is not None:
@@ -493,20 +509,20 @@ def stop_signals(platform: Platform) -> StopSignals:
     return StopSignals(platform.device)
 
 
-def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds) -> int:
+def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
+           checkpoint: CheckpointToLoad | None) -> int:
     train = trainer.train
-    if train.load is not None:
+    if checkpoint is not None:
         try:
-            loaded = load_checkpoint(train.load, trainer.model, trainer.optimizer,
-                                     trainer.scheduler)
+            trainer.state = load_checkpoint(checkpoint, trainer.model, trainer.optimizer,
+                                            trainer.scheduler)
         except CheckpointLoadError as error:  # the same one line on every rank: rank 0 says it
-            if dist.get_rank() == 0:
-                print(f"megatron_dpp: error: {error}", file=sys.stderr, flush=True)
+            say_failure(f"megatron_dpp: error: {error}", exit_code=BAD_INPUT,
+                        printed=dist.get_rank() == 0)
             trainer.close()
-            return 2
-        if loaded is not None:
-            trainer.state = loaded
-            log_rank0(f" loaded checkpoint from {train.load} at iteration {loaded.iteration}")
+            return BAD_INPUT
+        log_rank0(f" loaded checkpoint from {checkpoint.directory} at iteration "
+                  f"{trainer.state.iteration}")
     log_rank0(f" training: {train.train_iters} iterations, global batch {train.global_batch_size}"
               f", {train.num_microbatches} micro-batches of {train.micro_batch_size} per "
               f"data-parallel rank, device {trainer.platform.device}, backend {trainer.platform.backend}")
@@ -557,8 +573,7 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds) -> in
         except RuntimeError as error:
             if not is_lost_peer_error(error):
                 raise
-            reason, lines = lost_peer_report(error, trainer.phase, getattr(args, "node_ips", None))
-            report_and_exit(reason, lines, exit_code=1)
+            exit_for_lost_peer(error, trainer.phase, getattr(args, "node_ips", None))
     if train.save and last_saved != trainer.state.iteration:
         trainer.save()
     if train.manual_gc:
