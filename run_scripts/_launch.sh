@@ -277,7 +277,14 @@ launch_prepare() {
     launch_read_strategy
   fi
   local gpus group
-  gpus="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
+  # The GPUs torch sees; without an NVIDIA device node there are none, and importing torch to
+  # learn that would cost seconds on every launch of a CPU machine. (DPP_NVIDIA_DEVICE_NODES: where
+  # to look instead of /dev, for tests that stand in a machine with GPUs.)
+  if compgen -G "${DPP_NVIDIA_DEVICE_NODES:-/dev/nvidia[0-9]*}" >/dev/null; then
+    gpus="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
+  else
+    gpus=0
+  fi
   TP="${TP:-1}"
   VPP="${VPP:-1}"
   if [ "$gpus" -gt 0 ]; then

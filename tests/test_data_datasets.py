@@ -164,3 +164,47 @@ def test_bad_data_flags_are_one_line_exit_2(sample_data, capsys, monkeypatch, ca
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2
     assert len(err.splitlines()) == 1 and expected in err, err
+
+
+@pytest.mark.parametrize("prefix_key", ["data_prefix", "bert_data_prefix"])
+def test_our_index_reader_agrees_with_megatrons(sample_data, prefix_key):
+    """data/index_file.py reads .idx files without importing Megatron-Core (the flag pre-check
+    uses it): the same arrays as Megatron-Core's IndexedDataset."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_dpp.data.index_file import read_index
+
+    prefix = sample_data[prefix_key]
+    ours = read_index(prefix)
+    theirs = IndexedDataset(prefix, multimodal=False, mmap=True)
+    assert numpy.array_equal(ours.sequence_lengths, theirs.sequence_lengths)
+    assert numpy.array_equal(ours.document_indices, theirs.document_indices)
+    assert len(ours.sequence_lengths) > 10
+
+
+def test_a_damaged_index_is_one_line_naming_it(tmp_path):
+    from megatron_dpp.data.errors import DataInputError
+    from megatron_dpp.data.index_file import read_index
+
+    (tmp_path / "short.idx").write_bytes(b"MMIDIDX")
+    (tmp_path / "other.idx").write_bytes(b"NOTANIDX\x00" + bytes(40))
+    for name, says in (("short", "too short"), ("other", "is not a version-1")):
+        with pytest.raises(DataInputError, match=says) as raised:
+            read_index(str(tmp_path / name))
+        assert f"{tmp_path / name}.idx" in str(raised.value)
+
+
+@pytest.mark.parametrize("weights", [[1.0, 0.0, 0.0], [0.969, 0.03, 0.001], [0.9, 0.1, 0.0],
+                                     [0.0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3], [0.7, 0.2, 0.1]])
+def test_split_ranges_round_as_megatrons_builder(weights):
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix)
+
+    from megatron_dpp.data.datasets import split_ranges
+
+    for count in (1, 7, 100, 12345):
+        expected = [None if bookends is None else
+                    range(int(round(bookends[0] * count)), int(round(bookends[1] * count)))
+                    for bookends in convert_split_vector_to_split_matrix(weights)]
+        assert split_ranges(weights, count) == expected

@@ -31,8 +31,11 @@ def _dry_run(tmp_path, gpus: int, **variables: str) -> subprocess.CompletedProce
     env = _env()
     for name in LAYOUT_VARIABLES:
         env.pop(name, None)
+    # The launcher asks Python for the GPU count only where NVIDIA device nodes exist.
+    (tmp_path / "nvidia0").touch()
     env.update(DPP_VENV=_venv_with_gpus(tmp_path, gpus), DATA_DIR=str(ensure_sample_data()),
-               RECIPE="gpt3_tiny", **variables)
+               DPP_NVIDIA_DEVICE_NODES=str(tmp_path / "nvidia[0-9]*"), RECIPE="gpt3_tiny",
+               **variables)
     return subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=100, start_new_session=True)
 

@@ -196,7 +196,8 @@ def test_killed_worker_ends_every_rank(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_a_link_down_between_the_nodes_ends_every_rank_naming_the_peer(tmp_path):
+@pytest.mark.parametrize("use_dpp", ["1", "0"], ids=["dpp", "megatron_1f1b"])
+def test_a_link_down_between_the_nodes_ends_every_rank_naming_the_peer(tmp_path, use_dpp):
     """A network partition with nothing killed: the link between the nodes goes down while they
     train. No connection resets, so the transports see nothing; the heartbeats end the rank on
     each node within the heartbeat timeout (short here; the default's 30 s bound is checked with
@@ -207,9 +208,10 @@ def test_a_link_down_between_the_nodes_ends_every_rank_naming_the_peer(tmp_path)
     heartbeat_timeout_s = 4
     extra = ["--train-iters", "500", "--heartbeat-interval", "0.5",
              "--heartbeat-timeout", str(heartbeat_timeout_s)]
-    layout = dict(PP="2", NPROC="1", USE_DPP="1")
+    layout = dict(PP="2", NPROC="1", USE_DPP=use_dpp)
     with two_node_network() as net:
-        processes = _start_nodes(net, layout, extra, tmp_path, 29700 + os.getpid() % 100)
+        processes = _start_nodes(net, layout, extra, tmp_path,
+                                 29700 + int(use_dpp) * 50 + os.getpid() % 50)
         worker_log = tmp_path / "node1.log"
         deadline = time.monotonic() + 200
         while not re.search(r"iteration\s+3/", worker_log.read_text()):

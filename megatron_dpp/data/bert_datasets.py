@@ -20,6 +20,7 @@ import torch
 from megatron_dpp.data.datasets import (_SPLIT_NAMES, parse_data_path, parse_split,
                                         samples_per_split, split_ranges)
 from megatron_dpp.data.errors import DataInputError
+from megatron_dpp.data.index_file import read_index
 
 # The BERT flags' defaults (Megatron-LM's), used when args lacks the field.
 BERT_ARG_DEFAULTS = {
@@ -94,13 +95,8 @@ def _empty_split(name: str, prefix: str, total_documents: int) -> DataInputError
 
 def _document_structure(prefix: str):
     """(document_indices, sentence_lengths) of an indexed dataset, read from its .idx file only."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    indexed = IndexedDataset(prefix, multimodal=False, mmap=True)
-    # Copies: the arrays are views of a memory map that closes with `indexed`.
-    structure = numpy.array(indexed.document_indices), numpy.array(indexed.sequence_lengths)
-    del indexed
-    return structure
+    arrays = read_index(prefix)
+    return arrays.document_indices, arrays.sequence_lengths
 
 
 def check_bert_splits_have_data(prefixes: Sequence[str], weights: Optional[Sequence[float]],

@@ -18,6 +18,7 @@ import numpy
 import torch
 
 from megatron_dpp.data.errors import DataInputError
+from megatron_dpp.data.index_file import read_index
 
 _SPLIT_NAMES = ("train", "valid", "test")
 
@@ -64,17 +65,19 @@ def samples_per_split(args) -> List[int]:
 
 
 def split_ranges(split_weights: List[float], num_sequences: int) -> List[Optional[range]]:
-    """Sequence index ranges of each split, with the same rounding as Megatron's builder."""
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix)
-
+    """Sequence index ranges of each split (None: a split with no share), with the bookends and
+    rounding of Megatron's builder (convert_split_vector_to_split_matrix: cumulative sums from 0,
+    a zero-width share is None; tests/test_data_datasets.py compares the two). Computed here, not
+    imported: the launchers' flag pre-check runs it, and importing Megatron-Core costs seconds."""
+    bookends = [0.0]
+    for weight in split_weights:
+        bookends.append(bookends[-1] + weight)
     ranges: List[Optional[range]] = []
-    for bookends in convert_split_vector_to_split_matrix(split_weights):
-        if bookends is None:
+    for start, end in zip(bookends[:-1], bookends[1:]):
+        if end - start == 0:
             ranges.append(None)
         else:
-            ranges.append(range(int(round(bookends[0] * num_sequences)),
-                                int(round(bookends[1] * num_sequences))))
+            ranges.append(range(int(round(start * num_sequences)), int(round(end * num_sequences))))
     return ranges
 
 
@@ -91,16 +94,11 @@ def check_splits_have_data(prefixes: Sequence[str], weights: Optional[Sequence[f
     GPTDataset would otherwise loop forever computing its epoch count. Deterministic and cheap
     (reads only the .idx files), so every rank reaches the same verdict before any rank builds.
     """
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     min_tokens = min_tokens_for_a_sample(variable_seq_lengths)
     for position, prefix in enumerate(prefixes):
         if weights is not None and weights[position] == 0:
             continue
-        indexed = IndexedDataset(prefix, multimodal=False, mmap=True)
-        # Copy: the lengths are a view of a memory map that closes with `indexed`.
-        lengths = numpy.array(indexed.sequence_lengths)
-        del indexed
+        lengths = read_index(prefix).sequence_lengths
         for name, wanted, indices in zip(_SPLIT_NAMES, num_samples,
                                          split_ranges(split_weights, len(lengths))):
             if indices is None or wanted == 0:
