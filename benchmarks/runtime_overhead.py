@@ -45,32 +45,21 @@ def _scenario(args):
 
 
 def _worker(rank: int, args, port: int, results) -> None:
-    P = args.pipeline_size
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(P), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         if args.pin:
             os.sched_setaffinity(0, {rank % os.cpu_count()})
         import time
 
+        import numpy as np
         import torch
         import torch.distributed as dist
-        from megatron.core import parallel_state
 
-        from megatron_dpp.comm import make_transport
-        from megatron_dpp.platform import setup_platform
-        from schedule_bench import _build_runner
+        from schedule_bench import _build_runner, end_pipeline_rank, start_pipeline_rank
         from timed_stage import ActivationMeter, TimedStage, TimedStash, data_iterator, \
             forward_step, timed_stage_config
 
-        import numpy as np
-
-        torch.set_num_threads(1)
-        setup_platform()
-        dist.init_process_group("gloo", rank=rank, world_size=P)
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
-                                                 pipeline_model_parallel_size=P)
-        transport = make_transport("shm")
+        P = args.pipeline_size
+        transport = start_pipeline_rank(rank, P, port)
         scenario = _scenario(args)
         graph, split_graph = scenario.graph(), scenario.graph(split_backward=True)
         sizes = [int(s) for s in graph.sizes]
@@ -106,9 +95,7 @@ def _worker(rank: int, args, port: int, results) -> None:
                 wall_per_task_us[schedule].append(per_task.item() * 1e6)
         gathered = [None] * P
         dist.all_gather_object(gathered, (runtime_us, step_us))
-        transport.close()
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        end_pipeline_rank(transport)
         if rank == 0:
             results.put(("ok", (gathered, wall_per_task_us)))
     except BaseException:  # report any failure to the parent instead of dying silently
@@ -182,29 +169,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import multiprocessing as mp
+    from schedule_bench import run_pipeline_ranks
 
-    from schedule_bench import _free_port
-
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = _free_port()
-    processes = [context.Process(target=_worker, args=(rank, args, port, results), daemon=True)
-                 for rank in range(args.pipeline_size)]
-    for process in processes:
-        process.start()
     try:
-        status, payload = results.get(timeout=args.timeout)
-    except Exception:
-        status, payload = "error", f"no result within {args.timeout:.0f} s"
-    finally:
-        for process in processes:
-            process.join(timeout=10 if status == "ok" else 0.1)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
-    if status != "ok":
-        print(f"runtime_overhead: failed: {payload}", file=sys.stderr)
+        payload = run_pipeline_ranks(_worker, (args,), args.pipeline_size, args.timeout,
+                                     "runtime_overhead")
+    except RuntimeError as error:
+        print(f"runtime_overhead: {error}", file=sys.stderr)
         return 1
     rows = summarize(args.schedules, *payload)
     print(format_table(rows, args))

@@ -196,34 +196,45 @@ def _torch_pipelining_runner(schedule: str, scenario: Scenario, model, sizes: Li
     return run
 
 
-def _worker(rank: int, scenarios: List[Scenario], schedules_of: Dict[str, List[str]], warmup: int,
-            repeats: int, trace: bool, port: int, results_queue) -> None:
-    P = scenarios[0].P
+def start_pipeline_rank(rank: int, P: int, port: int):
+    """This process as pipeline rank `rank` of P (gloo, tp=1): its shm_tensor transport."""
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(P), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_dpp.comm import make_transport
+    from megatron_dpp.platform import setup_platform
+
+    torch.set_num_threads(1)
+    setup_platform()
+    dist.init_process_group("gloo", rank=rank, world_size=P)
+    # Megatron's schedules are called directly (not via get_forward_backward_func) and read the
+    # virtual size from the model config, so one process group serves V=1 and V=2 alike.
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
+                                             pipeline_model_parallel_size=P)
+    return make_transport("shm")
+
+
+def end_pipeline_rank(transport) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    transport.close()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _worker(rank: int, scenarios: List[Scenario], schedules_of: Dict[str, List[str]], warmup: int,
+            repeats: int, trace: bool, port: int, results_queue) -> None:
     try:
-        import torch
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-
-        from megatron_dpp.comm import make_transport
-        from megatron_dpp.platform import setup_platform
-
-        torch.set_num_threads(1)
-        setup_platform()
-        dist.init_process_group("gloo", rank=rank, world_size=P)
-        # Megatron's schedules are called directly (not via get_forward_backward_func) and read the
-        # virtual size from the model config, so one process group serves V=1 and V=2 alike.
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
-                                                 pipeline_model_parallel_size=P)
-        transport = make_transport("shm")
+        transport = start_pipeline_rank(rank, scenarios[0].P, port)
         rows = []
         for scenario in scenarios:
             rows.extend(_run_schedules(rank, scenario, schedules_of[scenario.key], warmup, repeats,
                                        transport, trace))
-        transport.close()
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        end_pipeline_rank(transport)
         if rank == 0:
             results_queue.put(("ok", rows))
     except BaseException:  # report any failure to the parent instead of dying silently
@@ -451,14 +462,21 @@ def _free_port() -> int:
 def run_scenarios(scenarios: List[Scenario], schedules_of: Dict[str, List[str]], warmup: int,
                   repeats: int, timeout_s: float, trace: bool = False) -> List[dict]:
     """Start P processes, run every scenario's schedules, return rank 0's rows; raise on failure."""
+    return run_pipeline_ranks(_worker, (scenarios, schedules_of, warmup, repeats, trace),
+                              scenarios[0].P, timeout_s, "schedule_bench")
+
+
+def run_pipeline_ranks(worker, worker_args: tuple, P: int, timeout_s: float, name: str):
+    """Start P spawned processes worker(rank, *worker_args, port, queue) and return what rank 0
+    puts on the queue as ("ok", payload); raise RuntimeError ("<name> failed: ...") on ("error",
+    text) or no result in timeout_s (ranks left are killed)."""
     import multiprocessing as mp
 
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = _free_port()
-    processes = [context.Process(target=_worker, args=(rank, scenarios, schedules_of, warmup, repeats,
-                                                       trace, port, queue), daemon=True)
-                 for rank in range(scenarios[0].P)]
+    processes = [context.Process(target=worker, args=(rank, *worker_args, port, queue), daemon=True)
+                 for rank in range(P)]
     for process in processes:
         process.start()
     status, payload = "error", "interrupted"
@@ -475,7 +493,7 @@ def run_scenarios(scenarios: List[Scenario], schedules_of: Dict[str, List[str]],
                 process.kill()
                 process.join(timeout=10)
     if status != "ok":
-        raise RuntimeError(f"schedule_bench failed: {payload}")
+        raise RuntimeError(f"{name} failed: {payload}")
     return payload
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from _ports import free_local_port
+from _tmpfs import mounted_tmpfs
 from _train_util import PYTHON, REPO_ROOT, TINY_GPT_ARGS, _env, data_args
 from megatron_dpp.training import checkpointing
 from megatron_dpp.training.checkpoint_integrity import (
@@ -238,18 +239,8 @@ def test_too_little_space_writes_nothing(one_rank, tmp_path, monkeypatch):
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 2 MiB tmpfs (root only; skipped elsewhere), unmounted after the test."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    mount_point = tmp_path / "tmpfs"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    try:
-        yield str(mount_point)
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+    with mounted_tmpfs(tmp_path, "2m") as mount_point:
+        yield mount_point
 
 
 def test_a_full_disk_while_writing_names_the_file_and_errno(one_rank, small_tmpfs, monkeypatch):

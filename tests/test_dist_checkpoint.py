@@ -10,11 +10,10 @@
 import os
 import re
 import shutil
-import subprocess
-import uuid
 
 import pytest
 
+from _tmpfs import mounted_tmpfs
 from _train_util import run_training
 
 SCHEDULE = ["--lr-decay-iters", "6"]
@@ -158,18 +157,8 @@ def test_checkpoint_of_another_model_is_one_line_exit_2(saved_pp2):
 def small_tmpfs(tmp_path):
     """A tmpfs of 10 MiB: room for one checkpoint of the tiny GPT at pp=2 (6 MiB written, 7.6
     MiB estimated by the free-space check), not for two."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a tmpfs needs root")
-    mount_point = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
-    mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    try:
-        yield str(mount_point)
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+    with mounted_tmpfs(tmp_path, "10m") as mount_point:
+        yield mount_point
 
 
 @pytest.mark.slow

@@ -159,6 +159,15 @@ def _rank_pid(net, node: int) -> int | None:
     return None
 
 
+def _wait_for_iteration_3(processes, worker_log: Path) -> None:
+    """Until the worker logged iteration 3 (both nodes train); fails if a node ended or after 200 s."""
+    deadline = time.monotonic() + 200
+    while not re.search(r"iteration\s+3/", worker_log.read_text()):
+        assert time.monotonic() < deadline, worker_log.read_text()[-3000:]
+        assert all(p.poll() is None for p in processes), worker_log.read_text()[-3000:]
+        time.sleep(0.5)
+
+
 @pytest.mark.timeout(300)
 def test_killed_worker_ends_every_rank(tmp_path):
     _skip_unless_two_nodes()
@@ -169,12 +178,7 @@ def test_killed_worker_ends_every_rank(tmp_path):
     layout = dict(PP="2", NPROC="1", USE_DPP="1")
     with two_node_network() as net:
         processes = _start_nodes(net, layout, extra, tmp_path, 29800 + os.getpid() % 100)
-        worker_log = tmp_path / "node1.log"
-        deadline = time.monotonic() + 200
-        while not re.search(r"iteration\s+3/", worker_log.read_text()):
-            assert time.monotonic() < deadline, worker_log.read_text()[-3000:]
-            assert all(p.poll() is None for p in processes), worker_log.read_text()[-3000:]
-            time.sleep(0.5)
+        _wait_for_iteration_3(processes, tmp_path / "node1.log")
         victim = _rank_pid(net, 1)
         assert victim is not None, "no training process found in the worker's namespace"
         killed_at = time.monotonic()
@@ -212,12 +216,7 @@ def test_a_link_down_between_the_nodes_ends_every_rank_naming_the_peer(tmp_path,
     with two_node_network() as net:
         processes = _start_nodes(net, layout, extra, tmp_path,
                                  29700 + int(use_dpp) * 50 + os.getpid() % 50)
-        worker_log = tmp_path / "node1.log"
-        deadline = time.monotonic() + 200
-        while not re.search(r"iteration\s+3/", worker_log.read_text()):
-            assert time.monotonic() < deadline, worker_log.read_text()[-3000:]
-            assert all(p.poll() is None for p in processes), worker_log.read_text()[-3000:]
-            time.sleep(0.5)
+        _wait_for_iteration_3(processes, tmp_path / "node1.log")
         subprocess.run(["ip", "-n", net.names[0], "link", "set", net.interfaces[0], "down"],
                        check=True, timeout=30)
         down_at = time.monotonic()

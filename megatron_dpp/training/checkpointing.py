@@ -519,7 +519,7 @@ def _load_torch(directory: str, verified: bool, model_chunks, optimizer,
                          f"{_short(payload['layout'])}, this run is {_short(_layout())}; to load "
                          f"it here, convert it: {OLD_FORMAT_CONVERTER}")
         except Exception as exc:  # an unverified checkpoint's truncated or overwritten file
-            error = f"checkpoint file {path} is damaged: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            error = f"checkpoint file {path} is damaged: {_one_line(exc)}"
     error = agree(error)
     if error is None:
         try:
@@ -529,8 +529,7 @@ def _load_torch(directory: str, verified: bool, model_chunks, optimizer,
             scheduler.load_state_dict(payload["scheduler"])
             _set_rng_state(payload["rng"])
         except Exception as exc:
-            error = (f"checkpoint {path} does not fit this model: {type(exc).__name__}: "
-                     f"{' '.join(str(exc).split())[:200]}")
+            error = f"checkpoint {path} does not fit this model: {_one_line(exc)}"
         error = agree(error)
     if error is not None:
         raise CheckpointLoadError(error)
