@@ -34,6 +34,7 @@ path here, for ours and the anchor alike).
 
     python benchmarks/host_overhead.py                      # GPT-125m depth, tiny width
     python benchmarks/host_overhead.py --quick --json runs/host.json
+    python benchmarks/host_overhead.py --target ours --compare-linears 30   # direct linears A/B
 Run it on two versions of the code to compare them (before/after a change).
 """
 from __future__ import annotations
@@ -65,6 +66,13 @@ SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::equal", "aten::
 SYNC_METHODS = {"tolist", "numpy", "cpu"}
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -92,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timed-iterations", type=int,
                      help=f"iterations timed without counting, median reported "
                           f"({DEFAULT['timed_iterations']})")
+    run.add_argument("--compare-linears", type=_non_negative, default=0, metavar="ROUNDS",
+                     help="also time our iteration with our direct linear layers "
+                          "(megatron_dpp.models.direct_linear) against Megatron-Core's own "
+                          "forward, alternating in one process for ROUNDS rounds (order "
+                          "swapped every round); reports the per-round ratio (0: off)")
     run.add_argument("--sites", type=int, default=12,
                      help="call-site frames kept per synchronization point (12)")
     run.add_argument("--quick", action="store_true",
@@ -426,6 +439,8 @@ def measure_ours(args: argparse.Namespace) -> dict:
         for index in range(args.timed_iterations):
             iteration(index, log=(index + 1) % args.iterations == 0)
         timing = {name: statistics.median(values) * 1e3 for name, values in times.items()}
+        linears = (_compare_linears(trainer, iteration, args.compare_linears)
+                   if args.compare_linears else None)
         counter = Counter(args.sites)
         counter.device_objects.append(platform.device)
         counter_box[0] = counter
@@ -439,12 +454,45 @@ def measure_ours(args: argparse.Namespace) -> dict:
                              "forward_backward": timing.get("schedule"),
                              "optimizer_step": timing.get("optimizer")}
         result["optimizer"] = type(_inner_optimizers(trainer.optimizer)[0]).__name__
+        if linears is not None:
+            result["linears"] = linears
         return result
     finally:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
+
+
+def _compare_linears(trainer, iteration, rounds: int) -> dict:
+    """Our iteration with the direct linear layers against Megatron-Core's forward of the same
+    layers (`multiplies_directly` switched off), paired round by round."""
+    from megatron_dpp.models.direct_linear import DIRECT_CLASSES
+
+    direct_classes = tuple(DIRECT_CLASSES.values())
+    layers = [module for chunk in trainer.model for module in chunk.modules()
+              if isinstance(module, direct_classes) and module.multiplies_directly]
+    if not layers:
+        raise SystemExit("host_overhead: --compare-linears: the model has no direct linear layer "
+                         "(tensor parallelism or a feature that needs Megatron's forward is on)")
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for index in range(rounds):
+            for direct in ((True, False) if index % 2 == 0 else (False, True)):
+                for layer in layers:
+                    layer.multiplies_directly = direct
+                start = time.perf_counter()
+                iteration(index, log=False)
+                seconds[direct].append(time.perf_counter() - start)
+    finally:
+        for layer in layers:
+            layer.multiplies_directly = True
+    ratios = sorted(a / b for a, b in zip(seconds[True], seconds[False]))
+    return {"rounds": rounds, "layers": len(layers),
+            "direct_ms": statistics.median(seconds[True]) * 1e3,
+            "megatron_ms": statistics.median(seconds[False]) * 1e3,
+            "ratio_median": statistics.median(ratios),
+            "ratio_quartiles": [ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]]}
 
 
 def _instrument(trainer, counter_box, times) -> None:
@@ -563,6 +611,13 @@ def print_table(result: dict) -> None:
                        ("  optimizer step", "optimizer_step")):
         print(f"{label:48s}" + "".join(f"{result[t]['host_ms'][key] or 0:>18.1f}"
                                        for t in targets))
+    linears = result.get("ours", {}).get("linears")
+    if linears:
+        print(f"ours, direct linears / Megatron-Core's ({linears['layers']} layers, "
+              f"{linears['rounds']} paired rounds): {linears['direct_ms']:.1f} / "
+              f"{linears['megatron_ms']:.1f} ms per iteration, ratio median "
+              f"{linears['ratio_median']:.3f} (quartiles {linears['ratio_quartiles'][0]:.3f}-"
+              f"{linears['ratio_quartiles'][1]:.3f})")
     if "ratio" in result:
         print(f"ours / anchor: ops per micro-batch {result['ratio']['ops_per_micro_batch']:.2f}x, "
               f"host ms per iteration {result['ratio']['host_ms_per_iteration']:.2f}x")

@@ -26,7 +26,7 @@ def quick_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("host") / "host.json"
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benchmarks" / "host_overhead.py"), "--quick",
-         "--json", str(out)],
+         "--compare-linears", "2", "--json", str(out)],
         cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -58,6 +58,17 @@ def test_quick_mode_ops_against_the_anchor(quick_result):
     # The optimizer step's device ops do not grow with the parameter count (foreach ops): 24
     # measured; Megatron-Core's per-tensor fallbacks made it 49 with this model's 30 tensors.
     assert ours["ops_per_optimizer_step"]["compute"] <= 36
+
+
+def test_quick_mode_compares_the_linear_layers(quick_result):
+    # Two layers, each with qkv, proj, fc1 and fc2: every one took the direct path, and the
+    # paired rounds ran both ways (the ratio itself is a benchmark figure, docs/gpu.md).
+    linears = quick_result["ours"]["linears"]
+    assert linears["layers"] == 2 * 4
+    assert linears["rounds"] == 2
+    assert linears["direct_ms"] > 0 and linears["megatron_ms"] > 0
+    low, high = linears["ratio_quartiles"]
+    assert 0 < low <= linears["ratio_median"] <= high
 
 
 def _fallbacks():

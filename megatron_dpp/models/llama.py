@@ -31,6 +31,7 @@ from megatron_dpp.models.gpt import (
     make_gpt_forward_step,
 )
 from megatron_dpp.models.memory_model import chunk_activation_bytes
+from megatron_dpp.models.direct_linear import with_direct_linears
 from megatron_dpp.models.sdpa_attention import with_core_attention
 from megatron_dpp.models.spec import ModelSpec
 
@@ -57,7 +58,8 @@ def llama_layer_spec(attention: Optional[str] = None) -> ModuleSpec:
         )
 
         return get_gpt_layer_with_transformer_engine_spec()
-    return with_core_attention(get_gpt_layer_local_spec(normalization="RMSNorm"), attention)
+    return with_direct_linears(
+        with_core_attention(get_gpt_layer_local_spec(normalization="RMSNorm"), attention))
 
 
 def build_llama_chunks(args: argparse.Namespace, config: TransformerConfig,

@@ -30,6 +30,8 @@ from megatron.core.transformer.transformer_block import (
 )
 
 from megatron_dpp.models.bert import LocalMaskBertModel
+from megatron_dpp.models.direct_linear import DirectColumnParallelLinear, DirectRowParallelLinear
+from megatron_dpp.models.spec_classes import replace_spec_classes
 from megatron_dpp.models.weight_grad.layers import (
     DEFERRED_CLASSES,
     DeferredColumnParallelLinear,
@@ -51,27 +53,26 @@ __all__ = [
 # The classes of Megatron-Core's local spec (get_gpt_layer_local_spec) and ours. With apex,
 # the local spec's norm is FusedLayerNorm: ours is torch's LayerNorm (same math, other kernel).
 # WrappedTorchNorm builds torch's LayerNorm or RMSNorm (Llama) by the config: so does ours.
+# Our specs name the direct linears (models.direct_linear), Megatron's subclasses: under a split
+# backward every training forward defers, through Megatron's forward, so ours subclass Megatron's.
 _SPEC_CLASSES: dict[type, type] = {
     ColumnParallelLinear: DeferredColumnParallelLinear,
     RowParallelLinear: DeferredRowParallelLinear,
+    DirectColumnParallelLinear: DeferredColumnParallelLinear,
+    DirectRowParallelLinear: DeferredRowParallelLinear,
     WrappedTorchNorm: DeferredTorchNorm,
     FusedLayerNorm: DeferredLayerNorm,
 }
 
 
+def _refuse_transformer_engine(cls: type) -> None:
+    if cls.__module__.startswith("megatron.core.extensions"):
+        raise WeightGradError(f"deferred weight gradients cover Megatron-Core's local layers, "
+                              f"not Transformer Engine's ({cls.__name__})")
+
+
 def _rewrite(value):
-    if isinstance(value, type):
-        if value.__module__.startswith("megatron.core.extensions"):
-            raise WeightGradError(f"deferred weight gradients cover Megatron-Core's local layers, "
-                                  f"not Transformer Engine's ({value.__name__})")
-        return _SPEC_CLASSES.get(value, value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_rewrite(item) for item in value)
-    if dataclasses.is_dataclass(value):  # ModuleSpec and the *Submodules dataclasses
-        return dataclasses.replace(value, **{
-            field.name: _rewrite(getattr(value, field.name))
-            for field in dataclasses.fields(value) if field.init})
-    return value  # functions (bias-dropout-add), dicts of names, None
+    return replace_spec_classes(value, _SPEC_CLASSES, _refuse_transformer_engine)
 
 
 def deferred_layer_spec(layer_spec: ModuleSpec) -> ModuleSpec:
