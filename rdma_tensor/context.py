@@ -100,6 +100,10 @@ class Context:
     def wait_any(self, handles: Sequence[Handle], timeout: Optional[float] = None) -> int:
         return self._context.wait_any([h._handle for h in handles], _timeout_arg(timeout))
 
+    def test_any(self, handles: Sequence[Handle]) -> int:
+        """Index of a completed handle, or -1; never waits. Raises on a lost peer, as test() does."""
+        return self._context.test_any([h._handle for h in handles])
+
     def endpoint_info(self, peer: int) -> str:
         """UCX's description of the link to `peer`: lanes, transports and devices (ucp_ep_print_info)."""
         return self._context.endpoint_info(peer)

@@ -133,6 +133,11 @@ class Context:
             [h._handle for h in handles], -1.0 if timeout is None else float(timeout), *_cuda_caller()
         )
 
+    def test_any(self, handles: Sequence[Handle]) -> int:
+        """Index of a completed handle, or -1; never waits. One progress pass for all of them (what
+        a test() of each would do). Raises on a lost peer or bad header, as test() does."""
+        return self._context.test_any([h._handle for h in handles], *_cuda_caller())
+
     def single_copy_peers(self) -> tuple[int, ...]:
         """Peers whose large CPU messages this process pulls in one copy (its probe at connect()
         could read their memory, and single_copy is on here)."""

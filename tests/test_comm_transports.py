@@ -1,6 +1,6 @@
 """The Transport protocol over torch.distributed (gloo) and through the router (shm_tensor on one
 node), between real processes: tag matching in any order, dtypes and shapes from the header,
-wait_any, and the flag validation of --p2p-transport."""
+wait_any and test_any, and the flag validation of --p2p-transport."""
 from __future__ import annotations
 
 import argparse
@@ -44,8 +44,17 @@ def _transport_worker(rank, world, store, kind):
         receives = {transport.irecv(peer, tag): tag for tag in order}
         receives[transport.irecv(peer, 99)] = 99
         pending = [*receives, *sends]
+        never_sent = transport.irecv(peer, 12345)
+        polled = 0
         while pending:
-            handle = pending.pop(transport.wait_any(pending, timeout=60))
+            # test_any first (never waits: -1 while nothing is complete), then wait_any.
+            index = transport.test_any(pending)
+            assert index == -1 or pending[index].test(), index
+            polled += index >= 0
+            assert transport.test_any([never_sent]) == -1
+            if index < 0:
+                index = transport.wait_any(pending, timeout=60)
+            handle = pending.pop(index)
             if handle.is_send:
                 continue
             got, tag = handle.wait(timeout=0), receives[handle]
@@ -53,8 +62,11 @@ def _transport_worker(rank, world, store, kind):
                         else _payload(peer, tag))
             assert got.dtype == expected.dtype and got.shape == expected.shape, tag
             assert torch.equal(got, expected), tag
+        assert polled > 0  # sends complete at once, or soon after
+        with pytest.raises(ValueError, match="test_any: no handles given"):
+            transport.test_any([])
         with pytest.raises(TimeoutError, match=f"peer={peer}, tag=12345"):
-            transport.irecv(peer, 12345).wait(timeout=0.3)
+            never_sent.wait(timeout=0.3)
         dist.barrier()  # a peer that closed first would turn the timeout into "peer closed"
         transport.close()
     finally:
@@ -145,3 +157,36 @@ def test_rdma_unavailable_is_a_reason_not_a_crash(monkeypatch):
     chosen = assign_routes(ROUTE_TABLES["auto"], _setup(["node 0", "node 1"]), [1])[1]
     assert chosen.route.transport == "torch.distributed"
     assert chosen.reason() == "fallback; rdma_tensor not used: rdma_tensor._C is not built"
+
+
+class _StubHandle:
+    def __init__(self, peer: int, done: bool):
+        self.peer, self.tag, self.is_send, self.done = peer, 0, False, done
+
+
+class _StubTransport:
+    """test_any over stub handles, recording what each call was given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def test_any(self, handles):
+        self.calls.append(list(handles))
+        return next((i for i, handle in enumerate(handles) if handle.done), -1)
+
+
+def test_router_test_any_asks_each_transport_about_its_own_handles():
+    from megatron_dpp.comm.router import RoutedTransport
+
+    near, far = _StubTransport(), _StubTransport()
+    router = RoutedTransport({1: near, 2: far}, [near, far])
+    handles = [_StubHandle(1, False), _StubHandle(2, False), _StubHandle(1, False),
+               _StubHandle(2, True)]
+    assert router.test_any(handles) == 3  # the index in the caller's list
+    assert near.calls[-1] == [handles[0], handles[2]] and far.calls[-1] == [handles[1], handles[3]]
+    handles[3].done = False
+    assert router.test_any(handles) == -1
+    one_route = [_StubHandle(2, False), _StubHandle(2, True)]
+    assert router.test_any(one_route) == 1 and far.calls[-1] == one_route
+    with pytest.raises(ValueError, match="test_any: no handles given"):
+        router.test_any([])

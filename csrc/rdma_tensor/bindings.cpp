@@ -48,6 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("irecv", &Context::irecv, py::arg("peer"), py::arg("tag"), py::call_guard<py::gil_scoped_release>())
       .def("wait_any", &Context::wait_any, py::arg("handles"), py::arg("timeout_s") = -1.0,
            py::call_guard<py::gil_scoped_release>())
+      .def("test_any", &Context::test_any, py::arg("handles"), py::call_guard<py::gil_scoped_release>())
       .def("send_raw", &Context::send_raw, py::arg("bytes"), py::arg("peer"), py::arg("tag"))
       .def("endpoint_info", &Context::endpoint_info, py::arg("peer"), py::call_guard<py::gil_scoped_release>())
       .def("peer_description", &Context::peer_description, py::arg("peer"))

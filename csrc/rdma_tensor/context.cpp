@@ -281,6 +281,15 @@ bool Context::done_or_throw(Handle& handle) {
   return false;
 }
 
+int Context::test_any(const std::vector<std::shared_ptr<Handle>>& handles) {
+  if (handles.empty()) throw std::invalid_argument("rdma_tensor.test_any: no handles given");
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (size_t index = 0; index < handles.size(); ++index) {
+    if (done_or_throw(*handles[index])) return static_cast<int>(index);
+  }
+  return -1;
+}
+
 int Context::wait_any(const std::vector<std::shared_ptr<Handle>>& handles, double timeout_s) {
   if (handles.empty()) throw std::invalid_argument("rdma_tensor.wait_any: no handles given");
   double limit = timeout_s < 0 ? config_.timeout_s : timeout_s;

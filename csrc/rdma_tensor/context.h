@@ -99,6 +99,8 @@ class Context : public std::enable_shared_from_this<Context> {
   std::shared_ptr<Handle> isend(const at::Tensor& tensor, int peer, int64_t tag);
   std::shared_ptr<Handle> irecv(int peer, int64_t tag);
   int wait_any(const std::vector<std::shared_ptr<Handle>>& handles, double timeout_s);
+  // Index of a completed handle, or -1; never waits (the progress thread moves the messages).
+  int test_any(const std::vector<std::shared_ptr<Handle>>& handles);
   // Sends `bytes` verbatim as one message (no tensor): tests of the receiver's header checks.
   std::shared_ptr<Handle> send_raw(const std::string& bytes, int peer, int64_t tag);
   void close();

@@ -126,6 +126,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("wait_any", &Context::wait_any, py::arg("handles"), py::arg("timeout_s") = -1.0,
            py::arg("cuda_device") = -1, py::arg("cuda_stream") = 0,
            py::call_guard<py::gil_scoped_release>())
+      .def("test_any", &Context::test_any, py::arg("handles"), py::arg("cuda_device") = -1,
+           py::arg("cuda_stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def("send_raw_header", &Context::send_raw_header, py::arg("header"), py::arg("peer"),
            py::arg("body") = py::bytes())
       .def("close", &Context::close, py::call_guard<py::gil_scoped_release>())

@@ -980,14 +980,35 @@ void Context::check_liveness(const std::vector<std::shared_ptr<Handle>>& handles
   }
 }
 
-int Context::wait_any(const std::vector<std::shared_ptr<Handle>>& handles, double timeout_s,
-                      int cuda_device, uintptr_t cuda_stream) {
-  if (handles.empty()) throw std::invalid_argument("shm_tensor.wait_any: no handles given");
+void Context::check_own_handles(const std::vector<std::shared_ptr<Handle>>& handles,
+                                const char* call) const {
+  if (handles.empty()) throw std::invalid_argument(std::string(call) + ": no handles given");
   for (const auto& handle : handles) {
     if (!handle || handle->context_.get() != this) {
-      throw std::invalid_argument("shm_tensor.wait_any: a handle belongs to another context");
+      throw std::invalid_argument(std::string(call) + ": a handle belongs to another context");
     }
   }
+}
+
+int Context::test_any(const std::vector<std::shared_ptr<Handle>>& handles, int cuda_device,
+                      uintptr_t cuda_stream) {
+  check_own_handles(handles, "shm_tensor.test_any");
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (size_t i = 0; i < handles.size(); ++i) {
+    if (handles[i]->done_) return static_cast<int>(i);
+  }
+  caller_cuda_device_ = cuda_device;
+  caller_cuda_stream_ = cuda_stream;
+  progress(handles);
+  for (size_t i = 0; i < handles.size(); ++i) {
+    if (handle_done_or_throw(*handles[i])) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+int Context::wait_any(const std::vector<std::shared_ptr<Handle>>& handles, double timeout_s,
+                      int cuda_device, uintptr_t cuda_stream) {
+  check_own_handles(handles, "shm_tensor.wait_any");
   double timeout = timeout_s < 0 ? config_.timeout_s : timeout_s;
   Clock::time_point start = Clock::now();
   Clock::time_point deadline = start + std::chrono::duration_cast<Clock::duration>(

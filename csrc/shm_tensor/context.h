@@ -198,6 +198,10 @@ class Context : public std::enable_shared_from_this<Context> {
   // Index of a completed handle; blocks on the doorbell meanwhile. timeout_s < 0: default.
   int wait_any(const std::vector<std::shared_ptr<Handle>>& handles, double timeout_s,
                int cuda_device = -1, uintptr_t cuda_stream = 0);
+  // Index of a completed handle, or -1; never waits. One progress pass for all of them: what a
+  // test() of each would do, in one call (the DPP runtime polls its outstanding receives so).
+  int test_any(const std::vector<std::shared_ptr<Handle>>& handles, int cuda_device = -1,
+               uintptr_t cuda_stream = 0);
   // Sends `header` verbatim followed by `body` (no tensor payload): lets tests check that receivers
   // reject bad headers and descriptors.
   std::shared_ptr<Handle> send_raw_header(const std::string& header, int peer, const std::string& body = "");
@@ -223,6 +227,8 @@ class Context : public std::enable_shared_from_this<Context> {
 
   Peer& peer_or_throw(const char* call, int peer, int64_t tag);
   bool handle_done_or_throw(Handle& handle);  // lock held
+  // invalid_argument naming `call` unless `handles` is non-empty and all of this context's.
+  void check_own_handles(const std::vector<std::shared_ptr<Handle>>& handles, const char* call) const;
   // `awaited`: the handles of the call (test, wait_any). Once no slot is left to lend, messages are
   // copied out only while none of them is complete; the rest wait for the next progress call.
   void progress(const std::vector<std::shared_ptr<Handle>>& awaited);  // lock held

@@ -18,7 +18,11 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_dpp.comm.errors import PeerLostError, TransportError
-from megatron_dpp.comm.transport import DEFAULT_TIMEOUT_S, wait_any_on_condition
+from megatron_dpp.comm.transport import (
+    DEFAULT_TIMEOUT_S,
+    test_any_under_lock,
+    wait_any_on_condition,
+)
 
 
 class MemoryHandle:
@@ -127,6 +131,9 @@ class MemoryTransport:
         limit = self.hub.timeout_s if timeout is None else timeout
         return wait_any_on_condition("memory_transport", self.hub.cond, handles,
                                      self._done_or_raise, limit)
+
+    def test_any(self, handles: Sequence[MemoryHandle]) -> int:
+        return test_any_under_lock("memory_transport", self.hub.cond, handles, self._done_or_raise)
 
     def close(self) -> None:
         self._closed = True

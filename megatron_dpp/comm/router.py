@@ -56,13 +56,31 @@ class RoutedTransport:
     def irecv(self, peer: int, tag: int) -> TransportHandle:
         return self.route(peer).irecv(peer, tag)
 
-    def wait_any(self, handles: Sequence[TransportHandle], timeout: Optional[float] = None) -> int:
+    def _by_transport(self, handles: Sequence[TransportHandle],
+                      call: str) -> dict[int, tuple[Transport, list[int]]]:
+        """The handles' indices grouped by the transport of their peer."""
         if not handles:
-            raise ValueError("transport.wait_any: no handles given")
+            raise ValueError(f"transport.{call}: no handles given")
         groups: dict[int, tuple[Transport, list[int]]] = {}
         for index, handle in enumerate(handles):
             transport = self.route(handle.peer)
             groups.setdefault(id(transport), (transport, []))[1].append(index)
+        return groups
+
+    def test_any(self, handles: Sequence[TransportHandle]) -> int:
+        groups = self._by_transport(handles, "test_any")
+        if len(groups) == 1:
+            (transport, indices), = groups.values()
+            found = transport.test_any(handles)
+            return -1 if found < 0 else indices[found]
+        for transport, indices in groups.values():
+            found = transport.test_any([handles[i] for i in indices])
+            if found >= 0:
+                return indices[found]
+        return -1
+
+    def wait_any(self, handles: Sequence[TransportHandle], timeout: Optional[float] = None) -> int:
+        groups = self._by_transport(handles, "wait_any")
         if len(groups) == 1:
             (transport, indices), = groups.values()
             return indices[transport.wait_any(handles, timeout)]

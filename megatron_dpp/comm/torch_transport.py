@@ -22,7 +22,11 @@ import torch.distributed as dist
 
 from megatron_dpp.comm import codec
 from megatron_dpp.comm.errors import PeerLostError, TransportError, TransportTimeout
-from megatron_dpp.comm.transport import DEFAULT_TIMEOUT_S, wait_any_on_condition
+from megatron_dpp.comm.transport import (
+    DEFAULT_TIMEOUT_S,
+    test_any_under_lock,
+    wait_any_on_condition,
+)
 
 # The largest tag value is the end-of-stream marker that close() sends; user tags stay below it.
 END_OF_STREAM_TAG = (1 << 63) - 1
@@ -202,6 +206,9 @@ class TorchTransport:
         limit = self.timeout_s if timeout is None else timeout
         return wait_any_on_condition("torch_transport", self._cond, handles, self._done_or_raise,
                                      limit)
+
+    def test_any(self, handles: Sequence[TorchHandle]) -> int:
+        return test_any_under_lock("torch_transport", self._cond, handles, self._done_or_raise)
 
     def close(self) -> None:
         """Collective with the peers: sends end-of-stream to each, waits for theirs and joins the

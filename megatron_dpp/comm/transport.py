@@ -52,7 +52,24 @@ class Transport(Protocol):
 
     def wait_any(self, handles: Sequence[TransportHandle], timeout: Optional[float] = None) -> int: ...
 
+    # Index of a completed handle, or -1, without waiting; errors as `test()` raises them. One
+    # call for many handles: the DPP runtime polls its outstanding receives every turn.
+    def test_any(self, handles: Sequence[TransportHandle]) -> int: ...
+
     def close(self) -> None: ...
+
+
+def test_any_under_lock(name: str, cond: threading.Condition, handles: Sequence[TransportHandle],
+                        done_or_raise: Callable[[TransportHandle], bool]) -> int:
+    """test_any for transports written in Python: the first of `handles` for which
+    `done_or_raise(handle)`, called with `cond`'s lock held, is true; -1 if none."""
+    if not handles:
+        raise ValueError(f"{name}.test_any: no handles given")
+    with cond:
+        for index, handle in enumerate(handles):
+            if done_or_raise(handle):
+                return index
+    return -1
 
 
 def wait_any_on_condition(name: str, cond: threading.Condition, handles: Sequence[TransportHandle],

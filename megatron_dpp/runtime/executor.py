@@ -435,17 +435,22 @@ class IterationRunner:
         self.deadline.progressed()
 
     def _collect_arrivals(self):
-        for task, handle in list(self.pending_recvs.items()):
-            if self._test(handle, task):
-                self._mark_arrived(task, handle.wait())
+        """Every input that has arrived: one transport call for all outstanding receives (one
+        progress pass; a test() of each cost ~1.5 us apiece from Python, 17 of them a turn at
+        M=32), and one more per arrival."""
+        while self.pending_recvs:
+            tasks = list(self.pending_recvs)
+            index = self._test_any([self.pending_recvs[task] for task in tasks], "an input")
+            if index < 0:
+                return
+            self._mark_arrived(tasks[index], self.pending_recvs[tasks[index]].wait())
 
-    def _test(self, handle, awaited: Optional[Task]) -> bool:
-        """handle.test() of the input of `awaited`, or of a send (None); a transport error (a lost
-        peer) ends the iteration with the rank's state."""
+    def _test_any(self, handles: list, what: str) -> int:
+        """transport.test_any(handles): the index of a completed one, or -1; a transport error (a
+        lost peer, whose handles fail) ends the iteration with the rank's state."""
         try:
-            return handle.test()
+            return self.transport.test_any(handles)
         except RuntimeError as error:
-            what = "a send to finish" if awaited is None else f"input of {awaited}"
             self._fail(f"transport error while waiting for {what}: {error}", is_peer_lost(error))
 
     def _wait_for_arrival(self):
@@ -554,8 +559,11 @@ class IterationRunner:
             self.recorder.wait(posted, time.perf_counter(), f"{POSTING_SEND} {task}")
 
     def _reap_sends(self):
-        self.pending_sends = [handle for handle in self.pending_sends
-                              if not self._test(handle, None)]
+        while self.pending_sends:
+            index = self._test_any(self.pending_sends, "a send to finish")
+            if index < 0:
+                return
+            self.pending_sends.pop(index)
 
     def _drain_sends(self):
         self.channel.drain(self._wait)
