@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence
 from megatron_dpp.comm.flags import (add_multinode_args, add_transport_args,
                                      validate_multinode_args, validate_transport_args)
 from megatron_dpp.data import flags as data_flags
+from megatron_dpp.exit_codes import BAD_INPUT
 from megatron_dpp.flag_errors import ArgsError, check_refused_flags, require
 from megatron_dpp.kernels import install_warning_filters
 from megatron_dpp.models import families
@@ -157,7 +158,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "megatron_dpp",
     try:
         validate_args(args)
     except ArgsError as error:
-        fail(f"{parser.prog}: error: {error}", exit_code=2)
+        fail(f"{parser.prog}: error: {error}", exit_code=BAD_INPUT)
     return args
 
 

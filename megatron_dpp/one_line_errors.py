@@ -3,6 +3,7 @@ tools and the run scripts' helpers can use it without importing torch): a bad fl
 line and exits with code 2."""
 import argparse
 
+from megatron_dpp.exit_codes import BAD_INPUT
 from megatron_dpp.rank_failure import fail
 
 
@@ -16,4 +17,4 @@ class OneLineErrorParser(argparse.ArgumentParser):
     """argparse prints usage plus the error; we print the error alone, on one line, exit code 2."""
 
     def error(self, message: str):
-        fail(f"{self.prog}: error: {message} (see --help)", exit_code=2)
+        fail(f"{self.prog}: error: {message} (see --help)", exit_code=BAD_INPUT)

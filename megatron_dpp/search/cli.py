@@ -28,6 +28,7 @@ from megatron_dpp.search.errors import SearchInputError
 from megatron_dpp.search.hardware import PRESETS, load_hardware, with_matmul_rates
 from megatron_dpp.search.lengths import parse_distribution
 from megatron_dpp.search.model_profile import read_model_profile_dir
+from megatron_dpp.exit_codes import BAD_INPUT
 from megatron_dpp.models.families import DEFAULT_MODEL, MODEL_FAMILIES
 from megatron_dpp.one_line_errors import OneLineErrorParser
 from megatron_dpp.search.strategy import build_strategy, megatron_flags, write_strategy
@@ -218,7 +219,7 @@ def command_line(problem: Problem, flags: list[str]) -> str:
 
 def _error(message) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
-    return 2
+    return BAD_INPUT
 
 
 def _from_galvatron(args, problem: Problem) -> LayoutCost:
@@ -264,7 +265,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{PROG}: error: no layout fits --memory-budget-gb {args.memory_budget_gb:g}: the "
               f"smallest needs {result.smallest_memory_bytes / GB:.2f} GB per GPU", file=sys.stderr,
               flush=True)
-        return 2
+        return BAD_INPUT
     winner = result.best[0]
     strategy = build_strategy(problem, winner, model_source)
     galvatron = None

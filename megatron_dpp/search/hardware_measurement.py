@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dpp.comm.router import DEFAULT_TRANSPORT_KIND, TRANSPORT_KINDS
+from megatron_dpp.exit_codes import BAD_INPUT
 from megatron_dpp.one_line_errors import OneLineErrorParser
 from megatron_dpp.search.hardware import (
     GB, MB, SP_OPS, HardwareProfile, collective_group, group_sizes, pipeline_group, pipeline_sizes,
@@ -540,7 +541,7 @@ def _torchrun_int(name: str) -> int:
     if value is None or not value.isdigit():
         print(f"{PROG}: error: ${name} is {value!r}; run under torchrun (run_scripts/"
               f"profile_hardware.sh), one process per rank", file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(BAD_INPUT)
     return int(value)
 
 
@@ -610,7 +611,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{PROG}: error: WORLD_SIZE={world_size} with {num_nodes} node(s) x {gpus_per_node} "
               f"per node; the profile needs at least 2 ranks, the same number on every node",
               file=sys.stderr, flush=True)
-        return 2
+        return BAD_INPUT
     if settings.node_ips is not None:
         # As the trainer's --multi-node: gloo and NCCL on this node's --node-ips interface.
         from megatron_dpp.comm.nodes import check_node_count, this_node_rank, use_node_network
@@ -620,7 +621,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             network = use_node_network(settings.node_ips, this_node_rank())
         except ValueError as error:
             print(f"{PROG}: error: --node-ips: {error}", file=sys.stderr, flush=True)
-            return 2
+            return BAD_INPUT
         if local_rank == 0:
             print(f"[{PROG}]{network.describe()}", flush=True)
     # platform.py's rule: a GPU per rank with NCCL, else the CPU with gloo.

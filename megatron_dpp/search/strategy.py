@@ -32,6 +32,7 @@ import pathlib
 import sys
 from typing import TYPE_CHECKING, Any
 
+from megatron_dpp.exit_codes import BAD_INPUT
 from megatron_dpp.models.families import MODEL_FAMILIES
 from megatron_dpp.one_line_errors import OneLineErrorParser
 from megatron_dpp.search.errors import SearchInputError
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
         content = read_strategy(args.file)
     except SearchInputError as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
-        return 2
+        return BAD_INPUT
     print(printed(content, args.what))
     return 0
 

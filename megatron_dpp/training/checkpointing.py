@@ -84,9 +84,8 @@ from megatron_dpp.training.dist_checkpoint import (
     prepare_dist_checkpoint,
 )
 
-__all__ = ["TrainState", "CheckpointToLoad", "CheckpointError", "CheckpointLoadError",
-           "CheckpointSaveError", "save_checkpoint", "find_checkpoint", "load_checkpoint",
-           "latest_iteration", "TRACKER_FILE"]
+__all__ = ["TrainState", "CheckpointToLoad", "CheckpointLoadError", "CheckpointSaveError",
+           "save_checkpoint", "find_checkpoint", "load_checkpoint", "TRACKER_FILE"]
 
 SAVING_SUFFIX = ".saving"  # the folder a save writes into, renamed once complete
 REPLACED_SUFFIX = ".replaced"  # a re-saved iteration's previous folder, until the tracker moved
@@ -102,10 +101,6 @@ class TrainState:
 class CheckpointToLoad:
     directory: str  # the iteration folder
     verified: bool  # its files matched its manifest; False: it has none (saved before checksums)
-
-
-# The old name: what a refused or damaged checkpoint raises.
-CheckpointError = CheckpointLoadError
 
 
 def _layout() -> dict[str, int | None]:
@@ -409,10 +404,6 @@ def _prepare_torch(state: TrainState, model_chunks, optimizer, scheduler) -> tup
     def write(directory: str) -> dict:
         return {name: save_with_checksum(payload, os.path.join(directory, name))}
     return tensor_bytes(payload), write
-
-
-def latest_iteration(root: str) -> int | None:
-    return read_tracker(root)
 
 
 # ----------------------------------------------------------------------------------------------
