@@ -435,9 +435,9 @@ class IterationRunner:
         self.deadline.progressed()
 
     def _collect_arrivals(self):
-        """Every input that has arrived: one transport call for all outstanding receives (one
-        progress pass; a test() of each cost ~1.5 us apiece from Python, 17 of them a turn at
-        M=32), and one more per arrival."""
+        """Every input that has arrived: one transport call for all outstanding receives (all of
+        an iteration's are posted at its start, so a test() of each would grow with M), and one
+        more per arrival."""
         while self.pending_recvs:
             tasks = list(self.pending_recvs)
             index = self._test_any([self.pending_recvs[task] for task in tasks], "an input")
