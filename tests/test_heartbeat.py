@@ -2,10 +2,12 @@
 timeout, in the direction that went silent; a peer that is slow, or left on purpose, never is.
 
 In-process: heartbeats on loopback with short intervals (a torch.distributed HashStore carries
-their addresses). In real processes: a 2-rank training run whose rank 1 is frozen with SIGSTOP
-must end on rank 0 with exit code LOST_PEER, naming rank 1's node, address and pid: once with the
-default settings under --use-dpp (the 30 s promise), once under Megatron's own 1F1B with a short
-timeout. The two-node case (a link set down between network namespaces) is in test_multinode.py.
+their addresses; each rank's beats go through its own helper process, as in training, or through
+a Heartbeat run in this process where a test needs to look inside). In real processes: a 2-rank
+training run whose rank 1 is frozen with SIGSTOP must end on rank 0 with exit code LOST_PEER,
+naming rank 1's node, address and pid: once with the default settings under --use-dpp (the 30 s
+promise), once under Megatron's own 1F1B with a short timeout. The two-node case (a link set
+down between network namespaces) is in test_multinode.py.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -25,10 +28,10 @@ import torch.distributed as dist
 
 from _train_util import (ITERATION_RE, REPO_ROOT, TINY_GPT_ARGS, _env, data_args, run_training,
                          torchrun_command)
-from megatron_dpp.comm.heartbeat import (DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, INBOUND, LOOPBACK,
-                                         OUTBOUND, Heartbeat, HeartbeatError, PeerAddress,
-                                         bind_udp, check_heartbeat_settings, heartbeat_host,
-                                         start_heartbeat)
+from megatron_dpp.comm.heartbeat import (_BEAT, DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, INBOUND,
+                                         LOOPBACK, OUTBOUND, Heartbeat, HeartbeatError,
+                                         PeerAddress, bind_udp, check_heartbeat_settings,
+                                         encode_packet, heartbeat_host, start_heartbeat)
 from megatron_dpp.exit_codes import LOST_PEER
 
 INTERVAL_S = 0.1
@@ -137,8 +140,9 @@ def test_a_one_way_loss_is_named_outbound_where_the_beats_still_arrive():
 
 @pytest.mark.timeout(30)
 def test_a_busy_main_thread_does_not_stop_the_beats():
-    """The heartbeat threads run while the main thread computes: a pure Python loop (the GIL is
-    handed over every 5 ms), torch ops and sleeps, each for several timeouts."""
+    """The heartbeats go on while the main thread computes: a pure Python loop (the GIL is
+    handed over every 5 ms, enough for the tick to the helper), torch ops and sleeps, each for
+    several timeouts."""
     with heartbeats(timeout_s=4 * INTERVAL_S) as (_beats, lost):
         busy_until = time.monotonic() + 3 * TIMEOUT_S
         total = 0
@@ -168,8 +172,8 @@ def _hold_the_gil(seconds: float) -> float:
 
 @pytest.mark.timeout(60)
 def test_a_stall_of_this_process_is_not_counted_against_its_peers():
-    """After a stall of every heartbeat thread (both ranks in this process), the silence during
-    it is nobody's fault: no peer is lost."""
+    """After a stall of both ranks' training process (this one: no tick reaches the helpers),
+    the helpers stop beating and stop counting silence: no peer is lost."""
     with heartbeats() as (_beats, lost):
         time.sleep(2 * INTERVAL_S)
         held = _hold_the_gil(3 * TIMEOUT_S)
@@ -193,8 +197,8 @@ def test_datagrams_of_strangers_do_not_count_as_beats():
             sequence = 0
             while not lost[1] and time.monotonic() < deadline:
                 sequence += 1
-                stranger.sendto(module._PACKET.pack(module._MAGIC, module._BEAT, 0,
-                                                    beats[0].me.run_id + 1, sequence, 0), target)
+                stranger.sendto(module.encode_packet(module._BEAT, 0, beats[0].me.run_id + 1,
+                                                     sequence, 0), target)
                 stranger.sendto(b"noise", target)
                 time.sleep(INTERVAL_S / 2)
         finally:
@@ -265,6 +269,144 @@ def test_bad_heartbeat_flags_stop_before_launch(flags, message, monkeypatch, cap
 # ----------------------------------------------------------------------------------------------
 # training runs
 # ----------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------
+# the helper process, the phase and the receive buffer
+# ----------------------------------------------------------------------------------------------
+def _engines(count: int, options: dict, interval_s: float = INTERVAL_S,
+             timeout_s: float = TIMEOUT_S) -> tuple:
+    """`count` Heartbeats run in this process, each knowing the others, rank r built with the
+    keyword arguments options.get(r, {}); (beats, lost lists)."""
+    sockets = [bind_udp(LOOPBACK) for _ in range(count)]
+    addresses = [PeerAddress(rank, LOOPBACK, sock.getsockname()[1], f"node {rank}", os.getpid(),
+                             2000 + rank) for rank, sock in enumerate(sockets)]
+    lost: list[list] = [[] for _ in range(count)]
+    beats = [Heartbeat(sock, addresses[rank], addresses[:rank] + addresses[rank + 1:],
+                       interval_s, timeout_s, lost[rank].append, **options.get(rank, {}))
+             for rank, sock in enumerate(sockets)]
+    return beats, lost
+
+
+@pytest.mark.timeout(30)
+def test_a_stopped_training_process_stops_the_beats_and_the_judging():
+    """While `alive` says the training process is stopped, its heartbeat sends nothing (its peer
+    names it) and counts no silence (its silent peer is not named)."""
+    running = [True]
+    beats, lost = _engines(2, {0: {"alive": lambda: running[0]}})
+    try:
+        time.sleep(2 * INTERVAL_S)
+        running[0] = False
+        elapsed = wait_until(lambda: lost[1], 10 * TIMEOUT_S, "rank 1 names the stopped rank 0")
+        assert elapsed <= TIMEOUT_S + 2 * INTERVAL_S + 0.5, elapsed
+        assert lost[1][0].peer.rank == 0 and lost[1][0].direction == INBOUND
+        time.sleep(3 * TIMEOUT_S)  # rank 1 stopped beating when it named rank 0
+        assert lost[0] == [], lost[0][0].reason()
+    finally:
+        for beat in beats:
+            beat.close(say_bye=False)
+
+
+@pytest.mark.timeout(30)
+def test_the_first_beat_goes_at_its_phase():
+    beats, _lost = _engines(2, {0: {"first_beat_s": 0.6}, 1: {"first_beat_s": 0.0}},
+                            interval_s=0.6, timeout_s=2.4)
+    try:
+        time.sleep(0.3)
+        assert beats[1].beats_received()[0] == 0  # rank 0 has not beaten yet
+        assert beats[0].beats_received()[1] >= 1
+        wait_until(lambda: beats[1].beats_received()[0] >= 1, 5, "rank 0's first beat")
+        with bind_udp(LOOPBACK) as spare, \
+                pytest.raises(ValueError, match="first beat must come within the first interval"):
+            Heartbeat(spare, beats[0].me, [], 0.6, 2.4, print, first_beat_s=0.7)
+    finally:
+        for beat in beats:
+            beat.close(say_bye=False)
+
+
+@pytest.mark.timeout(30)
+def test_a_burst_from_every_peer_is_received_whole():
+    """600 peers' beats arriving at one moment (more than a socket holds by default): the receive
+    buffer is sized for them, so every one is counted."""
+    peers = 600
+    sock = bind_udp(LOOPBACK)
+    me = PeerAddress(0, LOOPBACK, sock.getsockname()[1], "node 0", os.getpid(), 1)
+    sink = bind_udp(LOOPBACK)
+    addresses = [PeerAddress(rank, LOOPBACK, sink.getsockname()[1], "node 1", os.getpid(),
+                             5000 + rank) for rank in range(1, peers + 1)]
+    beat = Heartbeat(sock, me, addresses, INTERVAL_S, 100.0, lambda lost: None)
+    try:
+        if beat.receive_buffer_bytes < peers * 1024:
+            pytest.skip(f"the kernel grants {beat.receive_buffer_bytes} B of receive buffer "
+                        f"(net.core.rmem_max): too little to hold {peers} datagrams")
+        burst = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with burst:
+            for rank in range(1, peers + 1):
+                burst.sendto(encode_packet(_BEAT, rank, 5000 + rank, 1, 0), (LOOPBACK, me.port))
+        wait_until(lambda: sum(beat.beats_received().values()) == peers, 10,
+                   f"all {peers} beats counted (counted "
+                   f"{sum(beat.beats_received().values())})")
+    finally:
+        beat.close(say_bye=False)
+        sink.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_helper_ends_with_the_training_process():
+    """A training process that dies (SIGKILL: no close) takes its helper with it: the end of the
+    tick pipe ends the helper, with no bye, so its peers name the rank."""
+    script = (
+        "import os, sys, time\n"
+        "from megatron_dpp.comm.heartbeat import HeartbeatProcess, PeerAddress, bind_udp\n"
+        "sock, peer = bind_udp('127.0.0.1'), bind_udp('127.0.0.1')\n"
+        "me = PeerAddress(0, '127.0.0.1', sock.getsockname()[1], 'node 0', os.getpid(), 1)\n"
+        "other = PeerAddress(1, '127.0.0.1', peer.getsockname()[1], 'node 0', os.getpid(), 2)\n"
+        "beat = HeartbeatProcess(sock, me, [other], 0.1, 0.5, print, print)\n"
+        "print(beat.helper_pid, flush=True)\n"
+        "time.sleep(600)\n")
+    rank = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            cwd=REPO_ROOT, env=_env())
+    try:
+        helper_pid = int(rank.stdout.readline())
+        assert _process_runs(helper_pid)
+        rank.kill()
+        rank.wait(timeout=10)
+        wait_until(lambda: not _process_runs(helper_pid), 10, f"helper {helper_pid} ends")
+    finally:
+        rank.kill()
+        rank.wait(timeout=10)
+
+
+def _process_runs(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(30)
+def test_a_helper_that_dies_is_reported_once_with_its_exit_code():
+    failures: list = []
+    with heartbeats() as (beats, lost):
+        beats[0]._on_helper_failed = failures.append
+        os.kill(beats[0].helper_pid, signal.SIGKILL)
+        wait_until(lambda: failures, 10, "the training process hears that its helper died")
+        time.sleep(3 * INTERVAL_S)
+    assert len(failures) == 1, failures
+    assert re.fullmatch(r"heartbeat: its helper process \(pid \d+\) ended on its own with exit "
+                        r"code -9; its output above says why", failures[0]), failures[0]
+
+
+def test_the_helper_starts_without_torch():
+    """The helper imports only the standard library and the heartbeat module: no torch (seconds
+    and hundreds of MB per rank)."""
+    probe = ("import sys, megatron_dpp.comm.heartbeat_helper; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            cwd=REPO_ROOT, env=_env(), timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_healthy_run_with_a_tight_timeout_loses_nobody(tmp_path):

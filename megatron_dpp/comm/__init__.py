@@ -4,49 +4,33 @@ fallback -> torch.distributed), message tags, and (in megatron_p2p, imported on 
 pulls in Megatron-Core) the adapter that runs Megatron's own schedules over a Transport.
 
 shm_tensor is imported only when a route uses it (--p2p-transport shm).
-"""
-from megatron_dpp.comm.errors import PeerLostError, ProtocolError, TransportError, TransportTimeout
-from megatron_dpp.comm.router import (
-    ROUTE_TABLES,
-    TRANSPORT_KINDS,
-    Route,
-    RoutedTransport,
-    make_transport,
-    pipeline_neighbors,
-)
-from megatron_dpp.comm.settings import make_transport_from_args, shm_config_from_args
-from megatron_dpp.comm.tags import (
-    Direction,
-    SequenceTag,
-    TaskTag,
-    decode_tag,
-    encode_sequence_tag,
-    encode_tag,
-)
-from megatron_dpp.comm.torch_transport import TorchTransport
-from megatron_dpp.comm.transport import DEFAULT_TIMEOUT_S, Transport, TransportHandle
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "ROUTE_TABLES",
-    "TRANSPORT_KINDS",
-    "Direction",
-    "PeerLostError",
-    "ProtocolError",
-    "Route",
-    "RoutedTransport",
-    "SequenceTag",
-    "TaskTag",
-    "TorchTransport",
-    "Transport",
-    "TransportError",
-    "TransportHandle",
-    "TransportTimeout",
-    "decode_tag",
-    "encode_sequence_tag",
-    "encode_tag",
-    "make_transport",
-    "make_transport_from_args",
-    "pipeline_neighbors",
-    "shm_config_from_args",
-]
+The names below load their module on first use (PEP 562): importing a submodule that needs
+neither torch nor the transports (heartbeat, heartbeat_helper, nodes) stays light, and the
+heartbeat helper process starts in milliseconds.
+"""
+
+import importlib
+
+_HOMES = {
+    "PeerLostError": "errors", "ProtocolError": "errors", "TransportError": "errors",
+    "TransportTimeout": "errors",
+    "ROUTE_TABLES": "router", "TRANSPORT_KINDS": "router", "Route": "router",
+    "RoutedTransport": "router", "make_transport": "router", "pipeline_neighbors": "router",
+    "make_transport_from_args": "settings", "shm_config_from_args": "settings",
+    "Direction": "tags", "SequenceTag": "tags", "TaskTag": "tags", "decode_tag": "tags",
+    "encode_sequence_tag": "tags", "encode_tag": "tags",
+    "TorchTransport": "torch_transport",
+    "DEFAULT_TIMEOUT_S": "transport", "Transport": "transport", "TransportHandle": "transport",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value

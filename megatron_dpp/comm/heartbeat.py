@@ -5,26 +5,45 @@ The transports notice at once a peer whose process died (its connections reset),
 stops answering while it stays alive: the link between two nodes down, a node frozen, a process
 stopped (SIGSTOP, a debugger). Their own timeouts must outlast the slowest healthy step, so they
 are minutes long. Heartbeats tell a lost peer from a slow one in seconds: a busy rank still beats,
-because its heartbeat thread runs while the main thread computes or waits (torch ops and the
-transports release the GIL, and Python code gives it up every 5 ms).
+because its beats come from a helper process, which a thread of the rank tells once per interval
+that the rank runs (a tick needs the GIL for microseconds, and Python code gives it up every 5 ms).
 
 Each rank binds one UDP socket on its node's address (its --node-ips entry; 127.0.0.1 on a
-single node), publishes it in the torch.distributed store and reads every peer's. Then a thread
-sends every peer one datagram per interval and reads theirs. A beat carries the sender's rank, a
-random run id (datagrams of another job are ignored), a sequence number, and how long ago the
-sender last heard from the receiver, so a rank sees both directions of each link:
+single node), publishes it in the torch.distributed store and reads every peer's. Then a helper
+process (heartbeat_helper.py, started by HeartbeatProcess) sends every peer one datagram per
+interval and reads theirs, while the training process's own thread tells it once per interval
+that the training process still runs. Not a thread of the training process: a Python thread that
+makes a system call hands the GIL to a busy training thread and waits up to 5 ms to get it back,
+so beside a training loop bound by its host it manages about 200 datagrams a second and, from a
+few hundred ranks on, falls behind: its peers would name a healthy rank lost
+(benchmarks/heartbeat_scale.py, docs/multinode.md "Heartbeats at scale").
+
+A beat carries the sender's rank, a random run id (datagrams of another job are ignored), a
+sequence number, and how long ago the sender last heard from the receiver, so a rank sees both
+directions of each link:
 - inbound: no beat from a peer for `timeout_s` (its process stopped, its node frozen, or the
   link down);
 - outbound: the peer's beats arrive, but say that ours have not reached it for `timeout_s`.
-Silence is counted only while this rank listens: if its own thread could not run for a while
-(the process was stopped, or C code held the GIL), the clock of every peer starts again.
+Silence is counted only while this rank listens: if its helper could not run for a while, or its
+training process stopped telling it that it runs (the process was stopped, or C code held the
+GIL), the clock of every peer starts again, and the helper stops beating, so that the peers name
+the stopped training process.
 
-A lost peer ends in one call of `on_lost(LostPeer)`; training reports it (rank, node, address,
-direction) and exits with exit_codes.LOST_PEER. A rank that leaves on purpose (training finished,
-or every rank stops together) sends a few "bye" datagrams, and its peers stop watching it; a rank
-that crashes sends none, and its peers name it once the timeout passes.
+A lost peer ends in one call of `on_lost(LostPeer)` in the training process; training reports it
+(rank, node, address, direction) and exits with exit_codes.LOST_PEER. A rank that leaves on
+purpose (training finished, or every rank stops together) sends a few "bye" datagrams, and its
+peers stop watching it; a rank that crashes sends none, and its peers name it once the timeout
+passes.
 
-Cost: each rank sends world_size - 1 datagrams of 32 bytes per interval. Standard library only.
+Each rank beats at its own phase of the interval, drawn at random: the ranks of a job start
+together, and beats sent at one moment by hundreds of ranks would arrive at every receiver as one
+burst, more than its socket holds (a Linux UDP socket holds 256 small datagrams by default), and
+the rest would be lost. The receive buffer is also sized for one datagram per peer (as far as the
+kernel allows).
+
+Cost: each rank sends and reads world_size - 1 datagrams of 32 bytes per interval, and reads the
+world_size - 1 addresses in one store request at start (benchmarks/heartbeat_scale.py measures
+both against the job's size). Standard library only.
 """
 from __future__ import annotations
 
@@ -36,6 +55,8 @@ import random
 import select
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -51,6 +72,9 @@ HEARTBEAT_OFF = 0.0
 MIN_BEATS_PER_TIMEOUT = 4
 """The timeout spans at least this many intervals: a few lost datagrams never end a job."""
 BYE_REPEATS = 3  # UDP may drop one
+RECEIVE_BUFFER_BYTES_PER_PEER = 2048
+"""What one queued datagram costs a socket's receive buffer (the kernel counts its whole buffer:
+about 0.8 KiB on loopback, up to a few KiB from a NIC)."""
 LOOPBACK = "127.0.0.1"
 
 INBOUND = "inbound"
@@ -64,6 +88,18 @@ _BYE = 2
 _PACKET = struct.Struct("!4sBxxxIQQI")
 _MAX_MS = 0xFFFFFFFF
 STORE_PREFIX = "megatron_dpp/heartbeat"
+
+
+def encode_packet(kind: int, rank: int, run_id: int, sequence: int, heard_ms: int) -> bytes:
+    """One heartbeat datagram: `kind` (_BEAT or _BYE) from `rank` of run `run_id`, saying it last
+    heard from the receiver `heard_ms` milliseconds ago."""
+    return _PACKET.pack(_MAGIC, kind, rank, run_id, sequence, min(_MAX_MS, heard_ms))
+
+
+TICKS_MISSED_AS_STOPPED = 2
+"""The helper beats only while the training process told it, within this many intervals, that it
+runs; a stopped training process is then named by its peers at most this many intervals after
+--heartbeat-timeout."""
 
 
 class HeartbeatError(RuntimeError):
@@ -146,6 +182,15 @@ def _address_towards(host: str) -> str:
         return probe.getsockname()[0]
 
 
+def size_receive_buffer(sock: socket.socket, peers: int) -> int:
+    """Ask for a receive buffer that holds one datagram from every peer (never less than the
+    kernel's default; Linux caps the request at net.core.rmem_max). Returns the size granted."""
+    wanted = RECEIVE_BUFFER_BYTES_PER_PEER * peers
+    if wanted > sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, wanted)
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+
+
 def bind_udp(host: str) -> socket.socket:
     """A UDP socket on `host`, at a port the kernel picks."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -179,6 +224,15 @@ class LostPeer:
             return (f"lost {who}: it hears us no longer (outbound: none of our heartbeats reached "
                     f"it for {self.silent_s:.1f} s)")
         return f"lost {who}: no heartbeat from it for {self.silent_s:.1f} s (inbound)"
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> "LostPeer":
+        fields = json.loads(data.decode())
+        fields["peer"] = PeerAddress(**fields["peer"])
+        return LostPeer(**fields)
 
     def state_lines(self) -> list[str]:
         peer = self.peer
@@ -220,60 +274,101 @@ class _PeerState:
         self.send_error: Optional[str] = None
 
 
-class Heartbeat:
-    """Beats to `peers` every `interval_s` from its own thread, and calls `on_lost` once (from that
-    thread) when one is silent for `timeout_s` in either direction. `close()` stops and joins the
-    thread and says bye."""
+class _WakeableThread:
+    """The thread of a Heartbeat or a HeartbeatProcess: `_run` selects on `_wake_reader` besides
+    its own files, so that `_stop_thread()` wakes it at once, then joins it."""
 
-    def __init__(self, sock: socket.socket, me: PeerAddress, peers: Sequence[PeerAddress],
-                 interval_s: float, timeout_s: float, on_lost: Callable[[LostPeer], None]):
-        check_heartbeat_settings(interval_s, timeout_s)
-        if timeout_s == HEARTBEAT_OFF:
-            raise ValueError("a Heartbeat needs a timeout; with heartbeats off, make none")
-        self.me = me
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
-        self.lost: Optional[LostPeer] = None
-        self._sock = sock
-        self._sock.setblocking(False)
-        self._peers = {peer.rank: peer for peer in peers}
-        now = time.monotonic()
-        self._state = {peer.rank: _PeerState(now) for peer in peers}
-        self._on_lost = on_lost
-        self._sequence = 0
-        self._listening_since = now  # the end of this thread's last stall
-        # The thread wakes every interval; a gap of two means it could not run (stopped, or
-        # starved of the GIL), which is below the timeout (at least MIN_BEATS_PER_TIMEOUT).
-        self._stall_s = 2 * interval_s
+    def _start_thread(self) -> None:
         self._stop = threading.Event()
         self._wake_reader, self._wake_writer = socket.socketpair()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="dpp-heartbeat")
         self._thread.start()
 
-    def close(self, say_bye: bool = True) -> None:
-        """Stop and join the thread, then (say_bye) tell every peer that this rank leaves on
-        purpose. A rank that fails closes without a bye: its peers then name it. Idempotent."""
+    @property
+    def native_thread_id(self) -> int:
+        """The operating system's id of the thread (for CPU accounting)."""
+        return self._thread.native_id
+
+    def _stop_thread(self) -> bool:
+        """Stop and join the thread (unless called from it); False if it was stopped before."""
         if self._closed:
-            return
+            return False
         self._closed = True
         self._stop.set()
         self._wake_writer.send(b"x")
         if threading.current_thread() is not self._thread:
             self._thread.join()
+        return True
+
+    def _close_wake(self) -> None:
+        self._wake_reader.close()
+        self._wake_writer.close()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class Heartbeat(_WakeableThread):
+    """Beats to `peers` every `interval_s` from its own thread, and calls `on_lost` once (from that
+    thread) when one is silent for `timeout_s` in either direction. `close()` stops and joins the
+    thread and says bye. `first_beat_s`: when the first beat goes, in seconds from now (default: a
+    random point of the first interval, which sets this rank's phase). `alive`: asked before each
+    beat; while it says False (the training process is stopped), no beat goes and silence is not
+    counted. It runs in the helper process (heartbeat_helper.py); tests run it in theirs."""
+
+    def __init__(self, sock: socket.socket, me: PeerAddress, peers: Sequence[PeerAddress],
+                 interval_s: float, timeout_s: float, on_lost: Callable[[LostPeer], None],
+                 first_beat_s: Optional[float] = None,
+                 alive: Optional[Callable[[], bool]] = None):
+        check_heartbeat_settings(interval_s, timeout_s)
+        if timeout_s == HEARTBEAT_OFF:
+            raise ValueError("a Heartbeat needs a timeout; with heartbeats off, make none")
+        if first_beat_s is not None and not 0.0 <= first_beat_s <= interval_s:
+            raise ValueError(f"the first beat must come within the first interval "
+                             f"(0-{interval_s:g} s), got {first_beat_s:g} s")
+        self.me = me
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.lost: Optional[LostPeer] = None
+        self._sock = sock
+        self._sock.setblocking(False)
+        self.receive_buffer_bytes = size_receive_buffer(sock, len(peers))
+        self._first_beat_s = (random.uniform(0.0, interval_s) if first_beat_s is None
+                              else first_beat_s)
+        self._peers = {peer.rank: peer for peer in peers}
+        now = time.monotonic()
+        self._state = {peer.rank: _PeerState(now) for peer in peers}
+        self._on_lost = on_lost
+        self._alive = alive
+        self._sequence = 0
+        self._listening_since = now  # the end of this thread's last stall
+        # The thread wakes every interval; a gap of two means it could not run (stopped, or
+        # starved of the GIL), which is below the timeout (at least MIN_BEATS_PER_TIMEOUT).
+        self._stall_s = 2 * interval_s
+        self._start_thread()
+
+    def beats_received(self) -> dict[int, int]:
+        """Beats counted so far from each peer, by rank (for reports and benchmarks)."""
+        return {rank: state.beats for rank, state in self._state.items()}
+
+    def close(self, say_bye: bool = True) -> None:
+        """Stop and join the thread, then (say_bye) tell every peer that this rank leaves on
+        purpose. A rank that fails closes without a bye: its peers then name it. Idempotent."""
+        if not self._stop_thread():
+            return
         if say_bye:
             for repeat in range(BYE_REPEATS):
                 if repeat:
                     time.sleep(0.01)  # spread out: a burst is lost together
                 self._send_all(_BYE, time.monotonic())
         self._sock.close()
-        self._wake_reader.close()
-        self._wake_writer.close()
+        self._close_wake()
 
     # ---- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         last_turn = time.monotonic()
-        next_beat = last_turn
+        next_beat = last_turn + self._first_beat_s
         while not self._stop.is_set():
             readable, _, _ = select.select([self._sock, self._wake_reader], [], [],
                                            max(0.0, next_beat - time.monotonic()))
@@ -285,10 +380,13 @@ class Heartbeat:
                 self._read_all(now)
             if now < next_beat:
                 continue
+            next_beat = now + self.interval_s
+            if self._alive is not None and not self._alive():
+                self._forgive_stall(now)  # the training process is stopped: its peers name it
+                continue
             # Beat first: a peer whose beats stopped reaching us learns it from this one (outbound)
             # even when we now declare it lost and exit.
             self._send_all(_BEAT, now)
-            next_beat = now + self.interval_s
             lost = self._first_lost(now)
             if lost is not None:
                 self.lost = lost
@@ -353,9 +451,8 @@ class Heartbeat:
         for rank, state in self._state.items():
             if state.left:
                 continue
-            heard_ms = min(_MAX_MS, int((now - state.last_heard) * 1000))
-            packet = _PACKET.pack(_MAGIC, kind, self.me.rank, self.me.run_id, self._sequence,
-                                  heard_ms)
+            packet = encode_packet(kind, self.me.rank, self.me.run_id, self._sequence,
+                                   int((now - state.last_heard) * 1000))
             peer = self._peers[rank]
             try:
                 self._sock.sendto(packet, (peer.host, peer.port))
@@ -365,14 +462,132 @@ class Heartbeat:
 
 
 # ----------------------------------------------------------------------------------------------
+# the helper process, seen from the training process
+# ----------------------------------------------------------------------------------------------
+HELPER_MODULE = "megatron_dpp.comm.heartbeat_helper"
+TICK = b"t"
+BYE = b"B"  # say bye, then exit
+QUIT = b"Q"  # exit without a bye (the peers will name this rank)
+HELPER_EXIT_S = 5.0  # how long close() waits for the helper before killing it
+
+
+class HeartbeatProcess(_WakeableThread):
+    """A Heartbeat run by a helper process (heartbeat_helper.py) on `sock`, with this process's
+    own thread telling it every interval that this process runs, and calling `on_lost(LostPeer)`
+    when the helper reports a lost peer, or `on_helper_failed(reason)` if the helper ends on its
+    own. `close()` stops both, like Heartbeat.close."""
+
+    def __init__(self, sock: socket.socket, me: PeerAddress, peers: Sequence[PeerAddress],
+                 interval_s: float, timeout_s: float, on_lost: Callable[[LostPeer], None],
+                 on_helper_failed: Callable[[str], None]):
+        check_heartbeat_settings(interval_s, timeout_s)
+        if timeout_s == HEARTBEAT_OFF:
+            raise ValueError("a HeartbeatProcess needs a timeout; with heartbeats off, make none")
+        self.me = me
+        self.interval_s = interval_s
+        self.lost: Optional[LostPeer] = None
+        self._on_lost = on_lost
+        self._on_helper_failed = on_helper_failed
+        ticks_read, self._ticks = os.pipe()
+        self._reports, reports_write = os.pipe()
+        settings = {"me": asdict(me), "peers": [asdict(peer) for peer in peers],
+                    "interval_s": interval_s, "timeout_s": timeout_s,
+                    "socket_fd": sock.fileno(), "ticks_fd": ticks_read,
+                    "reports_fd": reports_write}
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        environ = dict(os.environ)
+        environ["PYTHONPATH"] = os.pathsep.join(
+            [package_root] + ([environ["PYTHONPATH"]] if environ.get("PYTHONPATH") else []))
+        try:
+            self._helper = subprocess.Popen(
+                [sys.executable, "-m", HELPER_MODULE], stdin=subprocess.PIPE, env=environ,
+                pass_fds=(sock.fileno(), ticks_read, reports_write))
+        except OSError as error:
+            for fd in (ticks_read, self._ticks, self._reports, reports_write):
+                os.close(fd)
+            raise HeartbeatError(f"heartbeat: cannot start its helper process "
+                                 f"({sys.executable} -m {HELPER_MODULE}): {error}") from None
+        finally:
+            sock.close()  # the helper has its own copy
+        os.close(ticks_read)
+        os.close(reports_write)
+        os.set_blocking(self._ticks, False)  # a helper that stopped reading never blocks us
+        try:
+            self._helper.stdin.write(json.dumps(settings).encode())
+            self._helper.stdin.close()
+        except OSError:  # it died at once; its end of the report pipe says so below
+            pass
+        self._start_thread()
+
+    @property
+    def helper_pid(self) -> int:
+        return self._helper.pid
+
+    def close(self, say_bye: bool = True) -> None:
+        """Stop this process's thread, then tell the helper to say bye (say_bye) or not, and wait
+        for it to exit (killing it after HELPER_EXIT_S). Idempotent."""
+        if not self._stop_thread():
+            return
+        try:
+            os.set_blocking(self._ticks, True)
+            os.write(self._ticks, BYE if say_bye else QUIT)
+        except OSError:  # the helper is gone already
+            pass
+        os.close(self._ticks)
+        try:
+            self._helper.wait(timeout=HELPER_EXIT_S)
+        except subprocess.TimeoutExpired:
+            self._helper.kill()
+            self._helper.wait()
+        os.close(self._reports)
+        self._close_wake()
+
+    def _run(self) -> None:
+        pending = b""
+        next_tick = time.monotonic()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_tick:
+                self._tick()
+                next_tick = now + self.interval_s
+            readable, _, _ = select.select([self._reports, self._wake_reader], [], [],
+                                           max(0.0, next_tick - time.monotonic()))
+            if self._reports not in readable or self._stop.is_set():
+                continue
+            data = os.read(self._reports, 65536)
+            if not data:  # the helper ended without being asked to
+                code = self._helper.wait()
+                self._on_helper_failed(f"heartbeat: its helper process (pid {self._helper.pid}) "
+                                       f"ended on its own with exit code {code}; its output above "
+                                       f"says why")
+                return
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                self.lost = LostPeer.decode(line)
+                self._on_lost(self.lost)
+
+    def _tick(self) -> None:
+        try:
+            os.write(self._ticks, TICK)
+        except BlockingIOError:  # the helper is not reading (stopped): it stops beating
+            pass
+        except OSError:  # it is gone: its end of the report pipe says so
+            pass
+
+
+# ----------------------------------------------------------------------------------------------
 # starting one over the torch.distributed store
 # ----------------------------------------------------------------------------------------------
 def start_heartbeat(store, rank: int, world_size: int, host: str, node: str,
                     interval_s: float, timeout_s: float, on_lost: Callable[[LostPeer], None],
-                    rendezvous_timeout_s: float, prefix: str = STORE_PREFIX) -> Heartbeat:
+                    rendezvous_timeout_s: float, prefix: str = STORE_PREFIX,
+                    on_helper_failed: Optional[Callable[[str], None]] = None
+                    ) -> HeartbeatProcess:
     """Bind on `host`, publish the address in `store` (a torch.distributed Store) under `prefix`,
-    read every other rank's, start beating. Collective: every rank of the job calls it once per
-    store. Raises HeartbeatError."""
+    read every other rank's, start the helper process beating. Collective: every rank of the job
+    calls it once per store. `on_helper_failed` (default: print the reason to stderr) is called
+    if the helper ends on its own. Raises HeartbeatError."""
     check_heartbeat_settings(interval_s, timeout_s)
     sock = bind_udp(host)
     try:
@@ -380,10 +595,15 @@ def start_heartbeat(store, rank: int, world_size: int, host: str, node: str,
                          random.getrandbits(63))
         store.set(f"{prefix}/{rank}", me.encode())
         peers = _read_peers(store, prefix, rank, world_size, rendezvous_timeout_s)
-        return Heartbeat(sock, me, peers, interval_s, timeout_s, on_lost)
     except BaseException:
         sock.close()
         raise
+    return HeartbeatProcess(sock, me, peers, interval_s, timeout_s, on_lost,
+                            on_helper_failed or _print_helper_failure)
+
+
+def _print_helper_failure(reason: str) -> None:
+    print(reason, file=sys.stderr, flush=True)
 
 
 def _read_peers(store, prefix: str, rank: int, world_size: int,
@@ -397,4 +617,6 @@ def _read_peers(store, prefix: str, rank: int, world_size: int,
         raise HeartbeatError(f"heartbeat: rank(s) {', '.join(map(str, missing))} did not publish "
                              f"their heartbeat address within {timeout_s:g} s; their logs say "
                              f"why they stopped") from None
-    return [PeerAddress.decode(store.get(key)) for key in keys]
+    # One request for all of them: key by key, every rank of a 4096-rank job would send the
+    # store 4095 requests, half a second each rank and 16.8 million for the store to serve.
+    return [PeerAddress.decode(value) for value in store.multi_get(keys)]

@@ -16,8 +16,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
-from megatron_dpp.comm.heartbeat import (HEARTBEAT_OFF, Heartbeat, HeartbeatError, LostPeer,
-                                         heartbeat_host, node_label, start_heartbeat)
+from megatron_dpp.comm.heartbeat import (HEARTBEAT_OFF, HeartbeatError, HeartbeatProcess,
+                                         LostPeer, heartbeat_host, node_label, start_heartbeat)
 from megatron_dpp.exit_codes import FAILED, LOST_PEER
 from megatron_dpp.runtime.watchdog import report_and_exit
 
@@ -65,7 +65,13 @@ def exit_for_silent_peer(lost: LostPeer) -> None:
     report_and_exit(lost.reason(), lost.state_lines(), LOST_PEER)
 
 
-def start_peer_heartbeat(args: argparse.Namespace) -> Optional[Heartbeat]:
+def exit_for_failed_heartbeat(reason: str) -> None:
+    """The heartbeat helper ended on its own (called from the heartbeat thread): without it the
+    peers would name this rank lost, so end here, saying why."""
+    report_and_exit(reason, [], FAILED)
+
+
+def start_peer_heartbeat(args: argparse.Namespace) -> Optional[HeartbeatProcess]:
     """Heartbeats with every other rank, on this node's --node-ips address (127.0.0.1 on one
     node); None with --heartbeat-timeout 0 or a single rank. Collective over the default store:
     call right after init_process_group, on every rank. Exits FAILED, in one line, when they
@@ -77,14 +83,15 @@ def start_peer_heartbeat(args: argparse.Namespace) -> Optional[Heartbeat]:
             dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size(),
             heartbeat_host(args.node_ips if args.multi_node else None), node_label(),
             args.heartbeat_interval, args.heartbeat_timeout, on_lost=exit_for_silent_peer,
-            rendezvous_timeout_s=60.0 * args.distributed_timeout_minutes)
+            rendezvous_timeout_s=60.0 * args.distributed_timeout_minutes,
+            on_helper_failed=exit_for_failed_heartbeat)
     except HeartbeatError as error:
         print(f"megatron_dpp: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(FAILED) from None
 
 
 @contextlib.contextmanager
-def peer_heartbeat(args: argparse.Namespace) -> Iterator[Optional[Heartbeat]]:
+def peer_heartbeat(args: argparse.Namespace) -> Iterator[Optional[HeartbeatProcess]]:
     """start_peer_heartbeat around a block, stopped on every way out of it: with a bye when the
     block returns or raises SystemExit (every rank ends together: training finished, an agreed
     stop, a failed save), without one on any other error, so that the peers name this rank."""
