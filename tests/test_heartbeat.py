@@ -396,6 +396,34 @@ def test_a_helper_that_dies_is_reported_once_with_its_exit_code():
                         r"code -9; its output above says why", failures[0]), failures[0]
 
 
+@pytest.mark.timeout(30)
+def test_the_helper_outlives_a_ctrl_c_to_the_process_group():
+    """SIGINT and SIGTERM reach the helper with the rest of the group; the training process
+    answers them (a checkpoint, then a bye), so the helper stays until told."""
+    failures: list = []
+    with heartbeats() as (beats, lost):
+        beats[0]._on_helper_failed = failures.append
+        for number in (signal.SIGINT, signal.SIGTERM):
+            os.kill(beats[0].helper_pid, number)
+        time.sleep(2 * TIMEOUT_S)
+        assert failures == [] and lost == [[], []], (failures, lost)
+        assert _process_runs(beats[0].helper_pid)
+
+
+@pytest.mark.timeout(60)
+def test_a_helper_that_cannot_start_is_named_at_start(monkeypatch):
+    from megatron_dpp.comm import heartbeat as module
+
+    monkeypatch.setattr(module, "HELPER_MODULE", "megatron_dpp.comm.no_such_helper")
+    store = dist.HashStore()
+    store.set(f"{module.STORE_PREFIX}/1", PeerAddress(1, LOOPBACK, 9, "node 0", 1, 2).encode())
+    with pytest.raises(HeartbeatError, match=r"^heartbeat: its helper process \(pid \d+\) ended "
+                                             r"as it started, exit code 1; its output above says "
+                                             r"why$"):
+        start_heartbeat(store, 0, 2, LOOPBACK, "node 0", INTERVAL_S, TIMEOUT_S,
+                        on_lost=lambda lost: None, rendezvous_timeout_s=5)
+
+
 def test_the_helper_starts_without_torch():
     """The helper imports only the standard library and the heartbeat module: no torch (seconds
     and hundreds of MB per rank)."""

@@ -468,6 +468,8 @@ HELPER_MODULE = "megatron_dpp.comm.heartbeat_helper"
 TICK = b"t"
 BYE = b"B"  # say bye, then exit
 QUIT = b"Q"  # exit without a bye (the peers will name this rank)
+READY = b"ready\n"  # the helper's first report: it beats, and ignores SIGINT and SIGTERM
+HELPER_START_S = 60.0  # how long the training process waits for READY
 HELPER_EXIT_S = 5.0  # how long close() waits for the helper before killing it
 
 
@@ -499,14 +501,16 @@ class HeartbeatProcess(_WakeableThread):
         environ["PYTHONPATH"] = os.pathsep.join(
             [package_root] + ([environ["PYTHONPATH"]] if environ.get("PYTHONPATH") else []))
         try:
+            # -S: no site-packages (the helper needs the standard library and this package, on
+            # PYTHONPATH); it starts in half the time.
             self._helper = subprocess.Popen(
-                [sys.executable, "-m", HELPER_MODULE], stdin=subprocess.PIPE, env=environ,
+                [sys.executable, "-S", "-m", HELPER_MODULE], stdin=subprocess.PIPE, env=environ,
                 pass_fds=(sock.fileno(), ticks_read, reports_write))
         except OSError as error:
             for fd in (ticks_read, self._ticks, self._reports, reports_write):
                 os.close(fd)
             raise HeartbeatError(f"heartbeat: cannot start its helper process "
-                                 f"({sys.executable} -m {HELPER_MODULE}): {error}") from None
+                                 f"({sys.executable} -S -m {HELPER_MODULE}): {error}") from None
         finally:
             sock.close()  # the helper has its own copy
         os.close(ticks_read)
@@ -517,7 +521,36 @@ class HeartbeatProcess(_WakeableThread):
             self._helper.stdin.close()
         except OSError:  # it died at once; its end of the report pipe says so below
             pass
+        try:
+            self._await_ready()
+        except HeartbeatError:
+            self._helper.kill()
+            self._helper.wait()
+            os.close(self._ticks)
+            os.close(self._reports)
+            raise
         self._start_thread()
+
+    def _await_ready(self) -> None:
+        """Read the helper's first line, READY, within HELPER_START_S (byte by byte: what follows
+        is for the thread)."""
+        deadline = time.monotonic() + HELPER_START_S
+        line = b""
+        while not line.endswith(b"\n"):
+            readable, _, _ = select.select([self._reports], [], [],
+                                           max(0.0, deadline - time.monotonic()))
+            if not readable:
+                raise HeartbeatError(f"heartbeat: its helper process (pid {self._helper.pid}) did "
+                                     f"not start within {HELPER_START_S:g} s")
+            byte = os.read(self._reports, 1)
+            if not byte:
+                raise HeartbeatError(f"heartbeat: its helper process (pid {self._helper.pid}) "
+                                     f"ended as it started, exit code {self._helper.wait()}; "
+                                     f"its output above says why")
+            line += byte
+        if line != READY:
+            raise HeartbeatError(f"heartbeat: its helper process said {line!r} instead of "
+                                 f"{READY!r}")
 
     @property
     def helper_pid(self) -> int:

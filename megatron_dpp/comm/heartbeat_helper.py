@@ -9,22 +9,29 @@ timeout, and the three file descriptors):
   helper beats only while ticks came within TICKS_MISSED_AS_STOPPED intervals, so a stopped or
   frozen training process is named by its peers. "B" asks for a bye and an exit, "Q" for an exit
   without one; the pipe's end (the training process died) counts as "Q".
-- reports, helper -> training: one JSON line per lost peer (LostPeer.encode).
+The helper ignores SIGINT and SIGTERM: a Ctrl-C or torchrun's SIGTERM goes to the whole process
+group, and the training process answers it by saving a checkpoint and leaving with a bye, which
+needs its helper alive until then; if the training process dies of it instead, the pipe ends.
+- reports, helper -> training: READY once it beats, then one JSON line per lost peer
+  (LostPeer.encode).
 Standard library only, so that it starts in milliseconds.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import time
 
-from megatron_dpp.comm.heartbeat import (BYE, QUIT, TICKS_MISSED_AS_STOPPED, Heartbeat, LostPeer,
-                                         PeerAddress)
+from megatron_dpp.comm.heartbeat import (BYE, QUIT, READY, TICKS_MISSED_AS_STOPPED, Heartbeat,
+                                         LostPeer, PeerAddress)
 
 
 def main() -> int:
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.SIG_IGN)
     settings = json.loads(sys.stdin.buffer.read().decode())
     interval_s = settings["interval_s"]
     sock = socket.socket(fileno=settings["socket_fd"])
@@ -40,6 +47,7 @@ def main() -> int:
     beat = Heartbeat(sock, PeerAddress(**settings["me"]),
                      [PeerAddress(**peer) for peer in settings["peers"]], interval_s,
                      settings["timeout_s"], report, alive=training_runs)
+    os.write(reports, READY)
     say_bye = False
     try:
         while True:
