@@ -72,6 +72,10 @@ HEARTBEAT_OFF = 0.0
 MIN_BEATS_PER_TIMEOUT = 4
 """The timeout spans at least this many intervals: a few lost datagrams never end a job."""
 BYE_REPEATS = 3  # UDP may drop one
+TICKS_MISSED_AS_STOPPED = 2
+"""The helper beats only while the training process told it, within this many intervals, that it
+runs; a stopped training process is then named by its peers at most this many intervals after
+--heartbeat-timeout."""
 RECEIVE_BUFFER_BYTES_PER_PEER = 2048
 """What one queued datagram costs a socket's receive buffer (the kernel counts its whole buffer:
 about 0.8 KiB on loopback, up to a few KiB from a NIC)."""
@@ -94,12 +98,6 @@ def encode_packet(kind: int, rank: int, run_id: int, sequence: int, heard_ms: in
     """One heartbeat datagram: `kind` (_BEAT or _BYE) from `rank` of run `run_id`, saying it last
     heard from the receiver `heard_ms` milliseconds ago."""
     return _PACKET.pack(_MAGIC, kind, rank, run_id, sequence, min(_MAX_MS, heard_ms))
-
-
-TICKS_MISSED_AS_STOPPED = 2
-"""The helper beats only while the training process told it, within this many intervals, that it
-runs; a stopped training process is then named by its peers at most this many intervals after
---heartbeat-timeout."""
 
 
 class HeartbeatError(RuntimeError):
@@ -275,8 +273,9 @@ class _PeerState:
 
 
 class _WakeableThread:
-    """The thread of a Heartbeat or a HeartbeatProcess: `_run` selects on `_wake_reader` besides
-    its own files, so that `_stop_thread()` wakes it at once, then joins it."""
+    """The thread of a Heartbeat or a HeartbeatProcess, which each define its body, `_run`: it
+    selects on `_wake_reader` besides its own files, so that `_stop_thread()` wakes it at once,
+    then joins it."""
 
     def _start_thread(self) -> None:
         self._stop = threading.Event()
@@ -304,9 +303,6 @@ class _WakeableThread:
     def _close_wake(self) -> None:
         self._wake_reader.close()
         self._wake_writer.close()
-
-    def _run(self) -> None:
-        raise NotImplementedError
 
 
 class Heartbeat(_WakeableThread):
@@ -487,7 +483,6 @@ class HeartbeatProcess(_WakeableThread):
             raise ValueError("a HeartbeatProcess needs a timeout; with heartbeats off, make none")
         self.me = me
         self.interval_s = interval_s
-        self.lost: Optional[LostPeer] = None
         self._on_lost = on_lost
         self._on_helper_failed = on_helper_failed
         ticks_read, self._ticks = os.pipe()
@@ -597,8 +592,7 @@ class HeartbeatProcess(_WakeableThread):
             pending += data
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                self.lost = LostPeer.decode(line)
-                self._on_lost(self.lost)
+                self._on_lost(LostPeer.decode(line))
 
     def _tick(self) -> None:
         try:
