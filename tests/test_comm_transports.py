@@ -190,3 +190,170 @@ def test_router_test_any_asks_each_transport_about_its_own_handles():
     assert router.test_any(one_route) == 1 and far.calls[-1] == one_route
     with pytest.raises(ValueError, match="test_any: no handles given"):
         router.test_any([])
+
+
+# ---- the torch.distributed route with staging (CUDA) and across pauses ---------------------------
+class _SlowHostStaging:
+    """A stand-in for CudaStaging on the CPU: bytes reach "host memory" only when the send thread
+    waits for them (after a delay), and received tensors are "moved to the device" by wait()."""
+
+    def __init__(self):
+        self.waited_in: list[str] = []
+        self.moved = 0
+
+    def to_host(self, tensor):
+        staging = self
+
+        class Ready:
+            @staticmethod
+            def synchronize():
+                import threading
+                import time
+
+                time.sleep(0.02)
+                staging.waited_in.append(threading.current_thread().name)
+
+        return tensor.clone(), Ready
+
+    def receive_buffer(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype)
+
+    def to_device(self, tensor):
+        self.moved += 1
+        return tensor + 0
+
+
+def _staged_worker(rank, world, store):
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        peer = 1 - rank
+        staging = _SlowHostStaging()
+        transport = TorchTransport([peer], timeout_s=60, staging=staging)
+        # Five messages under one tag, then one under another: both sides send at once.
+        sends = [transport.isend(torch.full((3,), float(10 * rank + i)), peer, 7) for i in range(5)]
+        sends.append(transport.isend(torch.arange(6.0).view(2, 3).t(), peer, 8))
+        assert staging.waited_in == [] or "MainThread" not in staging.waited_in
+        got = [transport.irecv(peer, 7).wait(timeout=60) for _ in range(5)]
+        odd = transport.irecv(peer, 8)
+        first, again = odd.wait(timeout=60), odd.wait(timeout=60)
+        for send in sends:
+            send.wait(timeout=60)
+        dist.barrier()
+        transport.close()
+        problems = []
+        if [t.tolist() for t in got] != [[float(10 * peer + i)] * 3 for i in range(5)]:
+            problems.append(f"same-tag order: {[t.tolist() for t in got]}")
+        if first is not again or not torch.equal(first, torch.arange(6.0).view(2, 3).t()):
+            problems.append("a receive's device tensor is made once")
+        if staging.moved != 6:
+            problems.append(f"moved to the device {staging.moved} times, not 6")
+        if not staging.waited_in or any(n == "MainThread" for n in staging.waited_in):
+            problems.append(f"staged bytes waited for in {staging.waited_in}")
+        return problems
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_staged_sends_leave_from_the_send_thread_in_order(tmp_path):
+    """CudaStaging's protocol, on the CPU: the caller never waits for the staged bytes, the send
+    thread posts each message once they are there, one tag's messages keep their order, and
+    wait() moves a received tensor to the device once."""
+    assert run_ranks(_staged_worker, 2, tmp_path, timeout_s=100) == {0: [], 1: []}
+
+
+def _pause_worker(rank, world, store, pause_s):
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        import time
+
+        peer = 1 - rank
+        # The transport's group has a timeout shorter than the pause between two messages.
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=pause_s / 2))
+        transport = TorchTransport([peer], group=group, timeout_s=60)
+        if rank == 1:
+            time.sleep(pause_s)
+            transport.isend(torch.ones(4), peer, 1).wait(timeout=30)
+            got = None
+        else:
+            got = transport.irecv(peer, 1).wait(timeout=pause_s + 30).tolist()
+        dist.barrier()
+        transport.close()
+        return got
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_pause_longer_than_the_group_timeout_keeps_the_link(tmp_path):
+    """A gloo receive that times out closes its link for good; the receiver waits for the next
+    header without that timeout, so a checkpoint save or an evaluation may pause the messages."""
+    results = run_ranks(_pause_worker, 2, tmp_path, 3.0, timeout_s=100)
+    assert results == {0: [1.0, 1.0, 1.0, 1.0], 1: None}
+
+
+def test_torch_transport_refuses_a_group_that_is_not_gloo(monkeypatch):
+    from megatron_dpp.comm import torch_transport
+
+    monkeypatch.setattr(torch_transport.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch_transport.dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ValueError, match="default group's backend is nccl: pass a gloo group"):
+        TorchTransport([1], device=torch.device("cuda", 0))
+
+
+def test_a_job_not_on_gloo_gets_a_gloo_group_for_the_torch_route(monkeypatch):
+    from megatron_dpp.comm import router
+
+    monkeypatch.setattr(router.dist, "get_backend", lambda group=None: "nccl")
+    for kind in ("auto", "shm", "torch"):
+        assert router._needs_host_group(router.ROUTE_TABLES[kind], torch.device("cuda", 0)), kind
+    assert not router._needs_host_group(router.ROUTE_TABLES["rdma"], torch.device("cuda", 0))
+    monkeypatch.setattr(router.dist, "get_backend", lambda group=None: "gloo")
+    assert not router._needs_host_group(router.ROUTE_TABLES["auto"], torch.device("cpu"))
+
+
+def _cuda_torch_route_worker(rank, world, store):
+    """Both ranks on GPU 0 with an NCCL default group, as a GPU job has it: the torch route."""
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world)
+    try:
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        peer = 1 - rank
+        transport = make_transport("torch", [peer], device=device, timeout_s=60, log=False)
+        torch.cuda.set_sync_debug_mode("error")  # no host-device synchronization per message
+        big = torch.randn(4 << 20, device=device)  # 16 MiB
+        payloads = {0: torch.full((64, 32), float(rank), device=device, dtype=torch.bfloat16),
+                    1: torch.arange(12.0, device=device).view(3, 4).t(),  # not contiguous
+                    2: big}
+        sends = [transport.isend(tensor, peer, tag) for tag, tensor in payloads.items()]
+        received = {tag: transport.irecv(peer, tag).wait(timeout=60) for tag in payloads}
+        for send in sends:
+            send.wait(timeout=60)
+        torch.cuda.set_sync_debug_mode(0)
+        problems = []
+        if any(t.device != device for t in received.values()):
+            problems.append("received tensors are on the device")
+        if not torch.equal(received[0].cpu(), torch.full((64, 32), float(peer), dtype=torch.bfloat16)):
+            problems.append("bf16 message")
+        if not torch.equal(received[1].cpu(), torch.arange(12.0).view(3, 4).t()):
+            problems.append("transposed message")
+        sums = torch.stack([big.sum(), received[2].sum()]).cpu()
+        store.set(f"sum{rank}", str(float(sums[0])))
+        if abs(float(store.get(f"sum{peer}")) - float(sums[1])) > 1e-3 * abs(float(sums[1])) + 1e-3:
+            problems.append("16 MiB message")
+        dist.barrier(group=transport.group)  # the gloo group: no NCCL collective on one GPU
+        transport.close()
+        return problems
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(240)
+def test_torch_route_carries_gpu_tensors_over_host_memory(tmp_path):
+    from _gpu import gpu_env
+
+    results = run_ranks(_cuda_torch_route_worker, 2, tmp_path, timeout_s=200, env=gpu_env())
+    assert results == {0: [], 1: []}

@@ -162,6 +162,8 @@ class RouteSetup:
     rdma_config: object = None
     # The largest pipeline message (one activation), when known: shm_tensor needs it to fit a slot.
     max_message_bytes: Optional[int] = None
+    # The gloo group the torch.distributed route moves its bytes in (None: the default group).
+    host_group: Optional[dist.ProcessGroup] = None
 
 
 def _same_node(setup: RouteSetup, peer: int) -> bool:
@@ -222,7 +224,15 @@ def _always_available(_setup: RouteSetup) -> str:
 
 
 def _build_torch(setup: RouteSetup, peers: list[int]) -> Transport:
-    return TorchTransport(peers, device=setup.device, timeout_s=setup.timeout_s)
+    return TorchTransport(peers, group=setup.host_group, device=setup.device,
+                          timeout_s=setup.timeout_s)
+
+
+def _needs_host_group(table: Sequence[Route], device: torch.device) -> bool:
+    """The torch.distributed route moves host memory over gloo; a job whose default group is not
+    gloo (NCCL on GPUs) gets a gloo group for it, made by every rank whether or not it uses it."""
+    return any(route.build is _build_torch for route in table) and (
+        "gloo" not in str(dist.get_backend()))
 
 
 def _build_rdma(setup: RouteSetup, peers: list[int]) -> Transport:
@@ -348,6 +358,8 @@ def make_transport(kind: str, peers: Optional[Sequence[int]] = None, *, shm_conf
     setup = RouteSetup(rank=rank, world_size=world_size, nodes=None, store=None, prefix=prefix,
                        device=device, timeout_s=timeout_s, shm_config=shm_config,
                        rdma_config=rdma_config, max_message_bytes=max_message_bytes)
+    if _needs_host_group(table, device):
+        setup.host_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     if any(route.needs_nodes for route in table):
         # Every rank takes part, whatever its own peers are: the exchange is collective.
         setup.store = store if store is not None else _default_store()

@@ -7,7 +7,15 @@ order, so a receiver thread per peer keeps a header receive posted, receives the
 announces, and files the tensor by tag: receives match by (peer, tag) in any order, and shapes and
 dtypes come from the header. gloo's Work.is_completed() stays False until someone waits on it, so
 threads do the blocking `wait()`s and wake the caller through a condition variable: no polling.
-Tested with gloo on CPU; with nccl the header would need a device synchronisation first (untested).
+
+The bytes always travel in host memory over a gloo group. Not over NCCL: NCCL's point-to-point
+operations with one peer share one CUDA stream, and a receive holds that stream until its message
+comes, so the header receive kept posted here would hold back every send to that peer (both ranks
+of a pipeline pair then wait for each other at the first message). On a CUDA device the transport
+stages instead (`CudaStaging`): a send copies the tensor into page-locked memory on the caller's
+stream and records an event; the peer's send thread waits for that event (the caller never waits for
+the device) and only then hands the bytes to gloo. A receive lands in page-locked memory, and
+`wait()` copies it to the device on the caller's stream, asynchronously.
 """
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ import collections
 import queue
 import threading
 import time
+from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch
@@ -31,6 +40,11 @@ from megatron_dpp.comm.transport import (
 # The largest tag value is the end-of-stream marker that close() sends; user tags stay below it.
 END_OF_STREAM_TAG = (1 << 63) - 1
 _MAX_PAYLOAD_BYTES = 1 << 46
+# How long the receiver waits for a peer's next header. Not the group's timeout: a gloo receive that
+# times out closes the link for good, and the next message may come after any pause (a checkpoint
+# save, an evaluation). A lost peer still ends the wait at once (gloo sees its connection close);
+# a silent one is the heartbeats' to name, and callers' waits have their own timeouts.
+_NEXT_HEADER_WAIT = timedelta(days=365)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -38,14 +52,70 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+class HostStaging:
+    """How tensors of the transport's device cross host memory, the only memory gloo moves. On the
+    CPU there is nothing to stage: a send is handed to gloo by its caller, at once."""
+
+    def to_host(self, tensor: torch.Tensor):
+        """(the tensor's bytes in host memory, an object whose `synchronize()` returns once they are
+        there; None: they are there now and the caller may post the send itself)."""
+        return tensor, None
+
+    def receive_buffer(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+class _AlreadyThere:
+    """The readiness of bytes already in host memory."""
+
+    @staticmethod
+    def synchronize() -> None:
+        pass
+
+
+class CudaStaging(HostStaging):
+    """Device tensors go through page-locked host memory, without the caller waiting for the device:
+    the copies are queued on the caller's stream (torch's pinned allocator keeps a buffer until the
+    copy that uses it has run)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def to_host(self, tensor: torch.Tensor):
+        if not tensor.is_cuda or tensor.numel() == 0:
+            # Posted by the send thread all the same: messages to a peer leave in the order sent.
+            return (tensor if not tensor.is_cuda else torch.empty(tensor.shape, dtype=tensor.dtype),
+                    _AlreadyThere)
+        staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        stream = torch.cuda.current_stream(tensor.device)
+        staged.copy_(tensor, non_blocking=True)  # after the kernels that produced the tensor
+        copied = torch.cuda.Event()
+        copied.record(stream)
+        return staged, copied
+
+    def receive_buffer(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=True)
+
+
+def staging_for(device: torch.device) -> HostStaging:
+    return CudaStaging(device) if device.type == "cuda" else HostStaging()
+
+
 class TorchHandle:
-    __slots__ = ("peer", "tag", "is_send", "_transport", "_tensor", "_done")
+    __slots__ = ("peer", "tag", "is_send", "_transport", "_tensor", "_done", "_on_device")
 
     def __init__(self, transport: "TorchTransport", peer: int, tag: int, is_send: bool) -> None:
         self.peer, self.tag, self.is_send = peer, tag, is_send
         self._transport = transport
         self._tensor: Optional[torch.Tensor] = None
         self._done = False
+        self._on_device = False  # a received tensor, once moved from host memory to the device
 
     def test(self) -> bool:
         with self._transport._cond:
@@ -53,7 +123,12 @@ class TorchHandle:
 
     def wait(self, timeout: Optional[float] = None) -> Optional[torch.Tensor]:
         self._transport.wait_any([self], timeout)
-        return None if self.is_send else self._tensor
+        if self.is_send:
+            return None
+        if not self._on_device:  # on the caller's stream: the caller's next kernels see it
+            self._tensor = self._transport.staging.to_device(self._tensor)
+            self._on_device = True
+        return self._tensor
 
     def __repr__(self) -> str:
         kind = "send to" if self.is_send else "recv from"
@@ -61,7 +136,8 @@ class TorchHandle:
 
 
 class _PeerLink:
-    """The threads that wait on torch.distributed requests with one peer."""
+    """The threads that wait on torch.distributed requests with one peer: the receiver, and the
+    sender, which waits for each send to complete (and, with staging, first posts it)."""
 
     def __init__(self, transport: "TorchTransport", peer: int) -> None:
         self.transport = transport
@@ -82,12 +158,13 @@ class _PeerLink:
             self.transport._cond.notify_all()
 
     def _receive_loop(self) -> None:
-        group, device = self.transport.group, self.transport.device
-        header = torch.empty(codec.HEADER_BYTES, dtype=torch.uint8, device=device)
+        group, staging = self.transport.group, self.transport.staging
+        header = torch.empty(codec.HEADER_BYTES, dtype=torch.uint8)
         try:
+            self.transport.use_device_in_this_thread()
             while True:
-                dist.irecv(header, src=self.peer, group=group).wait()
-                announced = codec.decode_header(bytes(header.cpu().numpy()), _MAX_PAYLOAD_BYTES,
+                dist.irecv(header, src=self.peer, group=group).wait(timeout=_NEXT_HEADER_WAIT)
+                announced = codec.decode_header(bytes(header.numpy()), _MAX_PAYLOAD_BYTES,
                                                 self.peer)
                 tag = announced.tag
                 if tag == END_OF_STREAM_TAG:
@@ -95,7 +172,7 @@ class _PeerLink:
                         self.ended = True
                         self.transport._cond.notify_all()
                     return
-                tensor = torch.empty(announced.shape, dtype=announced.dtype, device=device)
+                tensor = staging.receive_buffer(announced.shape, announced.dtype)
                 if tensor.numel() > 0:
                     dist.irecv(_as_bytes(tensor), src=self.peer, group=group).wait()
                 self.transport._deliver(self.peer, tag, tensor)
@@ -103,12 +180,20 @@ class _PeerLink:
             self._fail(error)
 
     def _complete_sends(self) -> None:
+        try:
+            self.transport.use_device_in_this_thread()
+        except BaseException as error:
+            self._fail(error)
+            return
         while True:
             item = self.sends.get()
             if item is None:
                 return
-            handle, works, _keep_alive = item
+            handle, works, (header, payload, in_host_memory) = item
             try:
+                if works is None:  # staged: post it once its bytes are in host memory
+                    in_host_memory.synchronize()
+                    works = self.transport._post(header, payload, self.peer)
                 for work in works:
                     work.wait()
             except BaseException as error:
@@ -120,18 +205,32 @@ class _PeerLink:
 
 
 class TorchTransport:
-    """Collective constructor and close() over `peers` (each side lists the other)."""
+    """Collective constructor and close() over `peers` (each side lists the other).
+
+    `group`: a gloo group that holds this rank and its peers (default: the default group, which
+    must then be gloo); `device`: where received tensors go (CUDA: staged, see the module's
+    docstring); `staging`: how tensors cross host memory (default: the device's)."""
 
     def __init__(self, peers: Sequence[int], *, group: Optional[dist.ProcessGroup] = None,
                  device: torch.device = torch.device("cpu"),
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S,
+                 staging: Optional[HostStaging] = None) -> None:
         self.rank = dist.get_rank()
         self.group = group
         self.device = torch.device(device)
+        self.staging = staging if staging is not None else staging_for(self.device)
         self.timeout_s = timeout_s
         self.peers = tuple(peers)
         if self.rank in self.peers:
             raise ValueError(f"TorchTransport: rank {self.rank} lists itself as a peer")
+        backend = str(dist.get_backend(group))
+        if "gloo" not in backend:
+            raise ValueError(
+                f"TorchTransport: its messages go over gloo in host memory, but the "
+                f"{'given' if group is not None else 'default'} group's backend is {backend}: pass "
+                "a gloo group (dist.new_group(backend='gloo')); NCCL point-to-point with one peer "
+                "shares one stream, where the receive this transport keeps posted would hold back "
+                "every send")
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()  # a header and its payload go out back to back
         self._unclaimed: dict[tuple[int, int], collections.deque] = collections.defaultdict(
@@ -150,15 +249,26 @@ class TorchTransport:
         if not 0 <= tag < END_OF_STREAM_TAG:
             raise ValueError(f"{call}(peer={peer}, tag={tag}): tags are in [0, 2**63 - 1)")
 
+    def use_device_in_this_thread(self) -> None:
+        """A new thread's current CUDA device is 0: pinned buffers and events are made for ours."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def _post(self, header: torch.Tensor, payload: torch.Tensor, peer: int) -> list:
+        with self._send_lock:  # a header and its payload go out back to back
+            works = [dist.isend(header, dst=peer, group=self.group)]
+            if payload.numel() > 0:
+                works.append(dist.isend(_as_bytes(payload), dst=peer, group=self.group))
+        return works
+
     def _post_send(self, source: torch.Tensor, peer: int, tag: int) -> TorchHandle:
         header = torch.frombuffer(bytearray(codec.encode_header(source, tag, self.rank)),
-                                  dtype=torch.uint8).to(self.device)
+                                  dtype=torch.uint8)
         handle = TorchHandle(self, peer, tag, is_send=True)
-        with self._send_lock:
-            works = [dist.isend(header, dst=peer, group=self.group)]
-            if source.numel() > 0:
-                works.append(dist.isend(_as_bytes(source), dst=peer, group=self.group))
-        self._links[peer].sends.put((handle, works, (header, source)))
+        payload, in_host_memory = self.staging.to_host(source)
+        # Staged sends are posted by the peer's send thread, in the order they were made.
+        works = self._post(header, payload, peer) if in_host_memory is None else None
+        self._links[peer].sends.put((handle, works, (header, payload, in_host_memory)))
         return handle
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> TorchHandle:
@@ -215,7 +325,7 @@ class TorchTransport:
         threads, so no receive is left posted when the process group is destroyed."""
         if self._closed:
             return
-        marker = torch.zeros(0, device=self.device)
+        marker = torch.zeros(0)
         ends = [self._post_send(marker, peer, END_OF_STREAM_TAG) for peer in self.peers]
         deadline = time.monotonic() + self.timeout_s
         for link in self._links.values():
