@@ -357,3 +357,75 @@ def test_torch_route_carries_gpu_tensors_over_host_memory(tmp_path):
 
     results = run_ranks(_cuda_torch_route_worker, 2, tmp_path, timeout_s=200, env=gpu_env())
     assert results == {0: [], 1: []}
+
+
+# ---- the ranks agree on their routes before any transport is built --------------------------------
+def _agree(nodes, unavailable_per_rank, peers_per_rank):
+    """agree_on_routes on every rank at once (a thread each, one store): {rank: error or None}."""
+    import threading
+
+    from megatron_dpp.comm.router import ROUTE_TABLES, agree_on_routes, assign_routes
+
+    store = dist.HashStore()
+    table = ROUTE_TABLES["auto"]
+    outcome = {}
+
+    def rank_thread(rank):
+        setup = _setup(nodes, rank=rank, store=store, prefix="agree")
+        unavailable = {route.name: unavailable_per_rank[rank].get(route.transport, "")
+                       for route in table}
+        assignment = assign_routes(table, setup, peers_per_rank[rank], unavailable)
+        try:
+            agree_on_routes(setup, table, assignment, unavailable)
+            outcome[rank] = None
+        except ValueError as error:
+            outcome[rank] = str(error)
+
+    threads = [threading.Thread(target=rank_thread, args=(r,)) for r in range(len(nodes))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return outcome
+
+
+def test_ranks_that_agree_on_their_routes_go_on():
+    nodes = ["node 0", "node 0", "node 1", "node 1"]
+    peers = {0: [1], 1: [0, 2], 2: [1, 3], 3: [2]}
+    assert _agree(nodes, {r: {} for r in range(4)}, peers) == {r: None for r in range(4)}
+    # rdma_tensor missing everywhere: both sides of the cross-node pair fall back alike.
+    missing = {r: {"rdma_tensor": "rdma_tensor._C is not built"} for r in range(4)}
+    assert _agree(nodes, missing, peers) == {r: None for r in range(4)}
+
+
+def test_a_node_without_a_transport_its_peer_uses_is_named_by_both():
+    nodes = ["node 0", "node 0", "node 1", "node 1"]
+    peers = {0: [1], 1: [0, 2], 2: [1, 3], 3: [2]}
+    unavailable = {0: {}, 1: {}, 2: {"rdma_tensor": "rdma_tensor._C is not built"}, 3: {}}
+    outcome = _agree(nodes, unavailable, peers)
+    assert outcome[0] is None and outcome[3] is None
+    assert outcome[1] == (
+        "transport: rank 1 on 10.0.0.0 reaches rank 2 by rdma_tensor (other node), but rank 2 on "
+        "10.0.0.1 reaches rank 1 by torch.distributed (fallback; rdma_tensor not used: "
+        "rdma_tensor._C is not built): install the same transports on every node, or pick one "
+        "with --p2p-transport")
+    assert outcome[2].startswith("transport: rank 2 on 10.0.0.1 reaches rank 1 by torch.distributed")
+
+
+def test_a_collective_route_must_run_on_every_rank_or_none():
+    nodes = ["node 0", "node 0", "node 1", "node 1"]
+    peers = {0: [1], 1: [0], 2: [3], 3: [2]}
+    why = "the CUDA runtime does not load for CUDA IPC: libcudart.so: cannot open"
+    unavailable = {0: {}, 1: {}, 2: {"shm_tensor": why}, 3: {"shm_tensor": why}}
+    outcome = _agree(nodes, unavailable, peers)
+    expected = (f"transport: shm_tensor runs on rank 0 on 10.0.0.0 but not on rank 2 on 10.0.0.1 "
+                f"({why}; 2 of 4 ranks cannot run it): every rank joins its rendezvous, so it must "
+                "run on all or none; install the same on every node, or pick --p2p-transport torch")
+    assert outcome == {r: expected for r in range(4)}
+
+
+def test_a_peer_that_does_not_list_this_rank_is_named():
+    outcome = _agree(["node 0", "node 0"], {0: {}, 1: {}}, {0: [1], 1: []})
+    assert outcome[1] is None
+    assert outcome[0] == ("transport: rank 0 on 10.0.0.0 lists rank 1 as a peer, but rank 1 on "
+                          "10.0.0.0 does not list rank 0: each side of a link must list the other")

@@ -15,6 +15,7 @@ network namespaces of one machine, as in the tests; node ranks can.)
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
 import sys
@@ -32,6 +33,11 @@ from megatron_dpp.comm.torch_transport import TorchTransport
 from megatron_dpp.comm.transport import DEFAULT_TIMEOUT_S, Transport, TransportHandle
 
 _instance_counter = itertools.count()
+
+
+class RouteError(ValueError):
+    """No transport can serve a peer, or two ranks would reach each other differently: a setup
+    problem (what is installed where, or the flags), said in one line before any message moves."""
 
 
 class RoutedTransport:
@@ -131,7 +137,8 @@ def _node_of_every_rank(store: dist.Store, prefix: str, rank: int, world_size: i
     store.set(f"{prefix}/node/{rank}", f"{mine.node}\n{mine.address}")
     keys = [f"{prefix}/node/{r}" for r in range(world_size)]
     store.wait(keys, timedelta(seconds=timeout_s))
-    return [NodeIdentity(*store.get(key).decode().split("\n", 1)) for key in keys]
+    # One request for all of them: key by key, 4096 ranks would make 16.8 million.
+    return [NodeIdentity(*value.decode().split("\n", 1)) for value in store.multi_get(keys)]
 
 
 def pipeline_neighbors() -> list[int]:
@@ -306,9 +313,16 @@ class Assignment:
         return why
 
 
-def assign_routes(table: Sequence[Route], setup: RouteSetup, peers: Sequence[int]) -> dict[int, Assignment]:
+def unavailable_routes(table: Sequence[Route], setup: RouteSetup) -> dict[str, str]:
+    """Route name -> why its transport cannot run here ("" when it can)."""
+    return {route.name: route.unavailable(setup) for route in table}
+
+
+def assign_routes(table: Sequence[Route], setup: RouteSetup, peers: Sequence[int],
+                  unavailable: Optional[dict[str, str]] = None) -> dict[int, Assignment]:
     """Each peer's route: the first row of `table` that serves it and can run here."""
-    unavailable = {route.name: route.unavailable(setup) for route in table}
+    if unavailable is None:
+        unavailable = unavailable_routes(table, setup)
     assignment = {}
     for peer in peers:
         skipped = []
@@ -321,9 +335,53 @@ def assign_routes(table: Sequence[Route], setup: RouteSetup, peers: Sequence[int
             assignment[peer] = Assignment(route, tuple(skipped))
             break
         else:
-            raise ValueError(f"transport: no route serves rank {peer}: " + ("; ".join(skipped) or
+            raise RouteError(f"transport: no route serves rank {peer}: " + ("; ".join(skipped) or
                              "the table ends without a fallback row"))
     return assignment
+
+
+def agree_on_routes(setup: RouteSetup, table: Sequence[Route], assignment: dict[int, Assignment],
+                    unavailable: dict[str, str]) -> None:
+    """Before any transport is built, every rank checks its routes against its peers' (through the
+    store, one request): both sides of a pair must pick the same transport, and a collective route
+    must run on every rank or on none. Where nodes differ in what is installed (UCX on one node
+    only, the CUDA runtime loadable on some), the ranks would otherwise wait out a rendezvous
+    timeout; now each rank concerned raises one line naming the peer, its node and the reason."""
+    record = {"peers": {str(peer): [chosen.route.transport, chosen.reason()]
+                        for peer, chosen in assignment.items()},
+              "collective": {route.transport: unavailable[route.name]
+                             for route in table if route.collective}}
+    setup.store.set(f"{setup.prefix}/routes/{setup.rank}", json.dumps(record))
+    keys = [f"{setup.prefix}/routes/{r}" for r in range(setup.world_size)]
+    setup.store.wait(keys, timedelta(seconds=setup.timeout_s))
+    records = [json.loads(value) for value in setup.store.multi_get(keys)]
+
+    def where(rank: int) -> str:
+        return f"rank {rank} on {setup.nodes[rank].address}" if setup.nodes else f"rank {rank}"
+
+    for peer, chosen in sorted(assignment.items()):
+        theirs = records[peer]["peers"].get(str(setup.rank))
+        if theirs is None:
+            raise RouteError(f"transport: {where(setup.rank)} lists rank {peer} as a peer, but "
+                             f"{where(peer)} does not list rank {setup.rank}: each side of a link "
+                             "must list the other")
+        if theirs[0] != chosen.route.transport:
+            raise RouteError(
+                f"transport: {where(setup.rank)} reaches rank {peer} by {chosen.route.transport} "
+                f"({chosen.reason()}), but {where(peer)} reaches rank {setup.rank} by {theirs[0]} "
+                f"({theirs[1]}): install the same transports on every node, or pick one with "
+                "--p2p-transport")
+    for transport in record["collective"]:
+        missing = [(rank, other["collective"][transport]) for rank, other in enumerate(records)
+                   if other["collective"][transport]]
+        if missing and len(missing) < setup.world_size:
+            rank, why = missing[0]
+            runs_on = next(r for r, other in enumerate(records) if not other["collective"][transport])
+            raise RouteError(
+                f"transport: {transport} runs on {where(runs_on)} but not on {where(rank)} ({why}; "
+                f"{len(missing)} of {setup.world_size} ranks cannot run it): every rank joins its "
+                "rendezvous, so it must run on all or none; install the same on every node, or "
+                "pick --p2p-transport torch")
 
 
 def _log_routes(setup: RouteSetup, assignment: dict[int, Assignment]) -> None:
@@ -365,7 +423,10 @@ def make_transport(kind: str, peers: Optional[Sequence[int]] = None, *, shm_conf
         setup.store = store if store is not None else _default_store()
         setup.nodes = _node_of_every_rank(setup.store, prefix, rank, world_size, timeout_s,
                                           this_node(node_ips))
-    assignment = assign_routes(table, setup, peers)
+    unavailable = unavailable_routes(table, setup)
+    assignment = assign_routes(table, setup, peers, unavailable)
+    if setup.store is not None:
+        agree_on_routes(setup, table, assignment, unavailable)
     if log:
         _log_routes(setup, assignment)
     routes: dict[int, Transport] = {}
@@ -373,7 +434,7 @@ def make_transport(kind: str, peers: Optional[Sequence[int]] = None, *, shm_conf
     for route in table:
         served = [peer for peer in peers if assignment[peer].route is route]
         # A collective route is built on every rank that can run it (all ranks of one install can).
-        if not served and not (route.collective and not route.unavailable(setup)):
+        if not served and not (route.collective and not unavailable[route.name]):
             continue
         transport = route.build(setup, served)
         owned.append(transport)

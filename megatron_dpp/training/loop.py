@@ -26,13 +26,14 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_dpp.comm.nodes import this_node_rank, use_node_network
+from megatron_dpp.comm.router import RouteError
 from megatron_dpp.data.iterators import build_data_iterators
 from megatron_dpp.data.tokenizer import build_tokenizer
 from megatron_dpp.exit_codes import BAD_INPUT, FAILED
 from megatron_dpp.kernels import install_foreach_multi_tensor_ops, log_kernel_choices
 from megatron_dpp.models import ModelSpec
 from megatron_dpp.platform import Platform, setup_platform
-from megatron_dpp.rank_failure import say_failure
+from megatron_dpp.rank_failure import fail, say_failure
 from megatron_dpp.runtime.config import DPPConfig
 from megatron_dpp.runtime.watchdog import StallWatchdog
 from megatron_dpp.trace.recorder import GRADIENT_SYNC, OPTIMIZER_STEP
@@ -259,7 +260,10 @@ class Trainer:
         # --trace and torch.profiler write into one directory per run, agreed on by all ranks.
         writes_files = args.trace or (args.profile and args.use_pytorch_profiler)
         run_directory = agree_run_directory(args) if writes_files else None
-        self.forward_backward = build_forward_backward(args, spec, run_directory)
+        try:
+            self.forward_backward = build_forward_backward(args, spec, run_directory)
+        except RouteError as error:  # what is installed differs between nodes: one line each
+            fail(f"megatron_dpp: error: {error}", exit_code=BAD_INPUT)
         self.step_tracer = _step_tracer(self.forward_backward, self.config)
         if args.nvtx:
             _nvtx_around_gradient_sync(self.config)
