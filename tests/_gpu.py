@@ -5,6 +5,12 @@ so for every rank and process a test starts. GPU tests start their GPU work in s
 GPU) or `@pytest.mark.gpu(2)`: conftest.py skips them below that many GPUs, at setup (so collecting
 or importing a test module probes nothing), and `pytest -m gpu` selects them.
 
+`pin_to_cpu()` also sets TORCHDYNAMO_DISABLE=1. On the CPU nothing is torch.compile'd (Megatron-Core's
+compiled fusions are off there, megatron_dpp/kernels.py; tests/test_gpu_env.py checks that a CPU
+training step compiles nothing), but Megatron-Core wraps its fusions in torch.compile when it is
+imported, which imports torch's inductor: 1.1 s of every rank's start-up on this 2-core machine,
+some 14% of the parity tests' time. `gpu_env()` gives the GPU tests the machine's setting back.
+
     @pytest.mark.gpu(2)
     def test_x(): subprocess.run([...], env=gpu_env())
 """
@@ -16,28 +22,28 @@ import subprocess
 import sys
 from typing import Optional
 
-_UNSET = object()
-_original_visible_devices: object = _UNSET  # the machine's CUDA_VISIBLE_DEVICES (None: unset)
+# What pin_to_cpu() sets for CPU tests; the machine's own values come back in gpu_env().
+_CPU_SETTINGS = {"CUDA_VISIBLE_DEVICES": "", "TORCHDYNAMO_DISABLE": "1"}
+_machine_settings: Optional[dict] = None  # name -> the machine's value (None: unset)
 
 
 def pin_to_cpu() -> None:
-    """Hide every GPU from this process and its children, remembering the machine's setting."""
-    global _original_visible_devices
-    if _original_visible_devices is _UNSET:
-        _original_visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    """Hide every GPU from this process and its children, remembering the machine's settings."""
+    global _machine_settings
+    if _machine_settings is None:
+        _machine_settings = {name: os.environ.get(name) for name in _CPU_SETTINGS}
+    os.environ.update(_CPU_SETTINGS)
 
 
 def gpu_env(base: Optional[dict] = None) -> dict:
-    """`base` (default: this process's environment) with the machine's CUDA_VISIBLE_DEVICES (as it
-    was before pin_to_cpu; unchanged where nothing was pinned)."""
+    """`base` (default: this process's environment) with the machine's CUDA_VISIBLE_DEVICES and
+    TORCHDYNAMO_DISABLE (as they were before pin_to_cpu; unchanged where nothing was pinned)."""
     env = dict(os.environ if base is None else base)
-    if _original_visible_devices is _UNSET:
-        return env
-    if _original_visible_devices is None:
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = _original_visible_devices
+    for name, value in (_machine_settings or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env
 
 
