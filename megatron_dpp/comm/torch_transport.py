@@ -218,6 +218,8 @@ class TorchTransport:
         self.rank = dist.get_rank()
         self.group = group
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # the threads set it as theirs
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.staging = staging if staging is not None else staging_for(self.device)
         self.timeout_s = timeout_s
         self.peers = tuple(peers)
