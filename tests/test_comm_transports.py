@@ -311,10 +311,11 @@ def test_a_job_not_on_gloo_gets_a_gloo_group_for_the_torch_route(monkeypatch):
 
     monkeypatch.setattr(router.dist, "get_backend", lambda group=None: "nccl")
     for kind in ("auto", "shm", "torch"):
-        assert router._needs_host_group(router.ROUTE_TABLES[kind], torch.device("cuda", 0)), kind
-    assert not router._needs_host_group(router.ROUTE_TABLES["rdma"], torch.device("cuda", 0))
-    monkeypatch.setattr(router.dist, "get_backend", lambda group=None: "gloo")
-    assert not router._needs_host_group(router.ROUTE_TABLES["auto"], torch.device("cpu"))
+        assert router._needs_host_group(router.ROUTE_TABLES[kind]), kind
+    assert not router._needs_host_group(router.ROUTE_TABLES["rdma"])
+    for default_group_backend in ("gloo", "cpu:gloo,cuda:nccl"):  # gloo carries CPU tensors there
+        monkeypatch.setattr(router.dist, "get_backend", lambda group=None: default_group_backend)
+        assert not router._needs_host_group(router.ROUTE_TABLES["auto"]), default_group_backend
 
 
 def _cuda_torch_route_worker(rank, world, store):

@@ -235,7 +235,7 @@ def _build_torch(setup: RouteSetup, peers: list[int]) -> Transport:
                           timeout_s=setup.timeout_s)
 
 
-def _needs_host_group(table: Sequence[Route], device: torch.device) -> bool:
+def _needs_host_group(table: Sequence[Route]) -> bool:
     """The torch.distributed route moves host memory over gloo; a job whose default group is not
     gloo (NCCL on GPUs) gets a gloo group for it, made by every rank whether or not it uses it."""
     return any(route.build is _build_torch for route in table) and (
@@ -416,7 +416,7 @@ def make_transport(kind: str, peers: Optional[Sequence[int]] = None, *, shm_conf
     setup = RouteSetup(rank=rank, world_size=world_size, nodes=None, store=None, prefix=prefix,
                        device=device, timeout_s=timeout_s, shm_config=shm_config,
                        rdma_config=rdma_config, max_message_bytes=max_message_bytes)
-    if _needs_host_group(table, device):
+    if _needs_host_group(table):
         setup.host_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     if any(route.needs_nodes for route in table):
         # Every rank takes part, whatever its own peers are: the exchange is collective.
