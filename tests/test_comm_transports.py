@@ -433,3 +433,16 @@ def test_a_peer_that_does_not_list_this_rank_is_named():
     assert outcome[1] is None
     assert outcome[0] == ("transport: rank 0 on 10.0.0.0 lists rank 1 as a peer, but rank 1 on "
                           "10.0.0.0 does not list rank 0: each side of a link must list the other")
+
+
+def test_a_rank_that_never_comes_is_named_by_the_route_exchange():
+    from megatron_dpp.comm.errors import TransportTimeout
+    from megatron_dpp.comm.router import read_every_rank
+
+    store = dist.HashStore()
+    for rank in (0, 1, 3):
+        store.set(f"x/routes/{rank}", str(rank))
+    assert read_every_rank(store, "x/routes", 2, 1.0, "the routes") == [b"0", b"1"]
+    with pytest.raises(TransportTimeout, match=r"waited 0.2 s for the routes of ranks \[2, 4\] "
+                                               r"\(2 of 5\)"):
+        read_every_rank(store, "x/routes", 5, 0.2, "the routes")

@@ -132,13 +132,27 @@ def this_node(node_ips: Optional[Sequence[str]] = None) -> NodeIdentity:
     return NodeIdentity(host, host)
 
 
+def read_every_rank(store: dist.Store, prefix: str, world_size: int, timeout_s: float,
+                    what: str) -> list[bytes]:
+    """The value every rank wrote under `prefix`/RANK, in one request (key by key, 4096 ranks would
+    make 16.8 million); TransportTimeout naming the ranks that wrote none within `timeout_s`."""
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError as error:  # the store's own says only "Wait timeout"
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
+        raise TransportTimeout(f"transport: waited {timeout_s} s for {what} of ranks [{shown}] "
+                               f"({len(missing)} of {world_size}); every rank builds its "
+                               "transport at the same point: is one of them stuck or gone?") from error
+    return store.multi_get(keys)
+
+
 def _node_of_every_rank(store: dist.Store, prefix: str, rank: int, world_size: int,
                         timeout_s: float, mine: NodeIdentity) -> list[NodeIdentity]:
     store.set(f"{prefix}/node/{rank}", f"{mine.node}\n{mine.address}")
-    keys = [f"{prefix}/node/{r}" for r in range(world_size)]
-    store.wait(keys, timedelta(seconds=timeout_s))
-    # One request for all of them: key by key, 4096 ranks would make 16.8 million.
-    return [NodeIdentity(*value.decode().split("\n", 1)) for value in store.multi_get(keys)]
+    values = read_every_rank(store, f"{prefix}/node", world_size, timeout_s, "the node")
+    return [NodeIdentity(*value.decode().split("\n", 1)) for value in values]
 
 
 def pipeline_neighbors() -> list[int]:
@@ -352,9 +366,8 @@ def agree_on_routes(setup: RouteSetup, table: Sequence[Route], assignment: dict[
               "collective": {route.transport: unavailable[route.name]
                              for route in table if route.collective}}
     setup.store.set(f"{setup.prefix}/routes/{setup.rank}", json.dumps(record))
-    keys = [f"{setup.prefix}/routes/{r}" for r in range(setup.world_size)]
-    setup.store.wait(keys, timedelta(seconds=setup.timeout_s))
-    records = [json.loads(value) for value in setup.store.multi_get(keys)]
+    records = [json.loads(value) for value in read_every_rank(
+        setup.store, f"{setup.prefix}/routes", setup.world_size, setup.timeout_s, "the routes")]
 
     def where(rank: int) -> str:
         return f"rank {rank} on {setup.nodes[rank].address}" if setup.nodes else f"rank {rank}"
