@@ -24,7 +24,7 @@ import pytest
 from _netns import netns_skip_reason, two_node_network
 from _trace_checks import check_clock_alignment, check_messages, load_traces
 from _train_util import REPO_ROOT, TINY_GPT_ARGS, ensure_sample_data, parse_log
-from megatron_dpp.exit_codes import LOST_PEER
+from megatron_dpp.exit_codes import BAD_INPUT, LOST_PEER
 
 SCRIPTS = REPO_ROOT / "run_scripts"
 BASE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "UCX_TLS": "tcp"}
@@ -69,17 +69,20 @@ def _run_single_node(layout: dict, extra: list[str], timeout: float) -> tuple[li
     return losses, grad_norms
 
 
-def _start_nodes(net, layout: dict, extra: list[str], logs: Path, port: int):
-    """run_master_gpt.sh in namespace 0 and run_worker_gpt.sh in namespace 1; their output goes to
-    files (a pipe nobody reads could fill and stall a rank)."""
+def _start_nodes(net, layout: dict, extra: list[str], logs: Path, port: int,
+                 node_extra: tuple[list[str], list[str]] = ([], [])):
+    """run_master_gpt.sh in namespace 0 and run_worker_gpt.sh in namespace 1 (`node_extra`: flags
+    for one node only); their output goes to files (a pipe nobody reads could fill and stall a
+    rank)."""
     common = dict(layout, NNODES="2", NODE_IPS=",".join(net.ips), MASTER_ADDR=net.ips[0],
                   MASTER_PORT=str(port))
     processes = []
     for node, script in enumerate(("run_master_gpt.sh", "run_worker_gpt.sh")):
         out = open(logs / f"node{node}.log", "w")
         env = _env(**common, NODE_RANK=str(node))
-        processes.append(net.popen(node, ["bash", str(SCRIPTS / script), *TRAIN_ARGS, *extra],
-                                   env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT))
+        command = ["bash", str(SCRIPTS / script), *TRAIN_ARGS, *extra, *node_extra[node]]
+        processes.append(net.popen(node, command, env=env, cwd=REPO_ROOT, stdout=out,
+                                   stderr=subprocess.STDOUT))
         out.close()
     return processes
 
@@ -236,3 +239,30 @@ def test_a_link_down_between_the_nodes_ends_every_rank_naming_the_peer(tmp_path,
         named = rf"^\[dpp rank {node}\] lost rank {peer} \(node {peer}, {address}\): " \
                 rf"(no heartbeat from it for [\d.]+ s \(inbound\)|it hears us no longer \(outbound)"
         assert re.search(named, reports[node], re.MULTILINE), reports[node] or logs[node][-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_nodes_that_would_reach_each_other_differently_stop_at_start_in_one_line(tmp_path):
+    """The master routes its cross-node peer by rdma_tensor (`auto`), the worker by torch.distributed
+    (`--p2p-transport shm`: shm_tensor on the node, torch.distributed beyond): the same mismatch as
+    UCX installed on one node only. Before any transport is built both ranks say so in one line and
+    exit 2, instead of waiting out the rendezvous timeout."""
+    _skip_unless_two_nodes()
+    ensure_sample_data()
+    layout = dict(PP="2", NPROC="1", USE_DPP="1")
+    with two_node_network() as net:
+        processes = _start_nodes(net, layout, [], tmp_path, 29650 + os.getpid() % 50,
+                                 node_extra=([], ["--p2p-transport", "shm"]))
+        codes = _wait_all(processes, timeout=150)
+        ips = net.ips
+    logs = [(tmp_path / f"node{node}.log").read_text() for node in range(2)]
+    assert codes == [BAD_INPUT, BAD_INPUT], f"exit codes {codes}\n" + "\n".join(
+        log[-3000:] for log in logs)
+    said = {0: f"megatron_dpp: error: transport: rank 0 on {ips[0]} reaches rank 1 by rdma_tensor "
+               f"(other node), but rank 1 on {ips[1]} reaches rank 0 by torch.distributed (fallback)",
+            1: f"megatron_dpp: error: transport: rank 1 on {ips[1]} reaches rank 0 by "
+               f"torch.distributed (fallback), but rank 0 on {ips[0]} reaches rank 1 by rdma_tensor "
+               "(other node)"}
+    for node in range(2):
+        assert said[node] in logs[node], logs[node][-3000:]
+        assert "Traceback" not in logs[node], logs[node][-3000:]
