@@ -461,19 +461,25 @@ RANK_EXIT_RE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 
 
 def _pid_of_rank(marker: str, rank: int) -> int | None:
-    """The training process of `rank` among the processes whose environment carries the marker."""
+    """The training process of `rank` among the processes whose environment carries the marker:
+    the one whose parent is not among them (its heartbeat helper inherits the same environment,
+    and after the pids wrap around it may be listed first)."""
     wanted = {f"{MARKER}={marker}".encode(), f"RANK={rank}".encode()}
+    candidates = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as environ:
                 variables = set(environ.read().split(b"\0"))
-        except OSError:
+            with open(f"/proc/{entry}/status") as status:
+                parent = next(int(line.split()[1]) for line in status if line.startswith("PPid:"))
+        except (OSError, StopIteration):
             continue
         if wanted <= variables:
-            return int(entry)
-    return None
+            candidates[int(entry)] = parent
+    roots = [pid for pid, parent in candidates.items() if parent not in candidates]
+    return roots[0] if len(roots) == 1 else None
 
 
 def _kill_stopped(pid: int | None) -> None:
