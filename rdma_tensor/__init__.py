@@ -3,7 +3,7 @@ tag API (compiled `rdma_tensor._C`, built against the system UCX: InfiniBand/RoC
 cluster, TCP elsewhere; UCX picks per link, UCX_TLS / UCX_NET_DEVICES steer it).
 
     ctx = create_context_with_store(store, rank=r, world_size=n, peers=[...], node_address="10.0.0.1")
-    handle = ctx.isend(tensor, peer, tag)      # staged into a registered buffer at once
+    handle = ctx.isend(tensor, peer, tag)      # returns at once; the caller may reuse tensor
     handle = ctx.irecv(peer, tag)              # matched by (peer, tag), in any order
     tensor = handle.wait(timeout=30)           # shape and dtype come from the wire header
     index = ctx.wait_any([h1, h2], timeout=30) # sleeps on a condition variable, no spinning
