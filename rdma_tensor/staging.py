@@ -3,9 +3,10 @@
 UCX here moves host memory only (Debian's UCX has no CUDA transports). A GPU tensor's send is
 therefore staged: its copy into page-locked memory is queued on the caller's stream with an event
 after it, and a poster thread waits for that event and only then hands the bytes to UCX. The caller
-returns at once and keeps queueing kernels; a synchronous copy there would make the host wait for
-every kernel before it, once per message, and leave the device idle while the host then launches
-the next task.
+returns at once and keeps queueing kernels. A synchronous copy there made the host wait for every
+kernel queued before it, once per message: the host lost its lead on the device at every send (the
+device then idles while the next task's first kernels are launched), and a message's send is a
+host-device synchronization, which `torch.cuda.set_sync_debug_mode("error")` refuses.
 
 Messages to a peer keep the order in which they were sent: once one send waits in the poster's
 queue, every later send (a host tensor too) queues behind it.
