@@ -58,7 +58,7 @@ BAD_FLAGS = {
                            "/nonexistent/corpus_text_document.bin and "
                            "/nonexistent/corpus_text_document.idx not found"),
     "missing_vocab_file": (["--vocab-file", "/nonexistent/vocab.json"], 1,
-                           "--vocab-file /nonexistent/vocab.json not found"),
+                           "--vocab-file '/nonexistent/vocab.json' does not exist"),
     "unknown_flag": (["--no-such-flag"], 1, "unrecognized arguments: --no-such-flag"),
     "shm_zero_copy_negative": (["--p2p-transport", "shm", "--shm-zero-copy-min-kb", "-1"], 1,
                                "--shm-zero-copy-min-kb must be >= 0"),

@@ -114,7 +114,7 @@ def test_without_the_binary_head_only_the_lm_loss():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--tokenizer-type", "GPT2BPETokenizer"], "is GPT's; BERT trains with"),
+    (["--tokenizer-type", "GPT2BPETokenizer"], "is not BERT's; BERT trains with"),
     (["--mask-prob", "1.5"], "--mask-prob"),
     (["--eod-mask-loss"], "is a GPT data flag"),
     (["--dpp-split-backward"], "add --use-dpp"),

@@ -47,7 +47,8 @@ SHAPE_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
                                   "--num-attention-heads 4"),
     (["--num-query-groups", "0"], "--num-query-groups 0 must be positive"),
     (["--rotary-base", "0"], "--rotary-base must be positive"),
-    (["--tokenizer-type", "BertWordPieceLowerCase"], "is BERT's; Llama trains here with"),
+    (["--tokenizer-type", "BertWordPieceLowerCase"],
+     "is BERT's; Llama trains with GPT2BPETokenizer or Llama2Tokenizer"),
 ])
 def test_bad_llama_flags_are_one_line_errors(flags, message):
     result = _pretrain(SHAPE_FLAGS + flags)

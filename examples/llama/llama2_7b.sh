@@ -4,18 +4,21 @@
 # 32 query groups), SwiGLU 11008, context 4096, RMSNorm eps 1e-5, rotary base 10000, AdamW
 # (0.9, 0.95), lr 3e-4 cosine to 10%, warmup 2000, weight decay 0.1, clip 1.0, 4M-token batches.
 # GPU recipe, bf16.
-# It needs Llama 2's SentencePiece tokenizer (vocabulary 32000) and data tokenized with it, neither
-# shipped here nor a --tokenizer-type of this trainer yet: as it stands, DATA_ARGS with GPT-2 BPE
-# data trains this shape with GPT-2's vocabulary (50257) instead.
+# It trains on your data, tokenized with Llama 2's SentencePiece model (vocabulary 32000; neither is
+# shipped here):
+#   python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/llama \
+#     --tokenizer-type Llama2Tokenizer --tokenizer-model tokenizer.model --append-eod --workers 8
 # The launchers source this file for its flags. Run directly, it trains with them on one node on
 # the data of DATA_ARGS:
-#   DATA_ARGS="--data-path PREFIX --vocab-file VOCAB --merge-file MERGES" bash examples/llama/llama2_7b.sh
+#   DATA_ARGS="--data-path data/llama_text_document --tokenizer-type Llama2Tokenizer \
+#     --tokenizer-model tokenizer.model" bash examples/llama/llama2_7b.sh
 # is RECIPE=llama2_7b bash run_scripts/run_single_llama.sh [...]; without DATA_ARGS it says so in
 # one line and exits 2.
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
   if [ -z "${DATA_ARGS:-}" ]; then
     echo "llama2_7b: trains on data you provide (no Llama 2 data here); run" \
-         "DATA_ARGS=\"--data-path PREFIX --vocab-file VOCAB --merge-file MERGES\" bash $0 [flags]" >&2
+         "DATA_ARGS=\"--data-path PREFIX --tokenizer-type Llama2Tokenizer --tokenizer-model" \
+         "tokenizer.model\" bash $0 [flags]" >&2
     exit 2
   fi
   RECIPE=llama2_7b exec bash "$(dirname "$0")/../../run_scripts/run_single_llama.sh" "$@"

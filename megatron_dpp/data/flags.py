@@ -8,10 +8,10 @@ The datasets module (and with it megatron.core) is imported only when the flags 
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_dpp.data.tokenizer import GPT2_BPE, SUPPORTED_TOKENIZER_TYPES
+from megatron_dpp.data.tokenizer import (DEFAULT_TOKENIZER_TYPE, SUPPORTED_TOKENIZER_TYPES,
+                                         check_tokenizer_files)
 from megatron_dpp.flag_errors import ArgsError, require, require_output_dir
 
 
@@ -34,15 +34,19 @@ def add_data_args(parser: argparse.ArgumentParser,
     group.add_argument("--data-cache-path", type=str, default=None,
                        help="Where dataset index caches go (default: beside the data).")
     group.add_argument("--tokenizer-type", type=str, default=None, choices=tokenizer_types,
-                       help="GPT2BPETokenizer (GPT's, and its default: byte-level BPE, needs "
-                            "--vocab-file vocab.json and --merge-file) or BertWordPieceLowerCase / "
-                            "BertWordPieceCase (BERT's, lower-case the default: WordPiece, needs "
-                            "--vocab-file vocab.txt).")
+                       help="GPT2BPETokenizer (GPT's and Llama's default: byte-level BPE, needs "
+                            "--vocab-file vocab.json and --merge-file), Llama2Tokenizer (GPT or "
+                            "Llama: Llama 2's SentencePiece model, needs --tokenizer-model) or "
+                            "BertWordPieceLowerCase / BertWordPieceCase (BERT's, lower-case the "
+                            "default: WordPiece, needs --vocab-file vocab.txt).")
     group.add_argument("--vocab-file", type=str, default=None,
-                       help="The tokenizer's vocabulary: BPE vocab.json (GPT) or WordPiece vocab.txt "
-                            "(BERT).")
+                       help="The tokenizer's vocabulary: BPE vocab.json (GPT2BPETokenizer) or "
+                            "WordPiece vocab.txt (BERT's).")
     group.add_argument("--merge-file", type=str, default=None,
                        help="Path to the BPE merges.txt (GPT2BPETokenizer only).")
+    group.add_argument("--tokenizer-model", type=str, default=None,
+                       help="The SentencePiece model file, e.g. Llama 2's tokenizer.model "
+                            "(Llama2Tokenizer only; needs the sentencepiece package).")
     group.add_argument("--variable-seq-lengths", action="store_true",
                        help="Micro-batches of different lengths. GPT: one document per sample, "
                             "truncated to --seq-length, padded to the longest within a "
@@ -79,13 +83,9 @@ def validate_data_args(args: argparse.Namespace,
             require(not missing, f"--data-path {prefix}: {' and '.join(missing)} not found; make "
                                  f"it with tools/preprocess_data.py or `python -m "
                                  f"megatron_dpp.data.prepare_sample --output-dir DIR`")
-        tokenizer_files = [("--vocab-file", args.vocab_file)]
-        if args.tokenizer_type == GPT2_BPE:
-            tokenizer_files.append(("--merge-file", args.merge_file))
-        for flag, path in tokenizer_files:
-            require(path is not None and os.path.isfile(path),
-                    f"{flag} {path} not found; pass the file made with the data (`python -m "
-                    f"megatron_dpp.data.prepare_sample --output-dir DIR` writes GPT's and BERT's)")
+        check_tokenizer_files(args.tokenizer_type or DEFAULT_TOKENIZER_TYPE,
+                              {"vocab_file": args.vocab_file, "merge_file": args.merge_file,
+                               "tokenizer_model": args.tokenizer_model})
         split = parse_split(args.split)
         if args.data_cache_path is not None:  # Megatron's index cache is written there
             require_output_dir("--data-cache-path", args.data_cache_path)

@@ -6,6 +6,8 @@ Same command line as Megatron-LM's tools/preprocess_data.py for what this projec
         --append-eod --workers 2
     python -m megatron_dpp.data.preprocess_data --input corpus.jsonl --output-prefix data/my_bert \
         --vocab-file bert-vocab.txt --tokenizer-type BertWordPieceLowerCase --split-sentences
+    python -m megatron_dpp.data.preprocess_data --input corpus.jsonl --output-prefix data/my_llama \
+        --tokenizer-type Llama2Tokenizer --tokenizer-model tokenizer.model --append-eod
 Each JSON line is one document. Without --split-sentences each document is stored as one sequence
 (level "document"); with it, each sentence is one sequence and the dataset's document index marks
 where each document's sentences end (level "sentence"), which is what BERT's dataset reads.
@@ -24,8 +26,8 @@ import numpy
 
 from megatron_dpp.data.errors import DataInputError, exit_with_input_error
 from megatron_dpp.data.sentences import split_sentences as split_into_sentences
-from megatron_dpp.data.tokenizer import (DEFAULT_TOKENIZER_TYPE, GPT2_BPE,
-                                         SUPPORTED_TOKENIZER_TYPES, tokenizer_from_files)
+from megatron_dpp.data.tokenizer import (DEFAULT_TOKENIZER_TYPE, SUPPORTED_TOKENIZER_TYPES,
+                                         WORDPIECE_LOWER_CASE, tokenizer_from_files)
 
 DOCUMENTS_PER_TASK = 256  # documents tokenized per worker task: big enough to amortize IPC
 BATCH_TIMEOUT_S = 300.0  # a worker that died loses its task; never wait for it forever
@@ -85,11 +87,12 @@ _worker_tokenizer = None
 _worker_split_sentences = False
 
 
-def _init_worker(tokenizer_type: str, vocab_file: str, merge_file: Optional[str],
-                 split_sentences: bool) -> None:
+def _init_worker(tokenizer_type: str, vocab_file: Optional[str], merge_file: Optional[str],
+                 tokenizer_model: Optional[str], split_sentences: bool) -> None:
     global _worker_tokenizer, _worker_split_sentences
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
-    _worker_tokenizer = tokenizer_from_files(tokenizer_type, vocab_file, merge_file)
+    _worker_tokenizer = tokenizer_from_files(tokenizer_type, vocab_file, merge_file,
+                                             tokenizer_model)
     _worker_split_sentences = split_sentences
 
 
@@ -137,21 +140,23 @@ def _end_of_document_token(tokenizer, tokenizer_type: str, append_eod: bool) -> 
     """The token --append-eod appends, None without the flag; BERT's tokenizers have none."""
     if not append_eod:
         return None
-    if tokenizer_type != GPT2_BPE:
+    if tokenizer_type in WORDPIECE_LOWER_CASE:
         raise DataInputError(f"--append-eod: {tokenizer_type} has no end-of-document token; BERT's "
                              f"documents end where the dataset's document index says, so drop "
                              f"--append-eod")
     return tokenizer.eod
 
 
-def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: str,
+def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: Optional[str],
                      merge_file: Optional[str], json_keys: Sequence[str] = ("text",),
                      append_eod: bool = False, workers: int = 1, show_progress: bool = True,
                      tokenizer_type: str = DEFAULT_TOKENIZER_TYPE,
-                     split_sentences: bool = False) -> Dict[str, dict]:
+                     split_sentences: bool = False,
+                     tokenizer_model: Optional[str] = None) -> Dict[str, dict]:
     """Tokenize input_path into one indexed dataset per json key.
 
-    merge_file is read by GPT2BPETokenizer only (None for WordPiece). With split_sentences each
+    The tokenizer's files: vocab_file and merge_file (GPT2BPETokenizer), vocab_file (WordPiece),
+    tokenizer_model (Llama2Tokenizer); the others None. With split_sentences each
     sentence is one sequence. Returns {key: {"prefix", "documents", "sequences", "tokens",
     "skipped_empty"}}.
     """
@@ -161,7 +166,7 @@ def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: str,
     if not os.path.isfile(input_path):
         raise DataInputError(f"--input {input_path!r} does not exist")
     # Validates the files (and the flags) up front, before any output exists.
-    tokenizer = tokenizer_from_files(tokenizer_type, vocab_file, merge_file)
+    tokenizer = tokenizer_from_files(tokenizer_type, vocab_file, merge_file, tokenizer_model)
     eod = _end_of_document_token(tokenizer, tokenizer_type, append_eod)
     output_dir = os.path.dirname(os.path.abspath(output_prefix))
     if not os.path.isdir(output_dir):
@@ -175,7 +180,7 @@ def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: str,
     builders = {key: IndexedDatasetBuilder(tmp[key] + ".bin", dtype=dtype) for key in json_keys}
     stats = {key: {"prefix": final[key], "documents": 0, "sequences": 0, "tokens": 0,
                    "skipped_empty": 0} for key in json_keys}
-    worker_args = (tokenizer_type, vocab_file, merge_file, split_sentences)
+    worker_args = (tokenizer_type, vocab_file, merge_file, tokenizer_model, split_sentences)
 
     pool = None
     try:
@@ -245,14 +250,20 @@ def build_parser() -> argparse.ArgumentParser:
                             f"GPT2BPETokenizer: byte-level BPE, needs --vocab-file vocab.json and "
                             f"--merge-file. BertWordPieceLowerCase (lower-cases, strips accents) "
                             f"and BertWordPieceCase (keeps case): BERT's WordPiece, need "
-                            f"--vocab-file vocab.txt.")
-    group.add_argument("--vocab-file", required=True,
+                            f"--vocab-file vocab.txt. Llama2Tokenizer: Llama 2's SentencePiece "
+                            f"model, needs --tokenizer-model; each document starts with its BOS "
+                            f"token, as in Megatron-LM.")
+    group.add_argument("--vocab-file", default=None,
                        help="Path to vocab.json (GPT2BPETokenizer) or vocab.txt (WordPiece).")
     group.add_argument("--merge-file", default=None,
                        help="Path to merges.txt (GPT2BPETokenizer only).")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="Path to the SentencePiece model, e.g. Llama 2's tokenizer.model "
+                            "(Llama2Tokenizer only).")
     group.add_argument("--append-eod", action="store_true",
-                       help="Append <|endoftext|> to the end of each document (GPT2BPETokenizer "
-                            "only; with --split-sentences, to its last sentence).")
+                       help="Append the end-of-document token to each document (<|endoftext|> "
+                            "for GPT2BPETokenizer, the model's EOS for Llama2Tokenizer; not for "
+                            "WordPiece; with --split-sentences, to its last sentence).")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True,
                        help="Output prefix; files are <prefix>_<key>_document.{bin,idx}, or "
@@ -275,7 +286,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  json_keys=args.json_keys, append_eod=args.append_eod,
                                  workers=args.workers, show_progress=not args.no_progress,
                                  tokenizer_type=args.tokenizer_type,
-                                 split_sentences=args.split_sentences)
+                                 split_sentences=args.split_sentences,
+                                 tokenizer_model=args.tokenizer_model)
     except DataInputError as e:
         exit_with_input_error(e)
     for key, s in stats.items():

@@ -1,13 +1,15 @@
-"""The tokenizers, on the `tokenizers` library, chosen by --tokenizer-type (Megatron-LM's names):
+"""The tokenizers, chosen by --tokenizer-type (Megatron-LM's names):
 
-- GPT2BPETokenizer: GPT-2-style byte-level BPE over local vocab.json + merges.txt;
+- GPT2BPETokenizer: GPT-2-style byte-level BPE over local vocab.json + merges.txt (`tokenizers`);
 - BertWordPieceLowerCase / BertWordPieceCase: BERT's WordPiece over a local vocab.txt, with
-  BERT's normalization (lower case and accents stripped, or case kept) and pre-tokenization.
+  BERT's normalization (lower case and accents stripped, or case kept) and pre-tokenization
+  (`tokenizers`);
+- Llama2Tokenizer: Llama 2's SentencePiece model, a local tokenizer.model (`sentencepiece`).
 
-Megatron-Core ships no pure-Python tokenizer for either, so these classes provide the interface its
-datasets use (GPTDataset: vocab_size, eod, tokenize, detokenize, unique_identifiers;
-BERTMaskedWordPieceDataset: also vocab, inv_vocab, cls, sep, mask, pad). Training either tokenizer
-on a local corpus lives here too.
+These classes provide the interface Megatron-Core's datasets use (GPTDataset: vocab_size, eod,
+tokenize, detokenize, unique_identifiers; BERTMaskedWordPieceDataset: also vocab, inv_vocab, cls,
+sep, mask, pad). Which files each type reads is TOKENIZER_FILE_FLAGS, checked in one place
+(check_tokenizer_files). Training a BPE or WordPiece tokenizer on a local corpus lives here too.
 """
 import json
 import os
@@ -20,8 +22,18 @@ EOD_TOKEN = "<|endoftext|>"
 GPT2_BPE = "GPT2BPETokenizer"
 # WordPiece tokenizer type -> whether it lower-cases (and strips accents), as in Megatron-LM.
 WORDPIECE_LOWER_CASE = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}
-SUPPORTED_TOKENIZER_TYPES = (GPT2_BPE, *WORDPIECE_LOWER_CASE)
+LLAMA2_SENTENCEPIECE = "Llama2Tokenizer"
+SUPPORTED_TOKENIZER_TYPES = (GPT2_BPE, *WORDPIECE_LOWER_CASE, LLAMA2_SENTENCEPIECE)
 DEFAULT_TOKENIZER_TYPE = GPT2_BPE
+# The files each tokenizer type reads: (flag, attribute of the parsed flags). A tokenizer-file flag
+# that the type does not read is refused (it would do nothing).
+TOKENIZER_FILE_FLAGS = {
+    GPT2_BPE: (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file")),
+    **{name: (("--vocab-file", "vocab_file"),) for name in WORDPIECE_LOWER_CASE},
+    LLAMA2_SENTENCEPIECE: (("--tokenizer-model", "tokenizer_model"),),
+}
+_ALL_FILE_FLAGS = tuple(dict.fromkeys(flag for flags in TOKENIZER_FILE_FLAGS.values()
+                                      for flag in flags))
 # BERT's special tokens. [PAD] must be id 0: Megatron's BERT dataset pads the token types and the
 # padding mask with the pad id, so only id 0 gives them their 0 meaning.
 PAD_TOKEN, UNK_TOKEN, CLS_TOKEN, SEP_TOKEN, MASK_TOKEN = ("[PAD]", "[UNK]", "[CLS]", "[SEP]",
@@ -36,15 +48,7 @@ class GPT2BPETokenizer:
     def __init__(self, vocab_file: str, merge_file: str):
         from tokenizers import ByteLevelBPETokenizer
 
-        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
-            if not path:
-                raise DataInputError(f"{flag} is required by {GPT2_BPE}; `python -m megatron_dpp."
-                                     f"data.prepare_sample --output-dir DIR` makes one")
-            if not os.path.isfile(path):
-                raise DataInputError(
-                    f"{flag} {path!r} does not exist; run `python -m megatron_dpp.data.prepare_sample "
-                    f"--output-dir DIR` to make one, or pass the right path"
-                )
+        check_tokenizer_files(GPT2_BPE, {"vocab_file": vocab_file, "merge_file": merge_file})
         self._bpe = ByteLevelBPETokenizer.from_file(vocab_file, merge_file)
         self._vocab = self._bpe.get_vocab()
         if EOD_TOKEN not in self._vocab:
@@ -93,32 +97,129 @@ def vocab_size_with_padding(vocab_size: int, divisible_by: int, tensor_parallel_
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def tokenizer_from_files(tokenizer_type: str, vocab_file: str, merge_file: Optional[str] = None):
-    """The tokenizer of `tokenizer_type` over its files (merge_file: GPT2BPETokenizer only)."""
+def check_tokenizer_files(tokenizer_type: str, files: Dict[str, Optional[str]]) -> None:
+    """Raises DataInputError, in one line, unless `files` ({attribute: path or None}, e.g.
+    {"vocab_file": ..., "merge_file": ..., "tokenizer_model": ...}) gives every file that
+    `tokenizer_type` reads, each an existing file, and none that it does not read."""
+    if tokenizer_type not in TOKENIZER_FILE_FLAGS:
+        raise DataInputError(f"--tokenizer-type {tokenizer_type} is not supported; "
+                             f"use one of {', '.join(SUPPORTED_TOKENIZER_TYPES)}")
+    reads = TOKENIZER_FILE_FLAGS[tokenizer_type]
+    for flag, attribute in _ALL_FILE_FLAGS:
+        path = files.get(attribute)
+        if (flag, attribute) not in reads:
+            if path is not None:
+                raise DataInputError(f"{flag} is not read by --tokenizer-type {tokenizer_type} "
+                                     f"(it reads {' and '.join(f for f, _ in reads)}): remove it")
+        elif path is None:
+            raise DataInputError(f"{flag} is required by {tokenizer_type}; {_where_to_get(flag)}")
+        elif not os.path.isfile(path):
+            raise DataInputError(f"{flag} {path!r} does not exist; {_where_to_get(flag)}")
+
+
+def _where_to_get(flag: str) -> str:
+    if flag == "--tokenizer-model":
+        return "pass the SentencePiece model the data was tokenized with (Llama 2's tokenizer.model)"
+    return ("`python -m megatron_dpp.data.prepare_sample --output-dir DIR` makes GPT's and "
+            "BERT's, or pass the right path")
+
+
+def tokenizer_from_files(tokenizer_type: str, vocab_file: Optional[str] = None,
+                         merge_file: Optional[str] = None, tokenizer_model: Optional[str] = None):
+    """The tokenizer of `tokenizer_type` over its files (TOKENIZER_FILE_FLAGS says which it reads;
+    the others must be None)."""
+    check_tokenizer_files(tokenizer_type, {"vocab_file": vocab_file, "merge_file": merge_file,
+                                           "tokenizer_model": tokenizer_model})
     if tokenizer_type == GPT2_BPE:
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type in WORDPIECE_LOWER_CASE:
         return BertWordPieceTokenizer(vocab_file, lower_case=WORDPIECE_LOWER_CASE[tokenizer_type])
-    raise DataInputError(f"--tokenizer-type {tokenizer_type} is not supported; "
-                         f"use one of {', '.join(SUPPORTED_TOKENIZER_TYPES)}")
+    return Llama2Tokenizer(tokenizer_model)
 
 
 def build_tokenizer(args):
     """Build the tokenizer named by --tokenizer-type; sets args.padded_vocab_size like Megatron-LM.
 
-    Reads args.tokenizer_type (None or absent: GPT2BPETokenizer), args.vocab_file,
-    args.merge_file (GPT2BPETokenizer only), args.make_vocab_size_divisible_by (default 128) and
-    args.tensor_model_parallel_size (default 1).
+    Reads args.tokenizer_type (None or absent: GPT2BPETokenizer), its files (args.vocab_file,
+    args.merge_file, args.tokenizer_model: TOKENIZER_FILE_FLAGS), args.make_vocab_size_divisible_by
+    (default 128) and args.tensor_model_parallel_size (default 1).
     """
     tokenizer_type = getattr(args, "tokenizer_type", None) or DEFAULT_TOKENIZER_TYPE
-    tokenizer = tokenizer_from_files(tokenizer_type, args.vocab_file,
-                                     getattr(args, "merge_file", None))
+    tokenizer = tokenizer_from_files(tokenizer_type, getattr(args, "vocab_file", None),
+                                     getattr(args, "merge_file", None),
+                                     getattr(args, "tokenizer_model", None))
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size,
         getattr(args, "make_vocab_size_divisible_by", 128),
         getattr(args, "tensor_model_parallel_size", 1),
     )
     return tokenizer
+
+
+class Llama2Tokenizer:
+    """Llama 2's SentencePiece model as Megatron-LM's Llama2Tokenizer reads it: a document's tokens
+    start with the model's BOS id, its EOS id is the end-of-document token (what --append-eod
+    appends, and eod for the dataset's masks), and the vocabulary is the model's pieces."""
+
+    def __init__(self, model_file: str):
+        try:
+            import sentencepiece
+        except ImportError:
+            raise DataInputError(f"--tokenizer-type {LLAMA2_SENTENCEPIECE} needs the sentencepiece "
+                                 f"package: pip install 'sentencepiece>=0.2,<1'") from None
+        try:
+            self._model = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except (OSError, RuntimeError) as error:
+            raise DataInputError(f"--tokenizer-model {model_file!r} is not a SentencePiece model: "
+                                 f"{str(error).splitlines()[0]}") from None
+        self._bos, self._eos = self._model.bos_id(), self._model.eos_id()
+        if self._bos < 0 or self._eos < 0:
+            raise DataInputError(f"--tokenizer-model {model_file!r} has no "
+                                 f"{'BOS' if self._bos < 0 else 'EOS'} piece; Llama 2's model "
+                                 f"has both (<s> and </s>)")
+        self._vocab: Optional[Dict[str, int]] = None
+        # GPTDataset hashes these into its index-cache file names (json.dumps of the config).
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("tokenizer_path", [model_file])])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._model.vocab_size()
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        if self._vocab is None:
+            self._vocab = {self._model.id_to_piece(i): i for i in range(self.vocab_size)}
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return {index: piece for piece, index in self.vocab.items()}
+
+    @property
+    def bos(self) -> int:
+        return self._bos
+
+    @property
+    def eos(self) -> int:
+        return self._eos
+
+    @property
+    def eod(self) -> int:
+        return self._eos
+
+    @property
+    def pad(self) -> int:
+        return self._model.pad_id()  # -1 in Llama 2's model: it has no padding piece
+
+    def tokenize(self, text: str) -> List[int]:
+        return [self._bos] + self._model.encode(text)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [[self._bos] + ids for ids in self._model.encode(list(texts))]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._model.decode([int(i) for i in ids])
 
 
 def train_bpe_tokenizer(texts: Iterable[str], output_dir: str, vocab_size: int) -> None:

@@ -14,10 +14,12 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from megatron_dpp.data.tokenizer import GPT2_BPE, WORDPIECE_LOWER_CASE
+from megatron_dpp.data.tokenizer import GPT2_BPE, LLAMA2_SENTENCEPIECE, WORDPIECE_LOWER_CASE
 from megatron_dpp.one_line_errors import InputError
 
 WORDPIECE_TOKENIZERS = tuple(WORDPIECE_LOWER_CASE)  # lower case first: BERT's default
+# The causal LMs' tokenizers: GPT-2's BPE first (the sample data's), Llama 2's SentencePiece.
+DECODER_TOKENIZERS = (GPT2_BPE, LLAMA2_SENTENCEPIECE)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -116,9 +118,9 @@ GPT = ModelFamily(
     spec="megatron_dpp.models.gpt:GPT_SPEC",
     summary="GPT: causal LM, learned absolute positions, LayerNorm, GeLU MLP",
     default_vocab_size=50257,  # GPT-2's BPE
-    tokenizer_types=(GPT2_BPE,),
+    tokenizer_types=DECODER_TOKENIZERS,
     wrong_tokenizer_message=lambda given: (f"--tokenizer-type {given} is BERT's; GPT trains with "
-                                           f"{GPT2_BPE}"),
+                                           f"{' or '.join(DECODER_TOKENIZERS)}"),
     always_tied_output=False,
     check_data=_check_token_windows,
 )
@@ -169,7 +171,7 @@ BERT = ModelFamily(
     summary="BERT: masked LM and sentence-order heads, padding mask, LayerNorm, GeLU MLP",
     default_vocab_size=30522,  # BERT's uncased WordPiece
     tokenizer_types=WORDPIECE_TOKENIZERS,
-    wrong_tokenizer_message=lambda given: (f"--tokenizer-type {given} is GPT's; BERT trains with "
+    wrong_tokenizer_message=lambda given: (f"--tokenizer-type {given} is not BERT's; BERT trains with "
                                            f"{' or '.join(WORDPIECE_TOKENIZERS)} and a WordPiece "
                                            f"--vocab-file"),
     always_tied_output=True,
@@ -236,9 +238,9 @@ LLAMA = ModelFamily(
     # Llama 2's SentencePiece vocabulary (the search's default). The sample data here is tokenized
     # with GPT-2's BPE instead (50257), which the trainer reads from the tokenizer.
     default_vocab_size=32000,
-    tokenizer_types=(GPT2_BPE,),
+    tokenizer_types=DECODER_TOKENIZERS,
     wrong_tokenizer_message=lambda given: (f"--tokenizer-type {given} is BERT's; Llama trains "
-                                           f"here with {GPT2_BPE}"),
+                                           f"with {' or '.join(DECODER_TOKENIZERS)}"),
     always_tied_output=False,
     always_untied_output=True,
     check_data=_check_token_windows,

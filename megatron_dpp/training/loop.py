@@ -494,6 +494,10 @@ def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec) -> 
                   f"scratch")
     log_kernel_choices(args, log_rank0)  # one `kernels:` line per optional kernel or backend
     tokenizer = build_tokenizer(args)
+    # Megatron-LM's line, with the tokenizer named: which vocabulary the embedding is sized for.
+    log_rank0(f" > {args.tokenizer_type} vocab (size: {tokenizer.vocab_size}) padded with "
+              f"{args.padded_vocab_size - tokenizer.vocab_size} dummy tokens (new size: "
+              f"{args.padded_vocab_size})")
     train_ds, valid_ds, _test_ds = spec.build_datasets(args, tokenizer)
     trainer = Trainer(args, platform, spec)
     try:
