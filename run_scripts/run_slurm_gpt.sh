@@ -37,59 +37,10 @@ if [ ! -f "$SCRIPT_DIR/_launch.sh" ]; then
   SCRIPT_DIR="${SLURM_SUBMIT_DIR:-$PWD}/run_scripts"  # sbatch's copy of this script
 fi
 if [ ! -f "$SCRIPT_DIR/_launch.sh" ]; then
-  echo "$LAUNCH_NAME: cannot find run_scripts/_launch.sh; submit from the repository root (sbatch run_scripts/run_slurm_gpt.sh)" >&2
+  echo "$LAUNCH_NAME: cannot find run_scripts/_launch.sh; submit from the repository root (sbatch run_scripts/$LAUNCH_NAME.sh)" >&2
   exit 2
 fi
 # shellcheck source=run_scripts/_launch.sh
 source "$SCRIPT_DIR/_launch.sh"
 
-launch_set_model gpt
-launch_parse_args "$@"
-launch_check_layout_env
-
-NNODES="${SLURM_STEP_NUM_NODES:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}}"
-NODELIST="${SLURM_STEP_NODELIST:-${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}}"
-if [ -z "$NNODES" ] || [ -z "$NODELIST" ]; then
-  launch_fail "not in a SLURM job (SLURM_JOB_NUM_NODES and SLURM_JOB_NODELIST are not set); submit with sbatch or run inside salloc"
-fi
-IN_STEP=0
-if [ -n "${SLURM_STEP_ID:-}" ] && [ "$DRY_RUN" = 0 ]; then
-  IN_STEP=1
-  if [ "${SLURM_STEP_NUM_TASKS:-$NNODES}" != "$NNODES" ]; then
-    launch_fail "the job step runs $SLURM_STEP_NUM_TASKS tasks on $NNODES nodes; start one per node (srun --ntasks-per-node=1)"
-  fi
-  if [ -z "${SLURM_NODEID:-}" ]; then
-    launch_fail "SLURM_NODEID is not set in this job step; start this script with srun"
-  fi
-  NODE_RANK="$SLURM_NODEID"
-  launch_require_int NODE_RANK 0 "$((NNODES - 1))" "a node rank of this $NNODES-node job (SLURM_NODEID)"
-elif [ "$DRY_RUN" = 0 ] && ! command -v srun >/dev/null; then
-  launch_fail "srun not found; run this script in a SLURM job (sbatch, or salloc then bash), or pass --dry-run"
-fi
-
-if [ -z "${NODE_IPS:-}" ]; then
-  if [ ! -x "$PY" ]; then
-    bash "$REPO_ROOT/run_scripts/setup_env.sh"
-  fi
-  # Resolved here, once: the batch script hands the result to every node through srun.
-  NODE_IPS="$(cd "$REPO_ROOT" && "$PY" -m megatron_dpp.comm.slurm addresses "$NODELIST")"
-fi
-launch_check_nodes slurm
-launch_prepare
-# In a job step this is node NODE_RANK: the check also finds its --node-ips address here.
-if [ "$IN_STEP" = 1 ]; then launch_precheck "$NODE_RANK"; else launch_precheck; fi
-
-if [ "$DRY_RUN" = 1 ]; then
-  launch_describe "0..$((NNODES - 1))"
-  for ((rank = 0; rank < NNODES; rank++)); do
-    launch_print_command "$rank"
-  done
-  exit 0
-fi
-if [ "$IN_STEP" = 0 ]; then
-  # The batch script (or an salloc shell): start this script once on every node of the job.
-  export NODE_IPS MASTER_ADDR MASTER_PORT
-  exec srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
-    bash "$SCRIPT_DIR/run_slurm_gpt.sh" "$@"
-fi
-launch_start "$NODE_RANK"
+launch_slurm gpt "$@"

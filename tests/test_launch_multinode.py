@@ -386,16 +386,25 @@ def test_strategy_file_sets_the_layout_and_processes(tmp_path):
     assert "no such file" in _one_error_line(missing)
 
 
+# Each model's SLURM launcher and the trainer it starts.
+SLURM_ENTRIES = {"gpt": ["megatron_dpp.pretrain_gpt"], "bert": ["megatron_dpp.pretrain_bert"],
+                 "llama": ["megatron_dpp.pretrain", "--model", "llama"]}
+
+
 @pytest.mark.timeout(120)
-def test_slurm_dry_run_prints_one_command_per_node(tmp_path):
-    result, _ = _run_script("run_slurm_gpt.sh",
+@pytest.mark.parametrize("model", sorted(SLURM_ENTRIES))
+def test_slurm_dry_run_prints_one_command_per_node(tmp_path, model):
+    result, _ = _run_script(f"run_slurm_{model}.sh",
                             {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0",
                              "SLURM_JOB_NODELIST": "127.0.0.[1-2]", "NPROC": "1"},
                             ["--dry-run"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     commands = _node_commands(result.stdout)
     assert sorted(commands) == [0, 1]
+    entry = SLURM_ENTRIES[model]
     for rank, argv in commands.items():
+        start = len(argv) - argv[::-1].index("-m")  # the trainer: torchrun's last -m
+        assert argv[start:start + len(entry)] == entry, argv
         assert _value(argv, "--nnodes") == "2" and _value(argv, "--node-rank") == str(rank)
         assert _value(argv, "--master-addr") == "127.0.0.1"
         assert "--multi-node" in argv and _value(argv, "--node-ips") == "127.0.0.1,127.0.0.2"
@@ -426,7 +435,8 @@ def test_slurm_refuses_a_host_that_does_not_resolve(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_slurm_batch_script_starts_itself_once_per_node_with_srun(tmp_path):
+@pytest.mark.parametrize("model", ["gpt", "bert"])
+def test_slurm_batch_script_starts_itself_once_per_node_with_srun(tmp_path, model):
     """Outside a job step the script checks the flags, then hands over to srun (here a fake that
     records its arguments and the environment it was given)."""
     bin_dir = tmp_path / "bin"
@@ -436,7 +446,7 @@ def test_slurm_batch_script_starts_itself_once_per_node_with_srun(tmp_path):
     fake_srun.write_text(f'#!/bin/sh\n{{ echo "$@"; echo "NODE_IPS=$NODE_IPS"; '
                          f'echo "MASTER_ADDR=$MASTER_ADDR"; }} > {shlex.quote(str(record))}\n')
     fake_srun.chmod(0o755)
-    result, _ = _run_script("run_slurm_gpt.sh",
+    result, _ = _run_script(f"run_slurm_{model}.sh",
                             {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0",
                              "SLURM_JOB_NODELIST": "127.0.0.[1-2]", "NPROC": "1",
                              "PATH": f"{bin_dir}:{os.environ['PATH']}"},
@@ -444,7 +454,7 @@ def test_slurm_batch_script_starts_itself_once_per_node_with_srun(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     arguments, node_ips, master = record.read_text().splitlines()
     assert arguments.startswith("--nodes=2 --ntasks=2 --ntasks-per-node=1 ")
-    assert arguments.endswith("run_scripts/run_slurm_gpt.sh --log-interval 3")
+    assert arguments.endswith(f"run_scripts/run_slurm_{model}.sh --log-interval 3")
     assert (node_ips, master) == ("NODE_IPS=127.0.0.1,127.0.0.2", "MASTER_ADDR=127.0.0.1")
 
 
