@@ -156,6 +156,8 @@ class Context:
     def wait_any(self, handles: Sequence[Handle], timeout: Optional[float] = None) -> int:
         if not handles:
             raise ValueError("rdma_tensor.wait_any: no handles given")
+        if self._poster is None:  # no staged send ever: every handle is a compiled one
+            return self._context.wait_any([h._handle for h in handles], _timeout_arg(timeout))
         indices, posted = self._posted(handles)
         if len(posted) == len(handles):
             return self._context.wait_any(posted, _timeout_arg(timeout))
@@ -185,6 +187,8 @@ class Context:
         """Index of a completed handle, or -1; never waits. Raises on a lost peer, as test() does."""
         if not handles:
             raise ValueError("rdma_tensor.test_any: no handles given")
+        if self._poster is None:  # the runtime's poll, every turn: no per-handle Python on CPU jobs
+            return self._context.test_any([h._handle for h in handles])
         indices, posted = self._posted(handles)
         if not posted:
             return -1
