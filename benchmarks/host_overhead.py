@@ -29,12 +29,13 @@ capturable), tensors made by torch.tensor() without a device, and whatever is co
 tensors alone. The CUDA choices that differ from the CPU's are emulated: torch.optim's Adam runs
 its foreach implementation (its default on CUDA tensors), and the stop agreement is built as on a
 GPU (training/loop.py's stop_signals). Not emulated: Megatron-Core's compiled fusions (bias-gelu,
-bias-dropout-add: torch.compile on a GPU, eager here) and SDPA's kernels (one op on a GPU, the math
-path here, for ours and the anchor alike).
+bias-dropout-add: torch.compile on a GPU, eager here unless --compiled-fusions) and SDPA's kernels
+(one op on a GPU, the math path here, for ours and the anchor alike).
 
     python benchmarks/host_overhead.py                      # GPT-125m depth, tiny width
     python benchmarks/host_overhead.py --quick --json runs/host.json
     python benchmarks/host_overhead.py --target ours --compare-linears 30   # direct linears A/B
+    python benchmarks/host_overhead.py --target ours --compiled-fusions     # fusions' host cost
 Run it on two versions of the code to compare them (before/after a change).
 """
 from __future__ import annotations
@@ -105,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "(megatron_dpp.models.direct_linear) against Megatron-Core's own "
                           "forward, alternating in one process for ROUNDS rounds (order "
                           "swapped every round); reports the per-round ratio (0: off)")
+    run.add_argument("--compiled-fusions", action="store_true",
+                     help="ours with Megatron-Core's bias-gelu and bias-dropout-add fusions on, as "
+                          "on a GPU: here torch.compile builds them for inductor's C++ backend, so "
+                          "the timing shows what calling the compiled code costs the host (compare "
+                          "with a run without the flag)")
     run.add_argument("--sites", type=int, default=12,
                      help="call-site frames kept per synchronization point (12)")
     run.add_argument("--quick", action="store_true",
@@ -395,6 +401,8 @@ def measure_ours(args: argparse.Namespace) -> dict:
     from megatron_dpp.training.signals import StopSignals
 
     spec = MODEL_SPECS["gpt"]
+    if args.compiled_fusions:
+        _force_compiled_fusions()
     train_args = parse_args(_our_argv(args))
     platform = loop.setup_platform(spec.cpu_patched_modules)
     loop.initialize_distributed(train_args, platform)
@@ -454,6 +462,9 @@ def measure_ours(args: argparse.Namespace) -> dict:
                              "forward_backward": timing.get("schedule"),
                              "optimizer_step": timing.get("optimizer")}
         result["optimizer"] = type(_inner_optimizers(trainer.optimizer)[0]).__name__
+        from torch._dynamo.utils import counters as dynamo_counters
+
+        result["compiled_frames"] = dynamo_counters["frames"]["ok"]  # torch.compile'd functions
         if linears is not None:
             result["linears"] = linears
         return result
@@ -462,6 +473,18 @@ def measure_ours(args: argparse.Namespace) -> dict:
 
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
+
+
+def _force_compiled_fusions() -> None:
+    """The compiled fusions' choice as on a GPU with triton (megatron_dpp.kernels turns them off on
+    a CPU); Megatron-Core's jit_fuser then compiles them for the CPU."""
+    from megatron_dpp import kernels
+
+    def choice(feature: str, wanted: bool, off_flag: str):
+        return kernels.Choice(feature, wanted, "forced on the CPU by host_overhead.py "
+                              "--compiled-fusions" if wanted else off_flag)
+
+    kernels._compiled_fusion = choice
 
 
 def _compare_linears(trainer, iteration, rounds: int) -> dict:

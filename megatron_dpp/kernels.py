@@ -205,7 +205,11 @@ def _masked_softmax_fusion(attention: CoreAttentionChoice) -> Choice:
     return Choice(feature, True, "Megatron's scaled masked softmax kernels are installed")
 
 
-def _compiled_fusion(feature: str) -> Choice:
+def _compiled_fusion(feature: str, wanted: bool, off_flag: str) -> Choice:
+    """A Megatron-Core fusion that its jit_fuser (torch.compile) builds: on where torch.compile
+    has a GPU backend, unless its Megatron-LM flag turns it off."""
+    if not wanted:
+        return Choice(feature, False, f"{off_flag}: unfused torch ops")
     if not cuda_available():
         return Choice(feature, False, "CPU: unfused torch ops")
     if not module_importable(TRITON_MODULE):
@@ -261,15 +265,28 @@ def _fused_optimizer() -> Choice:
                   "per-tensor multi-tensor fallbacks (Transformer Engine and Apex not installed)")
 
 
+def _mlp_activation(args: argparse.Namespace) -> str:
+    """"gelu" or "swiglu": which of Megatron-LM's --no-bias-*-fusion flags applies to the model."""
+    from megatron_dpp.models.families import model_family
+
+    model = getattr(args, "model", None)
+    return model_family(model).mlp_activation if model else "gelu"
+
+
 def kernel_choices(args: argparse.Namespace) -> KernelChoices:
     attention = core_attention_from_args(args)
+    activation = _mlp_activation(args)
     te_layers = _transformer_engine_layers(attention)
     return KernelChoices(
         attention=attention,
         transformer_engine_layers=te_layers,
         masked_softmax_fusion=_masked_softmax_fusion(attention),
-        bias_activation_fusion=_compiled_fusion("bias-gelu fusion"),
-        bias_dropout_fusion=_compiled_fusion("bias-dropout-add fusion"),
+        bias_activation_fusion=_compiled_fusion(
+            f"bias-{activation} fusion", getattr(args, f"bias_{activation}_fusion"),
+            f"--no-bias-{activation}-fusion"),
+        bias_dropout_fusion=_compiled_fusion("bias-dropout-add fusion",
+                                             args.bias_dropout_fusion,
+                                             "--no-bias-dropout-fusion"),
         rope_fusion=_rope_fusion(),
         gradient_accumulation_fusion=gradient_accumulation_fusion(args),
         persist_layer_norm=persist_layer_norm(args, te_layers.on),

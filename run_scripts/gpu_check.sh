@@ -6,6 +6,8 @@
 #              device copy; NCCL on 2+ GPUs)
 #   gpt, bert  run_single_gpt.sh / run_single_bert.sh with the GPU recipes (gpt3_125m, bert_base)
 #              at pp=1 on one GPU, a few iterations; tokens/s from the log
+#   gpt-fused  the GPT run again with Megatron-Core's torch.compile'd bias-gelu and bias-dropout-add
+#              fusions, which the gpt3_125m recipe turns off (host time against device time)
 #   anchor     benchmarks/gpu_speed_anchor.py: a plain PyTorch GPT of the GPT run's shape and work,
 #              SDPA attention and, for reference, attention written out (--unfused)
 # and prints one table (what ran, pass/fail, GPT tokens/s against the SDPA anchor, whose target is
@@ -108,6 +110,11 @@ step transport transport.log "$PY" benchmarks/transport_bench.py --device cuda \
 step gpt gpt.log env PP=1 TP=1 NPROC=1 bash run_scripts/run_single_gpt.sh "${SMOKE_FLAGS[@]}" \
   --seq-length "$GPT_SEQ_LENGTH" --max-position-embeddings "$GPT_SEQ_LENGTH" \
   --micro-batch-size "$GPT_MICRO_BATCH" --global-batch-size "$GPT_GBS"
+# The same run with Megatron-Core's torch.compile'd fusions, which the recipe turns off (docs/gpu.md).
+step gpt-fused gpt_fused.log env PP=1 TP=1 NPROC=1 bash run_scripts/run_single_gpt.sh "${SMOKE_FLAGS[@]}" \
+  --seq-length "$GPT_SEQ_LENGTH" --max-position-embeddings "$GPT_SEQ_LENGTH" \
+  --micro-batch-size "$GPT_MICRO_BATCH" --global-batch-size "$GPT_GBS" \
+  --bias-gelu-fusion --bias-dropout-fusion
 step bert bert.log env PP=1 TP=1 NPROC=1 bash run_scripts/run_single_bert.sh "${SMOKE_FLAGS[@]}" \
   --seq-length "$BERT_SEQ_LENGTH" --max-position-embeddings "$BERT_SEQ_LENGTH" \
   --global-batch-size "$BERT_GBS"

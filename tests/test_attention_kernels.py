@@ -331,7 +331,8 @@ def test_kernel_lines_are_printed_once_each(monkeypatch):
     monkeypatch.setattr(kernels, "_logged", False)
     args = argparse.Namespace(attention_backend="auto", use_flash_attn=False,
                               dpp_split_backward=False, gradient_accumulation_fusion=True,
-                              no_persist_layer_norm=False)
+                              no_persist_layer_norm=False, bias_gelu_fusion=True,
+                              bias_swiglu_fusion=True, bias_dropout_fusion=True)
     lines: list[str] = []
     kernels.log_kernel_choices(args, lines.append)
     kernels.log_kernel_choices(args, lines.append)
@@ -407,3 +408,62 @@ def test_attention_flags(argv, cuda, error, monkeypatch, capsys, no_optional_pac
         assert got is None
     else:
         assert got is not None and error in got, got
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron-LM's --no-bias-*-fusion flags (the torch.compile'd fusions)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("model, flags, gelu_or_swiglu, dropout", [
+    ("gpt", [], True, True),  # Megatron-LM's default where torch.compile has a GPU backend
+    ("gpt", ["--no-bias-gelu-fusion"], False, True),
+    ("gpt", ["--no-bias-dropout-fusion"], True, False),
+    ("gpt", ["--no-bias-swiglu-fusion"], True, True),  # GPT's MLP is GeLU: not its flag
+    ("gpt", ["--no-bias-gelu-fusion", "--bias-gelu-fusion"], True, True),  # the last one wins
+    ("llama", ["--no-bias-swiglu-fusion"], False, True),
+    ("llama", ["--no-bias-gelu-fusion"], True, True),
+])
+def test_bias_fusion_flags_decide_on_a_gpu(model, flags, gelu_or_swiglu, dropout, monkeypatch):
+    from megatron_dpp.arguments import parse_args
+    from megatron_dpp.training.config import transformer_config_from_args
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    recipe = {"gpt": "examples/gpt3/gpt3_tiny.sh", "llama": "examples/llama/llama_tiny.sh"}[model]
+    args = parse_args([*data_args(), *_recipe_flags(recipe), *flags],
+                      prog=f"megatron_dpp.pretrain_{model}", model=model)
+    args.padded_vocab_size = 128
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "module_importable",
+                        lambda name: name == kernels.TRITON_MODULE)  # triton only
+    choices = kernels.kernel_choices(args)
+    config = transformer_config_from_args(args)
+    activation = "swiglu" if model == "llama" else "gelu"
+
+    assert choices.bias_activation_fusion.feature == f"bias-{activation} fusion"
+    assert (choices.bias_activation_fusion.on, config.bias_activation_fusion) == (gelu_or_swiglu,) * 2
+    assert (choices.bias_dropout_fusion.on, config.bias_dropout_fusion) == (dropout,) * 2
+    if not gelu_or_swiglu:
+        assert choices.bias_activation_fusion.line() == (
+            f"kernels: bias-{activation} fusion off: --no-bias-{activation}-fusion: unfused torch ops")
+    if not dropout:
+        assert choices.bias_dropout_fusion.line() == (
+            "kernels: bias-dropout-add fusion off: --no-bias-dropout-fusion: unfused torch ops")
+
+
+def test_gpt_125m_recipe_leaves_the_compiled_fusions_off(monkeypatch):
+    """The GPU recipe's choice (its step is bound by the host); gpu_check.sh's gpt-fused step runs
+    the fused variant beside it."""
+    from megatron_dpp.arguments import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "module_importable", lambda name: name == kernels.TRITON_MODULE)
+    recipe = _recipe_flags("examples/gpt3/gpt3_125m.sh")
+    choices = kernels.kernel_choices(parse_args([*data_args(), *recipe],
+                                                prog="megatron_dpp.pretrain_gpt", model="gpt"))
+    assert not choices.bias_activation_fusion.on and not choices.bias_dropout_fusion.on
+    fused = kernels.kernel_choices(parse_args(
+        [*data_args(), *recipe, "--bias-gelu-fusion", "--bias-dropout-fusion"],
+        prog="megatron_dpp.pretrain_gpt", model="gpt"))
+    assert fused.bias_activation_fusion.on and fused.bias_dropout_fusion.on

@@ -74,6 +74,8 @@ def test_report_table_from_real_logs(tmp_path):
                                        "--log-interval", "2"], nproc=1, timeout=240)
     assert rc == 0 and losses[-1] < losses[0], log[-3000:]
     (tmp_path / "gpt.log").write_text(log)
+    (tmp_path / "gpt_fused.log").write_text(log.replace("elapsed time per iteration (ms): ",
+                                                        "elapsed time per iteration (ms): 1"))
     (tmp_path / "bert.log").write_text("Traceback ...\nRuntimeError: out of memory\n")
     anchor = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_speed_anchor.py"),
                              "--device", "cpu", "--quick", "--json", str(tmp_path / "anchor_sdpa.json")],
@@ -82,7 +84,8 @@ def test_report_table_from_real_logs(tmp_path):
     (tmp_path / "anchor.log").write_text(anchor.stdout)
     (tmp_path / "transport.log").write_text("")
     (tmp_path / "transport_cuda.json").write_text(json.dumps(_transport_json()))
-    (tmp_path / "steps.tsv").write_text("gpt\t0\tgpt.log\t30\nbert\t1\tbert.log\t5\n"
+    (tmp_path / "steps.tsv").write_text("gpt\t0\tgpt.log\t30\ngpt-fused\t0\tgpt_fused.log\t30\n"
+                                        "bert\t1\tbert.log\t5\n"
                                         "anchor\t0\tanchor.log\t9\ntransport\t0\ttransport.log\t4\n")
     result = subprocess.run([sys.executable, REPORT, str(tmp_path), "--gpt-seq-length", str(SEQ),
                              "--bert-seq-length", "512"], capture_output=True, text=True,
@@ -98,10 +101,14 @@ def test_report_table_from_real_logs(tmp_path):
     assert gpt["tokens_per_s"] == pytest.approx(8 * SEQ / (gpt["ms_per_iteration"] / 1e3))
     anchor_rate = json.loads((tmp_path / "anchor_sdpa.json").read_text())["tokens_per_s"]
     assert summary["gpt_vs_anchor"] == pytest.approx(gpt["tokens_per_s"] / anchor_rate)
+    fused = steps["gpt-fused"]  # the same log with every time 1xxx ms: slower, read as its own
+    assert fused["passed"] and fused["ms_per_iteration"] > gpt["ms_per_iteration"] + 999
+    assert summary["gpt_fused_vs_anchor"] == pytest.approx(fused["tokens_per_s"] / anchor_rate)
     lines = result.stdout.splitlines()
     assert any(line.startswith("gpt ") and "pass" in line and "tokens/s" in line for line in lines)
     assert any(line.startswith("bert ") and "FAIL" in line for line in lines)
     assert any(line.startswith("our GPT / SDPA anchor: ") and "target 0.8x" in line for line in lines)
+    assert f"our GPT with the compiled fusions / SDPA anchor: {summary['gpt_fused_vs_anchor']:.2f}x" in lines
     assert "4096 B one-way: shm 270.0 us, host side 22.5 us, device copy 11.0 us, bare event hand-over 250.0 us" in result.stdout
     assert "268435456 B one-way: shm refused (slot too small), device copy 182.0 us" in result.stdout
     assert "nccl: skipped: needs 2 GPUs" in result.stdout

@@ -143,3 +143,21 @@ def test_install_replaces_only_the_local_fallbacks():
     finally:
         (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl,
          mcore_optimizer.multi_tensor_scale_impl) = saved
+
+
+@pytest.mark.timeout(300)
+def test_quick_mode_with_the_compiled_fusions(tmp_path, quick_result):
+    """--compiled-fusions: ours with Megatron-Core's torch.compile'd fusions (compiled for the CPU
+    here), the host cost a GPU run pays for them; without the flag nothing is compiled."""
+    out = tmp_path / "fused.json"
+    env = _env()
+    env.pop("TORCHDYNAMO_DISABLE", None)  # conftest's CPU pinning turns torch.compile off
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "host_overhead.py"), "--quick",
+         "--target", "ours", "--compiled-fusions", "--json", str(out)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    fused = json.loads(out.read_text())["ours"]
+    assert fused["compiled_frames"] >= 2, fused  # bias-gelu and bias-dropout-add, at least
+    assert quick_result["ours"]["compiled_frames"] == 0
+    assert fused["host_ms"]["iteration"] > 0

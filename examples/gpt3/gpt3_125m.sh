@@ -10,6 +10,9 @@ MODEL_ARGS=(
   --num-layers 12 --hidden-size 768 --num-attention-heads 12
   --seq-length 2048 --max-position-embeddings 2048
   --hidden-dropout 0.1 --attention-dropout 0.1
+  # At this size a GPU step waits for the host, and each torch.compile'd fusion call costs the host
+  # more than the device time it saves (docs/gpu.md, "Compiled fusions"); gpu_check.sh runs both.
+  --no-bias-gelu-fusion --no-bias-dropout-fusion
 )
 TRAINING_ARGS=(
   --micro-batch-size 4 --global-batch-size 256 --train-iters 20000

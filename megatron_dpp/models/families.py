@@ -89,6 +89,10 @@ class ModelFamily:
     """(models.memory_model.ModelShape) -> the trainer flags of its model-specific shape fields
     (the search's strategy file writes them after the shared ones)."""
 
+    mlp_activation: str = "gelu"
+    """Its MLP's activation as Megatron-LM's fusion flags name it: "gelu" (--no-bias-gelu-fusion
+    applies) or "swiglu" (--no-bias-swiglu-fusion applies)."""
+
     def ties_output(self, untie_embeddings_and_output_weights: bool) -> bool:
         """Is the output layer's weight the word embedding's?"""
         if self.always_untied_output:
@@ -249,6 +253,7 @@ LLAMA = ModelFamily(
     add_args=_add_llama_args,
     validate_args=_validate_llama_args,
     shape_flags=_llama_shape_flags,
+    mlp_activation="swiglu",
 )
 
 

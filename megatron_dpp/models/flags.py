@@ -119,6 +119,21 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                             "it is fused where it can run (a CUDA GPU with Apex's "
                             "fused_weight_gradient_mlp_cuda extension), as in Megatron-LM; on CPU, "
                             "without Apex or with --dpp-split-backward it is always off.")
+    # Megatron-LM's --no-bias-*-fusion flags; the positive forms undo a recipe's --no-... (last wins).
+    for activation in ("gelu", "swiglu"):
+        group.add_argument(f"--bias-{activation}-fusion", action=argparse.BooleanOptionalAction,
+                           default=True,
+                           help=f"Fuse the MLP's bias add and {activation} into one "
+                                f"torch.compile'd kernel (Megatron-Core's bias_activation_fusion, "
+                                f"for models whose MLP is {activation}; default on where "
+                                f"torch.compile has a GPU backend). Each fused call costs the host "
+                                f"more than the separate torch ops do, so a small model whose step "
+                                f"is bound by the host can be faster without it (docs/gpu.md).")
+    group.add_argument("--bias-dropout-fusion", action=argparse.BooleanOptionalAction, default=True,
+                       help="Fuse the bias add, dropout and residual add after attention and "
+                            "after the MLP into one torch.compile'd kernel (Megatron-Core's "
+                            "bias_dropout_fusion; default on where torch.compile has a GPU "
+                            "backend). As --bias-gelu-fusion, it trades host time for device time.")
     group.add_argument("--use-mcore-models", action="store_true",
                        help="Accepted as in Megatron-LM: the models here are always Megatron-Core's "
                             "(GPTModel, BertModel); there are no legacy models to choose instead.")
