@@ -32,6 +32,7 @@ gpu_check.sh).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import statistics
 import sys
@@ -164,11 +165,13 @@ def _events_size(rank: int, store, size: int, iters: int, tag: int) -> Optional[
     memory = (shared_memory.SharedMemory(name, create=True, size=16) if rank == 0 else None)
     store.set(f"events/{tag}/memory", "ready") if rank == 0 else store.get(f"events/{tag}/memory")
     if memory is None:
-        memory = shared_memory.SharedMemory(name)
-        # Rank 0 owns and unlinks it; keep rank 1's resource tracker from unlinking it again.
-        from multiprocessing import resource_tracker
-        resource_tracker.unregister(memory._name, "shared_memory")
-    counters = np.ndarray((2,), dtype=np.int64, buffer=memory.buf)  # counters[r]: hops rank r sent
+        # Rank 0 owns and unlinks it. Rank 1 maps the file itself: through SharedMemory it would
+        # register the name with the resource tracker both ranks share, which then complains when
+        # the name is unregistered twice.
+        with open(f"/dev/shm/{name}", "r+b") as file:
+            memory = mmap.mmap(file.fileno(), 16)
+    buffer = memory.buf if rank == 0 else memory
+    counters = np.ndarray((2,), dtype=np.int64, buffer=buffer)  # counters[r]: hops rank r sent
     if rank == 0:
         counters[:] = 0
     torch.cuda.synchronize()
