@@ -1,6 +1,7 @@
 """The table of run_scripts/gpu_check.sh, from what its steps left in OUTPUT_DIR: steps.tsv (name,
-exit status, log, seconds per step), the logs, transport_cuda.json and anchor_*.json. Prints the
-table, writes OUTPUT_DIR/summary.json, exits 1 when a step failed (0 otherwise).
+exit status, log, seconds per step), the logs, transport_cuda.json, transport_cuda_mps.json and
+anchor_*.json. Prints the table, writes OUTPUT_DIR/summary.json, exits 1 when a step failed (0
+otherwise).
 
     python run_scripts/_gpu_check_report.py OUTPUT_DIR --gpt-seq-length 2048 --bert-seq-length 512
 """
@@ -102,7 +103,7 @@ def summarize(output_dir: Path, seq_lengths: dict) -> dict:
             anchor = anchors[step["name"]]
             step["tokens_per_s"] = anchor["tokens_per_s"] if anchor else None
             step["detail"] = _rate(step["tokens_per_s"])
-        elif step["name"] == "transport" and passed:
+        elif step["name"] in ("transport", "transport-mps") and passed:
             step["detail"] = "CUDA IPC figures below"
         else:
             step["detail"] = ""
@@ -118,7 +119,8 @@ def summarize(output_dir: Path, seq_lengths: dict) -> dict:
 
     return {"steps": steps, "gpt_vs_anchor": over_anchor("gpt"),
             "gpt_fused_vs_anchor": over_anchor("gpt-fused"), "target_ratio": TARGET_RATIO,
-            "transport": _load(output_dir / "transport_cuda.json")}
+            "transport": _load(output_dir / "transport_cuda.json"),
+            "transport_mps": _load(output_dir / "transport_cuda_mps.json")}
 
 
 def print_summary(summary: dict, output_dir: Path) -> None:
@@ -137,6 +139,10 @@ def print_summary(summary: dict, output_dir: Path) -> None:
     ipc = _ipc_lines(summary["transport"])
     if ipc:
         print("CUDA IPC (bf16, two processes on one GPU):")
+        print("\n".join(ipc))
+    ipc = _ipc_lines(summary.get("transport_mps"))
+    if ipc:
+        print("CUDA IPC under MPS (the two processes share the GPU without switching):")
         print("\n".join(ipc))
 
 

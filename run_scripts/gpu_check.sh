@@ -4,6 +4,9 @@
 #              DPP against Megatron's schedule on 2+ GPUs)
 #   transport  benchmarks/transport_bench.py --device cuda --json (CUDA IPC one-way times against a
 #              device copy; NCCL on 2+ GPUs)
+#   transport-mps  the same under NVIDIA's Multi-Process Service, where nvidia-cuda-mps-control is
+#              on PATH: the two processes then share the GPU without switching between them. The
+#              script starts a private MPS daemon (its own pipe and log directories) and stops it.
 #   gpt, bert  run_single_gpt.sh / run_single_bert.sh with the GPU recipes (gpt3_125m, bert_base)
 #              at pp=1 on one GPU, a few iterations; tokens/s from the log
 #   gpt-fused  the GPT run again with Megatron-Core's torch.compile'd bias-gelu and bias-dropout-add
@@ -22,6 +25,7 @@
 #   --bert-global-batch-size N  BERT smoke run's global batch (default 64)
 #   --anchor-steps N            measured steps of each anchor run (default 10)
 #   --skip-tests                leave out pytest -m gpu
+#   --skip-mps                  leave out transport-mps
 #   -h, --help                  this text
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,6 +44,7 @@ GPT_GBS=32
 BERT_GBS=64
 ANCHOR_STEPS=10
 RUN_TESTS=1
+RUN_MPS=1
 
 fail_usage() {
   echo "$NAME: $*" >&2
@@ -54,6 +59,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     --skip-tests) RUN_TESTS=0 ;;
+    --skip-mps) RUN_MPS=0 ;;
     --output-dir|--train-iters|--gpt-global-batch-size|--bert-global-batch-size|--anchor-steps)
       [ $# -ge 2 ] || fail_usage "$1 needs a value (see --help)"
       case "$1" in
@@ -107,6 +113,28 @@ if [ "$RUN_TESTS" = 1 ]; then
 fi
 step transport transport.log "$PY" benchmarks/transport_bench.py --device cuda \
   --json "$OUTPUT_DIR/transport_cuda.json"
+# transport_under_mps JSON: the transport benchmark with a private MPS daemon running (a short
+# directory under /tmp: the daemon's socket path must stay under 108 characters), stopped after.
+# A subshell, so that the MPS variables stay out of the later steps.
+transport_under_mps() (
+  local dir status=0
+  dir="$(mktemp -d /tmp/dpp_mps.XXXXXX)"
+  export CUDA_MPS_PIPE_DIRECTORY="$dir/pipe" CUDA_MPS_LOG_DIRECTORY="$dir/log"
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "nvidia-cuda-mps-control -d failed"; return 1; }
+  "$PY" benchmarks/transport_bench.py --device cuda --json "$1" || status=$?
+  echo quit | nvidia-cuda-mps-control || status=1
+  cat "$CUDA_MPS_LOG_DIRECTORY"/control.log 2>/dev/null | tail -5
+  rm -rf "$dir"
+  return "$status"
+)
+if [ "$RUN_MPS" = 1 ]; then
+  if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+    step transport-mps transport_mps.log transport_under_mps "$OUTPUT_DIR/transport_cuda_mps.json"
+  else
+    echo "$NAME: transport-mps left out: nvidia-cuda-mps-control is not on PATH"
+  fi
+fi
 step gpt gpt.log env PP=1 TP=1 NPROC=1 bash run_scripts/run_single_gpt.sh "${SMOKE_FLAGS[@]}" \
   --seq-length "$GPT_SEQ_LENGTH" --max-position-embeddings "$GPT_SEQ_LENGTH" \
   --micro-batch-size "$GPT_MICRO_BATCH" --global-batch-size "$GPT_GBS"

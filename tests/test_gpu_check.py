@@ -37,7 +37,8 @@ def test_help_explains_every_flag():
     result = _script("--help")
     assert result.returncode == 0
     for flag in ("--output-dir", "--train-iters", "--gpt-global-batch-size",
-                 "--bert-global-batch-size", "--anchor-steps", "--skip-tests", "--help"):
+                 "--bert-global-batch-size", "--anchor-steps", "--skip-tests", "--skip-mps",
+                 "--help"):
         assert flag in result.stdout
 
 
@@ -84,9 +85,14 @@ def test_report_table_from_real_logs(tmp_path):
     (tmp_path / "anchor.log").write_text(anchor.stdout)
     (tmp_path / "transport.log").write_text("")
     (tmp_path / "transport_cuda.json").write_text(json.dumps(_transport_json()))
+    under_mps = _transport_json()
+    under_mps["results"][0]["one_way_us_p50"] = 23.9  # shm at 4 KiB
+    (tmp_path / "transport_cuda_mps.json").write_text(json.dumps(under_mps))
+    (tmp_path / "transport_mps.log").write_text("")
     (tmp_path / "steps.tsv").write_text("gpt\t0\tgpt.log\t30\ngpt-fused\t0\tgpt_fused.log\t30\n"
                                         "bert\t1\tbert.log\t5\n"
-                                        "anchor\t0\tanchor.log\t9\ntransport\t0\ttransport.log\t4\n")
+                                        "anchor\t0\tanchor.log\t9\ntransport\t0\ttransport.log\t4\n"
+                                        "transport-mps\t0\ttransport_mps.log\t4\n")
     result = subprocess.run([sys.executable, REPORT, str(tmp_path), "--gpt-seq-length", str(SEQ),
                              "--bert-seq-length", "512"], capture_output=True, text=True,
                             timeout=60, env=_env())
@@ -112,3 +118,7 @@ def test_report_table_from_real_logs(tmp_path):
     assert "4096 B one-way: shm 270.0 us, host side 22.5 us, device copy 11.0 us, bare event hand-over 250.0 us" in result.stdout
     assert "268435456 B one-way: shm refused (slot too small), device copy 182.0 us" in result.stdout
     assert "nccl: skipped: needs 2 GPUs" in result.stdout
+    ipc, mps = result.stdout.split("CUDA IPC under MPS (the two processes share the GPU without "
+                                   "switching):")
+    assert "4096 B one-way: shm 270.0 us" in ipc and "4096 B one-way: shm 23.9 us" in mps
+    assert steps["transport-mps"]["passed"] and steps["transport-mps"]["detail"] == "CUDA IPC figures below"
