@@ -135,14 +135,12 @@ if [ "$RUN_MPS" = 1 ]; then
     echo "$NAME: transport-mps left out: nvidia-cuda-mps-control is not on PATH"
   fi
 fi
-step gpt gpt.log env PP=1 TP=1 NPROC=1 bash run_scripts/run_single_gpt.sh "${SMOKE_FLAGS[@]}" \
-  --seq-length "$GPT_SEQ_LENGTH" --max-position-embeddings "$GPT_SEQ_LENGTH" \
-  --micro-batch-size "$GPT_MICRO_BATCH" --global-batch-size "$GPT_GBS"
+GPT_RUN=(env PP=1 TP=1 NPROC=1 bash run_scripts/run_single_gpt.sh "${SMOKE_FLAGS[@]}"
+         --seq-length "$GPT_SEQ_LENGTH" --max-position-embeddings "$GPT_SEQ_LENGTH"
+         --micro-batch-size "$GPT_MICRO_BATCH" --global-batch-size "$GPT_GBS")
+step gpt gpt.log "${GPT_RUN[@]}"
 # The same run with Megatron-Core's torch.compile'd fusions, which the recipe turns off (docs/gpu.md).
-step gpt-fused gpt_fused.log env PP=1 TP=1 NPROC=1 bash run_scripts/run_single_gpt.sh "${SMOKE_FLAGS[@]}" \
-  --seq-length "$GPT_SEQ_LENGTH" --max-position-embeddings "$GPT_SEQ_LENGTH" \
-  --micro-batch-size "$GPT_MICRO_BATCH" --global-batch-size "$GPT_GBS" \
-  --bias-gelu-fusion --bias-dropout-fusion
+step gpt-fused gpt_fused.log "${GPT_RUN[@]}" --bias-gelu-fusion --bias-dropout-fusion
 step bert bert.log env PP=1 TP=1 NPROC=1 bash run_scripts/run_single_bert.sh "${SMOKE_FLAGS[@]}" \
   --seq-length "$BERT_SEQ_LENGTH" --max-position-embeddings "$BERT_SEQ_LENGTH" \
   --global-batch-size "$BERT_GBS"
