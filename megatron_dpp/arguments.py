@@ -25,7 +25,8 @@ from megatron_dpp.flag_errors import ArgsError, check_refused_flags, require
 from megatron_dpp.kernels import install_warning_filters
 from megatron_dpp.models import families
 from megatron_dpp.models.flags import (REFUSED_PARALLEL_FLAGS, add_model_args, add_parallel_args,
-                                       validate_model_args, validate_parallel_args)
+                                       validate_cuda_graph_args, validate_model_args,
+                                       validate_parallel_args)
 from megatron_dpp.one_line_errors import InputError, OneLineErrorParser
 from megatron_dpp.rank_failure import fail
 from megatron_dpp.runtime.flags import add_dpp_args, validate_dpp_args
@@ -82,6 +83,7 @@ VALIDATORS: list[Callable[[argparse.Namespace], None]] = [
     validate_dpp_args,
     validate_trace_args,
     validate_profile_args,
+    validate_cuda_graph_args,
 ]
 
 

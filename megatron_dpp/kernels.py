@@ -172,13 +172,14 @@ class KernelChoices:
     gradient_accumulation_fusion: Choice
     persist_layer_norm: Choice
     fused_optimizer: Choice
+    cuda_graphs: Choice
 
     def lines(self) -> list[str]:
         return [self.attention.line(), self.transformer_engine_layers.line(),
                 self.masked_softmax_fusion.line(), self.bias_activation_fusion.line(),
                 self.bias_dropout_fusion.line(), self.rope_fusion.line(),
                 self.gradient_accumulation_fusion.line(), self.persist_layer_norm.line(),
-                self.fused_optimizer.line()]
+                self.fused_optimizer.line(), self.cuda_graphs.line()]
 
 
 def _transformer_engine_layers(attention: CoreAttentionChoice) -> Choice:
@@ -265,6 +266,19 @@ def _fused_optimizer() -> Choice:
                   "per-tensor multi-tensor fallbacks (Transformer Engine and Apex not installed)")
 
 
+def cuda_graphs(args: argparse.Namespace) -> Choice:
+    """Megatron-Core's local CUDA graphs (TransformerConfig.cuda_graph_impl "local"), asked for with
+    Megatron-LM's --cuda-graph-impl local; the flag's checks (a GPU, Megatron's schedules, fixed
+    shapes) are models/flags.py's validate_cuda_graph_args."""
+    feature = "CUDA graphs"
+    if getattr(args, "cuda_graph_impl", "none") != "local":
+        return Choice(feature, False, "--cuda-graph-impl none (Megatron-LM's default): every "
+                      "kernel is launched from Python")
+    return Choice(feature, True, "--cuda-graph-impl local: Megatron-Core's CudaGraphManager "
+                  "captures each transformer layer's forward and backward at the end of the first "
+                  "training iteration and replays them from then on")
+
+
 def _mlp_activation(args: argparse.Namespace) -> str:
     """"gelu" or "swiglu": which of Megatron-LM's --no-bias-*-fusion flags applies to the model."""
     from megatron_dpp.models.families import model_family
@@ -291,6 +305,7 @@ def kernel_choices(args: argparse.Namespace) -> KernelChoices:
         gradient_accumulation_fusion=gradient_accumulation_fusion(args),
         persist_layer_norm=persist_layer_norm(args, te_layers.on),
         fused_optimizer=_fused_optimizer(),
+        cuda_graphs=cuda_graphs(args),
     )
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 TARGET_RATIO = 0.8  # issue 26: our GPT-125m at >= 0.8x the eager SDPA anchor's tokens/s
+# The gpt step's variants that gpu_check.sh runs (step name: what its report line calls it).
+GPT_VARIANTS = {"gpt-fused": "with the compiled fusions", "gpt-graphs": "with CUDA graphs"}
 SKIP_LOG_LINES = 1  # the first logged interval holds start-up (allocation, autotuning)
 ITERATION_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+).*?"
                           r"global batch size:\s+(\d+).*?lm loss: ([-+0-9.eE]+)")
@@ -83,6 +85,11 @@ def _ipc_lines(transport: Optional[dict]) -> list[str]:
     return lines
 
 
+def _ratio_key(step_name: str) -> str:
+    """summary.json's key of a GPT variant's ratio to the anchor: gpt-fused -> gpt_fused_vs_anchor."""
+    return step_name.replace("-", "_") + "_vs_anchor"
+
+
 def summarize(output_dir: Path, seq_lengths: dict) -> dict:
     steps = read_steps(output_dir)
     anchors = {"anchor": _load(output_dir / "anchor_sdpa.json"),
@@ -118,7 +125,8 @@ def summarize(output_dir: Path, seq_lengths: dict) -> dict:
         return ours / anchor if ours and anchor else None
 
     return {"steps": steps, "gpt_vs_anchor": over_anchor("gpt"),
-            "gpt_fused_vs_anchor": over_anchor("gpt-fused"), "target_ratio": TARGET_RATIO,
+            **{_ratio_key(name): over_anchor(name) for name in GPT_VARIANTS},
+            "target_ratio": TARGET_RATIO,
             "transport": _load(output_dir / "transport_cuda.json"),
             "transport_mps": _load(output_dir / "transport_cuda_mps.json")}
 
@@ -133,9 +141,10 @@ def print_summary(summary: dict, output_dir: Path) -> None:
     if ratio is not None:
         verdict = "meets" if ratio >= TARGET_RATIO else "below"
         print(f"our GPT / SDPA anchor: {ratio:.2f}x ({verdict} the target {TARGET_RATIO}x)")
-    fused = summary.get("gpt_fused_vs_anchor")
-    if fused is not None:
-        print(f"our GPT with the compiled fusions / SDPA anchor: {fused:.2f}x")
+    for name, what in GPT_VARIANTS.items():
+        variant = summary.get(_ratio_key(name))
+        if variant is not None:
+            print(f"our GPT {what} / SDPA anchor: {variant:.2f}x")
     ipc = _ipc_lines(summary["transport"])
     if ipc:
         print("CUDA IPC (bf16, two processes on one GPU):")
@@ -153,7 +162,7 @@ def main(argv=None) -> int:
     parser.add_argument("--bert-seq-length", type=int, required=True)
     args = parser.parse_args(argv)
     summary = summarize(args.output_dir, {"gpt": args.gpt_seq_length,
-                                          "gpt-fused": args.gpt_seq_length,
+                                          **{name: args.gpt_seq_length for name in GPT_VARIANTS},
                                           "bert": args.bert_seq_length})
     print_summary(summary, args.output_dir)
     (args.output_dir / "summary.json").write_text(json.dumps(summary, indent=1))

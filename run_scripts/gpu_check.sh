@@ -11,6 +11,8 @@
 #              at pp=1 on one GPU, a few iterations; tokens/s from the log
 #   gpt-fused  the GPT run again with Megatron-Core's torch.compile'd bias-gelu and bias-dropout-add
 #              fusions, which the gpt3_125m recipe turns off (host time against device time)
+#   gpt-graphs the GPT run again with --cuda-graph-impl local (Megatron-Core's CUDA graphs of each
+#              transformer layer: the host launches one graph per layer instead of its kernels)
 #   anchor     benchmarks/gpu_speed_anchor.py: a plain PyTorch GPT of the GPT run's shape and work,
 #              SDPA attention and, for reference, attention written out (--unfused)
 # and prints one table (what ran, pass/fail, GPT tokens/s against the SDPA anchor, whose target is
@@ -141,6 +143,8 @@ GPT_RUN=(env PP=1 TP=1 NPROC=1 bash run_scripts/run_single_gpt.sh "${SMOKE_FLAGS
 step gpt gpt.log "${GPT_RUN[@]}"
 # The same run with Megatron-Core's torch.compile'd fusions, which the recipe turns off (docs/gpu.md).
 step gpt-fused gpt_fused.log "${GPT_RUN[@]}" --bias-gelu-fusion --bias-dropout-fusion
+# The same run with Megatron-Core's CUDA graphs of each layer (docs/gpu.md, "CUDA graphs").
+step gpt-graphs gpt_graphs.log "${GPT_RUN[@]}" --cuda-graph-impl local
 step bert bert.log env PP=1 TP=1 NPROC=1 bash run_scripts/run_single_bert.sh "${SMOKE_FLAGS[@]}" \
   --seq-length "$BERT_SEQ_LENGTH" --max-position-embeddings "$BERT_SEQ_LENGTH" \
   --global-batch-size "$BERT_GBS"

@@ -1,5 +1,5 @@
 """On a GPU (marked `gpu`, skipped without one; `pytest -m gpu`): GPT and BERT train in bf16 at
-pp=1 on one GPU with falling loss, and the DPP runtime (tests/_runtime_harness.py: every rank a
+pp=1 on one GPU with falling loss (GPT with --cuda-graph-impl local too), and the DPP runtime (tests/_runtime_harness.py: every rank a
 thread, all on one GPU, CUDA tensors) runs under torch.cuda.set_sync_debug_mode("error"), so any
 host-device synchronization per task fails it, and still computes the unpipelined gradients.
 The suite's process is pinned to the CPU (conftest.py): the GPU work runs in subprocesses started
@@ -42,6 +42,25 @@ def test_bert_bf16_trains_on_one_gpu():
                                       with_data=False, base_args=[*bert_data_args(), *TINY_BERT_ARGS],
                                       entry="megatron_dpp.pretrain_bert")
     _assert_loss_falls(rc, losses, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_gpt_cuda_graphs_train_as_eager_on_one_gpu():
+    """--cuda-graph-impl local: the first iteration runs eagerly and records, then every layer's
+    graphs replay; without dropout the losses follow the eager run's (bf16: the same kernels,
+    replayed), and the evaluation (eager layers) runs."""
+    flags = [*BF16_ONE_GPU, "--eval-interval", "10", "--eval-iters", "2"]
+    rc, eager, _, out = run_training(flags, nproc=1, timeout=280, env=gpu_env(),
+                                     base_args=TINY_GPT_ARGS)
+    _assert_loss_falls(rc, eager, out)
+    rc, graphed, _, out = run_training([*flags, "--cuda-graph-impl", "local"], nproc=1,
+                                       timeout=280, env=gpu_env(), base_args=TINY_GPT_ARGS)
+    _assert_loss_falls(rc, graphed, out)
+    assert "kernels: CUDA graphs on: --cuda-graph-impl local" in out, out[-3000:]
+    assert out.count("validation loss at iteration") == 2, out[-3000:]
+    for step, (a, b) in enumerate(zip(eager, graphed), start=1):
+        assert abs(a - b) <= 2e-2 * abs(a), (step, eager, graphed)
 
 
 # Each case: (P, V, policy, tensor-parallel size, split backwards). Runs in one subprocess; prints

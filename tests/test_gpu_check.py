@@ -6,6 +6,7 @@ figures with a refused size."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -77,6 +78,9 @@ def test_report_table_from_real_logs(tmp_path):
     (tmp_path / "gpt.log").write_text(log)
     (tmp_path / "gpt_fused.log").write_text(log.replace("elapsed time per iteration (ms): ",
                                                         "elapsed time per iteration (ms): 1"))
+    (tmp_path / "gpt_graphs.log").write_text(re.sub(  # every time a tenth: faster
+        r"elapsed time per iteration \(ms\): ([0-9.]+)",
+        lambda m: f"elapsed time per iteration (ms): {float(m.group(1)) / 10:.3f}", log))
     (tmp_path / "bert.log").write_text("Traceback ...\nRuntimeError: out of memory\n")
     anchor = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_speed_anchor.py"),
                              "--device", "cpu", "--quick", "--json", str(tmp_path / "anchor_sdpa.json")],
@@ -90,6 +94,7 @@ def test_report_table_from_real_logs(tmp_path):
     (tmp_path / "transport_cuda_mps.json").write_text(json.dumps(under_mps))
     (tmp_path / "transport_mps.log").write_text("")
     (tmp_path / "steps.tsv").write_text("gpt\t0\tgpt.log\t30\ngpt-fused\t0\tgpt_fused.log\t30\n"
+                                        "gpt-graphs\t0\tgpt_graphs.log\t30\n"
                                         "bert\t1\tbert.log\t5\n"
                                         "anchor\t0\tanchor.log\t9\ntransport\t0\ttransport.log\t4\n"
                                         "transport-mps\t0\ttransport_mps.log\t4\n")
@@ -110,7 +115,12 @@ def test_report_table_from_real_logs(tmp_path):
     fused = steps["gpt-fused"]  # the same log with every time 1xxx ms: slower, read as its own
     assert fused["passed"] and fused["ms_per_iteration"] > gpt["ms_per_iteration"] + 999
     assert summary["gpt_fused_vs_anchor"] == pytest.approx(fused["tokens_per_s"] / anchor_rate)
+    graphs = steps["gpt-graphs"]
+    assert graphs["passed"]
+    assert graphs["ms_per_iteration"] == pytest.approx(gpt["ms_per_iteration"] / 10, rel=1e-3)
+    assert summary["gpt_graphs_vs_anchor"] == pytest.approx(graphs["tokens_per_s"] / anchor_rate)
     lines = result.stdout.splitlines()
+    assert f"our GPT with CUDA graphs / SDPA anchor: {summary['gpt_graphs_vs_anchor']:.2f}x" in lines
     assert any(line.startswith("gpt ") and "pass" in line and "tokens/s" in line for line in lines)
     assert any(line.startswith("bert ") and "FAIL" in line for line in lines)
     assert any(line.startswith("our GPT / SDPA anchor: ") and "target 0.8x" in line for line in lines)

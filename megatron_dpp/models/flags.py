@@ -134,6 +134,16 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                             "after the MLP into one torch.compile'd kernel (Megatron-Core's "
                             "bias_dropout_fusion; default on where torch.compile has a GPU "
                             "backend). As --bias-gelu-fusion, it trades host time for device time.")
+    group.add_argument("--cuda-graph-impl", type=str, default="none", choices=("none", "local"),
+                       help="none (default): launch every kernel from Python. local: Megatron-Core's "
+                            "CUDA graphs (its CudaGraphManager): each transformer layer's forward "
+                            "and backward is captured at the end of the first training iteration "
+                            "and replayed from then on, so the host launches one graph per layer "
+                            "instead of its kernels; for a step bound by the host (docs/gpu.md). "
+                            "Needs a CUDA GPU, Megatron's schedules (not --use-dpp), fixed "
+                            "sequence lengths and no activation recomputation; the graphs hold "
+                            "their own activation memory. Megatron-LM's transformer_engine value "
+                            "(Transformer Engine's graphs) is not supported here.")
     group.add_argument("--use-mcore-models", action="store_true",
                        help="Accepted as in Megatron-LM: the models here are always Megatron-Core's "
                             "(GPTModel, BertModel); there are no legacy models to choose instead.")
@@ -189,6 +199,25 @@ def validate_model_args(args: argparse.Namespace) -> None:
         require(transformer_engine_available(),
                 f"--attention-backend {args.attention_backend} is Transformer Engine's attention "
                 f"and needs Transformer Engine on a CUDA GPU; use auto, sdpa or local")
+
+
+def validate_cuda_graph_args(args: argparse.Namespace) -> None:
+    """--cuda-graph-impl local, against the other groups' flags (run after all of them)."""
+    if args.cuda_graph_impl == "none":
+        return
+    flag = "--cuda-graph-impl local"
+    require(torch.cuda.is_available(),
+            f"{flag} captures CUDA graphs and needs a CUDA GPU; drop it on CPU")
+    require(not args.use_dpp,
+            f"{flag} runs under Megatron's schedules, which build the graphs at the end of the "
+            f"first iteration; the --use-dpp runtime does not: drop one of them")
+    require(args.recompute_granularity is None,
+            f"{flag} does not graph recomputed layers (Megatron-Core supports recomputation only "
+            f"with whole-iteration graphs); drop --recompute-activations / "
+            f"--recompute-granularity or the graphs")
+    require(not getattr(args, "variable_seq_lengths", False),
+            f"{flag} replays graphs captured for one shape; --variable-seq-lengths changes the "
+            f"shape every micro-batch: drop one of them")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         apply_rope_fusion=choices.rope_fusion.on,
         gradient_accumulation_fusion=choices.gradient_accumulation_fusion.on,
         persist_layer_norm=choices.persist_layer_norm.on,
+        cuda_graph_impl="local" if choices.cuda_graphs.on else "none",
         clone_scatter_output_in_embedding=args.clone_scatter_output_in_embedding,
         distribute_saved_activations=args.distribute_saved_activations,
         **recompute,

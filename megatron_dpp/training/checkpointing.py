@@ -82,6 +82,8 @@ from megatron_dpp.training.dist_checkpoint import (
     load_dist_checkpoint,
     read_tracker,
     prepare_dist_checkpoint,
+    set_tracker_states,
+    tracker_states,
 )
 
 __all__ = ["TrainState", "CheckpointToLoad", "CheckpointLoadError", "CheckpointSaveError",
@@ -118,7 +120,7 @@ def _rng_state() -> dict:
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "tracker": tracker_states(),
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -131,7 +133,7 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    set_tracker_states(state["tracker"])
 
 
 def _sub_optimizers(optimizer) -> list:

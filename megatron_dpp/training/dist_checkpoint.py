@@ -133,7 +133,7 @@ def _rng_state() -> dict:
         "random_rng_state": random.getstate(),
         "np_rng_state": np.random.get_state(),
         "torch_rng_state": torch.get_rng_state(),
-        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "rng_tracker_states": tracker_states(),
     }
     if torch.cuda.is_available():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
@@ -146,7 +146,33 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch_rng_state"])
     if torch.cuda.is_available() and "cuda_rng_state" in state:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+    set_tracker_states(state["rng_tracker_states"])
+
+
+def tracker_states() -> dict:
+    """The model-parallel RNG tracker's states as byte tensors. With --cuda-graph-impl local the
+    tracker is graph-safe and holds torch.Generator objects, which the captured graphs refer to:
+    their states are saved, so that the file is the same with graphs or without."""
+    return {name: state.get_state() if isinstance(state, torch.Generator) else state
+            for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
+
+
+def set_tracker_states(saved: dict) -> None:
+    """Restores what tracker_states saved. A graph-safe tracker's Generator objects get the saved
+    states written into them (replacing them would leave the graphs on the old ones)."""
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    current = tracker.get_states()
+    generators = {name: state for name, state in current.items()
+                  if isinstance(state, torch.Generator)}
+    if not generators:
+        tracker.set_states(saved)
+        return
+    for name, state in saved.items():
+        if name not in generators:
+            raise CheckpointLoadError(
+                f"the checkpoint's RNG tracker has a state {name!r} this run's does not "
+                f"(it has {sorted(generators)})")
+        generators[name].set_state(state)
 
 
 def _sharded_rng_state():

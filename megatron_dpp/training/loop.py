@@ -84,13 +84,35 @@ def initialize_distributed(args: argparse.Namespace, platform: Platform) -> None
     )
 
 
-def set_seeds(seed: int) -> None:
-    """Megatron-LM's scheme: the pipeline rank offsets the seed (dropout differs per stage)."""
+def set_seeds(seed: int, cuda_graphs: bool = False) -> None:
+    """Megatron-LM's scheme: the pipeline rank offsets the seed (dropout differs per stage). With
+    CUDA graphs the tracker's states are graph-safe generators, which the graphs can replay (as
+    Megatron-LM seeds for --cuda-graph-impl)."""
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs)
+
+
+@contextlib.contextmanager
+def eager_layers(config):
+    """Evaluation with --cuda-graph-impl local: the layers' graphs were captured in training mode,
+    dropout on, and replaying them would apply it. Megatron-Core's CudaGraphManager runs a layer
+    eagerly in eval mode while no graph has been created (its _CudagraphGlobalRecord's flag), so
+    the flag is lowered for the evaluation and restored after; its schedule's create_cudagraphs()
+    at the end of the forward-only pass then finds nothing recorded and does nothing."""
+    if getattr(config, "cuda_graph_impl", "none") != "local":
+        yield
+        return
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+
+    created = _CudagraphGlobalRecord.cudagraph_created
+    _CudagraphGlobalRecord.cudagraph_created = False
+    try:
+        yield
+    finally:
+        _CudagraphGlobalRecord.cudagraph_created = created
 
 
 def is_logging_rank() -> bool:
@@ -354,7 +376,7 @@ class Trainer:
         for chunk in self.model:
             chunk.eval()
         loss_sum = tokens = 0.0
-        with torch.no_grad():
+        with torch.no_grad(), eager_layers(self.config):
             for _ in range(self.train.eval_iters):
                 self.watch("an evaluation step (forward-only schedule, loss all-reduce)")
                 reduced = reduce_losses(self._run_schedule(valid_iterators, forward_only=True),
@@ -482,7 +504,7 @@ def pretrain(args: argparse.Namespace, spec: ModelSpec) -> int:
 
 
 def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec) -> int:
-    set_seeds(args.seed)
+    set_seeds(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
     try:  # before the slow setup: a damaged checkpoint fails in seconds
         checkpoint = find_checkpoint(args.load, args.save) if args.load is not None else None
     except CheckpointLoadError as error:  # the same one line on every rank: rank 0 says it
