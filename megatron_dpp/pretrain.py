@@ -18,6 +18,10 @@ def main(argv: Optional[Sequence[str]] = None, model: Optional[str] = None,
     from megatron_dpp.arguments import parse_args
 
     args = parse_args(argv, prog=prog, description=description, model=model)
+    from megatron_dpp import kernels
+
+    # Without a GPU nothing is torch.compile'd: Megatron-Core loads without torch's compiler.
+    kernels.import_megatron_core(compile_fusions=kernels.cuda_available())
     from megatron_dpp.models import MODEL_SPECS
     from megatron_dpp.training.loop import pretrain
 

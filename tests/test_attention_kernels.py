@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import importlib.machinery
+import os
 import subprocess
 import sys
 import types
@@ -467,3 +468,36 @@ def test_gpt_125m_recipe_leaves_the_compiled_fusions_off(monkeypatch):
         [*data_args(), *recipe, "--bias-gelu-fusion", "--bias-dropout-fusion"],
         prog="megatron_dpp.pretrain_gpt", model="gpt"))
     assert fused.bias_activation_fusion.on and fused.bias_dropout_fusion.on
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron-Core loaded without torch's compiler where nothing is compiled
+# ----------------------------------------------------------------------------------------------
+_IMPORT = """
+import sys, torch
+from megatron_dpp import kernels
+compile_ = torch.compile
+kernels.import_megatron_core(compile_fusions={compile})
+from megatron.core.fusions import fused_bias_dropout
+from megatron.core.transformer import utils
+import megatron.core.models.gpt
+assert torch.compile is compile_
+compiled = [hasattr(fn, "_torchdynamo_orig_callable")
+            for fn in (utils.gelu_impl, fused_bias_dropout.bias_dropout_add_fused_train)]
+print("dynamo" if "torch._dynamo" in sys.modules else "no dynamo", compiled)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("compile_fusions", [False, True])
+def test_megatron_core_loads_without_torch_compile_where_nothing_is_compiled(compile_fusions):
+    """The rank entry (megatron_dpp.pretrain) passes compile_fusions=cuda_available(): on a CPU
+    Megatron-Core's torch.compile'd functions are plain ones and Dynamo never loads (3-5 s of a
+    rank's start); with compiling they are wrapped, as Megatron-Core does by itself."""
+    env = {name: value for name, value in os.environ.items()
+           if name != "TORCHDYNAMO_DISABLE"}  # conftest.py's: torch.compile would wrap nothing
+    result = subprocess.run([sys.executable, "-c", _IMPORT.format(compile=compile_fusions)],
+                            capture_output=True, text=True, timeout=110, cwd=REPO_ROOT, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = "dynamo [True, True]" if compile_fusions else "no dynamo [False, False]"
+    assert result.stdout.strip() == expected, result.stdout
