@@ -333,8 +333,8 @@ def install_warning_filters() -> None:
 def import_megatron_core(compile_fusions: bool) -> None:
     """Imports Megatron-Core (call before its first import). Its fusions, and a few other functions
     (RMSNorm's norm, GeLU variants), are wrapped in torch.compile (its jit_fuser) when their
-    modules load, and that first call of torch.compile loads torch's Dynamo and Inductor: 3-5 s of
-    every rank's start on 2 CPU cores. With compile_fusions False (a machine without a GPU, where
+    modules load, and that first call of torch.compile loads torch's Dynamo and Inductor: about 3 s
+    of every rank's start on 2 CPU cores (docs/gpu.md). With compile_fusions False (a machine without a GPU, where
     the compiled fusions are off: `kernels:` lines) the wrapper is the identity instead: torch.compile
     is replaced by one while megatron.core loads, then Megatron-Core's own disable_jit_fuser() makes
     it so for the modules loaded later. The functions then run as plain torch ops, which is what
