@@ -492,8 +492,8 @@ print("dynamo" if "torch._dynamo" in sys.modules else "no dynamo", compiled)
 @pytest.mark.parametrize("compile_fusions", [False, True])
 def test_megatron_core_loads_without_torch_compile_where_nothing_is_compiled(compile_fusions):
     """The rank entry (megatron_dpp.pretrain) passes compile_fusions=cuda_available(): on a CPU
-    Megatron-Core's torch.compile'd functions are plain ones and Dynamo never loads (about 3 s of a
-    rank's start); with compiling they are wrapped, as Megatron-Core does by itself."""
+    Megatron-Core's torch.compile'd functions are plain ones and its import loads no Dynamo (about 3 s
+    of a rank's start); with compiling they are wrapped, as Megatron-Core does by itself."""
     env = {name: value for name, value in os.environ.items()
            if name != "TORCHDYNAMO_DISABLE"}  # conftest.py's: torch.compile would wrap nothing
     result = subprocess.run([sys.executable, "-c", _IMPORT.format(compile=compile_fusions)],
