@@ -330,7 +330,7 @@ def install_warning_filters() -> None:
                                 module=r"megatron\.core(\.|$)")
 
 
-def import_megatron_core(compile_fusions: bool) -> None:
+def import_megatron_core(compile_fusions: Optional[bool] = None) -> None:
     """Imports Megatron-Core (call before its first import). Its fusions, and a few other functions
     (RMSNorm's norm, GeLU variants), are wrapped in torch.compile (its jit_fuser) when their
     modules load, and that first call of torch.compile loads torch's Dynamo and Inductor: about 3 s
@@ -338,8 +338,12 @@ def import_megatron_core(compile_fusions: bool) -> None:
     the compiled fusions are off: `kernels:` lines) the wrapper is the identity instead: torch.compile
     is replaced by one while megatron.core loads, then Megatron-Core's own disable_jit_fuser() makes
     it so for the modules loaded later. The functions then run as plain torch ops, which is what
-    they compute (tests run them eagerly anyway: TORCHDYNAMO_DISABLE)."""
+    they compute (tests run them eagerly anyway: TORCHDYNAMO_DISABLE). None: compile where a CUDA
+    GPU is available, the choice the entry points make."""
     import sys
+
+    if compile_fusions is None:
+        compile_fusions = cuda_available()
 
     if compile_fusions or "megatron.core" in sys.modules:
         import megatron.core  # noqa: F401

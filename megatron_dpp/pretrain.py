@@ -20,8 +20,7 @@ def main(argv: Optional[Sequence[str]] = None, model: Optional[str] = None,
     args = parse_args(argv, prog=prog, description=description, model=model)
     from megatron_dpp import kernels
 
-    # Without a GPU nothing is torch.compile'd: Megatron-Core loads without torch's compiler.
-    kernels.import_megatron_core(compile_fusions=kernels.cuda_available())
+    kernels.import_megatron_core()  # without a GPU: without torch's compiler
     from megatron_dpp.models import MODEL_SPECS
     from megatron_dpp.training.loop import pretrain
 

@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     from megatron_dpp.pretrain import main as pretrain_main
 
     kernels.install_warning_filters()  # before Megatron-Core is imported, as the trainer does
-    kernels.import_megatron_core(compile_fusions=kernels.cuda_available())  # as the trainer does
+    kernels.import_megatron_core()  # as the trainer does
 
     profiler = IterationProfiler(args.from_iteration)
     profiler.install()

@@ -881,8 +881,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"profile_model: {options.model} hidden {options.hidden_size} heads "
           f"{options.num_attention_heads} {options.dtype}, seq {list(options.seq_lengths)}, "
           f"micro-batch {list(options.micro_batch_sizes)}", file=sys.stderr, flush=True)
-    # Without a GPU nothing is torch.compile'd: Megatron-Core loads without torch's compiler.
-    kernels.import_megatron_core(compile_fusions=kernels.cuda_available())
+    kernels.import_megatron_core()  # without a GPU: without torch's compiler
     with single_process_megatron(options.model):
         profile = profile_model(options, lambda line: print(line, file=sys.stderr, flush=True))
     for path in write_model_profile_dir(profile, args.output_dir):

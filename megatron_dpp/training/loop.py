@@ -30,6 +30,7 @@ from megatron_dpp.comm.router import RouteError
 from megatron_dpp.data.iterators import build_data_iterators
 from megatron_dpp.data.tokenizer import build_tokenizer
 from megatron_dpp.exit_codes import BAD_INPUT, FAILED
+from megatron_dpp.kernels import cuda_graphs as cuda_graph_choice
 from megatron_dpp.kernels import install_foreach_multi_tensor_ops, log_kernel_choices
 from megatron_dpp.models import ModelSpec
 from megatron_dpp.platform import Platform, setup_platform
@@ -504,7 +505,7 @@ def pretrain(args: argparse.Namespace, spec: ModelSpec) -> int:
 
 
 def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec) -> int:
-    set_seeds(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
+    set_seeds(args.seed, cuda_graphs=cuda_graph_choice(args).on)
     try:  # before the slow setup: a damaged checkpoint fails in seconds
         checkpoint = find_checkpoint(args.load, args.save) if args.load is not None else None
     except CheckpointLoadError as error:  # the same one line on every rank: rank 0 says it
