@@ -1,4 +1,4 @@
-"""Helpers for tests that train the tiny GPT in real processes (torchrun), reused by other suites.
+"""Helpers for tests that train the tiny GPT in real processes, reused by other suites.
 
     rc, losses, grad_norms, stdout = run_training(["--pipeline-model-parallel-size", "2"], nproc=2)
 
@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
+
+from _forked_ranks import run_forked
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_DIR = REPO_ROOT / "data" / "sample"
@@ -77,8 +79,11 @@ def parse_log(stdout: str) -> tuple[list[float], list[float]]:
 def run_training(extra_args: Sequence[str] = (), nproc: int = 2, timeout: float = 300,
                  base_args: Sequence[str] | None = None, with_data: bool = True,
                  entry: str = "megatron_dpp.pretrain_gpt", env: dict | None = None,
-                 ) -> tuple[int, list[float], list[float], str]:
-    """Train under torchrun; (returncode, lm losses, grad norms, stdout+stderr).
+                 torchrun: bool = False) -> tuple[int, list[float], list[float], str]:
+    """Train as torchrun would; (returncode, lm losses, grad norms, stdout+stderr).
+
+    CPU runs fork their ranks from preloaded servers (_forked_ranks.py); GPU runs (`env` from
+    _gpu.gpu_env()), and any run with `torchrun`, start under torchrun.
 
     extra_args come last, so they override base_args (default TINY_GPT_ARGS). `env`: the ranks'
     environment (default: this process's, pinned to the CPU by conftest.py). On timeout the whole
@@ -86,6 +91,11 @@ def run_training(extra_args: Sequence[str] = (), nproc: int = 2, timeout: float 
     """
     base = TINY_GPT_ARGS if base_args is None else list(base_args)
     args = [*(data_args() if with_data else []), *base, *extra_args]
+    forked = None if torchrun else run_forked(entry, args, nproc, _env(env), REPO_ROOT, timeout)
+    if forked is not None:
+        returncode, stdout = forked
+        losses, grad_norms = parse_log(stdout)
+        return returncode, losses, grad_norms, stdout
     process = subprocess.Popen(torchrun_command(args, nproc, entry), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env=_env(env), cwd=REPO_ROOT,
                                start_new_session=True)

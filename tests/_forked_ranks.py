@@ -1,0 +1,264 @@
+"""Start a training run's ranks as torchrun does, but forked from preloaded servers
+(`_rank_zygote.py`): the test suite's runs skip torchrun's start (3-4 s) and each rank's imports
+(4-7 s of CPU on the 2-core CI machine).
+
+    returncode, output = run_forked("megatron_dpp.pretrain_gpt", args, nproc=2, env=env,
+                                    cwd=REPO_ROOT, timeout=300)
+    # None where `env` shows a GPU (not CUDA_VISIBLE_DEVICES=""): run under torchrun then.
+
+Kept from `torchrun --standalone --nproc-per-node=N -m MODULE ARGS`: every rank a process of its
+own, in a session of its own, running MODULE as `python -m` does, with torchrun's variables (RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_*, MASTER_ADDR,
+MASTER_PORT, TORCHELASTIC_RUN_ID, ...; rank 0 hosts the rendezvous store instead of the agent);
+the ranks' stdout and stderr on one pipe; when a rank fails, SIGTERM to the others' sessions, SIGKILL
+30 s later, exit code 1, and the report torchrun prints below its ChildFailedError (each failed
+rank's `rank` and `exitcode` lines). Not kept: the agent's restarts (the tests run none) and its error file.
+The launcher itself is tested through its own entry points (run_single_gpt.sh, rank_launcher, the
+multi-node, timeout, heartbeat and signal tests, which start torchrun).
+
+One server per local rank index, each with its own hash seed (as separate interpreters have), so
+that an order that depends on string hashing still differs between ranks.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Optional, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+_SERVER_SCRIPT = Path(__file__).resolve().parent / "_rank_zygote.py"
+_SERVER_START_TIMEOUT_S = 300
+_STOP_GRACE_S = 30  # torchrun's: SIGTERM, then SIGKILL this much later
+# Differs from test to test and changes nothing a rank imports.
+_IGNORED_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
+_HEADER = struct.Struct("!Q")
+
+
+class _Server:
+    def __init__(self, directory: str, index: int, env: dict):
+        self.socket_path = os.path.join(directory, f"rank{index}.sock")
+        self.log_path = os.path.join(directory, f"rank{index}.log")
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, str(_SERVER_SCRIPT), self.socket_path], stdout=subprocess.PIPE,
+                stderr=log, stdin=subprocess.DEVNULL, env=env, cwd=REPO_ROOT,
+                start_new_session=True)
+        self._ready = False
+
+    def wait_ready(self) -> None:
+        if self._ready:
+            return
+        selector = selectors.DefaultSelector()
+        selector.register(self.process.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + _SERVER_START_TIMEOUT_S
+        line = b""
+        while time.monotonic() < deadline and not line.endswith(b"\n"):
+            if selector.select(timeout=max(0.0, deadline - time.monotonic())):
+                chunk = os.read(self.process.stdout.fileno(), 64)
+                if not chunk:
+                    break
+                line += chunk
+        selector.close()
+        if line.strip() != b"ready":
+            log = Path(self.log_path).read_text(errors="replace")[-3000:]
+            raise AssertionError(f"the rank server did not start within {_SERVER_START_TIMEOUT_S} s "
+                                 f"(said {line!r}):\n{log}")
+        self._ready = True
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process.stdout.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+
+
+class _Servers:
+    """The running servers, started on first use with that run's environment."""
+
+    def __init__(self):
+        self.directory: Optional[str] = None
+        self.env: Optional[dict] = None
+        self.servers: list[_Server] = []
+
+    def matching(self, env: dict, nproc: int) -> Optional[list[_Server]]:
+        """Servers for local ranks 0..nproc-1 started with `env` (those running are replaced
+        where theirs differs); None where `env` shows a GPU: a process that has touched CUDA
+        cannot fork working children, and the servers' imports ask whether CUDA is there."""
+        if env.get("CUDA_VISIBLE_DEVICES") != "":
+            return None
+        comparable = {k: v for k, v in env.items() if k not in _IGNORED_VARIABLES}
+        if self.directory is None:
+            self.directory = tempfile.mkdtemp(prefix="dpp-rank-servers-")
+            atexit.register(self.stop)
+        if comparable != self.env:
+            for server in self.servers:
+                server.stop()
+            self.servers, self.env = [], comparable
+        while len(self.servers) < nproc:  # start them all before waiting for the first
+            self.servers.append(_Server(self.directory, len(self.servers), env))
+        for server in self.servers[:nproc]:
+            server.wait_ready()
+        return self.servers[:nproc]
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+        self.servers = []
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+_SERVERS = _Servers()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
+
+
+def _rank_env(env: dict, rank: int, nproc: int, port: int, run_id: str) -> dict:
+    """torchrun's variables for one rank of a one-node job (torch/distributed/elastic/agent)."""
+    return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank), "ROLE_NAME": "default", "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
+            "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": str(port),
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": run_id, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
+def _send_request(server: _Server, request: dict, output_fd: int) -> tuple[socket.socket, int]:
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.settimeout(30)
+    connection.connect(server.socket_path)
+    body = json.dumps(request).encode()
+    socket.send_fds(connection, [_HEADER.pack(len(body)) + body], [output_fd])
+    reply = b""
+    while not reply.endswith(b"\n"):
+        chunk = connection.recv(64)
+        if not chunk:
+            raise AssertionError(f"the rank server closed without forking; its log: "
+                                 f"{Path(server.log_path).read_text(errors='replace')[-2000:]}")
+        reply += chunk
+    kind, value = reply.split()
+    assert kind == b"pid", reply
+    connection.settimeout(None)
+    return connection, int(value)
+
+
+def _kill_session(pid: int, signal_number: int) -> None:
+    try:
+        os.killpg(pid, signal_number)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_forked(module: str, args: Sequence[str], nproc: int, env: dict, cwd: Path,
+               timeout: float) -> Optional[tuple[int, str]]:
+    """(exit code as torchrun's, the ranks' output); None where `env` shows a GPU.
+    Raises AssertionError with the output so far when the run outlives `timeout`."""
+    servers = _SERVERS.matching(env, nproc)
+    if servers is None:
+        return None
+    port, run_id = _free_port(), str(uuid.uuid4())
+    read_fd, write_fd = os.pipe()
+    connections: dict[socket.socket, int] = {}  # connection -> rank pid
+    try:
+        for rank, server in enumerate(servers):
+            request = {"module": module, "args": list(args), "cwd": str(cwd),
+                       "env": _rank_env(env, rank, nproc, port, run_id)}
+            connection, pid = _send_request(server, request, write_fd)
+            connections[connection] = pid
+    except BaseException:
+        os.close(write_fd)
+        os.close(read_fd)
+        for connection, pid in connections.items():
+            _kill_session(pid, signal.SIGKILL)
+            connection.close()
+        raise
+    os.close(write_fd)
+    return _watch(read_fd, connections, timeout)
+
+
+def _watch(read_fd: int, connections: dict[socket.socket, int],
+           timeout: float) -> tuple[int, str]:
+    """Collect the output and exit codes; stop the rest when one rank fails, as torchrun does."""
+    selector = selectors.DefaultSelector()
+    selector.register(read_fd, selectors.EVENT_READ, None)
+    for connection in connections:
+        selector.register(connection, selectors.EVENT_READ, connection)
+    output, codes = bytearray(), {}
+    pids = list(connections.values())  # in rank order
+    deadline = time.monotonic() + timeout
+    kill_at: Optional[float] = None
+    output_open = True
+    try:
+        while output_open or len(codes) < len(pids):
+            now = time.monotonic()
+            if now > deadline:
+                for pid in pids:
+                    _kill_session(pid, signal.SIGKILL)
+                raise AssertionError(f"training did not finish within {timeout}s:\n"
+                                     f"{output.decode(errors='replace')[-4000:]}")
+            if kill_at is not None and now > kill_at:
+                for pid in pids:
+                    _kill_session(pid, signal.SIGKILL)
+                kill_at = None
+            for key, _ in selector.select(timeout=0.5):
+                if key.data is None:
+                    chunk = os.read(read_fd, 65536)
+                    if chunk:
+                        output += chunk
+                    else:
+                        selector.unregister(read_fd)
+                        output_open = False
+                    continue
+                connection = key.data
+                reply = connection.recv(64)
+                selector.unregister(connection)
+                pid = connections[connection]
+                code = int(reply.split()[1]) if reply.startswith(b"exit ") else -signal.SIGKILL
+                codes[pid] = code
+                if code != 0 and kill_at is None and len(codes) < len(pids):
+                    for other in pids:
+                        if other not in codes:
+                            _kill_session(other, signal.SIGTERM)
+                    kill_at = time.monotonic() + _STOP_GRACE_S
+    finally:
+        selector.close()
+        os.close(read_fd)
+        for connection in connections:
+            connection.close()
+    text = output.decode(errors="replace")
+    failed = [(rank, pid, codes[pid]) for rank, pid in enumerate(pids) if codes[pid] != 0]
+    if not failed:
+        return 0, text
+    return 1, text + _failure_report(failed)
+
+
+def _failure_report(failed: list[tuple[int, int, int]]) -> str:
+    """What torchrun prints below its ChildFailedError, one entry per failed rank."""
+    lines = ["=" * 60, "forked ranks FAILED", "Failures:"]
+    for rank, pid, code in failed:
+        lines += [f"[{rank}]:", f"  rank      : {rank} (local_rank: {rank})",
+                  f"  exitcode  : {code} (pid: {pid})"]
+    return "\n".join([*lines, "=" * 60, ""])

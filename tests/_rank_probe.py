@@ -1,0 +1,32 @@
+"""A rank for tests/test_forked_ranks.py: `python -m _rank_probe MODE` (cwd tests/), started forked
+or under torchrun; MODE says what each rank does."""
+import atexit
+import json
+import os
+import sys
+import time
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
+                      "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+                      "TORCHELASTIC_RUN_ID", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS")
+
+rank = int(os.environ["RANK"])
+mode = sys.argv[1]
+if mode == "env":  # what the rank sees, as one JSON line
+    print("probe " + json.dumps({
+        "rank": rank, "hash": hash("megatron-dpp"), "name": __name__, "argv": sys.argv,
+        "cwd": os.getcwd(), "path0": sys.path[0], "pid": os.getpid(), "session": os.getsid(0),
+        "variables": {name: os.environ.get(name) for name in TORCHRUN_VARIABLES}}), flush=True)
+elif mode == "fail":  # rank 1 fails; rank 0 would run on
+    if rank == 1:
+        time.sleep(0.5)
+        sys.exit(3)
+    print(f"probe pid {os.getpid()}", flush=True)
+    time.sleep(120)
+elif mode == "hang":
+    print(f"probe pid {os.getpid()}", flush=True)
+    time.sleep(600)
+elif mode == "atexit":  # the interpreter's own exit: atexit handlers, then SystemExit's code
+    atexit.register(lambda: print(f"probe atexit ran on rank {rank}", flush=True))
+    sys.exit(4 if rank == 0 else 0)
