@@ -7,21 +7,16 @@
 #   DPP_PYTHON=python3.12    the interpreter that creates it (default: run_scripts/choose_python.sh
 #                            picks one: a Python 3.11-3.13 that already imports a CUDA torch, else
 #                            a CPU torch, else the newest; an existing environment keeps its own)
-#   --torch-only             create the environment and install torch (if none is importable), then
-#                            stop: no UCX, no build (.ci/run downloads Python 3.12's torch this way
-#                            while the Python 3.11 tests run; a later full run finds it there)
 #   -h, --help               this text
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${DPP_VENV:-$REPO_ROOT/.venv}"
 TORCH_PIN="torch==2.13.0"
 
-TORCH_ONLY=0
 case "$#:${1:-}" in
   0:) ;;
-  1:--torch-only) TORCH_ONLY=1 ;;
   1:-h | 1:--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
-  *) echo "setup_env: unexpected arguments: $*; it takes --torch-only, --help or nothing" >&2; exit 2 ;;
+  *) echo "setup_env: unexpected arguments: $*; it takes --help or nothing (settings are variables)" >&2; exit 2 ;;
 esac
 
 PYTHON="$(bash "$REPO_ROOT/run_scripts/choose_python.sh" "$VENV")" || exit 2
@@ -46,7 +41,7 @@ PY="$VENV/bin/python"
 
 # UCX for rdma_tensor (the cross-node transport): Debian's libucx-dev, built with verbs and rdmacm,
 # so one build uses InfiniBand/RoCE on a cluster and TCP elsewhere. (PyPI's UCX wheel lacks verbs.)
-if [ "$TORCH_ONLY" = 0 ] && [ ! -f /usr/include/ucp/api/ucp.h ]; then
+if [ ! -f /usr/include/ucp/api/ucp.h ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup_env: installing libucx-dev (UCX, for rdma_tensor)"
     export DEBIAN_FRONTEND=noninteractive
@@ -66,10 +61,6 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install -q "$TORCH_PIN"
 fi
 TORCH_VERSION="$("$PY" -W ignore -c 'import torch; print(torch.__version__.split("+")[0])')"
-if [ "$TORCH_ONLY" = 1 ]; then
-  echo "setup_env: torch $TORCH_VERSION in $VENV (--torch-only: nothing else installed or built)"
-  exit 0
-fi
 
 # Stamp: the install is redone only when the package metadata or the C++ sources change.
 STAMP="$VENV/.megatron_dpp_installed"

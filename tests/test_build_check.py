@@ -268,24 +268,14 @@ def test_setup_env_refuses_an_unsupported_dpp_python_in_one_line(tmp_path):
         f"setup_env: DPP_PYTHON={fake} is Python 3.10; this project supports 3.11 to 3.13 (pyproject.toml)"]
 
 
-def test_setup_env_torch_only_stops_after_torch_and_refuses_other_arguments():
-    venv = os.path.dirname(os.path.dirname(sys.executable))  # this test's own environment
-    stamp = os.path.join(venv, ".megatron_dpp_installed")
-    before = os.stat(stamp).st_mtime_ns if os.path.exists(stamp) else None
-    env = dict(os.environ, DPP_VENV=venv)
-    env.pop("DPP_PYTHON", None)
-    result = subprocess.run(["bash", SETUP_ENV, "--torch-only"], env=env, capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    import torch
-    assert result.stdout.strip().splitlines() == [
-        f"setup_env: torch {torch.__version__.split('+')[0]} in {venv} "
-        "(--torch-only: nothing else installed or built)"]
-    assert (os.stat(stamp).st_mtime_ns if os.path.exists(stamp) else None) == before
-    wrong = subprocess.run(["bash", SETUP_ENV, "--torch"], env=env, capture_output=True, text=True,
-                           timeout=60)
-    assert wrong.returncode == 2 and wrong.stdout == ""
-    assert wrong.stderr.strip().splitlines() == [
-        "setup_env: unexpected arguments: --torch; it takes --torch-only, --help or nothing"]
+def test_setup_env_explains_itself_and_refuses_arguments_in_one_line():
     usage = subprocess.run(["bash", SETUP_ENV, "--help"], capture_output=True, text=True, timeout=60)
-    assert usage.returncode == 0 and "--torch-only" in usage.stdout and "DPP_VENV" in usage.stdout
+    assert usage.returncode == 0 and usage.stderr == ""
+    assert "DPP_VENV" in usage.stdout and "DPP_PYTHON" in usage.stdout and "--help" in usage.stdout
+    assert not usage.stdout.lstrip().startswith("#") and "set -euo" not in usage.stdout
+    for argv in (["--torch"], ["--help", "extra"]):
+        wrong = subprocess.run(["bash", SETUP_ENV, *argv], capture_output=True, text=True, timeout=60)
+        assert wrong.returncode == 2 and wrong.stdout == "", argv
+        assert wrong.stderr.strip().splitlines() == [
+            f"setup_env: unexpected arguments: {' '.join(argv)}; it takes --help or nothing "
+            "(settings are variables)"]
