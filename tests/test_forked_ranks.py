@@ -90,7 +90,10 @@ def test_a_rank_ends_through_the_interpreters_own_exit():
     assert rc == 1
     assert "probe atexit ran on rank 0" in output and "probe atexit ran on rank 1" in output
     assert "rank      : 0 (local_rank: 0)\n  exitcode  : 4" in output, output[-3000:]
-    assert "rank      : 1 (local_rank: 1)" not in output
+    # Rank 1 exits 0; if rank 0's failure is seen first, rank 1 is stopped on its way out (as
+    # torchrun would stop it) and reported with SIGTERM's code, never with another.
+    reported = re.findall(r"rank      : 1 \(local_rank: 1\)\n  exitcode  : (-?\d+)", output)
+    assert reported in ([], ["-15"]), output[-3000:]
 
 
 @pytest.mark.slow
