@@ -29,7 +29,6 @@ import selectors
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -38,13 +37,15 @@ import uuid
 from pathlib import Path
 from typing import Optional, Sequence
 
+from _ports import free_local_port
+from _rank_zygote import HEADER, kill_session
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _SERVER_SCRIPT = Path(__file__).resolve().parent / "_rank_zygote.py"
 _SERVER_START_TIMEOUT_S = 300
 _STOP_GRACE_S = 30  # torchrun's: SIGTERM, then SIGKILL this much later
 # Differs from test to test and changes nothing a rank imports.
 _IGNORED_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
-_HEADER = struct.Struct("!Q")
 
 
 class _Server:
@@ -130,12 +131,6 @@ class _Servers:
 _SERVERS = _Servers()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("localhost", 0))
-        return probe.getsockname()[1]
-
-
 def _rank_env(env: dict, rank: int, nproc: int, port: int, run_id: str) -> dict:
     """torchrun's variables for one rank of a one-node job (torch/distributed/elastic/agent)."""
     return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
@@ -151,7 +146,7 @@ def _send_request(server: _Server, request: dict, output_fd: int) -> tuple[socke
     connection.settimeout(30)
     connection.connect(server.socket_path)
     body = json.dumps(request).encode()
-    socket.send_fds(connection, [_HEADER.pack(len(body)) + body], [output_fd])
+    socket.send_fds(connection, [HEADER.pack(len(body)) + body], [output_fd])
     reply = b""
     while not reply.endswith(b"\n"):
         chunk = connection.recv(64)
@@ -165,13 +160,6 @@ def _send_request(server: _Server, request: dict, output_fd: int) -> tuple[socke
     return connection, int(value)
 
 
-def _kill_session(pid: int, signal_number: int) -> None:
-    try:
-        os.killpg(pid, signal_number)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def run_forked(module: str, args: Sequence[str], nproc: int, env: dict, cwd: Path,
                timeout: float) -> Optional[tuple[int, str]]:
     """(exit code as torchrun's, the ranks' output); None where `env` shows a GPU.
@@ -179,7 +167,7 @@ def run_forked(module: str, args: Sequence[str], nproc: int, env: dict, cwd: Pat
     servers = _SERVERS.matching(env, nproc)
     if servers is None:
         return None
-    port, run_id = _free_port(), str(uuid.uuid4())
+    port, run_id = free_local_port(), str(uuid.uuid4())
     read_fd, write_fd = os.pipe()
     connections: dict[socket.socket, int] = {}  # connection -> rank pid
     try:
@@ -192,7 +180,7 @@ def run_forked(module: str, args: Sequence[str], nproc: int, env: dict, cwd: Pat
         os.close(write_fd)
         os.close(read_fd)
         for connection, pid in connections.items():
-            _kill_session(pid, signal.SIGKILL)
+            kill_session(pid, signal.SIGKILL)
             connection.close()
         raise
     os.close(write_fd)
@@ -216,12 +204,12 @@ def _watch(read_fd: int, connections: dict[socket.socket, int],
             now = time.monotonic()
             if now > deadline:
                 for pid in pids:
-                    _kill_session(pid, signal.SIGKILL)
+                    kill_session(pid, signal.SIGKILL)
                 raise AssertionError(f"training did not finish within {timeout}s:\n"
                                      f"{output.decode(errors='replace')[-4000:]}")
             if kill_at is not None and now > kill_at:
                 for pid in pids:
-                    _kill_session(pid, signal.SIGKILL)
+                    kill_session(pid, signal.SIGKILL)
                 kill_at = None
             for key, _ in selector.select(timeout=0.5):
                 if key.data is None:
@@ -241,7 +229,7 @@ def _watch(read_fd: int, connections: dict[socket.socket, int],
                 if code != 0 and kill_at is None and len(codes) < len(pids):
                     for other in pids:
                         if other not in codes:
-                            _kill_session(other, signal.SIGTERM)
+                            kill_session(other, signal.SIGTERM)
                     kill_at = time.monotonic() + _STOP_GRACE_S
     finally:
         selector.close()

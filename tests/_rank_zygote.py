@@ -32,7 +32,7 @@ import struct
 import sys
 
 _MAX_REQUEST_BYTES = 1 << 20
-_HEADER = struct.Struct("!Q")
+HEADER = struct.Struct("!Q")  # the request's length, before its JSON (the client uses it too)
 
 
 def preload() -> None:
@@ -54,12 +54,12 @@ def _receive_request(connection: socket.socket) -> tuple[dict, int]:
     """(the request, the attached output fd); raises ValueError on a malformed one."""
     connection.settimeout(30)
     data, fds, _, _ = socket.recv_fds(connection, _MAX_REQUEST_BYTES, 1)
-    if len(fds) != 1 or len(data) < _HEADER.size:
+    if len(fds) != 1 or len(data) < HEADER.size:
         for fd in fds:
             os.close(fd)
         raise ValueError(f"expected one output fd and a header, got {len(fds)} fds, {len(data)} B")
-    (length,) = _HEADER.unpack_from(data)
-    body = data[_HEADER.size:]
+    (length,) = HEADER.unpack_from(data)
+    body = data[HEADER.size:]
     while len(body) < length:
         chunk = connection.recv(length - len(body))
         if not chunk:
@@ -114,7 +114,7 @@ def serve(listener: socket.socket) -> dict:
     while True:
         if os.getppid() != parent:  # pytest is gone: so are its runs
             for pid in ranks:
-                _kill_session(pid, signal.SIGKILL)
+                kill_session(pid, signal.SIGKILL)
             sys.exit(0)
         for key, _ in selector.select(timeout=1.0):
             if key.data == "listener":
@@ -146,7 +146,7 @@ def serve(listener: socket.socket) -> dict:
             else:  # a client closed early (its test timed out or failed): end that rank
                 pid = key.data
                 selector.unregister(key.fileobj)
-                _kill_session(pid, signal.SIGKILL)
+                kill_session(pid, signal.SIGKILL)
         _reap(ranks, selector)
 
 
@@ -172,7 +172,7 @@ def _reap(ranks: dict[int, socket.socket], selector: selectors.BaseSelector) -> 
         connection.close()
 
 
-def _kill_session(pid: int, signal_number: int) -> None:
+def kill_session(pid: int, signal_number: int) -> None:
     try:
         os.killpg(pid, signal_number)
     except (ProcessLookupError, PermissionError):
