@@ -1,7 +1,7 @@
 // torch ScalarType <-> wire DType code.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/core/ScalarType.h>
 
 #include "wire_header.h"
 

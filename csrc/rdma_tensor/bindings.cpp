@@ -1,5 +1,7 @@
 // Python bindings of rdma_tensor._C. The typed, documented API is the rdma_tensor package.
-#include <torch/extension.h>
+// torch's pybind11 with its at::Tensor <-> torch.Tensor conversion (torch/extension.h would add
+// the whole C++ frontend: 3x the compile time).
+#include <torch/csrc/utils/pybind.h>
 #include <ucp/api/ucp_version.h>
 
 #include "../common/errors.h"

@@ -1,5 +1,7 @@
 #include "context.h"
 
+#include <ATen/ops/from_blob.h>
+
 #include <poll.h>
 
 #include <algorithm>

@@ -22,7 +22,7 @@
 // closes the endpoints (flush, or force for failed peers, bounded in time) and joins the thread.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <atomic>
 #include <condition_variable>

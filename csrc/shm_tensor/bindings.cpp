@@ -1,5 +1,7 @@
 // Python bindings of shm_tensor._C. The typed, documented API is the shm_tensor package.
-#include <torch/extension.h>
+// torch's pybind11 with its at::Tensor <-> torch.Tensor conversion (torch/extension.h would add
+// the whole C++ frontend: 3x the compile time).
+#include <torch/csrc/utils/pybind.h>
 
 #include "../common/dtype_codes.h"
 #include "../common/errors.h"
@@ -7,6 +9,8 @@
 #include "../common/wire_header.h"
 #include "context.h"
 #include "cuda_runtime.h"
+
+#include <ATen/ops/empty.h>
 
 
 namespace py = pybind11;

@@ -1,5 +1,8 @@
 #include "context.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+
 #include <poll.h>
 #include <signal.h>
 #include <sys/syscall.h>

@@ -48,7 +48,7 @@
 // it), and rings the receiver's doorbell. PostStats count what it did on the caller's thread.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <atomic>
 #include <chrono>

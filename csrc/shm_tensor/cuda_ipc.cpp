@@ -1,5 +1,7 @@
 #include "cuda_ipc.h"
 
+#include <ATen/ops/empty.h>
+
 #include <unistd.h>
 
 #include <algorithm>

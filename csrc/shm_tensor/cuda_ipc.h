@@ -22,7 +22,7 @@
 // checking that the sender lives) before it frees host slot i, which frees device slot i.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <chrono>
 #include <cstdint>
