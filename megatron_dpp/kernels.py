@@ -6,8 +6,8 @@ Every such choice is made here, from what is importable (nothing is imported to 
 is a `Choice`: on/off and the reason, printed once at startup as one `kernels: ...` line. Those
 lines replace Megatron-Core's own "Apex is not installed" warnings (`install_warning_filters`).
 
-This module imports only torch at load time: the warning filters must be in place before the first
-Megatron-Core import.
+Nothing is imported at load time, torch included: the warning filters must be in place before the
+first Megatron-Core import, and the launcher checks a job's flags (megatron_dpp.arguments) without torch.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
+from megatron_dpp import cuda_presence
 
 # What each optional kernel is imported as, by Megatron-Core or by our attention module.
 FUSED_SOFTMAX_MODULES = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda",
@@ -52,7 +52,7 @@ def module_importable(name: str) -> bool:
 
 
 def cuda_available() -> bool:
-    return torch.cuda.is_available()
+    return cuda_presence.cuda_available()
 
 
 def transformer_engine_available() -> bool:
@@ -348,6 +348,8 @@ def import_megatron_core(compile_fusions: Optional[bool] = None) -> None:
     if compile_fusions or "megatron.core" in sys.modules:
         import megatron.core  # noqa: F401
         return
+    import torch
+
     compile_ = torch.compile
 
     def identity(model=None, **_options):  # torch.compile(fn) and torch.compile(**options)(fn)
@@ -393,6 +395,8 @@ def foreach_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor
         from megatron.core.utils import local_multi_tensor_l2_norm
 
         return local_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args)
+    import torch
+
     norms = torch.stack(torch._foreach_norm(tensor_lists[0]))
     if norms.dtype != torch.float32:  # the fallback's torch.tensor(list) made fp32 values
         norms = norms.float()
@@ -409,6 +413,8 @@ def foreach_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
     sources, destinations = tensor_lists[0], tensor_lists[1]
     if not sources:
         return
+    import torch
+
     if scale == 1.0:
         torch._foreach_copy_(destinations, sources)
     elif all(s is d for s, d in zip(sources, destinations)):

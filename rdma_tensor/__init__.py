@@ -9,15 +9,13 @@ cluster, TCP elsewhere; UCX picks per link, UCX_TLS / UCX_NET_DEVICES steer it).
     index = ctx.wait_any([h1, h2], timeout=30) # sleeps on a condition variable, no spinning
 
 Same semantics as shm_tensor (megatron_dpp/comm/transport.py); see csrc/rdma_tensor/context.h for
-the design. `RdmaConfig` (rdma_tensor.config) is pure Python; every other name loads the compiled
-extension on first use, and `unavailable_reason()` says why it cannot be loaded, if so.
+the design. `RdmaConfig` (rdma_tensor.config) is pure Python; every other name loads torch and the
+compiled extension on first use, and `unavailable_reason()` says why it cannot be loaded, if so. As
+with any torch extension, import torch before importing `rdma_tensor._C` itself.
 """
 from __future__ import annotations
 
 import importlib
-
-# The compiled _C links against torch's libraries: importing torch loads them first.
-import torch  # noqa: F401
 
 from rdma_tensor.config import RdmaConfig
 
@@ -33,6 +31,8 @@ def unavailable_reason() -> str:
         return ("rdma_tensor._C is not built (it needs UCX's headers: apt-get install libucx-dev, then "
                 "`pip install --no-build-isolation -e .` or run_scripts/setup_env.sh)")
     try:
+        import torch  # noqa: F401 -- loads the libraries _C links against
+
         importlib.import_module("rdma_tensor._C")
     except ImportError as error:
         return f"rdma_tensor._C does not load: {error}"
@@ -40,6 +40,8 @@ def unavailable_reason() -> str:
 
 
 def __getattr__(name: str):
+    import torch  # noqa: F401 -- loads the libraries _C links against
+
     if name in _CONTEXT_NAMES:
         module = importlib.import_module("rdma_tensor.context")
     elif name in _ERROR_NAMES:

@@ -15,16 +15,14 @@ from the sender's tensor, on its current stream, and neither side waits for the 
 saying why (`cuda_runtime_error()`). `fake_cudart_path()` is the fake CUDA runtime the tests run
 that protocol on without a GPU.
 
-`ShmConfig` (shm_tensor.config) is pure Python. Every other name loads the compiled transport on
-first use, so `import shm_tensor.config` (a parser showing the defaults) does not.
+`ShmConfig` (shm_tensor.config) is pure Python. Every other name loads torch and the compiled
+transport on first use, so `import shm_tensor.config` (a parser showing the defaults, the launcher's
+check of a job's flags) loads neither. The compiled `_C` links against torch's libraries: as with any
+torch extension, import torch before importing `shm_tensor._C` itself (the names here do it).
 """
 from __future__ import annotations
 
 import importlib
-
-# The compiled _C links against torch's libraries (libc10, libtorch): importing torch loads them, so
-# `import shm_tensor._C` works even when nothing else imported torch first.
-import torch  # noqa: F401
 
 from shm_tensor.config import ShmConfig
 
@@ -41,6 +39,8 @@ __all__ = ["ShmConfig", *_CONTEXT_NAMES, *_ERROR_NAMES]
 
 
 def __getattr__(name: str):
+    import torch  # noqa: F401 -- loads the libraries _C links against (libc10, libtorch)
+
     if name in _CONTEXT_NAMES:
         module = importlib.import_module("shm_tensor.context")
     elif name in _ERROR_NAMES:

@@ -131,6 +131,36 @@ def test_every_path_flag_of_the_trainer_is_resolved():
 
 
 # ----------------------------------------------------------------------------------------------
+# the flag check every launch runs first
+# ----------------------------------------------------------------------------------------------
+# A sitecustomize.py that makes importing torch or Megatron-Core fail in every Python it starts.
+_BLOCK_TORCH_AND_MEGATRON = """import sys
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "megatron"):
+            raise ImportError(f"blocked by the test: {name}")
+        return None
+sys.meta_path.insert(0, _Block())
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model", sorted(set(MODEL_OF_DIR.values())))
+def test_the_flag_check_before_launch_loads_neither_torch_nor_megatron(tmp_path, model):
+    """Every launch checks its flags (`python -m megatron_dpp.arguments`) before it starts a rank:
+    without torch (3-4 s to import) a dry run or a refused flag answers in a fraction of a second."""
+    (tmp_path / "sitecustomize.py").write_text(_BLOCK_TORCH_AND_MEGATRON)
+    script = ["bash", str(SCRIPTS / f"run_single_{model}.sh"), "--dry-run"]
+    accepted = _run(script, cwd=tmp_path, PYTHONPATH=str(tmp_path))
+    assert accepted.returncode == 0, accepted.stderr[-3000:]
+    assert list(_node_commands(accepted.stdout)) == [0], accepted.stdout
+    refused = _run([*script, "--micro-batch-size", "0"], cwd=tmp_path, PYTHONPATH=str(tmp_path))
+    errors = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(errors) == 1 and "--micro-batch-size" in errors[0], \
+        refused.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------
 # the launchers, from another directory
 # ----------------------------------------------------------------------------------------------
 DATA_ARGS = "--data-path d/sample_text_document --vocab-file ./d/vocab.json --merge-file d/merges.txt --split 98,2,0"

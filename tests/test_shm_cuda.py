@@ -52,7 +52,7 @@ def _python(code: str, gpu: bool = False, **env: str) -> subprocess.CompletedPro
 
 @pytest.mark.timeout(90)
 def test_loader_names_every_failed_attempt_when_libcudart_is_absent():
-    code = ("import shm_tensor, shm_tensor._C as C\n"
+    code = ("import torch, shm_tensor, shm_tensor._C as C\n"
             "print(repr(shm_tensor.cuda_runtime_error())); print(repr(C.cuda_runtime_library()))\n")
     result = _python(code, SHM_TENSOR_CUDART="/nonexistent/libcudart-bogus.so.99")
     assert result.returncode == 0, result.stderr

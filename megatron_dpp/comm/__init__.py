@@ -15,13 +15,13 @@ import importlib
 _HOMES = {
     "PeerLostError": "errors", "ProtocolError": "errors", "TransportError": "errors",
     "TransportTimeout": "errors",
-    "ROUTE_TABLES": "router", "TRANSPORT_KINDS": "router", "Route": "router",
+    "ROUTE_TABLES": "router", "TRANSPORT_KINDS": "defaults", "Route": "router",
     "RoutedTransport": "router", "make_transport": "router", "pipeline_neighbors": "router",
     "make_transport_from_args": "settings", "shm_config_from_args": "settings",
     "Direction": "tags", "SequenceTag": "tags", "TaskTag": "tags", "decode_tag": "tags",
     "encode_sequence_tag": "tags", "encode_tag": "tags",
     "TorchTransport": "torch_transport",
-    "DEFAULT_TIMEOUT_S": "transport", "Transport": "transport", "TransportHandle": "transport",
+    "DEFAULT_TIMEOUT_S": "defaults", "Transport": "transport", "TransportHandle": "transport",
 }
 
 __all__ = sorted(_HOMES)

@@ -12,14 +12,12 @@ import argparse
 import importlib.util
 import os
 
-import torch
-
 from megatron_dpp.comm import heartbeat
 from megatron_dpp.comm.nodes import (NODE_RANK_VARIABLE, NodeNetworkError, check_node_count,
                                      num_nodes, parse_node_ips, use_node_network)
-from megatron_dpp.comm.router import DEFAULT_TRANSPORT_KIND, TRANSPORT_KINDS
+from megatron_dpp.comm.defaults import DEFAULT_TIMEOUT_S, DEFAULT_TRANSPORT_KIND, TRANSPORT_KINDS
 from megatron_dpp.comm.settings import SHM_DEFAULTS, check_shm_args, largest_message_bytes
-from megatron_dpp.comm.transport import DEFAULT_TIMEOUT_S
+from megatron_dpp.cuda_presence import cuda_available
 from megatron_dpp.exit_codes import LOST_PEER
 from megatron_dpp.flag_errors import ArgsError, require
 
@@ -99,7 +97,7 @@ def validate_transport_args(args: argparse.Namespace) -> None:
     require(importlib.util.find_spec("shm_tensor._C") is not None,
             "--p2p-transport shm needs the compiled shm_tensor._C; run "
             "`pip install --no-build-isolation -e .` in the repository")
-    if torch.cuda.is_available():
+    if cuda_available():
         # GPU tensors travel by CUDA IPC, which needs libcudart loadable by shm_tensor.
         import shm_tensor
 

@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dpp.comm.defaults import DEFAULT_TRANSPORT_KIND, TRANSPORT_KINDS  # noqa: F401
 from megatron_dpp.comm.errors import TransportTimeout
 from megatron_dpp.comm.nodes import this_node_rank
 from megatron_dpp.comm.torch_transport import TorchTransport
@@ -309,8 +310,7 @@ ROUTE_TABLES: dict[str, tuple[Route, ...]] = {
     "shm": (SAME_NODE_SHM, FALLBACK_TORCH),
     "rdma": (ANY_PEER_RDMA,),
 }
-TRANSPORT_KINDS = tuple(ROUTE_TABLES)
-DEFAULT_TRANSPORT_KIND = "auto"
+assert tuple(ROUTE_TABLES) == TRANSPORT_KINDS, "defaults.TRANSPORT_KINDS names each table once"
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,13 @@ checks are ShmConfig.validate(): each lives once. Reading them loads no compiled
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from rdma_tensor.config import RdmaConfig
 from shm_tensor.config import ShmConfig, ShmConfigError
 
-from megatron_dpp.comm.router import make_transport
-from megatron_dpp.comm.transport import Transport
+if TYPE_CHECKING:
+    from megatron_dpp.comm.transport import Transport
 
 SHM_DEFAULTS = ShmConfig()
 
@@ -65,9 +65,11 @@ def rdma_config_from_args(args: argparse.Namespace) -> RdmaConfig:
     return RdmaConfig(timeout_s=args.p2p_timeout)
 
 
-def make_transport_from_args(args: argparse.Namespace, peers=None) -> Transport:
+def make_transport_from_args(args: argparse.Namespace, peers=None) -> "Transport":
     """make_transport(args.p2p_transport) with the --workload/--shm-*/--p2p-timeout settings and,
     with --multi-node, the nodes of --node-ips."""
+    from megatron_dpp.comm.router import make_transport  # torch: not needed to check the flags
+
     kind = args.p2p_transport
     return make_transport(
         kind, peers,

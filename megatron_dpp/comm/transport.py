@@ -22,10 +22,8 @@ from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from megatron_dpp.comm.defaults import DEFAULT_TIMEOUT_S  # noqa: F401 (re-exported)
 from megatron_dpp.comm.errors import TransportTimeout
-
-# How long a wait without an explicit timeout lasts (--p2p-timeout's default).
-DEFAULT_TIMEOUT_S = 300.0
 
 
 @runtime_checkable

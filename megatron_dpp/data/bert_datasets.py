@@ -9,13 +9,14 @@ n-grams up to 3) and pads it to seq_length. Samples are Megatron's dicts (see bu
 
 Megatron's sample mapping loops forever on a split with no document it can use, so asking samples
 of such a split is a DataInputError with a one-line message, raised on every rank before any rank
-builds (and again inside the dataset class, for callers that skip the up-front check).
+builds (and again inside the dataset class, for callers that skip the up-front check). The flags'
+defaults and the up-front checks need neither torch nor Megatron-Core (the launcher runs them before
+it starts any rank); the dataset class imports both when built.
 """
 import contextlib
 from typing import List, Optional, Sequence
 
 import numpy
-import torch
 
 from megatron_dpp.data.datasets import (_SPLIT_NAMES, parse_data_path, parse_split,
                                         samples_per_split, split_ranges)
@@ -133,6 +134,8 @@ def _as_the_only_rank():
     Megatron's BERT index builder asks for the rank unconditionally (GPT's checks
     is_initialized() first); without a process group this process is the only rank.
     """
+    import torch
+
     original = torch.distributed.get_rank
     torch.distributed.get_rank = lambda group=None: 0
     try:
@@ -142,6 +145,7 @@ def _as_the_only_rank():
 
 
 def _guarded_bert_dataset_class():
+    import torch
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset
 
     class GuardedBERTDataset(BERTMaskedWordPieceDataset):

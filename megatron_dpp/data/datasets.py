@@ -9,13 +9,15 @@ Two modes:
 
 Both guard against GPTDataset's endless loop on a split with no tokens: asking samples of such a
 split is a DataInputError with a one-line message, raised on every rank before any rank builds.
+
+The checks (parse_data_path ... check_splits_have_data) need neither torch nor Megatron-Core: the
+launcher runs them before it starts any rank. The dataset classes import both when built.
 """
 import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy
-import torch
 
 from megatron_dpp.data.errors import DataInputError
 from megatron_dpp.data.index_file import read_index
@@ -130,6 +132,7 @@ def _guarded_gpt_dataset_class():
 
 
 def _document_dataset_class():
+    import torch
     from megatron.core.datasets.gpt_dataset import GPTDataset
     from megatron.core.datasets.megatron_dataset import MegatronDataset
 
@@ -164,7 +167,7 @@ def _document_dataset_class():
         def __len__(self) -> int:
             return len(self.sample_to_sequence)
 
-        def __getitem__(self, idx: int) -> Dict[str, Optional[torch.Tensor]]:
+        def __getitem__(self, idx: int) -> Dict[str, Optional["torch.Tensor"]]:
             sequence = int(self.sample_to_sequence[idx])
             length = min(int(self.dataset.sequence_lengths[sequence]),
                          self.config.sequence_length + 1)

@@ -3,16 +3,15 @@ their checks: what becomes Megatron-Core's TransformerConfig and ModelParallelCo
 (models/transformer_config.py) and the data-parallel config (training/config.py). Each model's own
 flags are its family's (models/families.py); megatron_dpp.arguments composes both.
 
-Imports torch (the checks ask whether there is a CUDA GPU): the torch-free modules of this package
-(families.py, memory_model.py) do not import it.
+Torch-free, as the launcher's flag check is: whether there is a CUDA GPU comes from
+megatron_dpp.cuda_presence.
 """
 from __future__ import annotations
 
 import argparse
 import os
 
-import torch
-
+from megatron_dpp.cuda_presence import cuda_available
 from megatron_dpp.flag_errors import add_refused_flags, require
 from megatron_dpp.kernels import (
     ATTENTION_BACKENDS,
@@ -190,7 +189,7 @@ def validate_model_args(args: argparse.Namespace) -> None:
 
     if args.use_flash_attn:
         # Without flash-attn (or Transformer Engine) it runs torch SDPA and says so at startup.
-        require(torch.cuda.is_available(),
+        require(cuda_available(),
                 "--use-flash-attn needs a CUDA GPU; remove it to use the default attention on CPU")
         require(args.attention_backend in ("auto", "flash"),
                 f"--use-flash-attn asks for flash attention and --attention-backend "
@@ -206,7 +205,7 @@ def validate_cuda_graph_args(args: argparse.Namespace) -> None:
     if args.cuda_graph_impl == "none":
         return
     flag = "--cuda-graph-impl local"
-    require(torch.cuda.is_available(),
+    require(cuda_available(),
             f"{flag} captures CUDA graphs and needs a CUDA GPU; drop it on CPU")
     require(not args.use_dpp,
             f"{flag} runs under Megatron's schedules, which build the graphs at the end of the "
@@ -341,7 +340,7 @@ def validate_parallel_args(args: argparse.Namespace) -> None:
         # Megatron-LM semantics: sequence parallelism is meaningless without tensor parallelism.
         args.sequence_parallel = False
 
-    cuda = torch.cuda.is_available()
+    cuda = cuda_available()
     require(cuda or not args.use_distributed_optimizer,
             "--use-distributed-optimizer needs CUDA GPUs (Megatron-Core's distributed optimizer "
             "wraps CUDA tensors only); remove it on CPU")

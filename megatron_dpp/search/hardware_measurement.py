@@ -52,7 +52,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_dpp.comm.router import DEFAULT_TRANSPORT_KIND, TRANSPORT_KINDS
+from megatron_dpp.comm.defaults import DEFAULT_TRANSPORT_KIND, TRANSPORT_KINDS
 from megatron_dpp.exit_codes import BAD_INPUT
 from megatron_dpp.one_line_errors import OneLineErrorParser
 from megatron_dpp.search.hardware import (

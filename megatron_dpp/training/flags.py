@@ -4,15 +4,14 @@ training/tracing.py) and "profiling" (Megatron-LM's --profile window, training/p
 --nvtx). training/config.py turns the parsed flags into config dataclasses; megatron_dpp.arguments
 composes this module with the other packages' flags.
 
-Standard library and torch only: tracing.py and profiler_window.py import Megatron-Core, which the
-flag check must not load.
+Standard library only: tracing.py and profiler_window.py import Megatron-Core, and the launcher's
+flag check loads neither it nor torch (whether there is a CUDA GPU: megatron_dpp.cuda_presence).
 """
 from __future__ import annotations
 
 import argparse
 
-import torch
-
+from megatron_dpp.cuda_presence import cuda_available
 from megatron_dpp.flag_errors import add_refused_flags, require, require_output_dir
 from megatron_dpp.training.checkpoint_flags import add_checkpoint_format_args, check_load_dir
 
@@ -96,7 +95,7 @@ def validate_training_args(args: argparse.Namespace) -> None:
     # numpy's seed (set with Python's and torch's, training/loop.py) takes 0..2**32-1.
     require(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}")
     require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; pick one")
-    cuda = torch.cuda.is_available()
+    cuda = cuda_available()
     if args.bf16 or args.fp16:
         require(cuda, f"--{'bf16' if args.bf16 else 'fp16'} needs a CUDA GPU; on CPU train in "
                       f"fp32 (remove the flag)")
@@ -244,7 +243,7 @@ def validate_profile_args(args: argparse.Namespace) -> None:
         given = [flag for flag, value in window.items() if value is not None]
         require(not given, f"{' and '.join(given)} need --profile; add it or drop them")
     else:
-        require(args.use_pytorch_profiler or torch.cuda.is_available(),
+        require(args.use_pytorch_profiler or cuda_available(),
                 "--profile opens an nsys capture range (cudaProfilerStart/Stop), which needs a "
                 "CUDA GPU and there is none here; add --use-pytorch-profiler for torch.profiler")
         if args.profile_step_start is None:
@@ -266,7 +265,7 @@ def validate_profile_args(args: argparse.Namespace) -> None:
         if args.use_pytorch_profiler:  # the nsys capture range writes nothing itself
             check_trace_dir(args.trace_dir)
     if args.nvtx:
-        require(torch.cuda.is_available(),
+        require(cuda_available(),
                 "--nvtx annotates CUDA work for nsys and there is no CUDA GPU here; drop --nvtx "
                 "(--trace and --profile --use-pytorch-profiler work on CPU)")
         require(args.use_dpp or args.pipeline_model_parallel_size >= 2,
