@@ -30,6 +30,8 @@ check_extensions = load_check_module()
 def extension(name: str):
     if importlib.util.find_spec(name) is None:
         pytest.skip(f"{name} is not built (rdma_tensor needs UCX's headers)")
+    import torch  # noqa: F401 -- the extensions link against torch's libraries
+
     return importlib.import_module(name)
 
 
@@ -40,10 +42,10 @@ def extension(name: str):
 def test_each_error_class_arrives_as_its_own_class(module_name, cpp_class):
     # Both extensions loaded, as in a training run: with pybind11's shared (global) translators the one
     # registered last answered for both, and shm_tensor's errors arrived as rdma_tensor's classes.
+    module = extension(module_name)
     for name in ("shm_tensor._C", "rdma_tensor._C"):
         if importlib.util.find_spec(name) is not None:
             importlib.import_module(name)
-    module = extension(module_name)
     expected = getattr(module, check_extensions.ERROR_CLASSES[cpp_class])
     with pytest.raises(expected) as raised:
         module.raise_for_build_check(cpp_class)

@@ -2,10 +2,11 @@
 pair (tests/_netns.py), started by run_master_gpt.sh and run_worker_gpt.sh. Pipeline messages
 between the nodes go through rdma_tensor (UCX over TCP here), same-node ones through shm_tensor.
 
-Losses and grad norms must equal a single-node run (run_single_gpt.sh with the same flags) to 1e-5
-relative, every iteration; a worker rank killed with SIGKILL must end every rank on both nodes within
-the timeout, with an error naming the dead peer, and leave nothing in /dev/shm. The two-node runs
-are traced (--trace): each rank's trace must be on rank 0's clock, no receive before its send.
+Losses and grad norms must equal a single-node run (the command run_single_gpt.sh gives for the
+same flags) to 1e-5 relative, every iteration; a worker rank killed with SIGKILL must end every rank
+on both nodes within the timeout, with an error naming the dead peer, and leave nothing in /dev/shm.
+The two-node runs are traced (--trace): each rank's trace must be on rank 0's clock, no receive
+before its send.
 
 UCX_TLS=tcp: both namespaces share one kernel and /dev/shm, so UCX could otherwise carry the
 cross-"node" messages through shared memory; on real nodes nothing needs setting.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import time
@@ -23,7 +25,7 @@ import pytest
 
 from _netns import netns_skip_reason, two_node_network
 from _trace_checks import check_clock_alignment, check_messages, load_traces
-from _train_util import REPO_ROOT, TINY_GPT_ARGS, ensure_sample_data, parse_log
+from _train_util import REPO_ROOT, TINY_GPT_ARGS, ensure_sample_data, parse_log, run_training
 from megatron_dpp.exit_codes import BAD_INPUT, LOST_PEER
 
 SCRIPTS = REPO_ROOT / "run_scripts"
@@ -60,12 +62,19 @@ def _single_node(layout: dict, extra: list[str], timeout: float) -> tuple[list[f
 
 
 def _run_single_node(layout: dict, extra: list[str], timeout: float) -> tuple[list[float], list[float]]:
-    result = subprocess.run(["bash", str(SCRIPTS / "run_single_gpt.sh"), *TRAIN_ARGS, *extra],
-                            env=_env(**layout), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-4000:]
-    losses, grad_norms = parse_log(result.stdout)
-    assert losses and grad_norms, result.stdout[-2000:]
+    """The command run_single_gpt.sh would start (its --dry-run), its ranks forked as the suite's
+    other training runs are (_train_util.run_training): the launcher itself is tested elsewhere."""
+    dry = subprocess.run(["bash", str(SCRIPTS / "run_single_gpt.sh"), "--dry-run", *TRAIN_ARGS, *extra],
+                         env=_env(**layout), cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr[-4000:]
+    (command,) = [shlex.split(line.split(": ", 1)[1]) for line in dry.stdout.splitlines()
+                  if line.startswith("node 0: ")]
+    nproc = int(command[command.index("--nproc-per-node") + 1])
+    flags = command[command.index("megatron_dpp.pretrain_gpt") + 1:]
+    returncode, losses, grad_norms, output = run_training(
+        flags, nproc=nproc, timeout=timeout, base_args=[], with_data=False, env=_env(**layout))
+    assert returncode == 0, output[-4000:]
+    assert losses and grad_norms, output[-2000:]
     return losses, grad_norms
 
 

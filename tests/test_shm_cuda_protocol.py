@@ -200,7 +200,7 @@ def test_host_tensors_need_the_fake_runtime(tmp_path):
     import subprocess
     import sys
 
-    code = ("import shm_tensor._C as C\n"
+    code = ("import torch, shm_tensor._C as C\n"
             "config = C.ContextConfig(); config.host_tensors_by_cuda_ipc = True\n"
             "C.Context(0, [1], 'dpp-test-hostcuda', config)\n")
     env = dict(os.environ, SHM_TENSOR_CUDART="/nonexistent/libcudart-bogus.so.99")
