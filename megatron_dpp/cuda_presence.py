@@ -17,8 +17,7 @@ _DEVICE_NODE_PATTERNS = ("/dev/nvidia[0-9]*", "/dev/dxg")
 
 
 def cuda_available() -> bool:
-    torch = sys.modules.get("torch")
-    if torch is None and not _a_gpu_may_be_visible():
+    if "torch" not in sys.modules and not _a_gpu_may_be_visible():
         return False
     import torch
 

@@ -17,7 +17,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_dpp import cuda_presence
+from megatron_dpp.cuda_presence import cuda_available  # also kernels.cuda_available for callers
 
 # What each optional kernel is imported as, by Megatron-Core or by our attention module.
 FUSED_SOFTMAX_MODULES = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda",
@@ -49,10 +49,6 @@ def module_importable(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):  # a parent package that is missing or broken
         return False
-
-
-def cuda_available() -> bool:
-    return cuda_presence.cuda_available()
 
 
 def transformer_engine_available() -> bool:

@@ -2,7 +2,7 @@
 job's flags (`python -m megatron_dpp.arguments`) before it starts any rank, and importing torch for
 that would add seconds to every launch, dry run and refused flag.
 
-The router's route tables (router.py) have one row list per kind named here; a test checks they agree.
+The router's route tables (router.py) have one row list per kind named here; it asserts so at import.
 """
 
 # --p2p-transport values, in the order --help lists them; router.ROUTE_TABLES has one table for each.
