@@ -17,7 +17,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_dpp.cuda_presence import cuda_available  # also kernels.cuda_available for callers
+from megatron_dpp.cuda_presence import cuda_available
 
 # What each optional kernel is imported as, by Megatron-Core or by our attention module.
 FUSED_SOFTMAX_MODULES = ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda",
