@@ -11,22 +11,31 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAM
                       "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
                       "TORCHELASTIC_RUN_ID", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS")
 
+
+
+def say(line: str) -> None:
+    """One write per line: the ranks share the pipe, and print() unbuffered (PYTHONUNBUFFERED)
+    writes the text and its newline apart, so two ranks' lines could interleave. A write below
+    PIPE_BUF (4096 bytes) lands whole."""
+    os.write(1, (line + "\n").encode())
+
+
 rank = int(os.environ["RANK"])
 mode = sys.argv[1]
 if mode == "env":  # what the rank sees, as one JSON line
-    print("probe " + json.dumps({
+    say("probe " + json.dumps({
         "rank": rank, "hash": hash("megatron-dpp"), "name": __name__, "argv": sys.argv,
         "cwd": os.getcwd(), "path0": sys.path[0], "pid": os.getpid(), "session": os.getsid(0),
-        "variables": {name: os.environ.get(name) for name in TORCHRUN_VARIABLES}}), flush=True)
+        "variables": {name: os.environ.get(name) for name in TORCHRUN_VARIABLES}}))
 elif mode == "fail":  # rank 1 fails; rank 0 would run on
     if rank == 1:
         time.sleep(0.5)
         sys.exit(3)
-    print(f"probe pid {os.getpid()}", flush=True)
+    say(f"probe pid {os.getpid()}")
     time.sleep(120)
 elif mode == "hang":
-    print(f"probe pid {os.getpid()}", flush=True)
+    say(f"probe pid {os.getpid()}")
     time.sleep(600)
 elif mode == "atexit":  # the interpreter's own exit: atexit handlers, then SystemExit's code
-    atexit.register(lambda: print(f"probe atexit ran on rank {rank}", flush=True))
+    atexit.register(lambda: say(f"probe atexit ran on rank {rank}"))
     sys.exit(4 if rank == 0 else 0)

@@ -46,6 +46,24 @@ def preload() -> None:
     kernels.import_megatron_core()
     import megatron_dpp.models  # noqa: F401
     import megatron_dpp.training.loop  # noqa: F401
+
+    # What a rank then imports inside functions, on its way to the first iteration (1-1.5 s of CPU
+    # per rank otherwise): Dynamo (torch.optim loads it when the first optimizer is built), the
+    # trainer (not the entry modules: runpy warns when the module it runs is already imported),
+    # each model family, the datasets (Megatron-Core's, with numpy.random and boto3) and
+    # tokenizers, the runtime and the shared-memory transport.
+    import torch._dynamo  # noqa: F401
+    import megatron_dpp.pretrain  # noqa: F401
+    import megatron_dpp.models.bert  # noqa: F401
+    import megatron_dpp.models.gpt  # noqa: F401
+    import megatron_dpp.models.llama  # noqa: F401
+    import megatron_dpp.data.bert_datasets  # noqa: F401
+    import megatron_dpp.data.datasets  # noqa: F401
+    import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
+    import megatron.core.datasets.gpt_dataset  # noqa: F401
+    import tokenizers  # noqa: F401
+    import megatron_dpp.runtime.executor  # noqa: F401
+    import shm_tensor.context  # noqa: F401
     gc.collect()
     gc.freeze()
 
