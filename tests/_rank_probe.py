@@ -27,6 +27,13 @@ if mode == "env":  # what the rank sees, as one JSON line
         "rank": rank, "hash": hash("megatron-dpp"), "name": __name__, "argv": sys.argv,
         "cwd": os.getcwd(), "path0": sys.path[0], "pid": os.getpid(), "session": os.getsid(0),
         "variables": {name: os.environ.get(name) for name in TORCHRUN_VARIABLES}}))
+elif mode == "imports":  # train GPT with the flags that follow, then list what that imported
+    before = set(sys.modules)
+    from megatron_dpp.pretrain import main
+
+    code = main(sys.argv[2:], model="gpt")
+    say("probe imports " + json.dumps(sorted(set(sys.modules) - before)))
+    sys.exit(code)
 elif mode == "fail":  # rank 1 fails; rank 0 would run on
     if rank == 1:
         time.sleep(0.5)

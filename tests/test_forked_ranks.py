@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from _forked_ranks import run_forked
-from _train_util import PYTHON, _env, run_training
+from _train_util import PYTHON, TINY_GPT_ARGS, _env, data_args, run_training
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -61,6 +61,27 @@ def test_a_forked_rank_sees_what_torchrun_gives_it():
         assert ours["session"] == ours["pid"]  # a session of its own, as torchrun starts ranks
     # One interpreter each: the string hashes differ between ranks, as between processes.
     assert forked[0]["hash"] != forked[1]["hash"]
+
+
+# Imported on first use by torch.autograd.profiler.record_function: one small module.
+IMPORTED_AT_FIRST_USE = {"torch.profiler._cupti_monitor"}
+
+
+@pytest.mark.timeout(240)
+def test_a_forked_rank_that_trains_imports_nothing_the_servers_could_have():
+    """The servers preload what a rank imports (_rank_zygote.preload), also inside functions: each
+    module of torch, Megatron-Core, this package or their libraries left to the rank costs every
+    rank of every test run its import (1-1.5 s of CPU a rank when the list last missed some)."""
+    flags = [*data_args(), *TINY_GPT_ARGS, "--train-iters", "2", "--pipeline-model-parallel-size",
+             "2", "--use-dpp", "--p2p-transport", "shm"]
+    rc, output = run_forked("_rank_probe", ["imports", *flags], nproc=2, env=_env(), cwd=TESTS_DIR,
+                            timeout=120)
+    assert rc == 0, output[-3000:]
+    lists = [json.loads(line[len("probe imports "):]) for line in output.splitlines()
+             if line.startswith("probe imports ")]
+    assert len(lists) == 2, output[-3000:]
+    for imported in lists:
+        assert set(imported) <= IMPORTED_AT_FIRST_USE, imported
 
 
 @pytest.mark.timeout(120)
