@@ -12,7 +12,6 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAM
                       "TORCHELASTIC_RUN_ID", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS")
 
 
-
 def say(line: str) -> None:
     """One write per line: the ranks share the pipe, and print() unbuffered (PYTHONUNBUFFERED)
     writes the text and its newline apart, so two ranks' lines could interleave. A write below
