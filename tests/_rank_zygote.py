@@ -50,7 +50,8 @@ def preload() -> None:
     # What a rank then imports inside functions, on its way to the first iteration (1-1.5 s of CPU
     # per rank otherwise): Dynamo (torch.optim loads it when the first optimizer is built), the
     # trainer (not the entry modules: runpy warns when the module it runs is already imported),
-    # each model family, the datasets (Megatron-Core's, with numpy.random and boto3) and
+    # each model family, the datasets (Megatron-Core's, with numpy.random and boto3, and its
+    # index helpers, which a rank loads when it builds a dataset's first index cache) and
     # tokenizers, the runtime and the shared-memory transport.
     import torch._dynamo  # noqa: F401
     import megatron_dpp.pretrain  # noqa: F401
@@ -61,6 +62,7 @@ def preload() -> None:
     import megatron_dpp.data.datasets  # noqa: F401
     import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
     import megatron.core.datasets.gpt_dataset  # noqa: F401
+    import megatron.core.datasets.helpers  # noqa: F401
     import tokenizers  # noqa: F401
     import megatron_dpp.runtime.executor  # noqa: F401
     import shm_tensor.context  # noqa: F401
