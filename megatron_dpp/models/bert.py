@@ -14,14 +14,13 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_dpp import kernels
 from megatron_dpp.data.bert_datasets import build_bert_datasets
-from megatron_dpp.models.init import initialize_layout_independent, stacked_model_global_name
+from megatron_dpp.models.init import build_model_chunks, stacked_model_global_name
 from megatron_dpp.models.memory_model import chunk_activation_bytes
 from megatron_dpp.models.direct_linear import with_direct_linears
 from megatron_dpp.models.sdpa_attention import uses_sdpa_core_attention, with_core_attention
@@ -81,7 +80,6 @@ def build_bert_chunks(config: TransformerConfig, shape: BertShape, seed: int,
     layer spec (never Transformer Engine's; kernels chooses no Transformer Engine attention with
     it), whose weight gradients a split backward defers to W; the same parameters,
     initialization and numbers as the default chunks (core attention has no weights)."""
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     model_class = LocalMaskBertModel
     spec = bert_layer_spec(attention or
                            kernels.core_attention(split_backward=deferred_weight_grads).module)
@@ -89,25 +87,14 @@ def build_bert_chunks(config: TransformerConfig, shape: BertShape, seed: int,
         from megatron_dpp.models.weight_grad import DeferredBertModel
 
         model_class = DeferredBertModel
-    chunks = []
-    for vp_stage in range(vpp or 1):
-        stage = vp_stage if vpp else None
-        model = model_class(
-            config=config,
-            num_tokentypes=SENTENCE_ORDER_CLASSES if shape.binary_head else 0,
-            transformer_layer_spec=spec,
-            vocab_size=shape.padded_vocab_size,
-            max_sequence_length=shape.max_position_embeddings,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=True,
-            position_embedding_type="learned_absolute",
-            add_binary_head=shape.binary_head,
-            vp_stage=stage,
-        )
-        initialize_layout_independent(model, config, seed, _global_name)
-        chunks.append(model)
-    return chunks
+    return build_model_chunks(
+        model_class, spec, config, seed, _global_name,
+        num_tokentypes=SENTENCE_ORDER_CLASSES if shape.binary_head else 0,
+        vocab_size=shape.padded_vocab_size,
+        max_sequence_length=shape.max_position_embeddings,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="learned_absolute",
+        add_binary_head=shape.binary_head)
 
 
 def _build_chunks_from_args(args: argparse.Namespace, config: TransformerConfig,

@@ -10,7 +10,6 @@ from functools import partial
 from typing import Any, Optional
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
@@ -18,7 +17,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_dpp import kernels
 from megatron_dpp.data.datasets import build_train_valid_test_datasets
-from megatron_dpp.models.init import initialize_layout_independent, stacked_model_global_name
+from megatron_dpp.models.init import build_model_chunks, stacked_model_global_name
 from megatron_dpp.models.memory_model import chunk_activation_bytes
 from megatron_dpp.models.direct_linear import with_direct_linears
 from megatron_dpp.models.sdpa_attention import with_core_attention
@@ -66,34 +65,12 @@ def build_gpt_chunks(config: TransformerConfig, shape: GPTShape, seed: int,
         from megatron_dpp.models.weight_grad import DeferredGPTModel
 
         model_class = DeferredGPTModel
-    return build_gpt_model_chunks(
-        config, seed, model_class, spec,
+    return build_model_chunks(
+        model_class, spec, config, seed, gpt_global_parameter_name,
         vocab_size=shape.padded_vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         share_embeddings_and_output_weights=not shape.untie_embeddings_and_output_weights,
         position_embedding_type="learned_absolute")
-
-
-def build_gpt_model_chunks(config: TransformerConfig, seed: int, model_class: type,
-                           layer_spec: ModuleSpec, **model_arguments) -> list[GPTModel]:
-    """This pipeline rank's chunks of a GPTModel (or subclass) with `layer_spec` and
-    `model_arguments` (vocabulary, positions, tying), one per virtual stage, each initialized
-    layout-free: GPT's and Llama's (models/llama.py) chunks."""
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    chunks = []
-    for vp_stage in range(vpp or 1):
-        stage = vp_stage if vpp else None
-        model = model_class(
-            config=config,
-            transformer_layer_spec=layer_spec,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            vp_stage=stage,
-            **model_arguments,
-        )
-        initialize_layout_independent(model, config, seed, gpt_global_parameter_name)
-        chunks.append(model)
-    return chunks
 
 
 def _build_chunks_from_args(args: argparse.Namespace, config: TransformerConfig,

@@ -1,4 +1,5 @@
-"""Layout-independent initialization of a Megatron-Core model chunk.
+"""Layout-independent initialization of a Megatron-Core model chunk, and this pipeline rank's
+chunks built with it (build_model_chunks: GPT's, Llama's and BERT's).
 
 Weights are initialized from a seed per *global* parameter name (global layer number, full unsharded
 shape, then the tensor-parallel slice), with Megatron's distributions. So every parallel layout
@@ -76,3 +77,26 @@ def stacked_model_global_name(layers, layers_prefix: str, shares_embedding: bool
     if local_name == "output_layer.weight" and shares_embedding:
         return "embedding.word_embeddings.weight"
     return local_name
+
+
+def build_model_chunks(model_class: type, layer_spec, config: TransformerConfig, seed: int,
+                       global_name: Callable[[torch.nn.Module, str], str],
+                       **model_arguments) -> list[torch.nn.Module]:
+    """This pipeline rank's chunks of `model_class` (GPTModel, BertModel or a subclass), one per
+    virtual stage, each with its share of `layer_spec`'s layers and initialized layout-free;
+    `model_arguments`: the rest of the model's constructor (vocabulary, positions, tying)."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        model = model_class(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage,
+            **model_arguments,
+        )
+        initialize_layout_independent(model, config, seed, global_name)
+        chunks.append(model)
+    return chunks

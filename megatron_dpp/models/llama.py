@@ -24,12 +24,12 @@ from megatron_dpp.data.datasets import build_train_valid_test_datasets
 from megatron_dpp.models import families
 from megatron_dpp.models.gpt import (
     GPT_SPEC,
-    build_gpt_model_chunks,
     gpt_global_parameter_name,
     gpt_microbatch_work,
     gpt_sample_model_inputs,
     make_gpt_forward_step,
 )
+from megatron_dpp.models.init import build_model_chunks
 from megatron_dpp.models.memory_model import chunk_activation_bytes
 from megatron_dpp.models.direct_linear import with_direct_linears
 from megatron_dpp.models.sdpa_attention import with_core_attention
@@ -74,8 +74,8 @@ def build_llama_chunks(args: argparse.Namespace, config: TransformerConfig,
         from megatron_dpp.models.weight_grad import DeferredGPTModel
 
         model_class = DeferredGPTModel
-    return build_gpt_model_chunks(
-        config, seed, model_class, spec,
+    return build_model_chunks(
+        model_class, spec, config, seed, gpt_global_parameter_name,
         vocab_size=args.padded_vocab_size,  # set by build_tokenizer
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=False,  # Llama's output layer is its own
