@@ -70,3 +70,62 @@ def test_sync_sites_are_counted_per_profiled_iteration():
     text = profiler.report(top=5)
     assert "1 x clip_grads.py:133: called a synchronizing CUDA operation" in text
     assert "test_sync_sites_are_counted_per_profiled_iteration" in text  # the stack of the call
+
+
+class _Builtins:
+    as_text = classmethod(repr)  # a C function called as a bound method
+
+
+def _background_step():
+    return sum(range(100))
+
+
+def _background_work(stop):
+    while not stop.is_set():
+        _background_step()
+
+
+def _leaf():
+    return sum(range(2000))
+
+
+def _profiled_step():
+    for _ in range(50):
+        _Builtins.as_text()
+        _leaf()
+
+
+@pytest.mark.timeout(60)
+def test_thread_profile_keeps_the_call_tree_of_its_thread_only():
+    """From Python 3.12 on cProfile sees every thread's calls, and a builtin called as a bound
+    method pops its caller's frame (tools/host_profile.py's ThreadProfile mends both): the step
+    is one call whose cumulative time holds its callees, and the other thread is absent."""
+    import pstats
+    import threading
+
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    from host_profile import ThreadProfile
+
+    stop = threading.Event()
+    background = threading.Thread(target=_background_work, args=(stop,))
+    background.start()
+    try:
+        profile = ThreadProfile()
+        for _ in range(2):  # enabled twice, as for two profiled iterations
+            profile.enable()
+            _profiled_step()
+            profile.disable()
+    finally:
+        stop.set()
+        background.join(timeout=10)
+    stats = pstats.Stats(profile.profile).stats
+    by_name = {name: values for (_file, _line, name), values in stats.items()}
+    calls, primitive_calls, _own, cumulative, callers = by_name["_profiled_step"]
+    assert (calls, primitive_calls) == (2, 2)
+    assert by_name["_leaf"][:2] == (100, 100)
+    assert by_name["<built-in method builtins.repr>"][:2] == (100, 100)
+    assert cumulative >= by_name["_leaf"][3]
+    assert "_background_step" not in by_name
+    # every profiled call descends from the step (or from the profiler's own enable/disable)
+    roots = {name for (_file, _line, name), values in stats.items() if not values[4]}
+    assert "_profiled_step" in roots and "_leaf" not in roots, roots

@@ -15,7 +15,8 @@ TRAINER_FLAGS are megatron_dpp.pretrain's (a recipe's, as a launcher prints them
 cProfile slows Python code (not the device, nor C++ such as the autograd engine), so the profiled
 iterations take longer than plain ones; compare shares within a report, not its times with a log's.
 On a GPU the autograd engine runs backward on its own thread, which cProfile does not see: Python
-called from backward (hooks, custom functions' backward) is inside `run_backward` there.
+called from backward (hooks, custom functions' backward) is inside `run_backward` there. Only the
+training thread is profiled, on every Python (ThreadProfile).
 """
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ import io
 import os
 import pstats
 import sys
+import threading
 import time
 import traceback
+import types
 import warnings
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +51,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class ThreadProfile:
+    """cProfile of the thread that enables it, with whole call trees, on every Python.
+
+    Up to Python 3.11 cProfile hooks the enabling thread only (sys.setprofile). From 3.12 on it
+    listens through sys.monitoring, and two things break its one call stack (seen on 3.12.1 and
+    3.13.0; the GPU images ship 3.12.3): events come from every thread (the watchdog, heartbeats;
+    on a GPU the autograd engine's hooks), and a C function called as a bound method (e.g. a
+    classmethod over a builtin) is reported to CALL as the bound method, which cProfile does not
+    count as a C call, but to C_RETURN as the function, which it does: each such call pops its
+    caller's frame. Whole call trees then count as recursive and lose their cumulative time, and
+    the training step's own frames vanish. So there each of cProfile's callbacks is wrapped: only
+    this thread's events pass, and a bound method is passed as its function and `self` at CALL
+    as at C_RETURN (every profiled call costs a little more)."""
+
+    def __init__(self):
+        self.profile = cProfile.Profile()
+        monitoring = getattr(sys, "monitoring", None)
+        flags = [] if monitoring is None else [
+            getattr(monitoring.events, name) for name in dir(monitoring.events) if name.isupper()]
+        # single events only: register_callback takes one (NO_EVENTS is 0, the rest are sets)
+        self.events = sorted({flag for flag in flags
+                              if isinstance(flag, int) and flag > 0 and not flag & (flag - 1)})
+
+    def enable(self) -> None:
+        self.profile.enable()
+        if not self.events:
+            return
+        monitoring = sys.monitoring
+        tool, thread = monitoring.PROFILER_ID, threading.get_ident()
+        call_events = {monitoring.events.CALL, monitoring.events.C_RETURN,
+                       monitoring.events.C_RAISE}
+        for event in self.events:
+            callback = monitoring.register_callback(tool, event, None)
+            if callback is None:
+                continue
+            if event in call_events:
+                def forward(code, offset, function, self_argument, _callback=callback):
+                    if threading.get_ident() != thread:
+                        return None
+                    if isinstance(function, types.MethodType):
+                        function, self_argument = function.__func__, function.__self__
+                    return _callback(code, offset, function, self_argument)
+            else:
+                def forward(*args, _callback=callback):
+                    if threading.get_ident() != thread:
+                        return None
+                    return _callback(*args)
+            monitoring.register_callback(tool, event, forward)
+
+    def disable(self) -> None:
+        self.profile.disable()  # also frees the tool's callbacks (ours with cProfile's)
+
+
 class IterationProfiler:
     """Wraps Trainer.train_step: times every call; profiles those from `first` on."""
 
@@ -55,7 +111,7 @@ class IterationProfiler:
         self.first = first
         self.calls = 0
         self.host_seconds: list[float] = []
-        self.profile = cProfile.Profile()
+        self.profile = ThreadProfile()
         self.sync_sites: collections.Counter = collections.Counter()
         self.sync_stacks: dict = {}
         self.cuda = False
@@ -129,7 +185,7 @@ class IterationProfiler:
         if self.profiled_once:
             for order in ("tottime", "cumulative"):
                 text = io.StringIO()
-                pstats.Stats(self.profile, stream=text).sort_stats(order).print_stats(top)
+                pstats.Stats(self.profile.profile, stream=text).sort_stats(order).print_stats(top)
                 out += ["", f"== cProfile of the profiled iterations, by {order} ==", text.getvalue()]
         return "\n".join(out) + "\n"
 
