@@ -99,7 +99,8 @@ def _profiled_step():
 def test_thread_profile_keeps_the_call_tree_of_its_thread_only():
     """From Python 3.12 on cProfile sees every thread's calls, and a builtin called as a bound
     method pops its caller's frame (tools/host_profile.py's ThreadProfile mends both): the step
-    is one call whose cumulative time holds its callees, and the other thread is absent."""
+    is one call whose cumulative time holds its callees, and the other thread is absent, even
+    when the threads take turns while the profile is being enabled."""
     import pstats
     import threading
 
@@ -108,6 +109,8 @@ def test_thread_profile_keeps_the_call_tree_of_its_thread_only():
 
     stop = threading.Event()
     background = threading.Thread(target=_background_work, args=(stop,))
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the threads take turns often, inside enable() too
     background.start()
     try:
         profile = ThreadProfile()
@@ -118,6 +121,7 @@ def test_thread_profile_keeps_the_call_tree_of_its_thread_only():
     finally:
         stop.set()
         background.join(timeout=10)
+        sys.setswitchinterval(switch_interval)
     stats = pstats.Stats(profile.profile).stats
     by_name = {name: values for (_file, _line, name), values in stats.items()}
     calls, primitive_calls, _own, cumulative, callers = by_name["_profiled_step"]

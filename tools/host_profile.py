@@ -63,45 +63,63 @@ class ThreadProfile:
     caller's frame. Whole call trees then count as recursive and lose their cumulative time, and
     the training step's own frames vanish. So there each of cProfile's callbacks is wrapped: only
     this thread's events pass, and a bound method is passed as its function and `self` at CALL
-    as at C_RETURN (every profiled call costs a little more)."""
+    as at C_RETURN (every profiled call costs a little more). The wrapping happens as cProfile
+    registers its callbacks, before it turns the events on: wrapped afterwards, another thread
+    could run a whole GIL switch interval of calls into the profile in between."""
 
     def __init__(self):
         self.profile = cProfile.Profile()
-        monitoring = getattr(sys, "monitoring", None)
-        flags = [] if monitoring is None else [
-            getattr(monitoring.events, name) for name in dir(monitoring.events) if name.isupper()]
-        # single events only: register_callback takes one (NO_EVENTS is 0, the rest are sets)
-        self.events = sorted({flag for flag in flags
-                              if isinstance(flag, int) and flag > 0 and not flag & (flag - 1)})
 
     def enable(self) -> None:
-        self.profile.enable()
-        if not self.events:
+        monitoring = getattr(sys, "monitoring", None)
+        if monitoring is None:
+            self.profile.enable()
             return
-        monitoring = sys.monitoring
-        tool, thread = monitoring.PROFILER_ID, threading.get_ident()
-        call_events = {monitoring.events.CALL, monitoring.events.C_RETURN,
-                       monitoring.events.C_RAISE}
-        for event in self.events:
-            callback = monitoring.register_callback(tool, event, None)
-            if callback is None:
-                continue
-            if event in call_events:
-                def forward(code, offset, function, self_argument, _callback=callback):
-                    if threading.get_ident() != thread:
-                        return None
-                    if isinstance(function, types.MethodType):
-                        function, self_argument = function.__func__, function.__self__
-                    return _callback(code, offset, function, self_argument)
-            else:
-                def forward(*args, _callback=callback):
-                    if threading.get_ident() != thread:
-                        return None
-                    return _callback(*args)
-            monitoring.register_callback(tool, event, forward)
+        register = monitoring.register_callback
+        thread = threading.get_ident()
+        wrapped = []
+
+        def register_wrapped(tool, event, callback):
+            if callback is not None:
+                callback = _this_thread_only(monitoring, event, callback, thread)
+                wrapped.append(event)
+            return register(tool, event, callback)
+
+        # cProfile's enable looks register_callback up on sys.monitoring, then calls set_events.
+        monitoring.register_callback = register_wrapped
+        try:
+            self.profile.enable()
+        finally:
+            monitoring.register_callback = register
+        if not wrapped:
+            self.profile.disable()
+            raise RuntimeError("cProfile did not register its callbacks through "
+                               "sys.monitoring.register_callback on this Python: its profile "
+                               "would mix the threads' calls")
 
     def disable(self) -> None:
-        self.profile.disable()  # also frees the tool's callbacks (ours with cProfile's)
+        self.profile.disable()
+
+
+def _this_thread_only(monitoring, event: int, callback, thread: int):
+    """`callback`, for events of `thread` only; at CALL, C_RETURN and C_RAISE a bound method is
+    passed as its function and `self` (see ThreadProfile)."""
+    if event in (monitoring.events.CALL, monitoring.events.C_RETURN, monitoring.events.C_RAISE):
+        def forward_call(code, offset, function, self_argument):
+            if threading.get_ident() != thread:
+                return None
+            if isinstance(function, types.MethodType):
+                function, self_argument = function.__func__, function.__self__
+            return callback(code, offset, function, self_argument)
+
+        return forward_call
+
+    def forward(*args):
+        if threading.get_ident() != thread:
+            return None
+        return callback(*args)
+
+    return forward
 
 
 class IterationProfiler:
