@@ -1,6 +1,8 @@
 """profiling/aggregate.py: a synthetic pp=2 trace with hand-computed busy, idle, bubble and critical
 path; a real traced tiny GPT run merged (each task once, no overlap, every receive with its send's
 flow arrow, the plots); --compare; the input errors (one line, exit 2)."""
+import contextlib
+import io
 import json
 import shutil
 import subprocess
@@ -103,9 +105,24 @@ def write_synthetic_run(directory: Path, name: str = "synthetic-pp2-dpp", scale:
     return run
 
 
-def aggregate(*args, timeout=180):
+def aggregate_command(*args, timeout=180):
+    """`python profiling/aggregate.py ARGS`, the command users run."""
     return subprocess.run([PYTHON, AGGREGATE, *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO_ROOT)
+
+
+def aggregate(*args):
+    """The same analysis in this process, its exit code and output as the command's (a process
+    of its own spends 1.5 s importing matplotlib)."""
+    from trace_analysis.aggregate import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = main([str(arg) for arg in args])
+        except SystemExit as exit_:  # argparse's usage errors
+            code = exit_.code
+    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
 
 
 def test_synthetic_run_busy_idle_bubble_and_critical_path(tmp_path):
@@ -394,8 +411,8 @@ def test_real_traced_runs_aggregate_and_compare(tmp_path):
     megatron_dir = _traced_run(tmp_path, "megatron", [])
     result = aggregate("--benchmark_dir", megatron_dir, "--iterations", "0:")
     assert result.returncode == 0, result.stderr
-    result = aggregate("--benchmark_dir", dpp_dir, "--iterations", "0:", "--replay",
-                       "--compare", megatron_dir)
+    result = aggregate_command("--benchmark_dir", dpp_dir, "--iterations", "0:", "--replay",
+                               "--compare", megatron_dir)
     assert result.returncode == 0, result.stderr
     assert "every send matched to its receive" in result.stdout
     assert "dpp:adaptive *" in result.stdout
