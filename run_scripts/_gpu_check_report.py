@@ -114,6 +114,8 @@ def summarize(output_dir: Path, seq_lengths: dict) -> dict:
             step["detail"] = "CUDA IPC figures below"
         else:
             step["detail"] = ""
+        if step["exit_status"] in (124, 137):  # gpu_check.sh's timeout stopped it
+            step["detail"] = f"timed out after {step['seconds']} s"
         if not passed and not step["detail"]:
             step["detail"] = text.strip().splitlines()[-1][:100] if text.strip() else ""
         step["passed"] = passed

@@ -26,6 +26,8 @@
 #                               step, as the anchor's default)
 #   --bert-global-batch-size N  BERT smoke run's global batch (default 64)
 #   --anchor-steps N            measured steps of each anchor run (default 10)
+#   --step-timeout SECONDS      stop a step that runs longer (exit status 124 in the table,
+#                               "timed out"), so that one hung step leaves the others (default 1200)
 #   --skip-tests                leave out pytest -m gpu
 #   --skip-mps                  leave out transport-mps
 #   -h, --help                  this text
@@ -45,6 +47,7 @@ TRAIN_ITERS=30
 GPT_GBS=32
 BERT_GBS=64
 ANCHOR_STEPS=10
+STEP_TIMEOUT=1200
 RUN_TESTS=1
 RUN_MPS=1
 
@@ -62,7 +65,7 @@ while [ $# -gt 0 ]; do
     -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     --skip-tests) RUN_TESTS=0 ;;
     --skip-mps) RUN_MPS=0 ;;
-    --output-dir|--train-iters|--gpt-global-batch-size|--bert-global-batch-size|--anchor-steps)
+    --output-dir|--train-iters|--gpt-global-batch-size|--bert-global-batch-size|--anchor-steps|--step-timeout)
       [ $# -ge 2 ] || fail_usage "$1 needs a value (see --help)"
       case "$1" in
         --output-dir) OUTPUT_DIR="$2" ;;
@@ -70,6 +73,7 @@ while [ $# -gt 0 ]; do
         --gpt-global-batch-size) require_count "$1" "$2"; GPT_GBS="$2" ;;
         --bert-global-batch-size) require_count "$1" "$2"; BERT_GBS="$2" ;;
         --anchor-steps) require_count "$1" "$2"; ANCHOR_STEPS="$2" ;;
+        --step-timeout) require_count "$1" "$2"; STEP_TIMEOUT="$2" ;;
       esac
       shift ;;
     *) fail_usage "unknown argument $1 (see --help)" ;;
@@ -97,13 +101,19 @@ STEPS="$OUTPUT_DIR/steps.tsv"
 : >"$STEPS"
 cd "$REPO_ROOT"
 
-# step NAME LOG COMMAND...: runs COMMAND with its output in OUTPUT_DIR/LOG; records its exit status.
+# step NAME LOG COMMAND...: runs COMMAND with its output in OUTPUT_DIR/LOG, at most STEP_TIMEOUT
+# seconds (then TERM, KILL 10 s later: exit status 124 or 137); records its exit status. A shell
+# function here (transport_under_mps) applies the limit itself, to what it starts.
 step() {
   local name="$1" log="$2" started status=0
   shift 2
   echo "$NAME: $name ... (log: $OUTPUT_DIR/$log)"
   started=$SECONDS
-  "$@" >"$OUTPUT_DIR/$log" 2>&1 || status=$?
+  if declare -F "$1" >/dev/null; then
+    "$@" >"$OUTPUT_DIR/$log" 2>&1 || status=$?
+  else
+    timeout --kill-after=10 "$STEP_TIMEOUT" "$@" >"$OUTPUT_DIR/$log" 2>&1 || status=$?
+  fi
   printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$log" "$((SECONDS - started))" >>"$STEPS"
 }
 
@@ -116,7 +126,8 @@ fi
 step transport transport.log "$PY" benchmarks/transport_bench.py --device cuda \
   --json "$OUTPUT_DIR/transport_cuda.json"
 # transport_under_mps JSON: the transport benchmark with a private MPS daemon running (a short
-# directory under /tmp: the daemon's socket path must stay under 108 characters), stopped after.
+# directory under /tmp: the daemon's socket path must stay under 108 characters), stopped after,
+# also when the benchmark ran out of time.
 # A subshell, so that the MPS variables stay out of the later steps.
 transport_under_mps() (
   local dir status=0
@@ -124,7 +135,8 @@ transport_under_mps() (
   export CUDA_MPS_PIPE_DIRECTORY="$dir/pipe" CUDA_MPS_LOG_DIRECTORY="$dir/log"
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   nvidia-cuda-mps-control -d || { echo "nvidia-cuda-mps-control -d failed"; return 1; }
-  "$PY" benchmarks/transport_bench.py --device cuda --json "$1" || status=$?
+  timeout --kill-after=10 "$STEP_TIMEOUT" "$PY" benchmarks/transport_bench.py --device cuda \
+    --json "$1" || status=$?
   echo quit | nvidia-cuda-mps-control || status=1
   cat "$CUDA_MPS_LOG_DIRECTORY"/control.log 2>/dev/null | tail -5
   rm -rf "$dir"

@@ -38,8 +38,8 @@ def test_help_explains_every_flag():
     result = _script("--help")
     assert result.returncode == 0
     for flag in ("--output-dir", "--train-iters", "--gpt-global-batch-size",
-                 "--bert-global-batch-size", "--anchor-steps", "--skip-tests", "--skip-mps",
-                 "--help"):
+                 "--bert-global-batch-size", "--anchor-steps", "--step-timeout", "--skip-tests",
+                 "--skip-mps", "--help"):
         assert flag in result.stdout
 
 
@@ -50,6 +50,7 @@ def test_help_explains_every_flag():
     (["--train-iters", "5"], "--train-iters 5: expected at least 10"),
     (["--anchor-steps", "0"], "--anchor-steps 0: expected a positive whole number"),
     (["--output-dir"], "--output-dir needs a value (see --help)"),
+    (["--step-timeout", "-1"], "--step-timeout -1: expected a positive whole number"),
     (["--gpt-global-batch-size", "30"], "expected a multiple of the micro-batch, 4"),
 ])
 def test_bad_flags_are_one_line_exit_2(args, message):
@@ -97,7 +98,9 @@ def test_report_table_from_real_logs(tmp_path):
                                         "gpt-graphs\t0\tgpt_graphs.log\t30\n"
                                         "bert\t1\tbert.log\t5\n"
                                         "anchor\t0\tanchor.log\t9\ntransport\t0\ttransport.log\t4\n"
-                                        "transport-mps\t0\ttransport_mps.log\t4\n")
+                                        "transport-mps\t0\ttransport_mps.log\t4\n"
+                                        "anchor-unfused\t124\tanchor_unfused.log\t600\n")
+    (tmp_path / "anchor_unfused.log").write_text("")  # stopped by --step-timeout before a line
     result = subprocess.run([sys.executable, REPORT, str(tmp_path), "--gpt-seq-length", str(SEQ),
                              "--bert-seq-length", "512"], capture_output=True, text=True,
                             timeout=60, env=_env())
@@ -106,6 +109,8 @@ def test_report_table_from_real_logs(tmp_path):
     steps = {step["name"]: step for step in summary["steps"]}
     assert steps["gpt"]["passed"] and not steps["bert"]["passed"]
     assert steps["bert"]["detail"] == "RuntimeError: out of memory"
+    assert not steps["anchor-unfused"]["passed"]
+    assert steps["anchor-unfused"]["detail"] == "timed out after 600 s"
     gpt = steps["gpt"]
     assert gpt["first_loss"] == pytest.approx(losses[0], rel=1e-6)
     assert gpt["last_loss"] == pytest.approx(losses[-1], rel=1e-6)
