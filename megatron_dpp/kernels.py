@@ -266,10 +266,15 @@ def cuda_graphs(args: argparse.Namespace) -> Choice:
     """Megatron-Core's local CUDA graphs (TransformerConfig.cuda_graph_impl "local"), asked for with
     Megatron-LM's --cuda-graph-impl local; the flag's checks (a GPU, Megatron's schedules, fixed
     shapes) are models/flags.py's validate_cuda_graph_args."""
+    from megatron_dpp.models.flags import cuda_graph_obstacle
+
     feature = "CUDA graphs"
     if getattr(args, "cuda_graph_impl", "none") != "local":
-        return Choice(feature, False, "--cuda-graph-impl none (Megatron-LM's default): every "
-                      "kernel is launched from Python")
+        reason = "--cuda-graph-impl none (Megatron-LM's default): every kernel is launched from Python"
+        if cuda_graph_obstacle(args) is None:  # a GPU run that could take them: say what they give
+            reason += ("; where the step waits for the host (a small model), --cuda-graph-impl "
+                       "local launches each layer as one graph (docs/gpu.md, \"CUDA graphs\")")
+        return Choice(feature, False, reason)
     return Choice(feature, True, "--cuda-graph-impl local: Megatron-Core's CudaGraphManager "
                   "captures each transformer layer's forward and backward at the end of the first "
                   "training iteration and replays them from then on")

@@ -71,6 +71,24 @@ def test_cuda_graph_flag_sets_the_config_and_says_so(flags, on, monkeypatch):
     assert choice.line().startswith(f"kernels: CUDA graphs {'on' if on else 'off'}: "
                                     f"--cuda-graph-impl {'local' if on else 'none'}")
     assert config.cuda_graph_scope == []  # whole layers
+    # off on a GPU where nothing else stands in their way: the line says what they would give
+    assert ("--cuda-graph-impl local launches each layer as one graph" in choice.reason) is not on
+
+
+@pytest.mark.parametrize("flags", [["--use-dpp", "--pipeline-model-parallel-size", "2"],
+                                   ["--recompute-activations"], ["--variable-seq-lengths"], None])
+def test_graphs_off_are_suggested_only_where_they_could_run(flags, monkeypatch):
+    from megatron_dpp.arguments import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: flags is not None)  # None: on CPU
+    args = parse_args([*data_args(), *_recipe_flags("examples/gpt3/gpt3_tiny.sh"), *(flags or [])],
+                      prog="megatron_dpp.pretrain_gpt")
+    choice = kernels.kernel_choices(args).cuda_graphs
+    assert not choice.on
+    assert choice.reason == ("--cuda-graph-impl none (Megatron-LM's default): every kernel is "
+                             "launched from Python")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Optional
 
 from megatron_dpp.cuda_presence import cuda_available
 from megatron_dpp.flag_errors import add_refused_flags, require
@@ -200,23 +201,30 @@ def validate_model_args(args: argparse.Namespace) -> None:
                 f"and needs Transformer Engine on a CUDA GPU; use auto, sdpa or local")
 
 
+def cuda_graph_obstacle(args: argparse.Namespace) -> Optional[str]:
+    """Why --cuda-graph-impl local cannot run with the other flags (the error to give), or None."""
+    flag = "--cuda-graph-impl local"
+    if not cuda_available():
+        return f"{flag} captures CUDA graphs and needs a CUDA GPU; drop it on CPU"
+    if getattr(args, "use_dpp", False):
+        return (f"{flag} runs under Megatron's schedules, which build the graphs at the end of the "
+                f"first iteration; the --use-dpp runtime does not: drop one of them")
+    if getattr(args, "recompute_granularity", None) is not None:
+        return (f"{flag} does not graph recomputed layers (Megatron-Core supports recomputation "
+                f"only with whole-iteration graphs); drop --recompute-activations / "
+                f"--recompute-granularity or the graphs")
+    if getattr(args, "variable_seq_lengths", False):
+        return (f"{flag} replays graphs captured for one shape; --variable-seq-lengths changes the "
+                f"shape every micro-batch: drop one of them")
+    return None
+
+
 def validate_cuda_graph_args(args: argparse.Namespace) -> None:
     """--cuda-graph-impl local, against the other groups' flags (run after all of them)."""
     if args.cuda_graph_impl == "none":
         return
-    flag = "--cuda-graph-impl local"
-    require(cuda_available(),
-            f"{flag} captures CUDA graphs and needs a CUDA GPU; drop it on CPU")
-    require(not args.use_dpp,
-            f"{flag} runs under Megatron's schedules, which build the graphs at the end of the "
-            f"first iteration; the --use-dpp runtime does not: drop one of them")
-    require(args.recompute_granularity is None,
-            f"{flag} does not graph recomputed layers (Megatron-Core supports recomputation only "
-            f"with whole-iteration graphs); drop --recompute-activations / "
-            f"--recompute-granularity or the graphs")
-    require(not getattr(args, "variable_seq_lengths", False),
-            f"{flag} replays graphs captured for one shape; --variable-seq-lengths changes the "
-            f"shape every micro-batch: drop one of them")
+    obstacle = cuda_graph_obstacle(args)
+    require(obstacle is None, obstacle)
 
 
 # ----------------------------------------------------------------------------------------------
