@@ -21,6 +21,9 @@ GPT_VARIANTS = {"gpt-fused": "with the compiled fusions", "gpt-graphs": "with CU
 SKIP_LOG_LINES = 1  # the first logged interval holds start-up (allocation, autotuning)
 ITERATION_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+).*?"
                           r"global batch size:\s+(\d+).*?lm loss: ([-+0-9.eE]+)")
+# Megatron-LM's memory line, which the trainer prints once on a GPU (training/loop.py memory_report).
+MAX_ALLOCATED_RE = re.compile(r"\(after \d+ iterations\) memory \(MB\) \| allocated: [0-9.]+ "
+                              r"\| max allocated: ([0-9.]+)")
 PYTEST_SUMMARY_RE = re.compile(r"^=*\s*(\d+ (passed|failed|skipped|error|deselected).*?)\s*=*$")
 
 
@@ -34,14 +37,17 @@ def read_steps(output_dir: Path) -> list[dict]:
 
 def training_figures(log_text: str, seq_length: int) -> dict:
     """tokens/s (global batch x sequence / the median time per iteration after the first logged
-    interval) and the first and last lm loss of a training log."""
+    interval), the first and last lm loss of a training log, and the largest rank's peak of
+    allocated memory where the log reports it (MB, None otherwise)."""
     lines = [(float(ms), int(batch), float(loss)) for ms, batch, loss in ITERATION_RE.findall(log_text)]
     if not lines:
         return {}
     steady = lines[SKIP_LOG_LINES:] or lines
     ms = statistics.median(ms for ms, _, _ in steady)
+    peaks = [float(mb) for mb in MAX_ALLOCATED_RE.findall(log_text)]
     return {"ms_per_iteration": ms, "tokens_per_s": steady[-1][1] * seq_length / (ms / 1e3),
-            "first_loss": lines[0][2], "last_loss": lines[-1][2]}
+            "first_loss": lines[0][2], "last_loss": lines[-1][2],
+            "max_allocated_mb": max(peaks) if peaks else None}
 
 
 def pytest_summary(log_text: str) -> str:
@@ -58,6 +64,10 @@ def _load(path: Path) -> Optional[dict]:
 
 def _rate(tokens_per_s: Optional[float]) -> str:
     return "-" if tokens_per_s is None else f"{tokens_per_s / 1e3:.1f}k tokens/s"
+
+
+def _peak(max_allocated_mb: Optional[float]) -> str:
+    return "" if max_allocated_mb is None else f", peak {max_allocated_mb / 1024:.1f} GiB allocated"
 
 
 def _ipc_lines(transport: Optional[dict]) -> list[str]:
@@ -103,6 +113,7 @@ def summarize(output_dir: Path, seq_lengths: dict) -> dict:
             passed = passed and bool(figures) and figures["last_loss"] < figures["first_loss"]
             step["detail"] = (f"{_rate(figures.get('tokens_per_s'))}, lm loss "
                               f"{figures['first_loss']:.2f} -> {figures['last_loss']:.2f}"
+                              + _peak(figures["max_allocated_mb"])
                               if figures else "")  # the log's last line, below
         elif step["name"] == "tests":
             step["detail"] = pytest_summary(text)

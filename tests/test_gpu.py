@@ -6,6 +6,7 @@ The suite's process is pinned to the CPU (conftest.py): the GPU work runs in sub
 with _gpu.gpu_env(). pp>=2 with --use-dpp on GPUs is in test_dpp_parity.py."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,10 @@ def test_gpt_bf16_trains_on_one_gpu():
     rc, losses, _, out = run_training(BF16_ONE_GPU, nproc=1, timeout=360, env=gpu_env(),
                                       base_args=TINY_GPT_ARGS)
     _assert_loss_falls(rc, losses, out)
+    # Megatron-LM's memory line, once, at the first logged iteration
+    memory = re.findall(r"\[Rank 0\] \(after \d+ iterations\) memory \(MB\) \| allocated: ([0-9.]+) "
+                        r"\| max allocated: ([0-9.]+) \| reserved: [0-9.]+ \| max reserved: [0-9.]+", out)
+    assert len(memory) == 1 and 0 < float(memory[0][0]) <= float(memory[0][1]), out[-3000:]
 
 
 @pytest.mark.gpu

@@ -76,10 +76,13 @@ def test_report_table_from_real_logs(tmp_path):
     rc, losses, _, log = run_training(["--pipeline-model-parallel-size", "1", "--train-iters", "12",
                                        "--log-interval", "2"], nproc=1, timeout=240)
     assert rc == 0 and losses[-1] < losses[0], log[-3000:]
+    assert "memory (MB)" not in log  # Megatron-LM's memory line is a GPU rank's
     (tmp_path / "gpt.log").write_text(log)
     (tmp_path / "gpt_fused.log").write_text(log.replace("elapsed time per iteration (ms): ",
                                                         "elapsed time per iteration (ms): 1"))
-    (tmp_path / "gpt_graphs.log").write_text(re.sub(  # every time a tenth: faster
+    memory = ("[Rank 0] (after 2 iterations) memory (MB) | allocated: 1800.5 | max allocated: "
+              "2560.0 | reserved: 3000.0 | max reserved: 3000.0\n")  # as a GPU rank prints it
+    (tmp_path / "gpt_graphs.log").write_text(memory + re.sub(  # every time a tenth: faster
         r"elapsed time per iteration \(ms\): ([0-9.]+)",
         lambda m: f"elapsed time per iteration (ms): {float(m.group(1)) / 10:.3f}", log))
     (tmp_path / "bert.log").write_text("Traceback ...\nRuntimeError: out of memory\n")
@@ -121,7 +124,8 @@ def test_report_table_from_real_logs(tmp_path):
     assert fused["passed"] and fused["ms_per_iteration"] > gpt["ms_per_iteration"] + 999
     assert summary["gpt_fused_vs_anchor"] == pytest.approx(fused["tokens_per_s"] / anchor_rate)
     graphs = steps["gpt-graphs"]
-    assert graphs["passed"]
+    assert graphs["passed"] and graphs["max_allocated_mb"] == 2560.0
+    assert graphs["detail"].endswith(", peak 2.5 GiB allocated") and gpt["max_allocated_mb"] is None
     assert graphs["ms_per_iteration"] == pytest.approx(gpt["ms_per_iteration"] / 10, rel=1e-3)
     assert summary["gpt_graphs_vs_anchor"] == pytest.approx(graphs["tokens_per_s"] / anchor_rate)
     lines = result.stdout.splitlines()
@@ -137,3 +141,18 @@ def test_report_table_from_real_logs(tmp_path):
                                    "switching):")
     assert "4096 B one-way: shm 270.0 us" in ipc and "4096 B one-way: shm 23.9 us" in mps
     assert steps["transport-mps"]["passed"] and steps["transport-mps"]["detail"] == "CUDA IPC figures below"
+
+
+def test_memory_report_is_megatron_lms_line():
+    from megatron_dpp.training.loop import memory_report
+
+    class FakeCuda:  # the caching allocator's counters, in bytes
+        memory_allocated = staticmethod(lambda: 3 << 20)
+        max_memory_allocated = staticmethod(lambda: 5 << 20)
+        memory_reserved = staticmethod(lambda: 8 << 20)
+        max_memory_reserved = staticmethod(lambda: 9 << 19)
+
+    line = memory_report(FakeCuda, rank=3, iteration=10)
+    assert line == ("[Rank 3] (after 10 iterations) memory (MB) | allocated: 3.0 | max allocated: "
+                    "5.0 | reserved: 8.0 | max reserved: 4.5")
+

@@ -485,6 +485,17 @@ def _format_iteration(trainer: Trainer, reduced, grad_norm, elapsed_ms: float,
     return " | ".join(fields) + " |"
 
 
+def memory_report(cuda, rank: int, iteration: int) -> str:
+    """Megatron-LM's report_memory line: the caching allocator's counters (host-side, no device
+    synchronization), in MB; `cuda` is torch.cuda."""
+    mega_bytes = 1024.0 * 1024.0
+    return (f"[Rank {rank}] (after {iteration} iterations) memory (MB)"
+            f" | allocated: {cuda.memory_allocated() / mega_bytes}"
+            f" | max allocated: {cuda.max_memory_allocated() / mega_bytes}"
+            f" | reserved: {cuda.memory_reserved() / mega_bytes}"
+            f" | max reserved: {cuda.max_memory_reserved() / mega_bytes}")
+
+
 def train_clip_enabled(trainer: Trainer) -> bool:
     return trainer.args.clip_grad > 0.0
 
@@ -565,6 +576,7 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
         gc.collect()
     skipped = 0
     interval_ms = 0.0
+    memory_reported = False
     last_saved = trainer.state.iteration if train.load else None
     with stop_signals(trainer.platform) as signals:
         # A peer that dies while this rank waits in a collective (the training step's, an
@@ -582,6 +594,12 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
                         log(_format_iteration(trainer, reduced.read(), grad_norm,
                                               interval_ms / train.log_interval, skipped))
                     interval_ms = 0.0
+                    # As Megatron-LM: once, at the first logged iteration, every GPU rank of the
+                    # first data-parallel replica reports its memory.
+                    if not memory_reported and trainer.platform.is_cuda and \
+                            parallel_state.get_data_parallel_rank() == 0:
+                        log(memory_report(torch.cuda, dist.get_rank(), iteration))
+                    memory_reported = True
                 if train.manual_gc and train.manual_gc_interval and \
                         iteration % train.manual_gc_interval == 0:
                     gc.collect()
