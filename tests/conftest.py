@@ -6,6 +6,7 @@ import os
 import pytest
 
 import _gpu
+import _hardware_profile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -24,3 +25,12 @@ def pytest_runtest_setup(item):
         reason = _gpu.skip_reason(marker.args[0] if marker.args else 1)
         if reason is not None:
             pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def quick_hardware_profile(tmp_path_factory):
+    """profile_hardware.sh --quick of this machine, run once per session: (its output directory,
+    the finished process). The test of the run asserts that it passed; a reader of its figures
+    (the search benchmark) checks the return code too."""
+    out = tmp_path_factory.mktemp("quick_hardware_profile") / "hardware"
+    return out, _hardware_profile.quick_profile(out)

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
+from _hardware_profile import run_profile_script
 
 from megatron_dpp.search.errors import SearchInputError
 from megatron_dpp.search.hardware import (
     PRESETS, HardwareProfile, collective_group, group_sizes, load_hardware, pipeline_group,
     pipeline_sizes, read_hardware_dir, write_hardware_dir)
-
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "run_scripts" / "profile_hardware.sh"
 
 
 def _profile(**changes) -> HardwareProfile:
@@ -215,16 +210,8 @@ def test_nothing_measured_is_a_search_input_error():
         profile.p2p_ms(1 << 20, 2)
 
 
-def _run_script(env_changes: dict, *args, timeout: float = 120.0) -> subprocess.CompletedProcess:
-    env = {name: value for name, value in os.environ.items()
-           if name not in ("NPROC", "OUTPUT_DIR", "NNODES", "NODE_RANK", "NODE_IPS", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", **env_changes)
-    return subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def test_profile_script_refuses_bad_flags_in_one_line(tmp_path):
-    result = _run_script({}, "--output-dir", str(tmp_path), "--sp-sizes-mb", "1,2", timeout=60)
+    result = run_profile_script({}, "--output-dir", str(tmp_path), "--sp-sizes-mb", "1,2", timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "at least 8 sizes" in result.stderr
@@ -232,9 +219,8 @@ def test_profile_script_refuses_bad_flags_in_one_line(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_quick_profile_on_this_machine(tmp_path):
-    out = tmp_path / "hardware"
-    result = _run_script({"NPROC": "2", "OUTPUT_DIR": str(out)}, "--quick", "--timeout", "60")
+def test_quick_profile_on_this_machine(quick_hardware_profile):
+    out, result = quick_hardware_profile
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     names = sorted(path.name for path in out.iterdir())
     assert names == sorted([

@@ -1,8 +1,8 @@
-"""benchmarks/search_vs_measured.py --quick runs end to end: quick hardware and model profiles of
-this machine, the search's prediction of two layouts of the tiny GPT, one training run of each
-(2 pinned ranks), the table and the target lines on stdout, everything in the JSON with finite
-numbers. Whether the targets are met is the benchmark's to report, not a test's to assert (timings
-on shared CPUs are noisy)."""
+"""benchmarks/search_vs_measured.py --quick runs end to end: the session's quick hardware profile
+of this machine (conftest.py), a quick model profile, the search's prediction of two layouts of
+the tiny GPT, one training run of each (2 pinned ranks), the table and the target lines on stdout,
+everything in the JSON with finite numbers. Whether the targets are met is the benchmark's to
+report, not a test's to assert (timings on shared CPUs are noisy)."""
 import json
 import math
 import os
@@ -22,17 +22,23 @@ def _finite_positive(value) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_quick_run_prints_the_table_and_targets_and_writes_the_json(tmp_path):
+def test_quick_run_prints_the_table_and_targets_and_writes_the_json(tmp_path,
+                                                                     quick_hardware_profile):
     ensure_sample_data()
+    # The hardware figures: the session's quick profile of this machine (what the benchmark's
+    # --quick would measure itself: profile_hardware.sh --quick, 2 processes, fp32).
+    hardware, profiled = quick_hardware_profile
+    assert profiled.returncode == 0, profiled.stdout[-3000:] + profiled.stderr[-3000:]
     out = tmp_path / "search_vs_measured.json"
     command = [sys.executable, BENCHMARK, "--quick", "--work-dir", str(tmp_path / "profiles"),
-               "--json", str(out), "--timeout", "120"]
+               "--hardware", str(hardware), "--json", str(out), "--timeout", "120"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=280, env=_env(),
                             cwd=REPO_ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    # The profiles were measured into --work-dir.
-    assert (tmp_path / "profiles" / "hardware" / "overlap_coefficient.json").is_file()
+    # The model profile was measured into --work-dir, the given hardware figures used as they are.
     assert (tmp_path / "profiles" / "model" / "computation_profiling_fp32_hidden_128_head_4.json").is_file()
+    assert not (tmp_path / "profiles" / "hardware").exists()
+    assert "profiling the hardware" not in result.stderr
 
     report = json.loads(out.read_text())
     names = ["pp2-1f1b", "tp2"]
@@ -92,3 +98,32 @@ def test_bad_flags_are_one_line_and_exit_2():
         assert result.returncode == 2, (argv, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1, (argv, result.stderr)
         assert result.stdout == ""
+
+
+def test_profiles_are_measured_unless_given(tmp_path, monkeypatch):
+    """Without --hardware and --model-profile both profilers run into --work-dir (the quick test
+    above passes the session's hardware profile); given directories are used as they are."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    import search_vs_measured
+
+    commands = []
+    monkeypatch.setattr(search_vs_measured, "run_profiler",
+                        lambda command, what, timeout, env=None: commands.append((what, command, env)))
+    args = search_vs_measured.parse_args(["--quick", "--work-dir", str(tmp_path)])
+    hardware, model = search_vs_measured.profiles(args, [2], 4096)
+    assert (hardware, model) == (str(tmp_path / "hardware"), str(tmp_path / "model"))
+    (_, hardware_command, hardware_env), (_, model_command, _) = commands
+    assert [what for what, _, _ in commands] == ["hardware", "model"]
+    assert hardware_command[1].endswith("run_scripts/profile_hardware.sh")
+    assert hardware_command[2:] == ["--output-dir", hardware, "--dtypes", "fp32", "--quick"]
+    assert hardware_env == {"NPROC": "2"}
+    assert model_command[1].endswith("run_scripts/profile_model.sh")
+    assert model_command[-3:] == ["--output-dir", model, "--quick"]
+    assert model_command[model_command.index("--micro-batch-sizes") + 1] == "2"
+    assert model_command[model_command.index("--vocab-size") + 1] == "4096"
+
+    commands.clear()
+    given = search_vs_measured.parse_args(["--quick", "--work-dir", str(tmp_path), "--hardware",
+                                           str(tmp_path), "--model-profile", str(tmp_path)])
+    assert search_vs_measured.profiles(given, [2], 4096) == (str(tmp_path), str(tmp_path))
+    assert commands == []
