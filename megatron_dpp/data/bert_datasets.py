@@ -21,6 +21,7 @@ import numpy
 from megatron_dpp.data.datasets import (_SPLIT_NAMES, parse_data_path, parse_split,
                                         samples_per_split, split_ranges)
 from megatron_dpp.data.errors import DataInputError
+from megatron_dpp.data.index_cache import index_cache_lock
 from megatron_dpp.data.index_file import read_index
 
 # The BERT flags' defaults (Megatron-LM's), used when args lacks the field.
@@ -241,5 +242,7 @@ def build_bert_datasets(args, tokenizer,
     config = bert_dataset_config(args, tokenizer)
     builder = BlendedMegatronDatasetBuilder(_guarded_bert_dataset_class(), num_samples,
                                             lambda: True, config)
-    train, valid, test = builder.build()
+    with index_cache_lock(prefixes, config.path_to_cache,
+                          getattr(args, "distributed_timeout_minutes", None)):
+        train, valid, test = builder.build()
     return train, valid, test

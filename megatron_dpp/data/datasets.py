@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy
 
 from megatron_dpp.data.errors import DataInputError
+from megatron_dpp.data.index_cache import index_cache_lock
 from megatron_dpp.data.index_file import read_index
 
 _SPLIT_NAMES = ("train", "valid", "test")
@@ -228,7 +229,9 @@ def build_train_valid_test_datasets(args, tokenizer,
     config = gpt_dataset_config(args, tokenizer)
     dataset_class = _document_dataset_class() if variable else _guarded_gpt_dataset_class()
     builder = BlendedMegatronDatasetBuilder(dataset_class, num_samples, lambda: True, config)
-    train, valid, test = builder.build()
+    with index_cache_lock(prefixes, config.path_to_cache,
+                          getattr(args, "distributed_timeout_minutes", None)):
+        train, valid, test = builder.build()
     return train, valid, test
 
 

@@ -12,7 +12,6 @@ output runs too (its input changed). Each output is written under a temporary na
 an existing file is complete. A lock file makes concurrent runs on the same directory take turns.
 """
 import argparse
-import fcntl
 import json
 import os
 import sys
@@ -21,6 +20,7 @@ import warnings
 from typing import Iterator, Optional, Sequence
 
 from megatron_dpp.data.corpus import write_stdlib_corpus
+from megatron_dpp.data.dir_lock import DirectoryLock
 from megatron_dpp.data.errors import DataInputError, exit_with_input_error
 from megatron_dpp.data.preprocess_data import output_prefix_for, preprocess_jsonl
 from megatron_dpp.data.tokenizer import train_bpe_tokenizer, train_wordpiece_vocab
@@ -35,6 +35,7 @@ DEFAULT_BERT_VOCAB_SIZE = 4096
 # Room for the special tokens, the corpus's characters and their "##" forms.
 MIN_BERT_VOCAB_SIZE = 256
 LOCK_TIMEOUT_S = 300.0
+LOCK_NAME = ".prepare_sample.lock"
 
 
 def sample_paths(output_dir: str) -> dict:
@@ -66,33 +67,6 @@ def _corpus_texts(corpus_path: str) -> Iterator[str]:
 
 def _log(message: str) -> None:
     print(f"[prepare_sample] {message}", flush=True)
-
-
-class _DirectoryLock:
-    """An exclusive flock on DIR/.prepare_sample.lock, waited for with a timeout."""
-
-    def __init__(self, output_dir: str, timeout_s: float):
-        self.path = os.path.join(output_dir, ".prepare_sample.lock")
-        self.timeout_s = timeout_s
-        self.file = None
-
-    def __enter__(self):
-        self.file = open(self.path, "w")
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return self
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    self.file.close()
-                    raise DataInputError(f"waited {self.timeout_s:.0f}s for {self.path} held by "
-                                         f"another prepare_sample run; is one stuck?") from None
-                time.sleep(0.2)
-
-    def __exit__(self, *exc):
-        fcntl.flock(self.file, fcntl.LOCK_UN)
-        self.file.close()
 
 
 def _write_corpus(paths: dict, show_progress: bool) -> None:
@@ -151,7 +125,8 @@ def prepare_sample(output_dir: str, vocab_size: int = DEFAULT_VOCAB_SIZE,
     """Make whatever of the sample data is missing under output_dir; returns sample_paths()."""
     os.makedirs(output_dir, exist_ok=True)
     paths = sample_paths(output_dir)
-    with _DirectoryLock(output_dir, LOCK_TIMEOUT_S):
+    with DirectoryLock(os.path.join(output_dir, LOCK_NAME), LOCK_TIMEOUT_S,
+                       "another prepare_sample run", _log):
         # Each flag: whether the step's input was (re)made, so the step must run again.
         corpus_made = not os.path.isfile(paths["corpus"])
         if corpus_made:
