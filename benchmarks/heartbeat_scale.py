@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 from datetime import timedelta
+from typing import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -139,17 +140,36 @@ def _cpu_s(path: str) -> float:
         return int(schedstat.read().split()[0]) / 1e9
 
 
+class ThreadCpu:
+    """CPU seconds of one thread of this process, read while it lives. A heartbeat thread that
+    declares a peer lost ends, and its schedstat file with it: the last reading then stands (taken
+    at most 0.1 s before, _busy_until_done reads it that often); a thread gone before the first
+    reading counts 0."""
+
+    def __init__(self, thread_id: int):
+        self.path = f"/proc/self/task/{thread_id}/schedstat"
+        self.last = 0.0
+
+    def read(self) -> float:
+        try:
+            self.last = _cpu_s(self.path)
+        except FileNotFoundError:
+            pass
+        return self.last
+
+
 def _process_cpu_s(pid: int) -> float:
     """CPU seconds of every thread of process `pid` (its own schedstat counts its first only)."""
     tasks = f"/proc/{pid}/task"
     return sum(_cpu_s(f"{tasks}/{task}/schedstat") for task in os.listdir(tasks))
 
 
-def _busy_until_done(process, timeout_s: float) -> None:
+def _busy_until_done(process, timeout_s: float, every_tenth_s: Callable[[], object]) -> None:
     """Run Python on this thread until `process` ends (at most timeout_s), as a training thread
-    bound by its host does."""
+    bound by its host does; call `every_tenth_s` between the busy stretches."""
     deadline = time.monotonic() + timeout_s
     while process.is_alive() and time.monotonic() < deadline:
+        every_tenth_s()
         # Asking about the process releases the GIL for a moment; done every millisecond, that
         # alone would starve a thread waiting for the GIL (CPython hands it over after 5 ms
         # without such a release), so ask every 0.1 s.
@@ -183,7 +203,7 @@ def measure(ranks: int, design: str, args: argparse.Namespace) -> dict:
         beat = HeartbeatProcess(sock, me, addresses, interval_s, timeout_s, lost.append,
                                 failed.append)
         thread_id, helper_pid = beat.native_thread_id, beat.helper_pid
-    thread_stat = f"/proc/self/task/{thread_id}/schedstat"
+    thread_cpu_s = ThreadCpu(thread_id)
     started = context.Event()
     player = context.Process(target=play_peers, args=((LOOPBACK, me.port), peers, args.arrivals,
                                                       interval_s, intervals, ranks, started))
@@ -192,13 +212,13 @@ def measure(ranks: int, design: str, args: argparse.Namespace) -> dict:
         if not started.wait(timeout=120):
             raise RuntimeError(f"the played peers ({ranks} ranks) did not start within 120 s")
         wall_start = time.monotonic()
-        thread_start = _cpu_s(thread_stat)
+        thread_start = thread_cpu_s.read()
         helper_start = _process_cpu_s(helper_pid) if helper_pid else 0.0
-        _busy_until_done(player, intervals * interval_s + 120)
+        _busy_until_done(player, intervals * interval_s + 120, thread_cpu_s.read)
         if player.is_alive():
             raise RuntimeError(f"the played peers ({ranks} ranks) did not finish")
         wall = time.monotonic() - wall_start
-        thread_cpu = _cpu_s(thread_stat) - thread_start
+        thread_cpu = thread_cpu_s.read() - thread_start
         helper_cpu = _process_cpu_s(helper_pid) - helper_start if helper_pid else None
     finally:
         if player.is_alive():

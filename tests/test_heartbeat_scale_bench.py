@@ -46,3 +46,33 @@ def test_bad_arguments_are_refused_in_one_line():
             [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "heartbeat_scale.py"), *flags],
             capture_output=True, text=True, timeout=60, env=_env(), cwd=REPO_ROOT)
         assert result.returncode == 2 and message in result.stderr, (flags, result.stderr)
+
+
+def test_a_thread_that_ended_keeps_its_last_cpu_reading():
+    """The thread design's heartbeat thread ends when it declares a peer lost (what the benchmark
+    counts); its CPU time is then the last reading, not a missing /proc file."""
+    import threading
+    import time
+
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    from heartbeat_scale import ThreadCpu
+
+    ready, finish = threading.Event(), threading.Event()
+
+    def spin():
+        until = time.monotonic() + 0.05
+        while time.monotonic() < until:
+            pass
+        ready.set()
+        finish.wait(10)
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    ready.wait(10)
+    cpu = ThreadCpu(thread.native_id)
+    alive = cpu.read()
+    assert alive > 0
+    finish.set()
+    thread.join(10)
+    assert not os.path.exists(cpu.path) and cpu.read() == alive
+    assert ThreadCpu(thread.native_id).read() == 0.0  # gone before its first reading
