@@ -36,7 +36,7 @@ class DirectoryLock:
         self.file = None
 
     def __enter__(self) -> "DirectoryLock":
-        self.file = open(self.path, "a")  # "a": never truncates what another job holds open
+        self.file = _open_for_locking(self.path)
         started = time.monotonic()
         next_notice = started
         while True:
@@ -62,14 +62,23 @@ class DirectoryLock:
         self.file.close()
 
 
+def _open_for_locking(path: str):
+    """The lock file, made if missing, opened for reading: flock needs no write access, so a job
+    of another user takes turns too where the file exists."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "r")
+
+
 def lock_file_in(directory: str, name: str) -> Optional[str]:
-    """DIRECTORY/NAME, made with its directory if missing; None where it cannot be written (a
-    read-only data directory: no job can write there either, so its files are only ever read)."""
+    """DIRECTORY/NAME, made with its directory if missing; None where it neither exists nor can be
+    made: a read-only data directory, whose files this job only reads, and in which no job has
+    ever taken turns."""
     path = os.path.join(directory, name)
     try:
         os.makedirs(directory, exist_ok=True)
-        with open(path, "a"):
-            pass
+    except OSError:
+        pass  # it may exist, read-only
+    try:
+        _open_for_locking(path).close()
     except OSError:
         return None
     return path
