@@ -154,7 +154,7 @@ class ThreadCpu:
         try:
             self.last = _cpu_s(self.path)
         except FileNotFoundError:
-            pass
+            return self.last  # the thread has ended: its last reading stands
         return self.last
 
 

@@ -72,12 +72,10 @@ def lock_file_in(directory: str, name: str) -> Optional[str]:
     """DIRECTORY/NAME, made with its directory if missing; None where it neither exists nor can be
     made: a read-only data directory, whose files this job only reads, and in which no job has
     ever taken turns."""
-    path = os.path.join(directory, name)
     try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError:
-        pass  # it may exist, read-only
-    try:
+        if not os.path.isdir(directory):
+            os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, name)
         _open_for_locking(path).close()
     except OSError:
         return None

@@ -5,8 +5,8 @@ files under --data-cache-path, or beside the data (`<prefix>/cache/<class>_indic
 when they exist. Within a job the first rank builds and the others load after a barrier; between
 jobs nothing orders them (dir_lock.py says what goes wrong). `index_cache_lock` makes the rank that
 builds first hold the cache directories' lock files while the builder runs, so a second job on
-the same data waits, then finds the cache complete and loads it. A directory nobody may write is
-not locked: its cache is only ever read.
+the same data waits, then finds the cache complete and loads it. A read-only directory without a
+lock file is not locked: its cache is only read there (dir_lock.lock_file_in).
 """
 from __future__ import annotations
 
