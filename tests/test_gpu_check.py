@@ -78,8 +78,9 @@ def test_report_table_from_real_logs(tmp_path):
     assert rc == 0 and losses[-1] < losses[0], log[-3000:]
     assert "memory (MB)" not in log  # Megatron-LM's memory line is a GPU rank's
     (tmp_path / "gpt.log").write_text(log)
-    (tmp_path / "gpt_fused.log").write_text(log.replace("elapsed time per iteration (ms): ",
-                                                        "elapsed time per iteration (ms): 1"))
+    (tmp_path / "gpt_fused.log").write_text(re.sub(  # every time 1000 ms longer: slower
+        r"elapsed time per iteration \(ms\): ([0-9.]+)",
+        lambda m: f"elapsed time per iteration (ms): {float(m.group(1)) + 1000:.3f}", log))
     memory = ("[Rank 0] (after 2 iterations) memory (MB) | allocated: 1800.5 | max allocated: "
               "2560.0 | reserved: 3000.0 | max reserved: 3000.0\n")  # as a GPU rank prints it
     (tmp_path / "gpt_graphs.log").write_text(memory + re.sub(  # every time a tenth: faster
@@ -120,7 +121,7 @@ def test_report_table_from_real_logs(tmp_path):
     assert gpt["tokens_per_s"] == pytest.approx(8 * SEQ / (gpt["ms_per_iteration"] / 1e3))
     anchor_rate = json.loads((tmp_path / "anchor_sdpa.json").read_text())["tokens_per_s"]
     assert summary["gpt_vs_anchor"] == pytest.approx(gpt["tokens_per_s"] / anchor_rate)
-    fused = steps["gpt-fused"]  # the same log with every time 1xxx ms: slower, read as its own
+    fused = steps["gpt-fused"]  # the same log, every time 1000 ms longer: read as its own
     assert fused["passed"] and fused["ms_per_iteration"] > gpt["ms_per_iteration"] + 999
     assert summary["gpt_fused_vs_anchor"] == pytest.approx(fused["tokens_per_s"] / anchor_rate)
     graphs = steps["gpt-graphs"]
