@@ -1,6 +1,6 @@
 """The table of run_scripts/gpu_check.sh, from what its steps left in OUTPUT_DIR: steps.tsv (name,
-exit status, log, seconds per step), the logs, transport_cuda.json, transport_cuda_mps.json and
-anchor_*.json. Prints the table, writes OUTPUT_DIR/summary.json, exits 1 when a step failed (0
+exit status, log, seconds per step), the logs, transport_cuda.json, transport_cuda_mps.json,
+sdpa_shapes.json and anchor_*.json. Prints the table, writes OUTPUT_DIR/summary.json, exits 1 when a step failed (0
 otherwise).
 
     python run_scripts/_gpu_check_report.py OUTPUT_DIR --gpt-seq-length 2048 --bert-seq-length 512
@@ -95,6 +95,21 @@ def _ipc_lines(transport: Optional[dict]) -> list[str]:
     return lines
 
 
+def _attention_lines(shapes: Optional[dict]) -> list[str]:
+    """benchmarks/sdpa_shapes.py's figures: what a new sequence length costs each SDPA backend."""
+    if not shapes:
+        return []
+    config = shapes["config"]
+    lines = [f"SDPA forward+backward at length {config['length']} repeated / a new length each call "
+             f"(torch's choice here: {shapes['default_backend']}):"]
+    for row in shapes["results"]:
+        lines.append(f"  {row['backend']}: " + (
+            f"{row['repeated_ms']:.2f} / {row['fresh_ms']:.2f} ms (a new shape "
+            f"{row['new_shape_ms']:+.2f} ms)" if row["available"]
+            else f"unavailable: {row['why'][:100]}"))
+    return lines
+
+
 def _ratio_key(step_name: str) -> str:
     """summary.json's key of a GPT variant's ratio to the anchor: gpt-fused -> gpt_fused_vs_anchor."""
     return step_name.replace("-", "_") + "_vs_anchor"
@@ -123,6 +138,8 @@ def summarize(output_dir: Path, seq_lengths: dict) -> dict:
             step["detail"] = _rate(step["tokens_per_s"])
         elif step["name"] in ("transport", "transport-mps") and passed:
             step["detail"] = "CUDA IPC figures below"
+        elif step["name"] == "attention-shapes" and passed:
+            step["detail"] = "SDPA figures below"
         else:
             step["detail"] = ""
         if step["exit_status"] in (124, 137):  # gpu_check.sh's timeout stopped it
@@ -141,7 +158,8 @@ def summarize(output_dir: Path, seq_lengths: dict) -> dict:
             **{_ratio_key(name): over_anchor(name) for name in GPT_VARIANTS},
             "target_ratio": TARGET_RATIO,
             "transport": _load(output_dir / "transport_cuda.json"),
-            "transport_mps": _load(output_dir / "transport_cuda_mps.json")}
+            "transport_mps": _load(output_dir / "transport_cuda_mps.json"),
+            "attention_shapes": _load(output_dir / "sdpa_shapes.json")}
 
 
 def print_summary(summary: dict, output_dir: Path) -> None:
@@ -166,6 +184,9 @@ def print_summary(summary: dict, output_dir: Path) -> None:
     if ipc:
         print("CUDA IPC under MPS (the two processes share the GPU without switching):")
         print("\n".join(ipc))
+    attention = _attention_lines(summary.get("attention_shapes"))
+    if attention:
+        print("\n".join(attention))
 
 
 def main(argv=None) -> int:

@@ -7,6 +7,9 @@
 #   transport-mps  the same under NVIDIA's Multi-Process Service, where nvidia-cuda-mps-control is
 #              on PATH: the two processes then share the GPU without switching between them. The
 #              script starts a private MPS daemon (its own pipe and log directories) and stops it.
+#   attention-shapes  benchmarks/sdpa_shapes.py --device cuda --json: SDPA forward+backward per
+#              backend at one repeated sequence length against a new length each call, the shapes
+#              --variable-seq-lengths makes (cuDNN's attention builds a graph for every new shape)
 #   gpt, bert  run_single_gpt.sh / run_single_bert.sh with the GPU recipes (gpt3_125m, bert_base)
 #              at pp=1 on one GPU, a few iterations; tokens/s from the log
 #   gpt-fused  the GPT run again with Megatron-Core's torch.compile'd bias-gelu and bias-dropout-add
@@ -149,6 +152,9 @@ if [ "$RUN_MPS" = 1 ]; then
     echo "$NAME: transport-mps left out: nvidia-cuda-mps-control is not on PATH"
   fi
 fi
+# What a new sequence length costs each attention backend (docs/gpu.md, "Variable lengths").
+step attention-shapes attention_shapes.log "$PY" benchmarks/sdpa_shapes.py --device cuda \
+  --json "$OUTPUT_DIR/sdpa_shapes.json"
 GPT_RUN=(env PP=1 TP=1 NPROC=1 bash run_scripts/run_single_gpt.sh "${SMOKE_FLAGS[@]}"
          --seq-length "$GPT_SEQ_LENGTH" --max-position-embeddings "$GPT_SEQ_LENGTH"
          --micro-batch-size "$GPT_MICRO_BATCH" --global-batch-size "$GPT_GBS")

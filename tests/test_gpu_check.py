@@ -144,6 +144,32 @@ def test_report_table_from_real_logs(tmp_path):
     assert steps["transport-mps"]["passed"] and steps["transport-mps"]["detail"] == "CUDA IPC figures below"
 
 
+@pytest.mark.timeout(200)
+def test_report_gives_what_a_new_sequence_length_costs_each_attention_backend(tmp_path):
+    """The attention-shapes step's JSON, written by benchmarks/sdpa_shapes.py itself (on the CPU)."""
+    bench = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "sdpa_shapes.py"),
+                            "--device", "cpu", "--quick", "--json", str(tmp_path / "sdpa_shapes.json")],
+                           capture_output=True, text=True, timeout=120, env=_env())
+    assert bench.returncode == 0, bench.stderr
+    (tmp_path / "attention_shapes.log").write_text(bench.stdout)
+    (tmp_path / "steps.tsv").write_text("attention-shapes\t0\tattention_shapes.log\t3\n")
+    result = subprocess.run([sys.executable, REPORT, str(tmp_path), "--gpt-seq-length", str(SEQ),
+                             "--bert-seq-length", "512"], capture_output=True, text=True,
+                            timeout=60, env=_env())
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"][0]["detail"] == "SDPA figures below"
+    assert summary["attention_shapes"]["default_backend"] == "math"
+    lines = result.stdout.split("SDPA forward+backward at length 32 repeated / a new length each "
+                                "call (torch's choice here: math):\n")[1].splitlines()
+    assert [line.split(":")[0].strip() for line in lines] == [
+        "default", "cudnn", "flash", "efficient", "math"]
+    math_row = next(row for row in summary["attention_shapes"]["results"] if row["backend"] == "math")
+    assert lines[4] == (f"  math: {math_row['repeated_ms']:.2f} / {math_row['fresh_ms']:.2f} ms "
+                        f"(a new shape {math_row['new_shape_ms']:+.2f} ms)")
+    assert lines[1].startswith("  cudnn: unavailable: ")
+
+
 def test_memory_report_is_megatron_lms_line():
     from megatron_dpp.training.loop import memory_report
 
