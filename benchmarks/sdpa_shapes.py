@@ -107,7 +107,9 @@ def _inputs(args, length: int, device: torch.device, dtype: torch.dtype):
 def _call_ms(args, length: int, device, dtype, backend) -> float:
     """One forward and backward at `length`, the device synchronized after: milliseconds."""
     query, key, value = _inputs(args, length, device, dtype)
-    grad = torch.randn(args.batch, args.heads, length, args.head_dim, device=device, dtype=dtype)
+    # The gradient in the layout SdpaCoreAttention's backward hands over ([s, b, heads, head dim]).
+    grad = torch.randn(length, args.batch, args.heads, args.head_dim, device=device,
+                       dtype=dtype).permute(1, 2, 0, 3)
     _sync(device)
     start = time.perf_counter()
     with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
