@@ -2,8 +2,10 @@
 
 With CUDA: device cuda:LOCAL_RANK and nccl, nothing patched. Without CUDA: device cpu and gloo, and
 Megatron-Core's modules see a CPU stand-in for `torch.cuda` and for `device="cuda"` factory calls.
-The patches touch only Megatron-Core's module namespaces, not torch (one exception: during
-LanguageModule.setup_embeddings_and_output_layer, Tensor.cuda() returns the tensor itself), and
+The patches touch only Megatron-Core's module namespaces, not torch (the exceptions, each only
+during one Megatron-Core method: Tensor.cuda() returns the tensor itself in
+LanguageModule.setup_embeddings_and_output_layer and DistributedOptimizer.get_parameter_state_dp_zero,
+and Tensor.type() names a CPU float tensor as its CUDA type in DistributedOptimizer.__init__), and
 each is listed below with the reason it is needed; the modules of one model come from its
 ModelSpec (cpu_patched_modules), with their reasons there. Call
 `setup_platform(spec.cpu_patched_modules)` before building any Megatron model.
@@ -179,6 +181,7 @@ def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm,
 
 @contextlib.contextmanager
 def _tensor_cuda_is_identity():
+    """Tensor.cuda() returns the tensor itself."""
     original = torch.Tensor.cuda
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     try:
@@ -187,12 +190,35 @@ def _tensor_cuda_is_identity():
         torch.Tensor.cuda = original
 
 
-def _without_tensor_cuda(method):
-    """Run `method` with Tensor.cuda() returning the tensor itself (only during the call)."""
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
+                    "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+@contextlib.contextmanager
+def _cpu_tensors_named_as_cuda():
+    """Tensor.type() without arguments names a CPU float tensor as its CUDA type."""
+    original = torch.Tensor.type
+
+    def named_as_cuda(self, *args, **kwargs):
+        if args or kwargs:
+            return original(self, *args, **kwargs)
+        name = original(self)
+        return _CUDA_TYPE_NAMES.get(name, name)
+
+    torch.Tensor.type = named_as_cuda
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _within(patch, method):
+    """`method` run inside the context `patch()` (the patch holds only during the call)."""
 
     @functools.wraps(method)
     def run(*args, **kwargs):
-        with _tensor_cuda_is_identity():
+        with patch():
             return method(*args, **kwargs)
 
     return run
@@ -237,6 +263,14 @@ def apply_cpu_patches(extra_patched_modules: Sequence[str] = ()) -> None:
     # all-reduce that makes it equal to the first stage's.
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
-    LanguageModule.setup_embeddings_and_output_layer = _without_tensor_cuda(
-        LanguageModule.setup_embeddings_and_output_layer)
+    LanguageModule.setup_embeddings_and_output_layer = _within(
+        _tensor_cuda_is_identity, LanguageModule.setup_embeddings_and_output_layer)
+    # The distributed optimizer accepts parameters by their type() names, CUDA ones only; and it
+    # gathers its state for a fully reshardable checkpoint with `send_tensor.cuda()`.
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    DistributedOptimizer.__init__ = _within(_cpu_tensors_named_as_cuda,
+                                            DistributedOptimizer.__init__)
+    DistributedOptimizer.get_parameter_state_dp_zero = _within(
+        _tensor_cuda_is_identity, DistributedOptimizer.get_parameter_state_dp_zero)
     _APPLIED = True

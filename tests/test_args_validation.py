@@ -50,8 +50,6 @@ BAD_FLAGS = {
     "fp16_on_cpu": (["--fp16"], 1, "--fp16 needs a CUDA GPU"),
     "flash_attn_on_cpu": (["--use-flash-attn"], 1, "--use-flash-attn needs a CUDA GPU"),
     "nccl_on_cpu": (["--distributed-backend", "nccl"], 1, "--distributed-backend nccl needs CUDA"),
-    "distributed_optimizer_on_cpu": (["--use-distributed-optimizer"], 1,
-                                     "--use-distributed-optimizer needs CUDA GPUs"),
     "sequence_parallel_without_te": (["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                                      2, "--sequence-parallel needs Transformer Engine"),
     "missing_data_files": (["--data-path", "/nonexistent/corpus_text_document"], 1,
@@ -191,8 +189,7 @@ ENV = {
 
 
 GPU_ONLY_CASES = ("bf16_on_cpu", "fp16_on_cpu", "flash_attn_on_cpu", "nccl_on_cpu",
-                  "distributed_optimizer_on_cpu", "sequence_parallel_without_te", "nvtx_on_cpu",
-                  "profile_nsys_on_cpu")
+                  "sequence_parallel_without_te", "nvtx_on_cpu", "profile_nsys_on_cpu")
 
 
 def _skip_gpu_only_case_on_a_gpu(case):

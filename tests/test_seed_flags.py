@@ -47,6 +47,10 @@ CASES = [
     ("--tensor-model-parallel-size", ["--tensor-model-parallel-size", "2"], 2, ACCEPTED),
     ("--pipeline-model-parallel-size", PP2, 2, ACCEPTED),
     ("--num-layers-per-virtual-pipeline-stage", INTERLEAVED, 2, ACCEPTED),
+    ("--use-distributed-optimizer", ["--use-distributed-optimizer"], 2, ACCEPTED),
+    ("--overlap-param-gather", [*DIST_OPT, "--overlap-param-gather"], 2, ACCEPTED),
+    ("--delay-param-gather", [*INTERLEAVED, *DIST_OPT, "--overlap-param-gather",
+                              "--delay-param-gather"], 4, ACCEPTED),
     ("--context-parallel-size", ["--context-parallel-size", "1"], 1, ACCEPTED),
     ("--context-parallel-size", ["--context-parallel-size", "2"], 2,
      "--context-parallel-size 2: only 1 runs here"),
@@ -95,8 +99,6 @@ GPU_ONLY = [
     ("--profile", ["--profile", "--profile-step-start", "1", "--profile-step-end", "3"], 1,
      "--profile opens an nsys capture range (cudaProfilerStart/Stop), which needs a CUDA GPU"),
     ("--use-flash-attn", ["--use-flash-attn"], 1, "--use-flash-attn needs a CUDA GPU"),
-    ("--use-distributed-optimizer", ["--use-distributed-optimizer"], 2,
-     "--use-distributed-optimizer needs CUDA GPUs"),
     ("--sequence-parallel", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
      "--sequence-parallel needs Transformer Engine layers on a GPU"),
     ("--empty-unused-memory-level", ["--empty-unused-memory-level", "1"], 1,
@@ -104,11 +106,6 @@ GPU_ONLY = [
     ("--distribute-saved-activations", ["--tensor-model-parallel-size", "2", *FULL_RECOMPUTE,
                                         "--distribute-saved-activations"], 2,
      "--distribute-saved-activations needs CUDA GPUs"),
-    ("--overlap-param-gather", [*DIST_OPT, "--overlap-param-gather"], 2,
-     "--use-distributed-optimizer needs CUDA GPUs"),
-    ("--delay-param-gather", [*INTERLEAVED, *DIST_OPT, "--overlap-param-gather",
-                              "--delay-param-gather"], 4,
-     "--use-distributed-optimizer needs CUDA GPUs"),
 ]
 # Wrong combinations of the flags above: their own one-line refusals (on any machine).
 BAD_COMBINATIONS = [

@@ -349,9 +349,6 @@ def validate_parallel_args(args: argparse.Namespace) -> None:
         args.sequence_parallel = False
 
     cuda = cuda_available()
-    require(cuda or not args.use_distributed_optimizer,
-            "--use-distributed-optimizer needs CUDA GPUs (Megatron-Core's distributed optimizer "
-            "wraps CUDA tensors only); remove it on CPU")
     te_layers = core_attention_from_args(args).module == TRANSFORMER_ENGINE  # megatron_dpp.kernels
     require(te_layers or not args.sequence_parallel,
             "--sequence-parallel needs Transformer Engine layers on a GPU (Megatron-Core's local "

@@ -87,8 +87,9 @@ def build_parser() -> OneLineErrorParser:
                          help="GPUs (processes) per node; tensor parallelism stays inside a node.")
     cluster.add_argument("--cpu", action="store_true",
                          help="The job runs on CPU processes (as on this machine): layouts with "
-                              "--sequence-parallel or --use-distributed-optimizer, which the trainer "
-                              "allows on CUDA GPUs only, are left out; fp32 only.")
+                              "--sequence-parallel (which needs CUDA GPUs) or "
+                              "--use-distributed-optimizer (slower over gloo than priced) are left "
+                              "out; fp32 only.")
     cluster.add_argument("--memory-budget-gb", type=float, required=True,
                          help="Memory per GPU a layout may use, in GB (10^9 bytes).")
     cluster.add_argument("--hardware", type=str, required=True, metavar="PRESET|DIR",

@@ -192,7 +192,7 @@ def layout_from_galvatron(config: dict, where: str, inputs: SpaceInputs) -> Layo
                     sequence_parallel=False, schedule=ONE_F_ONE_B, split_backward=False)
     if dp > 1 and default_dp_type == "zero2" and not inputs.on_gpus:
         raise SearchInputError(f"{where}: default_dp_type zero2 is our distributed optimizer, "
-                               f"which the trainer runs on CUDA GPUs only (--cpu)")
+                               f"which the search prices for GPUs only (--cpu)")
     if layout not in set(enumerate_layouts(inputs)):
         raise SearchInputError(f"{where}: {layout.describe()} is not a layout the trainer "
                                f"accepts (docs/search.md, 'The layouts')")

@@ -11,7 +11,9 @@ Rules (each one the repo's own flag check, megatron_dpp/arguments.py, or Megatro
 - The micro-batch size divides global batch / DP; microbatches per iteration M = global / (mbs * DP).
 - recompute: none, selective (core attention), full (every layer, uniform, one layer per unit).
 - The distributed optimizer only with DP > 1; sequence parallelism only with TP > 1; neither on
-  CPU processes (the trainer refuses both without CUDA GPUs and Transformer Engine).
+  CPU processes: the trainer refuses sequence parallelism without CUDA GPUs and Transformer
+  Engine, and over gloo the distributed optimizer's reduce-scatter and all-gather cost more than
+  the one all-reduce the cost model prices them at (docs/search.md, "Workflow").
 - Schedules: Megatron's own order (1F1B, interleaved 1F1B for VPP > 1), and with PP >= 2 every
   dynamic policy of --use-dpp, each with and without --dpp-split-backward (split backwards hold
   activations until W; they exclude sequence parallelism, as the flag check does).

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_dpp.training import distributed_optimizer_compat
 from megatron_dpp.training.checkpoint_flags import (
     CHECKPOINT_FORMATS,
     TRACKER_FILE,
@@ -158,7 +159,10 @@ def _load_optimizer_state(optimizer, states: list[dict]) -> None:
     for sub, entry in zip(subs, states):
         sub.load_state_dict(entry["state_dict"])
         if "param_state" in entry:
-            sub.load_parameter_state_from_dp_reshardable(entry["param_state"])
+            with torch.no_grad():  # in fp32 the main parameters are views of the model's
+                sub.load_parameter_state_from_dp_reshardable(
+                    distributed_optimizer_compat.flagged_unpadded(entry["param_state"]))
+    distributed_optimizer_compat.after_load(optimizer)
 
 
 def _rank_file_name(rank: int) -> str:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_dpp.training import distributed_optimizer_compat
 from megatron_dpp.training.checkpoint_flags import TRACKER_FILE
 from megatron_dpp.training.checkpoint_integrity import (MANIFEST_FILE, SAVED_WITH_CHECKSUMS,
                                                         missing_manifest)
@@ -412,6 +413,7 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
                 f"{'with' if metadata.get('distrib_optim_sharding_type') else 'without'} "
                 f"--use-distributed-optimizer; resume the same way")
         with _errors_as(f"checkpoint {directory}: building this run's state dict"):
+            distributed_optimizer_compat.before_sharded_load(optimizer)
             # RNG states are per (pipeline, tensor) rank: restored at the saving layout only.
             run_state = _state_dict(int(common["iteration"]), 0, None, model_chunks, optimizer,
                                     scheduler, run_metadata, is_loading=True,
@@ -442,6 +444,7 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
             for i, chunk in enumerate(model_chunks):
                 unwrap(chunk).load_state_dict(loaded[_model_key(i, len(model_chunks))], strict=True)
             optimizer.load_state_dict(loaded["optimizer"])
+            distributed_optimizer_compat.after_load(optimizer)
             scheduler.load_state_dict(loaded["opt_param_scheduler"])
             if "rng_state" in run_state:
                 rng = loaded["rng_state"]
