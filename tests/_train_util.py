@@ -70,6 +70,13 @@ def torchrun_command(args: Sequence[str], nproc: int,
             "-m", entry, *args]
 
 
+def assert_losses_close(got: Sequence[float], want: Sequence[float], rel: float) -> None:
+    """As many losses as expected, each within `rel` of its counterpart (relative)."""
+    assert len(got) == len(want), (got, want)
+    for a, b in zip(got, want):
+        assert abs(a - b) <= rel * abs(b), (got, want)
+
+
 def parse_log(stdout: str) -> tuple[list[float], list[float]]:
     losses = [float(m.group(1)) for m in LOSS_RE.finditer(stdout)]
     grad_norms = [float(m.group(1)) for m in GRAD_NORM_RE.finditer(stdout)]

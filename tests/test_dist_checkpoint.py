@@ -14,18 +14,12 @@ import shutil
 import pytest
 
 from _tmpfs import mounted_tmpfs
-from _train_util import run_training
+from _train_util import assert_losses_close, run_training
 
 SCHEDULE = ["--lr-decay-iters", "6"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 DPP = ["--use-dpp", "--dpp-timeout", "60"]
 ERROR_RE = re.compile(r"^megatron_dpp: error: .*$", re.MULTILINE)
-
-
-def _close(resumed, expected, rel=1e-5):
-    assert len(resumed) == len(expected), (resumed, expected)
-    for got, want in zip(resumed, expected):
-        assert abs(got - want) <= rel * abs(want), (resumed, expected)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +62,7 @@ def test_resume_at_another_layout_continues_the_losses(saved_pp2, uninterrupted,
         [*SCHEDULE, *flags, "--train-iters", "6", "--load", saved_pp2], nproc=nproc)
     assert rc == 0, out[-3000:]
     assert "loaded checkpoint" in out and re.search(r" iteration\s+4/", out), out[-3000:]
-    _close(losses, uninterrupted[3:])
+    assert_losses_close(losses, uninterrupted[3:], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -78,12 +72,12 @@ def test_dpp_save_resumes_without_dpp(tmp_path, uninterrupted):
     rc, losses, _norms, out = run_training(
         [*SCHEDULE, *PP2, *DPP, "--train-iters", "3", "--save", save], nproc=2)
     assert rc == 0, out[-3000:]
-    _close(losses, uninterrupted[:3])
+    assert_losses_close(losses, uninterrupted[:3], rel=1e-5)
     rc, losses, _norms, out = run_training(
         [*SCHEDULE, "--pipeline-model-parallel-size", "4", "--train-iters", "6", "--load", save],
         nproc=4)
     assert rc == 0, out[-3000:]
-    _close(losses, uninterrupted[3:])
+    assert_losses_close(losses, uninterrupted[3:], rel=1e-5)
 
 
 def _one_error(out: str) -> str:
@@ -179,7 +173,7 @@ def test_full_disk_keeps_the_previous_checkpoint_latest_and_loadable(small_tmpfs
     rc, losses, _norms, out = run_training(
         [*SCHEDULE, *PP2, "--train-iters", "6", "--load", save], nproc=2)
     assert rc == 0, out[-3000:]
-    _close(losses, uninterrupted[2:])
+    assert_losses_close(losses, uninterrupted[2:], rel=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------

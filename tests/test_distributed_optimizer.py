@@ -15,18 +15,12 @@ or Transformer Engine):
 """
 import pytest
 
-from _train_util import run_training
+from _train_util import assert_losses_close, run_training
 
 SCHEDULE = ["--lr-decay-iters", "6"]
 DIST_OPT = ["--use-distributed-optimizer"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 DPP = ["--use-dpp", "--dpp-timeout", "60"]
-
-
-def _close(got, want, rel=1e-6):
-    assert len(got) == len(want), (got, want)
-    for a, b in zip(got, want):
-        assert abs(a - b) <= rel * abs(b), (got, want)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +35,7 @@ def uninterrupted():
 def test_trains_as_the_plain_optimizer(uninterrupted):
     rc, losses, _norms, out = run_training([*SCHEDULE, "--train-iters", "6"], nproc=2)
     assert rc == 0, out[-3000:]
-    _close(uninterrupted, losses)
+    assert_losses_close(uninterrupted, losses, rel=1e-6)
 
 
 @pytest.mark.slow
@@ -98,4 +92,4 @@ def test_torch_dist_resumes_at_another_layout(saved, uninterrupted, layout):
         nproc=nproc)
     assert rc == 0, out[-3000:]
     assert "loaded checkpoint" in out
-    _close(losses, uninterrupted[3:])
+    assert_losses_close(losses, uninterrupted[3:], rel=1e-6)
