@@ -4,8 +4,9 @@ With CUDA: device cuda:LOCAL_RANK and nccl, nothing patched. Without CUDA: devic
 Megatron-Core's modules see a CPU stand-in for `torch.cuda` and for `device="cuda"` factory calls.
 The patches touch only Megatron-Core's module namespaces, not torch (the exceptions, each only
 during one Megatron-Core method: Tensor.cuda() returns the tensor itself in
-LanguageModule.setup_embeddings_and_output_layer and DistributedOptimizer.get_parameter_state_dp_zero,
-and Tensor.type() names a CPU float tensor as its CUDA type in DistributedOptimizer.__init__), and
+LanguageModule.setup_embeddings_and_output_layer, DistributedOptimizer.get_parameter_state_dp_zero
+and DynamicGradScaler.load_state_dict, and Tensor.type() names a CPU float tensor as its CUDA type
+in the constructors of Float16OptimizerWithFloat16Params and DistributedOptimizer), and
 each is listed below with the reason it is needed; the modules of one model come from its
 ModelSpec (cpu_patched_modules), with their reasons there. Call
 `setup_platform(spec.cpu_patched_modules)` before building any Megatron model.
@@ -145,6 +146,7 @@ _PATCHED_MODULES = (
     "megatron.core.distributed.distributed_data_parallel",  # current_device()
     "megatron.core.distributed.finalize_model_grads",  # reduction buffers
     "megatron.core.optimizer.optimizer",             # found_inf / scale tensors on "cuda"
+    "megatron.core.optimizer.grad_scaler",           # fp16's loss scale on "cuda"
     "megatron.core.optimizer.distrib_optimizer",     # shard buffers on current_device()
     "megatron.core.optimizer.clip_grads",            # norm buffers on "cuda" (CPU-safe clipping)
     "megatron.core.pipeline_parallel.schedules",     # token counters on "cuda"
@@ -265,12 +267,17 @@ def apply_cpu_patches(extra_patched_modules: Sequence[str] = ()) -> None:
 
     LanguageModule.setup_embeddings_and_output_layer = _within(
         _tensor_cuda_is_identity, LanguageModule.setup_embeddings_and_output_layer)
-    # The distributed optimizer accepts parameters by their type() names, CUDA ones only; and it
-    # gathers its state for a fully reshardable checkpoint with `send_tensor.cuda()`.
+    # The 16-bit and distributed optimizers accept parameters by their type() names, CUDA ones
+    # only; the distributed optimizer gathers its state for a fully reshardable checkpoint with
+    # `send_tensor.cuda()`, and fp16's loss scaler loads its scale with `.cuda()`.
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
-    DistributedOptimizer.__init__ = _within(_cpu_tensors_named_as_cuda,
-                                            DistributedOptimizer.__init__)
+    for cls in (Float16OptimizerWithFloat16Params, DistributedOptimizer):
+        cls.__init__ = _within(_cpu_tensors_named_as_cuda, cls.__init__)
     DistributedOptimizer.get_parameter_state_dp_zero = _within(
         _tensor_cuda_is_identity, DistributedOptimizer.get_parameter_state_dp_zero)
+    DynamicGradScaler.load_state_dict = _within(_tensor_cuda_is_identity,
+                                                DynamicGradScaler.load_state_dict)
     _APPLIED = True

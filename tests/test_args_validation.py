@@ -46,8 +46,6 @@ BAD_FLAGS = {
     "world_size_vs_parallel_sizes": (["--pipeline-model-parallel-size", "2",
                                       "--tensor-model-parallel-size", "2"], 6,
                                      "world size 6 is not a multiple of tensor (2) x pipeline (2)"),
-    "bf16_on_cpu": (["--bf16"], 1, "--bf16 needs a CUDA GPU"),
-    "fp16_on_cpu": (["--fp16"], 1, "--fp16 needs a CUDA GPU"),
     "flash_attn_on_cpu": (["--use-flash-attn"], 1, "--use-flash-attn needs a CUDA GPU"),
     "nccl_on_cpu": (["--distributed-backend", "nccl"], 1, "--distributed-backend nccl needs CUDA"),
     "sequence_parallel_without_te": (["--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -188,8 +186,8 @@ ENV = {
 }
 
 
-GPU_ONLY_CASES = ("bf16_on_cpu", "fp16_on_cpu", "flash_attn_on_cpu", "nccl_on_cpu",
-                  "sequence_parallel_without_te", "nvtx_on_cpu", "profile_nsys_on_cpu")
+GPU_ONLY_CASES = ("flash_attn_on_cpu", "nccl_on_cpu", "sequence_parallel_without_te",
+                  "nvtx_on_cpu", "profile_nsys_on_cpu")
 
 
 def _skip_gpu_only_case_on_a_gpu(case):

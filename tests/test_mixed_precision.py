@@ -1,8 +1,13 @@
 """--bf16 / --fp16 model chunks (training/loop.wrap_for_mixed_precision), on CPU in one process:
 without Megatron's Float16Module a 16-bit GPT or BERT forward mixes dtypes (torch's position
 embedding and layer norms are built in fp32) and fails; wrapped, every parameter is 16-bit and
-the losses come back in fp32, as in Megatron-LM. (The flags themselves need a GPU; the models
-do not.)"""
+the losses come back in fp32, as in Megatron-LM.
+
+And training with the flags on CPU ranks (megatron_dpp/platform.py lets Megatron-Core's 16-bit
+optimizer take CPU tensors): at pp=2 in bf16, --use-dpp gives Megatron's 1F1B's losses bit for bit
+(bf16 activations through shm_tensor); bf16 with the distributed optimizer resumes from a
+checkpoint to the uninterrupted run's losses bit for bit; fp16 lowers its loss scale at every
+overflow, skips those steps (counted per log interval, as Megatron-LM) and then trains."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +17,10 @@ from megatron_dpp.models.bert import BERT_SPEC, BertShape, build_bert_chunks
 from megatron_dpp.models.gpt import GPTShape, build_gpt_chunks
 from megatron_dpp.training.loop import wrap_for_mixed_precision
 
+import re
+
 from _one_rank import one_rank_megatron
+from _train_util import run_training
 
 SEQ, BATCH, HIDDEN, VOCAB = 8, 2, 32, 128
 
@@ -65,3 +73,45 @@ def test_16_bit_chunks_need_float16_module_and_return_fp32_losses(megatron, mode
 def test_fp32_chunks_are_left_alone(megatron):
     chunk, _ = _chunk_and_forward("gpt", torch.float32)
     assert wrap_for_mixed_precision(_config(torch.float32), [chunk]) == [chunk]
+
+
+SCHEDULE = ["--lr-decay-iters", "6", "--train-iters", "6"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bf16_dpp_matches_megatron_at_pp2():
+    flags = ["--bf16", *SCHEDULE, "--pipeline-model-parallel-size", "2"]
+    rc, megatron, _norms, out = run_training(flags, nproc=2)
+    assert rc == 0 and len(megatron) == 6, out[-3000:]
+    rc, dpp, _norms, out = run_training([*flags, "--use-dpp", "--dpp-timeout", "60"], nproc=2)
+    assert rc == 0, out[-3000:]
+    assert dpp == megatron
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bf16_distributed_optimizer_resumes_bit_for_bit(tmp_path):
+    flags = ["--bf16", "--use-distributed-optimizer", *SCHEDULE]
+    rc, uninterrupted, _norms, out = run_training(flags, nproc=2)
+    assert rc == 0 and len(uninterrupted) == 6, out[-3000:]
+    save = str(tmp_path / "ckpt")
+    rc, first, _norms, out = run_training([*flags, "--train-iters", "3", "--save", save], nproc=2)
+    assert rc == 0 and first == uninterrupted[:3], out[-3000:]
+    rc, resumed, _norms, out = run_training([*flags, "--load", save], nproc=2)
+    assert rc == 0 and resumed == uninterrupted[3:], out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fp16_lowers_its_loss_scale_at_overflows_then_trains():
+    rc, losses, _norms, out = run_training(
+        ["--fp16", "--train-iters", "24", "--log-interval", "4"], nproc=2)
+    assert rc == 0 and len(losses) == 6, out[-3000:]
+    scales = [float(x) for x in re.findall(r"loss scale: ([0-9.]+)", out)]
+    skipped = [int(x) for x in re.findall(r"number of skipped iterations:\s+(\d+)", out)]
+    assert len(scales) == len(skipped) == 6, out[-3000:]
+    # From Megatron's initial 2**32, halved at every overflow (hysteresis 2 after the first).
+    assert scales[0] < 2.0 ** 32 and scales == sorted(scales, reverse=True), scales
+    assert skipped[0] == 4 and skipped[-1] == 0, skipped  # per interval, not a running total
+    assert losses[-1] < losses[0] - 0.2, losses  # the steps taken train

@@ -339,7 +339,7 @@ def test_no_layout_fits_prints_the_smallest_memory_and_exits_2(capsys):
     (["--hardware", "no-such-preset"], "neither a preset"),
     (["--num-attention-heads", "7"], "not divisible"),
     (["--fp16"], "not allowed with argument --bf16"),
-    (["--cpu"], "needs CUDA GPUs"),
+    (["--cpu"], "the search prices CPU runs in fp32 only"),
     (["--hidden-dropout", "1.5"], "must be in [0, 1)"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(change, message, capsys):

@@ -151,7 +151,8 @@ def _check(args) -> None:
     if not args.memory_budget_gb > 0:
         raise SearchInputError("--memory-budget-gb must be positive")
     if args.cpu and (args.bf16 or args.fp16):
-        raise SearchInputError(f"--{'bf16' if args.bf16 else 'fp16'} needs CUDA GPUs: drop it or --cpu")
+        raise SearchInputError(f"--{'bf16' if args.bf16 else 'fp16'} with --cpu: the search prices "
+                               f"CPU runs in fp32 only; drop one")
     if args.variable_seq_lengths != (args.seq_length_distribution is not None):
         raise SearchInputError("--variable-seq-lengths and --seq-length-distribution go together: "
                                "give both or neither")

@@ -95,10 +95,6 @@ def validate_training_args(args: argparse.Namespace) -> None:
     # numpy's seed (set with Python's and torch's, training/loop.py) takes 0..2**32-1.
     require(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}")
     require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; pick one")
-    cuda = cuda_available()
-    if args.bf16 or args.fp16:
-        require(cuda, f"--{'bf16' if args.bf16 else 'fp16'} needs a CUDA GPU; on CPU train in "
-                      f"fp32 (remove the flag)")
     require(args.manual_gc_interval >= 0, "--manual-gc-interval must be >= 0")
     require(args.manual_gc or args.manual_gc_interval == 0,
             "--manual-gc-interval needs --manual-gc")

@@ -477,6 +477,8 @@ def _format_iteration(trainer: Trainer, reduced, grad_norm, elapsed_ms: float,
         f"global batch size: {train.global_batch_size:5d}",
         f"lm loss: {loss:.10E}",
         *(f"{name}: {value:.10E}" for name, (value, _count) in reduced.items() if name != LM_LOSS),
+        # As Megatron-LM: 1.0 but with --fp16, whose scale falls at every overflow (skipped step).
+        f"loss scale: {float(trainer.optimizer.get_loss_scale()):.1f}",
     ]
     if grad_norm is not None and train_clip_enabled(trainer):
         fields.append(f"grad norm: {float(grad_norm):.10E}")
@@ -594,6 +596,7 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
                         log(_format_iteration(trainer, reduced.read(), grad_norm,
                                               interval_ms / train.log_interval, skipped))
                     interval_ms = 0.0
+                    skipped = 0  # as Megatron-LM: the skipped iterations of each log interval
                     # As Megatron-LM: once, at the first logged iteration, every GPU rank of the
                     # first data-parallel replica reports its memory.
                     if not memory_reported and trainer.platform.is_cuda and \
