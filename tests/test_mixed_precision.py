@@ -7,7 +7,8 @@ And training with the flags on CPU ranks (megatron_dpp/platform.py lets Megatron
 optimizer take CPU tensors): at pp=2 in bf16, --use-dpp gives Megatron's 1F1B's losses bit for bit
 (bf16 activations through shm_tensor); bf16 with the distributed optimizer resumes from a
 checkpoint to the uninterrupted run's losses bit for bit; fp16 lowers its loss scale at every
-overflow, skips those steps (counted per log interval, as Megatron-LM) and then trains."""
+overflow, skips those steps (counted per log interval, as Megatron-LM) and then trains, at pp=2
+with --use-dpp as with Megatron's 1F1B, bit for bit."""
 from __future__ import annotations
 
 import pytest
@@ -104,9 +105,10 @@ def test_bf16_distributed_optimizer_resumes_bit_for_bit(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_fp16_lowers_its_loss_scale_at_overflows_then_trains():
-    rc, losses, _norms, out = run_training(
-        ["--fp16", "--train-iters", "24", "--log-interval", "4"], nproc=2)
+def test_fp16_lowers_its_loss_scale_at_overflows_then_trains_and_dpp_follows():
+    flags = ["--fp16", "--train-iters", "24", "--log-interval", "4",
+             "--pipeline-model-parallel-size", "2"]
+    rc, losses, _norms, out = run_training(flags, nproc=2)
     assert rc == 0 and len(losses) == 6, out[-3000:]
     scales = [float(x) for x in re.findall(r"loss scale: ([0-9.]+)", out)]
     skipped = [int(x) for x in re.findall(r"number of skipped iterations:\s+(\d+)", out)]
@@ -115,3 +117,8 @@ def test_fp16_lowers_its_loss_scale_at_overflows_then_trains():
     assert scales[0] < 2.0 ** 32 and scales == sorted(scales, reverse=True), scales
     assert skipped[0] == 4 and skipped[-1] == 0, skipped  # per interval, not a running total
     assert losses[-1] < losses[0] - 0.2, losses  # the steps taken train
+    # The DPP runtime scales the loss as Megatron's schedule does: the same overflows and losses.
+    rc, dpp, _norms, dpp_out = run_training([*flags, "--use-dpp", "--dpp-timeout", "60"], nproc=2)
+    assert rc == 0, dpp_out[-3000:]
+    assert dpp == losses and re.findall(r"loss scale: [0-9.]+", dpp_out) == \
+        re.findall(r"loss scale: [0-9.]+", out)
