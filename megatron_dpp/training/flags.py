@@ -43,9 +43,12 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
     group.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
     group.add_argument("--seed", type=int, default=1234, help="Random seed.")
-    group.add_argument("--bf16", action="store_true", help="bfloat16 mixed precision (GPU only).")
+    group.add_argument("--bf16", action="store_true",
+                       help="bfloat16 mixed precision, as Megatron-LM's (16-bit model, fp32 main "
+                            "parameters and gradients); CPU ranks run it too, slowly.")
     group.add_argument("--fp16", action="store_true",
-                       help="float16 mixed precision with dynamic loss scaling (GPU only).")
+                       help="float16 mixed precision with dynamic loss scaling (the log line's "
+                            "`loss scale`); CPU ranks run it too, slowly.")
     group.add_argument("--exit-signal-handler", action="store_true",
                        help="Accepted for Megatron-LM command lines and does nothing here: its "
                             "behaviour is always on. On SIGTERM or SIGINT every rank stops after "
