@@ -152,7 +152,26 @@ BAD_FLAGS = {
                               "--global-batch-size must be positive, got -8"),
     "micro_batch_zero": (["--micro-batch-size", "0"], 1,
                          "--micro-batch-size is required and must be positive"),
-    "train_iters_zero": (["--train-iters", "0"], 1, "--train-iters is required and must be positive"),
+    "train_iters_zero": (["--train-iters", "0"], 1, "--train-iters must be positive"),
+    # Megatron-LM's two ways to give the lengths, never mixed (TINY trains 5 iterations of 8).
+    "train_iters_and_samples": (["--train-samples", "40"], 1,
+                                "--train-iters and --train-samples are exclusive; give one"),
+    "decay_samples_with_iters": (["--lr-decay-samples", "40"], 1,
+                                 "--lr-decay-samples counts samples and --train-iters iterations; "
+                                 "use --train-samples, or --lr-decay-iters"),
+    "warmup_samples_with_iters": (["--lr-warmup-samples", "8"], 1,
+                                  "--lr-warmup-samples counts samples and --train-iters"),
+    "warmup_fraction_and_iters": (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "1"], 1,
+                                  "--lr-warmup-fraction and --lr-warmup-iters both give the warmup"),
+    "warmup_fraction_one": (["--lr-warmup-fraction", "1"], 1,
+                            "--lr-warmup-fraction must be in [0, 1), got 1.0"),
+    "warmup_not_below_decay": (["--lr-warmup-iters", "5"], 1,
+                               "--lr-decay-iters (5 iterations) must exceed --lr-warmup-iters "
+                               "(5 iterations)"),
+    "override_and_use_checkpoint_schedule": (["--override-opt_param-scheduler",
+                                              "--use-checkpoint-opt_param-scheduler"], 1,
+                                             "--override-opt_param-scheduler and "
+                                             "--use-checkpoint-opt_param-scheduler are exclusive"),
     "lr_negative": (["--lr", "-1"], 1, "--lr is required and must be >= 0"),
     "seed_negative": (["--seed", "-1"], 1, "--seed must be in [0, 2**32), got -1"),
     "seed_too_large": (["--seed", str(2**32)], 1, "--seed must be in [0, 2**32)"),

@@ -58,8 +58,9 @@ def parse_split(split: str) -> List[float]:
 
 
 def samples_per_split(args) -> List[int]:
-    """Samples each split must provide, by Megatron-LM's rule (train, valid, test)."""
-    train = args.train_iters * args.global_batch_size
+    """Samples each split must provide, by Megatron-LM's rule (train, valid, test); with
+    --train-samples the train split is asked for exactly that many, as Megatron-LM asks."""
+    train = getattr(args, "train_samples", None) or args.train_iters * args.global_batch_size
     eval_iters = getattr(args, "eval_iters", 0) or 0
     eval_interval = getattr(args, "eval_interval", None) or args.train_iters
     valid = (args.train_iters // eval_interval + 1) * eval_iters * args.global_batch_size

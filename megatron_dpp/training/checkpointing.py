@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_dpp.training import distributed_optimizer_compat
+from megatron_dpp.training import distributed_optimizer_compat, lr_schedule
 from megatron_dpp.training.checkpoint_flags import (
     CHECKPOINT_FORMATS,
     TRACKER_FILE,
@@ -402,6 +402,7 @@ def _prepare_torch(state: TrainState, model_chunks, optimizer, scheduler) -> tup
         "model": [chunk.state_dict() for chunk in model_chunks],
         "optimizer": _optimizer_state(optimizer),
         "scheduler": scheduler.state_dict(),
+        lr_schedule.SAMPLES_MARKER: True,
         "rng": _rng_state(),
         SAVED_WITH_CHECKSUMS: MANIFEST_FILE,
     }
@@ -517,19 +518,32 @@ def _load_torch(directory: str, verified: bool, model_chunks, optimizer,
                          f"it here, convert it: {OLD_FORMAT_CONVERTER}")
         except Exception as exc:  # an unverified checkpoint's truncated or overwritten file
             error = f"checkpoint file {path} is damaged: {_one_line(exc)}"
+    converted = None
+    if error is None:
+        try:
+            schedule, converted = lr_schedule.state_in_samples(
+                payload["scheduler"], payload.get(lr_schedule.SAMPLES_MARKER, False),
+                payload["iteration"], payload["consumed_samples"])
+            difference = scheduler.schedule_difference(schedule)
+            if difference is not None:
+                error = f"checkpoint {directory}: {difference}"
+        except Exception as exc:
+            error = f"checkpoint {path}: {_one_line(exc)}"
     error = agree(error)
     if error is None:
         try:
             for chunk, chunk_state in zip(model_chunks, payload["model"], strict=True):
                 chunk.load_state_dict(chunk_state)
             _load_optimizer_state(optimizer, payload["optimizer"])
-            scheduler.load_state_dict(payload["scheduler"])
+            scheduler.load_state_dict(schedule)
             _set_rng_state(payload["rng"])
         except Exception as exc:
             error = f"checkpoint {path} does not fit this model: {_one_line(exc)}"
         error = agree(error)
     if error is not None:
         raise CheckpointLoadError(error)
+    if converted is not None and dist.get_rank() == 0:
+        print(f"megatron_dpp: checkpoint {directory}: {converted}", flush=True)
     return TrainState(iteration=payload["iteration"],
                       consumed_samples=payload["consumed_samples"])
 

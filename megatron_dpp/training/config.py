@@ -31,9 +31,16 @@ class TrainingConfig:
     lr: float
     min_lr: float
     lr_decay_style: str
-    lr_decay_iters: int
-    lr_warmup_iters: int
+    # The schedule's lengths in samples, as Megatron-LM counts them (training/lr_schedule.py);
+    # a warmup given as a fraction of the decay may be fractional.
+    lr_warmup_samples: float
+    lr_decay_samples: int
+    wd_incr_samples: int
     weight_decay: float
+    # On --load, where the checkpoint's schedule differs from the flags: take the flags
+    # (--override-opt_param-scheduler), keep the checkpoint's (--use-checkpoint-...), or stop.
+    override_opt_param_scheduler: bool
+    use_checkpoint_opt_param_scheduler: bool
     log_interval: int
     eval_interval: int
     eval_iters: int
@@ -58,9 +65,12 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
         lr=args.lr,
         min_lr=args.min_lr,
         lr_decay_style=args.lr_decay_style,
-        lr_decay_iters=args.lr_decay_iters,
-        lr_warmup_iters=args.lr_warmup_iters,
+        lr_warmup_samples=args.lr_warmup_steps,
+        lr_decay_samples=args.lr_decay_steps,
+        wd_incr_samples=args.wd_incr_steps,
         weight_decay=args.weight_decay,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         log_interval=args.log_interval,
         eval_interval=args.eval_interval,
         eval_iters=args.eval_iters,

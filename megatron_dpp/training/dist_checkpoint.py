@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_dpp.training import distributed_optimizer_compat
+from megatron_dpp.training import distributed_optimizer_compat, lr_schedule
 from megatron_dpp.training.checkpoint_flags import TRACKER_FILE
 from megatron_dpp.training.checkpoint_integrity import (MANIFEST_FILE, SAVED_WITH_CHECKSUMS,
                                                         missing_manifest)
@@ -231,6 +231,7 @@ def _state_dict(iteration: int, consumed_samples: int, args, model_chunks, optim
     state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
                                                       metadata=metadata)
     state["opt_param_scheduler"] = scheduler.state_dict()
+    state[lr_schedule.SAMPLES_MARKER] = True
     if with_rng:
         state["rng_state"] = _sharded_rng_state()
     return state
@@ -403,6 +404,14 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
         if "opt_param_scheduler" not in common:
             raise CheckpointLoadError(f"checkpoint {directory} has no optimizer scheduler state; "
                                       f"it is not a training checkpoint")
+        consumed = _consumed_samples(common)
+        with _errors_as(f"checkpoint {directory}"):
+            schedule, converted = lr_schedule.state_in_samples(
+                common["opt_param_scheduler"], _schedule_in_samples(common),
+                int(common["iteration"]), consumed, common.get("args"))
+        difference = scheduler.schedule_difference(schedule)
+        if difference is not None:
+            raise CheckpointLoadError(f"checkpoint {directory}: {difference}")
         with _errors_as(f"checkpoint {directory} is damaged (.metadata)"):
             tensors = load_tensors_metadata(directory)
         run_metadata = sharded_sd_metadata(optimizer)
@@ -445,7 +454,7 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
                 unwrap(chunk).load_state_dict(loaded[_model_key(i, len(model_chunks))], strict=True)
             optimizer.load_state_dict(loaded["optimizer"])
             distributed_optimizer_compat.after_load(optimizer)
-            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+            scheduler.load_state_dict(schedule)
             if "rng_state" in run_state:
                 rng = loaded["rng_state"]
                 _set_rng_state(rng[0] if isinstance(rng, list) else rng)
@@ -454,10 +463,22 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
     error = agree(error)
     if error is not None:
         raise CheckpointLoadError(error)
+    if converted is not None and dist.get_rank() == 0:
+        print(f"megatron_dpp: checkpoint {directory}: {converted}", flush=True)
+    return LoadedState(iteration=int(common["iteration"]), consumed_samples=consumed)
+
+
+def _consumed_samples(common: dict) -> int:
     consumed = common.get("consumed_samples")
     if consumed is None:  # a Megatron-LM checkpoint (it counts samples in args)
         consumed = getattr(common.get("args"), "consumed_train_samples", 0)
-    return LoadedState(iteration=int(common["iteration"]), consumed_samples=int(consumed))
+    return int(consumed)
+
+
+def _schedule_in_samples(common: dict) -> bool:
+    """Ours since the marker, and Megatron-LM's (which has no layout of ours), count samples; ours
+    before it counted iterations."""
+    return bool(common.get(lr_schedule.SAMPLES_MARKER)) or "megatron_dpp_layout" not in common
 
 
 def _same_model_parallel(saved: dict) -> bool:

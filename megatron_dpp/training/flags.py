@@ -26,7 +26,12 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--global-batch-size", type=int, default=None,
                        help="Samples per optimizer step across all data-parallel ranks "
                             "(default: micro-batch size x data-parallel size).")
-    group.add_argument("--train-iters", type=int, default=None, help="Optimizer steps to train.")
+    group.add_argument("--train-iters", type=int, default=None,
+                       help="Optimizer steps to train (iteration-based training; or --train-samples).")
+    group.add_argument("--train-samples", type=int, default=None,
+                       help="Samples to train (sample-based training, as Megatron-LM's): "
+                            "--train-samples // --global-batch-size iterations; the schedule's "
+                            "lengths are then --lr-decay-samples and --lr-warmup-samples.")
     group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
     group.add_argument("--min-lr", type=float, default=0.0, help="Learning rate floor of the decay.")
     group.add_argument("--lr-decay-style", type=str, default="linear",
@@ -34,8 +39,27 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                        help="Learning rate decay function.")
     group.add_argument("--lr-decay-iters", type=int, default=None,
                        help="Iterations to decay over (default: --train-iters).")
+    group.add_argument("--lr-decay-samples", type=int, default=None,
+                       help="With --train-samples: samples to decay over (default: --train-samples).")
     group.add_argument("--lr-warmup-iters", type=int, default=0,
                        help="Iterations of linear warmup from 0 to --lr.")
+    group.add_argument("--lr-warmup-samples", type=int, default=0,
+                       help="With --train-samples: samples of linear warmup from 0 to --lr.")
+    group.add_argument("--lr-warmup-fraction", type=float, default=None,
+                       help="Warm up over this fraction of the decay's length instead of "
+                            "--lr-warmup-iters/--lr-warmup-samples.")
+    group.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                       action="store_true", dest="override_opt_param_scheduler",
+                       help="On --load, take the learning-rate schedule (--lr, --min-lr, its "
+                            "lengths and style, the weight decay) from this run's flags where "
+                            "the checkpoint's differs. Without it or "
+                            "--use-checkpoint-opt_param-scheduler a difference stops the load "
+                            "in one line, as in Megatron-LM.")
+    group.add_argument("--use-checkpoint-opt_param-scheduler",
+                       "--use-checkpoint-opt-param-scheduler", action="store_true",
+                       dest="use_checkpoint_opt_param_scheduler",
+                       help="On --load, keep the checkpoint's learning-rate schedule where this "
+                            "run's flags differ (the run still stops at its own --train-iters).")
     group.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay.")
     group.add_argument("--clip-grad", type=float, default=1.0,
                        help="Clip gradients to this global L2 norm (0 disables clipping).")
@@ -67,8 +91,13 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
 def validate_training_args(args: argparse.Namespace) -> None:
     require(args.micro_batch_size is not None and args.micro_batch_size > 0,
             "--micro-batch-size is required and must be positive")
-    require(args.train_iters is not None and args.train_iters > 0,
-            "--train-iters is required and must be positive")
+    require((args.train_iters is None) != (args.train_samples is None),
+            "give one of --train-iters and --train-samples" if args.train_iters is None else
+            "--train-iters and --train-samples are exclusive; give one")
+    require(args.train_iters is None or args.train_iters > 0,
+            "--train-iters must be positive")
+    require(args.train_samples is None or args.train_samples > 0,
+            "--train-samples must be positive")
     require(args.lr is not None and args.lr >= 0, "--lr is required and must be >= 0")
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size is None:
@@ -83,12 +112,7 @@ def validate_training_args(args: argparse.Namespace) -> None:
             f"multiple of {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
     require(0 <= args.min_lr <= args.lr, f"--min-lr {args.min_lr} must be in [0, --lr]")
-    require(args.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    require(args.lr_decay_iters > args.lr_warmup_iters,
-            f"--lr-decay-iters {args.lr_decay_iters} must exceed --lr-warmup-iters "
-            f"{args.lr_warmup_iters}")
+    _validate_schedule_lengths(args)
     require(args.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got "
                                  f"{args.clip_grad}")
     require(args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}")
@@ -107,6 +131,57 @@ def validate_training_args(args: argparse.Namespace) -> None:
                 f"the interleaved schedule needs the number of micro-batches "
                 f"({args.num_microbatches}) to be a multiple of --pipeline-model-parallel-size "
                 f"{pp}; adjust --global-batch-size")
+
+
+def _validate_schedule_lengths(args: argparse.Namespace) -> None:
+    """Megatron-LM's two ways to give the training's and the schedule's lengths, in iterations or
+    in samples, never mixed. Sets args.train_iters (sample-based: --train-samples //
+    --global-batch-size, Megatron-LM's update_train_iters without a batch-size ramp-up) and
+    args.lr_warmup_steps, args.lr_decay_steps, args.wd_incr_steps: the scheduler's lengths in
+    samples, as Megatron-LM counts them (training/lr_schedule.py)."""
+    batch = args.global_batch_size
+    for flag, value in (("--lr-warmup-iters", args.lr_warmup_iters),
+                        ("--lr-warmup-samples", args.lr_warmup_samples)):
+        require(value >= 0, f"{flag} must be >= 0")
+    if args.train_samples is not None:
+        require(args.lr_decay_iters is None and args.lr_warmup_iters == 0,
+                f"{'--lr-decay-iters' if args.lr_decay_iters is not None else '--lr-warmup-iters'}"
+                f" counts iterations and --train-samples samples; use "
+                f"{'--lr-decay-samples' if args.lr_decay_iters is not None else '--lr-warmup-samples'}")
+        require(args.train_samples >= batch,
+                f"--train-samples {args.train_samples} is less than one global batch "
+                f"({batch}); train at least {batch} samples")
+        args.train_iters = args.train_samples // batch
+        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+        warmup = args.lr_warmup_samples
+        args.wd_incr_steps = args.train_samples
+        decay_flag, warmup_flag = "--lr-decay-samples", "--lr-warmup-samples"
+    else:
+        require(args.lr_decay_samples is None and args.lr_warmup_samples == 0,
+                f"{'--lr-decay-samples' if args.lr_decay_samples is not None else '--lr-warmup-samples'}"
+                f" counts samples and --train-iters iterations; use --train-samples, or "
+                f"{'--lr-decay-iters' if args.lr_decay_samples is not None else '--lr-warmup-iters'}")
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+        decay = args.lr_decay_iters * batch
+        warmup = args.lr_warmup_iters * batch
+        args.wd_incr_steps = args.train_iters * batch
+        decay_flag, warmup_flag = "--lr-decay-iters", "--lr-warmup-iters"
+    require(decay > 0, f"{decay_flag} must be positive")
+    if args.lr_warmup_fraction is not None:
+        require(args.lr_warmup_iters == 0 and args.lr_warmup_samples == 0,
+                f"--lr-warmup-fraction and {warmup_flag} both give the warmup; give one")
+        require(0 <= args.lr_warmup_fraction < 1,
+                f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
+        warmup = args.lr_warmup_fraction * decay
+        warmup_flag = "--lr-warmup-fraction"
+    unit, units = (1, "samples") if args.train_samples is not None else (batch, "iterations")
+    require(decay > warmup, f"{decay_flag} ({decay // unit} {units}) must exceed {warmup_flag} "
+                            f"({warmup / unit:g} {units})")
+    require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
+            "exclusive; give one")
+    args.lr_warmup_steps, args.lr_decay_steps = warmup, decay
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_dpp.comm.nodes import this_node_rank, use_node_network
 from megatron_dpp.comm.router import RouteError
@@ -57,6 +56,7 @@ from megatron_dpp.training.config import (
 from megatron_dpp.training.pipeline import build_forward_backward, close_forward_backward
 from megatron_dpp.training.profiler_window import make_profiler
 from megatron_dpp.training.failures import exit_for_lost_peer, is_lost_peer_error, peer_heartbeat
+from megatron_dpp.training.lr_schedule import SampleSchedule
 from megatron_dpp.training.signals import StopSignals
 from megatron_dpp.training.step_tracing import LOSS_ALL_REDUCE, STOP_AGREEMENT, StepTracer
 from megatron_dpp.training.tracing import agree_run_directory
@@ -197,16 +197,6 @@ def params_gathered(model: list):
             chunk.enable_forward_pre_hook()
 
 
-def build_scheduler(optimizer, train: TrainingConfig) -> OptimizerParamScheduler:
-    # Steps count iterations (Megatron-LM counts samples; same schedule, smaller numbers).
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr,
-        lr_warmup_steps=train.lr_warmup_iters, lr_decay_steps=train.lr_decay_iters,
-        lr_decay_style=train.lr_decay_style,
-        start_wd=train.weight_decay, end_wd=train.weight_decay,
-        wd_incr_steps=train.train_iters, wd_incr_style="constant")
-
-
 # The loss every model reports first; the spec's loss function may report others after it.
 LM_LOSS = "lm loss"
 
@@ -279,7 +269,7 @@ class Trainer:
         self.train = training_config_from_args(args)
         self.config, self.model, self.optimizer = build_model_and_optimizer(
             args, platform, args.seed, spec)
-        self.scheduler = build_scheduler(self.optimizer, self.train)
+        self.scheduler = SampleSchedule(self.optimizer, self.train)
         # --trace and torch.profiler write into one directory per run, agreed on by all ranks.
         writes_files = args.trace or (args.profile and args.use_pytorch_profiler)
         run_directory = agree_run_directory(args) if writes_files else None
@@ -326,7 +316,7 @@ class Trainer:
         with self.traced_step(OPTIMIZER_STEP):
             updated, grad_norm, _zeros = self.optimizer.step()
         if updated:
-            self.scheduler.step(increment=1)
+            self.scheduler.step_after_update()
         if self.train.empty_unused_memory_level >= 2:
             torch.cuda.empty_cache()
         self.state.iteration += 1

@@ -1,0 +1,129 @@
+"""The learning-rate and weight-decay schedule, counted in samples as Megatron-LM counts it.
+
+Megatron-Core's OptimizerParamScheduler takes its lengths in "steps" and is advanced by a caller's
+increment. Megatron-LM makes a step one sample: the lengths are --lr-warmup-iters x global batch
+(or --lr-warmup-samples), and every successful update advances it by the global batch. The
+learning rate of each iteration is the same as with steps counted in iterations (the schedule
+depends on ratios of the two counts, which the common factor leaves exact), but the state a
+checkpoint holds is not: this module counts samples so that a checkpoint's `opt_param_scheduler`
+means the same here and in Megatron-LM, either way round.
+
+Loading a checkpoint's schedule (Megatron-LM's rule): where the checkpoint's values differ from
+this run's flags, the load stops in one line unless --override-opt_param-scheduler (the flags win)
+or --use-checkpoint-opt_param-scheduler (the checkpoint wins) says which to take. Checkpoints of
+megatron-dpp before this counted iterations; they are recognised by a missing marker and
+converted once, with a line saying so.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_dpp.training.config import TrainingConfig
+
+# Saved beside the scheduler's state in our checkpoints (both formats): its steps are samples.
+# Megatron-LM's checkpoints have no such key and always count samples.
+SAMPLES_MARKER = "megatron_dpp_schedule_in_samples"
+
+# The state's values a load compares with this run's, as Megatron-Core's load_state_dict does,
+# and the flags each comes from (for the one-line error).
+_COMPARED = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "lr_warmup_steps": "warmup samples (--lr-warmup-iters/-samples/-fraction)",
+    "lr_decay_steps": "decay samples (--lr-decay-iters/-samples, default the training's length)",
+    "lr_decay_style": "--lr-decay-style",
+    "start_wd": "--weight-decay",
+    "end_wd": "--weight-decay",
+    "wd_incr_steps": "weight-decay samples (the training's length)",
+    "wd_incr_style": "weight-decay style",
+}
+# Megatron-Core's older names for the same values (its load_state_dict reads them too).
+_OLD_NAMES = {"start_lr": "max_lr", "warmup_iter": "lr_warmup_steps",
+              "warmup_steps": "lr_warmup_steps", "end_iter": "lr_decay_steps",
+              "decay_steps": "lr_decay_steps", "decay_style": "lr_decay_style",
+              "num_iters": "num_steps"}
+# Lengths (counts of steps) in a state: what an iteration-counted state multiplies.
+_LENGTHS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+
+
+class SampleSchedule(OptimizerParamScheduler):
+    """Megatron-Core's scheduler over the lengths in samples of a TrainingConfig, advanced by the
+    global batch. Weight decay stays constant, as Megatron-LM's default."""
+
+    def __init__(self, optimizer, train: TrainingConfig):
+        # Megatron-Core's own check of a loaded state is an assert; schedule_difference makes it
+        # one line before the load, so Megatron-Core is told to take the checkpoint's values
+        # unless the flags are to win.
+        super().__init__(
+            optimizer, init_lr=0.0, max_lr=train.lr, min_lr=train.min_lr,
+            lr_warmup_steps=train.lr_warmup_samples, lr_decay_steps=train.lr_decay_samples,
+            lr_decay_style=train.lr_decay_style,
+            start_wd=train.weight_decay, end_wd=train.weight_decay,
+            wd_incr_steps=train.wd_incr_samples, wd_incr_style="constant",
+            use_checkpoint_opt_param_scheduler=not train.override_opt_param_scheduler,
+            override_opt_param_scheduler=train.override_opt_param_scheduler)
+        self.global_batch_size = train.global_batch_size
+        self.keep_checkpoint_schedule = train.use_checkpoint_opt_param_scheduler
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        if self.override_opt_param_scheduler:
+            # The rate is computed from each parameter group's own max_lr and min_lr, which the
+            # optimizer's checkpoint restored: the flags must win there too (Megatron-LM leaves
+            # them, and its override changes nothing of the peak or the floor: its issue #1138).
+            for group in self.optimizer.param_groups:
+                group["max_lr"], group["min_lr"] = self.max_lr, self.min_lr
+            self.step(0)
+
+    def step_after_update(self) -> None:
+        """After a successful update (a skipped fp16 update does not advance it, as in
+        Megatron-LM)."""
+        self.step(increment=self.global_batch_size)
+
+    def schedule_difference(self, state: dict) -> Optional[str]:
+        """Where a checkpoint's schedule (state_in_samples's) differs from this run's flags and
+        neither --override-opt_param-scheduler nor --use-checkpoint-opt_param-scheduler was
+        given: the differences and what to do, in one line; else None."""
+        if self.override_opt_param_scheduler or self.keep_checkpoint_schedule:
+            return None
+        ours = self.state_dict()
+        compared = list(_COMPARED)
+        if _constant_weight_decay(ours) and _constant_weight_decay(state):
+            # The weight decay's length and style change nothing then (Megatron-LM compares them
+            # anyway, and stops a run that only trains longer).
+            compared = [key for key in compared if key not in ("wd_incr_steps", "wd_incr_style")]
+        differences = [f"{_COMPARED[key]} {state[key]!r} in the checkpoint, {ours[key]!r} here"
+                       for key in compared if key in state and state[key] != ours[key]]
+        if not differences:
+            return None
+        return ("its learning-rate schedule differs from this run's flags: "
+                + "; ".join(dict.fromkeys(differences))
+                + "; add --override-opt_param-scheduler to take this run's flags or "
+                  "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+
+
+def _constant_weight_decay(state: dict) -> bool:
+    return state.get("start_wd") == state.get("end_wd")
+
+
+def state_in_samples(saved: dict, in_samples: bool, iteration: int,
+                     consumed_samples: int, saved_args=None) -> tuple[dict, Optional[str]]:
+    """A checkpoint's scheduler state with its lengths in samples, and a line saying what was
+    converted (None: nothing). in_samples: the state counts samples (ours with SAMPLES_MARKER, or
+    Megatron-LM's); otherwise it is an earlier megatron-dpp's, counted in iterations, whose
+    global batch is consumed_samples / iteration (it had no batch-size ramp-up)."""
+    state = {_OLD_NAMES.get(key, key): value for key, value in saved.items()}
+    if in_samples:
+        return state, None
+    batch = consumed_samples // iteration if iteration > 0 else \
+        getattr(saved_args, "global_batch_size", None)
+    if not batch:
+        raise ValueError("its learning-rate schedule counts iterations (saved by an earlier "
+                         "megatron-dpp) and its global batch size is unknown")
+    for key in _LENGTHS:
+        if key in state:
+            state[key] = state[key] * batch
+    return state, (f"its learning-rate schedule counted iterations (saved by an earlier "
+                   f"megatron-dpp): converted to samples at global batch {batch}")
