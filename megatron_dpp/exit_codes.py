@@ -6,7 +6,7 @@ failed first, so a node's exit code is one of these too.
 """
 
 OK = 0
-"""Training finished."""
+"""Training finished, or stopped by --exit-interval or --exit-duration-in-mins (Megatron-LM's)."""
 
 FAILED = 1
 """An error without a code of its own: a Python exception (its traceback says what), or a

@@ -168,6 +168,21 @@ BAD_FLAGS = {
     "warmup_not_below_decay": (["--lr-warmup-iters", "5"], 1,
                                "--lr-decay-iters (5 iterations) must exceed --lr-warmup-iters "
                                "(5 iterations)"),
+    "finetune_without_load": (["--finetune"], 1, "--finetune needs --load DIR"),
+    "no_load_optim_without_load": (["--no-load-optim"], 1, "--no-load-optim needs --load DIR"),
+    "exit_interval_zero": (["--exit-interval", "0"], 1, "--exit-interval must be positive"),
+    "exit_duration_negative": (["--exit-duration-in-mins", "-1"], 1,
+                               "--exit-duration-in-mins must be positive"),
+    "loss_scale_without_16_bit": (["--loss-scale", "128"], 1, "--loss-scale needs --fp16 or --bf16"),
+    "dynamic_loss_scale_flag_without_fp16": (["--bf16", "--hysteresis", "3"], 1,
+                                             "--hysteresis configures --fp16's dynamic loss scale; "
+                                             "add --fp16 or drop it"),
+    "dynamic_loss_scale_flag_with_constant": (["--fp16", "--loss-scale", "8",
+                                               "--initial-loss-scale", "16"], 1,
+                                              "drop --loss-scale (a constant scale) or it"),
+    "min_loss_scale_above_initial": (["--fp16", "--initial-loss-scale", "4",
+                                      "--min-loss-scale", "8"], 1,
+                                     "--min-loss-scale 8 exceeds --initial-loss-scale 4"),
     "override_and_use_checkpoint_schedule": (["--override-opt_param-scheduler",
                                               "--use-checkpoint-opt_param-scheduler"], 1,
                                              "--override-opt_param-scheduler and "

@@ -122,3 +122,19 @@ def test_fp16_lowers_its_loss_scale_at_overflows_then_trains_and_dpp_follows():
     assert rc == 0, dpp_out[-3000:]
     assert dpp == losses and re.findall(r"loss scale: [0-9.]+", dpp_out) == \
         re.findall(r"loss scale: [0-9.]+", out)
+
+
+@pytest.mark.timeout(300)
+def test_megatron_lm_loss_scale_flags_set_the_scaler():
+    """A constant --loss-scale never moves and skips nothing; the dynamic scaler starts at
+    --initial-loss-scale and doubles after each --loss-scale-window updates without overflow."""
+    rc, _losses, _norms, out = run_training(["--fp16", "--loss-scale", "256", "--train-iters", "4"],
+                                            nproc=1)
+    assert rc == 0, out[-3000:]
+    assert re.findall(r"loss scale: ([0-9.]+)", out) == ["256.0"] * 4
+    assert re.findall(r"number of skipped iterations:\s+(\d+)", out) == ["0"] * 4
+    rc, _losses, _norms, out = run_training(
+        ["--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "2", "--hysteresis", "1",
+         "--train-iters", "4"], nproc=1)
+    assert rc == 0, out[-3000:]
+    assert re.findall(r"loss scale: ([0-9.]+)", out) == ["1024.0", "2048.0", "2048.0", "4096.0"]

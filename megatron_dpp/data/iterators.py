@@ -131,7 +131,12 @@ def build_data_loader(dataset, consumed_samples: int, micro_batch_size: int,
         dataset, batch_sampler=sampler, num_workers=num_workers,
         collate_fn=functools.partial(collate_samples, pad_token=pad_token,
                                      trim_padding=trim_padding),
-        persistent_workers=num_workers > 0)
+        persistent_workers=num_workers > 0,
+        # Each iterator draws its workers' base seed from this generator. From torch's default
+        # one, it would take a draw from the stream CPU ranks' dropout uses, and a resumed run
+        # (its iterators made after the checkpoint's RNG states are restored) would drop out
+        # other values than the uninterrupted run.
+        generator=torch.Generator())
 
 
 def build_data_iterators(args, train_ds, valid_ds, test_ds,

@@ -1,11 +1,12 @@
 """The checkpoint flags' checks that need no process group: --ckpt-format (argparse's choices are
-its check) and what --load may name. Standard library only (training/flags.py adds --ckpt-format
+its check), what --load may name and what it restores (LoadScope). Standard library only (training/flags.py adds --ckpt-format
 to the checkpointing group and calls check_load_dir before launch; checkpointing.py resolves
 --load at run time with the same helpers)."""
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 
 from megatron_dpp.flag_errors import require, require_input_dir
 
@@ -28,6 +29,39 @@ def add_checkpoint_format_args(group) -> None:
              "tensor/pipeline/virtual-pipeline layout, with or without --use-dpp; torch: this "
              "project's earlier per-rank files, which resume only at the same layout. --load "
              "reads either (it tells them apart by their files).")
+
+
+def add_load_scope_args(group) -> None:
+    """Megatron-LM's flags for what --load restores beyond the model."""
+    group.add_argument("--no-load-optim", action="store_true",
+                       help="With --load: leave the optimizer's state and the learning-rate "
+                            "schedule as this run starts them (the fp32 main parameters of "
+                            "--bf16/--fp16 are taken from the loaded model).")
+    group.add_argument("--no-load-rng", action="store_true",
+                       help="With --load: leave the RNG states as --seed sets them.")
+    group.add_argument("--finetune", action="store_true",
+                       help="With --load: load the model only (as --no-load-optim "
+                            "--no-load-rng) and start at iteration 0 at the start of the data.")
+
+
+def check_load_scope_args(args) -> None:
+    for flag, given in (("--finetune", args.finetune), ("--no-load-optim", args.no_load_optim),
+                        ("--no-load-rng", args.no_load_rng)):
+        require(not given or args.load is not None, f"{flag} needs --load DIR")
+
+
+@dataclass(frozen=True)
+class LoadScope:
+    """What a load restores beyond the model (--no-load-optim, --no-load-rng, --finetune)."""
+
+    optimizer: bool = True  # the optimizer's state and the learning-rate schedule
+    rng: bool = True  # the RNG states (at the layout that saved them only, in any case)
+    position: bool = True  # the iteration and the data position (--finetune starts at 0)
+
+    @classmethod
+    def from_args(cls, args) -> "LoadScope":
+        return cls(optimizer=not (args.finetune or args.no_load_optim),
+                   rng=not (args.finetune or args.no_load_rng), position=not args.finetune)
 
 
 def iteration_of_folder(path: str) -> int | None:

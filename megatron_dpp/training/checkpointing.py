@@ -47,6 +47,7 @@ from megatron_dpp.training import distributed_optimizer_compat, lr_schedule
 from megatron_dpp.training.checkpoint_flags import (
     CHECKPOINT_FORMATS,
     TRACKER_FILE,
+    LoadScope,
     iteration_folders,
     iteration_of_folder,
     no_checkpoint_words,
@@ -476,17 +477,19 @@ def _verify(directory: str) -> bool:
 
 
 def load_checkpoint(checkpoint: CheckpointToLoad, model_chunks, optimizer,
-                    scheduler) -> TrainState:
-    """Collective: restore everything saved in the folder find_checkpoint returned. Raises
+                    scheduler, scope: LoadScope = LoadScope()) -> TrainState:
+    """Collective: restore the model, and what `scope` asks for, from the folder find_checkpoint
+    returned; without scope.position the state is iteration 0 (--finetune). Raises
     CheckpointLoadError (one line, the same on every rank)."""
     directory = checkpoint.directory
     fmt = checkpoint_format(directory)
     if fmt == "torch_dist":
         loaded = load_dist_checkpoint(directory, model_chunks, optimizer, scheduler,
-                                      checkpoint.verified)
+                                      checkpoint.verified, scope)
         state = TrainState(iteration=loaded.iteration, consumed_samples=loaded.consumed_samples)
     elif fmt == "torch":
-        state = _load_torch(directory, checkpoint.verified, model_chunks, optimizer, scheduler)
+        state = _load_torch(directory, checkpoint.verified, model_chunks, optimizer, scheduler,
+                            scope)
     elif fmt == "megatron_torch":
         raise CheckpointLoadError(f"{directory} is in Megatron-LM's legacy 'torch' format "
                                   f"(mp_rank_*); convert it to torch_dist with Megatron-LM first")
@@ -496,11 +499,11 @@ def load_checkpoint(checkpoint: CheckpointToLoad, model_chunks, optimizer,
     if not checkpoint.verified and dist.get_rank() == 0:
         print(f"megatron_dpp: warning: {unverified_warning(directory)}", file=sys.stderr,
               flush=True)
-    return state
+    return state if scope.position else TrainState()
 
 
 def _load_torch(directory: str, verified: bool, model_chunks, optimizer,
-                scheduler) -> TrainState:
+                scheduler, scope: LoadScope) -> TrainState:
     """Our per-rank format, at the layout that saved it only."""
     path = os.path.join(directory, _rank_file_name(dist.get_rank()))
     error = payload = None
@@ -519,7 +522,7 @@ def _load_torch(directory: str, verified: bool, model_chunks, optimizer,
         except Exception as exc:  # an unverified checkpoint's truncated or overwritten file
             error = f"checkpoint file {path} is damaged: {_one_line(exc)}"
     converted = None
-    if error is None:
+    if error is None and scope.optimizer:
         try:
             schedule, converted = lr_schedule.state_in_samples(
                 payload["scheduler"], payload.get(lr_schedule.SAMPLES_MARKER, False),
@@ -534,9 +537,13 @@ def _load_torch(directory: str, verified: bool, model_chunks, optimizer,
         try:
             for chunk, chunk_state in zip(model_chunks, payload["model"], strict=True):
                 chunk.load_state_dict(chunk_state)
-            _load_optimizer_state(optimizer, payload["optimizer"])
-            scheduler.load_state_dict(schedule)
-            _set_rng_state(payload["rng"])
+            if scope.optimizer:
+                _load_optimizer_state(optimizer, payload["optimizer"])
+                scheduler.load_state_dict(schedule)
+            else:  # fp32 main parameters (bf16/fp16) from the loaded model, as Megatron-LM
+                optimizer.reload_model_params()
+            if scope.rng:
+                _set_rng_state(payload["rng"])
         except Exception as exc:
             error = f"checkpoint {path} does not fit this model: {_one_line(exc)}"
         error = agree(error)

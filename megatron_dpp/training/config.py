@@ -13,6 +13,7 @@ from typing import Optional
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 
+from megatron_dpp.training.checkpoint_flags import LoadScope
 # transformer_config_from_args: the training loop imports it from here.
 from megatron_dpp.models.transformer_config import (params_dtype_from_args,
                                                     transformer_config_from_args)
@@ -47,6 +48,9 @@ class TrainingConfig:
     save: Optional[str]
     load: Optional[str]
     save_interval: Optional[int]
+    load_scope: LoadScope  # what --load restores beyond the model
+    exit_interval: Optional[int]  # stop after a multiple of it (Megatron-LM's)
+    exit_duration_in_mins: Optional[float]  # stop after the first iteration past it
     manual_gc: bool
     manual_gc_interval: int
     manual_gc_eval: bool  # with manual_gc: collect at the start and end of each evaluation
@@ -77,6 +81,9 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
         save=args.save,
         load=args.load,
         save_interval=args.save_interval,
+        load_scope=LoadScope.from_args(args),
+        exit_interval=args.exit_interval,
+        exit_duration_in_mins=args.exit_duration_in_mins,
         manual_gc=args.manual_gc,
         manual_gc_interval=args.manual_gc_interval,
         manual_gc_eval=args.manual_gc_eval,
@@ -97,6 +104,11 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
         clip_grad=args.clip_grad,
         bf16=args.bf16,
         fp16=args.fp16,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
         params_dtype=params_dtype_from_args(args),
         use_distributed_optimizer=args.use_distributed_optimizer,
     )

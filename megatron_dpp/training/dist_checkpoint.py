@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_dpp.training import distributed_optimizer_compat, lr_schedule
-from megatron_dpp.training.checkpoint_flags import TRACKER_FILE
+from megatron_dpp.training.checkpoint_flags import TRACKER_FILE, LoadScope
 from megatron_dpp.training.checkpoint_integrity import (MANIFEST_FILE, SAVED_WITH_CHECKSUMS,
                                                         missing_manifest)
 
@@ -222,16 +222,18 @@ def _picklable(value) -> bool:
 
 
 def _state_dict(iteration: int, consumed_samples: int, args, model_chunks, optimizer, scheduler,
-                metadata: dict, is_loading: bool, with_rng: bool = True) -> dict:
+                metadata: dict, is_loading: bool, with_rng: bool = True,
+                with_optimizer: bool = True) -> dict:
     state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
              "consumed_samples": consumed_samples,
              "args": _args_for_checkpoint(args, consumed_samples),
              "megatron_dpp_layout": _layout()}
     state.update(_model_state_dict(model_chunks, metadata))
-    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
-                                                      metadata=metadata)
-    state["opt_param_scheduler"] = scheduler.state_dict()
-    state[lr_schedule.SAMPLES_MARKER] = True
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
+                                                          metadata=metadata)
+        state["opt_param_scheduler"] = scheduler.state_dict()
+        state[lr_schedule.SAMPLES_MARKER] = True
     if with_rng:
         state["rng_state"] = _sharded_rng_state()
     return state
@@ -378,10 +380,10 @@ def _errors_as(prefix: str):
 
 
 def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
-                         verified: bool) -> LoadedState:
-    """Collective: restore everything from a torch_dist checkpoint directory, at any layout.
-    verified: its files matched its manifest (False: it has none). Raises CheckpointLoadError
-    (the same one line on every rank)."""
+                         verified: bool, scope: LoadScope = LoadScope()) -> LoadedState:
+    """Collective: restore a torch_dist checkpoint directory, at any layout: the model, and what
+    `scope` asks for. verified: its files matched its manifest (False: it has none). Raises
+    CheckpointLoadError (the same one line on every rank)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import (
         get_default_load_sharded_strategy,
@@ -405,29 +407,33 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
             raise CheckpointLoadError(f"checkpoint {directory} has no optimizer scheduler state; "
                                       f"it is not a training checkpoint")
         consumed = _consumed_samples(common)
-        with _errors_as(f"checkpoint {directory}"):
-            schedule, converted = lr_schedule.state_in_samples(
-                common["opt_param_scheduler"], _schedule_in_samples(common),
-                int(common["iteration"]), consumed, common.get("args"))
-        difference = scheduler.schedule_difference(schedule)
-        if difference is not None:
-            raise CheckpointLoadError(f"checkpoint {directory}: {difference}")
+        schedule = converted = None
+        if scope.optimizer:
+            with _errors_as(f"checkpoint {directory}"):
+                schedule, converted = lr_schedule.state_in_samples(
+                    common["opt_param_scheduler"], _schedule_in_samples(common),
+                    int(common["iteration"]), consumed, common.get("args"))
+            difference = scheduler.schedule_difference(schedule)
+            if difference is not None:
+                raise CheckpointLoadError(f"checkpoint {directory}: {difference}")
         with _errors_as(f"checkpoint {directory} is damaged (.metadata)"):
             tensors = load_tensors_metadata(directory)
         run_metadata = sharded_sd_metadata(optimizer)
-        if bool(metadata.get("distrib_optim_sharding_type")) != \
+        if scope.optimizer and bool(metadata.get("distrib_optim_sharding_type")) != \
                 bool(run_metadata.get("distrib_optim_sharding_type")):
             raise CheckpointLoadError(
                 f"checkpoint {directory} was saved "
                 f"{'with' if metadata.get('distrib_optim_sharding_type') else 'without'} "
-                f"--use-distributed-optimizer; resume the same way")
+                f"--use-distributed-optimizer; resume the same way, or add --no-load-optim")
         with _errors_as(f"checkpoint {directory}: building this run's state dict"):
-            distributed_optimizer_compat.before_sharded_load(optimizer)
+            if scope.optimizer:
+                distributed_optimizer_compat.before_sharded_load(optimizer)
             # RNG states are per (pipeline, tensor) rank: restored at the saving layout only.
             run_state = _state_dict(int(common["iteration"]), 0, None, model_chunks, optimizer,
                                     scheduler, run_metadata, is_loading=True,
-                                    with_rng=_same_model_parallel(
-                                        common.get("megatron_dpp_layout", {})))
+                                    with_rng=scope.rng and _same_model_parallel(
+                                        common.get("megatron_dpp_layout", {})),
+                                    with_optimizer=scope.optimizer)
         error = _model_mismatch(run_state, directory, tensors)
     except CheckpointLoadError as exc:
         error = str(exc)
@@ -452,9 +458,12 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
         with _errors_as(f"checkpoint {directory} does not fit this model"):
             for i, chunk in enumerate(model_chunks):
                 unwrap(chunk).load_state_dict(loaded[_model_key(i, len(model_chunks))], strict=True)
-            optimizer.load_state_dict(loaded["optimizer"])
-            distributed_optimizer_compat.after_load(optimizer)
-            scheduler.load_state_dict(schedule)
+            if scope.optimizer:
+                optimizer.load_state_dict(loaded["optimizer"])
+                distributed_optimizer_compat.after_load(optimizer)
+                scheduler.load_state_dict(schedule)
+            else:  # fp32 main parameters (bf16/fp16) from the loaded model, as Megatron-LM
+                optimizer.reload_model_params()
             if "rng_state" in run_state:
                 rng = loaded["rng_state"]
                 _set_rng_state(rng[0] if isinstance(rng, list) else rng)

@@ -13,7 +13,9 @@ import argparse
 
 from megatron_dpp.cuda_presence import cuda_available
 from megatron_dpp.flag_errors import add_refused_flags, require, require_output_dir
-from megatron_dpp.training.checkpoint_flags import add_checkpoint_format_args, check_load_dir
+from megatron_dpp.training.checkpoint_flags import (add_checkpoint_format_args,
+                                                    add_load_scope_args, check_load_dir,
+                                                    check_load_scope_args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,6 +75,26 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fp16", action="store_true",
                        help="float16 mixed precision with dynamic loss scaling (the log line's "
                             "`loss scale`); CPU ranks run it too, slowly.")
+    group.add_argument("--loss-scale", type=float, default=None,
+                       help="A constant loss scale for --fp16 or --bf16 (Megatron-LM's; a power "
+                            "of 2 keeps it exact); without it --fp16 scales dynamically.")
+    group.add_argument("--initial-loss-scale", type=float, default=None,
+                       help="--fp16's dynamic loss scale at the start (default 2**32).")
+    group.add_argument("--min-loss-scale", type=float, default=None,
+                       help="--fp16's dynamic loss scale never falls below this (default 1).")
+    group.add_argument("--loss-scale-window", type=float, default=None,
+                       help="--fp16: double the dynamic loss scale after this many updates "
+                            "without an overflow (default 1000).")
+    group.add_argument("--hysteresis", type=int, default=None,
+                       help="--fp16: halve the dynamic loss scale after this many overflows "
+                            "(default 2).")
+    group.add_argument("--exit-interval", type=int, default=None,
+                       help="Stop after an iteration that is a multiple of this, with a "
+                            "checkpoint first when --save is given, and exit 0 (Megatron-LM's).")
+    group.add_argument("--exit-duration-in-mins", type=float, default=None,
+                       help="Stop after the first iteration that ends this many minutes after "
+                            "the start (the ranks agree), with a checkpoint first when --save is "
+                            "given, and exit 0 (Megatron-LM's): for a job's time limit.")
     group.add_argument("--exit-signal-handler", action="store_true",
                        help="Accepted for Megatron-LM command lines and does nothing here: its "
                             "behaviour is always on. On SIGTERM or SIGINT every rank stops after "
@@ -122,6 +144,11 @@ def validate_training_args(args: argparse.Namespace) -> None:
     # numpy's seed (set with Python's and torch's, training/loop.py) takes 0..2**32-1.
     require(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}")
     require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; pick one")
+    _validate_loss_scaling(args)
+    require(args.exit_interval is None or args.exit_interval > 0,
+            "--exit-interval must be positive")
+    require(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
+            "--exit-duration-in-mins must be positive")
     require(args.manual_gc_interval >= 0, "--manual-gc-interval must be >= 0")
     require(args.manual_gc or args.manual_gc_interval == 0,
             "--manual-gc-interval needs --manual-gc")
@@ -131,6 +158,34 @@ def validate_training_args(args: argparse.Namespace) -> None:
                 f"the interleaved schedule needs the number of micro-batches "
                 f"({args.num_microbatches}) to be a multiple of --pipeline-model-parallel-size "
                 f"{pp}; adjust --global-batch-size")
+
+
+# Megatron-LM's defaults of --fp16's dynamic loss scaler.
+DYNAMIC_LOSS_SCALE_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0,
+                               "loss_scale_window": 1000.0, "hysteresis": 2}
+
+
+def _validate_loss_scaling(args: argparse.Namespace) -> None:
+    """--loss-scale with a 16-bit precision; the dynamic scaler's flags with --fp16 and without
+    --loss-scale (they configure nothing else). Fills in the dynamic scaler's defaults."""
+    if args.loss_scale is not None:
+        require(args.fp16 or args.bf16, "--loss-scale needs --fp16 or --bf16")
+        require(args.loss_scale > 0, f"--loss-scale must be positive, got {args.loss_scale}")
+    for name, default in DYNAMIC_LOSS_SCALE_DEFAULTS.items():
+        flag = "--" + name.replace("_", "-")
+        value = getattr(args, name)
+        if value is not None:
+            require(args.fp16 and args.loss_scale is None,
+                    f"{flag} configures --fp16's dynamic loss scale; "
+                    + ("drop --loss-scale (a constant scale) or it"
+                       if args.loss_scale is not None else "add --fp16 or drop it"))
+            require(value >= 1 if name == "hysteresis" else value > 0,
+                    f"{flag} must be {'>= 1' if name == 'hysteresis' else 'positive'}, got {value}")
+        else:
+            setattr(args, name, default)
+    require(args.min_loss_scale <= args.initial_loss_scale,
+            f"--min-loss-scale {args.min_loss_scale:g} exceeds --initial-loss-scale "
+            f"{args.initial_loss_scale:g}")
 
 
 def _validate_schedule_lengths(args: argparse.Namespace) -> None:
@@ -197,6 +252,7 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--save-interval", type=int, default=None,
                        help="Save a checkpoint every this many iterations (needs --save).")
     add_checkpoint_format_args(group)
+    add_load_scope_args(group)
 
 
 def validate_checkpoint_args(args: argparse.Namespace) -> None:
@@ -207,6 +263,7 @@ def validate_checkpoint_args(args: argparse.Namespace) -> None:
         require_output_dir("--save", args.save)
     if args.load is not None:
         check_load_dir(args.load, args.save)
+    check_load_scope_args(args)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Pretraining on Megatron-Core: setup, the iteration loop, evaluation, logging, checkpoints.
 
 The model comes from a ModelSpec (megatron_dpp.models): its chunks, forward step, datasets and
-CPU patches. `pretrain(args, spec)` returns the process exit code: 0 when training finished,
-128 + signal number when SIGINT/SIGTERM stopped it at an iteration boundary (after saving, if
+CPU patches. `pretrain(args, spec)` returns the process exit code: 0 when training finished (or
+--exit-interval / --exit-duration-in-mins ended it), 128 + signal number when SIGINT/SIGTERM stopped it at an iteration boundary (after saving, if
 --save is given), 2 when --multi-node finds this node's --node-ips address on none of its interfaces
 or the checkpoint --load names cannot be loaded; a failed save ends the run with exit code 1.
 """
@@ -28,7 +28,7 @@ from megatron_dpp.comm.nodes import this_node_rank, use_node_network
 from megatron_dpp.comm.router import RouteError
 from megatron_dpp.data.iterators import build_data_iterators
 from megatron_dpp.data.tokenizer import build_tokenizer
-from megatron_dpp.exit_codes import BAD_INPUT, FAILED
+from megatron_dpp.exit_codes import BAD_INPUT, FAILED, OK, SIGNAL_BASE
 from megatron_dpp.kernels import cuda_graphs as cuda_graph_choice
 from megatron_dpp.kernels import install_foreach_multi_tensor_ops, log_kernel_choices
 from megatron_dpp.models import ModelSpec
@@ -57,7 +57,7 @@ from megatron_dpp.training.pipeline import build_forward_backward, close_forward
 from megatron_dpp.training.profiler_window import make_profiler
 from megatron_dpp.training.failures import exit_for_lost_peer, is_lost_peer_error, peer_heartbeat
 from megatron_dpp.training.lr_schedule import SampleSchedule
-from megatron_dpp.training.signals import StopSignals
+from megatron_dpp.training.signals import AgreedStop, StopSignals
 from megatron_dpp.training.step_tracing import LOSS_ALL_REDUCE, STOP_AGREEMENT, StepTracer
 from megatron_dpp.training.tracing import agree_run_directory
 
@@ -493,6 +493,7 @@ def train_clip_enabled(trainer: Trainer) -> bool:
 
 
 def pretrain(args: argparse.Namespace, spec: ModelSpec) -> int:
+    started = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron-LM's
     if args.multi_node and not setup_node_network(args):
         return BAD_INPUT
     platform = setup_platform(spec.cpu_patched_modules)
@@ -501,13 +502,14 @@ def pretrain(args: argparse.Namespace, spec: ModelSpec) -> int:
         # Heartbeats with every rank from now on: a peer that stops answering is named within
         # --heartbeat-timeout, whatever this rank waits in (training/failures.py).
         with peer_heartbeat(args):
-            return _pretrain(args, platform, spec)
+            return _pretrain(args, platform, spec, started)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
 
-def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec) -> int:
+def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec,
+              started: float) -> int:
     set_seeds(args.seed, cuda_graphs=cuda_graph_choice(args).on)
     try:  # before the slow setup: a damaged checkpoint fails in seconds
         checkpoint = find_checkpoint(args.load, args.save) if args.load is not None else None
@@ -527,7 +529,7 @@ def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec) -> 
     train_ds, valid_ds, _test_ds = spec.build_datasets(args, tokenizer)
     trainer = Trainer(args, platform, spec)
     try:
-        return _train(args, trainer, train_ds, valid_ds, checkpoint)
+        return _train(args, trainer, train_ds, valid_ds, checkpoint, started)
     finally:
         # Joins the watchdog thread on every path, an exception included (close() is idempotent).
         if trainer.watchdog is not None:
@@ -543,20 +545,43 @@ def stop_signals(platform: Platform) -> StopSignals:
     return StopSignals(platform.device)
 
 
+def _load_scope_words(scope) -> str:
+    """What the load line adds about flags that left part of the checkpoint out."""
+    if not scope.position:
+        return " (--finetune: the model only, from iteration 0 and the data's start)"
+    left = [what for what, loaded in (("the optimizer and the learning-rate schedule",
+                                       scope.optimizer), ("the RNG states", scope.rng))
+            if not loaded]
+    return f" (not loaded: {' and '.join(left)})" if left else ""
+
+
+def _exit_reason(train: TrainingConfig, iteration: int, stop: AgreedStop | None,
+                 minutes: float) -> str | None:
+    """Why the run ends after this iteration (a signal first), or None."""
+    if stop is not None and stop.signal:
+        return f"stopped by signal {stop.signal}"
+    if stop is not None and stop.out_of_time:
+        return (f"exiting: --exit-duration-in-mins {train.exit_duration_in_mins:g} passed "
+                f"({minutes:.2f} minutes since the start on this rank)")
+    if train.exit_interval and iteration % train.exit_interval == 0:
+        return f"exiting: --exit-interval {train.exit_interval}"
+    return None
+
+
 def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
-           checkpoint: CheckpointToLoad | None) -> int:
+           checkpoint: CheckpointToLoad | None, started: float) -> int:
     train = trainer.train
     if checkpoint is not None:
         try:
             trainer.state = load_checkpoint(checkpoint, trainer.model, trainer.optimizer,
-                                            trainer.scheduler)
+                                            trainer.scheduler, train.load_scope)
         except CheckpointLoadError as error:  # the same one line on every rank: rank 0 says it
             say_failure(f"megatron_dpp: error: {error}", exit_code=BAD_INPUT,
                         printed=dist.get_rank() == 0)
             trainer.close()
             return BAD_INPUT
         log_rank0(f" loaded checkpoint from {checkpoint.directory} at iteration "
-                  f"{trainer.state.iteration}")
+                  f"{trainer.state.iteration}{_load_scope_words(train.load_scope)}")
     log_rank0(f" training: {train.train_iters} iterations, global batch {train.global_batch_size}"
               f", {train.num_microbatches} micro-batches of {train.micro_batch_size} per "
               f"data-parallel rank, device {trainer.platform.device}, backend {trainer.platform.backend}")
@@ -602,16 +627,19 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
                 if train.save and train.save_interval and iteration % train.save_interval == 0:
                     trainer.save()
                     last_saved = iteration
+                minutes = (time.monotonic() - started) / 60.0
                 trainer.watch("agreeing on a stop signal (all-reduce over every rank)")
                 with trainer.in_collective(STOP_AGREEMENT):
-                    stop = signals.agreed_stop()
+                    stop = signals.agreed_stop(out_of_time=train.exit_duration_in_mins is not None
+                                               and minutes > train.exit_duration_in_mins)
                 trainer.unwatch()
-                if stop is not None:
+                reason = _exit_reason(train, iteration, stop, minutes)
+                if reason is not None:
                     if train.save and last_saved != iteration:
                         trainer.save()
-                    log_rank0(f" stopped by signal {stop} after iteration {iteration}")
+                    log_rank0(f" {reason} after iteration {iteration}")
                     trainer.close()
-                    return 128 + stop
+                    return SIGNAL_BASE + stop.signal if stop is not None and stop.signal else OK
         except RuntimeError as error:
             if not is_lost_peer_error(error):
                 raise
