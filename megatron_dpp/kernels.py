@@ -114,11 +114,13 @@ class CoreAttentionChoice:
 
 
 def core_attention(backend: str = "auto", use_flash_attn: bool = False,
-                   split_backward: bool = False) -> CoreAttentionChoice:
-    """The core attention for --attention-backend `backend` and --use-flash-attn (both validated by
-    megatron_dpp.arguments). --dpp-split-backward builds Megatron-Core's local layers, never
-    Transformer Engine's: its attention is then ours on a GPU."""
-    te = transformer_engine_available() and not split_backward
+                   split_backward: bool = False,
+                   transformer_impl: Optional[str] = None) -> CoreAttentionChoice:
+    """The core attention for --attention-backend `backend`, --use-flash-attn and
+    --transformer-impl (all validated by megatron_dpp.arguments). --dpp-split-backward and
+    --transformer-impl local build Megatron-Core's local layers, never Transformer Engine's: the
+    attention is then ours on a GPU."""
+    te = transformer_engine_available() and not split_backward and transformer_impl != "local"
     if backend in TRANSFORMER_ENGINE_BACKENDS:
         return CoreAttentionChoice(TRANSFORMER_ENGINE, f"--attention-backend {backend}", backend)
     if use_flash_attn:
@@ -140,19 +142,24 @@ def core_attention(backend: str = "auto", use_flash_attn: bool = False,
     if backend == LOCAL:
         return CoreAttentionChoice(LOCAL, "--attention-backend local")
     if te:  # (installed on a CUDA machine)
-        return CoreAttentionChoice(TRANSFORMER_ENGINE, "Transformer Engine is installed")
+        return CoreAttentionChoice(TRANSFORMER_ENGINE, "--transformer-impl transformer_engine"
+                                   if transformer_impl else "Transformer Engine is installed")
     if not cuda_available():
         return CoreAttentionChoice(LOCAL, "CPU default (the activation-memory model of the search "
                                    "is checked against its saved tensors); --attention-backend "
                                    "sdpa for torch SDPA")
     if split_backward and transformer_engine_available():
         return CoreAttentionChoice(SDPA, "--dpp-split-backward builds Megatron-Core's local layers")
+    if transformer_impl == "local" and transformer_engine_available():
+        return CoreAttentionChoice(SDPA, "--transformer-impl local builds Megatron-Core's local "
+                                   "layers")
     return CoreAttentionChoice(SDPA, "Transformer Engine not installed")
 
 
 def core_attention_from_args(args: argparse.Namespace) -> CoreAttentionChoice:
     return core_attention(args.attention_backend, args.use_flash_attn,
-                          getattr(args, "dpp_split_backward", False))
+                          getattr(args, "dpp_split_backward", False),
+                          getattr(args, "transformer_impl", None))
 
 
 @dataclass(frozen=True)
@@ -188,11 +195,13 @@ def _transformer_engine_layers(attention: CoreAttentionChoice) -> Choice:
                   + ("" if cuda_available() else "; CPU") + ")")
 
 
-def _masked_softmax_fusion(attention: CoreAttentionChoice) -> Choice:
+def _masked_softmax_fusion(attention: CoreAttentionChoice, wanted: bool = True) -> Choice:
     feature = "masked softmax fusion"
     if attention.module != LOCAL:
         return Choice(feature, False, "unused: only Megatron-Core's local DotProductAttention "
                       "reads it")
+    if not wanted:
+        return Choice(feature, False, "--no-masked-softmax-fusion: torch softmax")
     if not cuda_available():
         return Choice(feature, False, "CPU: torch softmax")
     missing = [name for name in FUSED_SOFTMAX_MODULES if not module_importable(name)]
@@ -215,9 +224,16 @@ def _compiled_fusion(feature: str, wanted: bool, off_flag: str) -> Choice:
     return Choice(feature, True, "torch.compile (Megatron-Core's jit_fuser), needs no extra package")
 
 
-def _rope_fusion() -> Choice:
-    return Choice("rope fusion", False, "unused: the models use learned absolute position "
-                  "embeddings (the fused rotary kernel is Transformer Engine's)")
+def _rope_fusion(args: argparse.Namespace) -> Choice:
+    from megatron_dpp.models.families import GPT_ARCHITECTURE, model_family
+
+    model = getattr(args, "model", None)
+    architecture = (model_family(model).architecture if model else None) or GPT_ARCHITECTURE
+    if architecture["position_embedding_type"] != "rope":
+        return Choice("rope fusion", False, "unused: the model uses learned absolute position "
+                      "embeddings (the fused rotary kernel is Transformer Engine's)")
+    return Choice("rope fusion", False, "Megatron-Core's unfused rotary embedding (the fused "
+                  "kernel is Transformer Engine's, which is not set up for it here)")
 
 
 def gradient_accumulation_fusion(args: argparse.Namespace) -> Choice:
@@ -295,14 +311,15 @@ def kernel_choices(args: argparse.Namespace) -> KernelChoices:
     return KernelChoices(
         attention=attention,
         transformer_engine_layers=te_layers,
-        masked_softmax_fusion=_masked_softmax_fusion(attention),
+        masked_softmax_fusion=_masked_softmax_fusion(
+            attention, getattr(args, "masked_softmax_fusion", True)),
         bias_activation_fusion=_compiled_fusion(
             f"bias-{activation} fusion", getattr(args, f"bias_{activation}_fusion"),
             f"--no-bias-{activation}-fusion"),
         bias_dropout_fusion=_compiled_fusion("bias-dropout-add fusion",
                                              args.bias_dropout_fusion,
                                              "--no-bias-dropout-fusion"),
-        rope_fusion=_rope_fusion(),
+        rope_fusion=_rope_fusion(args),
         gradient_accumulation_fusion=gradient_accumulation_fusion(args),
         persist_layer_norm=persist_layer_norm(args, te_layers.on),
         fused_optimizer=_fused_optimizer(),

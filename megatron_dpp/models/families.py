@@ -93,6 +93,10 @@ class ModelFamily:
     """Its MLP's activation as Megatron-LM's fusion flags name it: "gelu" (--no-bias-gelu-fusion
     applies) or "swiglu" (--no-bias-swiglu-fusion applies)."""
 
+    architecture: dict = None  # type: ignore[assignment]  # GPT_ARCHITECTURE when None
+    """Its values of Megatron-LM's architecture flags (ARCHITECTURE_FLAGS: the parsed attribute ->
+    its value here). A command line may state them; one stating another value is refused."""
+
     def ties_output(self, untie_embeddings_and_output_weights: bool) -> bool:
         """Is the output layer's weight the word embedding's?"""
         if self.always_untied_output:
@@ -100,12 +104,49 @@ class ModelFamily:
         return self.always_tied_output or not untie_embeddings_and_output_weights
 
     def validate(self, args: argparse.Namespace) -> None:
-        """The tokenizer (defaulted to its first) and the model's own checks; raises InputError."""
+        """The tokenizer (defaulted to its first), Megatron-LM's architecture flags, and the
+        model's own checks; raises InputError."""
         if args.tokenizer_type is None:
             args.tokenizer_type = self.tokenizer_types[0]
         _require(args.tokenizer_type in self.tokenizer_types,
                  self.wrong_tokenizer_message(args.tokenizer_type))
+        self._check_architecture(args)
         self.validate_args(args)
+
+    def _check_architecture(self, args: argparse.Namespace) -> None:
+        ours = self.architecture or GPT_ARCHITECTURE
+        for name, flag in ARCHITECTURE_FLAGS.items():
+            given = getattr(args, name, None)
+            if given is None or given == ours[name]:
+                continue
+            having = [family.name for family in MODEL_FAMILIES.values()
+                      if (family.architecture or GPT_ARCHITECTURE)[name] == given]
+            _require(False, f"{flag(given)} is not {self.name}'s architecture here ("
+                     + (f"--model {' or '.join(having)} has it" if having else "no model here has it")
+                     + f"); remove it")
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron-LM's architecture flags (models/flags.py adds them): each model has its architecture,
+# and a command line may state it (a Megatron-LM Llama script's --swiglu --normalization RMSNorm
+# ... with --model llama), never change it.
+# ----------------------------------------------------------------------------------------------
+ARCHITECTURE_FLAGS: dict[str, Callable[[Any], str]] = {
+    "normalization": lambda value: f"--normalization {value}",
+    "swiglu": lambda value: "--swiglu",
+    "position_embedding_type": lambda value: f"--position-embedding-type {value}",
+    "add_position_embedding": lambda value: "--no-position-embedding",
+    "add_bias_linear": lambda value: "--disable-bias-linear",
+    "group_query_attention": lambda value: "--group-query-attention",
+}
+"""The parsed attribute of each flag (None when not given) -> the flag as written, for errors."""
+
+GPT_ARCHITECTURE = {"normalization": "LayerNorm", "swiglu": False,
+                    "position_embedding_type": "learned_absolute", "add_position_embedding": True,
+                    "add_bias_linear": True, "group_query_attention": False}
+LLAMA_ARCHITECTURE = {"normalization": "RMSNorm", "swiglu": True,
+                      "position_embedding_type": "rope", "add_position_embedding": False,
+                      "add_bias_linear": False, "group_query_attention": True}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,6 +295,7 @@ LLAMA = ModelFamily(
     validate_args=_validate_llama_args,
     shape_flags=_llama_shape_flags,
     mlp_activation="swiglu",
+    architecture=LLAMA_ARCHITECTURE,
 )
 
 

@@ -48,6 +48,32 @@ REFUSED_PARALLEL_FLAGS: dict[str, str] = {
 # ----------------------------------------------------------------------------------------------
 # model shape
 # ----------------------------------------------------------------------------------------------
+def _add_architecture_flags(group) -> None:
+    """Megatron-LM's flags that describe the architecture. Each model here has one (GPT and BERT:
+    LayerNorm, GeLU, learned absolute positions, biases; Llama: RMSNorm, SwiGLU, rotary positions,
+    no biases, grouped-query attention): a command line may state its model's, and one naming
+    another's is refused in one line (models/families.py, ARCHITECTURE_FLAGS)."""
+    stated = ("Megatron-LM's architecture flag, accepted where it states the --model's own "
+              "architecture (%s) and refused otherwise")
+    group.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None,
+                       help=stated % "gpt, bert: LayerNorm; llama: RMSNorm")
+    group.add_argument("--swiglu", action="store_const", const=True, default=None,
+                       help=stated % "llama's SwiGLU MLP")
+    group.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
+                       default=None, help=stated % "gpt, bert: learned_absolute; llama: rope")
+    group.add_argument("--use-rotary-position-embeddings", action="store_const", const="rope",
+                       dest="position_embedding_type",
+                       help="Megatron-LM's older spelling of --position-embedding-type rope.")
+    group.add_argument("--no-position-embedding", action="store_const", const=False,
+                       dest="add_position_embedding", default=None,
+                       help=stated % "llama has no learned position embedding")
+    group.add_argument("--disable-bias-linear", action="store_const", const=False,
+                       dest="add_bias_linear", default=None,
+                       help=stated % "llama's linear layers have no biases")
+    group.add_argument("--group-query-attention", action="store_const", const=True, default=None,
+                       help=stated % "llama, with --num-query-groups")
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
@@ -70,6 +96,27 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        help="Dropout probability on attention scores (0 disables).")
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="Give the output layer its own weights instead of sharing the embedding.")
+    group.add_argument("--no-masked-softmax-fusion", action="store_false",
+                       dest="masked_softmax_fusion",
+                       help="Do not use Megatron's fused scaled masked softmax kernels "
+                            "(Megatron-Core's masked_softmax_fusion). Without the flag they run "
+                            "where the local DotProductAttention runs on a GPU and the kernels "
+                            "are installed (the `kernels:` line says).")
+    group.add_argument("--attention-softmax-in-fp32", action="store_true",
+                       help="Accepted for Megatron-LM command lines and always so here: "
+                            "Megatron-Core's local DotProductAttention computes its softmax in "
+                            "fp32 under --bf16/--fp16 (Megatron-Core's default, which the "
+                            "activation-memory model counts; torch SDPA, the GPU default, "
+                            "accumulates in fp32 anyway).")
+    group.add_argument("--transformer-impl", choices=["local", "transformer_engine"],
+                       default=None,
+                       help="Megatron-LM's choice of layers. local: Megatron-Core's local layers, "
+                            "never Transformer Engine's; transformer_engine: Transformer Engine's "
+                            "(refused where it is not installed). Without it: Transformer "
+                            "Engine's where installed on a GPU, else the local ones.")
+    group.add_argument("--norm-epsilon", type=float, default=1e-5,
+                       help="Epsilon of the LayerNorm/RMSNorm layers (default %(default)s).")
+    _add_architecture_flags(group)
     group.add_argument("--use-flash-attn", action="store_true",
                        help="Use FlashAttention for core attention; GPU only: Transformer Engine's "
                             "flash backend where it is installed, else the flash-attn package's "
@@ -167,6 +214,22 @@ def validate_model_args(args: argparse.Namespace) -> None:
             f"{args.make_vocab_size_divisible_by}")
     require(args.init_method_std > 0,
             f"--init-method-std must be positive, got {args.init_method_std}")
+    require(args.norm_epsilon > 0, f"--norm-epsilon must be positive, got {args.norm_epsilon}")
+    if args.transformer_impl == "transformer_engine":
+        require(transformer_engine_available(),
+                "--transformer-impl transformer_engine needs Transformer Engine on a GPU"
+                + ("" if cuda_available() else " (this machine has no CUDA GPU)")
+                + "; use --transformer-impl local")
+        require(not getattr(args, "dpp_split_backward", False),
+                "--dpp-split-backward defers weight gradients in Megatron-Core's local layers; "
+                "drop --transformer-impl transformer_engine")
+        require(args.attention_backend not in ("sdpa", "local"),
+                f"--attention-backend {args.attention_backend} is not Transformer Engine's "
+                f"attention; drop it or --transformer-impl transformer_engine")
+    if args.transformer_impl == "local":
+        require(args.attention_backend not in TRANSFORMER_ENGINE_BACKENDS,
+                f"--attention-backend {args.attention_backend} is Transformer Engine's; drop it "
+                f"or --transformer-impl local")
     require(args.hidden_size % args.num_attention_heads == 0,
             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
             f"{args.num_attention_heads}; pick a head count that divides the hidden size")

@@ -48,6 +48,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
         init_method_std=args.init_method_std,
+        layernorm_epsilon=args.norm_epsilon,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
