@@ -25,12 +25,18 @@ def _refused_dest(flag: str) -> str:
     return "refused_" + flag.lstrip("-").replace("-", "_")
 
 
-def add_refused_flags(group, refused: Mapping[str, str], taking_a_value: Collection[str] = ()) -> None:
+def add_refused_flags(group, refused: Mapping[str, str], taking_a_value: Collection[str] = (),
+                      taking_values: Collection[str] = ()) -> None:
     """Each flag of `refused` in `group`; those in `taking_a_value` take a value in Megatron-LM (or
-    nsys), which is optional here so that the refusal, not argparse, explains the problem."""
+    nsys), those in `taking_values` several, which are optional here so that the refusal, not
+    argparse, explains the problem."""
     for flag, reason in refused.items():
-        extra = {"nargs": "?", "const": "", "metavar": "VALUE"} if flag in taking_a_value else \
-            {"action": "store_const", "const": True}
+        if flag in taking_values:
+            extra = {"nargs": "*", "metavar": "VALUE"}
+        elif flag in taking_a_value:
+            extra = {"nargs": "?", "const": "", "metavar": "VALUE"}
+        else:
+            extra = {"action": "store_const", "const": True}
         group.add_argument(flag, dest=_refused_dest(flag), default=None,
                            help=f"Refused here: {flag} {reason}.", **extra)
 

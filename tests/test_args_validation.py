@@ -183,6 +183,15 @@ BAD_FLAGS = {
     "min_loss_scale_above_initial": (["--fp16", "--initial-loss-scale", "4",
                                       "--min-loss-scale", "8"], 1,
                                      "--min-loss-scale 8 exceeds --initial-loss-scale 4"),
+    # Megatron-LM flags its scripts carry that cannot apply here: each says why.
+    "rampup_batch_size": (["--rampup-batch-size", "4", "4", "16"], 1,
+                          "--rampup-batch-size (a global batch that grows during training) is not "
+                          "implemented here"),
+    "wandb_project": (["--wandb-project", "x"], 1, "--wandb-project is for Weights & Biases "
+                                                   "logging, which is not built in here"),
+    "async_save": (["--async-save"], 1, "--async-save (saving in the background) is not built"),
+    "kv_channels": (["--kv-channels", "16"], 1, "--kv-channels is not a choice here: the head "
+                                                "dimension is --hidden-size / --num-attention-heads"),
     "override_and_use_checkpoint_schedule": (["--override-opt_param-scheduler",
                                               "--use-checkpoint-opt_param-scheduler"], 1,
                                              "--override-opt_param-scheduler and "

@@ -37,6 +37,11 @@ REFUSED_PARALLEL_FLAGS: dict[str, str] = {
         "is ignored by Megatron-Core 0.16 (ModelParallelConfig.async_tensor_model_parallel_allreduce "
         "is deprecated): the tensor-parallel all-reduce always runs asynchronously beside the "
         "weight-gradient GEMM",
+    "--use-torch-fsdp2": "(FSDP) is not a layout here: data parallelism is Megatron-Core's DDP, "
+                         "with --use-distributed-optimizer to shard the optimizer's state",
+    "--num-experts": "(mixture-of-experts layers) is in none of the models here (gpt, bert, llama)",
+    "--kv-channels": "is not a choice here: the head dimension is --hidden-size / "
+                     "--num-attention-heads (the activation-memory model and the search assume it)",
     "--tp-comm-overlap": f"needs {_TP_COMM_OVERLAP}",
     "--tp-comm-overlap-cfg": f"configures --tp-comm-overlap, {_TP_COMM_OVERLAP}",
     **{flag: f"tunes --tp-comm-overlap, {_TP_COMM_OVERLAP}"
@@ -356,7 +361,8 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                             "here (Megatron-Core 0.16 no longer has the scatter/gather split of "
                             "pipeline tensors across tensor-parallel ranks).")
     add_refused_flags(group, REFUSED_PARALLEL_FLAGS,
-                      taking_a_value=("--pipeline-model-parallel-split-rank", "--tp-comm-overlap-cfg"))
+                      taking_a_value=("--pipeline-model-parallel-split-rank", "--tp-comm-overlap-cfg",
+                                      "--num-experts", "--kv-channels"))
 
 
 def _world_size() -> int:

@@ -21,6 +21,39 @@ from megatron_dpp.training.checkpoint_flags import (add_checkpoint_format_args,
 # ----------------------------------------------------------------------------------------------
 # optimization, batch, precision
 # ----------------------------------------------------------------------------------------------
+# Megatron-LM's flags that cannot apply here, by group: flag -> why (flag_errors.py).
+REFUSED_TRAINING_FLAGS: dict[str, str] = {
+    "--rampup-batch-size":
+        "(a global batch that grows during training) is not implemented here: every iteration "
+        "trains --global-batch-size samples; run the ramp-up as runs of their own",
+}
+_TRACE_INSTEAD = ("--trace records every task, wait, gradient sync and optimizer step of every "
+                  "rank (docs/tracing.md)")
+_NO_WANDB = ("Weights & Biases logging, which is not built in here; the log line carries the "
+             "losses, learning rate, loss scale, grad norm and tokens/s")
+REFUSED_LOGGING_FLAGS: dict[str, str] = {
+    "--timing-log-level": f"sets Megatron-LM's timers, which are not kept here; {_TRACE_INSTEAD}",
+    "--timing-log-option": f"sets Megatron-LM's timers, which are not kept here; {_TRACE_INSTEAD}",
+    "--log-params-norm": "asks for the parameters' norm, which is not computed here (the log "
+                         "line has the gradients' norm)",
+    "--wandb-project": f"is for {_NO_WANDB}",
+    "--wandb-exp-name": f"is for {_NO_WANDB}",
+    "--wandb-save-dir": f"is for {_NO_WANDB}",
+}
+REFUSED_CHECKPOINT_FLAGS: dict[str, str] = {
+    "--async-save": "(saving in the background) is not built here: a save is one atomic, "
+                    "checksummed transaction that training waits for (README, \"Checkpoints\")",
+    "--no-save-optim": "is not built here: a checkpoint always holds the optimizer's state "
+                       "(--no-load-optim leaves it out at --load)",
+    "--no-save-rng": "is not built here: a checkpoint always holds the RNG states "
+                     "(--no-load-rng leaves them out at --load)",
+    "--use-checkpoint-args": "is not built here: give the model's flags on the command line "
+                             "(--load checks the checkpoint's tensors against them)",
+}
+LOGGING_FLAGS_TAKING_A_VALUE = ("--timing-log-level", "--timing-log-option", "--wandb-project",
+                                "--wandb-exp-name", "--wandb-save-dir")
+
+
 def add_training_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("training")
     group.add_argument("--micro-batch-size", type=int, default=None,
@@ -95,6 +128,11 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                        help="Stop after the first iteration that ends this many minutes after "
                             "the start (the ranks agree), with a checkpoint first when --save is "
                             "given, and exit 0 (Megatron-LM's): for a job's time limit.")
+    group.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                       help="Accepted for Megatron-LM command lines and always so here: under "
+                            "--bf16 and --fp16 the gradients are accumulated and all-reduced in "
+                            "fp32 (Megatron-LM does so for bf16 always, for fp16 with this flag).")
+    add_refused_flags(group, REFUSED_TRAINING_FLAGS, taking_values=("--rampup-batch-size",))
     group.add_argument("--exit-signal-handler", action="store_true",
                        help="Accepted for Megatron-LM command lines and does nothing here: its "
                             "behaviour is always on. On SIGTERM or SIGINT every rank stops after "
@@ -253,6 +291,10 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                        help="Save a checkpoint every this many iterations (needs --save).")
     add_checkpoint_format_args(group)
     add_load_scope_args(group)
+    group.add_argument("--auto-detect-ckpt-format", action="store_true",
+                       help="Accepted for Megatron-LM command lines and always so here: --load "
+                            "tells torch_dist and torch checkpoints apart by their files.")
+    add_refused_flags(group, REFUSED_CHECKPOINT_FLAGS)
 
 
 def validate_checkpoint_args(args: argparse.Namespace) -> None:
@@ -277,6 +319,7 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                        help="Evaluate on the validation set every this many iterations.")
     group.add_argument("--eval-iters", type=int, default=100,
                        help="Batches per evaluation (0 disables evaluation).")
+    add_refused_flags(group, REFUSED_LOGGING_FLAGS, taking_a_value=LOGGING_FLAGS_TAKING_A_VALUE)
 
 
 def validate_logging_args(args: argparse.Namespace) -> None:
