@@ -14,6 +14,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 
 from megatron_dpp.training.checkpoint_flags import LoadScope
+from megatron_dpp.training.tensorboard_log import TensorBoardConfig
 # transformer_config_from_args: the training loop imports it from here.
 from megatron_dpp.models.transformer_config import (params_dtype_from_args,
                                                     transformer_config_from_args)
@@ -48,6 +49,7 @@ class TrainingConfig:
     save: Optional[str]
     load: Optional[str]
     save_interval: Optional[int]
+    tensorboard: Optional[TensorBoardConfig]  # --tensorboard-dir and what it gets
     load_scope: LoadScope  # what --load restores beyond the model
     exit_interval: Optional[int]  # stop after a multiple of it (Megatron-LM's)
     exit_duration_in_mins: Optional[float]  # stop after the first iteration past it
@@ -81,6 +83,7 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
         save=args.save,
         load=args.load,
         save_interval=args.save_interval,
+        tensorboard=_tensorboard_config(args),
         load_scope=LoadScope.from_args(args),
         exit_interval=args.exit_interval,
         exit_duration_in_mins=args.exit_duration_in_mins,
@@ -90,6 +93,19 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
         empty_unused_memory_level=args.empty_unused_memory_level,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
+
+
+def _tensorboard_config(args: argparse.Namespace) -> Optional[TensorBoardConfig]:
+    if args.tensorboard_dir is None:
+        return None
+    return TensorBoardConfig(
+        directory=args.tensorboard_dir, log_interval=args.tensorboard_log_interval,
+        queue_size=args.tensorboard_queue_size,
+        learning_rate=args.log_learning_rate_to_tensorboard,
+        loss_scale=args.log_loss_scale_to_tensorboard,
+        batch_size=args.log_batch_size_to_tensorboard,
+        world_size=args.log_world_size_to_tensorboard, memory=args.log_memory_to_tensorboard,
+        validation_ppl=args.log_validation_ppl_to_tensorboard)
 
 
 def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:

@@ -34,6 +34,8 @@ _NO_WANDB = ("Weights & Biases logging, which is not built in here; the log line
 REFUSED_LOGGING_FLAGS: dict[str, str] = {
     "--timing-log-level": f"sets Megatron-LM's timers, which are not kept here; {_TRACE_INSTEAD}",
     "--timing-log-option": f"sets Megatron-LM's timers, which are not kept here; {_TRACE_INSTEAD}",
+    "--log-timers-to-tensorboard": f"writes Megatron-LM's timers, which are not kept here; "
+                                   f"{_TRACE_INSTEAD}",
     "--log-params-norm": "asks for the parameters' norm, which is not computed here (the log "
                          "line has the gradients' norm)",
     "--wandb-project": f"is for {_NO_WANDB}",
@@ -319,6 +321,33 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                        help="Evaluate on the validation set every this many iterations.")
     group.add_argument("--eval-iters", type=int, default=100,
                        help="Batches per evaluation (0 disables evaluation).")
+    group.add_argument("--tensorboard-dir", type=str, default=None,
+                       help="Write Megatron-LM's TensorBoard scalars here (losses, learning-rate, "
+                            "loss-scale, grad-norm, validation loss, each also `vs samples`); "
+                            "needs the tensorboard package (training/tensorboard_log.py).")
+    group.add_argument("--tensorboard-log-interval", type=int, default=1,
+                       help="With --tensorboard-dir: write every this many iterations (each "
+                            "write reads the losses: one host-device wait).")
+    group.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                       help="With --tensorboard-dir: events buffered before they are written.")
+    group.add_argument("--no-log-learnig-rate-to-tensorboard",
+                       "--no-log-learning-rate-to-tensorboard", action="store_false",
+                       dest="log_learning_rate_to_tensorboard",
+                       help="With --tensorboard-dir: leave out learning-rate (the first spelling "
+                            "is Megatron-LM's).")
+    group.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
+                       dest="log_loss_scale_to_tensorboard",
+                       help="With --tensorboard-dir: leave out loss-scale.")
+    group.add_argument("--log-batch-size-to-tensorboard", action="store_true",
+                       help="With --tensorboard-dir: add batch-size.")
+    group.add_argument("--log-world-size-to-tensorboard", action="store_true",
+                       help="With --tensorboard-dir: add world-size.")
+    group.add_argument("--log-memory-to-tensorboard", action="store_true",
+                       help="With --tensorboard-dir on a CUDA GPU: add the caching allocator's "
+                            "mem-reserved-bytes, mem-allocated-bytes, mem-max-allocated-bytes and "
+                            "mem-allocated-count.")
+    group.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                       help="With --tensorboard-dir: add the validation loss's perplexity.")
     add_refused_flags(group, REFUSED_LOGGING_FLAGS, taking_a_value=LOGGING_FLAGS_TAKING_A_VALUE)
 
 
@@ -326,6 +355,33 @@ def validate_logging_args(args: argparse.Namespace) -> None:
     require(args.log_interval > 0, "--log-interval must be positive")
     require(args.eval_interval > 0, "--eval-interval must be positive")
     require(args.eval_iters >= 0, "--eval-iters must be >= 0")
+    _validate_tensorboard_args(args)
+
+
+def _validate_tensorboard_args(args: argparse.Namespace) -> None:
+    chosen = {"--tensorboard-log-interval": args.tensorboard_log_interval != 1,
+              "--tensorboard-queue-size": args.tensorboard_queue_size != 1000,
+              "--no-log-learnig-rate-to-tensorboard": not args.log_learning_rate_to_tensorboard,
+              "--no-log-loss-scale-to-tensorboard": not args.log_loss_scale_to_tensorboard,
+              "--log-batch-size-to-tensorboard": args.log_batch_size_to_tensorboard,
+              "--log-world-size-to-tensorboard": args.log_world_size_to_tensorboard,
+              "--log-memory-to-tensorboard": args.log_memory_to_tensorboard,
+              "--log-validation-ppl-to-tensorboard": args.log_validation_ppl_to_tensorboard}
+    if args.tensorboard_dir is None:
+        given = [flag for flag, set_ in chosen.items() if set_]
+        require(not given, f"{given[0] if given else ''} needs --tensorboard-dir DIR")
+        return
+    import importlib.util
+
+    require(importlib.util.find_spec("tensorboard") is not None,
+            "--tensorboard-dir needs the tensorboard package, which this Python lacks: pip "
+            "install tensorboard (into the venv), or drop the flag")
+    require_output_dir("--tensorboard-dir", args.tensorboard_dir)
+    require(args.tensorboard_log_interval > 0, "--tensorboard-log-interval must be positive")
+    require(args.tensorboard_queue_size > 0, "--tensorboard-queue-size must be positive")
+    require(not args.log_memory_to_tensorboard or cuda_available(),
+            "--log-memory-to-tensorboard reports the CUDA caching allocator, and there is no "
+            "CUDA GPU here; drop it")
 
 
 # ----------------------------------------------------------------------------------------------

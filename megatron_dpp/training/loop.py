@@ -58,6 +58,7 @@ from megatron_dpp.training.profiler_window import make_profiler
 from megatron_dpp.training.failures import exit_for_lost_peer, is_lost_peer_error, peer_heartbeat
 from megatron_dpp.training.lr_schedule import SampleSchedule
 from megatron_dpp.training.signals import AgreedStop, StopSignals
+from megatron_dpp.training.tensorboard_log import TensorBoardLog
 from megatron_dpp.training.step_tracing import LOSS_ALL_REDUCE, STOP_AGREEMENT, StepTracer
 from megatron_dpp.training.tracing import agree_run_directory
 
@@ -285,6 +286,8 @@ class Trainer:
         self.state = TrainState()
         self.consumed_valid_samples = 0
         self.watchdog = _stall_watchdog(args)
+        self.tensorboard = (TensorBoardLog(self.train.tensorboard, dist.get_world_size())
+                            if self.train.tensorboard is not None and is_logging_rank() else None)
         self.phase: str | None = None  # what the rank waits in, for reports
 
     def _run_schedule(self, data_iterators, forward_only: bool) -> list[dict]:
@@ -386,11 +389,17 @@ class Trainer:
             loss = loss_sum / max(tokens, 1.0)
             log(f" validation loss at iteration {self.state.iteration} | lm loss value: "
                 f"{loss:.10E} | lm loss PPL: {math.exp(min(20.0, loss)):.6E} |")
+            if self.tensorboard is not None:
+                self.tensorboard.validation(self.state.iteration, self.state.consumed_samples,
+                                            loss)
 
     def close(self) -> None:
         """Collective: every rank calls it after the same iteration (end or agreed stop)."""
         if self.profiler is not None:
             self.profiler.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
         close_forward_backward(self.forward_backward)
 
     def save(self) -> None:
@@ -453,6 +462,17 @@ def _stall_watchdog(args: argparse.Namespace) -> StallWatchdog | None:
         return None
     margin_s = max(2.0, 0.25 * args.dpp_timeout)
     return StallWatchdog(args.dpp_timeout + margin_s, DPPConfig.timeout_exit_code)
+
+
+def _write_tensorboard(trainer: Trainer, reduced, grad_norm) -> None:
+    """This iteration's scalars (the logging rank holds the losses)."""
+    trainer.tensorboard.training(
+        trainer.state.iteration, trainer.state.consumed_samples, reduced.read(),
+        learning_rate=trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]),
+        loss_scale=float(trainer.optimizer.get_loss_scale()),
+        grad_norm=(float(grad_norm) if grad_norm is not None and train_clip_enabled(trainer)
+                   else None),
+        batch_size=trainer.train.global_batch_size)
 
 
 def _format_iteration(trainer: Trainer, reduced, grad_norm, elapsed_ms: float,
@@ -606,6 +626,8 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
                 skipped += 0 if updated else 1
                 interval_ms += (time.perf_counter() - start) * 1000.0
                 iteration = trainer.state.iteration
+                if trainer.tensorboard is not None and trainer.tensorboard.wants(iteration):
+                    _write_tensorboard(trainer, reduced, grad_norm)
                 if iteration % train.log_interval == 0:
                     if reduced is not None and is_logging_rank():
                         log(_format_iteration(trainer, reduced.read(), grad_norm,

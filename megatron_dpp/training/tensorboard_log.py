@@ -1,0 +1,84 @@
+"""Megatron-LM's TensorBoard scalars (--tensorboard-dir): the same tags, written by the rank that
+prints the log line (the last pipeline stage's first tensor- and data-parallel rank; Megatron-LM
+writes from the last rank, which holds the same values).
+
+Every --tensorboard-log-interval iterations: each reported loss (`lm loss`, BERT's `sop loss`),
+`learning-rate`, `loss-scale`, `grad-norm` (with --clip-grad), `batch-size` (with
+--log-batch-size-to-tensorboard), `world-size` (with --log-world-size-to-tensorboard), and GPU
+memory (`mem-reserved-bytes`, `mem-allocated-bytes`, `mem-max-allocated-bytes`,
+`mem-allocated-count`, with --log-memory-to-tensorboard), each also as `<tag> vs samples` over the
+consumed samples. After each evaluation: `lm loss validation` (and `lm loss validation ppl` with
+--log-validation-ppl-to-tensorboard), with their `vs samples`. Reading the losses every interval
+makes the host wait for the device once per written iteration, as in Megatron-LM.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class TensorBoardConfig:
+    """--tensorboard-dir and the flags that choose what it gets."""
+
+    directory: str
+    log_interval: int  # --tensorboard-log-interval
+    queue_size: int  # --tensorboard-queue-size: events buffered before a write to disk
+    learning_rate: bool  # not --no-log-learnig-rate-to-tensorboard (Megatron-LM's spelling)
+    loss_scale: bool  # not --no-log-loss-scale-to-tensorboard
+    batch_size: bool  # --log-batch-size-to-tensorboard
+    world_size: bool  # --log-world-size-to-tensorboard
+    memory: bool  # --log-memory-to-tensorboard (CUDA only)
+    validation_ppl: bool  # --log-validation-ppl-to-tensorboard
+
+
+class TensorBoardLog:
+    def __init__(self, config: TensorBoardConfig, world_size: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.config = config
+        self.world_size = world_size
+        self.writer = SummaryWriter(log_dir=config.directory, max_queue=config.queue_size)
+
+    def _scalar(self, tag: str, value: float, iteration: int, samples: int) -> None:
+        self.writer.add_scalar(tag, value, iteration)
+        self.writer.add_scalar(f"{tag} vs samples", value, samples)
+
+    def wants(self, iteration: int) -> bool:
+        return iteration % self.config.log_interval == 0
+
+    def training(self, iteration: int, samples: int, losses: dict, learning_rate: float,
+                 loss_scale: float, grad_norm: Optional[float], batch_size: int) -> None:
+        """losses: {name: (mean, count)}, as ReducedLosses.read gives them."""
+        config = self.config
+        if config.learning_rate:
+            self._scalar("learning-rate", learning_rate, iteration, samples)
+        if config.batch_size:
+            self._scalar("batch-size", batch_size, iteration, samples)
+        for name, (value, _count) in losses.items():
+            self._scalar(name, value, iteration, samples)
+        if config.loss_scale:
+            self._scalar("loss-scale", loss_scale, iteration, samples)
+        if config.world_size:
+            self._scalar("world-size", self.world_size, iteration, samples)
+        if grad_norm is not None:
+            self._scalar("grad-norm", grad_norm, iteration, samples)
+        if config.memory:
+            import torch
+
+            stats = torch.cuda.memory_stats()
+            for tag, key in (("mem-reserved-bytes", "reserved_bytes.all.current"),
+                             ("mem-allocated-bytes", "allocated_bytes.all.current"),
+                             ("mem-max-allocated-bytes", "allocated_bytes.all.peak"),
+                             ("mem-allocated-count", "allocation.all.current")):
+                self.writer.add_scalar(tag, stats.get(key, 0), iteration)
+
+    def validation(self, iteration: int, samples: int, lm_loss: float) -> None:
+        self._scalar("lm loss validation", lm_loss, iteration, samples)
+        if self.config.validation_ppl:
+            self._scalar("lm loss validation ppl", math.exp(min(20.0, lm_loss)), iteration,
+                         samples)
+
+    def close(self) -> None:
+        self.writer.close()
