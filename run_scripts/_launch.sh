@@ -23,7 +23,8 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CALLER_DIR="$PWD"
 # The trainer's flags that name files or directories (megatron_dpp/arguments.py); --data-path also
 # takes a blend, W1 PREFIX1 W2 PREFIX2 ...
-LAUNCH_PATH_FLAGS=(--data-path --data-cache-path --vocab-file --merge-file --save --load --trace-dir)
+LAUNCH_PATH_FLAGS=(--data-path --data-cache-path --vocab-file --merge-file --save --load --trace-dir
+                   --tensorboard-dir --wandb-save-dir)
 
 # launch_abspath VAR PATH: VAR = PATH made absolute against CALLER_DIR (a leading ~ is the home
 # directory, as DATA_ARGS's words are not expanded by a shell); empty and absolute paths unchanged.
