@@ -1,5 +1,6 @@
 """--tensorboard-dir: Megatron-LM's TensorBoard scalars, from the rank that prints the log line, at
-pp=2 (the last stage holds the losses): the same values as the log line, each also `vs samples`."""
+pp=2 (the last stage holds the losses): the same values as the log line, each also `vs samples`;
+and --log-num-zeros-in-grad's count, in both."""
 import os
 import re
 
@@ -87,3 +88,26 @@ def test_tensorboard_flags_are_checked_before_launch(monkeypatch, capsys):
                         lambda name, *rest: None if name == "tensorboard" else real(name, *rest))
     assert "--tensorboard-dir needs the tensorboard package, which this Python lacks: pip " \
            "install tensorboard" in error("--tensorboard-dir", "/tmp/tb")
+
+
+NUM_ZEROS_RE = re.compile(r"\| num zeros: ([0-9.]+) \|")
+
+
+@pytest.mark.timeout(300)
+def test_num_zeros_in_grad_in_the_log_line_and_tensorboard(tmp_path):
+    """Megatron's count over the model-parallel group: the same at pp=1 and pp=2. Untied, the
+    word embedding's rows of the tokens a batch lacks get no gradient (tied, the output layer
+    gives every row one)."""
+    board = str(tmp_path / "tb")
+    flags = ["--train-iters", "2", "--log-num-zeros-in-grad", "--untie-embeddings-and-output-weights"]
+    rc, _losses, _norms, one = run_training([*flags, "--tensorboard-dir", board], nproc=1)
+    assert rc == 0, one[-3000:]
+    counts = [float(x) for x in NUM_ZEROS_RE.findall(one)]
+    # A batch of 8 x 64 tokens leaves most of the 4096 embedding rows (of 64) without a gradient.
+    assert len(counts) == 2 and all(count > 64 * 3000 for count in counts), counts
+    assert [value for _, value in _scalars(board)["num-zeros"]] == counts
+    rc, _losses, _norms, two = run_training([*flags, "--pipeline-model-parallel-size", "2"],
+                                            nproc=2)
+    assert rc == 0 and [float(x) for x in NUM_ZEROS_RE.findall(two)] == counts, two[-3000:]
+    rc, _losses, _norms, plain = run_training(["--train-iters", "2"], nproc=1)
+    assert rc == 0 and not NUM_ZEROS_RE.findall(plain)

@@ -50,6 +50,7 @@ class TrainingConfig:
     load: Optional[str]
     save_interval: Optional[int]
     tensorboard: Optional[TensorBoardConfig]  # --tensorboard-dir and what it gets
+    log_num_zeros_in_grad: bool  # the optimizer counts them (OptimizerConfig's field too)
     load_scope: LoadScope  # what --load restores beyond the model
     exit_interval: Optional[int]  # stop after a multiple of it (Megatron-LM's)
     exit_duration_in_mins: Optional[float]  # stop after the first iteration past it
@@ -84,6 +85,7 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
         load=args.load,
         save_interval=args.save_interval,
         tensorboard=_tensorboard_config(args),
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
         load_scope=LoadScope.from_args(args),
         exit_interval=args.exit_interval,
         exit_duration_in_mins=args.exit_duration_in_mins,
@@ -127,6 +129,7 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
         hysteresis=args.hysteresis,
         params_dtype=params_dtype_from_args(args),
         use_distributed_optimizer=args.use_distributed_optimizer,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
     )
 
 

@@ -321,6 +321,10 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                        help="Evaluate on the validation set every this many iterations.")
     group.add_argument("--eval-iters", type=int, default=100,
                        help="Batches per evaluation (0 disables evaluation).")
+    group.add_argument("--log-num-zeros-in-grad", action="store_true",
+                       help="Count the zero elements of the gradients at each step and log them "
+                            "(`num zeros`, Megatron-LM's; one more host-device wait per step on "
+                            "a GPU).")
     group.add_argument("--tensorboard-dir", type=str, default=None,
                        help="Write Megatron-LM's TensorBoard scalars here (losses, learning-rate, "
                             "loss-scale, grad-norm, validation loss, each also `vs samples`); "

@@ -286,6 +286,8 @@ class Trainer:
         self.state = TrainState()
         self.consumed_valid_samples = 0
         self.watchdog = _stall_watchdog(args)
+        # The last step's count of zero gradient elements (--log-num-zeros-in-grad, else None).
+        self.num_zeros_in_grad = None
         self.tensorboard = (TensorBoardLog(self.train.tensorboard, dist.get_world_size())
                             if self.train.tensorboard is not None and is_logging_rank() else None)
         self.phase: str | None = None  # what the rank waits in, for reports
@@ -317,7 +319,7 @@ class Trainer:
             torch.cuda.empty_cache()
         self.watch("the optimizer step (gradient-norm all-reduce over the model-parallel group)")
         with self.traced_step(OPTIMIZER_STEP):
-            updated, grad_norm, _zeros = self.optimizer.step()
+            updated, grad_norm, self.num_zeros_in_grad = self.optimizer.step()
         if updated:
             self.scheduler.step_after_update()
         if self.train.empty_unused_memory_level >= 2:
@@ -472,7 +474,9 @@ def _write_tensorboard(trainer: Trainer, reduced, grad_norm) -> None:
         loss_scale=float(trainer.optimizer.get_loss_scale()),
         grad_norm=(float(grad_norm) if grad_norm is not None and train_clip_enabled(trainer)
                    else None),
-        batch_size=trainer.train.global_batch_size)
+        batch_size=trainer.train.global_batch_size,
+        num_zeros=(float(trainer.num_zeros_in_grad) if trainer.train.log_num_zeros_in_grad
+                   else None))
 
 
 def _format_iteration(trainer: Trainer, reduced, grad_norm, elapsed_ms: float,
@@ -492,6 +496,8 @@ def _format_iteration(trainer: Trainer, reduced, grad_norm, elapsed_ms: float,
     ]
     if grad_norm is not None and train_clip_enabled(trainer):
         fields.append(f"grad norm: {float(grad_norm):.10E}")
+    if train.log_num_zeros_in_grad:
+        fields.append(f"num zeros: {float(trainer.num_zeros_in_grad):.1f}")
     fields.append(f"number of skipped iterations: {skipped:3d}")
     fields.append(f"tokens/s: {tokens / max(elapsed_ms / 1000.0, 1e-9):.1f}")
     return " | ".join(fields) + " |"
