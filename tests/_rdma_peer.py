@@ -127,6 +127,28 @@ def scenario_short_payload(ctx, rank, store):
     return result
 
 
+def scenario_short_payload_late_recv(ctx, rank, store):
+    """The same bad message, the receive posted only after it has arrived: the same error
+    (a stream broken by a bad message stays a protocol error, not a lost peer)."""
+    result = {}
+    if rank == 0:
+        header = _header_of(torch.zeros(4), tag=3, src=0)
+        ctx._send_raw(header + bytes(8), 1, 0).wait(30)
+        store.set("late-sent", "1")
+    else:
+        store.wait(["late-sent"])
+        time.sleep(0.5)  # the progress thread takes the message in
+        try:
+            ctx.irecv(0, 3).wait(timeout=30)
+        except rdma_tensor.ProtocolError as error:
+            result = {"error": str(error)}
+        except rdma_tensor.TransportError as error:
+            result = {"other": f"{type(error).__name__}: {error}"}
+    store.set(f"late-done/{rank}", "1")
+    store.wait([f"late-done/{1 - rank}"])
+    return result
+
+
 def scenario_peer_killed(ctx, rank, store):
     """Rank 1 exits hard while rank 0 waits for a message from it: PeerLostError, long before the
     receive's own timeout."""

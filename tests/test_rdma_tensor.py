@@ -81,6 +81,12 @@ def test_payload_shorter_than_its_shape_is_refused():
     assert "bytes" in result["error"] or "B" in result["error"], result
 
 
+def test_a_receive_posted_after_a_bad_message_gets_the_protocol_error():
+    (_, _, err0), (rc1, result, err1) = run_pair("short_payload_late_recv")
+    assert rc1 == 0, err1
+    assert "error" in result and "protocol error" in result["error"], result
+
+
 def test_killed_peer_fails_the_receive_quickly():
     (rc0, result, err0), (rc1, _, _) = run_pair("peer_killed")
     assert rc1 == 9

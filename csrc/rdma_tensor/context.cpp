@@ -220,8 +220,8 @@ std::shared_ptr<Handle> Context::queue_send(std::unique_ptr<RegisteredBuffer> bu
     Peer& target = *peer_by_rank_.at(peer);
     if (closed_) throw dpp_errors::TransportError(dpp_errors::describe("isend", peer, tag, "context closed"));
     if (target.failed) {
-      throw dpp_errors::PeerLost("rdma_tensor.isend(" + peer_description(peer) + ", tag=" +
-                                 std::to_string(tag) + "): " + target.failure);
+      throw_failure(target.failure_kind, "rdma_tensor.isend(" + peer_description(peer) + ", tag=" +
+                                             std::to_string(tag) + "): " + target.failure);
     }
   }
   run_on_worker([this, send] { post_send(send); });
@@ -243,7 +243,7 @@ std::shared_ptr<Handle> Context::irecv(int peer, int64_t tag) {
     return handle;
   }
   if (source.failed) {
-    fail_handle(*handle, FailureKind::kPeerLost, source.failure);
+    fail_handle(*handle, source.failure_kind, source.failure);
     return handle;
   }
   posted_recvs_[key].push_back(handle);
@@ -396,7 +396,8 @@ void Context::post_send(std::shared_ptr<InFlight> send) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (target.failed || target.endpoint == nullptr) {
-      fail_handle(*send->handle, FailureKind::kPeerLost, target.failed ? target.failure : "endpoint closed");
+      fail_handle(*send->handle, target.failed ? target.failure_kind : FailureKind::kPeerLost,
+                  target.failed ? target.failure : "endpoint closed");
       return;
     }
   }
@@ -485,7 +486,8 @@ void Context::complete(uint64_t id, ucs_status_t status) {
       Peer& target = *peer_by_rank_.at(done->peer);
       bool lost = target.failed || status == UCS_ERR_CONNECTION_RESET || status == UCS_ERR_ENDPOINT_TIMEOUT ||
                   status == UCS_ERR_UNREACHABLE || status == UCS_ERR_CANCELED;
-      fail_handle(*done->handle, lost ? FailureKind::kPeerLost : FailureKind::kTransport,
+      FailureKind kind = target.failed ? target.failure_kind : lost ? FailureKind::kPeerLost : FailureKind::kTransport;
+      fail_handle(*done->handle, kind,
                   target.failed ? target.failure : ucx_failure("ucp_tag_send_nbx", status, peer_description(done->peer)));
     }
     return;
@@ -540,6 +542,8 @@ void Context::deliver(InFlight& received) {
     }
     source->second->failed = true;
     source->second->failure = "protocol error: " + problem;
+    source->second->failure_kind = FailureKind::kProtocol;
+    notify_changed();
     return;
   }
   std::vector<int64_t> shape(header.shape, header.shape + header.ndim);

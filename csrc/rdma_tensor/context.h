@@ -120,6 +120,9 @@ class Context : public std::enable_shared_from_this<Context> {
     ucp_ep_h endpoint = nullptr;
     bool failed = false;
     std::string failure;
+    // What later operations with this peer raise: a lost peer, or a stream broken by a bad
+    // message (a receive posted after the bad message arrived must see the same error).
+    FailureKind failure_kind = FailureKind::kPeerLost;
     Context* context = nullptr;  // for the error handler
   };
   struct InFlight;  // a UCX request under way: a send's staged buffer, or a receive's buffer
