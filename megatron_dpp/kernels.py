@@ -225,10 +225,9 @@ def _compiled_fusion(feature: str, wanted: bool, off_flag: str) -> Choice:
 
 
 def _rope_fusion(args: argparse.Namespace) -> Choice:
-    from megatron_dpp.models.families import GPT_ARCHITECTURE, model_family
+    from megatron_dpp.models.families import DEFAULT_MODEL, model_family
 
-    model = getattr(args, "model", None)
-    architecture = (model_family(model).architecture if model else None) or GPT_ARCHITECTURE
+    architecture = model_family(getattr(args, "model", None) or DEFAULT_MODEL).architecture
     if architecture["position_embedding_type"] != "rope":
         return Choice("rope fusion", False, "unused: the model uses learned absolute position "
                       "embeddings (the fused rotary kernel is Transformer Engine's)")

@@ -11,7 +11,7 @@ launchers' validation. To add a model, add its ModelFamily here and its ModelSpe
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from megatron_dpp.data.tokenizer import GPT2_BPE, LLAMA2_SENTENCEPIECE, WORDPIECE_LOWER_CASE
@@ -33,6 +33,30 @@ def _no_flags(parser: argparse.ArgumentParser) -> None:
 
 def _no_shape_flags(shape: Any) -> list[str]:
     return []
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron-LM's architecture flags (models/flags.py adds them): each model has its architecture,
+# and a command line may state it (a Megatron-LM Llama script's --swiglu --normalization RMSNorm
+# ... with --model llama), never change it.
+# ----------------------------------------------------------------------------------------------
+ARCHITECTURE_FLAGS: dict[str, Callable[[Any], str]] = {
+    "normalization": lambda value: f"--normalization {value}",
+    "swiglu": lambda value: "--swiglu",
+    "position_embedding_type": lambda value: f"--position-embedding-type {value}",
+    "add_position_embedding": lambda value: "--no-position-embedding",
+    "add_bias_linear": lambda value: "--disable-bias-linear",
+    "group_query_attention": lambda value: "--group-query-attention",
+}
+"""The parsed attribute of each flag (None when not given) -> the flag as written, for errors."""
+
+GPT_ARCHITECTURE = {"normalization": "LayerNorm", "swiglu": False,
+                    "position_embedding_type": "learned_absolute", "add_position_embedding": True,
+                    "add_bias_linear": True, "group_query_attention": False}
+LLAMA_ARCHITECTURE = {"normalization": "RMSNorm", "swiglu": True,
+                      "position_embedding_type": "rope", "add_position_embedding": False,
+                      "add_bias_linear": False, "group_query_attention": True}
+
 
 
 @dataclass(frozen=True)
@@ -93,7 +117,7 @@ class ModelFamily:
     """Its MLP's activation as Megatron-LM's fusion flags name it: "gelu" (--no-bias-gelu-fusion
     applies) or "swiglu" (--no-bias-swiglu-fusion applies)."""
 
-    architecture: dict = None  # type: ignore[assignment]  # GPT_ARCHITECTURE when None
+    architecture: dict = field(default_factory=lambda: GPT_ARCHITECTURE)
     """Its values of Megatron-LM's architecture flags (ARCHITECTURE_FLAGS: the parsed attribute ->
     its value here). A command line may state them; one stating another value is refused."""
 
@@ -114,39 +138,16 @@ class ModelFamily:
         self.validate_args(args)
 
     def _check_architecture(self, args: argparse.Namespace) -> None:
-        ours = self.architecture or GPT_ARCHITECTURE
+        ours = self.architecture
         for name, flag in ARCHITECTURE_FLAGS.items():
             given = getattr(args, name, None)
             if given is None or given == ours[name]:
                 continue
             having = [family.name for family in MODEL_FAMILIES.values()
-                      if (family.architecture or GPT_ARCHITECTURE)[name] == given]
+                      if family.architecture[name] == given]
             _require(False, f"{flag(given)} is not {self.name}'s architecture here ("
                      + (f"--model {' or '.join(having)} has it" if having else "no model here has it")
                      + f"); remove it")
-
-
-# ----------------------------------------------------------------------------------------------
-# Megatron-LM's architecture flags (models/flags.py adds them): each model has its architecture,
-# and a command line may state it (a Megatron-LM Llama script's --swiglu --normalization RMSNorm
-# ... with --model llama), never change it.
-# ----------------------------------------------------------------------------------------------
-ARCHITECTURE_FLAGS: dict[str, Callable[[Any], str]] = {
-    "normalization": lambda value: f"--normalization {value}",
-    "swiglu": lambda value: "--swiglu",
-    "position_embedding_type": lambda value: f"--position-embedding-type {value}",
-    "add_position_embedding": lambda value: "--no-position-embedding",
-    "add_bias_linear": lambda value: "--disable-bias-linear",
-    "group_query_attention": lambda value: "--group-query-attention",
-}
-"""The parsed attribute of each flag (None when not given) -> the flag as written, for errors."""
-
-GPT_ARCHITECTURE = {"normalization": "LayerNorm", "swiglu": False,
-                    "position_embedding_type": "learned_absolute", "add_position_embedding": True,
-                    "add_bias_linear": True, "group_query_attention": False}
-LLAMA_ARCHITECTURE = {"normalization": "RMSNorm", "swiglu": True,
-                      "position_embedding_type": "rope", "add_position_embedding": False,
-                      "add_bias_linear": False, "group_query_attention": True}
 
 
 # ----------------------------------------------------------------------------------------------

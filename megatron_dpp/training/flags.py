@@ -52,6 +52,8 @@ REFUSED_CHECKPOINT_FLAGS: dict[str, str] = {
     "--use-checkpoint-args": "is not built here: give the model's flags on the command line "
                              "(--load checks the checkpoint's tensors against them)",
 }
+# --tensorboard-dir's defaults, as Megatron-LM's.
+TENSORBOARD_LOG_INTERVAL, TENSORBOARD_QUEUE_SIZE = 1, 1000
 LOGGING_FLAGS_TAKING_A_VALUE = ("--timing-log-level", "--timing-log-option", "--wandb-project",
                                 "--wandb-exp-name", "--wandb-save-dir")
 
@@ -114,15 +116,18 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                        help="A constant loss scale for --fp16 or --bf16 (Megatron-LM's; a power "
                             "of 2 keeps it exact); without it --fp16 scales dynamically.")
     group.add_argument("--initial-loss-scale", type=float, default=None,
-                       help="--fp16's dynamic loss scale at the start (default 2**32).")
+                       help=f"--fp16's dynamic loss scale at the start (default "
+                            f"{DYNAMIC_LOSS_SCALE_DEFAULTS['initial_loss_scale']:.0f}, 2**32).")
     group.add_argument("--min-loss-scale", type=float, default=None,
-                       help="--fp16's dynamic loss scale never falls below this (default 1).")
+                       help=f"--fp16's dynamic loss scale never falls below this (default "
+                            f"{DYNAMIC_LOSS_SCALE_DEFAULTS['min_loss_scale']:g}).")
     group.add_argument("--loss-scale-window", type=float, default=None,
-                       help="--fp16: double the dynamic loss scale after this many updates "
-                            "without an overflow (default 1000).")
+                       help=f"--fp16: double the dynamic loss scale after this many updates "
+                            f"without an overflow (default "
+                            f"{DYNAMIC_LOSS_SCALE_DEFAULTS['loss_scale_window']:g}).")
     group.add_argument("--hysteresis", type=int, default=None,
-                       help="--fp16: halve the dynamic loss scale after this many overflows "
-                            "(default 2).")
+                       help=f"--fp16: halve the dynamic loss scale after this many overflows "
+                            f"(default {DYNAMIC_LOSS_SCALE_DEFAULTS['hysteresis']}).")
     group.add_argument("--exit-interval", type=int, default=None,
                        help="Stop after an iteration that is a multiple of this, with a "
                             "checkpoint first when --save is given, and exit 0 (Megatron-LM's).")
@@ -239,10 +244,12 @@ def _validate_schedule_lengths(args: argparse.Namespace) -> None:
                         ("--lr-warmup-samples", args.lr_warmup_samples)):
         require(value >= 0, f"{flag} must be >= 0")
     if args.train_samples is not None:
-        require(args.lr_decay_iters is None and args.lr_warmup_iters == 0,
-                f"{'--lr-decay-iters' if args.lr_decay_iters is not None else '--lr-warmup-iters'}"
-                f" counts iterations and --train-samples samples; use "
-                f"{'--lr-decay-samples' if args.lr_decay_iters is not None else '--lr-warmup-samples'}")
+        # (the flag given, the one of this kind to use instead)
+        wrong = (("--lr-decay-iters", "--lr-decay-samples") if args.lr_decay_iters is not None
+                 else ("--lr-warmup-iters", "--lr-warmup-samples") if args.lr_warmup_iters
+                 else None)
+        require(wrong is None, wrong and f"{wrong[0]} counts iterations and --train-samples "
+                                         f"samples; use {wrong[1]}")
         require(args.train_samples >= batch,
                 f"--train-samples {args.train_samples} is less than one global batch "
                 f"({batch}); train at least {batch} samples")
@@ -252,10 +259,11 @@ def _validate_schedule_lengths(args: argparse.Namespace) -> None:
         args.wd_incr_steps = args.train_samples
         decay_flag, warmup_flag = "--lr-decay-samples", "--lr-warmup-samples"
     else:
-        require(args.lr_decay_samples is None and args.lr_warmup_samples == 0,
-                f"{'--lr-decay-samples' if args.lr_decay_samples is not None else '--lr-warmup-samples'}"
-                f" counts samples and --train-iters iterations; use --train-samples, or "
-                f"{'--lr-decay-iters' if args.lr_decay_samples is not None else '--lr-warmup-iters'}")
+        wrong = (("--lr-decay-samples", "--lr-decay-iters") if args.lr_decay_samples is not None
+                 else ("--lr-warmup-samples", "--lr-warmup-iters") if args.lr_warmup_samples
+                 else None)
+        require(wrong is None, wrong and f"{wrong[0]} counts samples and --train-iters "
+                                         f"iterations; use --train-samples, or {wrong[1]}")
         if args.lr_decay_iters is None:
             args.lr_decay_iters = args.train_iters
         decay = args.lr_decay_iters * batch
@@ -329,10 +337,10 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                        help="Write Megatron-LM's TensorBoard scalars here (losses, learning-rate, "
                             "loss-scale, grad-norm, validation loss, each also `vs samples`); "
                             "needs the tensorboard package (training/tensorboard_log.py).")
-    group.add_argument("--tensorboard-log-interval", type=int, default=1,
+    group.add_argument("--tensorboard-log-interval", type=int, default=TENSORBOARD_LOG_INTERVAL,
                        help="With --tensorboard-dir: write every this many iterations (each "
                             "write reads the losses: one host-device wait).")
-    group.add_argument("--tensorboard-queue-size", type=int, default=1000,
+    group.add_argument("--tensorboard-queue-size", type=int, default=TENSORBOARD_QUEUE_SIZE,
                        help="With --tensorboard-dir: events buffered before they are written.")
     group.add_argument("--no-log-learnig-rate-to-tensorboard",
                        "--no-log-learning-rate-to-tensorboard", action="store_false",
@@ -363,8 +371,9 @@ def validate_logging_args(args: argparse.Namespace) -> None:
 
 
 def _validate_tensorboard_args(args: argparse.Namespace) -> None:
-    chosen = {"--tensorboard-log-interval": args.tensorboard_log_interval != 1,
-              "--tensorboard-queue-size": args.tensorboard_queue_size != 1000,
+    chosen = {"--tensorboard-log-interval":
+                  args.tensorboard_log_interval != TENSORBOARD_LOG_INTERVAL,
+              "--tensorboard-queue-size": args.tensorboard_queue_size != TENSORBOARD_QUEUE_SIZE,
               "--no-log-learnig-rate-to-tensorboard": not args.log_learning_rate_to_tensorboard,
               "--no-log-loss-scale-to-tensorboard": not args.log_loss_scale_to_tensorboard,
               "--log-batch-size-to-tensorboard": args.log_batch_size_to_tensorboard,
