@@ -84,6 +84,15 @@ launch_sample_data_flags() {
   fi
 }
 
+# launch_extra_has FLAG: whether the user's arguments give FLAG (`--flag` or `--flag=VALUE`).
+launch_extra_has() {
+  local arg
+  for arg in "${EXTRA_ARGS[@]}"; do
+    case "$arg" in "$1"|"$1"=*) return 0 ;; esac
+  done
+  return 1
+}
+
 # launch_resolve_paths: every path of ALL_FLAGS (the LAUNCH_PATH_FLAGS, as `--flag VALUE` or
 # `--flag=VALUE`) made absolute against the caller's directory; in a blend `--data-path W1 P1 W2 P2`
 # the prefixes only (as megatron_dpp.data.datasets.parse_data_path reads it: one value is a prefix,
@@ -319,6 +328,14 @@ launch_prepare() {
   local data_flags
   if [ -n "${DATA_ARGS:-}" ]; then
     read -r -a data_flags <<<"$DATA_ARGS"
+  elif launch_extra_has --mock-data; then
+    # Generated documents: no --data-path; the sample data's tokenizer unless one is given.
+    data_flags=()
+    if ! launch_extra_has --tokenizer-type; then
+      launch_abspath DATA_DIR "${DATA_DIR:-$REPO_ROOT/data/sample}"
+      launch_sample_data_flags "$DATA_DIR"
+      data_flags=("${DATA_FLAGS[@]:2}")  # without `--data-path PREFIX`
+    fi
   else
     launch_abspath DATA_DIR "${DATA_DIR:-$REPO_ROOT/data/sample}"
     launch_sample_data_flags "$DATA_DIR"

@@ -6,6 +6,8 @@ Two modes:
 - variable length (--variable-seq-lengths): one sample is one document (one sequence of the
   indexed dataset, as preprocess_data writes them), truncated to --seq-length tokens, so
   microbatches have different lengths.
+Either reads the indexed dataset of --data-path, or with --mock-data Megatron-Core's generated
+documents (MockGPTLowLevelDataset).
 
 Both guard against GPTDataset's endless loop on a split with no tokens: asking samples of such a
 split is a DataInputError with a one-line message, raised on every rank before any rank builds.
@@ -133,6 +135,16 @@ def _guarded_gpt_dataset_class():
     return GuardedGPTDataset
 
 
+def _mock_dataset_class(dataset_class):
+    """dataset_class over Megatron-Core's generated documents instead of an indexed dataset."""
+    from megatron.core.datasets.gpt_dataset import MockGPTDataset
+
+    return type(f"Mock{dataset_class.__name__}", (dataset_class,), {
+        "build_low_level_dataset": staticmethod(MockGPTDataset.build_low_level_dataset),
+        "numel_low_level_dataset": staticmethod(MockGPTDataset.numel_low_level_dataset),
+    })
+
+
 def _document_dataset_class():
     import torch
     from megatron.core.datasets.gpt_dataset import GPTDataset
@@ -194,12 +206,12 @@ def gpt_dataset_config(args, tokenizer):
     """GPTDatasetConfig from the parsed flags."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
-    prefixes, weights = parse_data_path(args.data_path)
+    mock = bool(getattr(args, "mock_data", False))
     reset_attention_mask = bool(getattr(args, "reset_attention_mask", False))
     return GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=(prefixes, weights),
+        blend=None if mock else parse_data_path(args.data_path),  # None: generated documents
         split=args.split,
         path_to_cache=getattr(args, "data_cache_path", None),
         tokenizer=tokenizer,
@@ -224,11 +236,14 @@ def build_train_valid_test_datasets(args, tokenizer,
     num_samples = (list(train_val_test_num_samples) if train_val_test_num_samples is not None
                    else samples_per_split(args))
     variable = bool(getattr(args, "variable_seq_lengths", False))
-    prefixes, weights = parse_data_path(args.data_path)
+    mock = bool(getattr(args, "mock_data", False))
+    prefixes, weights = parse_data_path(args.data_path) if not mock else ([], None)
     check_splits_have_data(prefixes, weights, parse_split(args.split), num_samples, variable)
 
     config = gpt_dataset_config(args, tokenizer)
     dataset_class = _document_dataset_class() if variable else _guarded_gpt_dataset_class()
+    if mock:
+        dataset_class = _mock_dataset_class(dataset_class)
     builder = BlendedMegatronDatasetBuilder(dataset_class, num_samples, lambda: True, config)
     with index_cache_lock(prefixes, config.path_to_cache,
                           getattr(args, "distributed_timeout_minutes", None)):

@@ -11,7 +11,7 @@ import argparse
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_dpp.data.tokenizer import (DEFAULT_TOKENIZER_TYPE, SUPPORTED_TOKENIZER_TYPES,
-                                         check_tokenizer_files)
+                                         check_tokenizer_files, check_vocab_size)
 from megatron_dpp.flag_errors import ArgsError, require, require_output_dir
 
 
@@ -29,6 +29,12 @@ def add_data_args(parser: argparse.ArgumentParser,
                        help="Indexed dataset prefix (PREFIX for PREFIX.bin/.idx), or a blend "
                             "`W1 PREFIX1 W2 PREFIX2 ...`. `python -m megatron_dpp.data.prepare_sample "
                             "--output-dir data` makes data/sample_text_document.")
+    group.add_argument("--mock-data", action="store_true",
+                       help="Train on Megatron-Core's generated documents (MockGPTDataset: "
+                            "token ids 1, 2, 3, ... of random lengths up to 4095, each ended by "
+                            "the end-of-document token) instead of --data-path; GPT and Llama. "
+                            "The tokenizer still gives the vocabulary: e.g. `--tokenizer-type "
+                            "NullTokenizer --vocab-size 128256`.")
     group.add_argument("--split", type=str, default="969, 30, 1",
                        help="Train, validation and test weights of the documents, e.g. 969,30,1.")
     group.add_argument("--data-cache-path", type=str, default=None,
@@ -47,6 +53,9 @@ def add_data_args(parser: argparse.ArgumentParser,
     group.add_argument("--tokenizer-model", type=str, default=None,
                        help="The SentencePiece model file, e.g. Llama 2's tokenizer.model "
                             "(Llama2Tokenizer only; needs the sentencepiece package).")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="NullTokenizer's vocabulary: token ids 0..N-1, and N the "
+                            "end-of-document token (NullTokenizer only).")
     group.add_argument("--variable-seq-lengths", action="store_true",
                        help="Micro-batches of different lengths. GPT: one document per sample, "
                             "truncated to --seq-length, padded to the longest within a "
@@ -73,19 +82,26 @@ def validate_data_args(args: argparse.Namespace,
                                             samples_per_split)
     from megatron_dpp.data.errors import DataInputError
 
-    require(args.data_path, "--data-path is required; make the sample data with `python -m "
-                            "megatron_dpp.data.prepare_sample --output-dir data` and pass "
-                            "--data-path data/sample_text_document")
+    if args.mock_data:  # Megatron-LM's rule: one data source
+        require(not args.data_path, "--mock-data generates the documents, --data-path reads "
+                                    "them: give one of the two")
+    else:
+        require(args.data_path, "--data-path is required (or --mock-data for generated "
+                                "documents); make the sample data with `python -m "
+                                "megatron_dpp.data.prepare_sample --output-dir data` and pass "
+                                "--data-path data/sample_text_document")
     try:
-        prefixes, weights = parse_data_path(args.data_path)
+        prefixes, weights = parse_data_path(args.data_path) if args.data_path else ([], None)
         for prefix in prefixes:
             missing = dataset_files_missing(prefix)
             require(not missing, f"--data-path {prefix}: {' and '.join(missing)} not found; make "
                                  f"it with tools/preprocess_data.py or `python -m "
                                  f"megatron_dpp.data.prepare_sample --output-dir DIR`")
-        check_tokenizer_files(args.tokenizer_type or DEFAULT_TOKENIZER_TYPE,
+        tokenizer_type = args.tokenizer_type or DEFAULT_TOKENIZER_TYPE
+        check_tokenizer_files(tokenizer_type,
                               {"vocab_file": args.vocab_file, "merge_file": args.merge_file,
                                "tokenizer_model": args.tokenizer_model})
+        check_vocab_size(tokenizer_type, args.vocab_size)
         split = parse_split(args.split)
         if args.data_cache_path is not None:  # Megatron's index cache is written there
             require_output_dir("--data-cache-path", args.data_cache_path)
@@ -94,7 +110,8 @@ def validate_data_args(args: argparse.Namespace,
             require(not (args.reset_position_ids or args.reset_attention_mask),
                     "--variable-seq-lengths puts one document per sample, so --reset-position-ids "
                     "and --reset-attention-mask do not apply; remove them")
-        if check_model_data is not None:
+        # Generated documents have tokens in every split (MockGPTDataset's 100000 of them).
+        if check_model_data is not None and not args.mock_data:
             check_model_data(args, prefixes, weights, split, samples_per_split(args))
     except DataInputError as error:
         raise ArgsError(str(error)) from None

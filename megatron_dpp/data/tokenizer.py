@@ -4,7 +4,9 @@
 - BertWordPieceLowerCase / BertWordPieceCase: BERT's WordPiece over a local vocab.txt, with
   BERT's normalization (lower case and accents stripped, or case kept) and pre-tokenization
   (`tokenizers`);
-- Llama2Tokenizer: Llama 2's SentencePiece model, a local tokenizer.model (`sentencepiece`).
+- Llama2Tokenizer: Llama 2's SentencePiece model, a local tokenizer.model (`sentencepiece`);
+- NullTokenizer (training only): no file, ids 0..N-1 with --vocab-size N and N as the
+  end-of-document token, as Megatron-LM's; for --mock-data and data tokenized elsewhere.
 
 These classes provide the interface Megatron-Core's datasets use (GPTDataset: vocab_size, eod,
 tokenize, detokenize, unique_identifiers; BERTMaskedWordPieceDataset: also vocab, inv_vocab, cls,
@@ -24,6 +26,8 @@ GPT2_BPE = "GPT2BPETokenizer"
 WORDPIECE_LOWER_CASE = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}
 LLAMA2_SENTENCEPIECE = "Llama2Tokenizer"
 SUPPORTED_TOKENIZER_TYPES = (GPT2_BPE, *WORDPIECE_LOWER_CASE, LLAMA2_SENTENCEPIECE)
+# Reads no file and tokenizes nothing (no preprocessing): for training only.
+NULL_TOKENIZER = "NullTokenizer"
 DEFAULT_TOKENIZER_TYPE = GPT2_BPE
 # The files each tokenizer type reads: (flag, attribute of the parsed flags). A tokenizer-file flag
 # that the type does not read is refused (it would do nothing).
@@ -31,6 +35,7 @@ TOKENIZER_FILE_FLAGS = {
     GPT2_BPE: (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file")),
     **{name: (("--vocab-file", "vocab_file"),) for name in WORDPIECE_LOWER_CASE},
     LLAMA2_SENTENCEPIECE: (("--tokenizer-model", "tokenizer_model"),),
+    NULL_TOKENIZER: (),
 }
 _ALL_FILE_FLAGS = tuple(dict.fromkeys(flag for flags in TOKENIZER_FILE_FLAGS.values()
                                       for flag in flags))
@@ -109,8 +114,10 @@ def check_tokenizer_files(tokenizer_type: str, files: Dict[str, Optional[str]]) 
         path = files.get(attribute)
         if (flag, attribute) not in reads:
             if path is not None:
+                reading = (f"it reads {' and '.join(f for f, _ in reads)}" if reads
+                           else "it reads no file")
                 raise DataInputError(f"{flag} is not read by --tokenizer-type {tokenizer_type} "
-                                     f"(it reads {' and '.join(f for f, _ in reads)}): remove it")
+                                     f"({reading}): remove it")
         elif path is None:
             raise DataInputError(f"{flag} is required by {tokenizer_type}; {_where_to_get(flag)}")
         elif not os.path.isfile(path):
@@ -124,12 +131,27 @@ def _where_to_get(flag: str) -> str:
             "BERT's, or pass the right path")
 
 
+def check_vocab_size(tokenizer_type: str, vocab_size: Optional[int]) -> None:
+    """--vocab-size: NullTokenizer's vocabulary, which it needs; no other tokenizer reads it."""
+    if tokenizer_type == NULL_TOKENIZER:
+        if vocab_size is None or vocab_size <= 0:
+            raise DataInputError(f"--tokenizer-type {NULL_TOKENIZER} needs --vocab-size N > 0 "
+                                 f"(token ids 0..N-1; N is the end-of-document token)")
+    elif vocab_size is not None:
+        raise DataInputError(f"--vocab-size is read by --tokenizer-type {NULL_TOKENIZER} only "
+                             f"({tokenizer_type} takes its vocabulary from its files): remove it")
+
+
 def tokenizer_from_files(tokenizer_type: str, vocab_file: Optional[str] = None,
-                         merge_file: Optional[str] = None, tokenizer_model: Optional[str] = None):
+                         merge_file: Optional[str] = None, tokenizer_model: Optional[str] = None,
+                         vocab_size: Optional[int] = None):
     """The tokenizer of `tokenizer_type` over its files (TOKENIZER_FILE_FLAGS says which it reads;
-    the others must be None)."""
+    the others must be None); vocab_size: NullTokenizer's, and only its."""
     check_tokenizer_files(tokenizer_type, {"vocab_file": vocab_file, "merge_file": merge_file,
                                            "tokenizer_model": tokenizer_model})
+    check_vocab_size(tokenizer_type, vocab_size)
+    if tokenizer_type == NULL_TOKENIZER:
+        return NullTokenizer(vocab_size)
     if tokenizer_type == GPT2_BPE:
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type in WORDPIECE_LOWER_CASE:
@@ -141,19 +163,50 @@ def build_tokenizer(args):
     """Build the tokenizer named by --tokenizer-type; sets args.padded_vocab_size like Megatron-LM.
 
     Reads args.tokenizer_type (None or absent: GPT2BPETokenizer), its files (args.vocab_file,
-    args.merge_file, args.tokenizer_model: TOKENIZER_FILE_FLAGS), args.make_vocab_size_divisible_by
-    (default 128) and args.tensor_model_parallel_size (default 1).
+    args.merge_file, args.tokenizer_model: TOKENIZER_FILE_FLAGS; NullTokenizer's args.vocab_size),
+    args.make_vocab_size_divisible_by (default 128) and args.tensor_model_parallel_size
+    (default 1).
     """
     tokenizer_type = getattr(args, "tokenizer_type", None) or DEFAULT_TOKENIZER_TYPE
     tokenizer = tokenizer_from_files(tokenizer_type, getattr(args, "vocab_file", None),
                                      getattr(args, "merge_file", None),
-                                     getattr(args, "tokenizer_model", None))
+                                     getattr(args, "tokenizer_model", None),
+                                     getattr(args, "vocab_size", None))
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size,
         getattr(args, "make_vocab_size_divisible_by", 128),
         getattr(args, "tensor_model_parallel_size", 1),
     )
     return tokenizer
+
+
+class NullTokenizer:
+    """Megatron-LM's NullTokenizer: a text is its space-separated token ids; ids 0..N-1 with
+    --vocab-size N, and N the end-of-document token, so the vocabulary is N + 1."""
+
+    def __init__(self, vocab_size: int):
+        self._eod = int(vocab_size)
+        # GPTDataset hashes these into its index-cache file names.
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("vocab_size", self._eod)])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._eod + 1
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def eos(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> List[int]:
+        return [int(word) for word in text.split()]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
 
 
 class Llama2Tokenizer:

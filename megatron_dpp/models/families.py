@@ -14,12 +14,14 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from megatron_dpp.data.tokenizer import GPT2_BPE, LLAMA2_SENTENCEPIECE, WORDPIECE_LOWER_CASE
+from megatron_dpp.data.tokenizer import (GPT2_BPE, LLAMA2_SENTENCEPIECE, NULL_TOKENIZER,
+                                         WORDPIECE_LOWER_CASE)
 from megatron_dpp.one_line_errors import InputError
 
 WORDPIECE_TOKENIZERS = tuple(WORDPIECE_LOWER_CASE)  # lower case first: BERT's default
-# The causal LMs' tokenizers: GPT-2's BPE first (the sample data's), Llama 2's SentencePiece.
-DECODER_TOKENIZERS = (GPT2_BPE, LLAMA2_SENTENCEPIECE)
+# The causal LMs' tokenizers: GPT-2's BPE first (the sample data's), Llama 2's SentencePiece,
+# Megatron-LM's NullTokenizer (ids without a vocabulary file: --mock-data's usual companion).
+DECODER_TOKENIZERS = (GPT2_BPE, LLAMA2_SENTENCEPIECE, NULL_TOKENIZER)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -195,6 +197,10 @@ def _add_bert_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _validate_bert_args(args: argparse.Namespace) -> None:
+    _require(not getattr(args, "mock_data", False),
+             "--mock-data is for GPT and Llama (Megatron-Core has no generated BERT documents); "
+             "make BERT's sample data with `python -m megatron_dpp.data.prepare_sample "
+             "--output-dir data`")
     for flag in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
         _require(not getattr(args, flag), f"--{flag.replace('_', '-')} is a GPT data flag; BERT's "
                                           f"samples are packed sentences: remove it")

@@ -51,6 +51,8 @@ class TrainingConfig:
     save_interval: Optional[int]
     tensorboard: Optional[TensorBoardConfig]  # --tensorboard-dir and what it gets
     log_num_zeros_in_grad: bool  # the optimizer counts them (OptimizerConfig's field too)
+    log_params_norm: bool  # the parameters' L2 norm at logged iterations (training/params_norm.py)
+    log_throughput: bool  # TFLOP/s per rank in the log line (training/throughput.py)
     load_scope: LoadScope  # what --load restores beyond the model
     exit_interval: Optional[int]  # stop after a multiple of it (Megatron-LM's)
     exit_duration_in_mins: Optional[float]  # stop after the first iteration past it
@@ -86,6 +88,8 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
         save_interval=args.save_interval,
         tensorboard=_tensorboard_config(args),
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        log_params_norm=args.log_params_norm,
+        log_throughput=args.log_throughput,
         load_scope=LoadScope.from_args(args),
         exit_interval=args.exit_interval,
         exit_duration_in_mins=args.exit_duration_in_mins,

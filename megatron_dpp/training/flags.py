@@ -36,8 +36,6 @@ REFUSED_LOGGING_FLAGS: dict[str, str] = {
     "--timing-log-option": f"sets Megatron-LM's timers, which are not kept here; {_TRACE_INSTEAD}",
     "--log-timers-to-tensorboard": f"writes Megatron-LM's timers, which are not kept here; "
                                    f"{_TRACE_INSTEAD}",
-    "--log-params-norm": "asks for the parameters' norm, which is not computed here (the log "
-                         "line has the gradients' norm)",
     "--wandb-project": f"is for {_NO_WANDB}",
     "--wandb-exp-name": f"is for {_NO_WANDB}",
     "--wandb-save-dir": f"is for {_NO_WANDB}",
@@ -333,6 +331,16 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                        help="Count the zero elements of the gradients at each step and log them "
                             "(`num zeros`, Megatron-LM's; one more host-device wait per step on "
                             "a GPU).")
+    group.add_argument("--log-params-norm", action="store_true",
+                       help="Log the L2 norm of all parameters (`params norm`, Megatron-LM's; with "
+                            "--tensorboard-dir also `params-norm`): an all-reduce over the "
+                            "model-parallel ranks and one host-device wait at each iteration "
+                            "that logs it (training/params_norm.py).")
+    group.add_argument("--log-throughput", action="store_true",
+                       help="Log the model's TFLOP/s per rank (`throughput per GPU "
+                            "(TFLOP/s/GPU)`), counted as Megatron-LM counts them "
+                            "(training/throughput.py: the GEMMs at the full --seq-length, "
+                            "attention halved as causal).")
     group.add_argument("--tensorboard-dir", type=str, default=None,
                        help="Write Megatron-LM's TensorBoard scalars here (losses, learning-rate, "
                             "loss-scale, grad-norm, validation loss, each also `vs samples`); "

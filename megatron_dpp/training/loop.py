@@ -57,8 +57,10 @@ from megatron_dpp.training.pipeline import build_forward_backward, close_forward
 from megatron_dpp.training.profiler_window import make_profiler
 from megatron_dpp.training.failures import exit_for_lost_peer, is_lost_peer_error, peer_heartbeat
 from megatron_dpp.training.lr_schedule import SampleSchedule
+from megatron_dpp.training.params_norm import params_l2_norm
 from megatron_dpp.training.signals import AgreedStop, StopSignals
 from megatron_dpp.training.tensorboard_log import TensorBoardLog
+from megatron_dpp.training.throughput import ModelShape, floating_point_operations, tflops_per_gpu
 from megatron_dpp.training.step_tracing import LOSS_ALL_REDUCE, STOP_AGREEMENT, StepTracer
 from megatron_dpp.training.tracing import agree_run_directory
 
@@ -290,6 +292,12 @@ class Trainer:
         self.num_zeros_in_grad = None
         self.tensorboard = (TensorBoardLog(self.train.tensorboard, dist.get_world_size())
                             if self.train.tensorboard is not None and is_logging_rank() else None)
+        # --log-throughput: the operations of one iteration, as Megatron-LM counts them.
+        self.operations_per_iteration = (
+            floating_point_operations(ModelShape.of(self.config, args.seq_length,
+                                                    args.padded_vocab_size),
+                                      self.train.global_batch_size)
+            if self.train.log_throughput else None)
         self.phase: str | None = None  # what the rank waits in, for reports
 
     def _run_schedule(self, data_iterators, forward_only: bool) -> list[dict]:
@@ -360,6 +368,16 @@ class Trainer:
         self.phase = None
         if self.watchdog is not None:
             self.watchdog.disarm()
+
+    def params_norm(self) -> float:
+        """Collective (model-parallel group): --log-params-norm's value after this step."""
+        self.watch("the parameters' norm (all-reduce over the model-parallel group)")
+        with params_gathered(self.model):
+            norm = params_l2_norm(self.model, bf16=self.args.bf16,
+                                  sharded_main_params=self.args.use_distributed_optimizer,
+                                  device=self.platform.device)
+        self.unwatch()
+        return norm
 
     def evaluate(self, valid_iterators) -> None:
         with params_gathered(self.model):
@@ -466,7 +484,7 @@ def _stall_watchdog(args: argparse.Namespace) -> StallWatchdog | None:
     return StallWatchdog(args.dpp_timeout + margin_s, DPPConfig.timeout_exit_code)
 
 
-def _write_tensorboard(trainer: Trainer, reduced, grad_norm) -> None:
+def _write_tensorboard(trainer: Trainer, reduced, grad_norm, params_norm) -> None:
     """This iteration's scalars (the logging rank holds the losses)."""
     trainer.tensorboard.training(
         trainer.state.iteration, trainer.state.consumed_samples, reduced.read(),
@@ -476,10 +494,11 @@ def _write_tensorboard(trainer: Trainer, reduced, grad_norm) -> None:
                    else None),
         batch_size=trainer.train.global_batch_size,
         num_zeros=(float(trainer.num_zeros_in_grad) if trainer.train.log_num_zeros_in_grad
-                   else None))
+                   else None),
+        params_norm=params_norm)
 
 
-def _format_iteration(trainer: Trainer, reduced, grad_norm, elapsed_ms: float,
+def _format_iteration(trainer: Trainer, reduced, grad_norm, params_norm, elapsed_ms: float,
                       skipped: int) -> str:
     train = trainer.train
     loss, tokens = reduced[LM_LOSS]
@@ -487,6 +506,14 @@ def _format_iteration(trainer: Trainer, reduced, grad_norm, elapsed_ms: float,
         f" iteration {trainer.state.iteration:8d}/{train.train_iters:8d}",
         f"consumed samples: {trainer.state.consumed_samples:12d}",
         f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
+    ]
+    if trainer.operations_per_iteration is not None:
+        tflops = tflops_per_gpu(trainer.operations_per_iteration, elapsed_ms / 1000.0,
+                                dist.get_world_size())
+        # Megatron-LM's one decimal; below 1 TFLOP/s (a CPU run) three significant digits.
+        fields.append(f"throughput per GPU (TFLOP/s/GPU): "
+                      f"{f'{tflops:.1f}' if tflops >= 1.0 else f'{tflops:.3g}'}")
+    fields += [
         f"learning rate: {trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]):.6E}",
         f"global batch size: {train.global_batch_size:5d}",
         f"lm loss: {loss:.10E}",
@@ -498,6 +525,8 @@ def _format_iteration(trainer: Trainer, reduced, grad_norm, elapsed_ms: float,
         fields.append(f"grad norm: {float(grad_norm):.10E}")
     if train.log_num_zeros_in_grad:
         fields.append(f"num zeros: {float(trainer.num_zeros_in_grad):.1f}")
+    if params_norm is not None:
+        fields.append(f"params norm: {params_norm:.10E}")
     fields.append(f"number of skipped iterations: {skipped:3d}")
     fields.append(f"tokens/s: {tokens / max(elapsed_ms / 1000.0, 1e-9):.1f}")
     return " | ".join(fields) + " |"
@@ -632,11 +661,16 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
                 skipped += 0 if updated else 1
                 interval_ms += (time.perf_counter() - start) * 1000.0
                 iteration = trainer.state.iteration
+                logged = iteration % train.log_interval == 0
+                # Every rank takes part in the norm's all-reduce wherever a rank reports it.
+                params_norm = (trainer.params_norm() if train.log_params_norm and (
+                    logged or (train.tensorboard is not None
+                               and iteration % train.tensorboard.log_interval == 0)) else None)
                 if trainer.tensorboard is not None and trainer.tensorboard.wants(iteration):
-                    _write_tensorboard(trainer, reduced, grad_norm)
-                if iteration % train.log_interval == 0:
+                    _write_tensorboard(trainer, reduced, grad_norm, params_norm)
+                if logged:
                     if reduced is not None and is_logging_rank():
-                        log(_format_iteration(trainer, reduced.read(), grad_norm,
+                        log(_format_iteration(trainer, reduced.read(), grad_norm, params_norm,
                                               interval_ms / train.log_interval, skipped))
                     interval_ms = 0.0
                     skipped = 0  # as Megatron-LM: the skipped iterations of each log interval

@@ -4,7 +4,7 @@ writes from the last rank, which holds the same values).
 
 Every --tensorboard-log-interval iterations: each reported loss (`lm loss`, BERT's `sop loss`),
 `learning-rate`, `loss-scale`, `grad-norm` (with --clip-grad), `num-zeros` (with
---log-num-zeros-in-grad), `batch-size` (with
+--log-num-zeros-in-grad), `params-norm` (with --log-params-norm), `batch-size` (with
 --log-batch-size-to-tensorboard), `world-size` (with --log-world-size-to-tensorboard), and GPU
 memory (`mem-reserved-bytes`, `mem-allocated-bytes`, `mem-max-allocated-bytes`,
 `mem-allocated-count`, with --log-memory-to-tensorboard), each also as `<tag> vs samples` over the
@@ -51,7 +51,8 @@ class TensorBoardLog:
 
     def training(self, iteration: int, samples: int, losses: dict, learning_rate: float,
                  loss_scale: float, grad_norm: Optional[float], batch_size: int,
-                 num_zeros: Optional[float] = None) -> None:
+                 num_zeros: Optional[float] = None,
+                 params_norm: Optional[float] = None) -> None:
         """losses: {name: (mean, count)}, as ReducedLosses.read gives them."""
         config = self.config
         if config.learning_rate:
@@ -68,6 +69,8 @@ class TensorBoardLog:
             self._scalar("grad-norm", grad_norm, iteration, samples)
         if num_zeros is not None:
             self._scalar("num-zeros", num_zeros, iteration, samples)
+        if params_norm is not None:
+            self._scalar("params-norm", params_norm, iteration, samples)
         if config.memory:
             import torch
 
