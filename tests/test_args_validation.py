@@ -184,9 +184,11 @@ BAD_FLAGS = {
                                       "--min-loss-scale", "8"], 1,
                                      "--min-loss-scale 8 exceeds --initial-loss-scale 4"),
     # Megatron-LM flags its scripts carry that cannot apply here: each says why.
-    "rampup_batch_size": (["--rampup-batch-size", "4", "4", "16"], 1,
-                          "--rampup-batch-size (a global batch that grows during training) is not "
-                          "implemented here"),
+    "rampup_batch_size_by_iterations": (["--rampup-batch-size", "4", "4", "16"], 1,
+                                        "--rampup-batch-size counts samples: give "
+                                        "--train-samples"),
+    "decrease_batch_size_if_needed": (["--decrease-batch-size-if-needed"], 1,
+                                      "--decrease-batch-size-if-needed is not built here"),
     "wandb_project": (["--wandb-project", "x"], 1, "--wandb-project is for Weights & Biases "
                                                    "logging, which is not built in here"),
     "async_save": (["--async-save"], 1, "--async-save (saving in the background) is not built"),

@@ -72,7 +72,7 @@ def test_learning_rate_of_each_iteration_is_the_iteration_counted_one(monkeypatc
         lr_decay_steps=30, lr_decay_style=style, start_wd=args.weight_decay,
         end_wd=args.weight_decay, wd_incr_steps=40, wd_incr_style="constant")
     for _ in range(40):
-        samples.step_after_update()
+        samples.step_after_update(args.global_batch_size)
         iterations.step(increment=1)
         got = samples.optimizer.param_groups[0]["lr"]
         want = iterations.optimizer.param_groups[0]["lr"]

@@ -61,8 +61,11 @@ def parse_split(split: str) -> List[float]:
 
 def samples_per_split(args) -> List[int]:
     """Samples each split must provide, by Megatron-LM's rule (train, valid, test); with
-    --train-samples the train split is asked for exactly that many, as Megatron-LM asks."""
+    --train-samples the train split is asked for that many, as Megatron-LM asks, or for what
+    the iterations draw where --rampup-batch-size's last ramp iteration ends past it
+    (args.train_samples_drawn, set by the flag check)."""
     train = getattr(args, "train_samples", None) or args.train_iters * args.global_batch_size
+    train = max(train, getattr(args, "train_samples_drawn", 0))
     eval_iters = getattr(args, "eval_iters", 0) or 0
     eval_interval = getattr(args, "eval_interval", None) or args.train_iters
     valid = (args.train_iters // eval_interval + 1) * eval_iters * args.global_batch_size

@@ -13,7 +13,9 @@ from typing import Optional
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 
+from megatron_dpp.training.batch_ramp import BatchSizeRamp
 from megatron_dpp.training.checkpoint_flags import LoadScope
+from megatron_dpp.training.flags import batch_ramp_from_args
 from megatron_dpp.training.tensorboard_log import TensorBoardConfig
 # transformer_config_from_args: the training loop imports it from here.
 from megatron_dpp.models.transformer_config import (params_dtype_from_args,
@@ -26,8 +28,9 @@ class TrainingConfig:
 
     train_iters: int
     micro_batch_size: int
-    global_batch_size: int
-    num_microbatches: int
+    global_batch_size: int  # after --rampup-batch-size's ramp, if any; evaluation's always
+    num_microbatches: int  # per data-parallel rank, of global_batch_size
+    batch_ramp: Optional[BatchSizeRamp]  # --rampup-batch-size
     seq_length: int
     seed: int
     lr: float
@@ -63,12 +66,26 @@ class TrainingConfig:
     distributed_timeout_minutes: int
 
 
+def global_batch_size_at(train: TrainingConfig, consumed_samples: int) -> int:
+    """The global batch of the training iteration that starts after consumed_samples."""
+    if train.batch_ramp is None:
+        return train.global_batch_size
+    return train.batch_ramp.global_batch_size(consumed_samples)
+
+
+def microbatches_of(train: TrainingConfig, global_batch_size: int) -> int:
+    """Micro-batches per data-parallel rank of a global batch (the flag check made every size
+    the run meets divisible)."""
+    return global_batch_size // (train.global_batch_size // train.num_microbatches)
+
+
 def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
     return TrainingConfig(
         train_iters=args.train_iters,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
         num_microbatches=args.num_microbatches,
+        batch_ramp=batch_ramp_from_args(args),
         seq_length=args.seq_length,
         seed=args.seed,
         lr=args.lr,

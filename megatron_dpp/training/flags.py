@@ -13,6 +13,7 @@ import argparse
 
 from megatron_dpp.cuda_presence import cuda_available
 from megatron_dpp.flag_errors import add_refused_flags, require, require_output_dir
+from megatron_dpp.training.batch_ramp import BatchSizeRamp
 from megatron_dpp.training.checkpoint_flags import (add_checkpoint_format_args,
                                                     add_load_scope_args, check_load_dir,
                                                     check_load_scope_args)
@@ -23,9 +24,9 @@ from megatron_dpp.training.checkpoint_flags import (add_checkpoint_format_args,
 # ----------------------------------------------------------------------------------------------
 # Megatron-LM's flags that cannot apply here, by group: flag -> why (flag_errors.py).
 REFUSED_TRAINING_FLAGS: dict[str, str] = {
-    "--rampup-batch-size":
-        "(a global batch that grows during training) is not implemented here: every iteration "
-        "trains --global-batch-size samples; run the ramp-up as runs of their own",
+    "--decrease-batch-size-if-needed":
+        "is not built here: every global batch, --rampup-batch-size's included, must divide "
+        "into micro-batches on each data-parallel rank (the flag check says which does not)",
 }
 _TRACE_INSTEAD = ("--trace records every task, wait, gradient sync and optimizer step of every "
                   "rank (docs/tracing.md)")
@@ -69,6 +70,12 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                        help="Samples to train (sample-based training, as Megatron-LM's): "
                             "--train-samples // --global-batch-size iterations; the schedule's "
                             "lengths are then --lr-decay-samples and --lr-warmup-samples.")
+    group.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                       metavar=("START", "INCREMENT", "SAMPLES"),
+                       help="Grow the global batch from START by INCREMENT to --global-batch-size "
+                            "over the first SAMPLES samples, as Megatron-LM (with --train-samples;"
+                            " every size a multiple of --micro-batch-size x data-parallel size; "
+                            "training/batch_ramp.py).")
     group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
     group.add_argument("--min-lr", type=float, default=0.0, help="Learning rate floor of the decay.")
     group.add_argument("--lr-decay-style", type=str, default="linear",
@@ -137,7 +144,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                        help="Accepted for Megatron-LM command lines and always so here: under "
                             "--bf16 and --fp16 the gradients are accumulated and all-reduced in "
                             "fp32 (Megatron-LM does so for bf16 always, for fp16 with this flag).")
-    add_refused_flags(group, REFUSED_TRAINING_FLAGS, taking_values=("--rampup-batch-size",))
+    add_refused_flags(group, REFUSED_TRAINING_FLAGS)
     group.add_argument("--exit-signal-handler", action="store_true",
                        help="Accepted for Megatron-LM command lines and does nothing here: its "
                             "behaviour is always on. On SIGTERM or SIGINT every rank stops after "
@@ -231,6 +238,41 @@ def _validate_loss_scaling(args: argparse.Namespace) -> None:
             f"{args.initial_loss_scale:g}")
 
 
+def batch_ramp_from_args(args: argparse.Namespace) -> BatchSizeRamp | None:
+    """--rampup-batch-size, checked against the batch flags (args.num_microbatches set), or
+    None."""
+    if args.rampup_batch_size is None:
+        return None
+    start, increment, samples = args.rampup_batch_size
+    final = args.global_batch_size
+    require(start > 0 and increment > 0 and samples > 0,
+            f"--rampup-batch-size START INCREMENT SAMPLES must be positive, got "
+            f"{start} {increment} {samples}")
+    require(start < final, f"--rampup-batch-size starts at {start}, not below --global-batch-size "
+                           f"{final}: nothing to ramp up; remove it or lower START")
+    require((final - start) % increment == 0,
+            f"--rampup-batch-size: INCREMENT {increment} does not divide --global-batch-size "
+            f"{final} - START {start} = {final - start}")
+    ramp = BatchSizeRamp(start, increment, samples, final)
+    per_step = args.micro_batch_size * args.data_parallel_size
+    for size in ramp.sizes:
+        require(size % per_step == 0,
+                f"--rampup-batch-size reaches a global batch of {size}, not divisible by "
+                f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
+                f"{args.data_parallel_size}; make START and INCREMENT multiples of {per_step}")
+        if args.virtual_pipeline_model_parallel_size is not None:
+            pp = args.pipeline_model_parallel_size
+            require((size // per_step) % pp == 0,
+                    f"--rampup-batch-size reaches a global batch of {size}, {size // per_step} "
+                    f"micro-batches, and the interleaved schedule needs a multiple of "
+                    f"--pipeline-model-parallel-size {pp}; make START and INCREMENT multiples "
+                    f"of {per_step * pp}")
+    require(getattr(args, "cuda_graph_impl", "none") != "local",
+            "--rampup-batch-size changes the number of micro-batches, and --cuda-graph-impl "
+            "local's graphs were captured for one; use one of the two")
+    return ramp
+
+
 def _validate_schedule_lengths(args: argparse.Namespace) -> None:
     """Megatron-LM's two ways to give the training's and the schedule's lengths, in iterations or
     in samples, never mixed. Sets args.train_iters (sample-based: --train-samples //
@@ -248,15 +290,23 @@ def _validate_schedule_lengths(args: argparse.Namespace) -> None:
                  else None)
         require(wrong is None, wrong and f"{wrong[0]} counts iterations and --train-samples "
                                          f"samples; use {wrong[1]}")
-        require(args.train_samples >= batch,
+        ramp = batch_ramp_from_args(args)
+        first = ramp.start if ramp is not None else batch
+        require(args.train_samples >= first,
                 f"--train-samples {args.train_samples} is less than one global batch "
-                f"({batch}); train at least {batch} samples")
-        args.train_iters = args.train_samples // batch
+                f"({first}); train at least {first} samples")
+        args.train_iters = (ramp.train_iters(args.train_samples) if ramp is not None
+                            else args.train_samples // batch)
+        if ramp is not None:  # the ramp's last iteration may end past --train-samples
+            args.train_samples_drawn = ramp.samples_consumed(args.train_iters)
         decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
         warmup = args.lr_warmup_samples
         args.wd_incr_steps = args.train_samples
         decay_flag, warmup_flag = "--lr-decay-samples", "--lr-warmup-samples"
     else:
+        require(args.rampup_batch_size is None,
+                "--rampup-batch-size counts samples: give --train-samples (and --lr-decay-samples,"
+                " --lr-warmup-samples) instead of --train-iters, as Megatron-LM asks")
         wrong = (("--lr-decay-samples", "--lr-decay-iters") if args.lr_decay_samples is not None
                  else ("--lr-warmup-samples", "--lr-warmup-iters") if args.lr_warmup_samples
                  else None)

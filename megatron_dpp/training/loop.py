@@ -49,6 +49,8 @@ from megatron_dpp.training.checkpointing import (
 from megatron_dpp.training.config import (
     TrainingConfig,
     ddp_config_from_args,
+    global_batch_size_at,
+    microbatches_of,
     optimizer_config_from_args,
     training_config_from_args,
     transformer_config_from_args,
@@ -292,20 +294,21 @@ class Trainer:
         self.num_zeros_in_grad = None
         self.tensorboard = (TensorBoardLog(self.train.tensorboard, dist.get_world_size())
                             if self.train.tensorboard is not None and is_logging_rank() else None)
-        # --log-throughput: the operations of one iteration, as Megatron-LM counts them.
-        self.operations_per_iteration = (
-            floating_point_operations(ModelShape.of(self.config, args.seq_length,
-                                                    args.padded_vocab_size),
-                                      self.train.global_batch_size)
-            if self.train.log_throughput else None)
+        # --log-throughput: what Megatron-LM's operation count needs of the model.
+        self.model_shape = (ModelShape.of(self.config, args.seq_length, args.padded_vocab_size)
+                            if self.train.log_throughput else None)
+        # The last training iteration's global batch (--rampup-batch-size changes it); before
+        # the first, the first's.
+        self.last_global_batch_size = global_batch_size_at(self.train, 0)
         self.phase: str | None = None  # what the rank waits in, for reports
 
-    def _run_schedule(self, data_iterators, forward_only: bool) -> list[dict]:
+    def _run_schedule(self, data_iterators, forward_only: bool,
+                      num_microbatches: int) -> list[dict]:
         return self.forward_backward(
             forward_step_func=self.forward_step,
             data_iterator=_as_schedule_input(data_iterators),
             model=self.model,
-            num_microbatches=self.train.num_microbatches,
+            num_microbatches=num_microbatches,
             seq_length=self.train.seq_length,
             micro_batch_size=self.train.micro_batch_size,
             decoder_seq_length=self.train.seq_length,
@@ -321,19 +324,23 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        # --rampup-batch-size: this iteration's global batch, from the samples trained so far.
+        batch = global_batch_size_at(self.train, self.state.consumed_samples)
         self.watch("the pipeline schedule (forward, backward, gradient all-reduces)")
-        losses = self._run_schedule(data_iterators, forward_only=False)
+        losses = self._run_schedule(data_iterators, forward_only=False,
+                                    num_microbatches=microbatches_of(self.train, batch))
         if self.train.empty_unused_memory_level >= 1:
             torch.cuda.empty_cache()
         self.watch("the optimizer step (gradient-norm all-reduce over the model-parallel group)")
         with self.traced_step(OPTIMIZER_STEP):
             updated, grad_norm, self.num_zeros_in_grad = self.optimizer.step()
         if updated:
-            self.scheduler.step_after_update()
+            self.scheduler.step_after_update(batch)
         if self.train.empty_unused_memory_level >= 2:
             torch.cuda.empty_cache()
         self.state.iteration += 1
-        self.state.consumed_samples += self.train.global_batch_size
+        self.state.consumed_samples += batch
+        self.last_global_batch_size = batch
         self.watch("the loss all-reduce over the data-parallel group")
         with self.in_collective(LOSS_ALL_REDUCE, parallel_state.is_pipeline_last_stage(ignore_virtual=True)):
             reduced = reduce_losses_on_device(losses, self.platform.device)
@@ -393,8 +400,10 @@ class Trainer:
         with torch.no_grad(), eager_layers(self.config):
             for _ in range(self.train.eval_iters):
                 self.watch("an evaluation step (forward-only schedule, loss all-reduce)")
-                reduced = reduce_losses(self._run_schedule(valid_iterators, forward_only=True),
-                                        self.platform.device)
+                reduced = reduce_losses(
+                    self._run_schedule(valid_iterators, forward_only=True,
+                                       num_microbatches=self.train.num_microbatches),
+                    self.platform.device)
                 self.unwatch()
                 self.consumed_valid_samples += self.train.global_batch_size
                 if reduced is not None:
@@ -492,7 +501,7 @@ def _write_tensorboard(trainer: Trainer, reduced, grad_norm, params_norm) -> Non
         loss_scale=float(trainer.optimizer.get_loss_scale()),
         grad_norm=(float(grad_norm) if grad_norm is not None and train_clip_enabled(trainer)
                    else None),
-        batch_size=trainer.train.global_batch_size,
+        batch_size=trainer.last_global_batch_size,
         num_zeros=(float(trainer.num_zeros_in_grad) if trainer.train.log_num_zeros_in_grad
                    else None),
         params_norm=params_norm)
@@ -507,15 +516,16 @@ def _format_iteration(trainer: Trainer, reduced, grad_norm, params_norm, elapsed
         f"consumed samples: {trainer.state.consumed_samples:12d}",
         f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
     ]
-    if trainer.operations_per_iteration is not None:
-        tflops = tflops_per_gpu(trainer.operations_per_iteration, elapsed_ms / 1000.0,
-                                dist.get_world_size())
+    if trainer.model_shape is not None:
+        operations = floating_point_operations(trainer.model_shape,
+                                               trainer.last_global_batch_size)
+        tflops = tflops_per_gpu(operations, elapsed_ms / 1000.0, dist.get_world_size())
         # Megatron-LM's one decimal; below 1 TFLOP/s (a CPU run) three significant digits.
         fields.append(f"throughput per GPU (TFLOP/s/GPU): "
                       f"{f'{tflops:.1f}' if tflops >= 1.0 else f'{tflops:.3g}'}")
     fields += [
         f"learning rate: {trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]):.6E}",
-        f"global batch size: {train.global_batch_size:5d}",
+        f"global batch size: {trainer.last_global_batch_size:5d}",
         f"lm loss: {loss:.10E}",
         *(f"{name}: {value:.10E}" for name, (value, _count) in reduced.items() if name != LM_LOSS),
         # As Megatron-LM: 1.0 but with --fp16, whose scale falls at every overflow (skipped step).
@@ -637,9 +647,14 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
             return BAD_INPUT
         log_rank0(f" loaded checkpoint from {checkpoint.directory} at iteration "
                   f"{trainer.state.iteration}{_load_scope_words(train.load_scope)}")
+    trainer.last_global_batch_size = global_batch_size_at(train, trainer.state.consumed_samples)
+    ramp = train.batch_ramp
+    ramp_words = (f" after a ramp from {ramp.start} by {ramp.increment} over {ramp.samples} samples"
+                  if ramp is not None else "")
     log_rank0(f" training: {train.train_iters} iterations, global batch {train.global_batch_size}"
-              f", {train.num_microbatches} micro-batches of {train.micro_batch_size} per "
-              f"data-parallel rank, device {trainer.platform.device}, backend {trainer.platform.backend}")
+              f"{ramp_words}, {train.num_microbatches} micro-batches of {train.micro_batch_size} "
+              f"per data-parallel rank, device {trainer.platform.device}, backend "
+              f"{trainer.platform.backend}")
     train_iters, valid_iters = _iterators_per_chunk(
         args, train_ds, valid_ds, trainer.state.consumed_samples, 0, len(trainer.model))
 
@@ -657,7 +672,11 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
         try:
             while trainer.state.iteration < train.train_iters:
                 start = time.perf_counter()
+                batch = trainer.last_global_batch_size
                 reduced, grad_norm, updated = trainer.train_step(train_iters)
+                if trainer.last_global_batch_size != batch:  # as Megatron-Core's calculator
+                    log_rank0(f" ramping up batch size from {batch} to "
+                              f"{trainer.last_global_batch_size}")
                 skipped += 0 if updated else 1
                 interval_ms += (time.perf_counter() - start) * 1000.0
                 iteration = trainer.state.iteration

@@ -64,7 +64,6 @@ class SampleSchedule(OptimizerParamScheduler):
             wd_incr_steps=train.wd_incr_samples, wd_incr_style="constant",
             use_checkpoint_opt_param_scheduler=not train.override_opt_param_scheduler,
             override_opt_param_scheduler=train.override_opt_param_scheduler)
-        self.global_batch_size = train.global_batch_size
         self.keep_checkpoint_schedule = train.use_checkpoint_opt_param_scheduler
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -77,10 +76,10 @@ class SampleSchedule(OptimizerParamScheduler):
                 group["max_lr"], group["min_lr"] = self.max_lr, self.min_lr
             self.step(0)
 
-    def step_after_update(self) -> None:
-        """After a successful update (a skipped fp16 update does not advance it, as in
-        Megatron-LM)."""
-        self.step(increment=self.global_batch_size)
+    def step_after_update(self, global_batch_size: int) -> None:
+        """After a successful update of global_batch_size samples (a skipped fp16 update does
+        not advance it, as in Megatron-LM)."""
+        self.step(increment=global_batch_size)
 
     def schedule_difference(self, state: dict) -> Optional[str]:
         """Where a checkpoint's schedule (state_in_samples's) differs from this run's flags and
