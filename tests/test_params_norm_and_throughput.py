@@ -1,7 +1,8 @@
 """--log-throughput and --log-params-norm, Megatron-LM's log fields: the operation count against
 the published GPT formula and a hand count for SwiGLU with grouped-query attention; the logged
 TFLOP/s against the count, the elapsed time and the ranks; the parameters' norm counting each
-parameter once (the last stage's copy of a tied embedding left out), the same at pp=1 and pp=2,
+parameter once (the last stage's copy of a tied embedding and tensor-parallel duplicates left
+out), the same at pp=1, pp=2 and tp=2,
 from the sharded fp32 main parameters under --bf16 --use-distributed-optimizer, and in
 TensorBoard as in the log line."""
 import math
@@ -97,6 +98,10 @@ def test_params_norm_is_the_same_at_pp1_and_pp2_and_throughput_follows_the_count
     assert len(one) == 3 and len(set(one)) == 3, out1[-2000:]  # the step changes the norm
     # The tied embedding's copy on the last stage is not counted twice (it would add ~40%).
     assert two == pytest.approx(one, rel=1e-5)
+    # Nor the norms' and biases' copies on a second tensor-parallel rank.
+    rc, _l, _g, tp2 = run_training([*flags, "--tensor-model-parallel-size", "2"], nproc=2)
+    assert rc == 0, tp2[-3000:]
+    assert _norms(tp2) == pytest.approx(one, rel=1e-5)
 
     # TINY_GPT_ARGS: 4 layers, hidden 64, 4 heads, sequence 64, global batch 8.
     vocab = int(VOCAB_RE.search(out2).group(1))
