@@ -267,14 +267,16 @@ def persist_layer_norm(args: argparse.Namespace, te_layers: Optional[bool] = Non
     return Choice(feature, True, "Apex's persistent LayerNorm is installed")
 
 
-def _fused_optimizer() -> Choice:
+def _fused_optimizer(args: argparse.Namespace) -> Choice:
     feature = "fused optimizer"
+    name = "SGD" if getattr(args, "optimizer", "adam") == "sgd" else "Adam"
     if module_importable(TRANSFORMER_ENGINE_MODULE):
-        return Choice(feature, True, "Transformer Engine's FusedAdam and multi-tensor kernels")
+        return Choice(feature, True, f"Transformer Engine's Fused{name} and multi-tensor kernels")
     if module_importable("apex") and module_importable("amp_C"):
-        return Choice(feature, True, "Apex's FusedAdam and multi-tensor kernels")
-    return Choice(feature, False, "torch Adam, and torch's foreach ops in place of Megatron-Core's "
-                  "per-tensor multi-tensor fallbacks (Transformer Engine and Apex not installed)")
+        return Choice(feature, True, f"Apex's Fused{name} and multi-tensor kernels")
+    return Choice(feature, False, f"torch {name}, and torch's foreach ops in place of "
+                  f"Megatron-Core's per-tensor multi-tensor fallbacks (Transformer Engine and Apex "
+                  f"not installed)")
 
 
 def cuda_graphs(args: argparse.Namespace) -> Choice:
@@ -321,7 +323,7 @@ def kernel_choices(args: argparse.Namespace) -> KernelChoices:
         rope_fusion=_rope_fusion(args),
         gradient_accumulation_fusion=gradient_accumulation_fusion(args),
         persist_layer_norm=persist_layer_norm(args, te_layers.on),
-        fused_optimizer=_fused_optimizer(),
+        fused_optimizer=_fused_optimizer(args),
         cuda_graphs=cuda_graphs(args),
     )
 

@@ -133,7 +133,8 @@ def _tensorboard_config(args: argparse.Namespace) -> Optional[TensorBoardConfig]
 
 def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
     return OptimizerConfig(
-        optimizer="adam",
+        optimizer=args.optimizer,
+        sgd_momentum=args.sgd_momentum,
         lr=args.lr,
         min_lr=args.min_lr,
         weight_decay=args.weight_decay,

@@ -104,12 +104,24 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                        dest="use_checkpoint_opt_param_scheduler",
                        help="On --load, keep the checkpoint's learning-rate schedule where this "
                             "run's flags differ (the run still stops at its own --train-iters).")
-    group.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay.")
+    group.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
+                       help="adam: Adam with decoupled weight decay (AdamW), Megatron-LM's "
+                            "default; sgd: SGD with momentum (Megatron-LM's; not with "
+                            "--use-distributed-optimizer, which Megatron-Core builds for Adam "
+                            "only).")
+    group.add_argument("--weight-decay", type=float, default=0.01,
+                       help="Weight decay: decoupled for Adam (AdamW), an L2 term for SGD.")
     group.add_argument("--clip-grad", type=float, default=1.0,
                        help="Clip gradients to this global L2 norm (0 disables clipping).")
-    group.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
-    group.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
-    group.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
+    group.add_argument("--adam-beta1", type=float, default=None,
+                       help=f"Adam's beta1 (default {OPTIMIZER_DEFAULTS['adam_beta1']}).")
+    group.add_argument("--adam-beta2", type=float, default=None,
+                       help=f"Adam's beta2 (default {OPTIMIZER_DEFAULTS['adam_beta2']}).")
+    group.add_argument("--adam-eps", type=float, default=None,
+                       help=f"Adam's epsilon (default {OPTIMIZER_DEFAULTS['adam_eps']:g}).")
+    group.add_argument("--sgd-momentum", type=float, default=None,
+                       help=f"SGD's momentum (default {OPTIMIZER_DEFAULTS['sgd_momentum']}; "
+                            f"--optimizer sgd only).")
     group.add_argument("--seed", type=int, default=1234, help="Random seed.")
     group.add_argument("--bf16", action="store_true",
                        help="bfloat16 mixed precision, as Megatron-LM's (16-bit model, fp32 main "
@@ -188,9 +200,7 @@ def validate_training_args(args: argparse.Namespace) -> None:
     require(args.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got "
                                  f"{args.clip_grad}")
     require(args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}")
-    for flag, value in (("--adam-beta1", args.adam_beta1), ("--adam-beta2", args.adam_beta2)):
-        require(0 <= value < 1, f"{flag} must be in [0, 1), got {value}")
-    require(args.adam_eps > 0, f"--adam-eps must be positive, got {args.adam_eps}")
+    _validate_optimizer(args)
     # numpy's seed (set with Python's and torch's, training/loop.py) takes 0..2**32-1.
     require(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}")
     require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; pick one")
@@ -208,6 +218,35 @@ def validate_training_args(args: argparse.Namespace) -> None:
                 f"the interleaved schedule needs the number of micro-batches "
                 f"({args.num_microbatches}) to be a multiple of --pipeline-model-parallel-size "
                 f"{pp}; adjust --global-batch-size")
+
+
+OPTIMIZERS = ("adam", "sgd")
+# Megatron-LM's defaults of each optimizer's own flags (attribute -> default), and whose they are.
+OPTIMIZER_DEFAULTS = {"adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8,
+                      "sgd_momentum": 0.9}
+_OPTIMIZER_OF = {"adam_beta1": "adam", "adam_beta2": "adam", "adam_eps": "adam",
+                 "sgd_momentum": "sgd"}
+
+
+def _validate_optimizer(args: argparse.Namespace) -> None:
+    """Each optimizer's own flags with that optimizer only (they configure nothing else), in
+    range; fills in their defaults."""
+    for name, default in OPTIMIZER_DEFAULTS.items():
+        flag = "--" + name.replace("_", "-")
+        value = getattr(args, name)
+        if value is None:
+            setattr(args, name, default)
+            continue
+        require(_OPTIMIZER_OF[name] == args.optimizer,
+                f"{flag} configures --optimizer {_OPTIMIZER_OF[name]}, and this run's is "
+                f"{args.optimizer}: remove it")
+        if name == "adam_eps":
+            require(value > 0, f"--adam-eps must be positive, got {value}")
+        else:
+            require(0 <= value < 1, f"{flag} must be in [0, 1), got {value}")
+    require(not (args.optimizer == "sgd" and args.use_distributed_optimizer),
+            "--optimizer sgd does not run with --use-distributed-optimizer: Megatron-Core's "
+            "distributed optimizer supports Adam only")
 
 
 # Megatron-LM's defaults of --fp16's dynamic loss scaler.

@@ -60,6 +60,7 @@ from megatron_dpp.training.profiler_window import make_profiler
 from megatron_dpp.training.failures import exit_for_lost_peer, is_lost_peer_error, peer_heartbeat
 from megatron_dpp.training.lr_schedule import SampleSchedule
 from megatron_dpp.training.params_norm import params_l2_norm
+from megatron_dpp.training.sgd_state import install_sgd_state_init
 from megatron_dpp.training.signals import AgreedStop, StopSignals
 from megatron_dpp.training.tensorboard_log import TensorBoardLog
 from megatron_dpp.training.throughput import ModelShape, floating_point_operations, tflops_per_gpu
@@ -164,6 +165,7 @@ def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSp
         for index, chunk in enumerate(chunks)
     ]
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
+    install_sgd_state_init(optimizer)  # --optimizer sgd: what a torch_dist load calls
     set_sync_funcs(config, model, args)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
