@@ -204,8 +204,6 @@ BAD_FLAGS = {
     "adam_beta2_one": (["--adam-beta2", "1"], 1, "--adam-beta2 must be in [0, 1), got 1.0"),
     "adam_beta1_negative": (["--adam-beta1", "-0.1"], 1, "--adam-beta1 must be in [0, 1)"),
     "adam_eps_zero": (["--adam-eps", "0"], 1, "--adam-eps must be positive, got 0.0"),
-    "adam_flag_with_sgd": (["--optimizer", "sgd", "--adam-beta2", "0.95"], 1,
-                           "--adam-beta2 configures --optimizer adam, and this run's is sgd"),
     "sgd_momentum_with_adam": (["--sgd-momentum", "0.5"], 1,
                                "--sgd-momentum configures --optimizer sgd, and this run's is adam"),
     "sgd_momentum_one": (["--optimizer", "sgd", "--sgd-momentum", "1"], 1,

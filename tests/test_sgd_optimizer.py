@@ -39,9 +39,11 @@ def test_zero_momentum_buffers_change_no_step():
 @pytest.mark.timeout(400)
 def test_sgd_trains_and_the_dynamic_schedule_matches_megatrons():
     flags = [*SGD, "--train-iters", "4", "--pipeline-model-parallel-size", "2"]
-    rc, megatron, _n, out = run_training(flags, nproc=2)
+    rc, megatron, _n, out = run_training([*flags, "--adam-beta2", "0.95"], nproc=2)
     assert rc == 0 and len(megatron) == 4, out[-3000:]
     assert "kernels: fused optimizer off: torch SGD" in out
+    # A recipe's Adam flags do not stop an SGD run; one line says they go unused.
+    assert " --adam-beta2: Adam's, unused by --optimizer sgd" in out
     assert megatron[-1] < megatron[0]
     rc, dpp, _n, out = run_training([*flags, "--use-dpp"], nproc=2)
     assert rc == 0, out[-3000:]

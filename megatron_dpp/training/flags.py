@@ -229,17 +229,22 @@ _OPTIMIZER_OF = {"adam_beta1": "adam", "adam_beta2": "adam", "adam_eps": "adam",
 
 
 def _validate_optimizer(args: argparse.Namespace) -> None:
-    """Each optimizer's own flags with that optimizer only (they configure nothing else), in
-    range; fills in their defaults."""
+    """Each optimizer's own flags in range; fills in their defaults. --sgd-momentum without
+    --optimizer sgd is refused; Adam's flags with it are listed in args.unused_optimizer_flags
+    for the startup line (the recipes carry Adam's betas, and `--optimizer sgd` appended to a
+    launcher's command line must still run)."""
+    args.unused_optimizer_flags = []
     for name, default in OPTIMIZER_DEFAULTS.items():
         flag = "--" + name.replace("_", "-")
         value = getattr(args, name)
         if value is None:
             setattr(args, name, default)
             continue
-        require(_OPTIMIZER_OF[name] == args.optimizer,
-                f"{flag} configures --optimizer {_OPTIMIZER_OF[name]}, and this run's is "
-                f"{args.optimizer}: remove it")
+        if _OPTIMIZER_OF[name] != args.optimizer:
+            require(_OPTIMIZER_OF[name] == "adam",
+                    f"{flag} configures --optimizer {_OPTIMIZER_OF[name]}, and this run's is "
+                    f"{args.optimizer}: remove it")
+            args.unused_optimizer_flags.append(flag)
         if name == "adam_eps":
             require(value > 0, f"--adam-eps must be positive, got {value}")
         else:

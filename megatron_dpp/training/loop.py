@@ -588,6 +588,9 @@ def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec,
         log_rank0(f" no checkpoint in {args.load} yet (it is also --save): training starts from "
                   f"scratch")
     log_kernel_choices(args, log_rank0)  # one `kernels:` line per optional kernel or backend
+    if args.unused_optimizer_flags:
+        log_rank0(f" {', '.join(args.unused_optimizer_flags)}: Adam's, unused by --optimizer "
+                  f"{args.optimizer}")
     tokenizer = build_tokenizer(args)
     # Megatron-LM's line, with the tokenizer named: which vocabulary the embedding is sized for.
     log_rank0(f" > {args.tokenizer_type} vocab (size: {tokenizer.vocab_size}) padded with "
