@@ -47,7 +47,21 @@ BERT_SPECIAL_TOKENS = (PAD_TOKEN, UNK_TOKEN, CLS_TOKEN, SEP_TOKEN, MASK_TOKEN)
 WORDPIECE_PREFIX = "##"  # marks a piece that continues a word
 
 
-class GPT2BPETokenizer:
+class _EndOfDocument:
+    """eod, and eos as Megatron-LM's tokenizers also name it, from the subclass's self._eod."""
+
+    _eod: int
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def eos(self) -> int:
+        return self._eod
+
+
+class GPT2BPETokenizer(_EndOfDocument):
     """Byte-level BPE with `<|endoftext|>` as end-of-document; decode(encode(text)) == text."""
 
     def __init__(self, vocab_file: str, merge_file: str):
@@ -77,14 +91,6 @@ class GPT2BPETokenizer:
     @property
     def inv_vocab(self) -> dict:
         return self._inv_vocab
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def eos(self) -> int:
-        return self._eod
 
     def tokenize(self, text: str) -> List[int]:
         return self._bpe.encode(text).ids
@@ -180,7 +186,7 @@ def build_tokenizer(args):
     return tokenizer
 
 
-class NullTokenizer:
+class NullTokenizer(_EndOfDocument):
     """Megatron-LM's NullTokenizer: a text is its space-separated token ids; ids 0..N-1 with
     --vocab-size N, and N the end-of-document token, so the vocabulary is N + 1."""
 
@@ -193,14 +199,6 @@ class NullTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._eod + 1
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def eos(self) -> int:
-        return self._eod
 
     def tokenize(self, text: str) -> List[int]:
         return [int(word) for word in text.split()]
