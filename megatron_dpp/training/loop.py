@@ -523,8 +523,8 @@ def _format_iteration(trainer: Trainer, reduced, grad_norm, params_norm, elapsed
                                                trainer.last_global_batch_size)
         tflops = tflops_per_gpu(operations, elapsed_ms / 1000.0, dist.get_world_size())
         # Megatron-LM's one decimal; below 1 TFLOP/s (a CPU run) three significant digits.
-        fields.append(f"throughput per GPU (TFLOP/s/GPU): "
-                      f"{f'{tflops:.1f}' if tflops >= 1.0 else f'{tflops:.3g}'}")
+        shown = format(tflops, ".1f" if tflops >= 1.0 else ".3g")
+        fields.append(f"throughput per GPU (TFLOP/s/GPU): {shown}")
     fields += [
         f"learning rate: {trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]):.6E}",
         f"global batch size: {trainer.last_global_batch_size:5d}",
@@ -687,9 +687,10 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
                 iteration = trainer.state.iteration
                 logged = iteration % train.log_interval == 0
                 # Every rank takes part in the norm's all-reduce wherever a rank reports it.
-                params_norm = (trainer.params_norm() if train.log_params_norm and (
-                    logged or (train.tensorboard is not None
-                               and iteration % train.tensorboard.log_interval == 0)) else None)
+                tensorboard_writes = (train.tensorboard is not None
+                                      and train.tensorboard.wants(iteration))
+                params_norm = (trainer.params_norm() if train.log_params_norm
+                               and (logged or tensorboard_writes) else None)
                 if trainer.tensorboard is not None and trainer.tensorboard.wants(iteration):
                     _write_tensorboard(trainer, reduced, grad_norm, params_norm)
                 if logged:

@@ -33,6 +33,11 @@ class TensorBoardConfig:
     memory: bool  # --log-memory-to-tensorboard (CUDA only)
     validation_ppl: bool  # --log-validation-ppl-to-tensorboard
 
+    def wants(self, iteration: int) -> bool:
+        """Whether this iteration's scalars are written (every rank knows it: collectives such
+        as --log-params-norm's run where they are)."""
+        return iteration % self.log_interval == 0
+
 
 class TensorBoardLog:
     def __init__(self, config: TensorBoardConfig, world_size: int):
@@ -47,7 +52,7 @@ class TensorBoardLog:
         self.writer.add_scalar(f"{tag} vs samples", value, samples)
 
     def wants(self, iteration: int) -> bool:
-        return iteration % self.config.log_interval == 0
+        return self.config.wants(iteration)
 
     def training(self, iteration: int, samples: int, losses: dict, learning_rate: float,
                  loss_scale: float, grad_norm: Optional[float], batch_size: int,
