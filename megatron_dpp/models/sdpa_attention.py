@@ -17,7 +17,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
@@ -28,6 +27,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
 from megatron_dpp import kernels
+from megatron_dpp.models.rng_fork import model_parallel_rng
 
 
 class SdpaCoreAttention(MegatronModule):
@@ -106,7 +106,7 @@ class SdpaCoreAttention(MegatronModule):
         sq, b = query.size(0), query.size(1)
         # Megatron forks the tensor-parallel RNG for attention dropout (each tp rank its own heads'
         # mask), except under sequence parallelism.
-        rng = (tensor_parallel.get_cuda_rng_tracker().fork()
+        rng = (model_parallel_rng(query.device)
                if dropout_p > 0.0 and not self.config.sequence_parallel else contextlib.nullcontext())
         with rng:
             if self._use_flash_attn(query, attention_mask):
