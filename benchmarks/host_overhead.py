@@ -35,6 +35,8 @@ bias-dropout-add: torch.compile on a GPU, eager here unless --compiled-fusions) 
     python benchmarks/host_overhead.py                      # GPT-125m depth, tiny width
     python benchmarks/host_overhead.py --quick --json runs/host.json
     python benchmarks/host_overhead.py --target ours --compare-linears 30   # direct linears A/B
+    python benchmarks/host_overhead.py --target ours --compare-layers 30    # direct layer A/B
+    python benchmarks/host_overhead.py --target ours --compare-rng-fork 30  # dropout fork A/B
     python benchmarks/host_overhead.py --target ours --compiled-fusions     # fusions' host cost
 Run it on two versions of the code to compare them (before/after a change).
 """
@@ -106,6 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "(megatron_dpp.models.direct_linear) against Megatron-Core's own "
                           "forward, alternating in one process for ROUNDS rounds (order "
                           "swapped every round); reports the per-round ratio (0: off)")
+    run.add_argument("--compare-layers", type=_non_negative, default=0, metavar="ROUNDS",
+                     help="the same with our direct transformer layer "
+                          "(megatron_dpp.models.direct_layer) against Megatron-Core's "
+                          "TransformerLayer forward (0: off)")
+    run.add_argument("--compare-rng-fork", type=_non_negative, default=0, metavar="ROUNDS",
+                     help="the same with core attention's dropout RNG fork "
+                          "(megatron_dpp.models.rng_fork) against Megatron-Core's tracker fork; "
+                          "on the CPU Megatron's fork also filters a warning a GPU never logs, so "
+                          "the CPU overstates the saving (0: off)")
     run.add_argument("--compiled-fusions", action="store_true",
                      help="ours with Megatron-Core's bias-gelu and bias-dropout-add fusions on, as "
                           "on a GPU: here torch.compile builds them for inductor's C++ backend, so "
@@ -447,8 +458,8 @@ def measure_ours(args: argparse.Namespace) -> dict:
         for index in range(args.timed_iterations):
             iteration(index, log=(index + 1) % args.iterations == 0)
         timing = {name: statistics.median(values) * 1e3 for name, values in times.items()}
-        linears = (_compare_linears(trainer, iteration, args.compare_linears)
-                   if args.compare_linears else None)
+        comparisons = {name: _compare(name, trainer, iteration, getattr(args, f"compare_{name}"))
+                       for name in COMPARISONS if getattr(args, f"compare_{name}")}
         counter = Counter(args.sites)
         counter.device_objects.append(platform.device)
         counter_box[0] = counter
@@ -465,8 +476,7 @@ def measure_ours(args: argparse.Namespace) -> dict:
         from torch._dynamo.utils import counters as dynamo_counters
 
         result["compiled_frames"] = dynamo_counters["frames"]["ok"]  # torch.compile'd functions
-        if linears is not None:
-            result["linears"] = linears
+        result.update(comparisons)
         return result
     finally:
         from megatron.core import parallel_state
@@ -487,31 +497,82 @@ def _force_compiled_fusions() -> None:
     kernels._compiled_fusion = choice
 
 
-def _compare_linears(trainer, iteration, rounds: int) -> dict:
-    """Our iteration with the direct linear layers against Megatron-Core's forward of the same
-    layers (`multiplies_directly` switched off), paired round by round."""
+def _switch_linears(trainer):
+    """The direct linear layers (models.direct_linear) against Megatron-Core's forward of the same
+    layers: `multiplies_directly` switched off."""
     from megatron_dpp.models.direct_linear import DIRECT_CLASSES
 
-    direct_classes = tuple(DIRECT_CLASSES.values())
     layers = [module for chunk in trainer.model for module in chunk.modules()
-              if isinstance(module, direct_classes) and module.multiplies_directly]
-    if not layers:
-        raise SystemExit("host_overhead: --compare-linears: the model has no direct linear layer "
-                         "(tensor parallelism or a feature that needs Megatron's forward is on)")
+              if isinstance(module, tuple(DIRECT_CLASSES.values())) and module.multiplies_directly]
+
+    def switch(direct: bool) -> None:
+        for layer in layers:
+            layer.multiplies_directly = direct
+    return layers, switch
+
+
+def _switch_layers(trainer):
+    """The direct transformer layer (models.direct_layer) against Megatron-Core's TransformerLayer
+    forward: `runs_directly` switched off."""
+    from megatron_dpp.models.direct_layer import DirectTransformerLayer
+
+    layers = [module for chunk in trainer.model for module in chunk.modules()
+              if isinstance(module, DirectTransformerLayer) and module.runs_directly]
+
+    def switch(direct: bool) -> None:
+        for layer in layers:
+            layer.runs_directly = direct
+    return layers, switch
+
+
+def _switch_rng_fork(trainer):
+    """Core attention's dropout fork (models.rng_fork) against Megatron-Core's tracker fork. On the
+    CPU Megatron's fork also runs megatron_dpp.platform's filter of its CPU-state warning, which a
+    GPU does not: the CPU overstates what the GPU saves."""
+    from megatron.core import tensor_parallel
+
+    from megatron_dpp.models import rng_fork, sdpa_attention
+
+    attentions = [module for chunk in trainer.model for module in chunk.modules()
+                  if isinstance(module, sdpa_attention.SdpaCoreAttention) and module.dropout_p > 0]
+
+    def megatrons_fork(_device):
+        return tensor_parallel.get_cuda_rng_tracker().fork()
+
+    def switch(direct: bool) -> None:
+        sdpa_attention.model_parallel_rng = (rng_fork.model_parallel_rng if direct
+                                             else megatrons_fork)
+    return attentions, switch
+
+
+# --compare-X: (what is compared, the function that finds the modules and switches them).
+COMPARISONS = {
+    "linears": ("direct linears", _switch_linears),
+    "layers": ("direct transformer layers", _switch_layers),
+    "rng_fork": ("core attention's RNG fork", _switch_rng_fork),
+}
+
+
+def _compare(name: str, trainer, iteration, rounds: int) -> dict:
+    """Our iteration with one of our host-time savings on and off (Megatron-Core's own code),
+    paired round by round, the order swapped every round."""
+    what, find = COMPARISONS[name]
+    modules, switch = find(trainer)
+    if not modules:
+        raise SystemExit(f"host_overhead: --compare-{name.replace('_', '-')}: the model has no "
+                         f"module for the {what} (a feature that needs Megatron's code is on)")
     seconds: dict[bool, list[float]] = {True: [], False: []}
     try:
         for index in range(rounds):
             for direct in ((True, False) if index % 2 == 0 else (False, True)):
-                for layer in layers:
-                    layer.multiplies_directly = direct
+                switch(direct)
                 start = time.perf_counter()
                 iteration(index, log=False)
                 seconds[direct].append(time.perf_counter() - start)
     finally:
-        for layer in layers:
-            layer.multiplies_directly = True
+        switch(True)
     ratios = sorted(a / b for a, b in zip(seconds[True], seconds[False]))
-    return {"rounds": rounds, "layers": len(layers),
+    return {"rounds": rounds, "layers": len(modules),
             "direct_ms": statistics.median(seconds[True]) * 1e3,
             "megatron_ms": statistics.median(seconds[False]) * 1e3,
             "ratio_median": statistics.median(ratios),
@@ -634,13 +695,14 @@ def print_table(result: dict) -> None:
                        ("  optimizer step", "optimizer_step")):
         print(f"{label:48s}" + "".join(f"{result[t]['host_ms'][key] or 0:>18.1f}"
                                        for t in targets))
-    linears = result.get("ours", {}).get("linears")
-    if linears:
-        print(f"ours, direct linears / Megatron-Core's ({linears['layers']} layers, "
-              f"{linears['rounds']} paired rounds): {linears['direct_ms']:.1f} / "
-              f"{linears['megatron_ms']:.1f} ms per iteration, ratio median "
-              f"{linears['ratio_median']:.3f} (quartiles {linears['ratio_quartiles'][0]:.3f}-"
-              f"{linears['ratio_quartiles'][1]:.3f})")
+    for name, (what, _) in COMPARISONS.items():
+        compared = result.get("ours", {}).get(name)
+        if compared:
+            print(f"ours, {what} / Megatron-Core's ({compared['layers']} modules, "
+                  f"{compared['rounds']} paired rounds): {compared['direct_ms']:.1f} / "
+                  f"{compared['megatron_ms']:.1f} ms per iteration, ratio median "
+                  f"{compared['ratio_median']:.3f} (quartiles "
+                  f"{compared['ratio_quartiles'][0]:.3f}-{compared['ratio_quartiles'][1]:.3f})")
     if "ratio" in result:
         print(f"ours / anchor: ops per micro-batch {result['ratio']['ops_per_micro_batch']:.2f}x, "
               f"host ms per iteration {result['ratio']['host_ms_per_iteration']:.2f}x")

@@ -26,7 +26,8 @@ def quick_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("host") / "host.json"
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benchmarks" / "host_overhead.py"), "--quick",
-         "--compare-linears", "2", "--json", str(out)],
+         "--compare-linears", "2", "--compare-layers", "2", "--compare-rng-fork", "2",
+         "--json", str(out)],
         cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -60,15 +61,20 @@ def test_quick_mode_ops_against_the_anchor(quick_result):
     assert ours["ops_per_optimizer_step"]["compute"] <= 36
 
 
-def test_quick_mode_compares_the_linear_layers(quick_result):
-    # Two layers, each with qkv, proj, fc1 and fc2: every one took the direct path, and the
-    # paired rounds ran both ways (the ratio itself is a benchmark figure, docs/gpu.md).
-    linears = quick_result["ours"]["linears"]
-    assert linears["layers"] == 2 * 4
-    assert linears["rounds"] == 2
-    assert linears["direct_ms"] > 0 and linears["megatron_ms"] > 0
-    low, high = linears["ratio_quartiles"]
-    assert 0 < low <= linears["ratio_median"] <= high
+@pytest.mark.parametrize("name,modules", [
+    ("linears", 2 * 4),  # two layers, each with qkv, proj, fc1 and fc2
+    ("layers", 2),       # two transformer layers
+    ("rng_fork", 2),     # two core attentions with dropout
+])
+def test_quick_mode_compares_our_direct_paths_with_megatrons(quick_result, name, modules):
+    # Every module took our path, and the paired rounds ran both ways (the ratio itself is a
+    # benchmark figure, docs/gpu.md).
+    compared = quick_result["ours"][name]
+    assert compared["layers"] == modules
+    assert compared["rounds"] == 2
+    assert compared["direct_ms"] > 0 and compared["megatron_ms"] > 0
+    low, high = compared["ratio_quartiles"]
+    assert 0 < low <= compared["ratio_median"] <= high
 
 
 def _fallbacks():

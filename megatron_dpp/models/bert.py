@@ -22,7 +22,7 @@ from megatron_dpp import kernels
 from megatron_dpp.data.bert_datasets import build_bert_datasets
 from megatron_dpp.models.init import build_model_chunks, stacked_model_global_name
 from megatron_dpp.models.memory_model import chunk_activation_bytes
-from megatron_dpp.models.direct_linear import with_direct_linears
+from megatron_dpp.models.direct_layer import with_direct_classes
 from megatron_dpp.models.sdpa_attention import uses_sdpa_core_attention, with_core_attention
 from megatron_dpp.models import families
 from megatron_dpp.models.spec import ModelSpec
@@ -54,7 +54,7 @@ def bert_layer_spec(attention: Optional[str] = None) -> ModuleSpec:
         return get_bert_layer_with_transformer_engine_spec()
     from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 
-    return with_direct_linears(with_core_attention(bert_layer_local_spec, attention))
+    return with_direct_classes(with_core_attention(bert_layer_local_spec, attention))
 
 
 class LocalMaskBertModel(BertModel):

@@ -19,7 +19,7 @@ from megatron_dpp import kernels
 from megatron_dpp.data.datasets import build_train_valid_test_datasets
 from megatron_dpp.models.init import build_model_chunks, stacked_model_global_name
 from megatron_dpp.models.memory_model import chunk_activation_bytes
-from megatron_dpp.models.direct_linear import with_direct_linears
+from megatron_dpp.models.direct_layer import with_direct_classes
 from megatron_dpp.models.sdpa_attention import with_core_attention
 from megatron_dpp.models import families
 from megatron_dpp.models.spec import ModelSpec
@@ -45,7 +45,7 @@ def gpt_layer_spec(attention: Optional[str] = None) -> ModuleSpec:
         )
 
         return get_gpt_layer_with_transformer_engine_spec()
-    return with_direct_linears(with_core_attention(get_gpt_layer_local_spec(), attention))
+    return with_direct_classes(with_core_attention(get_gpt_layer_local_spec(), attention))
 
 
 def build_gpt_chunks(config: TransformerConfig, shape: GPTShape, seed: int,

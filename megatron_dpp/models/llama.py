@@ -31,7 +31,7 @@ from megatron_dpp.models.gpt import (
 )
 from megatron_dpp.models.init import build_model_chunks
 from megatron_dpp.models.memory_model import chunk_activation_bytes
-from megatron_dpp.models.direct_linear import with_direct_linears
+from megatron_dpp.models.direct_layer import with_direct_classes
 from megatron_dpp.models.sdpa_attention import with_core_attention
 from megatron_dpp.models.spec import ModelSpec
 
@@ -58,7 +58,7 @@ def llama_layer_spec(attention: Optional[str] = None) -> ModuleSpec:
         )
 
         return get_gpt_layer_with_transformer_engine_spec()
-    return with_direct_linears(
+    return with_direct_classes(
         with_core_attention(get_gpt_layer_local_spec(normalization="RMSNorm"), attention))
 
 

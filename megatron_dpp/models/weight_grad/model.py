@@ -22,6 +22,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
     TransformerBlock,
@@ -30,6 +31,7 @@ from megatron.core.transformer.transformer_block import (
 )
 
 from megatron_dpp.models.bert import LocalMaskBertModel
+from megatron_dpp.models.direct_layer import DirectTransformerLayer
 from megatron_dpp.models.direct_linear import DirectColumnParallelLinear, DirectRowParallelLinear
 from megatron_dpp.models.spec_classes import replace_spec_classes
 from megatron_dpp.models.weight_grad.layers import (
@@ -55,7 +57,10 @@ __all__ = [
 # WrappedTorchNorm builds torch's LayerNorm or RMSNorm (Llama) by the config: so does ours.
 # Our specs name the direct linears (models.direct_linear), Megatron's subclasses: under a split
 # backward every training forward defers, through Megatron's forward, so ours subclass Megatron's.
+# The direct layer (models.direct_layer) goes back to Megatron's: a split backward's layers run
+# Megatron's forward, as the deferred classes were tested under.
 _SPEC_CLASSES: dict[type, type] = {
+    DirectTransformerLayer: TransformerLayer,
     ColumnParallelLinear: DeferredColumnParallelLinear,
     RowParallelLinear: DeferredRowParallelLinear,
     DirectColumnParallelLinear: DeferredColumnParallelLinear,
