@@ -189,8 +189,8 @@ BAD_FLAGS = {
                                         "--train-samples"),
     "decrease_batch_size_if_needed": (["--decrease-batch-size-if-needed"], 1,
                                       "--decrease-batch-size-if-needed is not built here"),
-    "wandb_project": (["--wandb-project", "x"], 1, "--wandb-project is for Weights & Biases "
-                                                   "logging, which is not built in here"),
+    "wandb_project_without_name": (["--wandb-project", "x"], 1,
+                                   "--wandb-project needs --wandb-exp-name NAME"),
     "async_save": (["--async-save"], 1, "--async-save (saving in the background) is not built"),
     "kv_channels": (["--kv-channels", "16"], 1, "--kv-channels is not a choice here: the head "
                                                 "dimension is --hidden-size / --num-attention-heads"),

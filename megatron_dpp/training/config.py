@@ -17,6 +17,7 @@ from megatron_dpp.training.batch_ramp import BatchSizeRamp
 from megatron_dpp.training.checkpoint_flags import LoadScope
 from megatron_dpp.training.flags import batch_ramp_from_args
 from megatron_dpp.training.tensorboard_log import TensorBoardConfig
+from megatron_dpp.training.wandb_log import wandb_config_from_args
 # transformer_config_from_args: the training loop imports it from here.
 from megatron_dpp.models.transformer_config import (params_dtype_from_args,
                                                     transformer_config_from_args)
@@ -52,7 +53,7 @@ class TrainingConfig:
     save: Optional[str]
     load: Optional[str]
     save_interval: Optional[int]
-    tensorboard: Optional[TensorBoardConfig]  # --tensorboard-dir and what it gets
+    tensorboard: Optional[TensorBoardConfig]  # --tensorboard-dir, --wandb-project; what they get
     log_num_zeros_in_grad: bool  # the optimizer counts them (OptimizerConfig's field too)
     log_params_norm: bool  # the parameters' L2 norm at logged iterations (training/params_norm.py)
     log_throughput: bool  # TFLOP/s per rank in the log line (training/throughput.py)
@@ -119,10 +120,12 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
 
 
 def _tensorboard_config(args: argparse.Namespace) -> Optional[TensorBoardConfig]:
-    if args.tensorboard_dir is None:
+    """--tensorboard-dir's scalars, also for --wandb-project (which gets the same ones)."""
+    wandb = wandb_config_from_args(args)
+    if args.tensorboard_dir is None and wandb is None:
         return None
     return TensorBoardConfig(
-        directory=args.tensorboard_dir, log_interval=args.tensorboard_log_interval,
+        directory=args.tensorboard_dir, wandb=wandb, log_interval=args.tensorboard_log_interval,
         queue_size=args.tensorboard_queue_size,
         learning_rate=args.log_learning_rate_to_tensorboard,
         loss_scale=args.log_loss_scale_to_tensorboard,

@@ -17,6 +17,7 @@ from megatron_dpp.training.batch_ramp import BatchSizeRamp
 from megatron_dpp.training.checkpoint_flags import (add_checkpoint_format_args,
                                                     add_load_scope_args, check_load_dir,
                                                     check_load_scope_args)
+from megatron_dpp.training.wandb_log import save_dir as wandb_save_dir
 
 
 # ----------------------------------------------------------------------------------------------
@@ -30,16 +31,11 @@ REFUSED_TRAINING_FLAGS: dict[str, str] = {
 }
 _TRACE_INSTEAD = ("--trace records every task, wait, gradient sync and optimizer step of every "
                   "rank (docs/tracing.md)")
-_NO_WANDB = ("Weights & Biases logging, which is not built in here; the log line carries the "
-             "losses, learning rate, loss scale, grad norm and tokens/s")
 REFUSED_LOGGING_FLAGS: dict[str, str] = {
     "--timing-log-level": f"sets Megatron-LM's timers, which are not kept here; {_TRACE_INSTEAD}",
     "--timing-log-option": f"sets Megatron-LM's timers, which are not kept here; {_TRACE_INSTEAD}",
     "--log-timers-to-tensorboard": f"writes Megatron-LM's timers, which are not kept here; "
                                    f"{_TRACE_INSTEAD}",
-    "--wandb-project": f"is for {_NO_WANDB}",
-    "--wandb-exp-name": f"is for {_NO_WANDB}",
-    "--wandb-save-dir": f"is for {_NO_WANDB}",
 }
 REFUSED_CHECKPOINT_FLAGS: dict[str, str] = {
     "--async-save": "(saving in the background) is not built here: a save is one atomic, "
@@ -53,8 +49,7 @@ REFUSED_CHECKPOINT_FLAGS: dict[str, str] = {
 }
 # --tensorboard-dir's defaults, as Megatron-LM's.
 TENSORBOARD_LOG_INTERVAL, TENSORBOARD_QUEUE_SIZE = 1, 1000
-LOGGING_FLAGS_TAKING_A_VALUE = ("--timing-log-level", "--timing-log-option", "--wandb-project",
-                                "--wandb-exp-name", "--wandb-save-dir")
+LOGGING_FLAGS_TAKING_A_VALUE = ("--timing-log-level", "--timing-log-option")
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -462,6 +457,17 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                             "mem-allocated-count.")
     group.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                        help="With --tensorboard-dir: add the validation loss's perplexity.")
+    group.add_argument("--wandb-project", type=str, default="",
+                       help="Log the TensorBoard scalars (losses, learning-rate, grad-norm, ...; "
+                            "the --log-...-to-tensorboard flags and --tensorboard-log-interval "
+                            "apply) to this Weights & Biases project, as Megatron-LM; needs the "
+                            "wandb package and --wandb-exp-name (training/wandb_log.py).")
+    group.add_argument("--wandb-exp-name", type=str, default="",
+                       help="With --wandb-project: the run's name.")
+    group.add_argument("--wandb-save-dir", type=str, default="",
+                       help="With --wandb-project: W&B's local files (default: <--save>/wandb).")
+    group.add_argument("--wandb-entity", type=str, default="",
+                       help="With --wandb-project: the W&B user or team (default: W&B's own).")
     add_refused_flags(group, REFUSED_LOGGING_FLAGS, taking_a_value=LOGGING_FLAGS_TAKING_A_VALUE)
 
 
@@ -470,33 +476,59 @@ def validate_logging_args(args: argparse.Namespace) -> None:
     require(args.eval_interval > 0, "--eval-interval must be positive")
     require(args.eval_iters >= 0, "--eval-iters must be >= 0")
     _validate_tensorboard_args(args)
+    _validate_wandb_args(args)
 
 
 def _validate_tensorboard_args(args: argparse.Namespace) -> None:
-    chosen = {"--tensorboard-log-interval":
-                  args.tensorboard_log_interval != TENSORBOARD_LOG_INTERVAL,
-              "--tensorboard-queue-size": args.tensorboard_queue_size != TENSORBOARD_QUEUE_SIZE,
-              "--no-log-learnig-rate-to-tensorboard": not args.log_learning_rate_to_tensorboard,
-              "--no-log-loss-scale-to-tensorboard": not args.log_loss_scale_to_tensorboard,
-              "--log-batch-size-to-tensorboard": args.log_batch_size_to_tensorboard,
-              "--log-world-size-to-tensorboard": args.log_world_size_to_tensorboard,
-              "--log-memory-to-tensorboard": args.log_memory_to_tensorboard,
-              "--log-validation-ppl-to-tensorboard": args.log_validation_ppl_to_tensorboard}
+    # What the scalar logs get; W&B (--wandb-project) gets the same, chosen by the same flags.
+    choosing = {"--tensorboard-log-interval":
+                    args.tensorboard_log_interval != TENSORBOARD_LOG_INTERVAL,
+                "--no-log-learnig-rate-to-tensorboard": not args.log_learning_rate_to_tensorboard,
+                "--no-log-loss-scale-to-tensorboard": not args.log_loss_scale_to_tensorboard,
+                "--log-batch-size-to-tensorboard": args.log_batch_size_to_tensorboard,
+                "--log-world-size-to-tensorboard": args.log_world_size_to_tensorboard,
+                "--log-memory-to-tensorboard": args.log_memory_to_tensorboard,
+                "--log-validation-ppl-to-tensorboard": args.log_validation_ppl_to_tensorboard}
     if args.tensorboard_dir is None:
-        given = [flag for flag, set_ in chosen.items() if set_]
-        require(not given, f"{given[0] if given else ''} needs --tensorboard-dir DIR")
-        return
-    import importlib.util
+        require(args.tensorboard_queue_size == TENSORBOARD_QUEUE_SIZE,
+                "--tensorboard-queue-size needs --tensorboard-dir DIR")
+        given = [flag for flag, set_ in choosing.items() if set_]
+        require(not given or bool(args.wandb_project),
+                f"{given[0] if given else ''} needs --tensorboard-dir DIR (or --wandb-project NAME)")
+    else:
+        import importlib.util
 
-    require(importlib.util.find_spec("tensorboard") is not None,
-            "--tensorboard-dir needs the tensorboard package, which this Python lacks: pip "
-            "install tensorboard (into the venv), or drop the flag")
-    require_output_dir("--tensorboard-dir", args.tensorboard_dir)
+        require(importlib.util.find_spec("tensorboard") is not None,
+                "--tensorboard-dir needs the tensorboard package, which this Python lacks: pip "
+                "install tensorboard (into the venv), or drop the flag")
+        require_output_dir("--tensorboard-dir", args.tensorboard_dir)
+        require(args.tensorboard_queue_size > 0, "--tensorboard-queue-size must be positive")
     require(args.tensorboard_log_interval > 0, "--tensorboard-log-interval must be positive")
-    require(args.tensorboard_queue_size > 0, "--tensorboard-queue-size must be positive")
     require(not args.log_memory_to_tensorboard or cuda_available(),
             "--log-memory-to-tensorboard reports the CUDA caching allocator, and there is no "
             "CUDA GPU here; drop it")
+
+
+def _validate_wandb_args(args: argparse.Namespace) -> None:
+    if not args.wandb_project:
+        given = [flag for flag, value in (("--wandb-exp-name", args.wandb_exp_name),
+                                          ("--wandb-save-dir", args.wandb_save_dir),
+                                          ("--wandb-entity", args.wandb_entity)) if value]
+        require(not given, f"{given[0] if given else ''} needs --wandb-project NAME")
+        return
+    import importlib.util
+
+    require(bool(args.wandb_exp_name),
+            "--wandb-project needs --wandb-exp-name NAME (the run's name), as in Megatron-LM")
+    require(importlib.util.find_spec("wandb") is not None,
+            "--wandb-project needs the wandb package, which this Python lacks: pip install "
+            "wandb (into the venv), or drop the flag")
+    directory = wandb_save_dir(args)
+    require(directory is not None,
+            "--wandb-project needs --wandb-save-dir DIR or --save DIR (W&B's files then go to "
+            "<save>/wandb)")
+    require_output_dir("--wandb-save-dir" if args.wandb_save_dir else "--save (for W&B's files)",
+                       directory)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Megatron-LM's TensorBoard scalars (--tensorboard-dir): the same tags, written by the rank that
-prints the log line (the last pipeline stage's first tensor- and data-parallel rank; Megatron-LM
+"""Megatron-LM's TensorBoard scalars (--tensorboard-dir), and the same ones to Weights & Biases
+(--wandb-project, training/wandb_log.py): the same tags, written by the rank that prints the log line (the last pipeline stage's first tensor- and data-parallel rank; Megatron-LM
 writes from the last rank, which holds the same values).
 
 Every --tensorboard-log-interval iterations: each reported loss (`lm loss`, BERT's `sop loss`),
@@ -8,7 +8,7 @@ Every --tensorboard-log-interval iterations: each reported loss (`lm loss`, BERT
 --log-batch-size-to-tensorboard), `world-size` (with --log-world-size-to-tensorboard), and GPU
 memory (`mem-reserved-bytes`, `mem-allocated-bytes`, `mem-max-allocated-bytes`,
 `mem-allocated-count`, with --log-memory-to-tensorboard), each also as `<tag> vs samples` over the
-consumed samples. After each evaluation: `lm loss validation` (and `lm loss validation ppl` with
+consumed samples (W&B: the iteration's only, as Megatron-LM). After each evaluation: `lm loss validation` (and `lm loss validation ppl` with
 --log-validation-ppl-to-tensorboard), with their `vs samples`. Reading the losses every interval
 makes the host wait for the device once per written iteration, as in Megatron-LM.
 """
@@ -18,12 +18,15 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_dpp.training.wandb_log import WandbConfig, WandbRun
+
 
 @dataclass(frozen=True)
 class TensorBoardConfig:
-    """--tensorboard-dir and the flags that choose what it gets."""
+    """--tensorboard-dir, --wandb-project and the flags that choose what they get."""
 
-    directory: str
+    directory: Optional[str]  # --tensorboard-dir (None: W&B only)
+    wandb: Optional[WandbConfig]  # --wandb-project (None: TensorBoard only)
     log_interval: int  # --tensorboard-log-interval
     queue_size: int  # --tensorboard-queue-size: events buffered before a write to disk
     learning_rate: bool  # not --no-log-learnig-rate-to-tensorboard (Megatron-LM's spelling)
@@ -41,15 +44,24 @@ class TensorBoardConfig:
 
 class TensorBoardLog:
     def __init__(self, config: TensorBoardConfig, world_size: int):
-        from torch.utils.tensorboard import SummaryWriter
-
         self.config = config
         self.world_size = world_size
-        self.writer = SummaryWriter(log_dir=config.directory, max_queue=config.queue_size)
+        self.writer = None
+        if config.directory is not None:
+            from torch.utils.tensorboard import SummaryWriter
 
-    def _scalar(self, tag: str, value: float, iteration: int, samples: int) -> None:
-        self.writer.add_scalar(tag, value, iteration)
-        self.writer.add_scalar(f"{tag} vs samples", value, samples)
+            self.writer = SummaryWriter(log_dir=config.directory, max_queue=config.queue_size)
+        self.wandb = WandbRun(config.wandb) if config.wandb is not None else None
+
+    def _scalar(self, tag: str, value: float, iteration: int,
+                samples: Optional[int] = None) -> None:
+        """The scalar at the iteration, and in TensorBoard also `<tag> vs samples`."""
+        if self.writer is not None:
+            self.writer.add_scalar(tag, value, iteration)
+            if samples is not None:
+                self.writer.add_scalar(f"{tag} vs samples", value, samples)
+        if self.wandb is not None:
+            self.wandb.scalar(tag, value, iteration)
 
     def wants(self, iteration: int) -> bool:
         return self.config.wants(iteration)
@@ -84,7 +96,7 @@ class TensorBoardLog:
                              ("mem-allocated-bytes", "allocated_bytes.all.current"),
                              ("mem-max-allocated-bytes", "allocated_bytes.all.peak"),
                              ("mem-allocated-count", "allocation.all.current")):
-                self.writer.add_scalar(tag, stats.get(key, 0), iteration)
+                self._scalar(tag, stats.get(key, 0), iteration)
 
     def validation(self, iteration: int, samples: int, lm_loss: float) -> None:
         self._scalar("lm loss validation", lm_loss, iteration, samples)
@@ -93,4 +105,7 @@ class TensorBoardLog:
                          samples)
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
