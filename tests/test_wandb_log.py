@@ -25,6 +25,8 @@ FAKE_WANDB = textwrap.dedent('''
             out.write(json.dumps({"call": call, "rank": os.environ.get("RANK"), **fields}) + "\\n")
 
     def init(**kwargs):
+        if os.environ.get("FAKE_WANDB_FAIL"):  # as wandb.init without an API key, no TTY
+            raise RuntimeError("api_key not configured (no-tty).\\n  call wandb.login(key=...)")
         _record("init", kwargs={k: v for k, v in kwargs.items() if k != "config"},
                 config_keys=sorted(kwargs.get("config", {})),
                 seq_length=kwargs.get("config", {}).get("seq_length"))
@@ -121,6 +123,21 @@ def test_wandb_alone_with_its_files_under_save(tmp_path, fake_wandb):
     assert [step for step, _ in logged["lm loss"]] == [2, 4]
     assert [value for _, value in logged["lm loss"]] == pytest.approx(losses[1::2], rel=1e-6)
     assert "loss-scale" not in logged and "learning-rate" in logged
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_wandb_init_is_one_line(tmp_path, fake_wandb):
+    env, record = fake_wandb
+    env["FAKE_WANDB_FAIL"] = "1"
+    rc, losses, _norms, out = run_training(
+        ["--train-iters", "2", "--wandb-project", "p", "--wandb-exp-name", "n",
+         "--wandb-save-dir", str(tmp_path / "runs")], nproc=1, env=env, torchrun=True)
+    assert rc == 1 and losses == [], out[-3000:]
+    assert ("megatron_dpp: error: --wandb-project: wandb.init failed: api_key not configured "
+            "(no-tty). call wandb.login(key=...) (WANDB_MODE=offline keeps the run on disk") in out
+    rank_output = out.split("failed (exitcode")[0]  # plain torchrun then prints its own traceback
+    assert "Traceback" not in rank_output
+    assert not record.exists()
 
 
 def test_wandb_flags_are_checked_before_launch(monkeypatch, capsys, tmp_path):

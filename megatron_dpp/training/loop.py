@@ -63,6 +63,7 @@ from megatron_dpp.training.params_norm import params_l2_norm
 from megatron_dpp.training.sgd_state import install_sgd_state_init
 from megatron_dpp.training.signals import AgreedStop, StopSignals
 from megatron_dpp.training.tensorboard_log import TensorBoardLog
+from megatron_dpp.training.wandb_log import WandbInitError
 from megatron_dpp.training.throughput import ModelShape, floating_point_operations, tflops_per_gpu
 from megatron_dpp.training.step_tracing import LOSS_ALL_REDUCE, STOP_AGREEMENT, StepTracer
 from megatron_dpp.training.tracing import agree_run_directory
@@ -294,8 +295,12 @@ class Trainer:
         self.watchdog = _stall_watchdog(args)
         # The last step's count of zero gradient elements (--log-num-zeros-in-grad, else None).
         self.num_zeros_in_grad = None
-        self.tensorboard = (TensorBoardLog(self.train.tensorboard, dist.get_world_size())
-                            if self.train.tensorboard is not None and is_logging_rank() else None)
+        try:
+            self.tensorboard = (TensorBoardLog(self.train.tensorboard, dist.get_world_size())
+                                if self.train.tensorboard is not None and is_logging_rank()
+                                else None)
+        except WandbInitError as error:  # the logging rank's; the others learn it as a lost peer
+            fail(f"megatron_dpp: error: {error}", exit_code=FAILED)
         # --log-throughput: what Megatron-LM's operation count needs of the model.
         self.model_shape = (ModelShape.of(self.config, args.seq_length, args.padded_vocab_size)
                             if self.train.log_throughput else None)

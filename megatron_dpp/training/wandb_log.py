@@ -51,6 +51,10 @@ def wandb_config_from_args(args: argparse.Namespace) -> Optional[WandbConfig]:
                     if isinstance(value, _CONFIG_TYPES)})
 
 
+class WandbInitError(RuntimeError):
+    """wandb.init failed (no API key, W&B's service out of reach, ...): one line for the user."""
+
+
 class WandbRun:
     """One W&B run: scalars by tag at the iteration, finished once."""
 
@@ -63,7 +67,13 @@ class WandbRun:
         if config.entity:
             arguments["entity"] = config.entity
         self.wandb = wandb
-        self.run = wandb.init(**arguments)
+        try:
+            self.run = wandb.init(**arguments)
+        except Exception as error:  # W&B's own errors are many; each becomes this one line
+            detail = " ".join(str(error).split()) or type(error).__name__
+            raise WandbInitError(
+                f"--wandb-project: wandb.init failed: {detail} (WANDB_MODE=offline keeps the run "
+                f"on disk for `wandb sync`, without W&B's service)") from error
 
     def scalar(self, tag: str, value: float, iteration: int) -> None:
         self.wandb.log({tag: value}, step=iteration)
