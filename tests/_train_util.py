@@ -114,3 +114,17 @@ def run_training(extra_args: Sequence[str] = (), nproc: int = 2, timeout: float 
         raise AssertionError(f"training did not finish within {timeout}s:\n{stdout[-4000:]}")
     losses, grad_norms = parse_log(stdout)
     return process.returncode, losses, grad_norms, stdout
+
+
+def flag_error(capsys, argv: Sequence[str], model: str = "gpt") -> str:
+    """The line megatron_dpp.pretrain_<model>'s flag check prints for `argv` (in this process; the
+    caller sets WORLD_SIZE and RANK), asserting it stops with exit code 2 and one line."""
+    import pytest
+
+    from megatron_dpp.arguments import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(list(argv), prog=f"megatron_dpp.pretrain_{model}", model=model)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_.value.code == 2 and len(lines) == 1, lines
+    return lines[0]

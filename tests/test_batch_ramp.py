@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from _train_util import TINY_GPT_ARGS, data_args, run_training
+from _train_util import TINY_GPT_ARGS, data_args, flag_error, run_training
 from megatron_dpp.training.batch_ramp import BatchSizeRamp
 
 RAMPS = [(16, 16, 1000, 64), (8, 8, 100, 8 * 7), (2, 2, 24, 8), (4, 2, 7, 10)]
@@ -50,15 +50,9 @@ def test_the_iteration_count_is_megatron_lms(start, increment, samples, final):
 
 
 def _error(monkeypatch, capsys, *flags, base=TINY_GPT_ARGS):
-    from megatron_dpp.arguments import parse_args
-
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(SystemExit) as exit_:
-        parse_args([*data_args(), *base, *flags], prog="megatron_dpp.pretrain_gpt")
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert exit_.value.code == 2 and len(lines) == 1, lines
-    return lines[0]
+    return flag_error(capsys, [*data_args(), *base, *flags])
 
 
 def _samples_base():

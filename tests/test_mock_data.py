@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from _train_util import TINY_GPT_ARGS, run_training
+from _train_util import TINY_GPT_ARGS, flag_error, run_training
 from megatron_dpp.data.tokenizer import NullTokenizer
 from test_launch_paths import SCRIPTS, _run
 
@@ -22,15 +22,9 @@ def test_null_tokenizer_is_megatron_lms():
 
 
 def _error(monkeypatch, capsys, *flags, model="gpt"):
-    from megatron_dpp.arguments import parse_args
-
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(SystemExit) as exit_:
-        parse_args([*TINY_GPT_ARGS, *flags], prog=f"megatron_dpp.pretrain_{model}", model=model)
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert exit_.value.code == 2 and len(lines) == 1, lines
-    return lines[0]
+    return flag_error(capsys, [*TINY_GPT_ARGS, *flags], model=model)
 
 
 def test_flag_errors(monkeypatch, capsys):

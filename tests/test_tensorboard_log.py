@@ -66,18 +66,13 @@ def test_the_interval_and_the_leaving_out_flags(tmp_path):
 def test_tensorboard_flags_are_checked_before_launch(monkeypatch, capsys):
     import importlib.util
 
-    from _train_util import TINY_GPT_ARGS, data_args
-    from megatron_dpp.arguments import parse_args
+    from _train_util import TINY_GPT_ARGS, data_args, flag_error
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
 
     def error(*flags):
-        with pytest.raises(SystemExit) as exit_:
-            parse_args([*data_args(), *TINY_GPT_ARGS, *flags], prog="megatron_dpp.pretrain_gpt")
-        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-        assert exit_.value.code == 2 and len(lines) == 1, lines
-        return lines[0]
+        return flag_error(capsys, [*data_args(), *TINY_GPT_ARGS, *flags])
 
     assert "--tensorboard-log-interval needs --tensorboard-dir DIR" in \
         error("--tensorboard-log-interval", "5")

@@ -143,18 +143,14 @@ def test_a_failed_wandb_init_is_one_line(tmp_path, fake_wandb):
 def test_wandb_flags_are_checked_before_launch(monkeypatch, capsys, tmp_path):
     import importlib.util
 
-    from _train_util import TINY_GPT_ARGS, data_args
+    from _train_util import TINY_GPT_ARGS, data_args, flag_error
     from megatron_dpp.arguments import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
 
     def error(*flags):
-        with pytest.raises(SystemExit) as exit_:
-            parse_args([*data_args(), *TINY_GPT_ARGS, *flags], prog="megatron_dpp.pretrain_gpt")
-        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-        assert exit_.value.code == 2 and len(lines) == 1, lines
-        return lines[0]
+        return flag_error(capsys, [*data_args(), *TINY_GPT_ARGS, *flags])
 
     real = importlib.util.find_spec
     installed = {"wandb": True}
