@@ -57,6 +57,7 @@ class TrainingConfig:
     log_num_zeros_in_grad: bool  # the optimizer counts them (OptimizerConfig's field too)
     log_params_norm: bool  # the parameters' L2 norm at logged iterations (training/params_norm.py)
     log_throughput: bool  # TFLOP/s per rank in the log line (training/throughput.py)
+    timing_log_option: str  # --timing-log-option: how the timers' block shows the ranks
     load_scope: LoadScope  # what --load restores beyond the model
     exit_interval: Optional[int]  # stop after a multiple of it (Megatron-LM's)
     exit_duration_in_mins: Optional[float]  # stop after the first iteration past it
@@ -108,6 +109,7 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
         log_params_norm=args.log_params_norm,
         log_throughput=args.log_throughput,
+        timing_log_option=args.timing_log_option,
         load_scope=LoadScope.from_args(args),
         exit_interval=args.exit_interval,
         exit_duration_in_mins=args.exit_duration_in_mins,
@@ -131,7 +133,8 @@ def _tensorboard_config(args: argparse.Namespace) -> Optional[TensorBoardConfig]
         loss_scale=args.log_loss_scale_to_tensorboard,
         batch_size=args.log_batch_size_to_tensorboard,
         world_size=args.log_world_size_to_tensorboard, memory=args.log_memory_to_tensorboard,
-        validation_ppl=args.log_validation_ppl_to_tensorboard)
+        validation_ppl=args.log_validation_ppl_to_tensorboard,
+        timers=args.log_timers_to_tensorboard)
 
 
 def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:

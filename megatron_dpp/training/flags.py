@@ -17,6 +17,7 @@ from megatron_dpp.training.batch_ramp import BatchSizeRamp
 from megatron_dpp.training.checkpoint_flags import (add_checkpoint_format_args,
                                                     add_load_scope_args, check_load_dir,
                                                     check_load_scope_args)
+from megatron_dpp.training.timers import DEFAULT_LOG_LEVEL, DEFAULT_LOG_OPTION, LOG_LEVELS, LOG_OPTIONS
 from megatron_dpp.training.wandb_log import save_dir as wandb_save_dir
 
 
@@ -28,14 +29,6 @@ REFUSED_TRAINING_FLAGS: dict[str, str] = {
     "--decrease-batch-size-if-needed":
         "is not built here: every global batch, --rampup-batch-size's included, must divide "
         "into micro-batches on each data-parallel rank (the flag check says which does not)",
-}
-_TRACE_INSTEAD = ("--trace records every task, wait, gradient sync and optimizer step of every "
-                  "rank (docs/tracing.md)")
-REFUSED_LOGGING_FLAGS: dict[str, str] = {
-    "--timing-log-level": f"sets Megatron-LM's timers, which are not kept here; {_TRACE_INSTEAD}",
-    "--timing-log-option": f"sets Megatron-LM's timers, which are not kept here; {_TRACE_INSTEAD}",
-    "--log-timers-to-tensorboard": f"writes Megatron-LM's timers, which are not kept here; "
-                                   f"{_TRACE_INSTEAD}",
 }
 REFUSED_CHECKPOINT_FLAGS: dict[str, str] = {
     "--async-save": "(saving in the background) is not built here: a save is one atomic, "
@@ -49,7 +42,6 @@ REFUSED_CHECKPOINT_FLAGS: dict[str, str] = {
 }
 # --tensorboard-dir's defaults, as Megatron-LM's.
 TENSORBOARD_LOG_INTERVAL, TENSORBOARD_QUEUE_SIZE = 1, 1000
-LOGGING_FLAGS_TAKING_A_VALUE = ("--timing-log-level", "--timing-log-option")
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -468,7 +460,29 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                        help="With --wandb-project: W&B's local files (default: <--save>/wandb).")
     group.add_argument("--wandb-entity", type=str, default="",
                        help="With --wandb-project: the W&B user or team (default: W&B's own).")
-    add_refused_flags(group, REFUSED_LOGGING_FLAGS, taking_a_value=LOGGING_FLAGS_TAKING_A_VALUE)
+    group.add_argument("--timing-log-level", type=int, default=DEFAULT_LOG_LEVEL,
+                       choices=LOG_LEVELS,
+                       help="Megatron-LM's timers, printed per iteration under each logged "
+                            "iteration line: 0 none (the default), 1 the iteration's parts "
+                            "(forward-backward, the gradient all-reduces, the optimizer step and "
+                            "its parts), 2 also batch-generator, forward-compute and "
+                            "backward-compute (and, with Megatron's schedules, their "
+                            "send/receive waits). On a GPU they time the device with CUDA events, "
+                            "without synchronizing at each timer (training/timers.py).")
+    group.add_argument("--timing-log-option", type=str, default=DEFAULT_LOG_OPTION,
+                       choices=LOG_OPTIONS,
+                       help="With --timing-log-level 1 or 2: print each timer's max over the "
+                            "ranks, its (min, max), or every rank's time.")
+    group.add_argument("--no-barrier-with-level-1-timing", action="store_false",
+                       dest="barrier_with_L1_time",
+                       help="With --timing-log-level 1 or 2: do not make all ranks meet before "
+                            "the forward-backward, optimizer and gradient-sync timers start "
+                            "(Megatron-LM's default meets, so that the times compare).")
+    group.add_argument("--log-timers-to-tensorboard", action="store_true",
+                       help="With --tensorboard-dir or --wandb-project: at each logged iteration "
+                            "write iteration-time and each timer of --timing-log-level as "
+                            "`<timer>-time` (its max over the ranks), in seconds per iteration, "
+                            "as Megatron-LM.")
 
 
 def validate_logging_args(args: argparse.Namespace) -> None:
@@ -477,6 +491,17 @@ def validate_logging_args(args: argparse.Namespace) -> None:
     require(args.eval_iters >= 0, "--eval-iters must be >= 0")
     _validate_tensorboard_args(args)
     _validate_wandb_args(args)
+    _validate_timing_args(args)
+
+
+def _validate_timing_args(args: argparse.Namespace) -> None:
+    if args.timing_log_level > 0:
+        return
+    given = [flag for flag, set_ in (
+        ("--timing-log-option", args.timing_log_option != DEFAULT_LOG_OPTION),
+        ("--no-barrier-with-level-1-timing", not args.barrier_with_L1_time)) if set_]
+    require(not given, f"{given[0] if given else ''} needs --timing-log-level 1 or 2 (at the "
+                       f"default 0 no timer runs)")
 
 
 def _validate_tensorboard_args(args: argparse.Namespace) -> None:
@@ -488,7 +513,8 @@ def _validate_tensorboard_args(args: argparse.Namespace) -> None:
                 "--log-batch-size-to-tensorboard": args.log_batch_size_to_tensorboard,
                 "--log-world-size-to-tensorboard": args.log_world_size_to_tensorboard,
                 "--log-memory-to-tensorboard": args.log_memory_to_tensorboard,
-                "--log-validation-ppl-to-tensorboard": args.log_validation_ppl_to_tensorboard}
+                "--log-validation-ppl-to-tensorboard": args.log_validation_ppl_to_tensorboard,
+                "--log-timers-to-tensorboard": args.log_timers_to_tensorboard}
     if args.tensorboard_dir is None:
         require(args.tensorboard_queue_size == TENSORBOARD_QUEUE_SIZE,
                 "--tensorboard-queue-size needs --tensorboard-dir DIR")

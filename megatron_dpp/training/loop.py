@@ -63,6 +63,8 @@ from megatron_dpp.training.params_norm import params_l2_norm
 from megatron_dpp.training.sgd_state import install_sgd_state_init
 from megatron_dpp.training.signals import AgreedStop, StopSignals
 from megatron_dpp.training.tensorboard_log import TensorBoardLog
+from megatron_dpp.training.timers import (TimedIterator, attach_timers, timed, timers_from_args,
+                                          timers_off, timers_to_log)
 from megatron_dpp.training.wandb_log import WandbInitError
 from megatron_dpp.training.throughput import ModelShape, floating_point_operations, tflops_per_gpu
 from megatron_dpp.training.step_tracing import LOSS_ALL_REDUCE, STOP_AGREEMENT, StepTracer
@@ -153,6 +155,9 @@ def wrap_for_mixed_precision(config, chunks: list) -> list:
 
 def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSpec):
     config = transformer_config_from_args(args)
+    # --timing-log-level: Megatron-Core's schedules, gradient sync and optimizer time themselves.
+    timers = timers_from_args(args, platform.device)
+    attach_timers(config, timers, args.barrier_with_L1_time)
     chunks = spec.build_chunks(args, config, seed)  # args.padded_vocab_size: set by build_tokenizer
     chunks = wrap_for_mixed_precision(config, [chunk.to(platform.device) for chunk in chunks])
     ddp_config = ddp_config_from_args(args)
@@ -165,7 +170,9 @@ def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSp
         DistributedDataParallel(config, ddp_config, module=chunk, disable_bucketing=index > 0)
         for index, chunk in enumerate(chunks)
     ]
-    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
+    optimizer_config = optimizer_config_from_args(args)
+    attach_timers(optimizer_config, timers, args.barrier_with_L1_time)
+    optimizer = get_megatron_optimizer(optimizer_config, model)
     install_sgd_state_init(optimizer)  # --optimizer sgd: what a torch_dist load calls
     set_sync_funcs(config, model, args)
     config.finalize_model_grads_func = finalize_model_grads
@@ -278,6 +285,7 @@ class Trainer:
         self.config, self.model, self.optimizer = build_model_and_optimizer(
             args, platform, args.seed, spec)
         self.scheduler = SampleSchedule(self.optimizer, self.train)
+        self.timers = self.config.timers  # --timing-log-level's, or None
         # --trace and torch.profiler write into one directory per run, agreed on by all ranks.
         writes_files = args.trace or (args.profile and args.use_pytorch_profiler)
         run_directory = agree_run_directory(args) if writes_files else None
@@ -311,6 +319,9 @@ class Trainer:
 
     def _run_schedule(self, data_iterators, forward_only: bool,
                       num_microbatches: int) -> list[dict]:
+        if self.timers is not None and self.timers.log_level >= 2 and not forward_only:
+            data_iterators = [None if source is None else TimedIterator(source, self.timers)
+                              for source in data_iterators]
         return self.forward_backward(
             forward_step_func=self.forward_step,
             data_iterator=_as_schedule_input(data_iterators),
@@ -339,7 +350,8 @@ class Trainer:
         if self.train.empty_unused_memory_level >= 1:
             torch.cuda.empty_cache()
         self.watch("the optimizer step (gradient-norm all-reduce over the model-parallel group)")
-        with self.traced_step(OPTIMIZER_STEP):
+        with self.traced_step(OPTIMIZER_STEP), timed(self.timers, "optimizer", log_level=1,
+                                                     barrier=self.args.barrier_with_L1_time):
             updated, grad_norm, self.num_zeros_in_grad = self.optimizer.step()
         if updated:
             self.scheduler.step_after_update(batch)
@@ -404,7 +416,8 @@ class Trainer:
         for chunk in self.model:
             chunk.eval()
         loss_sum = tokens = 0.0
-        with torch.no_grad(), eager_layers(self.config):
+        # As Megatron-LM: the timers count training only.
+        with torch.no_grad(), eager_layers(self.config), timers_off(self.config):
             for _ in range(self.train.eval_iters):
                 self.watch("an evaluation step (forward-only schedule, loss all-reduce)")
                 reduced = reduce_losses(
@@ -428,6 +441,29 @@ class Trainer:
             if self.tensorboard is not None:
                 self.tensorboard.validation(self.state.iteration, self.state.consumed_samples,
                                             loss)
+
+    def report_timers(self, iteration: int, iteration_seconds: float) -> None:
+        """At a logged iteration, after its line: the timers' block (--timing-log-level 1 or 2;
+        collective: every rank takes part in their all-gather) and, with
+        --log-timers-to-tensorboard, their scalars, as Megatron-LM."""
+        report = None
+        if self.timers is not None:
+            self.watch("the timers' all-gather (every rank)")
+            report = self.timers.gather(timers_to_log(self.timers.log_level),
+                                        normalizer=self.train.log_interval)
+            self.unwatch()
+        if not is_logging_rank():
+            return
+        text = report.text(self.train.timing_log_option) if report is not None else None
+        if text is not None:
+            log(text)
+        if self.tensorboard is not None and self.train.tensorboard.timers:
+            throughput = (tflops_per_gpu(floating_point_operations(
+                self.model_shape, self.last_global_batch_size), iteration_seconds,
+                dist.get_world_size()) if self.model_shape is not None else None)
+            self.tensorboard.timers(
+                iteration, iteration_seconds, throughput,
+                {name: report.min_max(name)[1] for name in report.names} if report else {})
 
     def close(self) -> None:
         """Collective: every rank calls it after the same iteration (end or agreed stop)."""
@@ -699,9 +735,10 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
                 if trainer.tensorboard is not None and trainer.tensorboard.wants(iteration):
                     _write_tensorboard(trainer, reduced, grad_norm, params_norm)
                 if logged:
+                    iteration_ms = interval_ms / train.log_interval
                     if reduced is not None and is_logging_rank():
                         log(_format_iteration(trainer, reduced.read(), grad_norm, params_norm,
-                                              interval_ms / train.log_interval, skipped))
+                                              iteration_ms, skipped))
                     interval_ms = 0.0
                     skipped = 0  # as Megatron-LM: the skipped iterations of each log interval
                     # As Megatron-LM: once, at the first logged iteration, every GPU rank of the
@@ -710,6 +747,7 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
                             parallel_state.get_data_parallel_rank() == 0:
                         log(memory_report(torch.cuda, dist.get_rank(), iteration))
                     memory_reported = True
+                    trainer.report_timers(iteration, iteration_ms / 1000.0)
                 if train.manual_gc and train.manual_gc_interval and \
                         iteration % train.manual_gc_interval == 0:
                     gc.collect()

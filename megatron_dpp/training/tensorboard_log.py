@@ -8,7 +8,9 @@ Every --tensorboard-log-interval iterations: each reported loss (`lm loss`, BERT
 --log-batch-size-to-tensorboard), `world-size` (with --log-world-size-to-tensorboard), and GPU
 memory (`mem-reserved-bytes`, `mem-allocated-bytes`, `mem-max-allocated-bytes`,
 `mem-allocated-count`, with --log-memory-to-tensorboard), each also as `<tag> vs samples` over the
-consumed samples (W&B: the iteration's only, as Megatron-LM). After each evaluation: `lm loss validation` (and `lm loss validation ppl` with
+consumed samples (W&B: the iteration's only, as Megatron-LM). At each logged iteration, with
+--log-timers-to-tensorboard: `iteration-time`, `throughput` (with --log-throughput) and
+`<timer>-time` for each timer of --timing-log-level (training/timers.py). After each evaluation: `lm loss validation` (and `lm loss validation ppl` with
 --log-validation-ppl-to-tensorboard), with their `vs samples`. Reading the losses every interval
 makes the host wait for the device once per written iteration, as in Megatron-LM.
 """
@@ -35,6 +37,7 @@ class TensorBoardConfig:
     world_size: bool  # --log-world-size-to-tensorboard
     memory: bool  # --log-memory-to-tensorboard (CUDA only)
     validation_ppl: bool  # --log-validation-ppl-to-tensorboard
+    timers: bool  # --log-timers-to-tensorboard (written at logged iterations)
 
     def wants(self, iteration: int) -> bool:
         """Whether this iteration's scalars are written (every rank knows it: collectives such
@@ -97,6 +100,17 @@ class TensorBoardLog:
                              ("mem-max-allocated-bytes", "allocated_bytes.all.peak"),
                              ("mem-allocated-count", "allocation.all.current")):
                 self._scalar(tag, stats.get(key, 0), iteration)
+
+    def timers(self, iteration: int, iteration_seconds: float, throughput: Optional[float],
+               timer_seconds: dict) -> None:
+        """--log-timers-to-tensorboard at a logged iteration, as Megatron-LM: iteration-time,
+        throughput (with --log-throughput, TFLOP/s per GPU) and `<timer>-time` for each timer
+        (its max over the ranks), in seconds per iteration."""
+        self._scalar("iteration-time", iteration_seconds, iteration)
+        if throughput is not None:
+            self._scalar("throughput", throughput, iteration)
+        for name, seconds in timer_seconds.items():
+            self._scalar(f"{name}-time", seconds, iteration)
 
     def validation(self, iteration: int, samples: int, lm_loss: float) -> None:
         self._scalar("lm loss validation", lm_loss, iteration, samples)

@@ -14,11 +14,16 @@ TimerCallback = Callable[[str], None]  # called with the timer's name
 
 
 class _NoTimer:
+    """A timer that is not kept (none stood in for, or its level is above the one logged)."""
+
     def start(self, barrier: bool = False) -> None:
         return None
 
     def stop(self, barrier: bool = False) -> None:
         return None
+
+
+NO_TIMER = _NoTimer()
 
 
 class _HookedTimer:
@@ -48,7 +53,7 @@ class HookedTimers:
 
     def __call__(self, name: str, log_level: Optional[int] = None):
         if self.replaced is None:
-            timer = _NoTimer()
+            timer = NO_TIMER
         elif log_level is None:
             timer = self.replaced(name)
         else:
