@@ -32,12 +32,12 @@ from megatron_dpp.rank_failure import fail
 from megatron_dpp.runtime.flags import add_dpp_args, validate_dpp_args
 from megatron_dpp.training.flags import (
     REFUSED_CHECKPOINT_FLAGS, REFUSED_PROFILE_FLAGS,
-    REFUSED_TRAINING_FLAGS, add_checkpoint_args, add_logging_args, add_profile_args, add_trace_args,
+    add_checkpoint_args, add_logging_args, add_profile_args, add_trace_args,
     add_training_args, validate_checkpoint_args, validate_logging_args, validate_profile_args,
     validate_trace_args, validate_training_args)
 
 # Megatron-LM flags that cannot apply here, each in its group (--help explains it): flag -> why.
-REFUSED_FLAGS: dict[str, str] = {**REFUSED_PARALLEL_FLAGS, **REFUSED_TRAINING_FLAGS,
+REFUSED_FLAGS: dict[str, str] = {**REFUSED_PARALLEL_FLAGS,
                                   **REFUSED_CHECKPOINT_FLAGS,
                                   **REFUSED_PROFILE_FLAGS}
 # The tokenizers some model trains with; each model's own are in models/families.py.

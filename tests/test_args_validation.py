@@ -187,8 +187,10 @@ BAD_FLAGS = {
     "rampup_batch_size_by_iterations": (["--rampup-batch-size", "4", "4", "16"], 1,
                                         "--rampup-batch-size counts samples: give "
                                         "--train-samples"),
-    "decrease_batch_size_if_needed": (["--decrease-batch-size-if-needed"], 1,
-                                      "--decrease-batch-size-if-needed is not built here"),
+    "decrease_batch_size_below_one_step": (["--decrease-batch-size-if-needed",
+                                            "--micro-batch-size", "4", "--global-batch-size", "2"],
+                                           1, "is below one micro-batch on each data-parallel "
+                                              "rank"),
     "wandb_project_without_name": (["--wandb-project", "x"], 1,
                                    "--wandb-project needs --wandb-exp-name NAME"),
     "async_save": (["--async-save"], 1, "--async-save (saving in the background) is not built"),

@@ -81,8 +81,6 @@ def test_flag_errors(monkeypatch, capsys):
          "size 2"),
         (["--rampup-batch-size", "0", "2", "24"], samples, "must be positive, got 0 2 24"),
         (["--rampup-batch-size", "2", "2"], samples, "expected 3 arguments"),
-        (["--rampup-batch-size", "2", "2", "24", "--decrease-batch-size-if-needed"], samples,
-         "--decrease-batch-size-if-needed is not built here"),
     ]
     for flags, base, line in cases:
         assert line in _error(monkeypatch, capsys, *flags, base=base), flags

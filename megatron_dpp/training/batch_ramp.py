@@ -12,6 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def running_batch(global_batch_size: int, micro_batch_times_data_parallel: int) -> int:
+    """The batch trained for a global batch asked for: itself where micro-batches on every
+    data-parallel rank make it up, else (--decrease-batch-size-if-needed) the largest multiple
+    below it, as Megatron-Core's calculators round it (0: not even one)."""
+    return global_batch_size // micro_batch_times_data_parallel * micro_batch_times_data_parallel
+
+
 @dataclass(frozen=True)
 class BatchSizeRamp:
     start: int  # the first iterations' global batch

@@ -13,7 +13,7 @@ from typing import Optional
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 
-from megatron_dpp.training.batch_ramp import BatchSizeRamp
+from megatron_dpp.training.batch_ramp import BatchSizeRamp, running_batch
 from megatron_dpp.training.checkpoint_flags import LoadScope
 from megatron_dpp.training.flags import batch_ramp_from_args
 from megatron_dpp.training.tensorboard_log import TensorBoardConfig
@@ -29,8 +29,11 @@ class TrainingConfig:
 
     train_iters: int
     micro_batch_size: int
-    global_batch_size: int  # after --rampup-batch-size's ramp, if any; evaluation's always
-    num_microbatches: int  # per data-parallel rank, of global_batch_size
+    global_batch_size: int  # --global-batch-size: after --rampup-batch-size's ramp, if any
+    # micro-batch size x data-parallel size: a trained batch is a multiple of it (with
+    # --decrease-batch-size-if-needed the largest one up to the batch asked for)
+    micro_batch_times_data_parallel: int
+    num_microbatches: int  # per data-parallel rank, of global_batch_size as trained; evaluation's
     batch_ramp: Optional[BatchSizeRamp]  # --rampup-batch-size
     seq_length: int
     seed: int
@@ -69,16 +72,22 @@ class TrainingConfig:
 
 
 def global_batch_size_at(train: TrainingConfig, consumed_samples: int) -> int:
-    """The global batch of the training iteration that starts after consumed_samples."""
-    if train.batch_ramp is None:
-        return train.global_batch_size
-    return train.batch_ramp.global_batch_size(consumed_samples)
+    """The global batch trained by the iteration that starts after consumed_samples (the flag
+    check made every batch asked for a multiple of micro_batch_times_data_parallel, or, with
+    --decrease-batch-size-if-needed, at least one, and it is rounded down)."""
+    asked = (train.global_batch_size if train.batch_ramp is None
+             else train.batch_ramp.global_batch_size(consumed_samples))
+    return running_batch(asked, train.micro_batch_times_data_parallel)
+
+
+def evaluation_batch_size(train: TrainingConfig) -> int:
+    """Samples of one evaluation step: the final global batch, as trained."""
+    return train.num_microbatches * train.micro_batch_times_data_parallel
 
 
 def microbatches_of(train: TrainingConfig, global_batch_size: int) -> int:
-    """Micro-batches per data-parallel rank of a global batch (the flag check made every size
-    the run meets divisible)."""
-    return global_batch_size // (train.global_batch_size // train.num_microbatches)
+    """Micro-batches per data-parallel rank of a trained global batch."""
+    return global_batch_size // train.micro_batch_times_data_parallel
 
 
 def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
@@ -86,6 +95,7 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
         train_iters=args.train_iters,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
+        micro_batch_times_data_parallel=args.micro_batch_size * args.data_parallel_size,
         num_microbatches=args.num_microbatches,
         batch_ramp=batch_ramp_from_args(args),
         seq_length=args.seq_length,

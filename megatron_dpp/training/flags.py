@@ -13,7 +13,7 @@ import argparse
 
 from megatron_dpp.cuda_presence import cuda_available
 from megatron_dpp.flag_errors import add_refused_flags, require, require_output_dir
-from megatron_dpp.training.batch_ramp import BatchSizeRamp
+from megatron_dpp.training.batch_ramp import BatchSizeRamp, running_batch
 from megatron_dpp.training.checkpoint_flags import (add_checkpoint_format_args,
                                                     add_load_scope_args, check_load_dir,
                                                     check_load_scope_args)
@@ -25,11 +25,6 @@ from megatron_dpp.training.wandb_log import save_dir as wandb_save_dir
 # optimization, batch, precision
 # ----------------------------------------------------------------------------------------------
 # Megatron-LM's flags that cannot apply here, by group: flag -> why (flag_errors.py).
-REFUSED_TRAINING_FLAGS: dict[str, str] = {
-    "--decrease-batch-size-if-needed":
-        "is not built here: every global batch, --rampup-batch-size's included, must divide "
-        "into micro-batches on each data-parallel rank (the flag check says which does not)",
-}
 REFUSED_CHECKPOINT_FLAGS: dict[str, str] = {
     "--async-save": "(saving in the background) is not built here: a save is one atomic, "
                     "checksummed transaction that training waits for (README, \"Checkpoints\")",
@@ -143,7 +138,12 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                        help="Accepted for Megatron-LM command lines and always so here: under "
                             "--bf16 and --fp16 the gradients are accumulated and all-reduced in "
                             "fp32 (Megatron-LM does so for bf16 always, for fp16 with this flag).")
-    add_refused_flags(group, REFUSED_TRAINING_FLAGS)
+    group.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                       help="Where --global-batch-size (or a --rampup-batch-size step) is not a "
+                            "multiple of --micro-batch-size x the data-parallel size, train with "
+                            "the largest multiple below it instead of stopping, as Megatron-LM "
+                            "(for a job restarted on fewer GPUs); the learning-rate schedule "
+                            "keeps counting the samples of the batch asked for.")
     group.add_argument("--exit-signal-handler", action="store_true",
                        help="Accepted for Megatron-LM command lines and does nothing here: its "
                             "behaviour is always on. On SIGTERM or SIGINT every rank stops after "
@@ -177,11 +177,22 @@ def validate_training_args(args: argparse.Namespace) -> None:
             f"--global-batch-size must be positive, got {args.global_batch_size}; use a multiple "
             f"of --micro-batch-size {args.micro_batch_size} x data-parallel size "
             f"{args.data_parallel_size} = {per_step}")
-    require(args.global_batch_size % per_step == 0,
-            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
-            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}; use a "
-            f"multiple of {per_step}")
-    args.num_microbatches = args.global_batch_size // per_step
+    running = running_batch(args.global_batch_size, per_step)
+    if not args.decrease_batch_size_if_needed:
+        require(args.global_batch_size % per_step == 0,
+                f"--global-batch-size {args.global_batch_size} is not divisible by "
+                f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
+                f"{args.data_parallel_size}; use a multiple of {per_step}"
+                + (f" (or --decrease-batch-size-if-needed to train with {running})"
+                   if running else ""))
+    require(running > 0,
+            f"--global-batch-size {args.global_batch_size} is below one micro-batch on each "
+            f"data-parallel rank (--micro-batch-size {args.micro_batch_size} x data-parallel "
+            f"size {args.data_parallel_size} = {per_step}), even with "
+            f"--decrease-batch-size-if-needed")
+    # Of the batch trained (--decrease-batch-size-if-needed: rounded down); the learning-rate
+    # schedule's lengths count --global-batch-size's samples, as Megatron-LM's.
+    args.num_microbatches = running // per_step
     require(0 <= args.min_lr <= args.lr, f"--min-lr {args.min_lr} must be in [0, --lr]")
     _validate_schedule_lengths(args)
     require(args.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got "
@@ -287,12 +298,20 @@ def batch_ramp_from_args(args: argparse.Namespace) -> BatchSizeRamp | None:
     ramp = BatchSizeRamp(start, increment, samples, final)
     per_step = args.micro_batch_size * args.data_parallel_size
     for size in ramp.sizes:
-        require(size % per_step == 0,
-                f"--rampup-batch-size reaches a global batch of {size}, not divisible by "
-                f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
-                f"{args.data_parallel_size}; make START and INCREMENT multiples of {per_step}")
+        if args.decrease_batch_size_if_needed:
+            require(size >= per_step,
+                    f"--rampup-batch-size starts at a global batch of {size}, below one "
+                    f"micro-batch on each data-parallel rank ({per_step}), even with "
+                    f"--decrease-batch-size-if-needed")
+        else:
+            require(size % per_step == 0,
+                    f"--rampup-batch-size reaches a global batch of {size}, not divisible by "
+                    f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
+                    f"{args.data_parallel_size}; make START and INCREMENT multiples of "
+                    f"{per_step} (or add --decrease-batch-size-if-needed)")
         if args.virtual_pipeline_model_parallel_size is not None:
             pp = args.pipeline_model_parallel_size
+            size = running_batch(size, per_step)
             require((size // per_step) % pp == 0,
                     f"--rampup-batch-size reaches a global batch of {size}, {size // per_step} "
                     f"micro-batches, and the interleaved schedule needs a multiple of "

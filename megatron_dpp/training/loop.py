@@ -49,6 +49,7 @@ from megatron_dpp.training.checkpointing import (
 from megatron_dpp.training.config import (
     TrainingConfig,
     ddp_config_from_args,
+    evaluation_batch_size,
     global_batch_size_at,
     microbatches_of,
     optimizer_config_from_args,
@@ -425,7 +426,7 @@ class Trainer:
                                        num_microbatches=self.train.num_microbatches),
                     self.platform.device)
                 self.unwatch()
-                self.consumed_valid_samples += self.train.global_batch_size
+                self.consumed_valid_samples += evaluation_batch_size(self.train)
                 if reduced is not None:
                     loss, count = reduced[LM_LOSS]
                     loss_sum += loss * count
@@ -697,7 +698,13 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
     ramp = train.batch_ramp
     ramp_words = (f" after a ramp from {ramp.start} by {ramp.increment} over {ramp.samples} samples"
                   if ramp is not None else "")
-    log_rank0(f" training: {train.train_iters} iterations, global batch {train.global_batch_size}"
+    trained = evaluation_batch_size(train)
+    if trained != train.global_batch_size:  # Megatron-Core's line, its typos mended
+        log_rank0(f" decreasing batch size from {train.global_batch_size} to {trained} to keep "
+                  f"divisibility by micro_batch_size={train.micro_batch_size} * "
+                  f"data_parallel_size={train.micro_batch_times_data_parallel // train.micro_batch_size}"
+                  f" (--decrease-batch-size-if-needed)")
+    log_rank0(f" training: {train.train_iters} iterations, global batch {trained}"
               f"{ramp_words}, {train.num_microbatches} micro-batches of {train.micro_batch_size} "
               f"per data-parallel rank, device {trainer.platform.device}, backend "
               f"{trainer.platform.backend}")
