@@ -55,6 +55,19 @@ TINY_GPT_ARGS = [
 ]
 
 
+def without_flags(argv: Sequence[str], *flags: str) -> list[str]:
+    """argv (e.g. TINY_GPT_ARGS) without each of `flags` and the value after it."""
+    kept, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item in flags:
+            skip = True
+        else:
+            kept.append(item)
+    return kept
+
+
 def _env(base: dict | None = None) -> dict:
     """`base` (default: this process's environment; GPU tests: _gpu.gpu_env()) with one thread."""
     env = dict(os.environ if base is None else base)

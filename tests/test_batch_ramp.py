@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from _train_util import TINY_GPT_ARGS, data_args, flag_error, run_training
+from _train_util import TINY_GPT_ARGS, data_args, flag_error, run_training, without_flags
 from megatron_dpp.training.batch_ramp import BatchSizeRamp
 
 RAMPS = [(16, 16, 1000, 64), (8, 8, 100, 8 * 7), (2, 2, 24, 8), (4, 2, 7, 10)]
@@ -56,15 +56,8 @@ def _error(monkeypatch, capsys, *flags, base=TINY_GPT_ARGS):
 
 
 def _samples_base():
-    out, skip = [], False
-    for item in TINY_GPT_ARGS:  # without --train-iters and --lr-warmup-iters
-        if skip:
-            skip = False
-        elif item in ("--train-iters", "--lr-warmup-iters"):
-            skip = True
-        else:
-            out.append(item)
-    return [*out, "--train-samples", "64"]
+    return [*without_flags(TINY_GPT_ARGS, "--train-iters", "--lr-warmup-iters"),
+            "--train-samples", "64"]
 
 
 def test_flag_errors(monkeypatch, capsys):

@@ -8,22 +8,9 @@ import types
 
 import pytest
 
-from _train_util import TINY_GPT_ARGS, flag_error, run_training
+from _train_util import TINY_GPT_ARGS, flag_error, run_training, without_flags
 from megatron_dpp.training.batch_ramp import BatchSizeRamp
 from megatron_dpp.training.config import global_batch_size_at
-
-
-def _without(argv: list, *flags: str) -> list:
-    """argv without each of `flags` and its value."""
-    kept, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in flags:
-            skip = True
-        else:
-            kept.append(arg)
-    return kept
 
 
 def _train(global_batch_size: int, micro_batch_times_data_parallel: int, ramp=None):
@@ -70,14 +57,15 @@ def test_flag_errors(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     batch = ["--micro-batch-size", "2", "--global-batch-size", "5"]
     assert flag_error(capsys, [*TINY_GPT_ARGS, *batch]) == (
-        "megatron_dpp.pretrain_gpt: error: --global-batch-size 5 is not divisible by --micro-batch-size 2 x data-parallel size 2; "
+        "megatron_dpp.pretrain_gpt: error: --global-batch-size 5 is not divisible by "
+        "--micro-batch-size 2 x data-parallel size 2; "
         "use a multiple of 4 (or --decrease-batch-size-if-needed to train with 4)")
     small = ["--micro-batch-size", "2", "--global-batch-size", "3"]
     assert "is below one micro-batch on each data-parallel rank" in flag_error(
         capsys, [*TINY_GPT_ARGS, *small, "--decrease-batch-size-if-needed"])
     ramp = ["--micro-batch-size", "2", "--global-batch-size", "12", "--train-samples", "100",
             "--lr-warmup-samples", "0", "--rampup-batch-size", "2", "2", "20"]
-    no_iters = _without(TINY_GPT_ARGS, "--train-iters", "--lr-warmup-iters")
+    no_iters = without_flags(TINY_GPT_ARGS, "--train-iters", "--lr-warmup-iters")
     assert "make START and INCREMENT multiples of 4 (or add --decrease-batch-size-if-needed)" in \
         flag_error(capsys, [*no_iters, *ramp])
     assert "--rampup-batch-size starts at a global batch of 2, below one micro-batch" in \
@@ -85,7 +73,8 @@ def test_flag_errors(monkeypatch, capsys):
 
 
 # Sample-counted lengths: the schedule is the same whatever batch is asked for.
-_BY_SAMPLES = _without(TINY_GPT_ARGS, "--train-iters", "--lr-warmup-iters") + ["--micro-batch-size", "2", "--lr-warmup-samples", "8", "--lr-decay-samples", "40"]
+_BY_SAMPLES = [*without_flags(TINY_GPT_ARGS, "--train-iters", "--lr-warmup-iters"),
+               "--micro-batch-size", "2", "--lr-warmup-samples", "8", "--lr-decay-samples", "40"]
 
 
 @pytest.mark.timeout(300)

@@ -12,24 +12,11 @@ import shutil
 import pytest
 import torch
 
-from _train_util import TINY_GPT_ARGS, data_args, run_training
+from _train_util import TINY_GPT_ARGS, data_args, run_training, without_flags
 
 BATCH = 8  # TINY_GPT_ARGS's global batch
 LR_RE = re.compile(r"\| learning rate: ([-+0-9.eE]+)")
 ERROR_RE = re.compile(r"^megatron_dpp: error: .*$", re.MULTILINE)
-
-
-def _without(flags, *names):
-    """TINY_GPT_ARGS without the given flags and their values."""
-    out, skip = [], False
-    for item in flags:
-        if skip:
-            skip = False
-        elif item in names:
-            skip = True
-        else:
-            out.append(item)
-    return out
 
 
 def _parse(monkeypatch, *extra, base=TINY_GPT_ARGS):
@@ -85,7 +72,7 @@ def test_learning_rate_of_each_iteration_is_the_iteration_counted_one(monkeypatc
 
 
 def test_sample_based_flags_give_megatron_lm_lengths(monkeypatch):
-    base = _without(TINY_GPT_ARGS, "--train-iters", "--lr-warmup-iters")
+    base = without_flags(TINY_GPT_ARGS, "--train-iters", "--lr-warmup-iters")
     args = _parse(monkeypatch, "--train-samples", "44", base=base)
     # Megatron-LM's update_train_iters: whole global batches of --train-samples.
     assert (args.train_iters, args.lr_decay_steps, args.lr_warmup_steps) == (5, 44, 0)
@@ -95,7 +82,7 @@ def test_sample_based_flags_give_megatron_lm_lengths(monkeypatch):
     args = _parse(monkeypatch, "--train-samples", "44", "--lr-warmup-fraction", "0.25", base=base)
     assert args.lr_warmup_steps == 11.0
     args = _parse(monkeypatch, "--lr-warmup-fraction", "0.25",
-                  base=_without(TINY_GPT_ARGS, "--lr-warmup-iters"))
+                  base=without_flags(TINY_GPT_ARGS, "--lr-warmup-iters"))
     assert (args.lr_decay_steps, args.lr_warmup_steps) == (5 * BATCH, 10.0)
 
 
@@ -109,7 +96,7 @@ def test_sample_based_flags_give_megatron_lm_lengths(monkeypatch):
                                     "--lr-warmup-samples (40 samples)"),
 ])
 def test_sample_based_flag_errors_are_one_line(monkeypatch, capsys, extra, expected):
-    base = [*_without(TINY_GPT_ARGS, "--train-iters", "--lr-warmup-iters"), "--train-samples", "40"]
+    base = [*without_flags(TINY_GPT_ARGS, "--train-iters", "--lr-warmup-iters"), "--train-samples", "40"]
     with pytest.raises(SystemExit) as exit_:
         _parse(monkeypatch, *extra, base=base)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
@@ -266,7 +253,7 @@ def test_a_changed_learning_rate_stops_the_load_unless_a_flag_decides(saved, uni
 
 @pytest.mark.timeout(240)
 def test_train_samples_trains_as_the_same_length_in_iterations(uninterrupted):
-    base = _without(TINY_GPT_ARGS, "--train-iters", "--lr-warmup-iters")
+    base = without_flags(TINY_GPT_ARGS, "--train-iters", "--lr-warmup-iters")
     rc, losses, _norms, out = run_training(
         ["--train-samples", "40", "--lr-warmup-samples", "8", "--lr-decay-samples", "40"],
         nproc=1, base_args=base)

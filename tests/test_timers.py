@@ -2,8 +2,8 @@
 --no-barrier-with-level-1-timing, --log-timers-to-tensorboard.
 
 Checked: the level filter and a timer's accumulation (CPU clock); Megatron-LM's three blocks, to
-the character; in training at pp=2, with the DPP runtime and with Megatron's schedule (traced), the block
-under every logged iteration line with the timers Megatron-Core and the loop start (and under
+the character; in training at pp=2, with the DPP runtime and with Megatron's schedule (traced),
+the block under every logged iteration line with the timers Megatron-Core and the loop start (and under
 --use-dpp no send/receive timers, which only Megatron's p2p code has), the same losses as a run
 without timers, none at the default level; the TensorBoard scalars; the flag errors; on a GPU
 (marked), CUDA-event timers that never synchronize at start or stop.
@@ -126,7 +126,8 @@ def test_megatrons_schedule_times_its_sends_and_receives_per_rank(tmp_path):
     block = out[out.index("times across ranks (ms):"):]
     block = block[:block.index(" iteration")]
     for name in ("forward-backward", "forward-compute", "backward-compute", "optimizer"):
-        assert re.search(rf"  {name}:\n     rank  0: [0-9.]+\n     rank  1: [0-9.]+\n", block), block
+        assert re.search(rf"  {name}:\n     rank  0: [0-9.]+\n     rank  1: [0-9.]+\n",
+                         block), block
     # the first stage only sends activations and only receives gradients
     assert re.search(r"  forward-send:\n     rank  0: [0-9.]+\n", block), block
     assert re.search(r"  forward-recv:\n     rank  1: [0-9.]+\n", block), block

@@ -17,7 +17,8 @@ from megatron_dpp.training.batch_ramp import BatchSizeRamp, running_batch
 from megatron_dpp.training.checkpoint_flags import (add_checkpoint_format_args,
                                                     add_load_scope_args, check_load_dir,
                                                     check_load_scope_args)
-from megatron_dpp.training.timers import DEFAULT_LOG_LEVEL, DEFAULT_LOG_OPTION, LOG_LEVELS, LOG_OPTIONS
+from megatron_dpp.training.timers import (DEFAULT_LOG_LEVEL, DEFAULT_LOG_OPTION, LOG_LEVELS,
+                                          LOG_OPTIONS)
 from megatron_dpp.training.wandb_log import save_dir as wandb_save_dir
 
 

@@ -700,10 +700,10 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
                   if ramp is not None else "")
     trained = evaluation_batch_size(train)
     if trained != train.global_batch_size:  # Megatron-Core's line, its typos mended
+        data_parallel = train.micro_batch_times_data_parallel // train.micro_batch_size
         log_rank0(f" decreasing batch size from {train.global_batch_size} to {trained} to keep "
                   f"divisibility by micro_batch_size={train.micro_batch_size} * "
-                  f"data_parallel_size={train.micro_batch_times_data_parallel // train.micro_batch_size}"
-                  f" (--decrease-batch-size-if-needed)")
+                  f"data_parallel_size={data_parallel} (--decrease-batch-size-if-needed)")
     log_rank0(f" training: {train.train_iters} iterations, global batch {trained}"
               f"{ramp_words}, {train.num_microbatches} micro-batches of {train.micro_batch_size} "
               f"per data-parallel rank, device {trainer.platform.device}, backend "

@@ -10,7 +10,8 @@ memory (`mem-reserved-bytes`, `mem-allocated-bytes`, `mem-max-allocated-bytes`,
 `mem-allocated-count`, with --log-memory-to-tensorboard), each also as `<tag> vs samples` over the
 consumed samples (W&B: the iteration's only, as Megatron-LM). At each logged iteration, with
 --log-timers-to-tensorboard: `iteration-time`, `throughput` (with --log-throughput) and
-`<timer>-time` for each timer of --timing-log-level (training/timers.py). After each evaluation: `lm loss validation` (and `lm loss validation ppl` with
+`<timer>-time` for each timer of --timing-log-level (training/timers.py). After each
+evaluation: `lm loss validation` (and `lm loss validation ppl` with
 --log-validation-ppl-to-tensorboard), with their `vs samples`. Reading the losses every interval
 makes the host wait for the device once per written iteration, as in Megatron-LM.
 """
