@@ -205,3 +205,19 @@ def test_cuda_timers_record_events_without_synchronizing():
     assert done.returncode == 0, done.stderr[-3000:]
     spans, reference = map(float, done.stdout.split("SPANS")[1].split())
     assert 0.5 * reference < spans < 2.0 * reference, (spans, reference)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(420)
+def test_level_2_times_a_bf16_run_on_one_gpu():
+    rc, losses, _, out = run_training(
+        ["--bf16", "--pipeline-model-parallel-size", "1", "--train-iters", "6",
+         "--lr-warmup-iters", "2", "--log-interval", "3", "--timing-log-level", "2"],
+        nproc=1, timeout=360, env=gpu_env(), base_args=TINY_GPT_ARGS)
+    assert rc == 0 and len(losses) == 2, out[-3000:]
+    blocks = _blocks(out)
+    assert len(blocks) == 2, out[-3000:]
+    for block in blocks:
+        for name in ("forward-backward", "forward-compute", "backward-compute", "optimizer"):
+            assert block[name][0] > 0.0, (name, block)
+        assert block["forward-compute"][1] < block["forward-backward"][1] * 1.05, block
