@@ -61,6 +61,9 @@ class TrainingConfig:
     log_params_norm: bool  # the parameters' L2 norm at logged iterations (training/params_norm.py)
     log_throughput: bool  # TFLOP/s per rank in the log line (training/throughput.py)
     timing_log_option: str  # --timing-log-option: how the timers' block shows the ranks
+    # stop at the first NaN or Inf gradient norm or logged loss (not --no-check-for-nan-in-
+    # loss-and-grad; off under --fp16's dynamic loss scale)
+    check_for_nan: bool
     load_scope: LoadScope  # what --load restores beyond the model
     exit_interval: Optional[int]  # stop after a multiple of it (Megatron-LM's)
     exit_duration_in_mins: Optional[float]  # stop after the first iteration past it
@@ -120,6 +123,7 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
         log_params_norm=args.log_params_norm,
         log_throughput=args.log_throughput,
         timing_log_option=args.timing_log_option,
+        check_for_nan=args.check_for_nan_in_loss_and_grad,
         load_scope=LoadScope.from_args(args),
         exit_interval=args.exit_interval,
         exit_duration_in_mins=args.exit_duration_in_mins,

@@ -139,6 +139,15 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                        help="Accepted for Megatron-LM command lines and always so here: under "
                             "--bf16 and --fp16 the gradients are accumulated and all-reduced in "
                             "fp32 (Megatron-LM does so for bf16 always, for fp16 with this flag).")
+    group.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                       dest="check_for_nan_in_loss_and_grad",
+                       help="Train on when the gradients or the loss hold a NaN or Inf. By "
+                            "default, as Megatron-LM, the run stops with one line and exit code "
+                            "1 at the first such iteration, saving nothing after it: checked on "
+                            "the gradient norm that the optimizer reads at every step (with "
+                            "--clip-grad > 0), and on the loss at the iterations that log it. "
+                            "Off under --fp16 without --loss-scale, as in Megatron-LM (the "
+                            "dynamic loss scale skips the steps whose gradients overflow).")
     group.add_argument("--decrease-batch-size-if-needed", action="store_true",
                        help="Where --global-batch-size (or a --rampup-batch-size step) is not a "
                             "multiple of --micro-batch-size x the data-parallel size, train with "
@@ -260,7 +269,11 @@ DYNAMIC_LOSS_SCALE_DEFAULTS = {"initial_loss_scale": 2.0 ** 32, "min_loss_scale"
 
 def _validate_loss_scaling(args: argparse.Namespace) -> None:
     """--loss-scale with a 16-bit precision; the dynamic scaler's flags with --fp16 and without
-    --loss-scale (they configure nothing else). Fills in the dynamic scaler's defaults."""
+    --loss-scale (they configure nothing else). Fills in the dynamic scaler's defaults. Under the
+    dynamic scale NaN and Inf gradients are its signal, so the NaN check is off (Megatron-LM's
+    rule)."""
+    if args.fp16 and args.loss_scale is None:
+        args.check_for_nan_in_loss_and_grad = False
     if args.loss_scale is not None:
         require(args.fp16 or args.bf16, "--loss-scale needs --fp16 or --bf16")
         require(args.loss_scale > 0, f"--loss-scale must be positive, got {args.loss_scale}")

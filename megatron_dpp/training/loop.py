@@ -586,6 +586,26 @@ def _format_iteration(trainer: Trainer, reduced, grad_norm, params_norm, elapsed
     return " | ".join(fields) + " |"
 
 
+def _not_finite(trainer: Trainer, signals: StopSignals, grad_norm, logged: bool,
+                logged_losses: dict | None) -> str | None:
+    """What of this iteration is NaN or Inf, or None (collective at logged iterations). The
+    gradient norm, which Megatron-Core's optimizer reads at every step (every rank holds the same
+    all-reduced value; 0.0 or None where it computes none), costs nothing more; the loss, at logged
+    iterations, where the logging rank has just read it: the ranks agree on it (one all-reduce of
+    a flag). Megatron-LM checks each micro-batch's loss and each gradient bucket instead, a
+    host-device wait each."""
+    if grad_norm is not None and not math.isfinite(float(grad_norm)):
+        return f"the gradient norm is {float(grad_norm)} (a NaN or Inf in the gradients)"
+    if not logged:
+        return None
+    bad = logged_losses is not None and any(not math.isfinite(value)
+                                            for value, _count in logged_losses.values())
+    trainer.watch("agreeing on a NaN or Inf loss (all-reduce over every rank)")
+    found = signals.any_rank(bad)
+    trainer.unwatch()
+    return "the loss is NaN or Inf" if found else None
+
+
 def memory_report(cuda, rank: int, iteration: int) -> str:
     """Megatron-LM's report_memory line: the caching allocator's counters (host-side, no device
     synchronization), in MB; `cuda` is torch.cuda."""
@@ -741,10 +761,12 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
                                and (logged or tensorboard_writes) else None)
                 if trainer.tensorboard is not None and trainer.tensorboard.wants(iteration):
                     _write_tensorboard(trainer, reduced, grad_norm, params_norm)
+                logged_losses = None  # the logging rank's, at a logged iteration
                 if logged:
                     iteration_ms = interval_ms / train.log_interval
                     if reduced is not None and is_logging_rank():
-                        log(_format_iteration(trainer, reduced.read(), grad_norm, params_norm,
+                        logged_losses = reduced.read()
+                        log(_format_iteration(trainer, logged_losses, grad_norm, params_norm,
                                               iteration_ms, skipped))
                     interval_ms = 0.0
                     skipped = 0  # as Megatron-LM: the skipped iterations of each log interval
@@ -755,6 +777,15 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
                         log(memory_report(torch.cuda, dist.get_rank(), iteration))
                     memory_reported = True
                     trainer.report_timers(iteration, iteration_ms / 1000.0)
+                if train.check_for_nan:
+                    found = _not_finite(trainer, signals, grad_norm, logged, logged_losses)
+                    if found is not None:  # before evaluating or saving anything of this step
+                        say_failure(f"megatron_dpp: error: iteration {iteration}: {found}; the "
+                                    f"run stops and saves nothing from this iteration on (as "
+                                    f"Megatron-LM; --no-check-for-nan-in-loss-and-grad trains "
+                                    f"on)", exit_code=FAILED, printed=is_logging_rank())
+                        trainer.close()
+                        return FAILED
                 if train.manual_gc and train.manual_gc_interval and \
                         iteration % train.manual_gc_interval == 0:
                     gc.collect()

@@ -55,3 +55,9 @@ class StopSignals:
         if not received and not late:
             return None
         return AgreedStop(signal=received or None, out_of_time=bool(late))
+
+    def any_rank(self, flag: bool) -> bool:
+        """Collective over the world (as agreed_stop): whether `flag` holds on some rank."""
+        value = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value.item())
