@@ -223,6 +223,7 @@ def gpt_dataset_config(args, tokenizer):
         eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
         # Causal attention needs no mask from the data; only document-reset masks do.
         create_attention_mask=reset_attention_mask,
+        mmap_bin_files=bool(getattr(args, "mmap_bin_files", True)),  # --no-mmap-bin-files
     )
 
 

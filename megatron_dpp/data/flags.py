@@ -68,6 +68,15 @@ def add_data_args(parser: argparse.ArgumentParser,
                             "build an explicit attention mask).")
     group.add_argument("--eod-mask-loss", action="store_true",
                        help="Exclude end-of-document tokens from the loss.")
+    group.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                       dest="create_attention_mask_in_dataloader",
+                       help="Accepted for Megatron-LM command lines, and always so here for GPT "
+                            "and Llama: the data loader builds no causal mask (the model applies "
+                            "causality itself); it builds a mask only for --reset-attention-mask, "
+                            "which this flag would leave without one.")
+    group.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                       help="Read the dataset's .bin files instead of memory-mapping them "
+                            "(Megatron-Core's GPT dataset; GPT and Llama).")
     group.add_argument("--num-workers", type=int, default=0,
                        help="Data loader worker processes (0: load in the training process).")
 
@@ -106,6 +115,9 @@ def validate_data_args(args: argparse.Namespace,
         if args.data_cache_path is not None:  # Megatron's index cache is written there
             require_output_dir("--data-cache-path", args.data_cache_path)
         require(args.num_workers >= 0, "--num-workers must be >= 0")
+        require(args.create_attention_mask_in_dataloader or not args.reset_attention_mask,
+                "--reset-attention-mask needs the attention mask the data loader builds, which "
+                "--no-create-attention-mask-in-dataloader turns off: remove one of the two")
         if args.variable_seq_lengths:
             require(not (args.reset_position_ids or args.reset_attention_mask),
                     "--variable-seq-lengths puts one document per sample, so --reset-position-ids "

@@ -201,9 +201,20 @@ def _validate_bert_args(args: argparse.Namespace) -> None:
              "--mock-data is for GPT and Llama (Megatron-Core has no generated BERT documents); "
              "make BERT's sample data with `python -m megatron_dpp.data.prepare_sample "
              "--output-dir data`")
-    for flag in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
-        _require(not getattr(args, flag), f"--{flag.replace('_', '-')} is a GPT data flag; BERT's "
-                                          f"samples are packed sentences: remove it")
+    given = [flag for flag, set_ in (
+        ("--reset-position-ids", getattr(args, "reset_position_ids", False)),
+        ("--reset-attention-mask", getattr(args, "reset_attention_mask", False)),
+        ("--eod-mask-loss", getattr(args, "eod_mask_loss", False)),
+        ("--no-create-attention-mask-in-dataloader",
+         not getattr(args, "create_attention_mask_in_dataloader", True)),
+        ("--no-mmap-bin-files", not getattr(args, "mmap_bin_files", True))) if set_]
+    _require(not given, f"{given[0] if given else ''} is a GPT data flag; BERT's samples are "
+                        f"packed sentences (Megatron-Core's BERT dataset always maps its files and "
+                        f"always has a padding mask): remove it")
+    _require(not getattr(args, "calculate_per_token_loss", False),
+             "--calculate-per-token-loss scales a loss by its token count, and BERT's loss "
+             "(Megatron-LM's) averages the masked-LM and sentence-order losses per micro-batch: "
+             "remove it")
 
 
 def _check_packed_sentences(args, prefixes, weights, split, samples) -> None:

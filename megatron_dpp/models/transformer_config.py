@@ -80,6 +80,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         cuda_graph_impl="local" if choices.cuda_graphs.on else "none",
         clone_scatter_output_in_embedding=args.clone_scatter_output_in_embedding,
         distribute_saved_activations=args.distribute_saved_activations,
+        calculate_per_token_loss=args.calculate_per_token_loss,
         **recompute,
         **attention,
         **model_fields,

@@ -139,6 +139,11 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                        help="Accepted for Megatron-LM command lines and always so here: under "
                             "--bf16 and --fp16 the gradients are accumulated and all-reduced in "
                             "fp32 (Megatron-LM does so for bf16 always, for fp16 with this flag).")
+    group.add_argument("--calculate-per-token-loss", action="store_true",
+                       help="Scale the loss by the number of loss tokens in the whole global "
+                            "batch instead of averaging it per micro-batch, as Megatron-LM: every "
+                            "token weighs the same where micro-batches count different numbers "
+                            "(--eod-mask-loss, --variable-seq-lengths' padding). GPT and Llama.")
     group.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                        dest="check_for_nan_in_loss_and_grad",
                        help="Train on when the gradients or the loss hold a NaN or Inf. By "
