@@ -24,22 +24,23 @@ from megatron_dpp.exit_codes import BAD_INPUT
 from megatron_dpp.flag_errors import ArgsError, check_refused_flags, require
 from megatron_dpp.kernels import install_warning_filters
 from megatron_dpp.models import families
-from megatron_dpp.models.flags import (REFUSED_PARALLEL_FLAGS, add_model_args, add_parallel_args,
+from megatron_dpp.models.flags import (REFUSED_MODEL_FLAGS, REFUSED_PARALLEL_FLAGS, add_model_args,
+                                       add_parallel_args,
                                        validate_cuda_graph_args, validate_model_args,
                                        validate_parallel_args)
 from megatron_dpp.one_line_errors import InputError, OneLineErrorParser
 from megatron_dpp.rank_failure import fail
 from megatron_dpp.runtime.flags import add_dpp_args, validate_dpp_args
 from megatron_dpp.training.flags import (
-    REFUSED_CHECKPOINT_FLAGS, REFUSED_PROFILE_FLAGS,
+    REFUSED_CHECKPOINT_FLAGS, REFUSED_PROFILE_FLAGS, REFUSED_TRAINING_FLAGS,
     add_checkpoint_args, add_logging_args, add_profile_args, add_trace_args,
     add_training_args, validate_checkpoint_args, validate_logging_args, validate_profile_args,
     validate_trace_args, validate_training_args)
 
 # Megatron-LM flags that cannot apply here, each in its group (--help explains it): flag -> why.
-REFUSED_FLAGS: dict[str, str] = {**REFUSED_PARALLEL_FLAGS,
-                                  **REFUSED_CHECKPOINT_FLAGS,
-                                  **REFUSED_PROFILE_FLAGS}
+REFUSED_FLAGS: dict[str, str] = {**REFUSED_MODEL_FLAGS, **REFUSED_PARALLEL_FLAGS,
+                                  **REFUSED_TRAINING_FLAGS, **data_flags.REFUSED_DATA_FLAGS,
+                                  **REFUSED_CHECKPOINT_FLAGS, **REFUSED_PROFILE_FLAGS}
 # The tokenizers some model trains with; each model's own are in models/families.py.
 TOKENIZER_TYPES = families.TOKENIZER_TYPES
 

@@ -14,7 +14,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 LLAMA_SCRIPT = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
                 "--no-position-embedding", "--disable-bias-linear", "--group-query-attention",
                 "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
-                "--norm-epsilon", "1e-5", "--use-rotary-position-embeddings"]
+                "--norm-epsilon", "1e-5", "--use-rotary-position-embeddings",
+                "--rotary-percent", "1.0"]
 
 
 def _parse(monkeypatch, capsys, model, *flags):
@@ -50,6 +51,10 @@ def test_a_megatron_lm_llama_script_validates_with_model_llama(monkeypatch, caps
      "--normalization LayerNorm is not llama's architecture here (--model gpt or bert has it)"),
     ("gpt", ["--group-query-attention"],
      "--group-query-attention is not gpt's architecture here (--model llama has it)"),
+    ("gpt", ["--rotary-percent", "1.0"],
+     "--rotary-percent 1 is not gpt's architecture here (--model llama has it)"),
+    ("llama", ["--rotary-percent", "0.5"],
+     "--rotary-percent 0.5 is not llama's architecture here (no model here has it)"),
     ("gpt", ["--norm-epsilon", "0"], "--norm-epsilon must be positive, got 0.0"),
     ("gpt", ["--transformer-impl", "local", "--attention-backend", "flash"],
      "--attention-backend flash is Transformer Engine's; drop it or --transformer-impl local"),
@@ -106,3 +111,17 @@ def test_the_flags_reach_the_transformer_config_and_the_kernel_lines(monkeypatch
     config = transformer_config_from_args(defaults)
     assert config.layernorm_epsilon == 1e-5 and config.attention_softmax_in_fp32
     assert "learned absolute position embeddings" in kernel_choices(defaults).rope_fusion.line()
+
+
+def _refused_flags():
+    from megatron_dpp.arguments import REFUSED_FLAGS
+
+    return sorted(REFUSED_FLAGS.items())
+
+
+@pytest.mark.parametrize("flag, reason", _refused_flags())
+def test_every_refused_flag_is_one_line_with_its_reason(monkeypatch, capsys, flag, reason):
+    """Megatron-LM's flags that cannot apply here (its example scripts carry several: FP8,
+    --apply-layernorm-1p, --decoupled-lr, ...): one line, before launch, saying why."""
+    args, error = _parse(monkeypatch, capsys, "gpt", flag)
+    assert args is None and error.endswith(f"error: {flag} {reason}; remove it"), error

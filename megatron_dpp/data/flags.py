@@ -12,12 +12,19 @@ from typing import Any, Callable, Optional, Sequence
 
 from megatron_dpp.data.tokenizer import (DEFAULT_TOKENIZER_TYPE, SUPPORTED_TOKENIZER_TYPES,
                                          check_tokenizer_files, check_vocab_size)
-from megatron_dpp.flag_errors import ArgsError, require, require_output_dir
+from megatron_dpp.flag_errors import ArgsError, add_refused_flags, require, require_output_dir
 
 
 ModelDataCheck = Callable[[argparse.Namespace, Sequence[str], Any, list, list], None]
 """(args, data prefixes, blend weights, split weights, samples each split must give): raises
 megatron_dpp.data.errors.DataInputError when the data cannot give the model's samples."""
+
+
+# Megatron-LM's data flags that cannot apply here: flag -> why (flag_errors.py).
+REFUSED_DATA_FLAGS = {
+    "--tiktoken-pattern": "configures TikTokenizer (Llama 3's), which is not a --tokenizer-type "
+                          "here (Llama 2's Llama2Tokenizer is)",
+}
 
 
 def add_data_args(parser: argparse.ArgumentParser,
@@ -79,6 +86,7 @@ def add_data_args(parser: argparse.ArgumentParser,
                             "(Megatron-Core's GPT dataset; GPT and Llama).")
     group.add_argument("--num-workers", type=int, default=0,
                        help="Data loader worker processes (0: load in the training process).")
+    add_refused_flags(group, REFUSED_DATA_FLAGS, taking_a_value=("--tiktoken-pattern",))
 
 
 def validate_data_args(args: argparse.Namespace,

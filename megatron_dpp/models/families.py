@@ -49,15 +49,18 @@ ARCHITECTURE_FLAGS: dict[str, Callable[[Any], str]] = {
     "add_position_embedding": lambda value: "--no-position-embedding",
     "add_bias_linear": lambda value: "--disable-bias-linear",
     "group_query_attention": lambda value: "--group-query-attention",
+    "rotary_percent": lambda value: f"--rotary-percent {value:g}",
 }
 """The parsed attribute of each flag (None when not given) -> the flag as written, for errors."""
 
 GPT_ARCHITECTURE = {"normalization": "LayerNorm", "swiglu": False,
                     "position_embedding_type": "learned_absolute", "add_position_embedding": True,
-                    "add_bias_linear": True, "group_query_attention": False}
+                    "add_bias_linear": True, "group_query_attention": False,
+                    "rotary_percent": None}  # no rotary embedding
 LLAMA_ARCHITECTURE = {"normalization": "RMSNorm", "swiglu": True,
                       "position_embedding_type": "rope", "add_position_embedding": False,
-                      "add_bias_linear": False, "group_query_attention": True}
+                      "add_bias_linear": False, "group_query_attention": True,
+                      "rotary_percent": 1.0}  # rotary over whole heads
 
 
 

@@ -50,6 +50,23 @@ REFUSED_PARALLEL_FLAGS: dict[str, str] = {
 }
 
 
+_FP8 = ("needs Transformer Engine's FP8 layers, which this runtime does not build (train with "
+        "--bf16 or --fp16)")
+# Megatron-LM's model flags (its example scripts carry them) that cannot apply here: flag -> why.
+REFUSED_MODEL_FLAGS: dict[str, str] = {
+    "--apply-layernorm-1p": "(zero-centred norm weights, stored as weight - 1) is not built here: "
+                            "the norms keep Megatron-Core's usual weights and checkpoints",
+    "--cross-entropy-loss-fusion": "is not built here: the loss is Megatron-Core's unfused "
+                                   "vocab-parallel cross entropy (its fused one is torch.compile'd "
+                                   "or Transformer Engine's), the same loss",
+    "--fp8-format": _FP8,
+    "--fp8-amax-history-len": _FP8,
+    "--fp8-amax-compute-algo": _FP8,
+    "--fp8-param-gather": _FP8,
+}
+MODEL_FLAGS_TAKING_A_VALUE = ("--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo")
+
+
 # ----------------------------------------------------------------------------------------------
 # model shape
 # ----------------------------------------------------------------------------------------------
@@ -77,6 +94,8 @@ def _add_architecture_flags(group) -> None:
                        help=stated % "llama's linear layers have no biases")
     group.add_argument("--group-query-attention", action="store_const", const=True, default=None,
                        help=stated % "llama, with --num-query-groups")
+    group.add_argument("--rotary-percent", type=float, default=None,
+                       help=stated % "llama: 1.0, rotary positions over whole heads")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -122,6 +141,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--norm-epsilon", type=float, default=1e-5,
                        help="Epsilon of the LayerNorm/RMSNorm layers (default %(default)s).")
     _add_architecture_flags(group)
+    add_refused_flags(group, REFUSED_MODEL_FLAGS, taking_a_value=MODEL_FLAGS_TAKING_A_VALUE)
     group.add_argument("--use-flash-attn", action="store_true",
                        help="Use FlashAttention for core attention; GPU only: Transformer Engine's "
                             "flash backend where it is installed, else the flash-attn package's "

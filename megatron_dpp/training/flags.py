@@ -26,6 +26,14 @@ from megatron_dpp.training.wandb_log import save_dir as wandb_save_dir
 # optimization, batch, precision
 # ----------------------------------------------------------------------------------------------
 # Megatron-LM's flags that cannot apply here, by group: flag -> why (flag_errors.py).
+_ONE_SCHEDULE = ("(a learning rate of the input and output embeddings of their own) is not built "
+                 "here: one learning-rate schedule covers every parameter")
+REFUSED_TRAINING_FLAGS: dict[str, str] = {
+    "--decoupled-lr": _ONE_SCHEDULE,
+    "--decoupled-min-lr": _ONE_SCHEDULE,
+    "--grad-reduce-in-bf16": "is not built here: under --bf16 the gradients are accumulated and "
+                             "all-reduced in fp32 (--accumulate-allreduce-grads-in-fp32 holds)",
+}
 REFUSED_CHECKPOINT_FLAGS: dict[str, str] = {
     "--async-save": "(saving in the background) is not built here: a save is one atomic, "
                     "checksummed transaction that training waits for (README, \"Checkpoints\")",
@@ -139,6 +147,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                        help="Accepted for Megatron-LM command lines and always so here: under "
                             "--bf16 and --fp16 the gradients are accumulated and all-reduced in "
                             "fp32 (Megatron-LM does so for bf16 always, for fp16 with this flag).")
+    add_refused_flags(group, REFUSED_TRAINING_FLAGS,
+                      taking_a_value=("--decoupled-lr", "--decoupled-min-lr"))
     group.add_argument("--calculate-per-token-loss", action="store_true",
                        help="Scale the loss by the number of loss tokens in the whole global "
                             "batch instead of averaging it per micro-batch, as Megatron-LM: every "
