@@ -176,13 +176,15 @@ class KernelChoices:
     persist_layer_norm: Choice
     fused_optimizer: Choice
     cuda_graphs: Choice
+    cross_entropy_fusion: Choice
 
     def lines(self) -> list[str]:
         return [self.attention.line(), self.transformer_engine_layers.line(),
                 self.masked_softmax_fusion.line(), self.bias_activation_fusion.line(),
                 self.bias_dropout_fusion.line(), self.rope_fusion.line(),
                 self.gradient_accumulation_fusion.line(), self.persist_layer_norm.line(),
-                self.fused_optimizer.line(), self.cuda_graphs.line()]
+                self.fused_optimizer.line(), self.cuda_graphs.line(),
+                self.cross_entropy_fusion.line()]
 
 
 def _transformer_engine_layers(attention: CoreAttentionChoice) -> Choice:
@@ -305,6 +307,23 @@ def _mlp_activation(args: argparse.Namespace) -> str:
     return model_family(model).mlp_activation if model else "gelu"
 
 
+def _cross_entropy_fusion(args: argparse.Namespace) -> Choice:
+    """Megatron-LM's --cross-entropy-loss-fusion (the flag check refused `te` where Transformer
+    Engine is missing)."""
+    feature = "cross-entropy fusion"
+    if not getattr(args, "cross_entropy_loss_fusion", False):
+        return Choice(feature, False, "Megatron-Core's vocab-parallel cross entropy, unfused "
+                      "(--cross-entropy-loss-fusion fuses it)")
+    if getattr(args, "cross_entropy_fusion_impl", "native") == "te":
+        return Choice(feature, True, "--cross-entropy-fusion-impl te: Transformer Engine's "
+                      "parallel cross entropy")
+    bf16 = "" if getattr(args, "bf16", False) else (
+        "; its backward rounds the logits' gradient to bf16 (it is meant for --bf16)")
+    return Choice(feature, True, "--cross-entropy-loss-fusion: Megatron-Core's native fused cross "
+                  "entropy" + (", torch.compile'd" if cuda_available() else ", plain torch on "
+                               "the CPU") + bf16)
+
+
 def kernel_choices(args: argparse.Namespace) -> KernelChoices:
     attention = core_attention_from_args(args)
     activation = _mlp_activation(args)
@@ -325,6 +344,7 @@ def kernel_choices(args: argparse.Namespace) -> KernelChoices:
         persist_layer_norm=persist_layer_norm(args, te_layers.on),
         fused_optimizer=_fused_optimizer(args),
         cuda_graphs=cuda_graphs(args),
+        cross_entropy_fusion=_cross_entropy_fusion(args),
     )
 
 

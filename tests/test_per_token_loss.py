@@ -1,5 +1,10 @@
 """Megatron-LM's data and loss flags from its own example scripts: --calculate-per-token-loss,
---no-mmap-bin-files, --no-create-attention-mask-in-dataloader.
+--cross-entropy-loss-fusion, --no-mmap-bin-files, --no-create-attention-mask-in-dataloader.
+
+--cross-entropy-loss-fusion: Megatron-Core's fused cross entropy gives the unfused one's loss (its
+backward rounds the logits' gradient to bf16, so in fp32 the gradients agree to that precision),
+the DPP runtime equals Megatron's schedule with it at pp=2 (1e-6), and the `kernels:` line says
+which runs.
 
 --calculate-per-token-loss: every loss token of the global batch weighs the same. With variable
 lengths (padding masked out of the loss) the first iteration's gradient norm then does not depend
@@ -52,6 +57,28 @@ def test_dpp_matches_megatron_with_per_token_loss():
     assert all(_close(a, b) for a, b in zip(dpp_norms, megatron_norms)), (dpp_norms, megatron_norms)
 
 
+@pytest.mark.timeout(400)
+def test_fused_cross_entropy_is_the_same_loss():
+    flags = ["--train-iters", "3", "--pipeline-model-parallel-size", "2"]
+    runs = {}
+    for name, extra in (("unfused", ["--p2p-transport", "torch"]),
+                        ("fused", ["--p2p-transport", "torch", "--cross-entropy-loss-fusion"]),
+                        ("fused_dpp", ["--use-dpp", "--cross-entropy-loss-fusion"])):
+        rc, losses, norms, out = run_training([*flags, *extra])
+        assert rc == 0, out[-3000:]
+        fused = ("kernels: cross-entropy fusion on: --cross-entropy-loss-fusion: Megatron-Core's "
+                 "native fused cross entropy, plain torch on the CPU")
+        assert (fused in out) == name.startswith("fused"), out[-3000:]
+        runs[name] = losses + norms
+    unfused, fused, fused_dpp = runs["unfused"], runs["fused"], runs["fused_dpp"]
+    assert len(unfused) == 6
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(fused_dpp, fused)), runs
+    assert fused[0] == unfused[0]  # the same loss of the same parameters
+    # Megatron-Core's fused backward rounds the logits' gradient to bf16 (it is meant for
+    # --bf16); in this fp32 run the gradients differ from the unfused one's at that precision.
+    assert all(abs(a - b) <= 2e-3 * abs(b) for a, b in zip(fused, unfused)), runs
+
+
 def test_no_mmap_bin_files_reaches_megatrons_dataset_config(monkeypatch):
     from megatron_dpp.arguments import parse_args
     from megatron_dpp.data.datasets import gpt_dataset_config
@@ -74,6 +101,11 @@ def test_no_mmap_bin_files_reaches_megatrons_dataset_config(monkeypatch):
      "--no-create-attention-mask-in-dataloader is a GPT data flag"),
     (["--no-create-attention-mask-in-dataloader", "--reset-attention-mask"], "gpt",
      "--reset-attention-mask needs the attention mask the data loader builds"),
+    (["--cross-entropy-fusion-impl", "te"], "gpt",
+     "--cross-entropy-fusion-impl te needs --cross-entropy-loss-fusion"),
+    (["--cross-entropy-fusion-impl", "te", "--cross-entropy-loss-fusion"], "gpt",
+     "--cross-entropy-fusion-impl te needs Transformer Engine on a GPU (this machine has no "
+     "CUDA GPU)"),
 ])
 def test_flag_errors(capsys, monkeypatch, argv, model, message):
     monkeypatch.setenv("WORLD_SIZE", "1")

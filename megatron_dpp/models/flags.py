@@ -56,15 +56,13 @@ _FP8 = ("needs Transformer Engine's FP8 layers, which this runtime does not buil
 REFUSED_MODEL_FLAGS: dict[str, str] = {
     "--apply-layernorm-1p": "(zero-centred norm weights, stored as weight - 1) is not built here: "
                             "the norms keep Megatron-Core's usual weights and checkpoints",
-    "--cross-entropy-loss-fusion": "is not built here: the loss is Megatron-Core's unfused "
-                                   "vocab-parallel cross entropy (its fused one is torch.compile'd "
-                                   "or Transformer Engine's), the same loss",
     "--fp8-format": _FP8,
     "--fp8-amax-history-len": _FP8,
     "--fp8-amax-compute-algo": _FP8,
     "--fp8-param-gather": _FP8,
 }
 MODEL_FLAGS_TAKING_A_VALUE = ("--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo")
+CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")  # Megatron-LM's --cross-entropy-fusion-impl
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,6 +139,15 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--norm-epsilon", type=float, default=1e-5,
                        help="Epsilon of the LayerNorm/RMSNorm layers (default %(default)s).")
     _add_architecture_flags(group)
+    group.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                       help="Compute the loss with Megatron-Core's fused vocab-parallel cross "
+                            "entropy instead of the unfused one, as Megatron-LM: the same loss; "
+                            "its functions are torch.compile'd on a GPU, and its backward rounds "
+                            "the logits' gradient to bf16 (it is meant for --bf16).")
+    group.add_argument("--cross-entropy-fusion-impl", choices=CROSS_ENTROPY_FUSION_IMPLS,
+                       default="native",
+                       help="With --cross-entropy-loss-fusion: Megatron-Core's native fused "
+                            "cross entropy (default) or Transformer Engine's (where installed).")
     add_refused_flags(group, REFUSED_MODEL_FLAGS, taking_a_value=MODEL_FLAGS_TAKING_A_VALUE)
     group.add_argument("--use-flash-attn", action="store_true",
                        help="Use FlashAttention for core attention; GPU only: Transformer Engine's "
@@ -240,6 +247,13 @@ def validate_model_args(args: argparse.Namespace) -> None:
     require(args.init_method_std > 0,
             f"--init-method-std must be positive, got {args.init_method_std}")
     require(args.norm_epsilon > 0, f"--norm-epsilon must be positive, got {args.norm_epsilon}")
+    if args.cross_entropy_fusion_impl != "native":
+        require(args.cross_entropy_loss_fusion, f"--cross-entropy-fusion-impl "
+                f"{args.cross_entropy_fusion_impl} needs --cross-entropy-loss-fusion")
+        require(transformer_engine_available(),
+                "--cross-entropy-fusion-impl te needs Transformer Engine on a GPU"
+                + ("" if cuda_available() else " (this machine has no CUDA GPU)")
+                + "; use --cross-entropy-fusion-impl native")
     if args.transformer_impl == "transformer_engine":
         require(transformer_engine_available(),
                 "--transformer-impl transformer_engine needs Transformer Engine on a GPU"

@@ -81,6 +81,8 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         clone_scatter_output_in_embedding=args.clone_scatter_output_in_embedding,
         distribute_saved_activations=args.distribute_saved_activations,
         calculate_per_token_loss=args.calculate_per_token_loss,
+        cross_entropy_loss_fusion=choices.cross_entropy_fusion.on,
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         **recompute,
         **attention,
         **model_fields,
