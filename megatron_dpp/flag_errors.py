@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Collection, Mapping
+from typing import Collection, Iterable, Mapping, Optional
 
 
 class ArgsError(ValueError):
@@ -19,6 +19,12 @@ class ArgsError(ValueError):
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise ArgsError(message)
+
+
+def first_given(flags: Iterable[tuple[str, object]]) -> Optional[str]:
+    """The first flag of (flag, given) pairs whose `given` is truthy, or None: for the one-line
+    error of a flag that needs another one."""
+    return next((flag for flag, given in flags if given), None)
 
 
 def _refused_dest(flag: str) -> str:

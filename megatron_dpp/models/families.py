@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 from megatron_dpp.data.tokenizer import (GPT2_BPE, LLAMA2_SENTENCEPIECE, NULL_TOKENIZER,
                                          WORDPIECE_LOWER_CASE)
+from megatron_dpp.flag_errors import first_given
 from megatron_dpp.one_line_errors import InputError
 
 WORDPIECE_TOKENIZERS = tuple(WORDPIECE_LOWER_CASE)  # lower case first: BERT's default
@@ -204,16 +205,16 @@ def _validate_bert_args(args: argparse.Namespace) -> None:
              "--mock-data is for GPT and Llama (Megatron-Core has no generated BERT documents); "
              "make BERT's sample data with `python -m megatron_dpp.data.prepare_sample "
              "--output-dir data`")
-    given = [flag for flag, set_ in (
+    given = first_given((
         ("--reset-position-ids", getattr(args, "reset_position_ids", False)),
         ("--reset-attention-mask", getattr(args, "reset_attention_mask", False)),
         ("--eod-mask-loss", getattr(args, "eod_mask_loss", False)),
         ("--no-create-attention-mask-in-dataloader",
          not getattr(args, "create_attention_mask_in_dataloader", True)),
-        ("--no-mmap-bin-files", not getattr(args, "mmap_bin_files", True))) if set_]
-    _require(not given, f"{given[0] if given else ''} is a GPT data flag; BERT's samples are "
-                        f"packed sentences (Megatron-Core's BERT dataset always maps its files and "
-                        f"always has a padding mask): remove it")
+        ("--no-mmap-bin-files", not getattr(args, "mmap_bin_files", True))))
+    _require(given is None, f"{given} is a GPT data flag; BERT's samples are packed sentences "
+                            f"(Megatron-Core's BERT dataset always maps its files and always has "
+                            f"a padding mask): remove it")
     _require(not getattr(args, "calculate_per_token_loss", False),
              "--calculate-per-token-loss scales a loss by its token count, and BERT's loss "
              "(Megatron-LM's) averages the masked-LM and sentence-order losses per micro-batch: "

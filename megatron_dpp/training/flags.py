@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 
 from megatron_dpp.cuda_presence import cuda_available
-from megatron_dpp.flag_errors import add_refused_flags, require, require_output_dir
+from megatron_dpp.flag_errors import (add_refused_flags, first_given, require,
+                                      require_output_dir)
 from megatron_dpp.training.batch_ramp import BatchSizeRamp, running_batch
 from megatron_dpp.training.checkpoint_flags import (add_checkpoint_format_args,
                                                     add_load_scope_args, check_load_dir,
@@ -545,11 +546,11 @@ def validate_logging_args(args: argparse.Namespace) -> None:
 def _validate_timing_args(args: argparse.Namespace) -> None:
     if args.timing_log_level > 0:
         return
-    given = [flag for flag, set_ in (
+    given = first_given((
         ("--timing-log-option", args.timing_log_option != DEFAULT_LOG_OPTION),
-        ("--no-barrier-with-level-1-timing", not args.barrier_with_L1_time)) if set_]
-    require(not given, f"{given[0] if given else ''} needs --timing-log-level 1 or 2 (at the "
-                       f"default 0 no timer runs)")
+        ("--no-barrier-with-level-1-timing", not args.barrier_with_L1_time)))
+    require(given is None, f"{given} needs --timing-log-level 1 or 2 (at the default 0 no timer "
+                           f"runs)")
 
 
 def _validate_tensorboard_args(args: argparse.Namespace) -> None:
@@ -566,9 +567,9 @@ def _validate_tensorboard_args(args: argparse.Namespace) -> None:
     if args.tensorboard_dir is None:
         require(args.tensorboard_queue_size == TENSORBOARD_QUEUE_SIZE,
                 "--tensorboard-queue-size needs --tensorboard-dir DIR")
-        given = [flag for flag, set_ in choosing.items() if set_]
-        require(not given or bool(args.wandb_project),
-                f"{given[0] if given else ''} needs --tensorboard-dir DIR (or --wandb-project NAME)")
+        given = first_given(choosing.items())
+        require(given is None or bool(args.wandb_project),
+                f"{given} needs --tensorboard-dir DIR (or --wandb-project NAME)")
     else:
         import importlib.util
 
@@ -585,10 +586,10 @@ def _validate_tensorboard_args(args: argparse.Namespace) -> None:
 
 def _validate_wandb_args(args: argparse.Namespace) -> None:
     if not args.wandb_project:
-        given = [flag for flag, value in (("--wandb-exp-name", args.wandb_exp_name),
-                                          ("--wandb-save-dir", args.wandb_save_dir),
-                                          ("--wandb-entity", args.wandb_entity)) if value]
-        require(not given, f"{given[0] if given else ''} needs --wandb-project NAME")
+        given = first_given((("--wandb-exp-name", args.wandb_exp_name),
+                             ("--wandb-save-dir", args.wandb_save_dir),
+                             ("--wandb-entity", args.wandb_entity)))
+        require(given is None, f"{given} needs --wandb-project NAME")
         return
     import importlib.util
 

@@ -443,6 +443,13 @@ class Trainer:
                 self.tensorboard.validation(self.state.iteration, self.state.consumed_samples,
                                             loss)
 
+    def tflops_per_gpu(self, iteration_seconds: float) -> float | None:
+        """--log-throughput's TFLOP/s per rank of the last iteration's batch (None without it)."""
+        if self.model_shape is None:
+            return None
+        operations = floating_point_operations(self.model_shape, self.last_global_batch_size)
+        return tflops_per_gpu(operations, iteration_seconds, dist.get_world_size())
+
     def report_timers(self, iteration: int, iteration_seconds: float) -> None:
         """At a logged iteration, after its line: the timers' block (--timing-log-level 1 or 2;
         collective: every rank takes part in their all-gather) and, with
@@ -459,11 +466,8 @@ class Trainer:
         if text is not None:
             log(text)
         if self.tensorboard is not None and self.train.tensorboard.timers:
-            throughput = (tflops_per_gpu(floating_point_operations(
-                self.model_shape, self.last_global_batch_size), iteration_seconds,
-                dist.get_world_size()) if self.model_shape is not None else None)
             self.tensorboard.timers(
-                iteration, iteration_seconds, throughput,
+                iteration, iteration_seconds, self.tflops_per_gpu(iteration_seconds),
                 {name: report.min_max(name)[1] for name in report.names} if report else {})
 
     def close(self) -> None:
@@ -560,10 +564,8 @@ def _format_iteration(trainer: Trainer, reduced, grad_norm, params_norm, elapsed
         f"consumed samples: {trainer.state.consumed_samples:12d}",
         f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
     ]
-    if trainer.model_shape is not None:
-        operations = floating_point_operations(trainer.model_shape,
-                                               trainer.last_global_batch_size)
-        tflops = tflops_per_gpu(operations, elapsed_ms / 1000.0, dist.get_world_size())
+    tflops = trainer.tflops_per_gpu(elapsed_ms / 1000.0)
+    if tflops is not None:
         # Megatron-LM's one decimal; below 1 TFLOP/s (a CPU run) three significant digits.
         shown = format(tflops, ".1f" if tflops >= 1.0 else ".3g")
         fields.append(f"throughput per GPU (TFLOP/s/GPU): {shown}")
