@@ -370,6 +370,7 @@ BUDGET_SHAPES = {
     "gpt_no_dropout_ffn": (["--hidden-dropout", "0", "--attention-dropout", "0",
                             "--ffn-hidden-size", "96"], 2),
     "gpt_tensor_parallel": (["--tensor-model-parallel-size", "2"], 4),
+    "gpt_uneven_split": (["--decoder-last-pipeline-num-layers", "3"], 2),
 }
 
 

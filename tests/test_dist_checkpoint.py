@@ -1,7 +1,8 @@
 """Megatron-Core distributed checkpoints (--ckpt-format torch_dist, the default).
 
-- Resharding: a checkpoint saved at pp=2 resumes at pp=4, tp=2 x pp=2, pp=2 x vpp=2, with and
-  without --use-dpp, and the losses continue within 1e-5 relative of the uninterrupted run.
+- Resharding: a checkpoint saved at pp=2 resumes at pp=4, tp=2 x pp=2, pp=2 x vpp=2, an uneven
+  pp=2 split, with and without --use-dpp, and the losses continue within 1e-5 relative of the
+  uninterrupted run.
 - Atomic saves: on a tmpfs too small for the next save, the free-space check refuses it before
   writing; the previous checkpoint stays the latest and loadable, with nothing left behind.
 - A damaged checkpoint (its checksums, checksums.json, are checked before loading) or one of
@@ -50,6 +51,8 @@ RESUMES = {
     "pp2xvpp2": ([*PP2, "--num-virtual-stages-per-pipeline-rank", "2"], 2),
     "pp2-dpp": ([*PP2, *DPP], 2),
     "pp4-dpp": (["--pipeline-model-parallel-size", "4", *DPP], 4),
+    # Layers 1 | 3 instead of 2 | 2: each layer found by its global number.
+    "pp2-uneven-dpp": ([*PP2, "--decoder-first-pipeline-num-layers", "1", *DPP], 2),
 }
 
 
@@ -196,3 +199,9 @@ def test_old_format_loads_at_its_layout_and_is_refused_at_another(tmp_path, unin
         nproc=4)
     line = _one_error(out)
     assert "old per-rank format" in line and "convert it" in line and save in line, line
+    rc, _losses, _norms, out = run_training(
+        [*SCHEDULE, *PP2, "--decoder-last-pipeline-num-layers", "1", "--train-iters", "6",
+         "--load", save], nproc=2)
+    line = _one_error(out)
+    assert ("layers per pipeline rank even, this run is world 2, tp 1, pp 2, vpp None, layers "
+            "per pipeline rank 3 | 1") in line, line

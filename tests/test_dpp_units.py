@@ -112,6 +112,9 @@ def test_activation_estimate_is_the_search_model_per_microbatch_length():
     assert estimate("gpt", full, [128], 2, 1, 1) == [3 * 64 * 2 * 32 * 4]
     full.recompute_method = "block"  # the first 3 layers checkpointed, 5 keep everything
     assert estimate("gpt", full, [128], 2, 1, 1) == [3 * 64 * 2 * 32 * 4 + 5 * _layer(64, 2)]
+    # An uneven split sizes every rank's budget by the fullest chunk: 8 layers as 2 | 6.
+    uneven = _config(num_layers_in_first_pipeline_stage=2)
+    assert estimate("gpt", uneven, [128], 2, 1, 2) == [6 * _layer(64, 2)]
 
 
 def test_decision_round_trip():

@@ -1,7 +1,8 @@
 """Loss parity across parallel layouts: every layout trains the same tiny GPT on the same data.
 
-The pp=1 run is the reference (once per module); pp=2, pp=4, vpp=2 (pp=2), tp=2 and dp=2 must give
-the same lm loss for 5 iterations within 1e-5 relative (fp32; init is layout-independent).
+The pp=1 run is the reference (once per module); pp=2, pp=4, vpp=2 (pp=2), pp=2 split 3 | 1
+(--decoder-last-pipeline-num-layers), tp=2 and dp=2 must give the same lm loss for 5 iterations
+within 1e-5 relative (fp32; init is layout-independent).
 """
 import pytest
 
@@ -24,6 +25,8 @@ LAYOUTS = {
     "pp4": (["--pipeline-model-parallel-size", "4"], 4),
     "vpp2_pp2": (["--pipeline-model-parallel-size", "2",
                   "--num-layers-per-virtual-pipeline-stage", "1"], 2),
+    "pp2_uneven": (["--pipeline-model-parallel-size", "2",
+                    "--decoder-last-pipeline-num-layers", "3"], 2),
     "tp2": (["--tensor-model-parallel-size", "2"], 2),
     "dp2": ([], 2),
 }

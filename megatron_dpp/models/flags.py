@@ -13,7 +13,7 @@ import os
 from typing import Optional
 
 from megatron_dpp.cuda_presence import cuda_available
-from megatron_dpp.flag_errors import add_refused_flags, require
+from megatron_dpp.flag_errors import add_refused_flags, first_given, require
 from megatron_dpp.kernels import (
     ATTENTION_BACKENDS,
     TRANSFORMER_ENGINE,
@@ -21,6 +21,8 @@ from megatron_dpp.kernels import (
     core_attention_from_args,
     transformer_engine_available,
 )
+from megatron_dpp.models.pipeline_split import (EMBEDDING_FLAG, FIRST_FLAG, LAST_FLAG, LOSS_FLAG,
+                                                 PipelineSplit)
 
 
 _TP_COMM_OVERLAP = ("Transformer Engine's userbuffer overlap of tensor-parallel communication with "
@@ -343,6 +345,23 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                        help="Virtual pipeline stages (model chunks) per pipeline rank; an alternative "
                             "to --num-layers-per-virtual-pipeline-stage.")
+    group.add_argument(FIRST_FLAG, type=int, default=None, metavar="N",
+                       help="Transformer layers on the first pipeline stage (which also runs the "
+                            "embedding); the stages without a count given share the other layers "
+                            "evenly. Default: an even split. With virtual stages, a multiple of "
+                            "--num-virtual-stages-per-pipeline-rank.")
+    group.add_argument(LAST_FLAG, type=int, default=None, metavar="N",
+                       help="Transformer layers on the last pipeline stage (which also runs the "
+                            "output layer and the loss); as " + FIRST_FLAG + ".")
+    group.add_argument(EMBEDDING_FLAG, action="store_true",
+                       help="Split evenly with the embedding counted as one layer: the first "
+                            "stage builds one transformer layer less (--num-layers + 1 must divide "
+                            "by the pipeline stages). Not with " + FIRST_FLAG + " / " + LAST_FLAG
+                            + ".")
+    group.add_argument(LOSS_FLAG, action="store_true",
+                       help="Split evenly with the output layer and loss counted as one layer: "
+                            "the last stage builds one transformer layer less; as "
+                            + EMBEDDING_FLAG + ".")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="Enable sequence parallelism (only has an effect with tensor parallelism, "
                             "as in Megatron-LM).")
@@ -403,6 +422,52 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def pipeline_split_from_args(args: argparse.Namespace) -> PipelineSplit:
+    """The layer split of the validated flags (models/pipeline_split.py)."""
+    return PipelineSplit(num_layers=args.num_layers,
+                         pipeline_size=args.pipeline_model_parallel_size,
+                         virtual_size=args.virtual_pipeline_model_parallel_size,
+                         first=args.decoder_first_pipeline_num_layers,
+                         last=args.decoder_last_pipeline_num_layers,
+                         embedding_is_a_layer=args.account_for_embedding_in_pipeline_split,
+                         loss_is_a_layer=args.account_for_loss_in_pipeline_split)
+
+
+def _derive_pipeline_split(args: argparse.Namespace) -> None:
+    """args.virtual_pipeline_model_parallel_size from the virtual-stage flags (Megatron-LM's
+    rules), then the whole split checked (PipelineSplit.check)."""
+    pp = args.pipeline_model_parallel_size
+    require(args.num_layers_per_virtual_pipeline_stage is None
+            or args.num_virtual_stages_per_pipeline_rank is None,
+            "give either --num-layers-per-virtual-pipeline-stage or "
+            "--num-virtual-stages-per-pipeline-rank, not both")
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = args.num_layers_per_virtual_pipeline_stage
+        uneven = first_given(((FIRST_FLAG, args.decoder_first_pipeline_num_layers is not None),
+                              (LAST_FLAG, args.decoder_last_pipeline_num_layers is not None)))
+        require(uneven is None,
+                f"{uneven} makes the stages uneven; give the virtual stages with "
+                f"--num-virtual-stages-per-pipeline-rank instead of "
+                f"--num-layers-per-virtual-pipeline-stage (as Megatron-LM asks)")
+        slots = (args.num_layers + args.account_for_embedding_in_pipeline_split
+                 + args.account_for_loss_in_pipeline_split)
+        pipeline_split_from_args(args).check()  # the layers (and counted slots) divide by pp
+        layers_per_rank = slots // pp
+        require(per_stage > 0 and layers_per_rank % per_stage == 0,
+                f"--num-layers {args.num_layers} is not divisible by pipeline ({pp}) x layers per "
+                f"virtual stage ({per_stage}); pick a --num-layers-per-virtual-pipeline-stage that "
+                f"divides {layers_per_rank}")
+        args.virtual_pipeline_model_parallel_size = layers_per_rank // per_stage
+    elif args.num_virtual_stages_per_pipeline_rank is not None:
+        require(args.num_virtual_stages_per_pipeline_rank > 0,
+                "--num-virtual-stages-per-pipeline-rank must be positive")
+        args.virtual_pipeline_model_parallel_size = args.num_virtual_stages_per_pipeline_rank
+    if args.virtual_pipeline_model_parallel_size == 1:
+        args.virtual_pipeline_model_parallel_size = None
+    pipeline_split_from_args(args).check()
+
+
 def validate_parallel_args(args: argparse.Namespace) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     require(tp >= 1 and pp >= 1, "--tensor-model-parallel-size and --pipeline-model-parallel-size "
@@ -414,30 +479,7 @@ def validate_parallel_args(args: argparse.Namespace) -> None:
             f"parallel sizes; launch a multiple of {tp * pp} processes or change the sizes")
     args.data_parallel_size = args.world_size // (tp * pp)
 
-    require(args.num_layers % pp == 0,
-            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
-            f"{pp}; use a multiple of {pp} layers")
-    layers_per_rank = args.num_layers // pp
-    require(args.num_layers_per_virtual_pipeline_stage is None
-            or args.num_virtual_stages_per_pipeline_rank is None,
-            "give either --num-layers-per-virtual-pipeline-stage or "
-            "--num-virtual-stages-per-pipeline-rank, not both")
-    args.virtual_pipeline_model_parallel_size = None
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        per_stage = args.num_layers_per_virtual_pipeline_stage
-        require(per_stage > 0 and layers_per_rank % per_stage == 0,
-                f"--num-layers {args.num_layers} is not divisible by pipeline ({pp}) x layers per "
-                f"virtual stage ({per_stage}); pick a --num-layers-per-virtual-pipeline-stage that "
-                f"divides {layers_per_rank}")
-        args.virtual_pipeline_model_parallel_size = layers_per_rank // per_stage
-    elif args.num_virtual_stages_per_pipeline_rank is not None:
-        vpp = args.num_virtual_stages_per_pipeline_rank
-        require(vpp > 0 and layers_per_rank % vpp == 0,
-                f"--num-layers {args.num_layers} is not divisible by pipeline ({pp}) x virtual "
-                f"stages ({vpp}); use a multiple of {pp * vpp} layers")
-        args.virtual_pipeline_model_parallel_size = vpp
-    if args.virtual_pipeline_model_parallel_size == 1:
-        args.virtual_pipeline_model_parallel_size = None
+    _derive_pipeline_split(args)
     if args.virtual_pipeline_model_parallel_size is not None:
         require(pp > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1")
 
@@ -487,7 +529,11 @@ def _activation_config(args: argparse.Namespace) -> argparse.Namespace:
         sequence_parallel=args.sequence_parallel, pipeline_dtype=dtype, params_dtype=dtype,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method if full else None,
-        recompute_num_layers=args.recompute_num_layers if full else None)
+        recompute_num_layers=args.recompute_num_layers if full else None,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split)
 
 
 def _derive_activation_bytes(args: argparse.Namespace) -> None:

@@ -36,6 +36,7 @@ from typing import Any, List, Optional, Sequence
 # The search's input error (search/errors.py names it SearchInputError): a bad shape ends a search
 # command as one line, exit 2; models/ must not import the search, so the class lives below both.
 from megatron_dpp.models.families import MODEL_FAMILIES
+from megatron_dpp.models.pipeline_split import PipelineSplit
 from megatron_dpp.one_line_errors import InputError
 
 __all__ = [
@@ -442,7 +443,9 @@ def chunk_activation_bytes(model: str, config: Any, sizes: Sequence[int], micro_
     recompute, dropout and dtype. The embedding's and the output head's bytes are left out, as
     in the search's per-chunk figure (search/cost.py), so that every pipeline rank computes the
     same numbers (the adaptive policy's choice between spines and its fallback must agree)."""
-    layers = -(-config.num_layers // (pipeline_size * num_model_chunks))  # the fullest chunk
+    split = dataclasses.replace(PipelineSplit.from_config(config), pipeline_size=pipeline_size,
+                                virtual_size=num_model_chunks if num_model_chunks > 1 else None)
+    layers = split.largest_chunk()  # the fullest chunk (uneven splits: --decoder-first-... etc.)
     modes = recompute_layers(config, layers)
     tp = getattr(config, "tensor_model_parallel_size", 1) or 1
     sp = bool(getattr(config, "sequence_parallel", False))

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_dpp.models.pipeline_split import PipelineSplit
 from megatron_dpp.training import distributed_optimizer_compat, lr_schedule
 from megatron_dpp.training.checkpoint_flags import (
     CHECKPOINT_FORMATS,
@@ -107,14 +108,21 @@ class CheckpointToLoad:
     verified: bool  # its files matched its manifest; False: it has none (saved before checksums)
 
 
-def _layout() -> dict[str, int | None]:
-    return {
+def _layout(model_chunks) -> dict[str, int | str | None]:
+    """What the per-rank format must find again to load: the parallel sizes and, when a flag made
+    it uneven, the pipeline split (absent for the default even split, as in files saved before
+    the split flags)."""
+    layout = {
         "world_size": dist.get_world_size(),
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
         "virtual_pipeline_model_parallel_size":
             parallel_state.get_virtual_pipeline_model_parallel_world_size(),
     }
+    split = PipelineSplit.from_config(model_chunks[0].config)
+    if not split.is_default:
+        layout["pipeline_split"] = split.describe()
+    return layout
 
 
 def _rng_state() -> dict:
@@ -399,7 +407,7 @@ def _prepare_torch(state: TrainState, model_chunks, optimizer, scheduler) -> tup
     payload = {
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,
-        "layout": _layout(),
+        "layout": _layout(model_chunks),
         "model": [chunk.state_dict() for chunk in model_chunks],
         "optimizer": _optimizer_state(optimizer),
         "scheduler": scheduler.state_dict(),
@@ -515,9 +523,10 @@ def _load_torch(directory: str, verified: bool, model_chunks, optimizer,
             payload = torch.load(path, map_location="cpu", weights_only=False)
             if not verified and payload.get(SAVED_WITH_CHECKSUMS):
                 error = missing_manifest(directory)
-            elif payload["layout"] != _layout():
+            elif payload["layout"] != _layout(model_chunks):
                 error = (f"checkpoint {path} (old per-rank format) was saved at layout "
-                         f"{_short(payload['layout'])}, this run is {_short(_layout())}; to load "
+                         f"{_short(payload['layout'])}, this run is "
+                         f"{_short(_layout(model_chunks))}; to load "
                          f"it here, convert it: {OLD_FORMAT_CONVERTER}")
         except Exception as exc:  # an unverified checkpoint's truncated or overwritten file
             error = f"checkpoint file {path} is damaged: {_one_line(exc)}"
@@ -558,4 +567,5 @@ def _load_torch(directory: str, verified: bool, model_chunks, optimizer,
 def _short(layout: dict) -> str:
     return (f"world {layout['world_size']}, tp {layout['tensor_model_parallel_size']}, pp "
             f"{layout['pipeline_model_parallel_size']}, vpp "
-            f"{layout['virtual_pipeline_model_parallel_size']}")
+            f"{layout['virtual_pipeline_model_parallel_size']}, layers per pipeline rank "
+            f"{layout.get('pipeline_split', 'even')}")

@@ -14,6 +14,7 @@ import gc
 import math
 import os
 import random
+import sys
 import time
 from datetime import timedelta
 
@@ -32,6 +33,7 @@ from megatron_dpp.exit_codes import BAD_INPUT, FAILED, OK, SIGNAL_BASE
 from megatron_dpp.kernels import cuda_graphs as cuda_graph_choice
 from megatron_dpp.kernels import install_foreach_multi_tensor_ops, log_kernel_choices
 from megatron_dpp.models import ModelSpec
+from megatron_dpp.models.pipeline_split import PipelineSplit
 from megatron_dpp.platform import Platform, setup_platform
 from megatron_dpp.rank_failure import fail, say_failure
 from megatron_dpp.runtime.config import DPPConfig
@@ -160,6 +162,7 @@ def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSp
     timers = timers_from_args(args, platform.device)
     attach_timers(config, timers, args.barrier_with_L1_time)
     chunks = spec.build_chunks(args, config, seed)  # args.padded_vocab_size: set by build_tokenizer
+    log_model_size(config, chunks)
     chunks = wrap_for_mixed_precision(config, [chunk.to(platform.device) for chunk in chunks])
     ddp_config = ddp_config_from_args(args)
     # Without Apex / Transformer Engine: torch foreach ops for the gradient norm, clipping and the
@@ -179,6 +182,22 @@ def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSp
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return config, model, optimizer
+
+
+def log_model_size(config, chunks: list) -> None:
+    """Megatron-LM's parameter count line, from each (tensor, pipeline) rank of the first
+    data-parallel replica, and, on rank 0, the pipeline split when a flag made it other than even
+    (models/pipeline_split.py)."""
+    split = PipelineSplit.from_config(config)
+    if not split.is_default:
+        log_rank0(f" pipeline split: transformer layers per pipeline rank {split.describe()}")
+    if parallel_state.get_data_parallel_rank() == 0:
+        count = sum(param.nelement() for chunk in chunks for param in chunk.parameters())
+        # One write, so that the ranks' lines do not interleave.
+        sys.stdout.write(f" > number of parameters on (tensor, pipeline) model parallel rank "
+                         f"({parallel_state.get_tensor_model_parallel_rank()}, "
+                         f"{parallel_state.get_pipeline_model_parallel_rank()}): {count}\n")
+        sys.stdout.flush()
 
 
 def set_sync_funcs(config, model: list, args: argparse.Namespace) -> None:
