@@ -21,10 +21,11 @@
 # before anything changes directory (the precheck and torchrun run in the repository root).
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CALLER_DIR="$PWD"
-# The trainer's flags that name files or directories (megatron_dpp/arguments.py); --data-path also
-# takes a blend, W1 PREFIX1 W2 PREFIX2 ...
-LAUNCH_PATH_FLAGS=(--data-path --data-cache-path --vocab-file --merge-file --save --load --trace-dir
-                   --tensorboard-dir --wandb-save-dir)
+# The trainer's flags that name files or directories (megatron_dpp/arguments.py); the data paths
+# (LAUNCH_BLEND_FLAGS) also take a blend, W1 PREFIX1 W2 PREFIX2 ...
+LAUNCH_BLEND_FLAGS=(--data-path --train-data-path --valid-data-path --test-data-path)
+LAUNCH_PATH_FLAGS=("${LAUNCH_BLEND_FLAGS[@]}" --data-cache-path --vocab-file --merge-file --save
+                   --load --trace-dir --tensorboard-dir --wandb-save-dir)
 
 # launch_abspath VAR PATH: VAR = PATH made absolute against CALLER_DIR (a leading ~ is the home
 # directory, as DATA_ARGS's words are not expanded by a shell); empty and absolute paths unchanged.
@@ -67,8 +68,8 @@ launch_set_model() {
   esac
 }
 
-# launch_sample_data_flags DATA_DIR -> DATA_FLAGS: the model's files of the sample data (made by
-# prepare_sample when missing).
+# launch_sample_data_flags DATA_DIR -> SAMPLE_PREFIX, SAMPLE_TOKENIZER_FLAGS: the model's files of
+# the sample data (made by prepare_sample when missing).
 launch_sample_data_flags() {
   local dir="$1" marker
   if [ "$LAUNCH_MODEL" = bert ]; then marker=sample_bert_text_sentence.idx; else marker=sample_text_document.idx; fi
@@ -76,11 +77,11 @@ launch_sample_data_flags() {
     (cd "$REPO_ROOT" && "$PY" -m megatron_dpp.data.prepare_sample --output-dir "$dir")
   fi
   if [ "$LAUNCH_MODEL" = bert ]; then
-    DATA_FLAGS=(--data-path "$dir/sample_bert_text_sentence" --vocab-file "$dir/bert-vocab.txt"
-                --tokenizer-type BertWordPieceLowerCase --split 98,2,0)
+    SAMPLE_PREFIX="$dir/sample_bert_text_sentence"
+    SAMPLE_TOKENIZER_FLAGS=(--vocab-file "$dir/bert-vocab.txt" --tokenizer-type BertWordPieceLowerCase)
   else
-    DATA_FLAGS=(--data-path "$dir/sample_text_document" --vocab-file "$dir/vocab.json"
-                --merge-file "$dir/merges.txt" --split 98,2,0)
+    SAMPLE_PREFIX="$dir/sample_text_document"
+    SAMPLE_TOKENIZER_FLAGS=(--vocab-file "$dir/vocab.json" --merge-file "$dir/merges.txt")
   fi
 }
 
@@ -95,6 +96,7 @@ launch_extra_has() {
 
 # launch_resolve_paths: every path of ALL_FLAGS (the LAUNCH_PATH_FLAGS, as `--flag VALUE` or
 # `--flag=VALUE`) made absolute against the caller's directory; in a blend `--data-path W1 P1 W2 P2`
+# (or a per-split path's)
 # the prefixes only (as megatron_dpp.data.datasets.parse_data_path reads it: one value is a prefix,
 # an even number are weight-prefix pairs; anything else is left for the flag check to refuse).
 launch_resolve_paths() {
@@ -108,7 +110,7 @@ launch_resolve_paths() {
     elif [ "$name" != "$word" ]; then  # --flag=VALUE: one value
       launch_abspath path "${word#*=}"
       resolved+=("$name=$path")
-    elif [ "$name" = --data-path ]; then
+    elif [[ " ${LAUNCH_BLEND_FLAGS[*]} " == *" $name "* ]]; then
       values=()
       while [ "$i" -lt "$n" ] && [[ "${ALL_FLAGS[i]}" != -* ]]; do
         values+=("${ALL_FLAGS[i]}")
@@ -328,18 +330,21 @@ launch_prepare() {
   local data_flags
   if [ -n "${DATA_ARGS:-}" ]; then
     read -r -a data_flags <<<"$DATA_ARGS"
-  elif launch_extra_has --mock-data; then
-    # Generated documents: no --data-path; the sample data's tokenizer unless one is given.
+  elif launch_extra_has --mock-data || launch_extra_has --train-data-path \
+      || launch_extra_has --valid-data-path || launch_extra_has --test-data-path; then
+    # Generated documents, or each split's own: not the sample data, only its tokenizer unless one
+    # is given (and --split only for the generated documents: per-split paths refuse it).
     data_flags=()
     if ! launch_extra_has --tokenizer-type; then
       launch_abspath DATA_DIR "${DATA_DIR:-$REPO_ROOT/data/sample}"
       launch_sample_data_flags "$DATA_DIR"
-      data_flags=("${DATA_FLAGS[@]:2}")  # without `--data-path PREFIX`
+      data_flags=("${SAMPLE_TOKENIZER_FLAGS[@]}")
+      if launch_extra_has --mock-data; then data_flags+=(--split 98,2,0); fi
     fi
   else
     launch_abspath DATA_DIR "${DATA_DIR:-$REPO_ROOT/data/sample}"
     launch_sample_data_flags "$DATA_DIR"
-    data_flags=("${DATA_FLAGS[@]}")
+    data_flags=(--data-path "$SAMPLE_PREFIX" "${SAMPLE_TOKENIZER_FLAGS[@]}" --split 98,2,0)
   fi
 
   # The strategy's flags (model shape, batch, layout, schedule) replace the environment's sizes.

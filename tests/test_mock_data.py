@@ -32,7 +32,8 @@ def test_flag_errors(monkeypatch, capsys):
 
     assert "--mock-data generates the documents, --data-path reads them: give one of the two" \
         in _error(monkeypatch, capsys, *MOCK, *data_args())
-    assert "--data-path is required (or --mock-data for generated documents)" in \
+    assert ("--data-path is required (or --mock-data for generated documents, or "
+            "--train-data-path ... for each split's own)") in \
         _error(monkeypatch, capsys)
     assert "--tokenizer-type NullTokenizer needs --vocab-size N > 0" in \
         _error(monkeypatch, capsys, "--mock-data", "--tokenizer-type", "NullTokenizer")

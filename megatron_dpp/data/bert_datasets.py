@@ -14,12 +14,12 @@ defaults and the up-front checks need neither torch nor Megatron-Core (the launc
 it starts any rank); the dataset class imports both when built.
 """
 import contextlib
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy
 
-from megatron_dpp.data.datasets import (_SPLIT_NAMES, parse_data_path, parse_split,
-                                        samples_per_split, split_ranges)
+from megatron_dpp.data.datasets import (_SPLIT_NAMES, DataSource, data_sources, megatron_blends,
+                                        more_data_hint, samples_per_split, split_ranges)
 from megatron_dpp.data.errors import DataInputError
 from megatron_dpp.data.index_cache import index_cache_lock
 from megatron_dpp.data.index_file import read_index
@@ -76,9 +76,8 @@ def usable_document_count(document_indices: numpy.ndarray, sentence_lengths: num
 
 
 def _split_has_no_usable_document(name: str, prefix: str, documents: int, wanted: int,
-                                  min_sentences: int) -> DataInputError:
-    hints = ("preprocess with --split-sentences, use more data or give it a larger share with "
-             "--split")
+                                  min_sentences: int, per_split: bool) -> DataInputError:
+    hints = f"preprocess with --split-sentences, or {more_data_hint(name, per_split)}"
     if min_sentences > 1:
         hints += ", or train with --bert-no-binary-head"
     if name != "train":
@@ -89,10 +88,12 @@ def _split_has_no_usable_document(name: str, prefix: str, documents: int, wanted
         f"samples are needed; {hints}")
 
 
-def _empty_split(name: str, prefix: str, total_documents: int) -> DataInputError:
+def _empty_split(name: str, prefix: str, total_documents: int, per_split: bool) -> DataInputError:
+    remedy = (more_data_hint(name, per_split) if per_split
+              else "give it a larger share with --split, or a share of 0")
     return DataInputError(
         f"the {name} split of {prefix} has no documents ({total_documents} in all) and Megatron's "
-        f"BERT dataset cannot be built empty; give it a larger share with --split, or a share of 0")
+        f"BERT dataset cannot be built empty; {remedy}")
 
 
 def _document_structure(prefix: str):
@@ -101,8 +102,7 @@ def _document_structure(prefix: str):
     return arrays.document_indices, arrays.sequence_lengths
 
 
-def check_bert_splits_have_data(prefixes: Sequence[str], weights: Optional[Sequence[float]],
-                                split_weights: List[float], num_samples: Sequence[int],
+def check_bert_splits_have_data(source: DataSource, num_samples: Sequence[int],
                                 binary_head: bool) -> None:
     """Raise DataInputError when a split with a share has no documents, or must provide samples
     but has no document Megatron's BERT sample mapping can use (it would loop forever).
@@ -111,21 +111,21 @@ def check_bert_splits_have_data(prefixes: Sequence[str], weights: Optional[Seque
     before any rank builds. The split is over documents, as BERT's builder splits.
     """
     min_sentences = min_sentences_per_sample(binary_head)
-    for position, prefix in enumerate(prefixes):
-        if weights is not None and weights[position] == 0:
+    for position, prefix in enumerate(source.prefixes):
+        if source.weights is not None and source.weights[position] == 0:
             continue
         document_indices, sentence_lengths = _document_structure(prefix)
         total = len(document_indices) - 1
         for name, wanted, documents in zip(_SPLIT_NAMES, num_samples,
-                                           split_ranges(split_weights, total)):
+                                           split_ranges(source.split, total)):
             if documents is None:
                 continue
             if len(documents) == 0:
-                raise _empty_split(name, prefix, total)
+                raise _empty_split(name, prefix, total, source.per_split)
             if wanted and usable_document_count(document_indices, sentence_lengths, documents,
                                                 min_sentences) == 0:
                 raise _split_has_no_usable_document(name, prefix, len(documents), wanted,
-                                                    min_sentences)
+                                                    min_sentences, source.per_split)
 
 
 @contextlib.contextmanager
@@ -157,13 +157,15 @@ def _guarded_bert_dataset_class():
         def _build_sample_index(self, sequence_length: int,
                                 min_sentences: int) -> numpy.ndarray:
             name, prefix = self.index_split.name, self.dataset_path
+            per_split = self.config.split is None  # --valid-data-path, ...
             if len(self.indices) == 0:
-                raise _empty_split(name, prefix, len(self.dataset.document_indices) - 1)
+                raise _empty_split(name, prefix, len(self.dataset.document_indices) - 1,
+                                   per_split)
             if self.num_samples and usable_document_count(
                     self.dataset.document_indices, self.dataset.sequence_lengths, self.indices,
                     min_sentences) == 0:
                 raise _split_has_no_usable_document(name, prefix, len(self.indices),
-                                                    self.num_samples, min_sentences)
+                                                    self.num_samples, min_sentences, per_split)
             if torch.distributed.is_initialized():
                 return super()._build_sample_index(sequence_length, min_sentences)
             with _as_the_only_rank():
@@ -188,12 +190,10 @@ def bert_dataset_config(args, tokenizer):
     """BERTMaskedWordPieceDatasetConfig from the parsed flags, as Megatron-LM's pretrain_bert.py."""
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDatasetConfig
 
-    prefixes, weights = parse_data_path(args.data_path)
     return BERTMaskedWordPieceDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=(prefixes, weights),
-        split=args.split,
+        **megatron_blends(args),
         path_to_cache=getattr(args, "data_cache_path", None),
         tokenizer=tokenizer,
         masking_probability=bert_arg(args, "mask_prob"),
@@ -212,8 +212,8 @@ def build_bert_datasets(args, tokenizer,
     BertWordPieceCase). train_val_test_num_samples defaults to Megatron-LM's counts from the
     training flags.
 
-    Reads from args: data_path (PREFIX or W1 PREFIX1 W2 PREFIX2 ..., of sentence-split datasets),
-    split, seq_length, seed, data_cache_path (absent: None, the cache goes beside the data),
+    Reads from args: data_path (PREFIX or W1 PREFIX1 W2 PREFIX2 ..., of sentence-split datasets)
+    and split, or train/valid/test_data_path (each split's own), seq_length, seed, data_cache_path (absent: None, the cache goes beside the data),
     mask_prob, short_seq_prob, bert_binary_head (absent: BERT_ARG_DEFAULTS, Megatron-LM's 0.15,
     0.1 and True), and for the sample counts train_iters, global_batch_size, eval_iters,
     eval_interval (see datasets.samples_per_split).
@@ -235,13 +235,14 @@ def build_bert_datasets(args, tokenizer,
     num_samples = (list(train_val_test_num_samples) if train_val_test_num_samples is not None
                    else samples_per_split(args))
     check_bert_args(args)
-    prefixes, weights = parse_data_path(args.data_path)
-    check_bert_splits_have_data(prefixes, weights, parse_split(args.split), num_samples,
-                                bert_arg(args, "bert_binary_head"))
+    sources = data_sources(args)
+    for source in sources:
+        check_bert_splits_have_data(source, num_samples, bert_arg(args, "bert_binary_head"))
 
     config = bert_dataset_config(args, tokenizer)
     builder = BlendedMegatronDatasetBuilder(_guarded_bert_dataset_class(), num_samples,
                                             lambda: True, config)
+    prefixes = [prefix for source in sources for prefix in source.prefixes]
     with index_cache_lock(prefixes, config.path_to_cache,
                           getattr(args, "distributed_timeout_minutes", None)):
         train, valid, test = builder.build()

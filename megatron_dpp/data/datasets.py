@@ -6,8 +6,9 @@ Two modes:
 - variable length (--variable-seq-lengths): one sample is one document (one sequence of the
   indexed dataset, as preprocess_data writes them), truncated to --seq-length tokens, so
   microbatches have different lengths.
-Either reads the indexed dataset of --data-path, or with --mock-data Megatron-Core's generated
-documents (MockGPTLowLevelDataset).
+Either reads the indexed dataset of --data-path (split by --split), or each split's own with
+--train-data-path / --valid-data-path / --test-data-path (Megatron-Core's blend_per_split), or
+with --mock-data Megatron-Core's generated documents (MockGPTLowLevelDataset).
 
 Both guard against GPTDataset's endless loop on a split with no tokens: asking samples of such a
 split is a DataInputError with a one-line message, raised on every rank before any rank builds.
@@ -15,6 +16,7 @@ split is a DataInputError with a one-line message, raised on every rank before a
 The checks (parse_data_path ... check_splits_have_data) need neither torch nor Megatron-Core: the
 launcher runs them before it starts any rank. The dataset classes import both when built.
 """
+import dataclasses
 import math
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -26,24 +28,90 @@ from megatron_dpp.data.index_cache import index_cache_lock
 from megatron_dpp.data.index_file import read_index
 
 _SPLIT_NAMES = ("train", "valid", "test")
+# Megatron-LM's flags that give each split its own documents, in _SPLIT_NAMES' order.
+PER_SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
+PER_SPLIT_DESTS = ("train_data_path", "valid_data_path", "test_data_path")
 
 
-def parse_data_path(data_path: Sequence[str]) -> Tuple[List[str], Optional[List[float]]]:
-    """Megatron's --data-path: `PREFIX` or `W1 PREFIX1 W2 PREFIX2 ...` -> (prefixes, weights)."""
+def parse_data_path(data_path: Sequence[str], flag: str = "--data-path"
+                    ) -> Tuple[List[str], Optional[List[float]]]:
+    """Megatron's --data-path (or a per-split path, `flag`): `PREFIX` or `W1 PREFIX1 W2 PREFIX2
+    ...` -> (prefixes, weights)."""
     if len(data_path) == 1:
         return [data_path[0]], None
     if len(data_path) % 2 != 0:
-        raise DataInputError(f"--data-path takes one PREFIX or pairs WEIGHT PREFIX, got "
+        raise DataInputError(f"{flag} takes one PREFIX or pairs WEIGHT PREFIX, got "
                              f"{len(data_path)} values: {' '.join(data_path)}")
     weights, prefixes = [], []
     for weight, prefix in zip(data_path[0::2], data_path[1::2]):
         try:
             weights.append(float(weight))
         except ValueError:
-            raise DataInputError(f"--data-path weight {weight!r} is not a number; use "
-                                 f"`--data-path W1 PREFIX1 W2 PREFIX2 ...`") from None
+            raise DataInputError(f"{flag} weight {weight!r} is not a number; use "
+                                 f"`{flag} W1 PREFIX1 W2 PREFIX2 ...`") from None
         prefixes.append(prefix)
     return prefixes, weights
+
+
+def per_split_paths(args) -> List[Optional[Sequence[str]]]:
+    """The --train/--valid/--test-data-path values (None where not given)."""
+    return [getattr(args, dest, None) for dest in PER_SPLIT_DESTS]
+
+
+def uses_per_split_paths(args) -> bool:
+    return any(path is not None for path in per_split_paths(args))
+
+
+def more_data_hint(split_name: str, per_split: bool) -> str:
+    """How a user gives a split that lacks documents more of them, for the one-line errors."""
+    if per_split:
+        return f"give {PER_SPLIT_FLAGS[_SPLIT_NAMES.index(split_name)]} more data"
+    return "give it a larger share with --split or use more data"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSource:
+    """Documents some splits draw from: a blend of indexed datasets (`weights` None: one prefix,
+    or weighted by size) and the train/valid/test shares of its documents (`split`, normalized)."""
+
+    prefixes: List[str]
+    weights: Optional[List[float]]
+    split: List[float]
+    per_split: bool  # one split's own documents (--valid-data-path, ...), not a --split share
+
+    def more_data(self, split_name: str) -> str:
+        return more_data_hint(split_name, self.per_split)
+
+
+def data_sources(args) -> List[DataSource]:
+    """The documents each split reads, as Megatron-LM's get_blend_and_blend_per_split: --data-path
+    split by --split, or each --train/--valid/--test-data-path given, all of it for its split;
+    none with --mock-data."""
+    if uses_per_split_paths(args):
+        sources = []
+        for position, (flag, path) in enumerate(zip(PER_SPLIT_FLAGS, per_split_paths(args))):
+            if path:
+                prefixes, weights = parse_data_path(path, flag)
+                share = [0.0, 0.0, 0.0]
+                share[position] = 1.0
+                sources.append(DataSource(prefixes, weights, share, per_split=True))
+        return sources
+    if getattr(args, "mock_data", False):
+        return []
+    prefixes, weights = parse_data_path(args.data_path)
+    return [DataSource(prefixes, weights, parse_split(args.split), per_split=False)]
+
+
+def megatron_blends(args) -> Dict[str, object]:
+    """BlendedMegatronDatasetConfig's blend, blend_per_split and split for the flags (no blend of
+    either kind: generated documents, --mock-data)."""
+    if uses_per_split_paths(args):
+        blends = [parse_data_path(path, flag) if path else None
+                  for flag, path in zip(PER_SPLIT_FLAGS, per_split_paths(args))]
+        return {"blend": None, "blend_per_split": blends, "split": None}
+    mock = bool(getattr(args, "mock_data", False))
+    return {"blend": None if mock else parse_data_path(args.data_path),
+            "blend_per_split": None, "split": args.split}
 
 
 def parse_split(split: str) -> List[float]:
@@ -95,21 +163,21 @@ def min_tokens_for_a_sample(variable_seq_lengths: bool) -> int:
     return 2 if variable_seq_lengths else 1
 
 
-def check_splits_have_data(prefixes: Sequence[str], weights: Optional[Sequence[float]],
-                           split_weights: List[float], num_samples: Sequence[int],
+def check_splits_have_data(source: DataSource, num_samples: Sequence[int],
                            variable_seq_lengths: bool) -> None:
-    """Raise DataInputError when a split that must provide samples has no usable tokens.
+    """Raise DataInputError when a split of `source` that must provide samples has no usable
+    tokens.
 
     GPTDataset would otherwise loop forever computing its epoch count. Deterministic and cheap
     (reads only the .idx files), so every rank reaches the same verdict before any rank builds.
     """
     min_tokens = min_tokens_for_a_sample(variable_seq_lengths)
-    for position, prefix in enumerate(prefixes):
-        if weights is not None and weights[position] == 0:
+    for position, prefix in enumerate(source.prefixes):
+        if source.weights is not None and source.weights[position] == 0:
             continue
         lengths = read_index(prefix).sequence_lengths
         for name, wanted, indices in zip(_SPLIT_NAMES, num_samples,
-                                         split_ranges(split_weights, len(lengths))):
+                                         split_ranges(source.split, len(lengths))):
             if indices is None or wanted == 0:
                 continue
             usable = lengths[indices.start:indices.stop]
@@ -117,9 +185,9 @@ def check_splits_have_data(prefixes: Sequence[str], weights: Optional[Sequence[f
                 has = (f"{len(indices)} documents but none with {min_tokens}+ tokens"
                        if len(indices) else "no documents")
                 raise DataInputError(
-                    f"the {name} split of {prefix} has {has} yet {wanted} samples are needed; "
-                    f"give it a larger share with --split ({len(lengths)} documents in all) or "
-                    f"use more data" + (", or --eval-iters 0" if name != "train" else ""))
+                    f"the {name} split of {prefix} has {has} yet {wanted} samples are needed "
+                    f"({len(lengths)} documents in the dataset); {source.more_data(name)}"
+                    + (", or --eval-iters 0" if name != "train" else ""))
 
 
 def _guarded_gpt_dataset_class():
@@ -132,7 +200,8 @@ def _guarded_gpt_dataset_class():
             if num_tokens_per_epoch == 0 and self.num_samples:
                 raise DataInputError(
                     f"the {self.index_split.name} split of {self.dataset_path} has no tokens but "
-                    f"{self.num_samples} samples are needed; change --split or use more data")
+                    f"{self.num_samples} samples are needed; "
+                    f"{more_data_hint(self.index_split.name, self.config.split is None)}")
             return super()._get_num_epochs(num_tokens_per_epoch)
 
     return GuardedGPTDataset
@@ -174,7 +243,8 @@ def _document_dataset_class():
             if wanted > 0 and len(usable) == 0:
                 raise DataInputError(
                     f"the {index_split.name} split of {dataset_path} has no document with 2 or "
-                    f"more tokens but {wanted} samples are needed; change --split or use more data")
+                    f"more tokens but {wanted} samples are needed; "
+                    f"{more_data_hint(index_split.name, config.split is None)}")
             rng = numpy.random.RandomState(config.random_seed)
             epochs = math.ceil(wanted / len(usable)) if wanted else 0
             order = [rng.permutation(usable) for _ in range(epochs)]
@@ -209,13 +279,11 @@ def gpt_dataset_config(args, tokenizer):
     """GPTDatasetConfig from the parsed flags."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
-    mock = bool(getattr(args, "mock_data", False))
     reset_attention_mask = bool(getattr(args, "reset_attention_mask", False))
     return GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=None if mock else parse_data_path(args.data_path),  # None: generated documents
-        split=args.split,
+        **megatron_blends(args),  # no blend of either kind: generated documents
         path_to_cache=getattr(args, "data_cache_path", None),
         tokenizer=tokenizer,
         reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
@@ -241,14 +309,16 @@ def build_train_valid_test_datasets(args, tokenizer,
                    else samples_per_split(args))
     variable = bool(getattr(args, "variable_seq_lengths", False))
     mock = bool(getattr(args, "mock_data", False))
-    prefixes, weights = parse_data_path(args.data_path) if not mock else ([], None)
-    check_splits_have_data(prefixes, weights, parse_split(args.split), num_samples, variable)
+    sources = data_sources(args)
+    for source in sources:
+        check_splits_have_data(source, num_samples, variable)
 
     config = gpt_dataset_config(args, tokenizer)
     dataset_class = _document_dataset_class() if variable else _guarded_gpt_dataset_class()
     if mock:
         dataset_class = _mock_dataset_class(dataset_class)
     builder = BlendedMegatronDatasetBuilder(dataset_class, num_samples, lambda: True, config)
+    prefixes = [prefix for source in sources for prefix in source.prefixes]
     with index_cache_lock(prefixes, config.path_to_cache,
                           getattr(args, "distributed_timeout_minutes", None)):
         train, valid, test = builder.build()

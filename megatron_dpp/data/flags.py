@@ -15,11 +15,14 @@ from megatron_dpp.data.tokenizer import (DEFAULT_TOKENIZER_TYPE, SUPPORTED_TOKEN
 from megatron_dpp.flag_errors import ArgsError, add_refused_flags, require, require_output_dir
 
 
-ModelDataCheck = Callable[[argparse.Namespace, Sequence[str], Any, list, list], None]
-"""(args, data prefixes, blend weights, split weights, samples each split must give): raises
-megatron_dpp.data.errors.DataInputError when the data cannot give the model's samples."""
+ModelDataCheck = Callable[[argparse.Namespace, Sequence[Any], list], None]
+"""(args, the data's sources (datasets.DataSource: --data-path split by --split, or each split's
+own path), samples each split must give): raises megatron_dpp.data.errors.DataInputError when
+the data cannot give the model's samples."""
 
 
+# --split's default: Megatron-LM's ("legacy") one where --data-path is given without --split.
+DEFAULT_SPLIT = "969, 30, 1"
 # Megatron-LM's data flags that cannot apply here: flag -> why (flag_errors.py).
 REFUSED_DATA_FLAGS = {
     "--tiktoken-pattern": "configures TikTokenizer (Llama 3's), which is not a --tokenizer-type "
@@ -42,8 +45,19 @@ def add_data_args(parser: argparse.ArgumentParser,
                             "the end-of-document token) instead of --data-path; GPT and Llama. "
                             "The tokenizer still gives the vocabulary: e.g. `--tokenizer-type "
                             "NullTokenizer --vocab-size 128256`.")
-    group.add_argument("--split", type=str, default="969, 30, 1",
-                       help="Train, validation and test weights of the documents, e.g. 969,30,1.")
+    group.add_argument("--train-data-path", nargs="*", default=None,
+                       help="The training split's own documents, as --data-path (PREFIX or a "
+                            "blend `W1 PREFIX1 ...`), instead of a --split share of --data-path; "
+                            "with --valid-data-path and --test-data-path (each optional: a split "
+                            "without one is not built, so no evaluation without "
+                            "--valid-data-path).")
+    group.add_argument("--valid-data-path", nargs="*", default=None,
+                       help="The validation split's own documents; see --train-data-path.")
+    group.add_argument("--test-data-path", nargs="*", default=None,
+                       help="The test split's own documents; see --train-data-path.")
+    group.add_argument("--split", type=str, default=None,
+                       help="Train, validation and test weights of --data-path's documents "
+                            f"(default {DEFAULT_SPLIT!r}, Megatron-LM's).")
     group.add_argument("--data-cache-path", type=str, default=None,
                        help="Where dataset index caches go (default: beside the data).")
     group.add_argument("--tokenizer-type", type=str, default=None, choices=tokenizer_types,
@@ -89,37 +103,66 @@ def add_data_args(parser: argparse.ArgumentParser,
     add_refused_flags(group, REFUSED_DATA_FLAGS, taking_a_value=("--tiktoken-pattern",))
 
 
+def _check_one_data_source(args: argparse.Namespace) -> None:
+    """Megatron-LM's rule, one source of documents: --mock-data, --data-path (split by --split),
+    or each split's own path; --split given its default where it applies."""
+    from megatron_dpp.data.datasets import PER_SPLIT_FLAGS, per_split_paths
+
+    per_split = [flag for flag, path in zip(PER_SPLIT_FLAGS, per_split_paths(args))
+                 if path is not None]
+    if args.mock_data:
+        given = "--data-path" if args.data_path else (per_split[0] if per_split else None)
+        require(given is None, f"--mock-data generates the documents, {given} reads them: give "
+                               f"one of the two")
+    elif per_split:
+        require(not args.data_path,
+                f"--data-path (split by --split) and {per_split[0]} (a split's own documents) "
+                f"are two sources of data: give one of the two")
+        require(args.split is None,
+                f"--split shares --data-path's documents out; with {per_split[0]} each split "
+                f"reads its own: remove --split")
+        require(args.train_data_path is not None,
+                f"{per_split[0]} needs --train-data-path: the documents to train on")
+        for flag, path in zip(PER_SPLIT_FLAGS, per_split_paths(args)):
+            require(path is None or len(path) > 0,
+                    f"{flag} needs PREFIX or a blend `W1 PREFIX1 W2 PREFIX2 ...`")
+    else:
+        require(args.data_path, "--data-path is required (or --mock-data for generated "
+                                "documents, or --train-data-path ... for each split's own); make "
+                                "the sample data with `python -m "
+                                "megatron_dpp.data.prepare_sample --output-dir data` and pass "
+                                "--data-path data/sample_text_document")
+    if not per_split and args.split is None:
+        args.split = DEFAULT_SPLIT
+
+
 def validate_data_args(args: argparse.Namespace,
                        check_model_data: Optional[ModelDataCheck] = None) -> None:
     """check_model_data: the model's own check that the data gives the samples each split
     needs (each model builds its samples its own way: token windows, packed sentences), run
     after the checks of the data itself; megatron_dpp.arguments gives the model family's."""
     # Imported here: the data package pulls in megatron.core only when a check needs it.
-    from megatron_dpp.data.datasets import (dataset_files_missing, parse_data_path, parse_split,
-                                            samples_per_split)
+    from megatron_dpp.data.datasets import (PER_SPLIT_FLAGS, data_sources, dataset_files_missing,
+                                            per_split_paths, samples_per_split,
+                                            uses_per_split_paths)
     from megatron_dpp.data.errors import DataInputError
 
-    if args.mock_data:  # Megatron-LM's rule: one data source
-        require(not args.data_path, "--mock-data generates the documents, --data-path reads "
-                                    "them: give one of the two")
-    else:
-        require(args.data_path, "--data-path is required (or --mock-data for generated "
-                                "documents); make the sample data with `python -m "
-                                "megatron_dpp.data.prepare_sample --output-dir data` and pass "
-                                "--data-path data/sample_text_document")
+    _check_one_data_source(args)
     try:
-        prefixes, weights = parse_data_path(args.data_path) if args.data_path else ([], None)
-        for prefix in prefixes:
-            missing = dataset_files_missing(prefix)
-            require(not missing, f"--data-path {prefix}: {' and '.join(missing)} not found; make "
-                                 f"it with tools/preprocess_data.py or `python -m "
-                                 f"megatron_dpp.data.prepare_sample --output-dir DIR`")
+        sources = data_sources(args)
+        flags = ([flag for flag, path in zip(PER_SPLIT_FLAGS, per_split_paths(args)) if path]
+                 if uses_per_split_paths(args) else ["--data-path"])
+        for flag, source in zip(flags, sources):
+            for prefix in source.prefixes:
+                missing = dataset_files_missing(prefix)
+                require(not missing, f"{flag} {prefix}: {' and '.join(missing)} not found; make "
+                                     f"it with tools/preprocess_data.py or `python -m "
+                                     f"megatron_dpp.data.prepare_sample --output-dir DIR`")
         tokenizer_type = args.tokenizer_type or DEFAULT_TOKENIZER_TYPE
         check_tokenizer_files(tokenizer_type,
                               {"vocab_file": args.vocab_file, "merge_file": args.merge_file,
                                "tokenizer_model": args.tokenizer_model})
         check_vocab_size(tokenizer_type, args.vocab_size)
-        split = parse_split(args.split)
         if args.data_cache_path is not None:  # Megatron's index cache is written there
             require_output_dir("--data-cache-path", args.data_cache_path)
         require(args.num_workers >= 0, "--num-workers must be >= 0")
@@ -132,6 +175,6 @@ def validate_data_args(args: argparse.Namespace,
                     "and --reset-attention-mask do not apply; remove them")
         # Generated documents have tokens in every split (MockGPTDataset's 100000 of them).
         if check_model_data is not None and not args.mock_data:
-            check_model_data(args, prefixes, weights, split, samples_per_split(args))
+            check_model_data(args, sources, samples_per_split(args))
     except DataInputError as error:
         raise ArgsError(str(error)) from None

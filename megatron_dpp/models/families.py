@@ -93,8 +93,9 @@ class ModelFamily:
     """True when the output layer always shares the word embedding's weight (BERT's LM head);
     False: --untie-embeddings-and-output-weights decides."""
 
-    check_data: Callable[[argparse.Namespace, Sequence[str], Any, list, list], None]
-    """(args, data prefixes, blend weights, split weights, samples each split must give): raises
+    check_data: Callable[[argparse.Namespace, Sequence[Any], list], None]
+    """(args, the data's sources (megatron_dpp.data.datasets.DataSource: --data-path split by
+    --split, or each split's own path), samples each split must give): raises
     megatron_dpp.data.errors.DataInputError when the data cannot give them (the model's samples
     are built its own way: GPT's token windows, BERT's packed sentences)."""
 
@@ -159,10 +160,11 @@ class ModelFamily:
 # ----------------------------------------------------------------------------------------------
 # GPT: token windows of the documents, causal LM loss
 # ----------------------------------------------------------------------------------------------
-def _check_token_windows(args, prefixes, weights, split, samples) -> None:
+def _check_token_windows(args, sources, samples) -> None:
     from megatron_dpp.data.datasets import check_splits_have_data
 
-    check_splits_have_data(prefixes, weights, split, samples, args.variable_seq_lengths)
+    for source in sources:
+        check_splits_have_data(source, samples, args.variable_seq_lengths)
 
 
 GPT = ModelFamily(
@@ -221,11 +223,12 @@ def _validate_bert_args(args: argparse.Namespace) -> None:
              "remove it")
 
 
-def _check_packed_sentences(args, prefixes, weights, split, samples) -> None:
+def _check_packed_sentences(args, sources, samples) -> None:
     from megatron_dpp.data.bert_datasets import check_bert_args, check_bert_splits_have_data
 
     check_bert_args(args)
-    check_bert_splits_have_data(prefixes, weights, split, samples, args.bert_binary_head)
+    for source in sources:
+        check_bert_splits_have_data(source, samples, args.bert_binary_head)
 
 
 def _bert_shape_flags(shape: Any) -> list[str]:

@@ -27,6 +27,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 
 from megatron_dpp.comm.nodes import this_node_rank, use_node_network
 from megatron_dpp.comm.router import RouteError
+from megatron_dpp.data.datasets import uses_per_split_paths
 from megatron_dpp.data.iterators import build_data_iterators
 from megatron_dpp.data.tokenizer import build_tokenizer
 from megatron_dpp.exit_codes import BAD_INPUT, FAILED, OK, SIGNAL_BASE
@@ -745,6 +746,9 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
         log_rank0(f" decreasing batch size from {train.global_batch_size} to {trained} to keep "
                   f"divisibility by micro_batch_size={train.micro_batch_size} * "
                   f"data_parallel_size={data_parallel} (--decrease-batch-size-if-needed)")
+    if valid_ds is None and train.eval_iters > 0 and uses_per_split_paths(args):
+        log_rank0(" evaluation off: no --valid-data-path (with --train-data-path each split reads "
+                  "its own documents)")
     log_rank0(f" training: {train.train_iters} iterations, global batch {trained}"
               f"{ramp_words}, {train.num_microbatches} micro-batches of {train.micro_batch_size} "
               f"per data-parallel rank, device {trainer.platform.device}, backend "
