@@ -53,6 +53,7 @@ RESUMES = {
     "pp4-dpp": (["--pipeline-model-parallel-size", "4", *DPP], 4),
     # Layers 1 | 3 instead of 2 | 2: each layer found by its global number.
     "pp2-uneven-dpp": ([*PP2, "--decoder-first-pipeline-num-layers", "1", *DPP], 2),
+    "pp2-layout": ([*PP2, "--pipeline-model-parallel-layout", "Ett|t|t|L"], 2),
 }
 
 

@@ -7,9 +7,10 @@ differ); lm loss and grad norm must agree within 1e-5 relative at every iteratio
 To keep the suite short, layouts whose Megatron runs compute the same thing share one Megatron
 run: pp=2, pp=4, pp=2 x vpp=2 and dp=2 x pp=2 split the same 4-layer model and the same global
 batch, and Megatron gives equal losses for them (tests/test_train_parity.py checks that within
-1e-5); they are compared with Megatron's pp=2 1F1B, and so are two uneven splits of those 4
-layers. pp=4 x vpp=2 (8 layers, and an uneven pp=2 x vpp=2 split of them), tp=2 x pp=2 (other
-reduction order) and variable-length data each have their own Megatron run.
+1e-5); they are compared with Megatron's pp=2 1F1B, and so are three uneven splits of those 4
+layers (one of them a layout string). pp=4 x vpp=2 (8 layers, and an uneven pp=2 x vpp=2 split of
+them), tp=2 x pp=2 (other reduction order) and variable-length data each have their own Megatron
+run.
 
 On GPUs (marked `gpu(N)`, skipped with fewer than the layout's N processes): the same comparison
 with one rank per GPU, NCCL for Megatron's P2P and shm_tensor's CUDA IPC for DPP's.
@@ -50,6 +51,9 @@ LAYOUTS = {
     # Uneven splits (models/pipeline_split.py): layers 1 | 3; 1 | 2 | 1 with the embedding and the
     # loss counted as layers; 1+1 | 3+3 of 8 layers over virtual stages.
     "pp2_uneven": ("pp2", PP2 + ["--decoder-first-pipeline-num-layers", "1"], 2),
+    # A layout string: 2+1 | 1+0 over virtual stages, the last rank's second chunk only the loss.
+    "pp2_layout_with_an_empty_chunk": ("pp2", PP2 + ["--pipeline-model-parallel-layout",
+                                                     "Ett|t|t|L"], 2),
     "pp3_embedding_and_loss_counted": (
         "pp2", ["--pipeline-model-parallel-size", "3", "--account-for-embedding-in-pipeline-split",
                 "--account-for-loss-in-pipeline-split"], 3),

@@ -96,6 +96,79 @@ def test_refusals_say_which_flags(split, words):
     assert words in str(error.value)
 
 
+LAYOUT_ERRORS = {
+    # flags -> words of the one-line error
+    ("Et|tttL", "--num-virtual-stages-per-pipeline-rank", "2"):
+        "--pipeline-model-parallel-layout gives the virtual stages itself (its stages / "
+        "--pipeline-model-parallel-size); remove --num-virtual-stages-per-pipeline-rank",
+    ("Et|tttL", "--decoder-first-pipeline-num-layers", "1"):
+        "--pipeline-model-parallel-layout places every layer itself; remove "
+        "--decoder-first-pipeline-num-layers",
+    ("Et|t|ttL",): "--pipeline-model-parallel-layout 'Et|t|ttL' has 3 stages, not a multiple of "
+                   "--pipeline-model-parallel-size 2",
+    ("Et|tL",): "--pipeline-model-parallel-layout 'Et|tL' places 2 transformer layers ('t'), "
+                "--num-layers is 4",
+    ("tE|tttL",): "The first layer must be embedding",
+    ("Et|tttx",): "Invalid layer character: x",
+    ("Et|tttmL",): "'m' (multi-token prediction layers) is not built here",
+}
+
+
+@pytest.mark.parametrize("flags", list(LAYOUT_ERRORS))
+def test_layout_refusals_are_one_line(monkeypatch, capsys, flags):
+    from _train_util import TINY_GPT_ARGS, data_args, flag_error
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    layout, *others = flags
+    line = flag_error(capsys, [*data_args(), *TINY_GPT_ARGS, "--pipeline-model-parallel-size", "2",
+                               "--pipeline-model-parallel-layout", layout, *others])
+    assert LAYOUT_ERRORS[flags] in line, line
+
+
+def test_layout_gives_each_chunk_its_layers(monkeypatch):
+    """Megatron-Core's parse of the layout, counted per chunk; its stages beyond the pipeline's
+    size are virtual stages, in Megatron's order (stage k on rank k mod PP)."""
+    from _train_util import TINY_GPT_ARGS, data_args
+    from megatron_dpp.arguments import parse_args
+    from megatron_dpp.models.flags import pipeline_split_from_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    args = parse_args([*data_args(), *TINY_GPT_ARGS, "--pipeline-model-parallel-size", "2",
+                       "--pipeline-model-parallel-layout", "E,t*2|t|t|L"], model="gpt")
+    assert args.virtual_pipeline_model_parallel_size == 2
+    split = pipeline_split_from_args(args)
+    assert split.chunk_layers() == [[2, 1], [1, 0]] and split.describe() == "2+1 | 1+0"
+
+
+@pytest.mark.parametrize("layout, pp", [("Et|tttL", 2), ("Ett|t|t|L", 2), ("Et|(tt|)*2,tL", 2),
+                                         ("Et*3|t*3|t*2,L", 3)])
+def test_layout_counts_are_megatron_cores(layout, pp):
+    """layout_layers over Megatron-Core's parsed layout against its count, every (rank, virtual
+    stage); and PipelineSplit.from_config reads them off the TransformerConfig."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_dpp.models.pipeline_split import layout_layers
+
+    num_layers = {"Et|tttL": 4, "Ett|t|t|L": 4, "Et|(tt|)*2,tL": 6, "Et*3|t*3|t*2,L": 8}[layout]
+    config = TransformerConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=2,
+                               pipeline_dtype=torch.float32, pipeline_model_parallel_size=pp,
+                               pipeline_model_parallel_layout=layout)
+    vpp = config.virtual_pipeline_model_parallel_size
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp)
+    try:
+        # Its get_num_layers_to_build (transformer_block's hands it no rank) asks the layout.
+        expected = [[config.pipeline_model_parallel_layout.get_num_layers_to_build(
+                        vp_stage=stage, pp_rank=rank) for stage in range(vpp or 1)]
+                    for rank in range(pp)]
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+    assert [list(rank) for rank in layout_layers(config.pipeline_model_parallel_layout)] == expected
+    assert PipelineSplit.from_config(config).chunk_layers() == expected
+
+
 def test_describe_and_largest_chunk():
     uneven = PipelineSplit(8, 3, first=1, last=3)
     assert uneven.chunk_layers() == [[1], [4], [3]]
@@ -117,6 +190,9 @@ SPLIT_RUNS = {
                      "--account-for-embedding-in-pipeline-split",
                      "--account-for-loss-in-pipeline-split"], 3, "1 | 2 | 1",
                     (EMBEDDING + LAYER, 2 * LAYER, LAYER + OUTPUT)),
+    # Megatron's interleaved schedule, a layout string: 2+1 | 1+0.
+    "pp2_layout": (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
+                    "Ett|t|t|L"], 2, "2+1 | 1+0", (EMBEDDING + 3 * LAYER, LAYER + OUTPUT)),
     # The DPP runtime, the first stage's count given: 1 | 3.
     "pp2_first_dpp": (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers",
                        "1", "--use-dpp", "--dpp-timeout", "60"], 2, "1 | 3",

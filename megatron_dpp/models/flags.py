@@ -13,7 +13,7 @@ import os
 from typing import Optional
 
 from megatron_dpp.cuda_presence import cuda_available
-from megatron_dpp.flag_errors import add_refused_flags, first_given, require
+from megatron_dpp.flag_errors import ArgsError, add_refused_flags, first_given, require
 from megatron_dpp.kernels import (
     ATTENTION_BACKENDS,
     TRANSFORMER_ENGINE,
@@ -21,8 +21,8 @@ from megatron_dpp.kernels import (
     core_attention_from_args,
     transformer_engine_available,
 )
-from megatron_dpp.models.pipeline_split import (EMBEDDING_FLAG, FIRST_FLAG, LAST_FLAG, LOSS_FLAG,
-                                                 PipelineSplit)
+from megatron_dpp.models.pipeline_split import (EMBEDDING_FLAG, FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG,
+                                                 LOSS_FLAG, PipelineSplit, layout_layers)
 
 
 _TP_COMM_OVERLAP = ("Transformer Engine's userbuffer overlap of tensor-parallel communication with "
@@ -358,6 +358,14 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                             "stage builds one transformer layer less (--num-layers + 1 must divide "
                             "by the pipeline stages). Not with " + FIRST_FLAG + " / " + LAST_FLAG
                             + ".")
+    group.add_argument(LAYOUT_FLAG, type=str, default=None, metavar="LAYOUT",
+                       help="Every pipeline stage's layers spelled out, as Megatron-LM: E the "
+                            "embedding, t a transformer layer, L the loss, stages split by |, "
+                            "(...)*n and x*n repeat, commas are cosmetic. More stages than "
+                            "--pipeline-model-parallel-size make virtual stages, in order: stage "
+                            "k goes to pipeline rank k mod PP. E.g. Et|tt|t|tL: 4 layers on 2 "
+                            "ranks, 2 virtual stages each. Not with the other split flags or the "
+                            "virtual-stage flags.")
     group.add_argument(LOSS_FLAG, action="store_true",
                        help="Split evenly with the output layer and loss counted as one layer: "
                             "the last stage builds one transformer layer less; as "
@@ -430,7 +438,42 @@ def pipeline_split_from_args(args: argparse.Namespace) -> PipelineSplit:
                          first=args.decoder_first_pipeline_num_layers,
                          last=args.decoder_last_pipeline_num_layers,
                          embedding_is_a_layer=args.account_for_embedding_in_pipeline_split,
-                         loss_is_a_layer=args.account_for_loss_in_pipeline_split)
+                         loss_is_a_layer=args.account_for_loss_in_pipeline_split,
+                         layout=layout_layers(getattr(args, "pipeline_layout", None)))
+
+
+def parse_pipeline_layout(text: str, pipeline_size: int, num_layers: int):
+    """Megatron-Core's PipelineParallelLayerLayout of --pipeline-model-parallel-layout, validated
+    as its TransformerConfig validates it; ArgsError with one line otherwise. MTP layers ('m')
+    are refused: no model here has them."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout)
+
+    flag = f"{LAYOUT_FLAG} {text!r}"
+
+    def megatron_refuses(error: Exception) -> ArgsError:
+        reason = " ".join(str(error).split()) or type(error).__name__
+        return ArgsError(f"{flag}: {reason} (E the embedding first, t a transformer layer, L the "
+                         f"loss last, stages split by |)")
+
+    try:
+        stages = PipelineParallelLayerLayout.parse_str_to_list(text)
+    except AssertionError as error:
+        raise megatron_refuses(error) from None
+    require(not any(getattr(layer, "name", "") == "mtp" for stage in stages for layer in stage),
+            f"{flag}: 'm' (multi-token prediction layers) is not built here")
+    placed = sum(getattr(layer, "name", "") == "decoder" for stage in stages for layer in stage)
+    require(placed == num_layers,
+            f"{flag} places {placed} transformer layers ('t'), --num-layers is {num_layers}")
+    require(len(stages) % pipeline_size == 0,
+            f"{flag} has {len(stages)} stages, not a multiple of --pipeline-model-parallel-size "
+            f"{pipeline_size}")
+    try:
+        layout = PipelineParallelLayerLayout(text, pipeline_size)
+        layout.validate_layer_layout(num_layers=num_layers, mtp_num_layers=None)
+    except (AssertionError, NotImplementedError) as error:
+        raise megatron_refuses(error) from None
+    return layout
 
 
 def _derive_pipeline_split(args: argparse.Namespace) -> None:
@@ -442,7 +485,20 @@ def _derive_pipeline_split(args: argparse.Namespace) -> None:
             "give either --num-layers-per-virtual-pipeline-stage or "
             "--num-virtual-stages-per-pipeline-rank, not both")
     args.virtual_pipeline_model_parallel_size = None
-    if args.num_layers_per_virtual_pipeline_stage is not None:
+    args.pipeline_layout = None
+    if args.pipeline_model_parallel_layout is not None:
+        virtual = first_given((
+            ("--num-layers-per-virtual-pipeline-stage",
+             args.num_layers_per_virtual_pipeline_stage is not None),
+            ("--num-virtual-stages-per-pipeline-rank",
+             args.num_virtual_stages_per_pipeline_rank is not None)))
+        require(virtual is None, f"{LAYOUT_FLAG} gives the virtual stages itself (its stages / "
+                                 f"--pipeline-model-parallel-size); remove {virtual}")
+        args.pipeline_layout = parse_pipeline_layout(args.pipeline_model_parallel_layout, pp,
+                                                     args.num_layers)
+        args.virtual_pipeline_model_parallel_size = \
+            args.pipeline_layout.virtual_pipeline_model_parallel_size
+    elif args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = args.num_layers_per_virtual_pipeline_stage
         uneven = first_given(((FIRST_FLAG, args.decoder_first_pipeline_num_layers is not None),
                               (LAST_FLAG, args.decoder_last_pipeline_num_layers is not None)))
@@ -533,7 +589,8 @@ def _activation_config(args: argparse.Namespace) -> argparse.Namespace:
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
-        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split)
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+        pipeline_model_parallel_layout=args.pipeline_layout)
 
 
 def _derive_activation_bytes(args: argparse.Namespace) -> None:

@@ -6,7 +6,10 @@ embedding and the last one the output layer and the loss:
   stage gets N layers, and the other stages share the rest evenly;
 - `--account-for-embedding-in-pipeline-split` / `--account-for-loss-in-pipeline-split`: the
   embedding / the loss counts as one layer of an even split, so the first / last stage builds one
-  transformer layer less.
+  transformer layer less;
+- `--pipeline-model-parallel-layout` (e.g. `Et|tt|t|tL`): every stage's layers spelled out, the
+  virtual stages too (Megatron-Core's PipelineParallelLayerLayout parses and validates it; here
+  `layout` holds the transformer layers it gives each chunk).
 
 `PipelineSplit.check` applies Megatron-Core's rules (TransformerConfig.__post_init__ and
 get_num_layers_to_build) before anything starts, each broken rule as one line naming the flags;
@@ -21,12 +24,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from megatron_dpp.flag_errors import require
+from megatron_dpp.flag_errors import first_given, require
 
 FIRST_FLAG = "--decoder-first-pipeline-num-layers"
 LAST_FLAG = "--decoder-last-pipeline-num-layers"
 EMBEDDING_FLAG = "--account-for-embedding-in-pipeline-split"
 LOSS_FLAG = "--account-for-loss-in-pipeline-split"
+LAYOUT_FLAG = "--pipeline-model-parallel-layout"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +45,8 @@ class PipelineSplit:
     last: Optional[int] = None  # layers on the last stage (--decoder-last-pipeline-num-layers)
     embedding_is_a_layer: bool = False  # --account-for-embedding-in-pipeline-split
     loss_is_a_layer: bool = False  # --account-for-loss-in-pipeline-split
+    # --pipeline-model-parallel-layout: transformer layers per [pipeline rank][virtual stage]
+    layout: Optional[tuple[tuple[int, ...], ...]] = None
 
     @classmethod
     def from_config(cls, config: Any) -> "PipelineSplit":
@@ -53,7 +59,8 @@ class PipelineSplit:
                    embedding_is_a_layer=bool(
                        getattr(config, "account_for_embedding_in_pipeline_split", False)),
                    loss_is_a_layer=bool(getattr(config, "account_for_loss_in_pipeline_split",
-                                                False)))
+                                                False)),
+                   layout=layout_layers(getattr(config, "pipeline_model_parallel_layout", None)))
 
     @property
     def uneven(self) -> bool:
@@ -63,7 +70,8 @@ class PipelineSplit:
     @property
     def is_default(self) -> bool:
         """Megatron-LM's default, an even split of the layers alone."""
-        return not (self.uneven or self.embedding_is_a_layer or self.loss_is_a_layer)
+        return not (self.uneven or self.embedding_is_a_layer or self.loss_is_a_layer
+                    or self.layout is not None)
 
     def rank_layers(self) -> list[int]:
         """Layers (in the even-split case: layer slots, the embedding and loss counted) of each
@@ -87,6 +95,8 @@ class PipelineSplit:
     def chunk_layers(self) -> list[list[int]]:
         """Transformer layers each model chunk builds: [pipeline rank][virtual stage], as
         Megatron-Core's get_num_layers_to_build; call check() first."""
+        if self.layout is not None:
+            return [list(rank) for rank in self.layout]
         vpp = self.virtual_size or 1
         chunks = [[count // vpp] * vpp for count in self.rank_layers()]
         if self.embedding_is_a_layer:
@@ -103,6 +113,17 @@ class PipelineSplit:
         """Megatron-Core's rules for this split; ArgsError with one line naming the flags."""
         pp, vpp = self.pipeline_size, self.virtual_size
         virtual = f" x {vpp} virtual stages" if vpp else ""
+        if self.layout is not None:
+            other = first_given(((FIRST_FLAG, self.first is not None),
+                                 (LAST_FLAG, self.last is not None),
+                                 (EMBEDDING_FLAG, self.embedding_is_a_layer),
+                                 (LOSS_FLAG, self.loss_is_a_layer)))
+            require(other is None, f"{LAYOUT_FLAG} places every layer itself; remove {other}")
+            built = sum(sum(rank) for rank in self.layout)
+            require(built == self.num_layers,
+                    f"{LAYOUT_FLAG} places {built} transformer layers ('t'), --num-layers is "
+                    f"{self.num_layers}")
+            return
         if self.uneven:
             require(not (self.embedding_is_a_layer or self.loss_is_a_layer),
                     f"{FIRST_FLAG} / {LAST_FLAG} do not go with {EMBEDDING_FLAG} / {LOSS_FLAG} "
@@ -162,3 +183,12 @@ class PipelineSplit:
         """One line: the transformer layers of each pipeline rank (per chunk with virtual
         stages), e.g. `1 | 3` or `1+1 | 2+2`."""
         return " | ".join("+".join(str(count) for count in rank) for rank in self.chunk_layers())
+
+
+def layout_layers(layout: Any) -> Optional[tuple[tuple[int, ...], ...]]:
+    """The transformer layers per [pipeline rank][virtual stage] of Megatron-Core's parsed
+    PipelineParallelLayerLayout (its `.layout` holds each chunk's LayerType list), or None."""
+    if layout is None:
+        return None
+    return tuple(tuple(sum(1 for layer in chunk if getattr(layer, "name", layer) == "decoder")
+                       for chunk in rank) for rank in layout.layout)

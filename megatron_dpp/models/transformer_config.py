@@ -58,6 +58,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,  # the string: parsed
         sequence_parallel=args.sequence_parallel,
         use_cpu_initialization=args.use_cpu_initialization,
         params_dtype=dtype,
