@@ -24,8 +24,9 @@ CALLER_DIR="$PWD"
 # The trainer's flags that name files or directories (megatron_dpp/arguments.py); the data paths
 # (LAUNCH_BLEND_FLAGS) also take a blend, W1 PREFIX1 W2 PREFIX2 ...
 LAUNCH_BLEND_FLAGS=(--data-path --train-data-path --valid-data-path --test-data-path)
-LAUNCH_PATH_FLAGS=("${LAUNCH_BLEND_FLAGS[@]}" --data-cache-path --vocab-file --merge-file --save
-                   --load --trace-dir --tensorboard-dir --wandb-save-dir)
+LAUNCH_PATH_FLAGS=("${LAUNCH_BLEND_FLAGS[@]}" --data-args-path --per-split-data-args-path
+                   --data-cache-path --vocab-file --merge-file --save --load --trace-dir
+                   --tensorboard-dir --wandb-save-dir)
 
 # launch_abspath VAR PATH: VAR = PATH made absolute against CALLER_DIR (a leading ~ is the home
 # directory, as DATA_ARGS's words are not expanded by a shell); empty and absolute paths unchanged.
@@ -331,15 +332,19 @@ launch_prepare() {
   if [ -n "${DATA_ARGS:-}" ]; then
     read -r -a data_flags <<<"$DATA_ARGS"
   elif launch_extra_has --mock-data || launch_extra_has --train-data-path \
-      || launch_extra_has --valid-data-path || launch_extra_has --test-data-path; then
-    # Generated documents, or each split's own: not the sample data, only its tokenizer unless one
-    # is given (and --split only for the generated documents: per-split paths refuse it).
+      || launch_extra_has --valid-data-path || launch_extra_has --test-data-path \
+      || launch_extra_has --per-split-data-args-path || launch_extra_has --data-args-path; then
+    # Generated documents, a file of data paths, or each split's own: not the sample data, only
+    # its tokenizer unless one is given (and its --split where one data source is split: the
+    # per-split paths refuse it).
     data_flags=()
     if ! launch_extra_has --tokenizer-type; then
       launch_abspath DATA_DIR "${DATA_DIR:-$REPO_ROOT/data/sample}"
       launch_sample_data_flags "$DATA_DIR"
       data_flags=("${SAMPLE_TOKENIZER_FLAGS[@]}")
-      if launch_extra_has --mock-data; then data_flags+=(--split 98,2,0); fi
+      if launch_extra_has --mock-data || launch_extra_has --data-args-path; then
+        data_flags+=(--split 98,2,0)
+      fi
     fi
   else
     launch_abspath DATA_DIR "${DATA_DIR:-$REPO_ROOT/data/sample}"

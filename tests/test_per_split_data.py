@@ -49,8 +49,9 @@ def a_b_and_c(tmp_path_factory):
     return prefixes
 
 
-def train(data_flags, extra=(), entry="megatron_dpp.pretrain_gpt", base=TINY_GPT_ARGS):
-    rc, losses, _norms, out = run_training([*data_flags, *extra], nproc=1, timeout=240,
+def train(data_flags, extra=(), entry="megatron_dpp.pretrain_gpt", base=TINY_GPT_ARGS,
+          timeout=240):
+    rc, losses, _norms, out = run_training([*data_flags, *extra], nproc=1, timeout=timeout,
                                            with_data=False, base_args=base, entry=entry)
     assert rc == 0, out[-3000:]
     return losses, out
@@ -144,3 +145,72 @@ def test_the_launcher_passes_each_splits_path_and_leaves_the_sample_data_out(tmp
     assert argv[at + 1:at + 5] == ["0.5", os.path.join(data, os.path.basename(a)), "0.5",
                                    os.path.join(data, os.path.basename(b))]
     assert argv[argv.index("--valid-data-path") + 1] == os.path.join(data, os.path.basename(b))
+
+
+@pytest.mark.timeout(120)
+def test_a_blend_whose_dataset_has_no_document_in_a_split_builds(a_b_and_c):
+    """--split 969,30,1 gives B's 200 documents none in the test split, from which nothing is
+    drawn (--eval-iters 0): Megatron-Core's GPTDataset asked for 0 samples of 0 tokens looped
+    forever (the guard in data/datasets.py ends it)."""
+    a, b, _c = a_b_and_c
+    losses, _ = train(["--data-path", "0.7", a, "0.3", b, *gpt_tokenizer_args()], timeout=90)
+    assert len(losses) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_data_args_files_are_their_flags(tmp_path, a_b_and_c):
+    """--data-args-path FILE trains as --data-path with FILE's words, and
+    --per-split-data-args-path JSON as the per-split flags with its values."""
+    a, b, c = a_b_and_c
+    (tmp_path / "data_args.txt").write_text(f"0.7 {a}\n0.3\n{b}\n")
+    blend, _ = train(["--data-path", "0.7", a, "0.3", b, *gpt_tokenizer_args()])
+    from_file, _ = train(["--data-args-path", str(tmp_path / "data_args.txt"),
+                          *gpt_tokenizer_args()])
+    assert len(blend) == 5 and from_file == blend
+    (tmp_path / "per_split.json").write_text(json.dumps({"train": [a], "valid": f"1.0 {b}"}))
+    flags, flags_out = train(["--train-data-path", a, "--valid-data-path", "1.0", b,
+                              *gpt_tokenizer_args()], EVALUATE)
+    from_json, json_out = train(["--per-split-data-args-path", str(tmp_path / "per_split.json"),
+                                 *gpt_tokenizer_args()], EVALUATE)
+    assert from_json == flags and VALID_RE.findall(json_out) == VALID_RE.findall(flags_out)
+    assert VALID_RE.findall(flags_out)
+
+
+def _write(tmp_path, name, text):
+    (tmp_path / name).write_text(text)
+    return str(tmp_path / name)
+
+
+@pytest.mark.parametrize("case", ["both", "empty", "missing", "not_json", "no_train", "unknown_key",
+                                  "not_a_list", "with_flag", "missing_prefix"])
+def test_data_args_file_errors(monkeypatch, capsys, tmp_path, case):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    words = {"--data-args-path": _write(tmp_path, "ok.txt", gpt_prefix())}
+    # Every case's file is written (the table is built whole): one name per content.
+    json_file = lambda content: _write(tmp_path, f"split{abs(hash(content))}.json", content)  # noqa: E731
+    flags, expected = {
+        "both": (["--data-args-path", words["--data-args-path"], "--data-path", gpt_prefix()],
+                 "--data-args-path holds --data-path's values: give one of the two"),
+        "empty": (["--data-args-path", _write(tmp_path, "empty.txt", " \n")],
+                  "is empty; write PREFIX or W1 PREFIX1 W2 PREFIX2 ... in it"),
+        "missing": (["--data-args-path", str(tmp_path / "nowhere.txt")],
+                    f"--data-args-path {tmp_path / 'nowhere.txt'}: No such file or directory"),
+        "not_json": (["--per-split-data-args-path", json_file("{train: x")], "is not JSON"),
+        "no_train": (["--per-split-data-args-path", json_file('{"valid": "x"}')],
+                     "must hold a JSON object with a \"train\" key"),
+        "unknown_key": (["--per-split-data-args-path",
+                         json_file(json.dumps({"train": gpt_prefix(), "validation": "x"}))],
+                        "unknown key 'validation'; the keys are train, valid and test"),
+        "not_a_list": (["--per-split-data-args-path", json_file('{"train": 3}')],
+                       "train must be a string or a list, like --train-data-path's values"),
+        "with_flag": (["--per-split-data-args-path", json_file(json.dumps({"train": gpt_prefix()})),
+                       "--valid-data-path", gpt_prefix()],
+                      "holds --valid-data-path's values: give one of the two"),
+        "missing_prefix": (["--data-args-path", _write(tmp_path, "gone.txt", "/nonexistent/x")],
+                           f"--data-args-path {tmp_path / 'gone.txt'}: /nonexistent/x: "
+                           f"/nonexistent/x.bin and /nonexistent/x.idx not found"),
+    }[case]
+    line = flag_error(capsys, [*TINY_GPT_ARGS, *gpt_tokenizer_args(), *flags])
+    assert expected in line, line

@@ -202,6 +202,11 @@ def _guarded_gpt_dataset_class():
                     f"the {self.index_split.name} split of {self.dataset_path} has no tokens but "
                     f"{self.num_samples} samples are needed; "
                     f"{more_data_hint(self.index_split.name, self.config.split is None)}")
+            if num_tokens_per_epoch == 0:
+                # Asked for 0 samples (a blend's share of a split none are drawn from, of a
+                # dataset whose share of that split rounds to no document): Megatron-Core's loop
+                # would still want its one extra token and never end.
+                return 1
             return super()._get_num_epochs(num_tokens_per_epoch)
 
     return GuardedGPTDataset

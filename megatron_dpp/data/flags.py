@@ -8,6 +8,7 @@ The datasets module (and with it megatron.core) is imported only when the flags 
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any, Callable, Optional, Sequence
 
 from megatron_dpp.data.tokenizer import (DEFAULT_TOKENIZER_TYPE, SUPPORTED_TOKENIZER_TYPES,
@@ -55,6 +56,17 @@ def add_data_args(parser: argparse.ArgumentParser,
                        help="The validation split's own documents; see --train-data-path.")
     group.add_argument("--test-data-path", nargs="*", default=None,
                        help="The test split's own documents; see --train-data-path.")
+    group.add_argument("--data-args-path", type=str, default=None, metavar="FILE",
+                       help="A file holding --data-path's values (PREFIX, or W1 PREFIX1 W2 "
+                            "PREFIX2 ..., separated by any white space), for blends too long for "
+                            "a command line; relative prefixes are taken from the directory the "
+                            "trainer runs in (the launchers: the repository root). Not with "
+                            "--data-path.")
+    group.add_argument("--per-split-data-args-path", type=str, default=None, metavar="FILE",
+                       help="A JSON file {\"train\": ..., \"valid\": ..., \"test\": ...}: each "
+                            "split's --train/--valid/--test-data-path values, as a string or a "
+                            "list (train required, valid and test optional). Not with those "
+                            "flags.")
     group.add_argument("--split", type=str, default=None,
                        help="Train, validation and test weights of --data-path's documents "
                             f"(default {DEFAULT_SPLIT!r}, Megatron-LM's).")
@@ -103,6 +115,58 @@ def add_data_args(parser: argparse.ArgumentParser,
     add_refused_flags(group, REFUSED_DATA_FLAGS, taking_a_value=("--tiktoken-pattern",))
 
 
+def _read_data_args_files(args: argparse.Namespace) -> dict:
+    """--data-args-path / --per-split-data-args-path: their values into args.data_path / the
+    per-split paths (Megatron-LM's get_blend_and_blend_per_split reads the same files). Returns
+    {flag: what to name in an error about its prefixes} for the flags the files gave."""
+    from megatron_dpp.data.datasets import PER_SPLIT_DESTS, PER_SPLIT_FLAGS, per_split_paths
+
+    named = {}
+    if args.data_args_path is not None:
+        require(args.data_path is None,
+                "--data-args-path holds --data-path's values: give one of the two")
+        words = _read_data_file(args.data_args_path, "--data-args-path").split()
+        require(words, f"--data-args-path {args.data_args_path} is empty; write PREFIX or "
+                       f"W1 PREFIX1 W2 PREFIX2 ... in it")
+        args.data_path = words
+        named["--data-path"] = f"--data-args-path {args.data_args_path}"
+    if args.per_split_data_args_path is not None:
+        path, flag = args.per_split_data_args_path, "--per-split-data-args-path"
+        given = next((f for f, p in zip(PER_SPLIT_FLAGS, per_split_paths(args)) if p is not None),
+                     None)
+        require(given is None, f"{flag} holds {given}'s values: give one of the two")
+        try:
+            content = json.loads(_read_data_file(path, flag))
+        except json.JSONDecodeError as error:
+            raise ArgsError(f"{flag} {path} is not JSON: {error}") from None
+        require(isinstance(content, dict) and "train" in content,
+                f"{flag} {path} must hold a JSON object with a \"train\" key (and optionally "
+                f"\"valid\" and \"test\")")
+        unknown = sorted(set(content) - {"train", "valid", "test"})
+        if unknown:
+            raise ArgsError(f"{flag} {path}: unknown key {unknown[0]!r}; the keys are train, "
+                            f"valid and test")
+        for key, dest, split_flag in zip(("train", "valid", "test"), PER_SPLIT_DESTS,
+                                         PER_SPLIT_FLAGS):
+            value = content.get(key)
+            if value is None:
+                continue
+            require(isinstance(value, (str, list)),
+                    f"{flag} {path}: {key} must be a string or a list, like {split_flag}'s values")
+            words = value.split() if isinstance(value, str) else [str(word) for word in value]
+            setattr(args, dest, words)
+            named[split_flag] = f"{flag} {path} ({key})"
+    return named
+
+
+def _read_data_file(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except OSError as error:
+        raise ArgsError(f"{flag} {path}: {error.strerror or error}") from None
+
+
 def _check_one_data_source(args: argparse.Namespace) -> None:
     """Megatron-LM's rule, one source of documents: --mock-data, --data-path (split by --split),
     or each split's own path; --split given its default where it applies."""
@@ -147,6 +211,7 @@ def validate_data_args(args: argparse.Namespace,
                                             uses_per_split_paths)
     from megatron_dpp.data.errors import DataInputError
 
+    named = _read_data_args_files(args)
     _check_one_data_source(args)
     try:
         sources = data_sources(args)
@@ -155,8 +220,9 @@ def validate_data_args(args: argparse.Namespace,
         for flag, source in zip(flags, sources):
             for prefix in source.prefixes:
                 missing = dataset_files_missing(prefix)
-                require(not missing, f"{flag} {prefix}: {' and '.join(missing)} not found; make "
-                                     f"it with tools/preprocess_data.py or `python -m "
+                where = f"{named[flag]}: {prefix}" if flag in named else f"{flag} {prefix}"
+                require(not missing, f"{where}: {' and '.join(missing)} not found; make it with "
+                                     f"tools/preprocess_data.py or `python -m "
                                      f"megatron_dpp.data.prepare_sample --output-dir DIR`")
         tokenizer_type = args.tokenizer_type or DEFAULT_TOKENIZER_TYPE
         check_tokenizer_files(tokenizer_type,
