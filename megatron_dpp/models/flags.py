@@ -377,6 +377,14 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                        help="Shard optimizer state across data-parallel ranks.")
     group.add_argument("--overlap-grad-reduce", action="store_true",
                        help="Overlap the data-parallel gradient reduction with backward.")
+    group.add_argument("--ddp-bucket-size", type=int, default=None, metavar="N",
+                       help="With --overlap-grad-reduce: gradient elements per bucket, each "
+                            "reduced as soon as backward has filled it (default Megatron-Core's: "
+                            "max(40M, 1M x data-parallel size)). Without --overlap-grad-reduce "
+                            "all gradients are one bucket, so it needs that flag.")
+    group.add_argument("--ddp-num-buckets", type=int, default=None, metavar="N",
+                       help="--ddp-bucket-size as a number of buckets: this rank's parameters / N "
+                            "elements each (Megatron-LM's); not with --ddp-bucket-size.")
     group.add_argument("--distributed-backend", type=str, default=None, choices=["nccl", "gloo"],
                        help="torch.distributed backend (default: nccl with CUDA, gloo without).")
     group.add_argument("--distributed-timeout-minutes", type=int, default=10,
@@ -639,6 +647,16 @@ def _validate_overlap_args(args: argparse.Namespace) -> None:
                 "add --use-distributed-optimizer")
         require(args.overlap_grad_reduce,
                 "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM); add it")
+    given = first_given((("--ddp-bucket-size", args.ddp_bucket_size is not None),
+                         ("--ddp-num-buckets", args.ddp_num_buckets is not None)))
+    if given is not None:
+        require(args.ddp_bucket_size is None or args.ddp_num_buckets is None,
+                "give --ddp-bucket-size or --ddp-num-buckets, not both (as in Megatron-LM)")
+        require(args.overlap_grad_reduce,
+                f"{given} sizes the buckets --overlap-grad-reduce reduces one by one; without it "
+                f"the gradients are reduced as one bucket: add --overlap-grad-reduce or remove "
+                f"{given}")
+        require((args.ddp_bucket_size or args.ddp_num_buckets) > 0, f"{given} must be positive")
     if args.delay_param_gather:
         require(args.overlap_param_gather,
                 "--delay-param-gather aligns the all-gathers of --overlap-param-gather; add "

@@ -175,11 +175,17 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
     )
 
 
-def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelConfig:
+def ddp_config_from_args(args: argparse.Namespace,
+                         num_parameters: int = 0) -> DistributedDataParallelConfig:
+    """num_parameters: this rank's, which --ddp-num-buckets divides (as Megatron-LM's get_model)."""
+    bucket_size = getattr(args, "ddp_bucket_size", None)  # None: Megatron-Core's default
+    if getattr(args, "ddp_num_buckets", None) is not None:
+        bucket_size = max(1, num_parameters // args.ddp_num_buckets)
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.bf16 or args.fp16,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         align_param_gather=args.delay_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=bucket_size,
     )

@@ -163,9 +163,9 @@ def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSp
     timers = timers_from_args(args, platform.device)
     attach_timers(config, timers, args.barrier_with_L1_time)
     chunks = spec.build_chunks(args, config, seed)  # args.padded_vocab_size: set by build_tokenizer
-    log_model_size(config, chunks)
+    num_parameters = log_model_size(config, chunks)
     chunks = wrap_for_mixed_precision(config, [chunk.to(platform.device) for chunk in chunks])
-    ddp_config = ddp_config_from_args(args)
+    ddp_config = ddp_config_from_args(args, num_parameters)
     # Without Apex / Transformer Engine: torch foreach ops for the gradient norm, clipping and the
     # main-to-model parameter copy instead of Megatron-Core's per-tensor loops, which synchronize
     # with the GPU once per parameter tensor (kernels.foreach_multi_tensor_l2_norm).
@@ -185,20 +185,21 @@ def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSp
     return config, model, optimizer
 
 
-def log_model_size(config, chunks: list) -> None:
+def log_model_size(config, chunks: list) -> int:
     """Megatron-LM's parameter count line, from each (tensor, pipeline) rank of the first
     data-parallel replica, and, on rank 0, the pipeline split when a flag made it other than even
-    (models/pipeline_split.py)."""
+    (models/pipeline_split.py). Returns this rank's parameter count."""
     split = PipelineSplit.from_config(config)
     if not split.is_default:
         log_rank0(f" pipeline split: transformer layers per pipeline rank {split.describe()}")
+    count = sum(param.nelement() for chunk in chunks for param in chunk.parameters())
     if parallel_state.get_data_parallel_rank() == 0:
-        count = sum(param.nelement() for chunk in chunks for param in chunk.parameters())
         # One write, so that the ranks' lines do not interleave.
         sys.stdout.write(f" > number of parameters on (tensor, pipeline) model parallel rank "
                          f"({parallel_state.get_tensor_model_parallel_rank()}, "
                          f"{parallel_state.get_pipeline_model_parallel_rank()}): {count}\n")
         sys.stdout.flush()
+    return count
 
 
 def set_sync_funcs(config, model: list, args: argparse.Namespace) -> None:
