@@ -358,6 +358,10 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                             "stage builds one transformer layer less (--num-layers + 1 must divide "
                             "by the pipeline stages). Not with " + FIRST_FLAG + " / " + LAST_FLAG
                             + ".")
+    group.add_argument(LOSS_FLAG, action="store_true",
+                       help="Split evenly with the output layer and loss counted as one layer: "
+                            "the last stage builds one transformer layer less; as "
+                            + EMBEDDING_FLAG + ".")
     group.add_argument(LAYOUT_FLAG, type=str, default=None, metavar="LAYOUT",
                        help="Every pipeline stage's layers spelled out, as Megatron-LM: E the "
                             "embedding, t a transformer layer, L the loss, stages split by |, "
@@ -366,10 +370,6 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                             "k goes to pipeline rank k mod PP. E.g. Et|tt|t|tL: 4 layers on 2 "
                             "ranks, 2 virtual stages each. Not with the other split flags or the "
                             "virtual-stage flags.")
-    group.add_argument(LOSS_FLAG, action="store_true",
-                       help="Split evenly with the output layer and loss counted as one layer: "
-                            "the last stage builds one transformer layer less; as "
-                            + EMBEDDING_FLAG + ".")
     group.add_argument("--sequence-parallel", action="store_true",
                        help="Enable sequence parallelism (only has an effect with tensor parallelism, "
                             "as in Megatron-LM).")
