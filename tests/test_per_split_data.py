@@ -10,6 +10,7 @@ in Megatron-LM (Megatron-Core's blend_per_split), instead of a --split share of 
 """
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -110,6 +111,8 @@ def test_bert_reads_its_train_path():
      "not found"),
     (["--train-data-path", SAMPLE, "--valid-data-path", "x", SAMPLE],
      "--valid-data-path weight 'x' is not a number"),
+    (["--data-path", SAMPLE, "--num-dataset-builder-threads", "0"],
+     "--num-dataset-builder-threads must be at least 1"),
 ])
 def test_flag_errors(monkeypatch, capsys, flags, words):
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -155,6 +158,26 @@ def test_a_blend_whose_dataset_has_no_document_in_a_split_builds(a_b_and_c):
     a, b, _c = a_b_and_c
     losses, _ = train(["--data-path", "0.7", a, "0.3", b, *gpt_tokenizer_args()], timeout=90)
     assert len(losses) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_blend_built_by_two_threads_is_the_same(a_b_and_c):
+    """--num-dataset-builder-threads 2 builds the blend's datasets in two threads (Megatron-Core's
+    builder): the same samples, so the same losses."""
+    from megatron_dpp.arguments import build_parser
+    from megatron_dpp.data.datasets import gpt_dataset_config
+
+    a, b, _c = a_b_and_c
+    blend = ["--data-path", "0.7", a, "0.3", b, *gpt_tokenizer_args()]
+    one, _ = train(blend, timeout=90)
+    two, _ = train(blend, ["--num-dataset-builder-threads", "2"], timeout=90)
+    assert len(one) == 5 and two == one
+    args = build_parser(model="gpt").parse_args([*blend, "--num-dataset-builder-threads", "2",
+                                                 "--split", "98,2,0", "--seq-length", "64"])
+    args.seed = 1
+    stand_in_tokenizer = SimpleNamespace(vocab_size=4096)  # the config reads only this
+    assert gpt_dataset_config(args, stand_in_tokenizer).num_dataset_builder_threads == 2
 
 
 @pytest.mark.slow

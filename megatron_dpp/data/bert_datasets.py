@@ -194,6 +194,7 @@ def bert_dataset_config(args, tokenizer):
         random_seed=args.seed,
         sequence_length=args.seq_length,
         **megatron_blends(args),
+        num_dataset_builder_threads=getattr(args, "num_dataset_builder_threads", 1),
         path_to_cache=getattr(args, "data_cache_path", None),
         tokenizer=tokenizer,
         masking_probability=bert_arg(args, "mask_prob"),

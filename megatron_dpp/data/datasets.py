@@ -289,6 +289,7 @@ def gpt_dataset_config(args, tokenizer):
         random_seed=args.seed,
         sequence_length=args.seq_length,
         **megatron_blends(args),  # no blend of either kind: generated documents
+        num_dataset_builder_threads=getattr(args, "num_dataset_builder_threads", 1),
         path_to_cache=getattr(args, "data_cache_path", None),
         tokenizer=tokenizer,
         reset_position_ids=bool(getattr(args, "reset_position_ids", False)),

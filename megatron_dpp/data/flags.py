@@ -110,6 +110,9 @@ def add_data_args(parser: argparse.ArgumentParser,
     group.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
                        help="Read the dataset's .bin files instead of memory-mapping them "
                             "(Megatron-Core's GPT dataset; GPT and Llama).")
+    group.add_argument("--num-dataset-builder-threads", type=int, default=1, metavar="N",
+                       help="Threads per rank that build a blend's datasets (their index files) "
+                            "at start-up, as Megatron-LM (default 1: one after the other).")
     group.add_argument("--num-workers", type=int, default=0,
                        help="Data loader worker processes (0: load in the training process).")
     add_refused_flags(group, REFUSED_DATA_FLAGS, taking_a_value=("--tiktoken-pattern",))
@@ -232,6 +235,8 @@ def validate_data_args(args: argparse.Namespace,
         if args.data_cache_path is not None:  # Megatron's index cache is written there
             require_output_dir("--data-cache-path", args.data_cache_path)
         require(args.num_workers >= 0, "--num-workers must be >= 0")
+        require(args.num_dataset_builder_threads >= 1,
+                "--num-dataset-builder-threads must be at least 1")
         require(args.create_attention_mask_in_dataloader or not args.reset_attention_mask,
                 "--reset-attention-mask needs the attention mask the data loader builds, which "
                 "--no-create-attention-mask-in-dataloader turns off: remove one of the two")
