@@ -32,6 +32,11 @@ def run_validation(args, world_size=1, timeout=60, env_extra=None):
 
 
 BAD_FLAGS = {
+    "dataloader_type_cyclic": (["--dataloader-type", "cyclic"], 1,
+                               "--dataloader-type cyclic (Megatron-LM's "
+                               "MegatronPretrainingRandomSampler"),
+    "dataloader_type_external": (["--dataloader-type", "external"], 1,
+                                 "--dataloader-type external (the training script's own iterator"),
     "layers_vs_pipeline": (["--pipeline-model-parallel-size", "4", "--num-layers", "6"], 4,
                            "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4"),
     "layers_vs_virtual_stages": (["--pipeline-model-parallel-size", "2",
@@ -311,6 +316,7 @@ def test_bad_flag_in_a_process(case):
 
 GOOD_FLAGS = {
     "plain": ([], {}),
+    "dataloader_type_single": (["--dataloader-type", "single"], {}),
     "trace_without_dpp": (["--trace"], {}),
     "profile": (["--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
                  "--profile-step-end", "4", "--profile-ranks", "0", "1"], {}),

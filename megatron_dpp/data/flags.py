@@ -24,6 +24,15 @@ the data cannot give the model's samples."""
 
 # --split's default: Megatron-LM's ("legacy") one where --data-path is given without --split.
 DEFAULT_SPLIT = "969, 30, 1"
+# --dataloader-type: the kind that runs here, and why Megatron-LM's others do not.
+DATALOADER_TYPE = "single"
+REFUSED_DATALOADER_TYPES = {
+    "cyclic": "(Megatron-LM's MegatronPretrainingRandomSampler: a reshuffle of the dataset every "
+              "epoch) is not built here: the sampler walks Megatron-Core's dataset, whose samples "
+              "are shuffled already, in order (single, Megatron-LM's default)",
+    "external": "(the training script's own iterator in place of the data loader) is not built "
+                "here: the trainer builds its data loader from the data flags",
+}
 # Megatron-LM's data flags that cannot apply here: flag -> why (flag_errors.py).
 REFUSED_DATA_FLAGS = {
     "--tiktoken-pattern": "configures TikTokenizer (Llama 3's), which is not a --tokenizer-type "
@@ -113,6 +122,13 @@ def add_data_args(parser: argparse.ArgumentParser,
     group.add_argument("--num-dataset-builder-threads", type=int, default=1, metavar="N",
                        help="Threads per rank that build a blend's datasets (their index files) "
                             "at start-up, as Megatron-LM (default 1: one after the other).")
+    group.add_argument("--dataloader-type", choices=[DATALOADER_TYPE, *REFUSED_DATALOADER_TYPES],
+                       default=DATALOADER_TYPE,
+                       help="Megatron-LM's data loader kinds; single runs here (and is its "
+                            "default): every sample once, in order from the consumed samples "
+                            "on, each data-parallel rank its slice of every step (Megatron-LM's "
+                            "MegatronPretrainingSampler). cyclic and external are refused in one "
+                            "line with the reason.")
     group.add_argument("--num-workers", type=int, default=0,
                        help="Data loader worker processes (0: load in the training process).")
     add_refused_flags(group, REFUSED_DATA_FLAGS, taking_a_value=("--tiktoken-pattern",))
@@ -235,6 +251,9 @@ def validate_data_args(args: argparse.Namespace,
         if args.data_cache_path is not None:  # Megatron's index cache is written there
             require_output_dir("--data-cache-path", args.data_cache_path)
         require(args.num_workers >= 0, "--num-workers must be >= 0")
+        require(args.dataloader_type == DATALOADER_TYPE,
+                f"--dataloader-type {args.dataloader_type} "
+                f"{REFUSED_DATALOADER_TYPES.get(args.dataloader_type)}; remove it")
         require(args.num_dataset_builder_threads >= 1,
                 "--num-dataset-builder-threads must be at least 1")
         require(args.create_attention_mask_in_dataloader or not args.reset_attention_mask,

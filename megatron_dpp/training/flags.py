@@ -44,6 +44,13 @@ REFUSED_CHECKPOINT_FLAGS: dict[str, str] = {
                      "(--no-load-rng leaves them out at --load)",
     "--use-checkpoint-args": "is not built here: give the model's flags on the command line "
                              "(--load checks the checkpoint's tensors against them)",
+    # Deprecated in Megatron-LM 0.16, where they do nothing either.
+    "--use-dist-ckpt": "is deprecated in Megatron-LM and does nothing there: --ckpt-format "
+                       "chooses the format (torch_dist, the default)",
+    "--dist-ckpt-format": "is deprecated in Megatron-LM and does nothing there: --ckpt-format "
+                          "chooses the format (torch_dist, the default)",
+    "--ckpt-fully-parallel-save": "is deprecated in Megatron-LM and does nothing there: a "
+                                  "torch_dist save here is always fully parallel",
 }
 # --tensorboard-dir's defaults, as Megatron-LM's.
 TENSORBOARD_LOG_INTERVAL, TENSORBOARD_QUEUE_SIZE = 1, 1000
@@ -432,7 +439,7 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--auto-detect-ckpt-format", action="store_true",
                        help="Accepted for Megatron-LM command lines and always so here: --load "
                             "tells torch_dist and torch checkpoints apart by their files.")
-    add_refused_flags(group, REFUSED_CHECKPOINT_FLAGS)
+    add_refused_flags(group, REFUSED_CHECKPOINT_FLAGS, taking_a_value=("--dist-ckpt-format",))
 
 
 def validate_checkpoint_args(args: argparse.Namespace) -> None:
