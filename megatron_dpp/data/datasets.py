@@ -78,6 +78,7 @@ class DataSource:
     weights: Optional[List[float]]
     split: List[float]
     per_split: bool  # one split's own documents (--valid-data-path, ...), not a --split share
+    flag: str  # the flag that gave it: --data-path or a per-split path
 
     def more_data(self, split_name: str) -> str:
         return more_data_hint(split_name, self.per_split)
@@ -94,12 +95,13 @@ def data_sources(args) -> List[DataSource]:
                 prefixes, weights = parse_data_path(path, flag)
                 share = [0.0, 0.0, 0.0]
                 share[position] = 1.0
-                sources.append(DataSource(prefixes, weights, share, per_split=True))
+                sources.append(DataSource(prefixes, weights, share, per_split=True, flag=flag))
         return sources
     if getattr(args, "mock_data", False):
         return []
     prefixes, weights = parse_data_path(args.data_path)
-    return [DataSource(prefixes, weights, parse_split(args.split), per_split=False)]
+    return [DataSource(prefixes, weights, parse_split(args.split), per_split=False,
+                       flag="--data-path")]
 
 
 def megatron_blends(args) -> Dict[str, object]:

@@ -225,21 +225,18 @@ def validate_data_args(args: argparse.Namespace,
     needs (each model builds its samples its own way: token windows, packed sentences), run
     after the checks of the data itself; megatron_dpp.arguments gives the model family's."""
     # Imported here: the data package pulls in megatron.core only when a check needs it.
-    from megatron_dpp.data.datasets import (PER_SPLIT_FLAGS, data_sources, dataset_files_missing,
-                                            per_split_paths, samples_per_split,
-                                            uses_per_split_paths)
+    from megatron_dpp.data.datasets import data_sources, dataset_files_missing, samples_per_split
     from megatron_dpp.data.errors import DataInputError
 
     named = _read_data_args_files(args)
     _check_one_data_source(args)
     try:
         sources = data_sources(args)
-        flags = ([flag for flag, path in zip(PER_SPLIT_FLAGS, per_split_paths(args)) if path]
-                 if uses_per_split_paths(args) else ["--data-path"])
-        for flag, source in zip(flags, sources):
+        for source in sources:
             for prefix in source.prefixes:
                 missing = dataset_files_missing(prefix)
-                where = f"{named[flag]}: {prefix}" if flag in named else f"{flag} {prefix}"
+                where = (f"{named[source.flag]}: {prefix}" if source.flag in named
+                         else f"{source.flag} {prefix}")
                 require(not missing, f"{where}: {' and '.join(missing)} not found; make it with "
                                      f"tools/preprocess_data.py or `python -m "
                                      f"megatron_dpp.data.prepare_sample --output-dir DIR`")
