@@ -117,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "(megatron_dpp.models.rng_fork) against Megatron-Core's tracker fork; "
                           "on the CPU Megatron's fork also filters a warning a GPU never logs, so "
                           "the CPU overstates the saving (0: off)")
+    run.add_argument("--compare-bias-in-products", type=_non_negative, default=0,
+                     metavar="ROUNDS",
+                     help="the same with the direct layer's linears adding their bias in the "
+                          "GEMM (torch.nn.functional.linear) against a product and a separate "
+                          "addition, as Megatron-Core's linear function computes them (0: off)")
     run.add_argument("--compiled-fusions", action="store_true",
                      help="ours with Megatron-Core's bias-gelu and bias-dropout-add fusions on, as "
                           "on a GPU: here torch.compile builds them for inductor's C++ backend, so "
@@ -545,11 +550,27 @@ def _switch_rng_fork(trainer):
     return attentions, switch
 
 
+def _switch_bias_in_products(trainer):
+    """The direct layer's linears with their bias in the GEMM (models.direct_linear's
+    bias_in_product) against the product and a separate addition, as Megatron-Core's linear
+    function computes them: `bias_in_products` switched off."""
+    from megatron_dpp.models.direct_layer import DirectTransformerLayer
+
+    layers = [module for chunk in trainer.model for module in chunk.modules()
+              if isinstance(module, DirectTransformerLayer) and module.bias_in_products]
+
+    def switch(direct: bool) -> None:
+        for layer in layers:
+            layer.bias_in_products = direct
+    return layers, switch
+
+
 # --compare-X: (what is compared, the function that finds the modules and switches them).
 COMPARISONS = {
     "linears": ("direct linears", _switch_linears),
     "layers": ("direct transformer layers", _switch_layers),
     "rng_fork": ("core attention's RNG fork", _switch_rng_fork),
+    "bias_in_products": ("linears' bias in the GEMM", _switch_bias_in_products),
 }
 
 

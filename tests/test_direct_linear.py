@@ -4,6 +4,8 @@ Megatron's Python autograd functions. In one process (tp = pp = 1, gloo):
 
 (a) each layer kind (column and row, with and without a bias, bias added or returned) gives
     Megatron's outputs and gradients, and its graph holds none of Megatron's Python functions;
+    a bias it adds is added in the GEMM (one addmm), also where the caller asks a layer that
+    returns its bias to add it (bias_in_product);
 (b) a whole GPT chunk built from our spec equals one built from Megatron's local spec: the same
     state-dict keys, loss and gradients;
 (c) Megatron's forward runs wherever it has work to do (tensor or sequence parallelism, a weight
@@ -14,6 +16,7 @@ The host time they save is measured by `benchmarks/host_overhead.py --compare-li
 """
 from __future__ import annotations
 
+import collections
 import types
 
 import pytest
@@ -117,6 +120,40 @@ def test_each_layer_gives_megatrons_numbers_without_its_python_functions(megatro
         _assert_close(mine, reference, f"gradient {index}")
     assert not _graph_names(our_output) & set(MEGATRON_FUNCTIONS)
     assert _graph_names(their_output) & set(MEGATRON_FUNCTIONS)  # the check can fail
+
+
+def _graph_counts(tensor: torch.Tensor) -> collections.Counter:
+    counts, stack, seen = collections.Counter(), [tensor.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        counts[type(node).__name__] += 1
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return counts
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("skip_bias_add", [True, False])
+def test_the_bias_is_added_in_the_product(megatron, kind, skip_bias_add):
+    theirs, ours, width = _layer_pair(kind, True, skip_bias_add)
+    inputs = torch.randn(SEQ, BATCH, width, generator=torch.Generator().manual_seed(4))
+    their_output, their_grads = _run_layer(theirs, inputs)
+    # Asked for the bias in the product, every layer returns none and adds it in one addmm.
+    output, bias = ours(inputs.clone().requires_grad_(True), bias_in_product=True)
+    assert bias is None
+    counts = _graph_counts(output)
+    assert counts["AddmmBackward0"] == 1 and counts["AddBackward0"] == 0, counts
+    output.square().sum().backward()
+    _assert_close(output, their_output, "output")
+    for index, param in enumerate(ours.parameters(), start=1):
+        _assert_close(param.grad, their_grads[index], f"parameter gradient {index}")
+    # Not asked, a skip_bias_add layer returns its bias as Megatron's does.
+    ours.zero_grad(set_to_none=True)
+    output, bias = ours(inputs)
+    assert (bias is ours.bias) == skip_bias_add
+    assert _graph_counts(output)["AddmmBackward0"] == (0 if skip_bias_add else 1)
 
 
 def _gpt_pair():

@@ -34,7 +34,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from megatron_dpp.models.direct_linear import with_direct_linears
+from megatron_dpp.models.direct_linear import DIRECT_CLASSES, with_direct_linears
 from megatron_dpp.models.spec_classes import replace_spec_classes
 
 __all__ = ["DirectTransformerLayer", "with_direct_layer", "with_direct_classes",
@@ -80,6 +80,18 @@ class DirectTransformerLayer(TransformerLayer):
         self.runs_directly = _dense_path_only(self)
         # Megatron's MLP forward fuses bias and activation itself where that is on.
         self.mlp_inline = not self.config.bias_activation_fusion
+        # Our direct linears add their bias in the GEMM when asked (models.direct_linear); the
+        # layer then adds none itself (one kernel per linear fewer).
+        self.bias_in_products = self.runs_directly and all(
+            isinstance(linear, tuple(DIRECT_CLASSES.values()))
+            for linear in (self.self_attention.linear_qkv, self.self_attention.linear_proj,
+                           self.mlp.linear_fc1, self.mlp.linear_fc2))
+
+    def _linear(self, linear, inputs):
+        """(output, bias) of one of the layer's linears, the bias in the product where it can be."""
+        if self.bias_in_products:
+            return linear(inputs, bias_in_product=True)
+        return linear(inputs)
 
     def forward(self, *args, **kwargs):
         # TransformerBlock passes every argument by name; anything else goes to Megatron's forward.
@@ -112,7 +124,7 @@ class DirectTransformerLayer(TransformerLayer):
         (output, bias) of the output projection."""
         attention = self.self_attention
         config = self.config
-        mixed_qkv, _ = attention.linear_qkv(normed)
+        mixed_qkv, _ = self._linear(attention.linear_qkv, normed)
         # [sq, b, ng * (np/ng + 2) * hn] -> [sq, b, ng, (np/ng + 2) * hn] -> q, k, v
         heads_per_group = (attention.num_attention_heads_per_partition
                            // attention.num_query_groups_per_partition)
@@ -147,13 +159,13 @@ class DirectTransformerLayer(TransformerLayer):
         core_output = attention.core_attention(
             query, key, value, attention_mask, attn_mask_type=attention.attn_mask_type,
             attention_bias=attention_bias, packed_seq_params=None)
-        return attention.linear_proj(core_output)
+        return self._linear(attention.linear_proj, core_output)
 
     def _mlp(self, normed):
         """MLP.forward with the bias and activation unfused: (output, bias) of linear_fc2."""
         mlp = self.mlp
         config = self.config
-        intermediate, bias = mlp.linear_fc1(normed)
+        intermediate, bias = self._linear(mlp.linear_fc1, normed)
         if bias is not None:
             intermediate = intermediate + bias
         if config.gated_linear_unit:
@@ -165,7 +177,7 @@ class DirectTransformerLayer(TransformerLayer):
             intermediate = config.activation_func(gated) * (linear + config.glu_linear_offset)
         else:
             intermediate = mlp.activation_func(intermediate)
-        return mlp.linear_fc2(intermediate)
+        return self._linear(mlp.linear_fc2, intermediate)
 
 
 # Megatron-Core's class -> ours.

@@ -7,8 +7,11 @@ the copy-to / reduce-from tensor-parallel region functions, identities on one ra
 tensor-parallel rank with none of those features on, that is host work and nothing else: three
 Python forwards and backwards per linear and micro-batch, which bound GPT-125m's step on a GPU
 (docs/gpu.md). The classes here are those layers, same parameters, initialization, checkpoints
-and attributes, whose forward is then `torch.matmul` (the product Megatron's function computes),
-differentiated by autograd in C++. In every other case (tensor parallelism, sequence
+and attributes, whose forward is then `torch.nn.functional.linear` (the product Megatron's function computes,
+with the bias in the GEMM's epilogue as Transformer Engine's layers add it: one kernel where
+Megatron's function launches two), differentiated by autograd in C++. A layer that returns its
+bias for the caller to fuse (skip_bias_add) still does, unless the caller asks for it in the
+product (`bias_in_product=True`, as models.direct_layer does). In every other case (tensor parallelism, sequence
 parallelism, expert communication, gradient-accumulation fusion, deferred embedding gradients,
 CPU offloading, a weight passed in) the forward is Megatron's own.
 
@@ -38,15 +41,14 @@ def _one_rank_without_communication(layer) -> bool:
             and not config.defer_embedding_wgrad_compute)
 
 
-def _multiply(layer, input_: torch.Tensor):
-    """(output, bias) as Megatron's forward returns them on one rank: the bias added after the
-    product, or returned for the caller to fuse (skip_bias_add)."""
-    output = torch.matmul(input_, layer.weight.t())
-    if layer.skip_bias_add:
-        return output, layer.bias
-    if layer.bias is not None:
-        output = output + layer.bias
-    return output, None
+def _multiply(layer, input_: torch.Tensor, bias_in_product: bool):
+    """(output, bias) as Megatron's forward returns them on one rank: the bias returned for the
+    caller to add (skip_bias_add) unless the caller asks for it in the product, else added in
+    the product: `torch.nn.functional.linear`, one GEMM with the bias in its epilogue (addmm),
+    where Megatron's function launches a product and then an addition."""
+    if layer.skip_bias_add and not bias_in_product:
+        return torch.matmul(input_, layer.weight.t()), layer.bias
+    return torch.nn.functional.linear(input_, layer.weight, layer.bias), None
 
 
 class DirectColumnParallelLinear(ColumnParallelLinear):
@@ -57,12 +59,15 @@ class DirectColumnParallelLinear(ColumnParallelLinear):
         super().__init__(*args, **kwargs)
         self.multiplies_directly = _one_rank_without_communication(self)
 
-    def forward(self, input_, weight=None, runtime_gather_output=None):
+    def forward(self, input_, weight=None, runtime_gather_output=None, *,
+                bias_in_product: bool = False):
+        """Megatron's forward; `bias_in_product` asks a skip_bias_add layer for its bias added
+        in the product where it multiplies directly (the bias it returns is then None)."""
         if (not self.multiplies_directly or weight is not None or self.weight is None
                 or self.config._cpu_offloading_context is not None):
             return super().forward(input_, weight=weight,
                                    runtime_gather_output=runtime_gather_output)
-        return _multiply(self, input_)
+        return _multiply(self, input_, bias_in_product)
 
 
 class DirectRowParallelLinear(RowParallelLinear):
@@ -73,10 +78,11 @@ class DirectRowParallelLinear(RowParallelLinear):
         super().__init__(*args, **kwargs)
         self.multiplies_directly = _one_rank_without_communication(self)
 
-    def forward(self, input_):
+    def forward(self, input_, *, bias_in_product: bool = False):
+        """As DirectColumnParallelLinear.forward."""
         if not self.multiplies_directly or self.config._cpu_offloading_context is not None:
             return super().forward(input_)
-        return _multiply(self, input_)
+        return _multiply(self, input_, bias_in_product)
 
 
 # Megatron-Core's class -> ours.
