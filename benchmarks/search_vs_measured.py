@@ -72,10 +72,12 @@ TRAINING_FLAGS = ["--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosin
                   "--log-interval", "1", "--eval-iters", "0"]
 
 
-def _layout(tp=1, pp=1, vpp=1, dp=1, mbs=2, recompute="none", schedule=ONE_F_ONE_B) -> Layout:
+def _layout(tp=1, pp=1, vpp=1, dp=1, mbs=2, recompute="none", schedule=ONE_F_ONE_B,
+            last_stage_layers=0) -> Layout:
     return Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, micro_batch_size=mbs,
                   num_microbatches=GLOBAL_BATCH // (mbs * dp), recompute=recompute,
-                  distributed_optimizer=False, sequence_parallel=False, schedule=schedule, split_backward=False)
+                  distributed_optimizer=False, sequence_parallel=False, schedule=schedule, split_backward=False,
+                  last_stage_layers=last_stage_layers)
 
 
 # name -> layout; the first is the reference of the paired ratios.
@@ -85,6 +87,8 @@ LAYOUTS: Dict[str, Layout] = {
     "pp2-vpp2": _layout(pp=2, vpp=2, schedule=INTERLEAVED_1F1B),
     "pp2-recompute-full": _layout(pp=2, recompute="full"),
     "pp2-mbs1": _layout(pp=2, mbs=1),
+    "pp2-last1": _layout(pp=2, last_stage_layers=1),  # 3 | 1: --decoder-last-pipeline-num-layers 1
+    "pp2-last3": _layout(pp=2, last_stage_layers=3),  # 1 | 3
     "tp2": _layout(tp=2),
     "tp2-recompute-selective": _layout(tp=2, recompute="selective"),
     "dp2": _layout(dp=2),
@@ -222,11 +226,12 @@ def breakdown(problem: Problem, cost: LayoutCost) -> dict:
     pricer = Pricer(problem)
     layout, shape = cost.layout, problem.shape
     figures = pricer.layer(layout.micro_batch_size, shape.seq_length, layout.tp, False, layout.recompute)
-    per_rank = shape.num_layers // layout.pp
+    rank_layers = layout.rank_layers(shape.num_layers)
+    per_rank = rank_layers[0]  # the first rank's (an uneven split's last differs: rank_layers)
     first, last = pricer.stage_extras_ms(layout.micro_batch_size, shape.seq_length, layout.tp)
     overhead = pricer.durations(layout)[0]
     return {"layer_forward_ms": figures.forward_ms, "layer_backward_ms": figures.backward_ms,
-            "rank_layers": per_rank,
+            "rank_layers": rank_layers,
             "first_stage_extra_ms_per_iteration": first * layout.num_microbatches,
             "last_stage_extra_ms_per_iteration": last * layout.num_microbatches,
             "task_overhead_ms": [overhead.forward_overhead, overhead.backward_overhead],

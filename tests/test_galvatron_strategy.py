@@ -3,6 +3,7 @@ files written for these tests in Galvatron's layout (tests/fixtures/galvatron/st
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,10 @@ def test_uniform_strategy_converts():
     ({"dp_types_enc": "0,0,0,0,0,0,0,1"}, "dp_types_enc varies per layer"),
     ({"dp_types_enc": "1,1,1,1,1,1,1,1"}, "ZeRO-3"),
     ({"default_dp_type": "zero3"}, "ZeRO-3"),
-    ({"pp_division": "3,5"}, "pp_division '3,5' is uneven"),
+    ({"pp_deg": 4, "tp_sizes_enc": "1,1,1,1,1,1,1,1", "vtp": 1, "pp_division": "1,3,2,2"},
+     "pp_division 1,3,2,2: only the last stage's layers may differ"),
+    ({"pp_deg": 4, "tp_sizes_enc": "1,1,1,1,1,1,1,1", "vtp": 1, "pp_division": "3,3,2,0"},
+     "pp_division 3,3,2,0: only the last stage's layers may differ"),
     ({"pp_division": "4,3"}, "is not 2 stages of 8 layers"),
     ({"use_sp": "1,1,1,1,1,1,1,1"}, "Ulysses"),
     ({"tp_consecutive_flags": "0,0,0,0,0,0,0,0"}, "consecutive"),
@@ -103,6 +107,43 @@ def test_our_layout_to_galvatron_and_back():
     with pytest.raises(SearchInputError, match="2 virtual stages per rank, schedule interleaved-1f1b, "
                                                "selective recompute"):
         gs.galvatron_config_from_layout(interleaved, 8, 16)
+
+
+def test_a_division_uneven_in_its_last_stage_converts_and_back():
+    """Galvatron's pp_division with only the last stage different: Megatron-LM's
+    --decoder-last-pipeline-num-layers, in the layout and in the trainer's flags."""
+    layout = gs.layout_from_galvatron(_config(pp_division="5,3"), "f", INPUTS)
+    assert layout.last_stage_layers == 3 and layout.rank_layers(8) == [5, 3]
+    assert gs.galvatron_config_from_layout(layout, 8, 16)["pp_division"] == "5,3"
+    assert gs.layout_from_galvatron(_config(pp_division="4,4"), "f", INPUTS).last_stage_layers == 0
+    # Without pp_division Galvatron's runtime splits evenly, the remainder on the last stage.
+    config = {key: value for key, value in _config(pp_deg=3, tp_sizes_enc="1,1,1,1,1,1,1,1", vtp=1,
+                                                  global_bsz=16, chunks=8).items()
+              if key != "pp_division"}
+    with pytest.raises(SearchInputError, match="tp 1 x pp_deg 3 does not divide the 8 GPUs"):
+        gs.layout_from_galvatron(config, "f", INPUTS)
+    nine = SpaceInputs(**{**INPUTS.__dict__, "num_layers": 9, "gpus_per_node": 4})
+    config.update(pp_deg=2, tp_sizes_enc="1," * 8 + "1", checkpoint="0," * 8 + "0",
+                  dp_types_enc="0," * 8 + "0", tp_consecutive_flags="1," * 8 + "1",
+                  use_sp="0," * 8 + "0")
+    nine_layers = gs.layout_from_galvatron(config, "f", nine)
+    assert nine_layers.rank_layers(9) == [4, 5] and nine_layers.last_stage_layers == 5
+    flags = strategy.megatron_flags(_problem_stub(9), _cost_stub(nine_layers))
+    assert flags[flags.index("--decoder-last-pipeline-num-layers") + 1] == "5"
+
+
+def _problem_stub(num_layers: int):
+    from megatron_dpp.models.memory_model import ModelShape
+
+    return types.SimpleNamespace(shape=ModelShape(model="gpt", num_layers=num_layers, hidden_size=64,
+                                                  num_attention_heads=8, ffn_hidden_size=256,
+                                                  seq_length=128, padded_vocab_size=512,
+                                                  max_position_embeddings=128),
+                                 global_batch_size=16, lengths=None)
+
+
+def _cost_stub(layout: Layout):
+    return types.SimpleNamespace(layout=layout)
 
 
 def test_output_format_galvatron_writes_both_files(tmp_path, capsys):

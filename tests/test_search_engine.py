@@ -72,6 +72,29 @@ def test_space_follows_megatron_rules():
     assert any(layout.vpp > 1 for layout in layouts) and any(layout.split_backward for layout in layouts)
 
 
+def test_uneven_splits_join_the_space_as_megatron_accepts_them():
+    """With one chunk per rank the last stage may hold any count of layers that leaves the other
+    stages an even share of at least one (--decoder-last-pipeline-num-layers); a PP that does not
+    divide the layers comes with uneven splits only."""
+    assert space.last_stage_choices(8, 4) == (0, 5)  # 2|2|2|2, or 1|1|1|5
+    assert space.last_stage_choices(12, 4) == (0, 6, 9)
+    assert space.last_stage_choices(9, 2) == tuple(range(1, 9))  # 8|1 ... 1|8, no even split
+    assert space.last_stage_choices(8, 1) == (0,)
+    inputs = space.SpaceInputs(num_layers=9, num_attention_heads=4, ffn_hidden_size=512,
+                               global_batch_size=12, num_nodes=1, gpus_per_node=6)
+    layouts = list(space.enumerate_layouts(inputs))
+    assert {layout.pp for layout in layouts} == {1, 2, 3, 6}
+    assert {layout.last_stage_layers for layout in layouts if layout.pp == 2} == set(range(1, 9))
+    assert {layout.last_stage_layers for layout in layouts if layout.pp == 6} == {4}  # 1x5 | 4
+    for layout in layouts:
+        counts = layout.rank_layers(9)
+        assert len(counts) == layout.pp and sum(counts) == 9 and min(counts) >= 1
+        assert len(set(counts[:-1])) <= 1  # the stages before the last share the rest evenly
+        assert (layout.last_stage_layers == 0) == (len(set(counts)) == 1)
+        assert not layout.last_stage_layers or layout.vpp == 1
+    assert any(layout.vpp > 1 for layout in layouts)  # pp = 3: 3 layers each
+
+
 def test_cpu_processes_get_no_gpu_only_features():
     inputs = space.SpaceInputs(num_layers=4, num_attention_heads=4, ffn_hidden_size=512, global_batch_size=8,
                                num_nodes=1, gpus_per_node=4, on_gpus=False)
@@ -95,6 +118,7 @@ def _layout(**changes) -> space.Layout:
     {}, {"vpp": 2, "schedule": space.megatron_schedule(2)},
     {"schedule": DYNAMIC_SCHEDULES[0], "split_backward": True},
     {"vpp": 2, "schedule": DYNAMIC_SCHEDULES[0], "split_backward": True},
+    {"last_stage_layers": 5}, {"pp": 2, "last_stage_layers": 3, "schedule": DYNAMIC_SCHEDULES[0]},
 ])
 def test_closed_form_bound_is_the_simulators_pipeline_bound(changes):
     pricer = cost.Pricer(problem(hardware=flat_hardware(4, 100.0, 0.5)))
@@ -125,6 +149,7 @@ def _measured_extras_profile(overhead=(0.25, 0.5)):
     {}, {"vpp": 2, "schedule": space.megatron_schedule(2)},
     {"vpp": 2, "schedule": DYNAMIC_SCHEDULES[0], "split_backward": True},
     {"pp": 1, "vpp": 1}, {"schedule": DYNAMIC_SCHEDULES[0], "split_backward": True, "num_microbatches": 40},
+    {"pp": 2, "last_stage_layers": 2}, {"last_stage_layers": 5, "schedule": DYNAMIC_SCHEDULES[0]},
 ])
 def test_closed_form_bound_with_stage_extras_and_task_overheads(changes):
     """Slower first and last ranks and per-task overheads: the closed form is still the
@@ -134,7 +159,8 @@ def test_closed_form_bound_with_stage_extras_and_task_overheads(changes):
     pricer = cost.Pricer(extras_problem)
     layout = _layout(**changes)
     model, _ = pricer.durations(layout)
-    assert model.rank_speed[0] > 1.0 and model.rank_speed[-1] > 1.0
+    counts = layout.rank_layers(8)  # a rank's speed: its layers over the first's, plus its extras
+    assert model.rank_speed[0] > 1.0 and model.rank_speed[-1] > counts[-1] / counts[0]
     # forward_step / backward_step's overhead plus the chunk's fixed work (at micro-batch 1)
     assert (model.forward_overhead, model.backward_overhead) == (0.25 + 0.125, 0.5 + 0.0625)
     result = pricer.simulate(layout, layout.num_microbatches)
@@ -166,7 +192,7 @@ def test_memory_bound_holds_the_simulated_peak():
     for layout in (_layout(), _layout(schedule=DYNAMIC_SCHEDULES[0], split_backward=True)):
         priced = pricer.price(layout, pricer.estimate(layout))
         assert 0 < priced.activation_peak_bytes
-        states = max(pricer.state_bytes(1, 4, 1, False))
+        states = max(pricer.state_bytes(layout))
         assert priced.activation_peak_bytes + states <= priced.memory_bytes
 
 
@@ -182,6 +208,60 @@ def test_extrapolation_stays_close_to_the_full_simulation(spec, tolerance):
         assert priced.simulated_microbatches < 96
         full = pricer.simulate(layout, 96).makespan
         assert priced.pipeline_ms == pytest.approx(full, rel=tolerance)
+
+
+def test_an_uneven_split_prices_each_rank_by_its_layers():
+    """Parameters, memory and task times of each rank follow its layers: 6 | 2 of 8 layers."""
+    shape = small_shape()
+    pricer = cost.Pricer(problem(shape=shape))
+    even, uneven = _layout(pp=2), _layout(pp=2, last_stage_layers=2)
+    assert uneven.rank_layers(8) == [6, 2] and "last-stage-layers=2" in uneven.describe()
+    per_layer = mm.layer_parameter_count(shape, 1)
+    embedding, output = pricer._extra_parameters(1)
+    assert pricer.rank_parameters(uneven) == (6 * per_layer + embedding, 2 * per_layer + output)
+    assert pricer.rank_parameters(even) == (4 * per_layer + embedding, 4 * per_layer + output)
+    # Task times: the first rank runs 6 layers; the last 2, plus the output layer's work.
+    layer = pricer.layer(1, shape.seq_length, 1, False, "none")
+    first_extra, last_extra = pricer.stage_extras_ms(1, shape.seq_length, 1)
+    model, _ = pricer.durations(uneven)
+    assert model.linear == pytest.approx(6 * layer.forward_ms)
+    work = 6 * (layer.forward_ms + layer.backward_ms)
+    assert model.rank_speed == pytest.approx((1 + first_extra / work, 2 / 6 + last_extra / work))
+    # Memory: the fullest chunk sizes the simulated budget; each rank holds its own layers.
+    assert pricer.chunk_activation_bytes(uneven, shape.seq_length) == 6 * layer.activation_bytes
+    assert pricer.chunk_activation_bytes(even, shape.seq_length) == 4 * layer.activation_bytes
+    # The first rank holds 2 microbatches in flight (1F1B), the last 1: layers moved to the last
+    # stage take memory off the fullest rank.
+    assert pricer.inflight(even) == (2, 1)
+    heavy_last = _layout(pp=2, last_stage_layers=6)
+    assert pricer.memory_bytes(heavy_last) < pricer.memory_bytes(even) < pricer.memory_bytes(uneven)
+    # The simulator budgets every rank by the fullest chunk; the reported peak is each rank's own.
+    for layout in (heavy_last, uneven):
+        priced = pricer.price(layout, pricer.estimate(layout))
+        assert priced.activation_peak_bytes + max(pricer.state_bytes(layout)) <= priced.memory_bytes
+    result = pricer.simulate(heavy_last, heavy_last.num_microbatches)
+    assert pricer.activation_peak(heavy_last, result) == max(result.peak_bytes[0] // 3,
+                                                            result.peak_bytes[1])
+    # Gradient buckets and reductions follow the rank's parameters.
+    two_replicas = _layout(pp=2, dp=2, num_microbatches=8, last_stage_layers=2)
+    chunks, _ = pricer.sync_ms(two_replicas)
+    assert chunks[0][0] > chunks[1][0]  # 6 layers + embedding against 2 layers + output layer
+
+
+def test_a_costly_output_layer_moves_layers_off_the_last_stage():
+    """A vocabulary of 64k at hidden 256: the output layer costs about a dozen layers' forward, so
+    the last of two stages runs fewer layers in the best layout, faster than the even split."""
+    shape = small_shape(padded_vocab_size=65536, untie_embeddings_and_output_weights=True)
+    hardware = flat_hardware(2, 1e-4, 100.0)  # collectives at a crawl: TP and DP lose
+    result = engine.search(problem(shape=shape, hardware=hardware), top_k=3)
+    best = result.best[0]
+    assert best.layout.pp == 2 and 0 < best.layout.last_stage_layers < 4
+    pricer = cost.Pricer(problem(shape=shape, hardware=hardware))
+    even = dataclasses.replace(best.layout, last_stage_layers=0)
+    assert best.time_ms < pricer.price(even, pricer.estimate(even)).time_ms
+    table = cli.format_table(result, shape.num_layers)
+    split = "|".join(str(count) for count in best.layout.rank_layers(8))
+    assert f"| 1 | 1 | 2 ({split}) | 1 | 1 |" in table
 
 
 def test_variable_lengths_pad_each_microbatch_to_its_longest():
@@ -302,6 +382,30 @@ def test_strategy_flags_are_the_trainers_flags():
     assert args.use_dpp and args.dpp_split_backward and args.dpp_policy == DYNAMIC_SCHEDULES[0]
     assert args.num_virtual_stages_per_pipeline_rank == 2 and args.recompute_granularity == "full"
     assert args.variable_seq_lengths and args.use_distributed_optimizer and args.overlap_grad_reduce
+    assert args.decoder_last_pipeline_num_layers is None
+    uneven = dataclasses.replace(priced, layout=_layout(last_stage_layers=5))
+    args = arguments.build_parser().parse_args(strategy.megatron_flags(problem(), uneven))
+    assert args.decoder_last_pipeline_num_layers == 5 and args.pipeline_model_parallel_size == 4
+
+
+def test_a_strategy_names_an_uneven_split_and_reads_without_one(tmp_path):
+    """The last stage's layers are a layout key (0: even); a strategy written before the key
+    existed reads as an even split, and a key of the wrong type is one line."""
+    priced = cost.LayoutCost(layout=_layout(pp=2, last_stage_layers=2), time_ms=1.0, pipeline_ms=1.0,
+                             grad_sync_exposed_ms=0.0, optimizer_ms=0.0, memory_bytes=1,
+                             activation_peak_bytes=1, bubble_fraction=0.1, simulated_microbatches=16,
+                             time_lower_ms=1.0)
+    content = strategy.build_strategy(problem(), priced, "test figures")
+    assert content["layout"]["decoder_last_pipeline_num_layers"] == 2
+    flags = content["megatron_flags"]
+    assert flags[flags.index("--decoder-last-pipeline-num-layers") + 1] == "2"
+    path = strategy.write_strategy(content, tmp_path / "uneven.json")
+    assert strategy.read_strategy(path) == content
+    del content["layout"]["decoder_last_pipeline_num_layers"]
+    strategy.validate_strategy(content)
+    content["layout"]["decoder_last_pipeline_num_layers"] = "2"
+    with pytest.raises(SearchInputError, match="'decoder_last_pipeline_num_layers' = '2' has the wrong type"):
+        strategy.validate_strategy(content)
 
 
 @pytest.mark.parametrize("text,problem_word", [

@@ -198,14 +198,18 @@ def load_problem(args) -> tuple[Problem, str, str]:
                    lengths=lengths, on_gpus=not args.cpu), source, rates
 
 
-def format_table(result: SearchResult) -> str:
+def format_table(result: SearchResult, num_layers: int) -> str:
+    """The best layouts, one row each; PP shows an uneven split's layers per stage, e.g. 2 (6|2)."""
     header = ("| # | TP | PP | VPP | DP | mbs | recompute | dist-opt | SP | schedule | ms/iteration "
               "| GB/rank | bubble |")
     rows = [header, "|" + "---|" * 13]
     for index, cost in enumerate(result.best, 1):
         layout = cost.layout
         schedule = layout.schedule + (" +split-backward" if layout.split_backward else "")
-        rows.append(f"| {index} | {layout.tp} | {layout.pp} | {layout.vpp} | {layout.dp} | "
+        stages = str(layout.pp)
+        if layout.last_stage_layers:
+            stages += f" ({'|'.join(str(count) for count in layout.rank_layers(num_layers))})"
+        rows.append(f"| {index} | {layout.tp} | {stages} | {layout.vpp} | {layout.dp} | "
                     f"{layout.micro_batch_size} | {layout.recompute} | "
                     f"{'on' if layout.distributed_optimizer else 'off'} | "
                     f"{'on' if layout.sequence_parallel else 'off'} | {schedule} | {cost.time_ms:.1f} | "
@@ -286,7 +290,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{result.recompute_dominated} beaten by less recompute, {result.bound_pruned} pruned by the "
           f"time bound, {result.simulated} simulated ({result.simulations} simulator runs)")
     print()
-    print(format_table(result))
+    print(format_table(result, problem.shape.num_layers))
     print()
     print("winner as a Megatron command line:")
     print("  " + command_line(problem, megatron_flags(problem, winner)))

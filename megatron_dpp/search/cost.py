@@ -3,7 +3,10 @@ simulator's pipeline time on modeled task durations, plus the data-parallel grad
 
 Memory of a pipeline rank = model states (memory_model.model_state_bytes over the rank's
 parameters: its layers, plus the embedding on the first stage and the output layer on the last)
-+ activations. The activation term is the bound the schedule keeps on that rank in the simulator's
++ activations. A layout's layers per rank are even, or uneven as Megatron-LM's
+--decoder-last-pipeline-num-layers splits them (space.Layout.last_stage_layers): each rank's
+parameters, activations, task times (the simulator's rank speed: its layers over the first
+rank's) and gradient reductions follow its own layers. The activation term is the bound the schedule keeps on that rank in the simulator's
 and the runtime's own accounting: Megatron's in-flight count for the rank (at least V) times one
 chunk's activations at the full --seq-length (memory_model.layer_activation_bytes per layer, or
 the model profile's measured bytes where it has that length, TP and recompute and the batch is
@@ -230,16 +233,23 @@ class Pricer:
         return self.problem.hardware.matmul_ms(flops, shape.dtype)
 
     # --- parameters and memory ----------------------------------------------------------------
-    def rank_parameters(self, tp: int, pp: int) -> tuple[int, int]:
+    def rank_layers(self, layout: Layout) -> tuple[int, int]:
+        """Transformer layers of (the first, the last) pipeline rank. The middle ranks of an
+        uneven split (space.Layout.last_stage_layers) hold the first's and no embedding."""
+        counts = layout.rank_layers(self.problem.shape.num_layers)
+        return counts[0], counts[-1]
+
+    def rank_parameters(self, layout: Layout) -> tuple[int, int]:
         """Parameters of (the first, the last) pipeline rank (one TP shard). One stage holds a
         tied output weight once; the last of several keeps its own copy (memory_model)."""
-        shape = self.problem.shape
-        layers = shape.num_layers // pp * memory_model.layer_parameter_count(shape, tp)
+        shape, tp = self.problem.shape, layout.tp
+        per_layer = memory_model.layer_parameter_count(shape, tp)
+        first_layers, last_layers = self.rank_layers(layout)
         embedding, output = self._extra_parameters(tp)
-        if pp == 1:
+        if layout.pp == 1:
             shared = shape.padded_vocab_size // tp * shape.hidden_size if self.tied() else 0
-            return (layers + embedding + output - shared,) * 2
-        return layers + embedding, layers + output
+            return (first_layers * per_layer + embedding + output - shared,) * 2
+        return first_layers * per_layer + embedding, last_layers * per_layer + output
 
     def tied(self) -> bool:
         """Output weights tied to the word embedding (some models always tie them)."""
@@ -263,7 +273,7 @@ class Pricer:
         profile = self.problem.model_profile
         if profile is None or profile.optimizer_ms_per_parameter is None:
             return 0.0
-        params = max(self.rank_parameters(layout.tp, layout.pp))
+        params = max(self.rank_parameters(layout))
         if layout.distributed_optimizer:
             params = -(-params // layout.dp)
         return profile.optimizer_ms_per_parameter * params
@@ -274,12 +284,15 @@ class Pricer:
         return (memory_model.embedding_parameter_count(shape, tp),
                 memory_model.output_parameter_count(shape, tp))
 
-    def state_bytes(self, tp: int, pp: int, dp: int, distributed_optimizer: bool) -> tuple[int, int]:
-        key = (tp, pp, dp, distributed_optimizer)
+    def state_bytes(self, layout: Layout) -> tuple[int, int]:
+        """Model states of (the first, the last) pipeline rank."""
+        key = (layout.tp, layout.pp, layout.dp, layout.distributed_optimizer,
+               layout.last_stage_layers)
         if key not in self._states:
             dtype = self.problem.shape.dtype
-            self._states[key] = tuple(memory_model.model_state_bytes(count, dtype, dp, distributed_optimizer)
-                                      for count in self.rank_parameters(tp, pp))
+            self._states[key] = tuple(
+                memory_model.model_state_bytes(count, dtype, layout.dp, layout.distributed_optimizer)
+                for count in self.rank_parameters(layout))
         return self._states[key]
 
     def inflight(self, layout: Layout) -> tuple[int, int]:
@@ -292,31 +305,33 @@ class Pricer:
                                       for rank in (0, layout.pp - 1))
         return self._counts[key]
 
-    def chunk_activation_bytes(self, layout: Layout, length: int) -> int:
-        """What one forward of one microbatch of padded `length` holds on one chunk until it is
-        released (its B; its W with split backwards)."""
+    def chunk_activation_bytes(self, layout: Layout, length: int, layers: Optional[int] = None) -> int:
+        """What one forward of one microbatch of padded `length` holds on one chunk of `layers`
+        layers until it is released (its B; its W with split backwards). Without `layers`, the
+        fullest chunk's: the bytes the simulator and the --use-dpp runtime size every rank's
+        budget by (models/memory_model.chunk_activation_bytes)."""
         figures = self.layer(layout.micro_batch_size, length, layout.tp, layout.sequence_parallel,
                              layout.recompute)
         per_layer = figures.activation_bytes + (figures.weight_grad_bytes if layout.split_backward else 0)
-        return self.layers_per_chunk(layout) * per_layer
-
-    def layers_per_chunk(self, layout: Layout) -> int:
-        return self.problem.shape.num_layers // (layout.pp * layout.vpp)
+        if layers is None:
+            layers = max(self.rank_layers(layout)) // layout.vpp
+        return layers * per_layer
 
     def memory_bytes(self, layout: Layout) -> int:
         """The fullest rank's bytes (the first or the last: the middle ones hold no more
         activations than the first and no embedding)."""
         shape, mbs, tp, sp = self.problem.shape, layout.micro_batch_size, layout.tp, layout.sequence_parallel
-        first_states, last_states = self.state_bytes(tp, layout.pp, layout.dp, layout.distributed_optimizer)
+        first_states, last_states = self.state_bytes(layout)
         first_count, last_count = self.inflight(layout)
-        chunk = self.chunk_activation_bytes(layout, shape.seq_length)
+        first_chunk, last_chunk = (self.chunk_activation_bytes(layout, shape.seq_length, layers // layout.vpp)
+                                   for layers in self.rank_layers(layout))
         transient = 0
         if layout.recompute == "full":
             transient = self.layer(mbs, shape.seq_length, tp, sp, "none").activation_bytes
         embedding = memory_model.embedding_activation_bytes(shape, mbs, tp, sp) * math.ceil(first_count / layout.vpp)
         output = memory_model.output_activation_bytes(shape, mbs, tp, sp)
-        first = first_states + first_count * chunk + embedding + transient
-        last = last_states + last_count * chunk + output + transient
+        first = first_states + first_count * first_chunk + embedding + transient
+        last = last_states + last_count * last_chunk + output + transient
         if layout.pp == 1:
             return first + output
         return max(first, last)
@@ -333,22 +348,24 @@ class Pricer:
         """The simulator's duration model (in ms) and the microbatch sizes (forward time of a
         microbatch / that of a full-length one)."""
         key = (layout.tp, layout.pp, layout.micro_batch_size, layout.num_microbatches,
-               layout.sequence_parallel, layout.recompute, layout.split_backward)
+               layout.sequence_parallel, layout.recompute, layout.split_backward,
+               layout.last_stage_layers)
         if key not in self._durations:
             self._durations[key] = self._duration_model(layout)
         return self._durations[key]
 
     def _duration_model(self, layout: Layout) -> tuple[DurationModel, list[float]]:
         shape = self.problem.shape
-        per_rank = shape.num_layers // layout.pp
+        rank_layers = layout.rank_layers(shape.num_layers)
+        per_rank = rank_layers[0]
         full = self.layer(layout.micro_batch_size, shape.seq_length, layout.tp, layout.sequence_parallel,
                           layout.recompute)
         forward = per_rank * full.forward_ms
         layers_work = forward + per_rank * full.backward_ms
-        # The first and the last stage's extra work, spread over their tasks as the simulator's
-        # rank speed (with one stage both are on it).
+        # Each rank's layers over the first's, and the first and the last stage's extra work
+        # spread over their tasks, as the simulator's rank speed (with one stage both are on it).
         first, last = self.stage_extras_ms(layout.micro_batch_size, shape.seq_length, layout.tp)
-        speed = [1.0] * layout.pp
+        speed = [layers / per_rank for layers in rank_layers]
         speed[0] += first / layers_work
         speed[-1] += last / layers_work
         size_of = {length: self.layer(layout.micro_batch_size, length, layout.tp, layout.sequence_parallel,
@@ -449,7 +466,7 @@ class Pricer:
         dp, tp, V = layout.dp, layout.tp, layout.vpp
         if dp == 1:
             return [[0.0] * V, [0.0] * V], [0.0, 0.0]
-        key = (dp, tp, layout.pp, V, layout.distributed_optimizer)
+        key = (dp, tp, layout.pp, V, layout.distributed_optimizer, layout.last_stage_layers)
         if key not in self._syncs:
             self._syncs[key] = self._sync_ms(layout)
         return self._syncs[key]
@@ -457,14 +474,16 @@ class Pricer:
     def _sync_ms(self, layout: Layout) -> tuple[list[list[float]], list[float]]:
         dp, tp, V = layout.dp, layout.tp, layout.vpp
         shape, hardware = self.problem.shape, self.problem.hardware
-        layer_params = self.layers_per_chunk(layout) * memory_model.layer_parameter_count(shape, tp)
+        per_layer = memory_model.layer_parameter_count(shape, tp)
         # Megatron's data-parallel groups are TP apart inside a block of TP * DP ranks: contiguous
         # with TP 1 or inside one node; else Galvatron's non-contiguous figure (one rank per node
         # and group at most: never faster than Megatron's groups).
         contiguous = tp == 1 or tp * dp <= hardware.gpus_per_node
         reduce_share = 0.5 if layout.distributed_optimizer else 1.0
         chunks, gathers = [], []
-        for kind, total in enumerate(self.rank_parameters(tp, layout.pp)):
+        for kind, (total, layers) in enumerate(zip(self.rank_parameters(layout),
+                                                   self.rank_layers(layout))):
+            layer_params = layers // V * per_layer
             params = [layer_params] * V
             # The embedding sits in the first rank's chunk 0, the output layer in the last's V-1.
             params[0 if kind == 0 else V - 1] += total - V * layer_params
@@ -545,9 +564,17 @@ class Pricer:
         return LayoutCost(
             layout=layout, time_ms=time_ms, pipeline_ms=pipeline, grad_sync_exposed_ms=tail,
             optimizer_ms=optimizer,
-            memory_bytes=estimate.memory_bytes, activation_peak_bytes=result.peak_activation,
+            memory_bytes=estimate.memory_bytes, activation_peak_bytes=self.activation_peak(layout, result),
             bubble_fraction=max(0.0, 1.0 - mean_work / pipeline),
             simulated_microbatches=M if counts is None else counts[0], time_lower_ms=estimate.time_lower_ms)
+
+    def activation_peak(self, layout: Layout, result: SimResult) -> int:
+        """The simulated peak of activation bytes, fullest rank. The simulator sizes every rank's
+        microbatches by the fullest chunk (as the --use-dpp runtime budgets them); a rank of an
+        uneven split with fewer layers holds that many fewer bytes per microbatch."""
+        counts = layout.rank_layers(self.problem.shape.num_layers)
+        fullest = max(counts)
+        return max(peak * layers // fullest for peak, layers in zip(result.peak_bytes, counts))
 
     def pipeline_bound_ms(self, layout: Layout) -> float:
         """The simulator's pipeline bound of the layout's whole batch (all M microbatches)."""
@@ -608,9 +635,10 @@ class Pricer:
         if layout.use_dpp or layout.dp == 1:
             return 1
         shape = self.problem.shape
-        params = self.layers_per_chunk(layout) * memory_model.layer_parameter_count(shape, layout.tp)
+        per_layer = memory_model.layer_parameter_count(shape, layout.tp)
+        layers = self.rank_layers(layout)[kind]
+        params = layers // layout.vpp * per_layer
         if kind == 0 or layout.vpp == 1:  # the embedding is in chunk 0, the output layer in V-1
-            params += self.rank_parameters(layout.tp, layout.pp)[kind] - (
-                shape.num_layers // layout.pp * memory_model.layer_parameter_count(shape, layout.tp))
+            params += self.rank_parameters(layout)[kind] - layers * per_layer
         bucket = max(DDP_BUCKET_PARAMS, DDP_BUCKET_PARAMS_PER_DP_RANK * layout.dp)
         return max(1, -(-params // bucket))

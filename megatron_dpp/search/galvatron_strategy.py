@@ -19,9 +19,11 @@ galvatron/core/search_engine/search_engine.py `save_results`, galvatron/utils/co
                         tp_of_ep_sizes_enc: per-layer CP and MoE sizes (optional, default 1)
 Keys besides these are ignored, as Galvatron's runtime ignores them.
 
-Our layout has one TP, one recompute mode and one DP type for every layer, even stages, Megatron's
-consecutive TP groups, no context or Ulysses parallelism and no ZeRO-3: a Galvatron strategy with
-any of these varying or set converts with a one-line SearchInputError naming the key. DP types:
+Our layout has one TP, one recompute mode and one DP type for every layer, stages that are even
+but for the last (Megatron-LM's --decoder-last-pipeline-num-layers: `pp_division` "5,5,5,3"
+converts, "4,6,5,3" does not), Megatron's consecutive TP groups, no context or Ulysses parallelism
+and no ZeRO-3: a Galvatron strategy with any of these varying or set converts with a one-line
+SearchInputError naming the key. DP types:
 ddp = ours without --use-distributed-optimizer, zero2 = with it (Megatron's distributed optimizer
 shards the optimizer state and reduce-scatters the gradients: ZeRO-2's communication, its memory
 as our cost model prices it). pipedream_flush is 1F1B; GPipe is refused (the search does not
@@ -162,9 +164,13 @@ def layout_from_galvatron(config: dict, where: str, inputs: SpaceInputs) -> Layo
         if stages is None or sum(stages) != layers:
             raise SearchInputError(f"{where}: pp_division {division!r} is not {pp} stages of "
                                    f"{layers} layers")
-        if len(set(stages)) > 1:
-            raise SearchInputError(f"{where}: pp_division {division!r} is uneven; our layout "
-                                   f"splits the layers evenly: not expressible")
+    else:  # Galvatron's runtime: even, the remainder on the last stage
+        stages = [layers // pp] * (pp - 1) + [layers - layers // pp * (pp - 1)]
+    if len(set(stages[:-1])) > 1:
+        raise SearchInputError(f"{where}: pp_division {','.join(map(str, stages))}: only the last "
+                               f"stage's layers may differ from the others' in our layouts "
+                               f"(Megatron-LM's --decoder-last-pipeline-num-layers): not expressible")
+    last_stage_layers = stages[-1] if len(set(stages)) > 1 else 0
     pipeline_type = config.get("pipeline_type", RUNTIME_DEFAULTS["pipeline_type"])
     if pp > 1 and pipeline_type != PIPEDREAM_FLUSH:
         raise SearchInputError(f"{where}: pipeline_type {pipeline_type!r}: only {PIPEDREAM_FLUSH!r} "
@@ -183,13 +189,15 @@ def layout_from_galvatron(config: dict, where: str, inputs: SpaceInputs) -> Layo
                    or inputs.ffn_hidden_size % tp):
         raise SearchInputError(f"{where}: tp {tp} must divide the GPUs per node "
                                f"({inputs.gpus_per_node}), the heads and the FFN size")
-    if layers % pp:
-        raise SearchInputError(f"{where}: pp_deg {pp} does not divide the {layers} layers")
+    if stages[-1] < 1:
+        raise SearchInputError(f"{where}: pp_division {','.join(map(str, stages))} leaves the last "
+                               f"stage no layer")
     layout = Layout(tp=tp, pp=pp, vpp=1, dp=dp, micro_batch_size=global_bsz // (dp * chunks),
                     num_microbatches=chunks, recompute="full" if checkpoint else "none",
                     distributed_optimizer=dp > 1 and default_dp_type == "zero2"
                     and inputs.on_gpus,
-                    sequence_parallel=False, schedule=ONE_F_ONE_B, split_backward=False)
+                    sequence_parallel=False, schedule=ONE_F_ONE_B, split_backward=False,
+                    last_stage_layers=last_stage_layers)
     if dp > 1 and default_dp_type == "zero2" and not inputs.on_gpus:
         raise SearchInputError(f"{where}: default_dp_type zero2 is our distributed optimizer, "
                                f"which the search prices for GPUs only (--cpu)")
@@ -232,7 +240,7 @@ def galvatron_config_from_layout(layout: Layout, num_layers: int, global_batch_s
         "checkpoint": every_layer(1 if layout.recompute == "full" else 0),
         "global_bsz": global_batch_size,
         "chunks": layout.num_microbatches,
-        "pp_division": ",".join([str(num_layers // layout.pp)] * layout.pp),
+        "pp_division": ",".join(str(count) for count in layout.rank_layers(num_layers)),
         "pipeline_type": PIPEDREAM_FLUSH,
         "default_dp_type": "zero2" if layout.distributed_optimizer else "ddp",
         "vtp": layout.tp,

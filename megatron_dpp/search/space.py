@@ -4,10 +4,16 @@ what a layout costs is cost.py's job.
 
 Rules (each one the repo's own flag check, megatron_dpp/arguments.py, or Megatron's):
 - TP divides the GPUs of a node (tensor parallelism stays inside a node), the attention heads and
-  the FFN size; PP divides the layers; TP * PP divides the world; DP = world / (TP * PP); context
-  parallelism is 1.
-- VPP (model chunks per pipeline rank) divides the layers of a rank; VPP > 1 needs PP >= 2 and a
-  number of microbatches that is a multiple of PP (the repo checks it for every interleaved run).
+  the FFN size; TP * PP divides the world; DP = world / (TP * PP); context parallelism is 1.
+- The layers split over the PP stages evenly (PP divides the layers), or, with PP >= 2 and one
+  model chunk per rank, unevenly as Megatron-LM's --decoder-last-pipeline-num-layers splits them:
+  the last stage gets `last_stage_layers` and the others share the rest evenly
+  (models/pipeline_split.py's rules). The last stage also runs the output layer and the loss, so
+  fewer layers there can balance the stages; more layers there can lower the first stage's
+  memory, which holds the most microbatches in flight.
+- VPP (model chunks per pipeline rank) divides the layers of a rank of an even split; VPP > 1
+  needs PP >= 2 and a number of microbatches that is a multiple of PP (the repo checks it for
+  every interleaved run).
 - The micro-batch size divides global batch / DP; microbatches per iteration M = global / (mbs * DP).
 - recompute: none, selective (core attention), full (every layer, uniform, one layer per unit).
 - The distributed optimizer only with DP > 1; sequence parallelism only with TP > 1; neither on
@@ -21,8 +27,11 @@ Rules (each one the repo's own flag check, megatron_dpp/arguments.py, or Megatro
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterator
 
+from megatron_dpp.flag_errors import ArgsError
+from megatron_dpp.models.pipeline_split import PipelineSplit
 from megatron_dpp.pipeline import DYNAMIC_SCHEDULES
 from megatron_dpp.pipeline.registry import INTERLEAVED_1F1B, ONE_F_ONE_B
 
@@ -49,15 +58,24 @@ class Layout:
     sequence_parallel: bool  # only with tp > 1
     schedule: str  # Megatron's order (megatron_schedule) or a --use-dpp policy
     split_backward: bool  # --dpp-split-backward (dynamic policies only)
+    # Layers of the last pipeline stage (Megatron-LM's --decoder-last-pipeline-num-layers; the
+    # other stages share the rest evenly); 0: an even split.
+    last_stage_layers: int = 0
 
     @property
     def use_dpp(self) -> bool:
         return self.schedule in DYNAMIC_SCHEDULES
 
+    def rank_layers(self, num_layers: int) -> list[int]:
+        """Transformer layers of each pipeline rank (all its chunks)."""
+        return pipeline_split(num_layers, self.pp, self.last_stage_layers).rank_layers()
+
     def describe(self) -> str:
+        split = f" last-stage-layers={self.last_stage_layers}" if self.last_stage_layers else ""
         return (f"TP{self.tp} PP{self.pp} VPP{self.vpp} DP{self.dp} mbs{self.micro_batch_size} "
                 f"recompute={self.recompute} dist-opt={int(self.distributed_optimizer)} "
-                f"SP={int(self.sequence_parallel)} {self.schedule}{'+W' if self.split_backward else ''}")
+                f"SP={int(self.sequence_parallel)}{split} "
+                f"{self.schedule}{'+W' if self.split_backward else ''}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +93,30 @@ class SpaceInputs:
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.gpus_per_node
+
+
+def pipeline_split(num_layers: int, pp: int, last_stage_layers: int) -> PipelineSplit:
+    """The split of a layout's layers (models/pipeline_split.py), last_stage_layers 0: even."""
+    return PipelineSplit(num_layers, pp, last=last_stage_layers or None)
+
+
+@functools.lru_cache(maxsize=None)
+def last_stage_choices(num_layers: int, pp: int) -> tuple[int, ...]:
+    """The last stage's layer counts of one-chunk-per-rank layouts: 0 (an even split) where PP
+    divides the layers, then every uneven split of Megatron's rules (the other stages share the
+    rest evenly, at least one layer each)."""
+    choices = [0] if num_layers % pp == 0 else []
+    if pp < 2:
+        return tuple(choices)
+    for last in range(1, num_layers):
+        split = pipeline_split(num_layers, pp, last)
+        try:
+            split.check()
+        except ArgsError:
+            continue
+        if len(set(split.rank_layers())) > 1:  # an even one is the 0 above
+            choices.append(last)
+    return tuple(choices)
 
 
 def divisors(n: int) -> list[int]:
@@ -98,8 +140,8 @@ def parallel_sizes(inputs: SpaceInputs) -> Iterator[tuple[int, int, int]]:
     for tp in divisors(inputs.gpus_per_node):
         if inputs.num_attention_heads % tp or inputs.ffn_hidden_size % tp:
             continue
-        for pp in divisors(inputs.num_layers):
-            if world % (tp * pp):
+        for pp in range(1, inputs.num_layers + 1):
+            if world % (tp * pp) or not last_stage_choices(inputs.num_layers, pp):
                 continue
             yield tp, pp, world // (tp * pp)
 
@@ -111,10 +153,10 @@ def micro_batch_sizes(inputs: SpaceInputs, dp: int) -> list[int]:
 
 
 def virtual_sizes(inputs: SpaceInputs, pp: int, num_microbatches: int) -> list[int]:
-    per_rank = inputs.num_layers // pp
-    if pp < 2 or num_microbatches % pp:
+    """Chunks per rank: more than one only for an even split."""
+    if pp < 2 or num_microbatches % pp or inputs.num_layers % pp:
         return [1]
-    return divisors(per_rank)
+    return divisors(inputs.num_layers // pp)
 
 
 def enumerate_layouts(inputs: SpaceInputs) -> Iterator[Layout]:
@@ -123,9 +165,11 @@ def enumerate_layouts(inputs: SpaceInputs) -> Iterator[Layout]:
         for mbs in micro_batch_sizes(inputs, dp):
             m = inputs.global_batch_size // (mbs * dp)
             for vpp in virtual_sizes(inputs, pp, m):
-                for recompute in RECOMPUTE_CHOICES:
-                    for dist_opt in ((False, True) if dp > 1 and inputs.on_gpus else (False,)):
-                        for sp in ((False, True) if tp > 1 and inputs.on_gpus else (False,)):
-                            for schedule, split in schedules_for(pp, vpp, sp):
-                                yield Layout(tp, pp, vpp, dp, mbs, m, recompute, dist_opt, sp,
-                                             schedule, split)
+                lasts = last_stage_choices(inputs.num_layers, pp) if vpp == 1 else [0]
+                for last in lasts:
+                    for recompute in RECOMPUTE_CHOICES:
+                        for dist_opt in ((False, True) if dp > 1 and inputs.on_gpus else (False,)):
+                            for sp in ((False, True) if tp > 1 and inputs.on_gpus else (False,)):
+                                for schedule, split in schedules_for(pp, vpp, sp):
+                                    yield Layout(tp, pp, vpp, dp, mbs, m, recompute, dist_opt, sp,
+                                                 schedule, split, last)

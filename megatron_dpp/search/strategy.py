@@ -11,7 +11,9 @@ Format (version STRATEGY_VERSION), one JSON object:
   layout            {"tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "num_virtual_stages_per_pipeline_rank", "data_parallel_size",
                      "micro_batch_size", "global_batch_size", "num_microbatches", "recompute"
-                     ("none"|"selective"|"full"), "distributed_optimizer", "sequence_parallel"}
+                     ("none"|"selective"|"full"), "distributed_optimizer", "sequence_parallel",
+                     "decoder_last_pipeline_num_layers" (optional: the last stage's layers of an
+                     uneven split, 0 or absent: even)}
   schedule          {"name": a schedule of megatron_dpp.pipeline, "use_dpp": bool,
                      "split_backward": bool}
   megatron_flags    the trainer's flags for this strategy, one argv token per list entry
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_dpp.exit_codes import BAD_INPUT
 from megatron_dpp.models.families import MODEL_FAMILIES
+from megatron_dpp.models.pipeline_split import LAST_FLAG
 from megatron_dpp.one_line_errors import OneLineErrorParser
 from megatron_dpp.search.errors import SearchInputError
 
@@ -52,6 +55,8 @@ _LAYOUT_KEYS = {"tensor_model_parallel_size": int, "pipeline_model_parallel_size
                 "num_virtual_stages_per_pipeline_rank": int, "data_parallel_size": int,
                 "micro_batch_size": int, "global_batch_size": int, "num_microbatches": int,
                 "recompute": str, "distributed_optimizer": bool, "sequence_parallel": bool}
+# Keys a strategy may leave out (written by later versions of the search), with their default.
+_OPTIONAL_LAYOUT_KEYS = {"decoder_last_pipeline_num_layers": (int, 0)}
 _SCHEDULE_KEYS = {"name": str, "use_dpp": bool, "split_backward": bool}
 _PREDICTED_KEYS = {"iteration_ms": (int, float), "memory_bytes_per_rank": int,
                    "activation_peak_bytes": int, "bubble_fraction": (int, float)}
@@ -75,6 +80,8 @@ def megatron_flags(problem: "Problem", cost: "LayoutCost") -> list[str]:
              "--tensor-model-parallel-size", layout.tp, "--pipeline-model-parallel-size", layout.pp]
     if layout.vpp > 1:
         flags += ["--num-virtual-stages-per-pipeline-rank", layout.vpp]
+    if layout.last_stage_layers:
+        flags += [LAST_FLAG, layout.last_stage_layers]
     if layout.sequence_parallel:
         flags.append("--sequence-parallel")
     if layout.distributed_optimizer:
@@ -119,7 +126,8 @@ def build_strategy(problem: "Problem", cost: "LayoutCost", model_source: str) ->
                    "global_batch_size": problem.global_batch_size,
                    "num_microbatches": layout.num_microbatches, "recompute": layout.recompute,
                    "distributed_optimizer": layout.distributed_optimizer,
-                   "sequence_parallel": layout.sequence_parallel},
+                   "sequence_parallel": layout.sequence_parallel,
+                   "decoder_last_pipeline_num_layers": layout.last_stage_layers},
         "schedule": {"name": layout.schedule, "use_dpp": layout.use_dpp,
                      "split_backward": layout.split_backward},
         "megatron_flags": megatron_flags(problem, cost),
@@ -153,6 +161,9 @@ def validate_strategy(content: Any, where: str = "strategy") -> dict:
     _check_keys(where, content, _TOP_KEYS)
     for section, keys in _SECTIONS.items():
         _check_keys(f"{where}: {section}", content[section], keys)
+    layout = content["layout"]
+    _check_keys(f"{where}: layout", layout,
+                {key: kind for key, (kind, _) in _OPTIONAL_LAYOUT_KEYS.items() if key in layout})
     if content["model"]["model"] not in MODEL_FAMILIES:
         raise SearchInputError(f"{where}: model {content['model']['model']!r} is not one of "
                                f"{tuple(MODEL_FAMILIES)}")
