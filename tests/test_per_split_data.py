@@ -206,7 +206,8 @@ def _write(tmp_path, name, text):
 
 
 @pytest.mark.parametrize("case", ["both", "empty", "missing", "not_json", "no_train", "unknown_key",
-                                  "not_a_list", "with_flag", "missing_prefix"])
+                                  "not_a_list", "with_flag", "missing_prefix", "with_mock_data",
+                                  "with_per_split_file"])
 def test_data_args_file_errors(monkeypatch, capsys, tmp_path, case):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
@@ -234,6 +235,15 @@ def test_data_args_file_errors(monkeypatch, capsys, tmp_path, case):
         "missing_prefix": (["--data-args-path", _write(tmp_path, "gone.txt", "/nonexistent/x")],
                            f"--data-args-path {tmp_path / 'gone.txt'}: /nonexistent/x: "
                            f"/nonexistent/x.bin and /nonexistent/x.idx not found"),
+        # A conflict names the file that gave the values, not a flag the user did not type.
+        "with_mock_data": (["--data-args-path", words["--data-args-path"], "--mock-data"],
+                           f"--mock-data generates the documents, --data-args-path "
+                           f"{words['--data-args-path']} reads them: give one of the two"),
+        "with_per_split_file": (["--data-args-path", words["--data-args-path"],
+                                 "--per-split-data-args-path",
+                                 json_file(json.dumps({"train": gpt_prefix()}))],
+                                f"--data-args-path {words['--data-args-path']} (split by --split) "
+                                f"and --per-split-data-args-path"),
     }[case]
     line = flag_error(capsys, [*TINY_GPT_ARGS, *gpt_tokenizer_args(), *flags])
     assert expected in line, line

@@ -186,20 +186,22 @@ def _read_data_file(path: str, flag: str) -> str:
         raise ArgsError(f"{flag} {path}: {error.strerror or error}") from None
 
 
-def _check_one_data_source(args: argparse.Namespace) -> None:
+def _check_one_data_source(args: argparse.Namespace, named: dict) -> None:
     """Megatron-LM's rule, one source of documents: --mock-data, --data-path (split by --split),
-    or each split's own path; --split given its default where it applies."""
+    or each split's own path; --split given its default where it applies. `named`: what to call
+    a flag whose values came from a file (_read_data_args_files)."""
     from megatron_dpp.data.datasets import PER_SPLIT_FLAGS, per_split_paths
 
-    per_split = [flag for flag, path in zip(PER_SPLIT_FLAGS, per_split_paths(args))
+    per_split = [named.get(flag, flag) for flag, path in zip(PER_SPLIT_FLAGS, per_split_paths(args))
                  if path is not None]
+    data_path = named.get("--data-path", "--data-path")
     if args.mock_data:
-        given = "--data-path" if args.data_path else (per_split[0] if per_split else None)
+        given = data_path if args.data_path else (per_split[0] if per_split else None)
         require(given is None, f"--mock-data generates the documents, {given} reads them: give "
                                f"one of the two")
     elif per_split:
         require(not args.data_path,
-                f"--data-path (split by --split) and {per_split[0]} (a split's own documents) "
+                f"{data_path} (split by --split) and {per_split[0]} (a split's own documents) "
                 f"are two sources of data: give one of the two")
         require(args.split is None,
                 f"--split shares --data-path's documents out; with {per_split[0]} each split "
@@ -229,7 +231,7 @@ def validate_data_args(args: argparse.Namespace,
     from megatron_dpp.data.errors import DataInputError
 
     named = _read_data_args_files(args)
-    _check_one_data_source(args)
+    _check_one_data_source(args, named)
     try:
         sources = data_sources(args)
         for source in sources:

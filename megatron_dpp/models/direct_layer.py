@@ -11,11 +11,13 @@ split, MLP), per layer and micro-batch. Where the host bounds the step (GPT-125m
 whose forward, where nothing but the dense path has work to do, calls the same submodules with
 the same arguments in the same order in one function: input norm, QKV linear, Megatron's split
 of the heads, q/k norms, rotary embedding (Megatron's apply_rotary_pos_emb), core attention,
-output projection, bias-dropout-add (Megatron's own function), pre-MLP norm, MLP (unfused bias
-and activation as Megatron's MLP computes them, or Megatron's MLP forward where its fused
-activations are on), bias-dropout-add. Same ops, same numbers: tests/test_direct_layer.py checks
-GPT, BERT and Llama layers, training with dropout and evaluation, against Megatron's forward bit
-for bit. Anything else runs Megatron's forward: an inference context, cross attention, packed
+output projection, bias-dropout-add (Megatron's own function), pre-MLP norm, MLP (unfused
+activation as Megatron's MLP computes it, or Megatron's MLP forward where its fused activations are
+on), bias-dropout-add. One difference: our direct linears (models.direct_linear) add each bias in
+their GEMM, where Megatron adds three of the four after the product. Same numbers to rounding:
+tests/test_direct_layer.py checks GPT, BERT and Llama layers, training with dropout and
+evaluation, against Megatron's forward to 1e-6 (bit for bit at its sizes here), dropout drawing
+the same masks. Anything else runs Megatron's forward: an inference context, cross attention, packed
 sequences, precomputed rotary cos/sin, recomputed norms, MLP or core attention, offloading, an
 output gate, fused QKV RoPE, per-layer no-RoPE, test mode, MoE or any other attention or MLP
 class, Transformer Engine's activation, fewer query groups than tensor-parallel ranks.
