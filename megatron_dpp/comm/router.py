@@ -400,8 +400,10 @@ def agree_on_routes(setup: RouteSetup, table: Sequence[Route], assignment: dict[
 def _log_routes(setup: RouteSetup, assignment: dict[int, Assignment]) -> None:
     for peer, chosen in sorted(assignment.items()):
         where = f" on {setup.nodes[peer].address}" if setup.nodes is not None else ""
-        print(f"[transport rank {setup.rank}] peer {peer}{where}: {chosen.route.transport} "
-              f"({chosen.reason()})", file=sys.stderr, flush=True)
+        # One write, so that the ranks' lines do not interleave.
+        sys.stderr.write(f"[transport rank {setup.rank}] peer {peer}{where}: "
+                         f"{chosen.route.transport} ({chosen.reason()})\n")
+        sys.stderr.flush()
 
 
 def make_transport(kind: str, peers: Optional[Sequence[int]] = None, *, shm_config=None,
