@@ -32,6 +32,12 @@
 #   --step-timeout SECONDS      stop a step that runs longer (exit status 124 in the table,
 #                               "timed out"), so that one hung step leaves the others (default 1200)
 #   --skip-tests                leave out pytest -m gpu
+#   --whole-suite               the tests step runs the whole suite, not only -m gpu: the CPU tests
+#                               pin their ranks to the CPU (tests/conftest.py), the GPU tests run
+#                               on the GPUs
+#   --test-workers N            run the tests step in N pytest-xdist workers (pytest -n N; needs
+#                               pytest-xdist in the environment), e.g. to fit the whole suite into
+#                               a lent machine's minutes
 #   --skip-mps                  leave out transport-mps
 #   -h, --help                  this text
 set -euo pipefail
@@ -53,6 +59,8 @@ ANCHOR_STEPS=10
 STEP_TIMEOUT=1200
 RUN_TESTS=1
 RUN_MPS=1
+WHOLE_SUITE=0
+TEST_WORKERS=""
 
 fail_usage() {
   echo "$NAME: $*" >&2
@@ -68,7 +76,8 @@ while [ $# -gt 0 ]; do
     -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     --skip-tests) RUN_TESTS=0 ;;
     --skip-mps) RUN_MPS=0 ;;
-    --output-dir|--train-iters|--gpt-global-batch-size|--bert-global-batch-size|--anchor-steps|--step-timeout)
+    --whole-suite) WHOLE_SUITE=1 ;;
+    --output-dir|--train-iters|--gpt-global-batch-size|--bert-global-batch-size|--anchor-steps|--step-timeout|--test-workers)
       [ $# -ge 2 ] || fail_usage "$1 needs a value (see --help)"
       case "$1" in
         --output-dir) OUTPUT_DIR="$2" ;;
@@ -77,6 +86,7 @@ while [ $# -gt 0 ]; do
         --bert-global-batch-size) require_count "$1" "$2"; BERT_GBS="$2" ;;
         --anchor-steps) require_count "$1" "$2"; ANCHOR_STEPS="$2" ;;
         --step-timeout) require_count "$1" "$2"; STEP_TIMEOUT="$2" ;;
+        --test-workers) require_count "$1" "$2"; TEST_WORKERS="$2" ;;
       esac
       shift ;;
     *) fail_usage "unknown argument $1 (see --help)" ;;
@@ -89,7 +99,13 @@ fi
 if [ "$TRAIN_ITERS" -lt 10 ]; then
   fail_usage "--train-iters $TRAIN_ITERS: expected at least 10 (tokens/s leaves out the first 5)"
 fi
+if [ "$RUN_TESTS" = 0 ] && { [ "$WHOLE_SUITE" = 1 ] || [ -n "$TEST_WORKERS" ]; }; then
+  fail_usage "--skip-tests leaves the tests out; remove it, or --whole-suite / --test-workers"
+fi
 [ -x "$PY" ] || fail_usage "no Python environment at $(dirname "$(dirname "$PY")"); run run_scripts/setup_env.sh first"
+if [ -n "$TEST_WORKERS" ] && ! "$PY" -c "import xdist" >/dev/null 2>&1; then
+  fail_usage "--test-workers $TEST_WORKERS needs pytest-xdist in $(dirname "$(dirname "$PY")") (pip install pytest-xdist)"
+fi
 
 GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
 if [ "$GPUS" -eq 0 ]; then
@@ -124,7 +140,11 @@ step() {
 # The recipes' warm-up (200, 10000 iterations) must be shorter than the run.
 SMOKE_FLAGS=(--train-iters "$TRAIN_ITERS" --log-interval 5 --eval-iters 0 --lr-warmup-iters 2)
 if [ "$RUN_TESTS" = 1 ]; then
-  step tests tests.log "$PY" -m pytest -m gpu -q -p no:cacheprovider tests
+  TEST_ARGS=(-q -p no:cacheprovider)
+  [ "$WHOLE_SUITE" = 1 ] || TEST_ARGS+=(-m gpu)
+  [ -z "$TEST_WORKERS" ] || TEST_ARGS+=(-n "$TEST_WORKERS")
+  # The whole suite's CPU ranks want one thread each, as run_tests.sh sets.
+  step tests tests.log env OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 "$PY" -m pytest "${TEST_ARGS[@]}" tests
 fi
 step transport transport.log "$PY" benchmarks/transport_bench.py --device cuda \
   --json "$OUTPUT_DIR/transport_cuda.json"

@@ -39,7 +39,7 @@ def test_help_explains_every_flag():
     assert result.returncode == 0
     for flag in ("--output-dir", "--train-iters", "--gpt-global-batch-size",
                  "--bert-global-batch-size", "--anchor-steps", "--step-timeout", "--skip-tests",
-                 "--skip-mps", "--help"):
+                 "--skip-mps", "--whole-suite", "--test-workers", "--help"):
         assert flag in result.stdout
 
 
@@ -52,11 +52,29 @@ def test_help_explains_every_flag():
     (["--output-dir"], "--output-dir needs a value (see --help)"),
     (["--step-timeout", "-1"], "--step-timeout -1: expected a positive whole number"),
     (["--gpt-global-batch-size", "30"], "expected a multiple of the micro-batch, 4"),
+    (["--test-workers", "0"], "--test-workers 0: expected a positive whole number"),
+    (["--skip-tests", "--whole-suite"], "--skip-tests leaves the tests out"),
+    (["--skip-tests", "--test-workers", "4"], "--skip-tests leaves the tests out"),
 ])
 def test_bad_flags_are_one_line_exit_2(args, message):
     result = _script(*args)
     assert result.returncode == 2 and result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_test_workers_need_pytest_xdist(tmp_path):
+    """Refused in one line, before anything runs, where the environment lacks pytest-xdist (a
+    virtual environment made here without it: the check asks the script's own interpreter)."""
+    import venv
+
+    bare = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(bare)
+    result = subprocess.run(["bash", SCRIPT, "--test-workers", "4"], capture_output=True, text=True,
+                            timeout=60, env={**_env(), "DPP_VENV": str(bare)}, cwd=REPO_ROOT)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == (f"gpu_check: --test-workers 4 needs pytest-xdist in {bare} "
+                                     f"(pip install pytest-xdist)")
 
 
 def _transport_json() -> dict:
