@@ -68,7 +68,7 @@ class Layout:
 
     def rank_layers(self, num_layers: int) -> list[int]:
         """Transformer layers of each pipeline rank (all its chunks)."""
-        return pipeline_split(num_layers, self.pp, self.last_stage_layers).rank_layers()
+        return list(_rank_layers(num_layers, self.pp, self.last_stage_layers))
 
     def describe(self) -> str:
         split = f" last-stage-layers={self.last_stage_layers}" if self.last_stage_layers else ""
@@ -98,6 +98,12 @@ class SpaceInputs:
 def pipeline_split(num_layers: int, pp: int, last_stage_layers: int) -> PipelineSplit:
     """The split of a layout's layers (models/pipeline_split.py), last_stage_layers 0: even."""
     return PipelineSplit(num_layers, pp, last=last_stage_layers or None)
+
+
+@functools.lru_cache(maxsize=None)
+def _rank_layers(num_layers: int, pp: int, last_stage_layers: int) -> tuple[int, ...]:
+    # Cached: the search asks it for every layout it prices, several times each.
+    return tuple(pipeline_split(num_layers, pp, last_stage_layers).rank_layers())
 
 
 @functools.lru_cache(maxsize=None)
