@@ -155,6 +155,7 @@ class Pricer:
         self._durations: dict = {}
         self._syncs: dict = {}
         self._sims: dict = {}
+        self._estimates: dict = {}  # (memory, pipeline bound) per layout up to its schedule
         self.simulations = 0  # simulator runs so far (cache hits excluded)
 
     # --- per layer ----------------------------------------------------------------------------
@@ -494,13 +495,22 @@ class Pricer:
         return chunks, gathers
 
     def estimate(self, layout: Layout) -> Estimate:
-        model, sizes = self.durations(layout)
+        # Memory and the pipeline bound do not depend on which schedule runs the tasks (only on
+        # whether backwards are split): the layouts that differ only in it share them.
+        key = (layout.tp, layout.pp, layout.vpp, layout.dp, layout.micro_batch_size,
+               layout.num_microbatches, layout.recompute, layout.distributed_optimizer,
+               layout.sequence_parallel, layout.split_backward, layout.last_stage_layers)
+        shared = self._estimates.get(key)
+        if shared is None:
+            shared = self._estimates[key] = (self.memory_bytes(layout),
+                                             self.pipeline_bound_ms(layout))
+        memory, pipeline_bound = shared
         chunks, gathers = self.sync_ms(layout)
         # The first rank's last bucket of chunk 0 is ready only when the pipeline's drain ends.
         last_bucket = chunks[0][0] / self.bucket_count(layout, 0)
-        bound = (self.pipeline_bound_ms(layout) + last_bucket + gathers[0]
+        bound = (pipeline_bound + last_bucket + gathers[0]
                  + self.embedding_sync_ms(layout) + self.optimizer_ms(layout))
-        return Estimate(layout, self.memory_bytes(layout), bound)
+        return Estimate(layout, memory, bound)
 
     # --- the simulator ------------------------------------------------------------------------
     def graph(self, layout: Layout, count: int) -> tuple[TaskGraph, DurationModel]:
