@@ -260,8 +260,9 @@ def test_a_costly_output_layer_moves_layers_off_the_last_stage():
     even = dataclasses.replace(best.layout, last_stage_layers=0)
     assert best.time_ms < pricer.price(even, pricer.estimate(even)).time_ms
     table = cli.format_table(result, shape.num_layers)
-    split = "|".join(str(count) for count in best.layout.rank_layers(8))
+    split = ",".join(str(count) for count in best.layout.rank_layers(8))
     assert f"| 1 | 1 | 2 ({split}) | 1 | 1 |" in table
+    assert {row.count("|") for row in table.splitlines()} == {14}  # a Markdown table: 13 cells a row
 
 
 def test_variable_lengths_pad_each_microbatch_to_its_longest():

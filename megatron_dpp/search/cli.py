@@ -199,7 +199,8 @@ def load_problem(args) -> tuple[Problem, str, str]:
 
 
 def format_table(result: SearchResult, num_layers: int) -> str:
-    """The best layouts, one row each; PP shows an uneven split's layers per stage, e.g. 2 (6|2)."""
+    """The best layouts, one row each (a Markdown table); PP shows an uneven split's layers per
+    stage, as Galvatron's pp_division lists them: 2 (6,2)."""
     header = ("| # | TP | PP | VPP | DP | mbs | recompute | dist-opt | SP | schedule | ms/iteration "
               "| GB/rank | bubble |")
     rows = [header, "|" + "---|" * 13]
@@ -208,7 +209,7 @@ def format_table(result: SearchResult, num_layers: int) -> str:
         schedule = layout.schedule + (" +split-backward" if layout.split_backward else "")
         stages = str(layout.pp)
         if layout.last_stage_layers:
-            stages += f" ({'|'.join(str(count) for count in layout.rank_layers(num_layers))})"
+            stages += f" ({','.join(str(count) for count in layout.rank_layers(num_layers))})"
         rows.append(f"| {index} | {layout.tp} | {stages} | {layout.vpp} | {layout.dp} | "
                     f"{layout.micro_batch_size} | {layout.recompute} | "
                     f"{'on' if layout.distributed_optimizer else 'off'} | "
