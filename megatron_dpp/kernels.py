@@ -361,12 +361,25 @@ OPTIONAL_PACKAGE_WARNINGS = (
 )
 
 
+# Deprecations of torch.distributed.checkpoint that Megatron-Core's distributed checkpoints call
+# into as they are written (its ShardedTensor-based loading): printed by every rank at every
+# `torch_dist` load, and nothing a user of this trainer can change. (message, module that warns)
+CHECKPOINT_LIBRARY_DEPRECATIONS = (
+    (r"`load_state_dict` is deprecated", r"megatron\.core\.dist_checkpointing(\.|$)"),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor",
+     r"torch\.distributed\.checkpoint(\.|$)"),
+)
+
+
 def install_warning_filters() -> None:
     """Silence Megatron-Core's optional-package warnings (process-wide; call before importing
-    Megatron-Core): the `kernels:` lines say which path runs instead."""
+    Megatron-Core): the `kernels:` lines say which path runs instead; and the checkpoint
+    libraries' deprecations that Megatron-Core's loads set off (CHECKPOINT_LIBRARY_DEPRECATIONS)."""
     for message in OPTIONAL_PACKAGE_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning,
                                 module=r"megatron\.core(\.|$)")
+    for message, module in CHECKPOINT_LIBRARY_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning, module=module)
 
 
 def import_megatron_core(compile_fusions: Optional[bool] = None) -> None:

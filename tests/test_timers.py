@@ -5,8 +5,9 @@ Checked: the level filter and a timer's accumulation (CPU clock); Megatron-LM's 
 the character; in training at pp=2, with the DPP runtime and with Megatron's schedule (traced),
 the block under every logged iteration line with the timers Megatron-Core and the loop start (and under
 --use-dpp no send/receive timers, which only Megatron's p2p code has), the same losses as a run
-without timers, none at the default level; the TensorBoard scalars; the flag errors; on a GPU
-(marked), CUDA-event timers that never synchronize at start or stop.
+without timers, none at the default level; at every level Megatron-LM's level-0 blocks, each after
+what it timed (the set-up, an evaluation, a checkpoint's save and load); the TensorBoard scalars;
+the flag errors; on a GPU (marked), CUDA-event timers that never synchronize at start or stop.
 """
 from __future__ import annotations
 
@@ -27,10 +28,17 @@ BLOCK_RE = re.compile(r"\(min, max\) time across ranks \(ms\):\n((?:    .*\n)+)"
 ROW_RE = re.compile(r"    (\S+) \.+: \(([0-9.]+), ([0-9.]+)\)")
 
 
-def _blocks(out: str) -> list[dict]:
-    """Each minmax block: {timer: (min ms, max ms)}."""
-    return [{name: (float(low), float(high)) for name, low, high in ROW_RE.findall(block)}
-            for block in BLOCK_RE.findall(out)]
+LEVEL_0 = ("model-and-optimizer-setup", "train/valid/test-data-iterators-setup", "evaluate",
+           "save-checkpoint", "load-checkpoint")
+
+
+def _blocks(out: str, iterations_only: bool = True) -> list[dict]:
+    """Each minmax block: {timer: (min ms, max ms)}; iterations_only: leave out the level-0
+    blocks (printed at every level)."""
+    blocks = [{name: (float(low), float(high)) for name, low, high in ROW_RE.findall(block)}
+              for block in BLOCK_RE.findall(out)]
+    return [block for block in blocks
+            if not (iterations_only and set(block) <= set(LEVEL_0))]
 
 
 # ---- the timers themselves (CPU) --------------------------------------------------------------
@@ -95,7 +103,9 @@ def test_the_blocks_read_as_megatron_lms():
 def test_level_2_under_the_dpp_runtime_times_each_part_and_changes_no_loss():
     rc, plain_losses, _, plain = run_training([*PP2, "--use-dpp"])
     assert rc == 0, plain[-3000:]
-    assert "time across ranks" not in plain  # level 0, the default: no timer runs
+    assert _blocks(plain) == []  # level 0, the default: no per-iteration timer runs
+    assert [set(block) for block in _blocks(plain, iterations_only=False)] == [
+        {"model-and-optimizer-setup", "train/valid/test-data-iterators-setup"}]
     rc, losses, _, out = run_training([*PP2, "--use-dpp", "--timing-log-level", "2"])
     assert rc == 0, out[-3000:]
     assert losses == plain_losses and len(losses) == 2
@@ -110,10 +120,11 @@ def test_level_2_under_the_dpp_runtime_times_each_part_and_changes_no_loss():
         assert not any(name.endswith(("-send", "-recv")) for name in block), block
         # the parts fit inside the whole
         assert block["forward-compute"][1] < block["forward-backward"][1] * 1.05
-    # each block follows its iteration line
+    # each block follows its iteration line (the set-up's, "done with setup ...")
     lines = out.splitlines()
     heads = [i for i, line in enumerate(lines) if line.startswith("(min, max) time across ranks")]
-    assert all(re.match(r" iteration\s+\d+/", lines[i - 1]) for i in heads), out[-3000:]
+    assert len(heads) == 3 and lines[heads[0] - 1] == "done with setup ...", out[-3000:]
+    assert all(re.match(r" iteration\s+\d+/", lines[i - 1]) for i in heads[1:]), out[-3000:]
 
 
 @pytest.mark.timeout(300)
@@ -123,8 +134,10 @@ def test_megatrons_schedule_times_its_sends_and_receives_per_rank(tmp_path):
                                   "--no-barrier-with-level-1-timing", "--trace", "--trace-dir",
                                   str(tmp_path)])
     assert rc == 0, out[-3000:]
-    block = out[out.index("times across ranks (ms):"):]
-    block = block[:block.index(" iteration")]
+    first = re.search(r" iteration\s+\d+/", out).start()  # (the set-up's block is before)
+    block = out[first:]
+    block = block[block.index("times across ranks (ms):"):]
+    block = block[:re.search(r" iteration\s+\d+/", block).start()]
     for name in ("forward-backward", "forward-compute", "backward-compute", "optimizer"):
         assert re.search(rf"  {name}:\n     rank  0: [0-9.]+\n     rank  1: [0-9.]+\n",
                          block), block
@@ -156,8 +169,45 @@ def test_timers_go_to_tensorboard(tmp_path):
     assert "forward-compute-time" not in scalars  # level 2's
 
 
+@pytest.mark.timeout(300)
+def test_level_0_timers_follow_what_they_time_at_every_level(tmp_path):
+    """Megatron-LM's level-0 timers, printed whatever --timing-log-level: the set-up after "done
+    with setup ...", an evaluation before its validation loss, a checkpoint's save and load after
+    their lines; --timing-log-option formats them too."""
+    save = str(tmp_path / "ckpt")
+    rc, _, _, out = run_training([*PP2, "--use-dpp", "--eval-interval", "2", "--eval-iters", "1",
+                                  "--save", save, "--save-interval", "4"])
+    assert rc == 0, out[-3000:]
+    lines = out.splitlines()
+
+    def block_after(index: int) -> dict:
+        assert lines[index + 1] == "(min, max) time across ranks (ms):", lines[index:index + 3]
+        name, low, high = ROW_RE.match(lines[index + 2]).groups()
+        return {name: (float(low), float(high))}
+
+    setup = lines.index("done with setup ...")
+    assert [ROW_RE.match(line).group(1) for line in lines[setup + 2:setup + 4]] == [
+        "model-and-optimizer-setup", "train/valid/test-data-iterators-setup"]
+    assert any(line.startswith("[after dataloaders are built] datetime: ") for line in lines)
+    validations = [i for i, line in enumerate(lines) if line.startswith(" validation loss at")]
+    assert len(validations) == 2
+    for index in validations:  # the evaluate block, then the validation line
+        assert ROW_RE.match(lines[index - 1]).group(1) == "evaluate", lines[index - 3:index + 1]
+    saved = [i for i, line in enumerate(lines) if line.startswith(" saved checkpoint at")]
+    assert len(saved) == 1
+    low, high = block_after(saved[0])["save-checkpoint"]
+    assert 0.0 < low <= high
+    # A resume: the load's block, in --timing-log-option max's form.
+    rc, _, _, out = run_training([*PP2, "--use-dpp", "--train-iters", "6", "--load", save,
+                                  "--override-opt_param-scheduler", "--timing-log-option", "max"])
+    assert rc == 0, out[-3000:]
+    lines = out.splitlines()
+    loaded = next(i for i, line in enumerate(lines) if line.startswith(" loaded checkpoint"))
+    assert lines[loaded + 1] == "max time across ranks (ms):"
+    assert re.match(r"    load-checkpoint \.+: [0-9.]+$", lines[loaded + 2]), lines[loaded + 2]
+
+
 @pytest.mark.parametrize("argv, message", [
-    (["--timing-log-option", "max"], "--timing-log-option needs --timing-log-level 1 or 2"),
     (["--no-barrier-with-level-1-timing"],
      "--no-barrier-with-level-1-timing needs --timing-log-level 1 or 2"),
     (["--timing-log-level", "1", "--log-timers-to-tensorboard"],

@@ -519,7 +519,10 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--timing-log-level", type=int, default=DEFAULT_LOG_LEVEL,
                        choices=LOG_LEVELS,
                        help="Megatron-LM's timers, printed per iteration under each logged "
-                            "iteration line: 0 none (the default), 1 the iteration's parts "
+                            "iteration line: 0 none of those (the default; at every level, as "
+                            "in Megatron-LM, the set-up's, each checkpoint load's and save's "
+                            "and each evaluation's time is printed after it), 1 the iteration's "
+                            "parts "
                             "(forward-backward, the gradient all-reduces, the optimizer step and "
                             "its parts), 2 also batch-generator, forward-compute and "
                             "backward-compute (and, with Megatron's schedules, their "
@@ -527,8 +530,8 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                             "without synchronizing at each timer (training/timers.py).")
     group.add_argument("--timing-log-option", type=str, default=DEFAULT_LOG_OPTION,
                        choices=LOG_OPTIONS,
-                       help="With --timing-log-level 1 or 2: print each timer's max over the "
-                            "ranks, its (min, max), or every rank's time.")
+                       help="Print each timer's max over the ranks, its (min, max) (the "
+                            "default), or every rank's time.")
     group.add_argument("--no-barrier-with-level-1-timing", action="store_false",
                        dest="barrier_with_L1_time",
                        help="With --timing-log-level 1 or 2: do not make all ranks meet before "
@@ -551,13 +554,10 @@ def validate_logging_args(args: argparse.Namespace) -> None:
 
 
 def _validate_timing_args(args: argparse.Namespace) -> None:
-    if args.timing_log_level > 0:
-        return
-    given = first_given((
-        ("--timing-log-option", args.timing_log_option != DEFAULT_LOG_OPTION),
-        ("--no-barrier-with-level-1-timing", not args.barrier_with_L1_time)))
-    require(given is None, f"{given} needs --timing-log-level 1 or 2 (at the default 0 no timer "
-                           f"runs)")
+    # --timing-log-option also formats the level-0 timers (set-up, checkpoints, evaluation).
+    require(args.timing_log_level > 0 or args.barrier_with_L1_time,
+            "--no-barrier-with-level-1-timing needs --timing-log-level 1 or 2 (at the default 0 "
+            "no level-1 timer runs)")
 
 
 def _validate_tensorboard_args(args: argparse.Namespace) -> None:

@@ -16,7 +16,7 @@ import os
 import random
 import sys
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import numpy as np
 import torch
@@ -67,8 +67,10 @@ from megatron_dpp.training.params_norm import params_l2_norm
 from megatron_dpp.training.sgd_state import install_sgd_state_init
 from megatron_dpp.training.signals import AgreedStop, StopSignals
 from megatron_dpp.training.tensorboard_log import TensorBoardLog
-from megatron_dpp.training.timers import (TimedIterator, attach_timers, timed, timers_from_args,
-                                          timers_off, timers_to_log)
+from megatron_dpp.training.timers import (DATA_SETUP, EVALUATE, LOAD_CHECKPOINT, MODEL_SETUP,
+                                          SAVE_CHECKPOINT, TimedIterator, Timers, attach_timers,
+                                          level0_timers, timed, timers_from_args, timers_off,
+                                          times_text, timers_to_log)
 from megatron_dpp.training.wandb_log import WandbInitError
 from megatron_dpp.training.throughput import ModelShape, floating_point_operations, tflops_per_gpu
 from megatron_dpp.training.step_tracing import LOSS_ALL_REDUCE, STOP_AGREEMENT, StepTracer
@@ -137,12 +139,20 @@ def is_logging_rank() -> bool:
 
 
 def log(message: str) -> None:
-    print(message, flush=True)
+    # One write, so that another rank's line (on the same terminal) cannot land inside it.
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
 
 
 def log_rank0(message: str) -> None:
     if dist.get_rank() == 0:
         log(message)
+
+
+def log_datetime(label: str) -> None:
+    """Megatron-LM's print_datetime: every rank gets there, then rank 0 prints the time."""
+    dist.barrier()
+    log_rank0(f"[{label}] datetime: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}")
 
 
 def wrap_for_mixed_precision(config, chunks: list) -> list:
@@ -300,9 +310,12 @@ def _as_schedule_input(items: list):
 class Trainer:
     """Holds the built objects of one run and runs iterations and evaluations."""
 
-    def __init__(self, args: argparse.Namespace, platform: Platform, spec: ModelSpec):
+    def __init__(self, args: argparse.Namespace, platform: Platform, spec: ModelSpec,
+                 level0: Timers | None = None):
         self.args = args
         self.platform = platform
+        # Megatron-LM's level-0 timers (set-up, checkpoints, evaluation), at every level.
+        self.level0 = level0 if level0 is not None else level0_timers(platform.device)
         self.train = training_config_from_args(args)
         self.config, self.model, self.optimizer = build_model_and_optimizer(
             args, platform, args.seed, spec)
@@ -428,10 +441,30 @@ class Trainer:
         return norm
 
     def evaluate(self, valid_iterators) -> None:
+        """Collective. As Megatron-LM: the 'evaluate' timer's block, then the validation loss."""
+        self.level0(EVALUATE, log_level=0).start(barrier=True)
         with params_gathered(self.model):
-            self._evaluate(valid_iterators)
+            loss = self._evaluate(valid_iterators)
+        self.level0(EVALUATE).stop()
+        self.log_times([EVALUATE])
+        if is_logging_rank():
+            log(f" validation loss at iteration {self.state.iteration} | lm loss value: "
+                f"{loss:.10E} | lm loss PPL: {math.exp(min(20.0, loss)):.6E} |")
+            if self.tensorboard is not None:
+                self.tensorboard.validation(self.state.iteration, self.state.consumed_samples,
+                                            loss)
 
-    def _evaluate(self, valid_iterators) -> None:
+    def log_times(self, names) -> None:
+        """Collective: Megatron-LM's timers.log(names) for level-0 timers, printed by the rank
+        that prints the log line."""
+        self.watch("the timers' all-gather (every rank)")
+        text = times_text(self.level0, names, self.train.timing_log_option)
+        self.unwatch()
+        if text is not None and is_logging_rank():
+            log(text)
+
+    def _evaluate(self, valid_iterators) -> float:
+        """The validation loss over --eval-iters batches (the logging rank's; 0 elsewhere)."""
         manual_gc = self.train.manual_gc and self.train.manual_gc_eval
         if manual_gc:
             gc.collect()
@@ -456,13 +489,7 @@ class Trainer:
             chunk.train()
         if manual_gc:
             gc.collect()
-        if is_logging_rank():
-            loss = loss_sum / max(tokens, 1.0)
-            log(f" validation loss at iteration {self.state.iteration} | lm loss value: "
-                f"{loss:.10E} | lm loss PPL: {math.exp(min(20.0, loss)):.6E} |")
-            if self.tensorboard is not None:
-                self.tensorboard.validation(self.state.iteration, self.state.consumed_samples,
-                                            loss)
+        return loss_sum / max(tokens, 1.0)
 
     def tflops_per_gpu(self, iteration_seconds: float) -> float | None:
         """--log-throughput's TFLOP/s per rank of the last iteration's batch (None without it)."""
@@ -503,6 +530,7 @@ class Trainer:
     def save(self) -> None:
         """Collective. A failed save (full disk...) leaves the previous checkpoint the latest;
         the run then ends with one line and exit code 1 (every rank learns of the failure)."""
+        self.level0(SAVE_CHECKPOINT, log_level=0).start(barrier=True)
         try:
             with params_gathered(self.model):
                 path = save_checkpoint(self.train.save, self.state, self.model, self.optimizer,
@@ -513,7 +541,9 @@ class Trainer:
                         printed=dist.get_rank() == 0)
             self.close()
             raise SystemExit(FAILED) from None
+        self.level0(SAVE_CHECKPOINT).stop(barrier=True)
         log_rank0(f" saved checkpoint at iteration {self.state.iteration} to {path}")
+        self.log_times([SAVE_CHECKPOINT])
 
 
 @contextlib.contextmanager
@@ -681,8 +711,12 @@ def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec,
     log_rank0(f" > {args.tokenizer_type} vocab (size: {tokenizer.vocab_size}) padded with "
               f"{args.padded_vocab_size - tokenizer.vocab_size} dummy tokens (new size: "
               f"{args.padded_vocab_size})")
+    level0 = level0_timers(platform.device)  # Megatron-LM's set-up timers, as it counts them
+    level0(DATA_SETUP, log_level=0).start(barrier=True)
     train_ds, valid_ds, _test_ds = spec.build_datasets(args, tokenizer)
-    trainer = Trainer(args, platform, spec)
+    level0(DATA_SETUP).stop()
+    level0(MODEL_SETUP, log_level=0).start(barrier=True)
+    trainer = Trainer(args, platform, spec, level0)
     try:
         return _train(args, trainer, train_ds, valid_ds, checkpoint, started)
     finally:
@@ -727,6 +761,7 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
            checkpoint: CheckpointToLoad | None, started: float) -> int:
     train = trainer.train
     if checkpoint is not None:
+        trainer.level0(LOAD_CHECKPOINT, log_level=0).start(barrier=True)
         try:
             trainer.state = load_checkpoint(checkpoint, trainer.model, trainer.optimizer,
                                             trainer.scheduler, train.load_scope)
@@ -735,8 +770,12 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
                         printed=dist.get_rank() == 0)
             trainer.close()
             return BAD_INPUT
+        trainer.level0(LOAD_CHECKPOINT).stop(barrier=True)
         log_rank0(f" loaded checkpoint from {checkpoint.directory} at iteration "
                   f"{trainer.state.iteration}{_load_scope_words(train.load_scope)}")
+        trainer.log_times([LOAD_CHECKPOINT])
+    trainer.level0(MODEL_SETUP).stop()
+    log_datetime("after model, optimizer, and learning rate scheduler are built")
     trainer.last_global_batch_size = global_batch_size_at(train, trainer.state.consumed_samples)
     ramp = train.batch_ramp
     ramp_words = (f" after a ramp from {ramp.start} by {ramp.increment} over {ramp.samples} samples"
@@ -750,12 +789,18 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
     if valid_ds is None and train.eval_iters > 0 and uses_per_split_paths(args):
         log_rank0(" evaluation off: no --valid-data-path (with --train-data-path each split reads "
                   "its own documents)")
+    trainer.level0(DATA_SETUP).start(barrier=True)
+    train_iters, valid_iters = _iterators_per_chunk(
+        args, train_ds, valid_ds, trainer.state.consumed_samples, 0, len(trainer.model))
+    trainer.level0(DATA_SETUP).stop()
+    log_datetime("after dataloaders are built")
     log_rank0(f" training: {train.train_iters} iterations, global batch {trained}"
               f"{ramp_words}, {train.num_microbatches} micro-batches of {train.micro_batch_size} "
               f"per data-parallel rank, device {trainer.platform.device}, backend "
               f"{trainer.platform.backend}")
-    train_iters, valid_iters = _iterators_per_chunk(
-        args, train_ds, valid_ds, trainer.state.consumed_samples, 0, len(trainer.model))
+    # Rank 0 says it before the timers' all-gather; the logging rank prints their block after.
+    log_rank0("done with setup ...")
+    trainer.log_times([MODEL_SETUP, DATA_SETUP])
 
     if train.manual_gc:
         gc.disable()

@@ -51,6 +51,16 @@ TIMERS_BY_LEVEL: Dict[int, tuple] = {
 }
 
 
+# Megatron-LM's level-0 timers, which it logs at every --timing-log-level, each block right after
+# what it times: the set-up (both set-up timers in one block, after "done with setup ..."), a
+# checkpoint's load and save, an evaluation.
+MODEL_SETUP = "model-and-optimizer-setup"
+DATA_SETUP = "train/valid/test-data-iterators-setup"
+LOAD_CHECKPOINT = "load-checkpoint"
+SAVE_CHECKPOINT = "save-checkpoint"
+EVALUATE = "evaluate"
+
+
 def timers_to_log(log_level: int) -> List[str]:
     """The timers a log line reports at --timing-log-level log_level."""
     return [name for level in sorted(TIMERS_BY_LEVEL) if level <= log_level
@@ -162,12 +172,14 @@ class TimerReport:
 class Timers:
     """config.timers: Megatron-Core's Timers interface, at --timing-log-level log_level."""
 
-    def __init__(self, log_level: int, device):
+    def __init__(self, log_level: int, device, host_clock: bool = False):
+        """device: where the gathers' tensors go (the backend's device); host_clock: every span
+        is the host's wall time, also on a GPU (the level-0 timers: set-up, checkpoints)."""
         if log_level not in LOG_LEVELS:
             raise ValueError(f"timing log level {log_level} is not one of {LOG_LEVELS}")
         self.log_level = log_level
         self.device = device
-        self.cuda = device.type == "cuda"
+        self.cuda = device.type == "cuda" and not host_clock
         self.timers: Dict[str, _Timer] = {}
 
     def __call__(self, name: str, log_level: Optional[int] = None):
@@ -196,6 +208,20 @@ class Timers:
                if any(row[column] > 0.0 for row in per_rank)]
         return TimerReport(names=[names[column] for column in ran],
                            per_rank=[[row[column] for column in ran] for row in per_rank])
+
+
+def level0_timers(device) -> Timers:
+    """Megatron-LM's level-0 timers (MODEL_SETUP ... EVALUATE), kept at every --timing-log-level
+    apart from config.timers (None at level 0, so that Megatron-Core's per-micro-batch timer
+    calls stay off the training step); host wall time, as the work they time is the host's."""
+    return Timers(0, device, host_clock=True)
+
+
+def times_text(timers: Timers, names: Sequence[str], option: str) -> Optional[str]:
+    """Megatron-LM's `timers.log(names)`: collective over every rank (all call it with the same
+    names); the block of those timers' times since they were last read, in ms, by
+    --timing-log-option option (None where none of them ran)."""
+    return timers.gather(names, normalizer=1.0).text(option)
 
 
 def timers_from_args(args, device) -> Optional[Timers]:
