@@ -189,6 +189,10 @@ def test_level_0_timers_follow_what_they_time_at_every_level(tmp_path):
     assert [ROW_RE.match(line).group(1) for line in lines[setup + 2:setup + 4]] == [
         "model-and-optimizer-setup", "train/valid/test-data-iterators-setup"]
     assert any(line.startswith("[after dataloaders are built] datetime: ") for line in lines)
+    done = [i for i, line in enumerate(lines)
+            if line.startswith("[after training is done] datetime: ")]
+    last_iteration = max(i for i, line in enumerate(lines) if re.match(r" iteration\s+4/", line))
+    assert len(done) == 1 and done[0] > last_iteration, lines[-8:]
     validations = [i for i, line in enumerate(lines) if line.startswith(" validation loss at")]
     assert len(validations) == 2
     for index in validations:  # the evaluate block, then the validation line

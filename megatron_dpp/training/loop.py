@@ -883,6 +883,7 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
             if not is_lost_peer_error(error):
                 raise
             exit_for_lost_peer(error, trainer.phase, getattr(args, "node_ips", None))
+    log_datetime("after training is done")
     if train.save and last_saved != trainer.state.iteration:
         trainer.save()
     if train.manual_gc:
