@@ -63,7 +63,7 @@ launch_set_model() {
     llama)
       # The one entry point with the model named; Llama trains on GPT's sample data.
       ENTRY_MODULE=megatron_dpp.pretrain; ENTRY_ARGS=(--model llama)
-      RECIPE_DIR="$REPO_ROOT/examples/llama"; CPU_RECIPE=llama_tiny; GPU_RECIPE=llama_tiny ;;  # llama2_7b: its own data
+      RECIPE_DIR="$REPO_ROOT/examples/llama"; CPU_RECIPE=llama_tiny; GPU_RECIPE=llama_tiny ;;  # llama2_7b, llama3_8b: their own data
     *)
       launch_fail "unknown model $LAUNCH_MODEL (gpt, bert or llama)" ;;
   esac

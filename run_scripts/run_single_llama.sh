@@ -9,7 +9,7 @@
 #   VPP           virtual pipeline stages per pipeline rank (interleaved 1F1B; default 1)
 #   NPROC         processes on this node (default: the GPUs, rounded down to a multiple of PP*TP,
 #                 else 2); DP = NPROC / (PP*TP)
-#   RECIPE        model recipe in examples/llama (default: llama_tiny; llama2_7b needs a Llama tokenizer and data)
+#   RECIPE        model recipe in examples/llama (default: llama_tiny; llama2_7b and llama3_8b need a Llama tokenizer and data)
 #   DATA_DIR      sample data directory (default: <repo>/data/sample)
 #   DATA_ARGS     data flags replacing the sample data (e.g. "--data-path P --vocab-file V ...")
 #   MASTER_PORT   rendezvous port (default: a free one)

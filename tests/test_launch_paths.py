@@ -250,7 +250,8 @@ def test_a_short_run_saves_and_resumes_from_relative_directories(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # Recipes that say how to run them instead of launching (exit 2), and what their line names.
 REFUSALS = {"gpt3_175b": ["run_slurm_gpt.sh", "run_master_gpt.sh", "RECIPE=gpt3_175b"],
-            "llama2_7b": ["DATA_ARGS=", "llama2_7b.sh"]}
+            "llama2_7b": ["DATA_ARGS=", "llama2_7b.sh"],
+            "llama3_8b": ["DATA_ARGS=", "HuggingFaceTokenizer", "llama3_8b.sh"]}
 
 
 @pytest.mark.timeout(120)
@@ -272,11 +273,12 @@ def test_every_recipe_runs_directly(tmp_path, recipe):
 
 
 @pytest.mark.timeout(120)
-def test_llama2_7b_with_data_args_launches(tmp_path):
+@pytest.mark.parametrize("recipe", ["llama2_7b", "llama3_8b"])
+def test_llama_recipes_with_data_args_launch(tmp_path, recipe):
     user = _user_dir(tmp_path)
-    result = _run(["bash", str(REPO_ROOT / "examples" / "llama" / "llama2_7b.sh"), "--dry-run"],
+    result = _run(["bash", str(REPO_ROOT / "examples" / "llama" / f"{recipe}.sh"), "--dry-run"],
                   cwd=user, DATA_ARGS=DATA_ARGS)
-    assert result.returncode == 0 and ", recipe llama2_7b" in result.stdout, result.stderr
+    assert result.returncode == 0 and f", recipe {recipe}" in result.stdout, result.stderr
 
 
 def test_a_sourced_recipe_only_sets_flags(tmp_path):

@@ -35,8 +35,10 @@ REFUSED_DATALOADER_TYPES = {
 }
 # Megatron-LM's data flags that cannot apply here: flag -> why (flag_errors.py).
 REFUSED_DATA_FLAGS = {
-    "--tiktoken-pattern": "configures TikTokenizer (Llama 3's), which is not a --tokenizer-type "
-                          "here (Llama 2's Llama2Tokenizer is)",
+    "--tiktoken-pattern": "configures Megatron-LM's TikTokenizer (a tiktoken vocabulary in "
+                          "its JSON format), which is not a --tokenizer-type here; Llama 3's "
+                          "tokenizer is read by --tokenizer-type HuggingFaceTokenizer "
+                          "--tokenizer-model DIR",
 }
 
 
@@ -84,9 +86,13 @@ def add_data_args(parser: argparse.ArgumentParser,
     group.add_argument("--tokenizer-type", type=str, default=None, choices=tokenizer_types,
                        help="GPT2BPETokenizer (GPT's and Llama's default: byte-level BPE, needs "
                             "--vocab-file vocab.json and --merge-file), Llama2Tokenizer (GPT or "
-                            "Llama: Llama 2's SentencePiece model, needs --tokenizer-model) or "
-                            "BertWordPieceLowerCase / BertWordPieceCase (BERT's, lower-case the "
-                            "default: WordPiece, needs --vocab-file vocab.txt).")
+                            "Llama: Llama 2's SentencePiece model, needs --tokenizer-model), "
+                            "HuggingFaceTokenizer (GPT or Llama: a local Hugging Face tokenizer "
+                            "directory such as Llama 3's, needs --tokenizer-model DIR and the "
+                            "transformers package), NullTokenizer (GPT or Llama: ids without a "
+                            "file, needs --vocab-size) or BertWordPieceLowerCase / "
+                            "BertWordPieceCase (BERT's, lower-case the default: WordPiece, needs "
+                            "--vocab-file vocab.txt).")
     group.add_argument("--vocab-file", type=str, default=None,
                        help="The tokenizer's vocabulary: BPE vocab.json (GPT2BPETokenizer) or "
                             "WordPiece vocab.txt (BERT's).")
@@ -94,7 +100,9 @@ def add_data_args(parser: argparse.ArgumentParser,
                        help="Path to the BPE merges.txt (GPT2BPETokenizer only).")
     group.add_argument("--tokenizer-model", type=str, default=None,
                        help="The SentencePiece model file, e.g. Llama 2's tokenizer.model "
-                            "(Llama2Tokenizer only; needs the sentencepiece package).")
+                            "(Llama2Tokenizer), or the directory of a Hugging Face tokenizer, "
+                            "e.g. Llama 3's tokenizer.json and tokenizer_config.json "
+                            "(HuggingFaceTokenizer; local files only, nothing is downloaded).")
     group.add_argument("--vocab-size", type=int, default=None,
                        help="NullTokenizer's vocabulary: token ids 0..N-1, and N the "
                             "end-of-document token (NullTokenizer only).")

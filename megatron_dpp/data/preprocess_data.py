@@ -8,6 +8,8 @@ Same command line as Megatron-LM's tools/preprocess_data.py for what this projec
         --vocab-file bert-vocab.txt --tokenizer-type BertWordPieceLowerCase --split-sentences
     python -m megatron_dpp.data.preprocess_data --input corpus.jsonl --output-prefix data/my_llama \
         --tokenizer-type Llama2Tokenizer --tokenizer-model tokenizer.model --append-eod
+    python -m megatron_dpp.data.preprocess_data --input corpus.jsonl --output-prefix data/my_llama3 \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model llama3-tokenizer/ --append-eod
 Each JSON line is one document. Without --split-sentences each document is stored as one sequence
 (level "document"); with it, each sentence is one sequence and the dataset's document index marks
 where each document's sentences end (level "sentence"), which is what BERT's dataset reads.
@@ -88,11 +90,13 @@ _worker_split_sentences = False
 
 
 def _init_worker(tokenizer_type: str, vocab_file: Optional[str], merge_file: Optional[str],
-                 tokenizer_model: Optional[str], split_sentences: bool) -> None:
+                 tokenizer_model: Optional[str], split_sentences: bool,
+                 include_special_tokens: bool = False) -> None:
     global _worker_tokenizer, _worker_split_sentences
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
     _worker_tokenizer = tokenizer_from_files(tokenizer_type, vocab_file, merge_file,
-                                             tokenizer_model)
+                                             tokenizer_model,
+                                             include_special_tokens=include_special_tokens)
     _worker_split_sentences = split_sentences
 
 
@@ -152,11 +156,14 @@ def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: Optional[s
                      append_eod: bool = False, workers: int = 1, show_progress: bool = True,
                      tokenizer_type: str = DEFAULT_TOKENIZER_TYPE,
                      split_sentences: bool = False,
-                     tokenizer_model: Optional[str] = None) -> Dict[str, dict]:
+                     tokenizer_model: Optional[str] = None,
+                     include_special_tokens: bool = False) -> Dict[str, dict]:
     """Tokenize input_path into one indexed dataset per json key.
 
     The tokenizer's files: vocab_file and merge_file (GPT2BPETokenizer), vocab_file (WordPiece),
-    tokenizer_model (Llama2Tokenizer); the others None. With split_sentences each
+    tokenizer_model (Llama2Tokenizer's model file, HuggingFaceTokenizer's directory); the others
+    None. include_special_tokens: HuggingFaceTokenizer's (its BOS and the like in every
+    sequence). With split_sentences each
     sentence is one sequence. Returns {key: {"prefix", "documents", "sequences", "tokens",
     "skipped_empty"}}.
     """
@@ -166,7 +173,8 @@ def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: Optional[s
     if not os.path.isfile(input_path):
         raise DataInputError(f"--input {input_path!r} does not exist")
     # Validates the files (and the flags) up front, before any output exists.
-    tokenizer = tokenizer_from_files(tokenizer_type, vocab_file, merge_file, tokenizer_model)
+    tokenizer = tokenizer_from_files(tokenizer_type, vocab_file, merge_file, tokenizer_model,
+                                     include_special_tokens=include_special_tokens)
     eod = _end_of_document_token(tokenizer, tokenizer_type, append_eod)
     output_dir = os.path.dirname(os.path.abspath(output_prefix))
     if not os.path.isdir(output_dir):
@@ -180,7 +188,8 @@ def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: Optional[s
     builders = {key: IndexedDatasetBuilder(tmp[key] + ".bin", dtype=dtype) for key in json_keys}
     stats = {key: {"prefix": final[key], "documents": 0, "sequences": 0, "tokens": 0,
                    "skipped_empty": 0} for key in json_keys}
-    worker_args = (tokenizer_type, vocab_file, merge_file, tokenizer_model, split_sentences)
+    worker_args = (tokenizer_type, vocab_file, merge_file, tokenizer_model, split_sentences,
+                   include_special_tokens)
 
     pool = None
     try:
@@ -252,17 +261,28 @@ def build_parser() -> argparse.ArgumentParser:
                             f"and BertWordPieceCase (keeps case): BERT's WordPiece, need "
                             f"--vocab-file vocab.txt. Llama2Tokenizer: Llama 2's SentencePiece "
                             f"model, needs --tokenizer-model; each document starts with its BOS "
-                            f"token, as in Megatron-LM.")
+                            f"token, as in Megatron-LM. HuggingFaceTokenizer: a local Hugging "
+                            f"Face tokenizer directory (e.g. Llama 3's), needs --tokenizer-model "
+                            f"DIR and the transformers package; the ids are the tokenizer's "
+                            f"without its special tokens (no BOS) unless "
+                            f"--tokenizer-hf-include-special-tokens, as in Megatron-LM.")
     group.add_argument("--vocab-file", default=None,
                        help="Path to vocab.json (GPT2BPETokenizer) or vocab.txt (WordPiece).")
     group.add_argument("--merge-file", default=None,
                        help="Path to merges.txt (GPT2BPETokenizer only).")
     group.add_argument("--tokenizer-model", default=None,
                        help="Path to the SentencePiece model, e.g. Llama 2's tokenizer.model "
-                            "(Llama2Tokenizer only).")
+                            "(Llama2Tokenizer), or to a Hugging Face tokenizer's directory, e.g. "
+                            "Llama 3's tokenizer.json and tokenizer_config.json "
+                            "(HuggingFaceTokenizer; local files only, nothing is downloaded).")
+    group.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
+                       help="HuggingFaceTokenizer only: tokenize with the tokenizer's special "
+                            "tokens, e.g. Llama 3's <|begin_of_text|> first in every document "
+                            "(Megatron-LM's flag; without it, none).")
     group.add_argument("--append-eod", action="store_true",
                        help="Append the end-of-document token to each document (<|endoftext|> "
-                            "for GPT2BPETokenizer, the model's EOS for Llama2Tokenizer; not for "
+                            "for GPT2BPETokenizer, the model's EOS for Llama2Tokenizer, the "
+                            "eos_token of HuggingFaceTokenizer's tokenizer_config.json; not for "
                             "WordPiece; with --split-sentences, to its last sentence).")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True,
@@ -287,7 +307,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  workers=args.workers, show_progress=not args.no_progress,
                                  tokenizer_type=args.tokenizer_type,
                                  split_sentences=args.split_sentences,
-                                 tokenizer_model=args.tokenizer_model)
+                                 tokenizer_model=args.tokenizer_model,
+                                 include_special_tokens=args.tokenizer_hf_include_special_tokens)
     except DataInputError as e:
         exit_with_input_error(e)
     for key, s in stats.items():

@@ -5,6 +5,8 @@
   BERT's normalization (lower case and accents stripped, or case kept) and pre-tokenization
   (`tokenizers`);
 - Llama2Tokenizer: Llama 2's SentencePiece model, a local tokenizer.model (`sentencepiece`);
+- HuggingFaceTokenizer: a local Hugging Face tokenizer directory (Llama 3's tokenizer.json and
+  tokenizer_config.json, say), through `transformers`' AutoTokenizer as Megatron-LM reads it;
 - NullTokenizer (training only): no file, ids 0..N-1 with --vocab-size N and N as the
   end-of-document token, as Megatron-LM's; for --mock-data and data tokenized elsewhere.
 
@@ -25,7 +27,8 @@ GPT2_BPE = "GPT2BPETokenizer"
 # WordPiece tokenizer type -> whether it lower-cases (and strips accents), as in Megatron-LM.
 WORDPIECE_LOWER_CASE = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}
 LLAMA2_SENTENCEPIECE = "Llama2Tokenizer"
-SUPPORTED_TOKENIZER_TYPES = (GPT2_BPE, *WORDPIECE_LOWER_CASE, LLAMA2_SENTENCEPIECE)
+HUGGINGFACE = "HuggingFaceTokenizer"
+SUPPORTED_TOKENIZER_TYPES = (GPT2_BPE, *WORDPIECE_LOWER_CASE, LLAMA2_SENTENCEPIECE, HUGGINGFACE)
 # Reads no file and tokenizes nothing (no preprocessing): for training only.
 NULL_TOKENIZER = "NullTokenizer"
 DEFAULT_TOKENIZER_TYPE = GPT2_BPE
@@ -35,8 +38,16 @@ TOKENIZER_FILE_FLAGS = {
     GPT2_BPE: (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file")),
     **{name: (("--vocab-file", "vocab_file"),) for name in WORDPIECE_LOWER_CASE},
     LLAMA2_SENTENCEPIECE: (("--tokenizer-model", "tokenizer_model"),),
+    HUGGINGFACE: (("--tokenizer-model", "tokenizer_model"),),
     NULL_TOKENIZER: (),
 }
+# The types whose --tokenizer-model is a directory, not a file, and what such a directory holds
+# (AutoTokenizer needs one of them).
+DIRECTORY_TOKENIZER_TYPES = (HUGGINGFACE,)
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# The transformers HuggingFaceTokenizer reads its directory with (an optional dependency, like
+# sentencepiece for Llama2Tokenizer), said where it is missing.
+TRANSFORMERS_REQUIREMENT = "transformers>=4.40,<6"
 _ALL_FILE_FLAGS = tuple(dict.fromkeys(flag for flags in TOKENIZER_FILE_FLAGS.values()
                                       for flag in flags))
 # BERT's special tokens. [PAD] must be id 0: Megatron's BERT dataset pads the token types and the
@@ -125,12 +136,27 @@ def check_tokenizer_files(tokenizer_type: str, files: Dict[str, Optional[str]]) 
                 raise DataInputError(f"{flag} is not read by --tokenizer-type {tokenizer_type} "
                                      f"({reading}): remove it")
         elif path is None:
-            raise DataInputError(f"{flag} is required by {tokenizer_type}; {_where_to_get(flag)}")
+            raise DataInputError(f"{flag} is required by {tokenizer_type}; "
+                                 f"{_where_to_get(flag, tokenizer_type)}")
+        elif tokenizer_type in DIRECTORY_TOKENIZER_TYPES:
+            if not os.path.isdir(path):
+                what = "is a file, not a directory" if os.path.isfile(path) else "does not exist"
+                raise DataInputError(f"{flag} {path!r} {what}; "
+                                     f"{_where_to_get(flag, tokenizer_type)}")
+            if not any(os.path.isfile(os.path.join(path, name)) for name in HF_TOKENIZER_FILES):
+                raise DataInputError(f"{flag} {path!r} holds neither "
+                                     f"{' nor '.join(HF_TOKENIZER_FILES)}; "
+                                     f"{_where_to_get(flag, tokenizer_type)}")
         elif not os.path.isfile(path):
-            raise DataInputError(f"{flag} {path!r} does not exist; {_where_to_get(flag)}")
+            raise DataInputError(f"{flag} {path!r} does not exist; "
+                                 f"{_where_to_get(flag, tokenizer_type)}")
 
 
-def _where_to_get(flag: str) -> str:
+def _where_to_get(flag: str, tokenizer_type: str) -> str:
+    if tokenizer_type == HUGGINGFACE:
+        return ("pass the local directory of a Hugging Face tokenizer (tokenizer.json and "
+                "tokenizer_config.json; nothing is downloaded at run time), e.g. made by `hf "
+                "download meta-llama/Meta-Llama-3-8B --include 'tokenizer*' --local-dir DIR`")
     if flag == "--tokenizer-model":
         return "pass the SentencePiece model the data was tokenized with (Llama 2's tokenizer.model)"
     return ("`python -m megatron_dpp.data.prepare_sample --output-dir DIR` makes GPT's and "
@@ -148,16 +174,27 @@ def check_vocab_size(tokenizer_type: str, vocab_size: Optional[int]) -> None:
                              f"({tokenizer_type} takes its vocabulary from its files): remove it")
 
 
+def check_include_special_tokens(tokenizer_type: str, include_special_tokens: bool) -> None:
+    """--tokenizer-hf-include-special-tokens: HuggingFaceTokenizer's, and only its."""
+    if include_special_tokens and tokenizer_type != HUGGINGFACE:
+        raise DataInputError(f"--tokenizer-hf-include-special-tokens is read by --tokenizer-type "
+                             f"{HUGGINGFACE} only, not {tokenizer_type}: remove it")
+
+
 def tokenizer_from_files(tokenizer_type: str, vocab_file: Optional[str] = None,
                          merge_file: Optional[str] = None, tokenizer_model: Optional[str] = None,
-                         vocab_size: Optional[int] = None):
+                         vocab_size: Optional[int] = None, include_special_tokens: bool = False):
     """The tokenizer of `tokenizer_type` over its files (TOKENIZER_FILE_FLAGS says which it reads;
-    the others must be None); vocab_size: NullTokenizer's, and only its."""
+    the others must be None); vocab_size: NullTokenizer's, and only its; include_special_tokens:
+    HuggingFaceTokenizer's, and only its."""
     check_tokenizer_files(tokenizer_type, {"vocab_file": vocab_file, "merge_file": merge_file,
                                            "tokenizer_model": tokenizer_model})
     check_vocab_size(tokenizer_type, vocab_size)
+    check_include_special_tokens(tokenizer_type, include_special_tokens)
     if tokenizer_type == NULL_TOKENIZER:
         return NullTokenizer(vocab_size)
+    if tokenizer_type == HUGGINGFACE:
+        return HuggingFaceTokenizer(tokenizer_model, include_special_tokens)
     if tokenizer_type == GPT2_BPE:
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type in WORDPIECE_LOWER_CASE:
@@ -271,6 +308,82 @@ class Llama2Tokenizer:
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._model.decode([int(i) for i in ids])
+
+
+class HuggingFaceTokenizer:
+    """A local Hugging Face tokenizer directory through `transformers`' AutoTokenizer, as
+    Megatron-LM 0.16's HuggingFaceTokenizer reads it: the vocabulary is len(tokenizer) (its added
+    tokens included), the end-of-document token is its eos_token (what --append-eod appends, and
+    eod for the dataset's masks), and a text's ids are the tokenizer's without its special tokens
+    (no BOS), or with them (Llama 3's <|begin_of_text|> first) under include_special_tokens,
+    Megatron-LM's --tokenizer-hf-include-special-tokens. Only local files are read
+    (local_files_only): a Hub name is not fetched."""
+
+    def __init__(self, directory: str, include_special_tokens: bool = False):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise DataInputError(f"--tokenizer-type {HUGGINGFACE} needs the transformers package: "
+                                 f"pip install '{TRANSFORMERS_REQUIREMENT}'") from None
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise DataInputError(f"--tokenizer-model {directory!r} is not a Hugging Face "
+                                 f"tokenizer directory (tokenizer.json, tokenizer_config.json): "
+                                 f"{first_line}") from None
+        self._eos = self._tokenizer.eos_token_id
+        if self._eos is None:
+            raise DataInputError(f"--tokenizer-model {directory!r} names no eos_token (in its "
+                                 f"tokenizer_config.json); {HUGGINGFACE} takes it as the "
+                                 f"end-of-document token")
+        self.include_special_tokens = bool(include_special_tokens)
+        self._vocab: Optional[Dict[str, int]] = None
+        # GPTDataset hashes these into its index-cache file names (json.dumps of the config).
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("tokenizer_path", [directory]),
+             ("include_special_tokens", self.include_special_tokens)])
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokenizer)
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        if self._vocab is None:
+            self._vocab = self._tokenizer.get_vocab()
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return {index: token for token, index in self.vocab.items()}
+
+    @property
+    def eos(self) -> int:
+        return self._eos
+
+    @property
+    def eod(self) -> int:
+        return self._eos
+
+    @property
+    def bos(self) -> Optional[int]:
+        return self._tokenizer.bos_token_id
+
+    @property
+    def pad(self) -> Optional[int]:
+        return self._tokenizer.pad_token_id
+
+    def tokenize(self, text: str) -> List[int]:
+        return self.tokenize_batch([text])[0]
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        encoded = self._tokenizer(list(texts), add_special_tokens=self.include_special_tokens,
+                                  verbose=False)
+        return [list(ids) for ids in encoded["input_ids"]]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids])
 
 
 def train_bpe_tokenizer(texts: Iterable[str], output_dir: str, vocab_size: int) -> None:

@@ -14,15 +14,16 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from megatron_dpp.data.tokenizer import (GPT2_BPE, LLAMA2_SENTENCEPIECE, NULL_TOKENIZER,
-                                         WORDPIECE_LOWER_CASE)
+from megatron_dpp.data.tokenizer import (GPT2_BPE, HUGGINGFACE, LLAMA2_SENTENCEPIECE,
+                                         NULL_TOKENIZER, WORDPIECE_LOWER_CASE)
 from megatron_dpp.flag_errors import first_given
 from megatron_dpp.one_line_errors import InputError
 
 WORDPIECE_TOKENIZERS = tuple(WORDPIECE_LOWER_CASE)  # lower case first: BERT's default
 # The causal LMs' tokenizers: GPT-2's BPE first (the sample data's), Llama 2's SentencePiece,
-# Megatron-LM's NullTokenizer (ids without a vocabulary file: --mock-data's usual companion).
-DECODER_TOKENIZERS = (GPT2_BPE, LLAMA2_SENTENCEPIECE, NULL_TOKENIZER)
+# a Hugging Face tokenizer directory (Llama 3's), Megatron-LM's NullTokenizer (ids without a
+# vocabulary file: --mock-data's usual companion).
+DECODER_TOKENIZERS = (GPT2_BPE, LLAMA2_SENTENCEPIECE, HUGGINGFACE, NULL_TOKENIZER)
 
 
 def _require(condition: bool, message: str) -> None:
