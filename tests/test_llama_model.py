@@ -47,6 +47,10 @@ SHAPE_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-head
                                   "--num-attention-heads 4"),
     (["--num-query-groups", "0"], "--num-query-groups 0 must be positive"),
     (["--rotary-base", "0"], "--rotary-base must be positive"),
+    (["--rope-scaling-factor", "8"], "--rope-scaling-factor 8 scales nothing without "
+                                     "--use-rope-scaling: add it or remove the factor"),
+    (["--use-rope-scaling", "--rope-scaling-factor", "0"],
+     "--rope-scaling-factor must be positive, got 0"),
     (["--tokenizer-type", "BertWordPieceLowerCase"],
      "is BERT's; Llama trains with GPT2BPETokenizer or Llama2Tokenizer"),
 ])
@@ -80,6 +84,49 @@ def megatron():
 
     with model_measurement.single_process_megatron("llama"):
         yield model_measurement
+
+
+def _llama31_inverse_frequencies(head_size: int, base: float, factor: float) -> torch.Tensor:
+    """Llama 3.1's rotary frequencies, as Meta's reference code scales them: wavelengths shorter
+    than the original context over 4 kept, longer than it divided by the factor, a smooth blend
+    between (original context 8192, low/high frequency factors 1 and 4)."""
+    old_context, low_factor, high_factor = 8192, 1.0, 4.0
+    frequencies = 1.0 / base ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
+    scaled = []
+    for frequency in frequencies.tolist():
+        wavelength = 2 * torch.pi / frequency
+        if wavelength < old_context / high_factor:
+            scaled.append(frequency)
+        elif wavelength > old_context / low_factor:
+            scaled.append(frequency / factor)
+        else:
+            smooth = (old_context / wavelength - low_factor) / (high_factor - low_factor)
+            scaled.append((1 - smooth) * frequency / factor + smooth * frequency)
+    return torch.tensor(scaled)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags, factor", [([], None), (["--use-rope-scaling"], 8.0),
+                                           (["--use-rope-scaling", "--rope-scaling-factor", "32"],
+                                            32.0)])
+def test_rope_scaling_gives_llama_31s_frequencies(megatron, flags, factor):
+    from megatron_dpp.models.llama import build_llama_chunks
+    from megatron_dpp.training.config import transformer_config_from_args
+
+    from megatron_dpp.arguments import parse_args
+
+    args = parse_args([*SHAPE_FLAGS, "--rotary-base", "500000", "--mock-data",
+                       "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", *flags],
+                      model="llama")
+    assert args.rope_scaling_factor == factor
+    args.padded_vocab_size = VOCAB
+    (model,) = build_llama_chunks(args, transformer_config_from_args(args), seed=1)
+    head_size = 64 // 4
+    plain = 1.0 / 500000 ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size)
+    expected = plain if factor is None else _llama31_inverse_frequencies(head_size, 500000, factor)
+    torch.testing.assert_close(model.rotary_pos_emb.inv_freq.cpu(), expected, rtol=1e-6, atol=0)
+    if factor is not None:  # the low frequencies scaled, the high ones kept
+        assert not torch.equal(expected, plain) and expected[0] == plain[0]
 
 
 def _shape(**others) -> mm.ModelShape:

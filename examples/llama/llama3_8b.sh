@@ -4,7 +4,8 @@
 # SwiGLU 14336, rotary base 500000, peak lr 3e-4; context 8192, RMSNorm eps 1e-5 (Megatron's
 # default). The schedule's shape is the paper's (section 3.4.1, given for 405B): AdamW, linear
 # warmup of 8000 steps, cosine to 1% of the peak; betas (0.9, 0.95), weight decay 0.1, clip 1.0,
-# 4M-token batches (512 x 8192). GPU recipe, bf16.
+# 4M-token batches (512 x 8192). GPU recipe, bf16. Llama 3.1 8B has this shape with its rotary
+# frequencies scaled: add --use-rope-scaling.
 # It trains on your data, tokenized with Llama 3's tokenizer (vocabulary 128256, its eos
 # <|end_of_text|> ending each document; neither is shipped here), a local Hugging Face tokenizer
 # directory read by transformers (e.g. `hf download meta-llama/Meta-Llama-3-8B --include

@@ -270,8 +270,21 @@ def _add_llama_shape_args(group: Any) -> None:
                             "Llama 2's).")
 
 
+# Llama 3.1's rotary scaling factor (Megatron-LM's --rope-scaling-factor default).
+DEFAULT_ROPE_SCALING_FACTOR = 8.0
+
+
 def _add_llama_args(parser: argparse.ArgumentParser) -> None:
-    _add_llama_shape_args(parser.add_argument_group("Llama"))
+    group = parser.add_argument_group("Llama")
+    _add_llama_shape_args(group)
+    group.add_argument("--use-rope-scaling", action="store_true",
+                       help="Scale the rotary frequencies as Llama 3.1 and later do (Megatron-"
+                            "Core's rope_scaling: wavelengths beyond the original 8192-token "
+                            "context divided by --rope-scaling-factor, a smooth blend between, "
+                            "short ones kept); for Llama 3.1/3.2/3.3's checkpoints and recipes.")
+    group.add_argument("--rope-scaling-factor", type=float, default=None,
+                       help=f"The factor of --use-rope-scaling (default "
+                            f"{DEFAULT_ROPE_SCALING_FACTOR:g}, Llama 3.1's; Llama 3.2's is 32).")
 
 
 def _validate_llama_args(args: argparse.Namespace) -> None:
@@ -286,6 +299,13 @@ def _validate_llama_args(args: argparse.Namespace) -> None:
     _require(groups % tp == 0, f"--num-query-groups {groups} is not divisible by "
                                f"--tensor-model-parallel-size {tp}; each rank needs whole groups")
     _require(args.rotary_base > 0, f"--rotary-base must be positive, got {args.rotary_base}")
+    factor = args.rope_scaling_factor
+    if factor is not None:
+        _require(args.use_rope_scaling, f"--rope-scaling-factor {factor:g} scales nothing without "
+                                        f"--use-rope-scaling: add it or remove the factor")
+        _require(factor > 0, f"--rope-scaling-factor must be positive, got {factor:g}")
+    elif args.use_rope_scaling:
+        args.rope_scaling_factor = DEFAULT_ROPE_SCALING_FACTOR
     # Llama's output layer always has its own weight (always_untied_output): the flag is implied;
     # set it for the shared code that reads it.
     args.untie_embeddings_and_output_weights = True

@@ -80,7 +80,11 @@ def build_llama_chunks(args: argparse.Namespace, config: TransformerConfig,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=False,  # Llama's output layer is its own
         position_embedding_type="rope",
-        rotary_base=args.rotary_base)
+        rotary_base=args.rotary_base,
+        # Llama 3.1's frequency scaling (--use-rope-scaling; families.py checks the factor).
+        rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
+        rope_scaling_factor=(getattr(args, "rope_scaling_factor", None)
+                             or families.DEFAULT_ROPE_SCALING_FACTOR))
 
 
 def _llama_sample_layer_inputs(shape, batch: int) -> dict:
