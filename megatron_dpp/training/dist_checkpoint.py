@@ -122,9 +122,10 @@ def _uses_distributed_optimizer(optimizer) -> bool:
 def sharded_sd_metadata(optimizer) -> dict:
     """Megatron-LM's content metadata: how the sharded state dict was built. The distributed
     optimizer's state is saved 'fully_reshardable' (per model parameter, like a plain optimizer's),
-    so it too loads at another tensor/pipeline/data-parallel layout."""
+    so it too loads at another tensor/pipeline/data-parallel layout. optimizer None: a model-only
+    checkpoint."""
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    if _uses_distributed_optimizer(optimizer):
+    if optimizer is not None and _uses_distributed_optimizer(optimizer):
         metadata["distrib_optim_sharding_type"] = "fully_reshardable"
     return metadata
 
@@ -252,7 +253,9 @@ def prepare_dist_checkpoint(iteration: int, consumed_samples: int, model_chunks,
                             scheduler, args=None):
     """This rank's part of the checkpoint: (the bytes of tensors it will write, write), where
     write(directory) is the collective save into the (empty) `directory`; it raises what the write
-    raised (torch.distributed.checkpoint's CheckpointException, an OSError...)."""
+    raised (torch.distributed.checkpoint's CheckpointException, an OSError...). optimizer and
+    scheduler None: the model only, without RNG states (a converted checkpoint, which a run
+    loads with --finetune)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (
@@ -261,8 +264,10 @@ def prepare_dist_checkpoint(iteration: int, consumed_samples: int, model_chunks,
 
     _cpu_patches()
     metadata = sharded_sd_metadata(optimizer)
+    model_only = optimizer is None
     state = _state_dict(iteration, consumed_samples, args, model_chunks, optimizer, scheduler,
-                        metadata, is_loading=False)
+                        metadata, is_loading=False, with_rng=not model_only,
+                        with_optimizer=not model_only)
     state[SAVED_WITH_CHECKSUMS] = MANIFEST_FILE
 
     def write(directory: str) -> None:
@@ -403,9 +408,12 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
                                       f"iteration")
         if not verified and common.get(SAVED_WITH_CHECKSUMS):
             raise CheckpointLoadError(missing_manifest(directory))
-        if "opt_param_scheduler" not in common:
-            raise CheckpointLoadError(f"checkpoint {directory} has no optimizer scheduler state; "
-                                      f"it is not a training checkpoint")
+        if "opt_param_scheduler" not in common and (scope.optimizer or scope.rng):
+            # A converted checkpoint (tools/convert_hf_llama.py's, or Megatron-LM's converters').
+            raise CheckpointLoadError(f"checkpoint {directory} holds the model only (no optimizer, "
+                                      f"learning-rate schedule or RNG states, as a converted "
+                                      f"checkpoint): load it with --finetune, or with "
+                                      f"--no-load-optim --no-load-rng")
         consumed = _consumed_samples(common)
         schedule = converted = None
         if scope.optimizer:

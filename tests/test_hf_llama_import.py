@@ -1,0 +1,179 @@
+"""tools/convert_hf_llama.py: a Hugging Face Llama directory as a model-only checkpoint that
+`--model llama --load DIR --finetune` trains from. Small Llamas are made here with transformers
+(random weights, grouped-query attention, rotary base 500000, with and without Llama 3.1's
+rotary scaling, the config.json as transformers 5 writes it and as Meta's files have it); the
+converted model's logits must equal transformers' own forward, and the launcher must train from
+the checkpoint at pp=2 with the DPP runtime."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from _train_util import PYTHON, REPO_ROOT, _env
+from megatron_dpp.models import llama_hf
+from megatron_dpp.one_line_errors import InputError
+
+VOCAB = 256  # a multiple of 128: Megatron pads nothing
+LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _make_llama(directory, scaled: bool, dtype=torch.float32, metas_keys: bool = False) -> None:
+    """A random Llama saved by transformers; metas_keys: its config.json rewritten with
+    rope_theta and rope_scaling as Meta's published files have them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=128,
+                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+                         rope_scaling=dict(LLAMA31_SCALING) if scaled else None)
+    model = LlamaForCausalLM(config).to(dtype)
+    with torch.no_grad():  # the norms away from 1, so that a swapped norm shows
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
+    model.save_pretrained(str(directory))
+    if metas_keys:
+        path = directory / "config.json"
+        written = json.loads(path.read_text())
+        parameters = written.pop("rope_parameters", None) or {}
+        written["rope_theta"] = parameters.get("rope_theta", 500000.0)
+        written["rope_scaling"] = dict(LLAMA31_SCALING) if scaled else None
+        written["torch_dtype"] = written.pop("dtype", "float32")
+        path.write_text(json.dumps(written))
+
+
+def _convert(hf_dir, save, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "tools/convert_hf_llama.py", "--hf-dir", str(hf_dir), "--save",
+                           str(save), *extra], capture_output=True, text=True, timeout=200,
+                          env=_env(), cwd=REPO_ROOT)
+
+
+def _flags(stdout: str) -> list[str]:
+    line = next(line for line in stdout.splitlines() if "train with:" in line)
+    flags = line.split("train with: --model llama ", 1)[1].split()
+    return flags[:flags.index("--load")]
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    from megatron_dpp.search import model_measurement
+
+    with model_measurement.single_process_megatron("llama"):
+        yield model_measurement
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scaled, metas_keys", [(False, False), (True, True)],
+                         ids=["llama3", "llama3.1-metas-config"])
+def test_converted_logits_equal_transformers(megatron, tmp_path, scaled, metas_keys):
+    from megatron.core import dist_checkpointing
+    from transformers import LlamaForCausalLM
+
+    from megatron_dpp.arguments import parse_args
+    from megatron_dpp.models.llama import build_llama_chunks
+    from megatron_dpp.training.config import transformer_config_from_args
+
+    _make_llama(tmp_path / "hf", scaled, metas_keys=metas_keys)
+    done = _convert(tmp_path / "hf", tmp_path / "ckpt")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.strip() == "", done.stderr[-3000:]  # no warnings
+    flags = _flags(done.stdout)
+    assert ("--use-rope-scaling" in flags) == scaled
+    assert flags[flags.index("--rotary-base") + 1] == "500000"
+    args = parse_args([*flags, "--seq-length", "48", "--micro-batch-size", "1",
+                       "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-4",
+                       "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                       str(VOCAB - 1), "--attention-backend", "sdpa", "--hidden-dropout", "0",
+                       "--attention-dropout", "0"], model="llama")
+    args.padded_vocab_size = VOCAB  # as build_tokenizer sets it
+    (model,) = build_llama_chunks(args, transformer_config_from_args(args), seed=1)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()},
+                                     str(tmp_path / "ckpt" / "iter_0000000"))
+    model.load_state_dict(loaded["model"], strict=True)
+    model.eval()
+    reference = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    tokens = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(48).unsqueeze(0).expand(2, -1)
+    with torch.no_grad():
+        ours = model(tokens, positions, attention_mask=None)
+        theirs = reference(tokens).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"tie_word_embeddings": True}, "tie_word_embeddings (Llama 3.2 1B/3B's tied output layer"),
+    ({"attention_bias": True}, "attention_bias (--model llama has no biases) is not supported"),
+    ({"model_type": "mistral"}, "model_type 'mistral'; only Llama ('llama') converts here"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' (Llama's MLP is SwiGLU: silu) is not supported"),
+    ({"head_dim": 32}, "head_dim 32 is not hidden_size / num_attention_heads (64 / 4)"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling {'rope_type': 'yarn'"),
+    ({"rope_scaling": dict(LLAMA31_SCALING, original_max_position_embeddings=4096)},
+     "is not Llama 3.1's"),
+])
+def test_configs_it_cannot_build_are_one_line_errors(change, message):
+    config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+              "num_hidden_layers": 2, "intermediate_size": 160, "max_position_embeddings": 128,
+              "hidden_act": "silu", "rope_theta": 500000.0, **change}
+    with pytest.raises(InputError) as raised:
+        llama_hf.trainer_flags(config)
+    assert "\n" not in str(raised.value) and message in str(raised.value), raised.value
+
+
+@pytest.mark.timeout(200)
+def test_bad_directories_are_one_line_errors(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "no_weights").mkdir()
+    (tmp_path / "no_weights" / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+         "num_hidden_layers": 2, "intermediate_size": 160, "max_position_embeddings": 128,
+         "vocab_size": VOCAB}))
+    cases = {"missing": "--hf-dir '{d}' is not a directory",
+             "empty": "'{d}' has no config.json; pass the directory of a Hugging Face Llama",
+             "no_weights": "'{d}' has no weights (model.safetensors, its index, or "
+                           "pytorch_model.bin)"}
+    for name, expected in cases.items():
+        directory = tmp_path / name
+        done = _convert(directory, tmp_path / "out")
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+        assert expected.format(d=directory) in lines[0], lines[0]
+    assert not (tmp_path / "out" / "iter_0000000").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_launcher_trains_from_the_converted_checkpoint_at_pp2(tmp_path):
+    """A bf16 Llama converted, then trained in bf16 at pp=2 with --use-dpp (the checkpoint,
+    written at pp=1, reshards on load); without --finetune the load says how to load it."""
+    _make_llama(tmp_path / "hf", scaled=True, dtype=torch.bfloat16)
+    done = _convert(tmp_path / "hf", tmp_path / "ckpt")
+    assert done.returncode == 0, done.stderr[-3000:]
+    common = ["--seq-length", "32", "--train-iters", "4", "--global-batch-size", "8",
+              "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--bf16",
+              *_flags(done.stdout), "--load", str(tmp_path / "ckpt")]
+    env = _env({**os.environ, "PP": "2", "DATA_ARGS": f"--mock-data --tokenizer-type "
+                f"NullTokenizer --vocab-size {VOCAB - 1}"})
+
+    def launch(*extra):
+        return subprocess.run(["bash", "run_scripts/run_single_llama.sh", *common, *extra],
+                              capture_output=True, text=True, timeout=280, cwd=REPO_ROOT, env=env)
+
+    trained = launch("--finetune")
+    assert trained.returncode == 0, (trained.stdout + trained.stderr)[-3000:]
+    assert "PP=2" in trained.stdout and "USE_DPP=1" in trained.stdout, trained.stdout[-3000:]
+    assert (f"loaded checkpoint from {tmp_path / 'ckpt' / 'iter_0000000'} at iteration 0 "
+            f"(--finetune" in trained.stdout), trained.stdout[-3000:]
+    losses = [float(v) for v in re.findall(r"\| lm loss: ([-+0-9.eE]+)", trained.stdout)]
+    assert len(losses) == 4 and all(loss == loss for loss in losses), trained.stdout[-3000:]
+    refused = launch()
+    assert refused.returncode != 0
+    assert ("holds the model only (no optimizer, learning-rate schedule or RNG states, as a "
+            "converted checkpoint): load it with --finetune" in refused.stdout + refused.stderr)
