@@ -1,9 +1,11 @@
 """tools/convert_hf_llama.py: a Hugging Face Llama directory as a model-only checkpoint that
-`--model llama --load DIR --finetune` trains from. Small Llamas are made here with transformers
-(random weights, grouped-query attention, rotary base 500000, with and without Llama 3.1's
-rotary scaling, the config.json as transformers 5 writes it and as Meta's files have it); the
-converted model's logits must equal transformers' own forward, and the launcher must train from
-the checkpoint at pp=2 with the DPP runtime."""
+`--model llama --load DIR --finetune` trains from; tools/export_hf_llama.py: a checkpoint back as
+a Hugging Face directory. Small Llamas are made here with transformers (random weights,
+grouped-query attention, rotary base 500000, with and without Llama 3.1's rotary scaling, the
+config.json as transformers 5 writes it and as Meta's files have it); the converted model's
+logits must equal transformers' own forward, the way back must give the weights bit for bit, and
+the launcher must train from the checkpoint at pp=2 with the DPP runtime, its checkpoint then
+exported and read by transformers with our model's logits."""
 from __future__ import annotations
 
 import json
@@ -23,15 +25,29 @@ LLAMA31_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _make_llama(directory, scaled: bool, dtype=torch.float32, metas_keys: bool = False) -> None:
+def _write_tokenizer(directory) -> None:
+    """A Hugging Face tokenizer of VOCAB words (w0 is BOS, w1 EOS), as Llama 3's files lay it
+    out: tokenizer.json and tokenizer_config.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w2"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "w0", "eos_token": "w1"}))
+
+
+def _make_llama(directory, scaled: bool, dtype=torch.float32, metas_keys: bool = False,
+                tokenizer: bool = False) -> None:
     """A random Llama saved by transformers; metas_keys: its config.json rewritten with
-    rope_theta and rope_scaling as Meta's published files have them."""
+    rope_theta and rope_scaling as Meta's published files have them; tokenizer: with a
+    tokenizer's files beside it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=128,
+                         rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
                          rope_scaling=dict(LLAMA31_SCALING) if scaled else None)
     model = LlamaForCausalLM(config).to(dtype)
@@ -40,6 +56,8 @@ def _make_llama(directory, scaled: bool, dtype=torch.float32, metas_keys: bool =
             if name.endswith("norm.weight"):
                 parameter.uniform_(0.5, 1.5)
     model.save_pretrained(str(directory))
+    if tokenizer:
+        _write_tokenizer(directory)
     if metas_keys:
         path = directory / "config.json"
         written = json.loads(path.read_text())
@@ -56,6 +74,18 @@ def _convert(hf_dir, save, *extra) -> subprocess.CompletedProcess:
                           env=_env(), cwd=REPO_ROOT)
 
 
+def _export(load, save, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "tools/export_hf_llama.py", "--load", str(load), "--save",
+                           str(save), *extra], capture_output=True, text=True, timeout=200,
+                          env=_env(), cwd=REPO_ROOT)
+
+
+def _safetensors(directory) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "model.safetensors"))
+
+
 def _flags(stdout: str) -> list[str]:
     line = next(line for line in stdout.splitlines() if "train with:" in line)
     flags = line.split("train with: --model llama ", 1)[1].split()
@@ -70,10 +100,9 @@ def megatron():
         yield model_measurement
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("scaled, metas_keys", [(False, False), (True, True)],
-                         ids=["llama3", "llama3.1-metas-config"])
-def test_converted_logits_equal_transformers(megatron, tmp_path, scaled, metas_keys):
+def _assert_our_logits_equal_transformers(flags: list[str], checkpoint, hf_dir) -> None:
+    """Our Llama (pp = tp = 1, fp32) built from the trainer flags and loaded from `checkpoint`
+    (an iteration folder, saved at any layout) against transformers' model from hf_dir."""
     from megatron.core import dist_checkpointing
     from transformers import LlamaForCausalLM
 
@@ -81,13 +110,6 @@ def test_converted_logits_equal_transformers(megatron, tmp_path, scaled, metas_k
     from megatron_dpp.models.llama import build_llama_chunks
     from megatron_dpp.training.config import transformer_config_from_args
 
-    _make_llama(tmp_path / "hf", scaled, metas_keys=metas_keys)
-    done = _convert(tmp_path / "hf", tmp_path / "ckpt")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stderr.strip() == "", done.stderr[-3000:]  # no warnings
-    flags = _flags(done.stdout)
-    assert ("--use-rope-scaling" in flags) == scaled
-    assert flags[flags.index("--rotary-base") + 1] == "500000"
     args = parse_args([*flags, "--seq-length", "48", "--micro-batch-size", "1",
                        "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-4",
                        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
@@ -95,17 +117,48 @@ def test_converted_logits_equal_transformers(megatron, tmp_path, scaled, metas_k
                        "--attention-dropout", "0"], model="llama")
     args.padded_vocab_size = VOCAB  # as build_tokenizer sets it
     (model,) = build_llama_chunks(args, transformer_config_from_args(args), seed=1)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()},
-                                     str(tmp_path / "ckpt" / "iter_0000000"))
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(checkpoint))
     model.load_state_dict(loaded["model"], strict=True)
     model.eval()
-    reference = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    reference = LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     tokens = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(48).unsqueeze(0).expand(2, -1)
     with torch.no_grad():
         ours = model(tokens, positions, attention_mask=None)
         theirs = reference(tokens).logits
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scaled, metas_keys", [(False, False), (True, True)],
+                         ids=["llama3", "llama3.1-metas-config"])
+def test_converted_logits_equal_transformers(megatron, tmp_path, scaled, metas_keys):
+    _make_llama(tmp_path / "hf", scaled, metas_keys=metas_keys)
+    done = _convert(tmp_path / "hf", tmp_path / "ckpt")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.strip() == "", done.stderr[-3000:]  # no warnings
+    flags = _flags(done.stdout)
+    assert ("--use-rope-scaling" in flags) == scaled
+    assert flags[flags.index("--rotary-base") + 1] == "500000"
+    _assert_our_logits_equal_transformers(flags, tmp_path / "ckpt" / "iter_0000000",
+                                          tmp_path / "hf")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_export_gives_back_the_weights_bit_for_bit(tmp_path, dtype):
+    _make_llama(tmp_path / "hf", scaled=True, dtype=dtype, tokenizer=True)
+    assert _convert(tmp_path / "hf", tmp_path / "ckpt").returncode == 0
+    done = _export(tmp_path / "ckpt", tmp_path / "back")
+    assert done.returncode == 0 and done.stderr.strip() == "", done.stderr[-3000:]
+    original, exported = _safetensors(tmp_path / "hf"), _safetensors(tmp_path / "back")
+    assert sorted(original) == sorted(exported)
+    for name, tensor in original.items():
+        assert exported[name].dtype == dtype and torch.equal(exported[name], tensor), name
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["rope_scaling"] == LLAMA31_SCALING and config["vocab_size"] == VOCAB
+    assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)  # from the tokenizer
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(tmp_path / "back"))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -125,6 +178,29 @@ def test_configs_it_cannot_build_are_one_line_errors(change, message):
     with pytest.raises(InputError) as raised:
         llama_hf.trainer_flags(config)
     assert "\n" not in str(raised.value) and message in str(raised.value), raised.value
+
+
+@pytest.mark.timeout(300)
+def test_export_mistakes_are_one_line_errors(tmp_path):
+    _make_llama(tmp_path / "hf", scaled=False)  # no tokenizer files
+    assert _convert(tmp_path / "hf", tmp_path / "ckpt").returncode == 0
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    cases = [((tmp_path / "ckpt", tmp_path / "out"), "names no tokenizer (converted from weights "
+                                                     "without one); pass --vocab-size N"),
+             ((tmp_path / "ckpt", tmp_path / "full", "--vocab-size", "256"),
+              f"--save '{tmp_path / 'full'}' exists and is not an empty directory"),
+             ((tmp_path / "none", tmp_path / "out"), f"--load '{tmp_path / 'none'}' is not a "
+                                                     f"directory"),
+             ((tmp_path / "ckpt", tmp_path / "out", "--vocab-size", "300"),
+              "--vocab-size 300 exceeds the checkpoint's padded vocabulary 256")]
+    for arguments, expected in cases:
+        done = _export(*arguments)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+        assert expected in lines[0], lines[0]
+    assert not (tmp_path / "out").exists()
+    assert [name for name in os.listdir(tmp_path) if name.startswith(".export")] == []
 
 
 @pytest.mark.timeout(200)
@@ -149,13 +225,15 @@ def test_bad_directories_are_one_line_errors(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_the_launcher_trains_from_the_converted_checkpoint_at_pp2(tmp_path):
+@pytest.mark.timeout(400)
+def test_the_launcher_trains_from_the_converted_checkpoint_at_pp2(megatron, tmp_path):
     """A bf16 Llama converted, then trained in bf16 at pp=2 with --use-dpp (the checkpoint,
-    written at pp=1, reshards on load); without --finetune the load says how to load it."""
-    _make_llama(tmp_path / "hf", scaled=True, dtype=torch.bfloat16)
+    written at pp=1, reshards on load); without --finetune the load says how to load it. The
+    trained checkpoint (saved at pp=2) exported: transformers reads it and gives our logits."""
+    _make_llama(tmp_path / "hf", scaled=True, dtype=torch.bfloat16, tokenizer=True)
     done = _convert(tmp_path / "hf", tmp_path / "ckpt")
     assert done.returncode == 0, done.stderr[-3000:]
+    done_flags = done.stdout
     common = ["--seq-length", "32", "--train-iters", "4", "--global-batch-size", "8",
               "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--bf16",
               *_flags(done.stdout), "--load", str(tmp_path / "ckpt")]
@@ -166,7 +244,7 @@ def test_the_launcher_trains_from_the_converted_checkpoint_at_pp2(tmp_path):
         return subprocess.run(["bash", "run_scripts/run_single_llama.sh", *common, *extra],
                               capture_output=True, text=True, timeout=280, cwd=REPO_ROOT, env=env)
 
-    trained = launch("--finetune")
+    trained = launch("--finetune", "--save", str(tmp_path / "trained"))
     assert trained.returncode == 0, (trained.stdout + trained.stderr)[-3000:]
     assert "PP=2" in trained.stdout and "USE_DPP=1" in trained.stdout, trained.stdout[-3000:]
     assert (f"loaded checkpoint from {tmp_path / 'ckpt' / 'iter_0000000'} at iteration 0 "
@@ -177,3 +255,12 @@ def test_the_launcher_trains_from_the_converted_checkpoint_at_pp2(tmp_path):
     assert refused.returncode != 0
     assert ("holds the model only (no optimizer, learning-rate schedule or RNG states, as a "
             "converted checkpoint): load it with --finetune" in refused.stdout + refused.stderr)
+    # The run named NullTokenizer: the export takes the vocabulary from --vocab-size.
+    done = _export(tmp_path / "trained", tmp_path / "exported", "--vocab-size", str(VOCAB))
+    assert done.returncode == 0, done.stderr[-3000:]
+    exported = _safetensors(tmp_path / "exported")
+    original = _safetensors(tmp_path / "hf")
+    assert exported["lm_head.weight"].dtype == torch.bfloat16
+    assert not torch.equal(exported["lm_head.weight"], original["lm_head.weight"])  # trained
+    _assert_our_logits_equal_transformers(_flags(done_flags), tmp_path / "trained" /
+                                          "iter_0000004", tmp_path / "exported")

@@ -1,6 +1,7 @@
-"""Llama's Hugging Face files in Megatron-Core's terms: the trainer flags of a config.json, and
-the Megatron-Core state dict of its weights (model.safetensors, sharded or not, or
-pytorch_model.bin). training/convert_hf_llama.py writes them as a checkpoint.
+"""Llama's Hugging Face files in Megatron-Core's terms, both ways: the trainer flags of a
+config.json and the Megatron-Core state dict of its weights (model.safetensors, sharded or not,
+or pytorch_model.bin); and a config.json and Hugging Face weights from a run's flags and state
+dict. training/convert_hf_llama.py writes the first as a checkpoint and exports the second.
 
 What maps where (Megatron-Core's local layer spec; its checkpoints name the norms as Transformer
 Engine's layers do, so either spec loads them):
@@ -12,7 +13,7 @@ Engine's layers do, so either spec loads them):
   down_proj -> linear_fc2; input_layernorm, post_attention_layernorm -> input_layernorm,
   pre_mlp_layernorm.
 Hugging Face's Llama applies rotary embeddings by halves (rotate_half), as Megatron-Core does by
-default, so no weight is permuted.
+default, so no weight is permuted. The way back (hf_state_dict) undoes each step exactly.
 """
 from __future__ import annotations
 
@@ -158,6 +159,62 @@ def megatron_state_dict(weight: Callable[[str], torch.Tensor], config: dict,
             [weight(hf + "mlp.gate_proj.weight"), weight(hf + "mlp.up_proj.weight")])
         state[ours + "mlp.linear_fc2.weight"] = weight(hf + "mlp.down_proj.weight")
     return state
+
+
+def hf_state_dict(state: Mapping[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """The Hugging Face weights of Megatron-Core's Llama state dict (pp = tp = 1, local layer
+    spec names), `config` the Hugging Face config.json (hf_config's); the vocabulary rows cut to
+    config["vocab_size"]. Each tensor contiguous, as safetensors stores them."""
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    heads, groups = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim, vocab = hidden // heads, config["vocab_size"]
+    queries = heads // groups * head_dim  # rows of one group's query heads
+    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:vocab],
+           "model.norm.weight": state["decoder.final_layernorm.weight"],
+           "lm_head.weight": state["output_layer.weight"][:vocab]}
+    for index in range(layers):
+        hf, ours = f"model.layers.{index}.", f"decoder.layers.{index}."
+        qkv = state[ours + "self_attention.linear_qkv.weight"].reshape(groups, -1, hidden)
+        out[hf + "self_attn.q_proj.weight"] = qkv[:, :queries].reshape(-1, hidden)
+        out[hf + "self_attn.k_proj.weight"] = qkv[:, queries:queries + head_dim].reshape(-1, hidden)
+        out[hf + "self_attn.v_proj.weight"] = qkv[:, queries + head_dim:].reshape(-1, hidden)
+        out[hf + "self_attn.o_proj.weight"] = state[ours + "self_attention.linear_proj.weight"]
+        out[hf + "input_layernorm.weight"] = state[ours + "input_layernorm.weight"]
+        out[hf + "post_attention_layernorm.weight"] = state[ours + "pre_mlp_layernorm.weight"]
+        gate, up = state[ours + "mlp.linear_fc1.weight"].chunk(2)
+        out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = gate, up
+        out[hf + "mlp.down_proj.weight"] = state[ours + "mlp.linear_fc2.weight"]
+    return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def hf_config(args, vocab_size: int, dtype: torch.dtype, bos: int | None = None,
+              eos: int | None = None) -> dict:
+    """The config.json of a --model llama run's flags (`args`: the trainer's, as a checkpoint
+    keeps them), with the keys Meta's published files use (rope_theta, rope_scaling), which
+    transformers 4 and 5 both read."""
+    names = {value: key for key, value in {
+        "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.items()}
+    scaling = None
+    if getattr(args, "use_rope_scaling", False):
+        scaling = {"rope_type": "llama3", "factor": float(args.rope_scaling_factor),
+                   **LLAMA3_ROPE_SCALING}
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": args.hidden_size, "intermediate_size": args.ffn_hidden_size,
+        "num_hidden_layers": args.num_layers, "num_attention_heads": args.num_attention_heads,
+        "num_key_value_heads": args.num_query_groups or args.num_attention_heads,
+        "head_dim": args.hidden_size // args.num_attention_heads, "hidden_act": "silu",
+        "rms_norm_eps": args.norm_epsilon, "rope_theta": float(args.rotary_base),
+        "rope_scaling": scaling, "max_position_embeddings": args.max_position_embeddings,
+        "vocab_size": vocab_size, "tie_word_embeddings": False, "attention_bias": False,
+        "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": args.init_method_std,
+        "torch_dtype": names[dtype], "use_cache": True,
+    }
+    if bos is not None:
+        config["bos_token_id"] = bos
+    if eos is not None:
+        config["eos_token_id"] = eos
+    return config
 
 
 class HuggingFaceWeights:

@@ -1,8 +1,10 @@
 """A Hugging Face Llama model directory (config.json and its weights: Llama 2, Llama 3, Llama 3.1
 ...) as a checkpoint that `--model llama --load DIR --finetune` trains from, at any tensor,
-pipeline or virtual-pipeline layout (Megatron-Core's torch_dist format reshards on load):
+pipeline or virtual-pipeline layout (Megatron-Core's torch_dist format reshards on load); and
+the way back (export: tools/export_hf_llama.py), from a checkpoint saved at any layout:
 
     python tools/convert_hf_llama.py --hf-dir Meta-Llama-3-8B --save checkpoints/llama3-8b
+    python tools/export_hf_llama.py --load checkpoints/run --save llama3-trained
 
 It prints the model flags to train with (the shape, grouped-query attention, rotary base and
 scaling, norm epsilon), which must be given to the trainer: a checkpoint holds tensors, and a
@@ -17,19 +19,24 @@ tensor at a time (16 GB and more for an 8B model in bf16). models/llama_hf.py sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import sys
 import tempfile
 from typing import Optional, Sequence
 
-from megatron_dpp.data.tokenizer import vocab_size_with_padding
+from megatron_dpp.data.errors import DataInputError
+from megatron_dpp.data.tokenizer import (HF_TOKENIZER_FILES, HUGGINGFACE, tokenizer_from_files,
+                                         vocab_size_with_padding)
 from megatron_dpp.flag_errors import ArgsError, require_output_dir
 from megatron_dpp.models import llama_hf
 from megatron_dpp.one_line_errors import InputError, OneLineErrorParser
 
 # The seed of the random initialization that the Hugging Face weights then replace.
 _BUILD_SEED = 0
+# The files of a Hugging Face tokenizer directory that an export copies.
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,17 +72,43 @@ def _model_args(flags: list[str], padded_vocab_size: int) -> argparse.Namespace:
     return args
 
 
+@contextlib.contextmanager
+def _one_cpu_process():
+    """A gloo group of one rank with Megatron's parallel state at tp = pp = 1, on the CPU."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_dpp.models import MODEL_SPECS
+    from megatron_dpp.platform import apply_cpu_patches
+
+    apply_cpu_patches(MODEL_SPECS[llama_hf.FAMILY.name].cpu_patched_modules)
+    with tempfile.TemporaryDirectory(prefix="convert_hf_llama_") as directory:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(directory, "store"), 1),
+                                rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
+        try:
+            parallel_state.initialize_model_parallel(1, 1)
+            tensor_parallel.model_parallel_cuda_manual_seed(_BUILD_SEED)
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+def _build_model(args: argparse.Namespace):
+    from megatron_dpp.models import MODEL_SPECS
+    from megatron_dpp.models.transformer_config import transformer_config_from_args
+
+    spec = MODEL_SPECS[llama_hf.FAMILY.name]
+    (model,) = spec.build_chunks(args, transformer_config_from_args(args), _BUILD_SEED)
+    return model
+
+
 def convert(hf_dir: str, save: str, tensor_parallel_size: int = 1,
             divisible_by: int = 128) -> tuple[str, list[str]]:
     """Write the checkpoint; returns (its iteration directory, the trainer's model flags).
     Raises InputError (one line) for a directory this cannot convert."""
     import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
 
-    from megatron_dpp.models import MODEL_SPECS
-    from megatron_dpp.models.transformer_config import transformer_config_from_args
-    from megatron_dpp.platform import apply_cpu_patches
     from megatron_dpp.training.checkpointing import TrainState, save_checkpoint
 
     config = llama_hf.read_config(hf_dir)
@@ -89,27 +122,132 @@ def convert(hf_dir: str, save: str, tensor_parallel_size: int = 1,
     padded = vocab_size_with_padding(int(config["vocab_size"]), divisible_by,
                                      tensor_parallel_size)
     args = _model_args(flags, padded)
-    spec = MODEL_SPECS[llama_hf.FAMILY.name]
-    apply_cpu_patches(spec.cpu_patched_modules)
-    with tempfile.TemporaryDirectory(prefix="convert_hf_llama_") as directory:
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(directory, "store"), 1),
-                                rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
-        try:
-            parallel_state.initialize_model_parallel(1, 1)
-            tensor_parallel.model_parallel_cuda_manual_seed(_BUILD_SEED)
-            (model,) = spec.build_chunks(args, transformer_config_from_args(args), _BUILD_SEED)
-            state = llama_hf.megatron_state_dict(weights, config, padded)
-            missing, unexpected = model.load_state_dict(state, strict=False)
-            if missing or unexpected:  # the mapping and Megatron-Core disagree: a bug here
-                raise RuntimeError(f"the converted state dict does not fit Megatron-Core's Llama: "
-                                   f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-            del state
-            with torch.no_grad():
-                final = save_checkpoint(save, TrainState(), [model], None, None, args=args)
-        finally:
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
+    # The checkpoint remembers the tokenizer it came with, if any (export reads its vocabulary).
+    has_tokenizer = any(os.path.isfile(os.path.join(hf_dir, name)) for name in HF_TOKENIZER_FILES)
+    args.tokenizer_type = HUGGINGFACE if has_tokenizer else None
+    args.tokenizer_model = hf_dir if has_tokenizer else None
+    with _one_cpu_process():
+        model = _build_model(args)
+        state = llama_hf.megatron_state_dict(weights, config, padded)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:  # the mapping and Megatron-Core disagree: a bug here
+            raise RuntimeError(f"the converted state dict does not fit Megatron-Core's Llama: "
+                               f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        del state
+        with torch.no_grad():
+            final = save_checkpoint(save, TrainState(), [model], None, None, args=args)
     return final, [flag for flag in flags if flag not in ("--bf16", "--fp16")]
+
+
+def _saved_model_flags(saved: argparse.Namespace) -> list[str]:
+    """The model flags of the run that saved a checkpoint (its args, as Megatron-LM keeps them)."""
+    flags = ["--num-layers", saved.num_layers, "--hidden-size", saved.hidden_size,
+             "--ffn-hidden-size", saved.ffn_hidden_size,
+             "--num-attention-heads", saved.num_attention_heads,
+             "--num-query-groups", saved.num_query_groups or saved.num_attention_heads,
+             "--rotary-base", saved.rotary_base, "--norm-epsilon", repr(saved.norm_epsilon),
+             "--max-position-embeddings", saved.max_position_embeddings]
+    if getattr(saved, "use_rope_scaling", False):
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(saved.rope_scaling_factor)]
+    for dtype_flag in ("bf16", "fp16"):
+        if getattr(saved, dtype_flag, False):
+            flags.append(f"--{dtype_flag}")
+    return [str(flag) for flag in flags]
+
+
+def _vocabulary(saved: argparse.Namespace, vocab_size: Optional[int], directory: str):
+    """(vocabulary size, bos, eos, the tokenizer directory to copy or None): --vocab-size, else
+    the saving run's tokenizer where its files are still there."""
+    if vocab_size is not None:
+        return vocab_size, None, None, None
+    tokenizer_type = getattr(saved, "tokenizer_type", None)
+    if tokenizer_type is None:
+        raise InputError(f"checkpoint {directory} names no tokenizer (converted from weights "
+                         f"without one); pass --vocab-size N, the vocabulary before Megatron's "
+                         f"padding")
+    try:
+        tokenizer = tokenizer_from_files(tokenizer_type, getattr(saved, "vocab_file", None),
+                                         getattr(saved, "merge_file", None),
+                                         getattr(saved, "tokenizer_model", None),
+                                         getattr(saved, "vocab_size", None))
+    except (DataInputError, TypeError) as error:
+        raise InputError(f"checkpoint {directory}: its run's tokenizer ({tokenizer_type}) cannot "
+                         f"be read here ({error}); pass --vocab-size N, the tokenizer's "
+                         f"vocabulary before Megatron's padding") from None
+    copy = saved.tokenizer_model if tokenizer_type == HUGGINGFACE else None
+    return (tokenizer.vocab_size, getattr(tokenizer, "bos", None), tokenizer.eod, copy)
+
+
+def export(load: str, save: str, vocab_size: Optional[int] = None) -> tuple[str, str]:
+    """Write the Hugging Face directory `save` (config.json, model.safetensors, the tokenizer's
+    files where the run had a Hugging Face tokenizer) from the checkpoint `load` names, saved at
+    any layout; returns (the iteration folder read, save). Raises InputError (one line)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_dpp.training.checkpointing import find_checkpoint
+    from megatron_dpp.training.dist_checkpoint import CheckpointLoadError, checkpoint_format
+
+    if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)):
+        raise InputError(f"--save {save!r} exists and is not an empty directory; the export "
+                         f"writes a new one")
+    with _one_cpu_process():
+        try:
+            found = find_checkpoint(load)
+        except CheckpointLoadError as error:
+            raise InputError(str(error)) from None
+        directory = found.directory
+        if checkpoint_format(directory) != "torch_dist":
+            raise InputError(f"checkpoint {directory} is not in the torch_dist format (--ckpt-"
+                             f"format torch_dist, the default); the export reads that one only")
+        saved = dist_checkpointing.load_common_state_dict(directory).get("args")
+        if getattr(saved, "model", None) != llama_hf.FAMILY.name:
+            raise InputError(f"checkpoint {directory} is of model "
+                             f"{getattr(saved, 'model', None)!r}; the export writes "
+                             f"{llama_hf.FAMILY.name}'s")
+        vocab, bos, eos, tokenizer_dir = _vocabulary(saved, vocab_size, directory)
+        if vocab > saved.padded_vocab_size:
+            raise InputError(f"--vocab-size {vocab} exceeds the checkpoint's padded vocabulary "
+                             f"{saved.padded_vocab_size}")
+        args = _model_args(_saved_model_flags(saved), saved.padded_vocab_size)
+        model = _build_model(args)
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
+        model.load_state_dict(loaded["model"], strict=True)
+        state = {name: value.detach() for name, value in model.state_dict().items()
+                 if hasattr(value, "detach")}  # not the layers' empty _extra_state entries
+    # One dtype for the file, the embedding's: a bf16 run's (or converted) norms may be fp32.
+    dtype = state["embedding.word_embeddings.weight"].dtype
+    config = llama_hf.hf_config(args, vocab, dtype, bos, eos)
+    tensors = {name: tensor.to(dtype)
+               for name, tensor in llama_hf.hf_state_dict(state, config).items()}
+    _write_hf_directory(save, config, tensors, tokenizer_dir)
+    return directory, save
+
+
+def _write_hf_directory(save: str, config: dict, tensors: dict, tokenizer_dir: Optional[str]):
+    """config.json, model.safetensors and the tokenizer's files, written into a temporary
+    sibling directory and renamed, so a failed export leaves no partial model behind."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    parent = os.path.dirname(os.path.abspath(save))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".export_hf_llama_", dir=parent)
+    try:
+        with open(os.path.join(staging, "config.json"), "w", encoding="utf-8") as handle:
+            json.dump(config, handle, indent=2)
+        save_file(tensors, os.path.join(staging, "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer_dir is not None:
+            for name in os.listdir(tokenizer_dir):
+                if name.startswith(TOKENIZER_FILE_PREFIXES):
+                    shutil.copy2(os.path.join(tokenizer_dir, name), staging)
+        if os.path.isdir(save):
+            os.rmdir(save)  # empty (checked before)
+        os.replace(staging, save)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -133,6 +271,41 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"convert_hf_llama: train with: --model {llama_hf.FAMILY.name} {' '.join(flags)} "
           f"--load {args.save} "
           f"--finetune --tokenizer-type HuggingFaceTokenizer --tokenizer-model {args.hf_dir}")
+    return 0
+
+
+def build_export_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(
+        prog="export_hf_llama",
+        description="A --model llama checkpoint (torch_dist, saved at any layout) as a Hugging "
+                    "Face Llama directory: config.json, model.safetensors and, where the run "
+                    "read a Hugging Face tokenizer directory, its files.")
+    parser.add_argument("--load", required=True,
+                        help="The checkpoint: a --save directory (the iteration its tracker "
+                             "names) or one of its iter_NNNNNNN folders.")
+    parser.add_argument("--save", required=True,
+                        help="The Hugging Face directory to write (new, or empty).")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="The vocabulary before Megatron's padding (default: the saving "
+                             "run's tokenizer's, read from its files).")
+    return parser
+
+
+def export_main(argv: Optional[Sequence[str]] = None) -> int:
+    from megatron_dpp.kernels import install_warning_filters
+
+    install_warning_filters()
+    args = build_export_parser().parse_args(argv)
+    try:
+        if args.vocab_size is not None and args.vocab_size < 1:
+            raise InputError(f"--vocab-size must be positive, got {args.vocab_size}")
+        if not os.path.isdir(args.load):
+            raise InputError(f"--load {args.load!r} is not a directory")
+        directory, save = export(args.load, args.save, args.vocab_size)
+    except (InputError, ArgsError) as error:
+        print(f"export_hf_llama: error: {error}", file=sys.stderr)
+        return 2
+    print(f"export_hf_llama: wrote {save} (config.json, model.safetensors) from {directory}")
     return 0
 
 
