@@ -187,6 +187,11 @@ def export(load: str, save: str, vocab_size: Optional[int] = None) -> tuple[str,
     from megatron_dpp.training.checkpointing import find_checkpoint
     from megatron_dpp.training.dist_checkpoint import CheckpointLoadError, checkpoint_format
 
+    try:
+        import safetensors  # noqa: F401  (model.safetensors is written at the end)
+    except ImportError:
+        raise InputError("writing model.safetensors needs the safetensors package: pip install "
+                         "safetensors") from None
     if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)):
         raise InputError(f"--save {save!r} exists and is not an empty directory; the export "
                          f"writes a new one")
