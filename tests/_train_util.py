@@ -141,3 +141,18 @@ def flag_error(capsys, argv: Sequence[str], model: str = "gpt") -> str:
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert exit_.value.code == 2 and len(lines) == 1, lines
     return lines[0]
+
+
+def train_llama_through_the_launcher(data_args: str) -> str:
+    """8 iterations of the CPU Llama recipe at pp=1 on DATA_ARGS; asserts the loss falls and
+    returns the log (the Llama tokenizer tests)."""
+    result = subprocess.run(
+        ["bash", "run_scripts/run_single_llama.sh", "--train-iters", "8", "--global-batch-size",
+         "8", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0"],
+        capture_output=True, text=True, timeout=280, cwd=REPO_ROOT,
+        env=_env({**os.environ, "PP": "1", "DATA_ARGS": data_args}))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    losses = [float(v) for v in re.findall(r"\| lm loss: ([-+0-9.eE]+)", result.stdout)]
+    assert len(losses) == 8, result.stdout[-3000:]
+    assert losses[-1] < losses[0] - 0.5, losses
+    return result.stdout

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import subprocess
 import sys
 
@@ -18,7 +16,8 @@ import numpy
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from _train_util import PYTHON, REPO_ROOT, _env, ensure_sample_data
+from _train_util import (PYTHON, REPO_ROOT, _env, ensure_sample_data,
+                         train_llama_through_the_launcher)
 from megatron_dpp.data.errors import DataInputError
 from megatron_dpp.data.tokenizer import HuggingFaceTokenizer, build_tokenizer
 
@@ -158,21 +157,6 @@ def test_tokenizer_directory_mistakes_are_one_line_errors(directory, tmp_path, m
     assert "\n" not in message and message.startswith(expected), message
 
 
-@pytest.mark.timeout(120)
-def test_trainer_flags_name_a_missing_directory_before_anything_starts(tmp_path):
-    sample = ensure_sample_data()
-    result = subprocess.run(
-        [PYTHON, "-m", "megatron_dpp.pretrain", "--model", "llama", "--num-layers", "2",
-         "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1",
-         "--lr", "1e-3", "--data-path", str(sample / "sample_text_document"),
-         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "none")],
-        capture_output=True, text=True, timeout=110, env=_env(), cwd=REPO_ROOT)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
-    assert f"--tokenizer-model '{tmp_path / 'none'}' does not exist" in lines[0]
-
-
 def _preprocess(directory, output_dir, texts, *extra) -> str:
     corpus = output_dir / "corpus.jsonl"
     with open(corpus, "w", encoding="utf-8") as out:
@@ -215,17 +199,9 @@ def test_preprocessed_documents_end_with_eos_and_start_with_bos_on_request(bpe, 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_llama_trains_on_hugging_face_tokenized_data_through_the_launcher(directory, llama3_data):
-    data_args = (f"--data-path {llama3_data} --split 98,2,0 --tokenizer-type HuggingFaceTokenizer "
-                 f"--tokenizer-model {directory}")
-    result = subprocess.run(
-        ["bash", "run_scripts/run_single_llama.sh", "--train-iters", "8", "--global-batch-size",
-         "8", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0"],
-        capture_output=True, text=True, timeout=280, cwd=REPO_ROOT,
-        env=_env({**os.environ, "PP": "1", "DATA_ARGS": data_args}))
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    losses = [float(v) for v in re.findall(r"\| lm loss: ([-+0-9.eE]+)", result.stdout)]
-    assert len(losses) == 8, result.stdout[-3000:]
-    assert losses[-1] < losses[0] - 0.5, losses
+    stdout = train_llama_through_the_launcher(
+        f"--data-path {llama3_data} --split 98,2,0 --tokenizer-type HuggingFaceTokenizer "
+        f"--tokenizer-model {directory}")
     # The embedding is sized for the tokenizer's vocabulary (700, padded to 768), not GPT-2's.
     assert ("> HuggingFaceTokenizer vocab (size: 700) padded with 68 dummy tokens (new size: 768)"
-            in result.stdout), result.stdout[-3000:]
+            in stdout), stdout[-3000:]

@@ -8,15 +8,14 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
-import re
 import subprocess
 
 import numpy
 import pytest
 import sentencepiece
 
-from _train_util import PYTHON, REPO_ROOT, _env, ensure_sample_data
+from _train_util import (PYTHON, REPO_ROOT, _env, ensure_sample_data,
+                         train_llama_through_the_launcher)
 from megatron_dpp.data.errors import DataInputError
 from megatron_dpp.data.tokenizer import Llama2Tokenizer, build_tokenizer
 
@@ -91,18 +90,22 @@ def test_tokenizer_file_mistakes_are_one_line_errors(model_file, tmp_path, case)
 
 
 @pytest.mark.timeout(120)
-def test_trainer_flags_name_a_missing_model_before_anything_starts(tmp_path):
+@pytest.mark.parametrize("tokenizer_type, missing", [("Llama2Tokenizer", "none.model"),
+                                                     ("HuggingFaceTokenizer", "none")])
+def test_trainer_flags_name_a_missing_model_before_anything_starts(tmp_path, tokenizer_type,
+                                                                    missing):
+    """Llama 2's model file, or a Hugging Face tokenizer directory (tests/test_hf_tokenizer.py)."""
     sample = ensure_sample_data()
     result = subprocess.run(
         [PYTHON, "-m", "megatron_dpp.pretrain", "--model", "llama", "--num-layers", "2",
          "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1",
          "--lr", "1e-3", "--data-path", str(sample / "sample_text_document"),
-         "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", str(tmp_path / "none.model")],
+         "--tokenizer-type", tokenizer_type, "--tokenizer-model", str(tmp_path / missing)],
         capture_output=True, text=True, timeout=110, env=_env(), cwd=REPO_ROOT)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
-    assert f"--tokenizer-model '{tmp_path / 'none.model'}' does not exist" in lines[0]
+    assert f"--tokenizer-model '{tmp_path / missing}' does not exist" in lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -139,17 +142,9 @@ def test_preprocessed_documents_start_with_bos_and_end_with_eos(model_file, llam
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_llama_trains_on_sentencepiece_data_through_the_launcher(model_file, llama_data):
-    data_args = (f"--data-path {llama_data} --split 98,2,0 --tokenizer-type Llama2Tokenizer "
-                 f"--tokenizer-model {model_file}")
-    result = subprocess.run(
-        ["bash", "run_scripts/run_single_llama.sh", "--train-iters", "8", "--global-batch-size",
-         "8", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0"],
-        capture_output=True, text=True, timeout=280, cwd=REPO_ROOT,
-        env=_env({**os.environ, "PP": "1", "DATA_ARGS": data_args}))
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    losses = [float(v) for v in re.findall(r"\| lm loss: ([-+0-9.eE]+)", result.stdout)]
-    assert len(losses) == 8, result.stdout[-3000:]
-    assert losses[-1] < losses[0] - 0.5, losses
+    stdout = train_llama_through_the_launcher(
+        f"--data-path {llama_data} --split 98,2,0 --tokenizer-type Llama2Tokenizer "
+        f"--tokenizer-model {model_file}")
     # The embedding is sized for the SentencePiece vocabulary (1000, padded to 1024), not GPT-2's.
     assert ("> Llama2Tokenizer vocab (size: 1000) padded with 24 dummy tokens (new size: 1024)"
-            in result.stdout), result.stdout[-3000:]
+            in stdout), stdout[-3000:]
