@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import logging
 import os
 import sys
 import tempfile
@@ -107,10 +108,6 @@ def convert(hf_dir: str, save: str, tensor_parallel_size: int = 1,
             divisible_by: int = 128) -> tuple[str, list[str]]:
     """Write the checkpoint; returns (its iteration directory, the trainer's model flags).
     Raises InputError (one line) for a directory this cannot convert."""
-    import torch
-
-    from megatron_dpp.training.checkpointing import TrainState, save_checkpoint
-
     config = llama_hf.read_config(hf_dir)
     flags = llama_hf.trainer_flags(config)
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
@@ -126,6 +123,10 @@ def convert(hf_dir: str, save: str, tensor_parallel_size: int = 1,
     has_tokenizer = any(os.path.isfile(os.path.join(hf_dir, name)) for name in HF_TOKENIZER_FILES)
     args.tokenizer_type = HUGGINGFACE if has_tokenizer else None
     args.tokenizer_model = hf_dir if has_tokenizer else None
+    import torch
+
+    from megatron_dpp.training.checkpointing import TrainState, save_checkpoint
+
     with _one_cpu_process():
         model = _build_model(args)
         state = llama_hf.megatron_state_dict(weights, config, padded)
@@ -255,10 +256,19 @@ def _write_hf_directory(save: str, config: dict, tensors: dict, tokenizer_dir: O
         raise
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _quiet_imports() -> None:
+    """Megatron-Core's import-time warnings ("Apex is not installed", ...), and torch's log line
+    "No CUDA runtime is found" from torch.utils.cpp_extension, which Megatron-Core imports: a
+    CUDA build of torch logs it where it sees no GPU, as in this CPU work (the tools hide the
+    GPUs)."""
     from megatron_dpp.kernels import install_warning_filters
 
-    install_warning_filters()  # Megatron-Core's import-time "Apex is not installed" warnings
+    install_warning_filters()
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    _quiet_imports()
     args = build_parser().parse_args(argv)
     try:
         if args.tensor_model_parallel_size < 1 or args.make_vocab_size_divisible_by < 1:
@@ -297,9 +307,7 @@ def build_export_parser() -> argparse.ArgumentParser:
 
 
 def export_main(argv: Optional[Sequence[str]] = None) -> int:
-    from megatron_dpp.kernels import install_warning_filters
-
-    install_warning_filters()
+    _quiet_imports()
     args = build_export_parser().parse_args(argv)
     try:
         if args.vocab_size is not None and args.vocab_size < 1:
