@@ -87,9 +87,11 @@ def _safetensors(directory) -> dict:
 
 
 def _flags(stdout: str) -> list[str]:
+    """The model flags of the converter's "train with:" line (its tokenizer flags left out)."""
     line = next(line for line in stdout.splitlines() if "train with:" in line)
     flags = line.split("train with: --model llama ", 1)[1].split()
-    return flags[:flags.index("--load")]
+    end = min(flags.index(flag) for flag in ("--load", "--tokenizer-type") if flag in flags)
+    return flags[:end]
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +150,10 @@ def test_converted_logits_equal_transformers(megatron, tmp_path, scaled, metas_k
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_export_gives_back_the_weights_bit_for_bit(tmp_path, dtype):
     _make_llama(tmp_path / "hf", scaled=True, dtype=dtype, tokenizer=True)
-    assert _convert(tmp_path / "hf", tmp_path / "ckpt").returncode == 0
+    converted = _convert(tmp_path / "hf", tmp_path / "ckpt")
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    assert (f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tmp_path / 'hf'} --load "
+            f"{tmp_path / 'ckpt'} --finetune" in converted.stdout), converted.stdout
     done = _export(tmp_path / "ckpt", tmp_path / "back")
     assert done.returncode == 0 and done.stderr.strip() == "", done.stderr[-3000:]
     original, exported = _safetensors(tmp_path / "hf"), _safetensors(tmp_path / "back")

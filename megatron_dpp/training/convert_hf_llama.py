@@ -106,8 +106,9 @@ def _build_model(args: argparse.Namespace):
 
 def convert(hf_dir: str, save: str, tensor_parallel_size: int = 1,
             divisible_by: int = 128) -> tuple[str, list[str]]:
-    """Write the checkpoint; returns (its iteration directory, the trainer's model flags).
-    Raises InputError (one line) for a directory this cannot convert."""
+    """Write the checkpoint; returns (its iteration directory, the trainer's flags: the model's,
+    and the tokenizer's where hf_dir has one). Raises InputError (one line) for a directory this
+    cannot convert."""
     config = llama_hf.read_config(hf_dir)
     flags = llama_hf.trainer_flags(config)
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
@@ -137,7 +138,10 @@ def convert(hf_dir: str, save: str, tensor_parallel_size: int = 1,
         del state
         with torch.no_grad():
             final = save_checkpoint(save, TrainState(), [model], None, None, args=args)
-    return final, [flag for flag in flags if flag not in ("--bf16", "--fp16")]
+    model_flags = [flag for flag in flags if flag not in ("--bf16", "--fp16")]
+    tokenizer_flags = (["--tokenizer-type", HUGGINGFACE, "--tokenizer-model", hf_dir]
+                       if has_tokenizer else [])
+    return final, model_flags + tokenizer_flags
 
 
 def _saved_model_flags(saved: argparse.Namespace) -> list[str]:
@@ -146,7 +150,9 @@ def _saved_model_flags(saved: argparse.Namespace) -> list[str]:
              "--ffn-hidden-size", saved.ffn_hidden_size,
              "--num-attention-heads", saved.num_attention_heads,
              "--num-query-groups", saved.num_query_groups or saved.num_attention_heads,
-             "--rotary-base", saved.rotary_base, "--norm-epsilon", repr(saved.norm_epsilon),
+             "--rotary-base", saved.rotary_base,
+             # Absent from checkpoints of runs before the flag: its default then.
+             "--norm-epsilon", repr(getattr(saved, "norm_epsilon", 1e-5)),
              "--max-position-embeddings", saved.max_position_embeddings]
     if getattr(saved, "use_rope_scaling", False):
         flags += ["--use-rope-scaling", "--rope-scaling-factor", repr(saved.rope_scaling_factor)]
@@ -284,8 +290,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     print(f"convert_hf_llama: wrote {final} (the model only, iteration 0)")
     print(f"convert_hf_llama: train with: --model {llama_hf.FAMILY.name} {' '.join(flags)} "
-          f"--load {args.save} "
-          f"--finetune --tokenizer-type HuggingFaceTokenizer --tokenizer-model {args.hf_dir}")
+          f"--load {args.save} --finetune")
     return 0
 
 
