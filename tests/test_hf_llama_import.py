@@ -38,19 +38,24 @@ def _write_tokenizer(directory) -> None:
 
 
 def _make_llama(directory, scaled: bool, dtype=torch.float32, metas_keys: bool = False,
-                tokenizer: bool = False) -> None:
+                tokenizer: bool = False, mistral: bool = False) -> None:
     """A random Llama saved by transformers; metas_keys: its config.json rewritten with
     rope_theta and rope_scaling as Meta's published files have them; tokenizer: with a
-    tokenizer's files beside it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    tokenizer's files beside it; mistral: a Mistral (v0.2's kind: no attention window)."""
+    import transformers
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
-                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
-                         rope_scaling=dict(LLAMA31_SCALING) if scaled else None)
-    model = LlamaForCausalLM(config).to(dtype)
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                 max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=0,
+                 eos_token_id=1)
+    if mistral:
+        config = transformers.MistralConfig(**shape, rope_theta=1000000.0, sliding_window=None)
+        model = transformers.MistralForCausalLM(config).to(dtype)
+    else:
+        config = transformers.LlamaConfig(**shape, rope_theta=500000.0,
+                                          rope_scaling=dict(LLAMA31_SCALING) if scaled else None)
+        model = transformers.LlamaForCausalLM(config).to(dtype)
     with torch.no_grad():  # the norms away from 1, so that a swapped norm shows
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -106,7 +111,7 @@ def _assert_our_logits_equal_transformers(flags: list[str], checkpoint, hf_dir) 
     """Our Llama (pp = tp = 1, fp32) built from the trainer flags and loaded from `checkpoint`
     (an iteration folder, saved at any layout) against transformers' model from hf_dir."""
     from megatron.core import dist_checkpointing
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from megatron_dpp.arguments import parse_args
     from megatron_dpp.models.llama import build_llama_chunks
@@ -122,7 +127,7 @@ def _assert_our_logits_equal_transformers(flags: list[str], checkpoint, hf_dir) 
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(checkpoint))
     model.load_state_dict(loaded["model"], strict=True)
     model.eval()
-    reference = LlamaForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     tokens = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(48).unsqueeze(0).expand(2, -1)
     with torch.no_grad():
@@ -132,16 +137,17 @@ def _assert_our_logits_equal_transformers(flags: list[str], checkpoint, hf_dir) 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("scaled, metas_keys", [(False, False), (True, True)],
-                         ids=["llama3", "llama3.1-metas-config"])
-def test_converted_logits_equal_transformers(megatron, tmp_path, scaled, metas_keys):
-    _make_llama(tmp_path / "hf", scaled, metas_keys=metas_keys)
+@pytest.mark.parametrize("scaled, metas_keys, mistral",
+                         [(False, False, False), (True, True, False), (False, False, True)],
+                         ids=["llama3", "llama3.1-metas-config", "mistral"])
+def test_converted_logits_equal_transformers(megatron, tmp_path, scaled, metas_keys, mistral):
+    _make_llama(tmp_path / "hf", scaled, metas_keys=metas_keys, mistral=mistral)
     done = _convert(tmp_path / "hf", tmp_path / "ckpt")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.strip() == "", done.stderr[-3000:]  # no warnings
     flags = _flags(done.stdout)
     assert ("--use-rope-scaling" in flags) == scaled
-    assert flags[flags.index("--rotary-base") + 1] == "500000"
+    assert flags[flags.index("--rotary-base") + 1] == ("1000000" if mistral else "500000")
     _assert_our_logits_equal_transformers(flags, tmp_path / "ckpt" / "iter_0000000",
                                           tmp_path / "hf")
 
@@ -169,7 +175,10 @@ def test_export_gives_back_the_weights_bit_for_bit(tmp_path, dtype):
 @pytest.mark.parametrize("change, message", [
     ({"tie_word_embeddings": True}, "tie_word_embeddings (Llama 3.2 1B/3B's tied output layer"),
     ({"attention_bias": True}, "attention_bias (--model llama has no biases) is not supported"),
-    ({"model_type": "mistral"}, "model_type 'mistral'; only Llama ('llama') converts here"),
+    ({"model_type": "qwen2"}, "model_type 'qwen2'; only Llama's architecture converts here "
+                              "('llama', 'mistral')"),
+    ({"model_type": "mistral", "sliding_window": 4096},
+     "sliding_window 4096 (Mistral 7B v0.1's windowed attention"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' (Llama's MLP is SwiGLU: silu) is not supported"),
     ({"head_dim": 32}, "head_dim 32 is not hidden_size / num_attention_heads (64 / 4)"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling {'rope_type': 'yarn'"),

@@ -27,6 +27,9 @@ from megatron_dpp.models import families
 from megatron_dpp.one_line_errors import InputError
 
 FAMILY = families.LLAMA  # the model these files convert to
+# Hugging Face model types of Llama's architecture (Mistral's is Llama's, windowed attention
+# aside, which check_llama_config refuses).
+MODEL_TYPES = ("llama", "mistral")
 CONFIG_FILE = "config.json"
 # Llama 3.1's rotary scaling as Megatron-Core implements it (its fixed constants); a config with
 # other values has another model.
@@ -71,9 +74,13 @@ def _value(config: dict, key: str, path: str):
 def check_llama_config(config: dict, path: str = CONFIG_FILE) -> None:
     """InputError, in one line, for a config.json that --model llama cannot build exactly."""
     kind = config.get("model_type")
-    if kind != "llama":
-        raise InputError(f"{path}: model_type {kind!r}; only Llama ('llama') converts here")
+    if kind not in MODEL_TYPES:
+        raise InputError(f"{path}: model_type {kind!r}; only Llama's architecture converts here "
+                         f"({', '.join(repr(k) for k in MODEL_TYPES)})")
     refused = [
+        (config.get("sliding_window") is not None,
+         f"sliding_window {config.get('sliding_window')} (Mistral 7B v0.1's windowed attention; "
+         f"--model llama attends to the whole sequence, as Mistral v0.2 and later do)"),
         (config.get("hidden_act", "silu") != "silu",
          f"hidden_act {config.get('hidden_act')!r} (Llama's MLP is SwiGLU: silu)"),
         (bool(config.get("attention_bias")), "attention_bias (--model llama has no biases)"),

@@ -1,5 +1,5 @@
-"""A Hugging Face Llama model directory (config.json and its weights: Llama 2, Llama 3, Llama 3.1
-...) as a checkpoint that `--model llama --load DIR --finetune` trains from, at any tensor,
+"""A Hugging Face Llama model directory (config.json and its weights: Llama 2, Llama 3, Llama 3.1,
+Mistral v0.2 and later) as a checkpoint that `--model llama --load DIR --finetune` trains from, at any tensor,
 pipeline or virtual-pipeline layout (Megatron-Core's torch_dist format reshards on load); and
 the way back (export: tools/export_hf_llama.py), from a checkpoint saved at any layout:
 
