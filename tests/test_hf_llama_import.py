@@ -195,6 +195,32 @@ def test_configs_it_cannot_build_are_one_line_errors(change, message):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["sharded", "pytorch_model.bin"])
+def test_every_weight_file_layout_converts(tmp_path, layout):
+    """Weights in several model-0000K-of-0000N.safetensors files (their index names each
+    tensor's file), or in pytorch_model.bin: converted and exported back, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    _make_llama(tmp_path / "single", scaled=False)
+    original = _safetensors(tmp_path / "single")
+    source = tmp_path / "source"
+    if layout == "sharded":
+        AutoModelForCausalLM.from_pretrained(str(tmp_path / "single")).save_pretrained(
+            str(source), max_shard_size="100KB")
+        assert len([name for name in os.listdir(source) if name.endswith(".safetensors")]) > 2
+    else:
+        source.mkdir()
+        (source / "config.json").write_text((tmp_path / "single" / "config.json").read_text())
+        torch.save(original, source / "pytorch_model.bin")
+    assert _convert(source, tmp_path / "ckpt").returncode == 0
+    done = _export(tmp_path / "ckpt", tmp_path / "back", "--vocab-size", str(VOCAB))
+    assert done.returncode == 0, done.stderr[-3000:]
+    exported = _safetensors(tmp_path / "back")
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[name], tensor) for name, tensor in original.items())
+
+
+@pytest.mark.timeout(300)
 def test_export_mistakes_are_one_line_errors(tmp_path):
     _make_llama(tmp_path / "hf", scaled=False)  # no tokenizer files
     assert _convert(tmp_path / "hf", tmp_path / "ckpt").returncode == 0
