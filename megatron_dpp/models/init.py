@@ -84,7 +84,9 @@ def build_model_chunks(model_class: type, layer_spec, config: TransformerConfig,
                        **model_arguments) -> list[torch.nn.Module]:
     """This pipeline rank's chunks of `model_class` (GPTModel, BertModel or a subclass), one per
     virtual stage, each with its share of `layer_spec`'s layers and initialized layout-free;
-    `model_arguments`: the rest of the model's constructor (vocabulary, positions, tying)."""
+    `model_arguments`: the rest of the model's constructor (vocabulary, positions, tying).
+    config.perform_initialization False (Megatron-Core's switch): no initialization at all, for
+    a caller that fills every parameter itself (the Hugging Face converter, the export)."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -97,6 +99,7 @@ def build_model_chunks(model_class: type, layer_spec, config: TransformerConfig,
             vp_stage=stage,
             **model_arguments,
         )
-        initialize_layout_independent(model, config, seed, global_name)
+        if config.perform_initialization:
+            initialize_layout_independent(model, config, seed, global_name)
         chunks.append(model)
     return chunks

@@ -34,7 +34,7 @@ from megatron_dpp.flag_errors import ArgsError, require_output_dir
 from megatron_dpp.models import llama_hf
 from megatron_dpp.one_line_errors import InputError, OneLineErrorParser
 
-# The seed of the random initialization that the Hugging Face weights then replace.
+# The seed build_chunks takes (the model is built uninitialized: _build_model).
 _BUILD_SEED = 0
 # The files of a Hugging Face tokenizer directory that an export copies.
 TOKENIZER_FILE_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens")
@@ -96,11 +96,15 @@ def _one_cpu_process():
 
 
 def _build_model(args: argparse.Namespace):
+    """The model, uninitialized: every parameter is then loaded (the load is strict), so a random
+    initialization would be work thrown away (minutes for 8B on a CPU)."""
     from megatron_dpp.models import MODEL_SPECS
     from megatron_dpp.models.transformer_config import transformer_config_from_args
 
     spec = MODEL_SPECS[llama_hf.FAMILY.name]
-    (model,) = spec.build_chunks(args, transformer_config_from_args(args), _BUILD_SEED)
+    config = transformer_config_from_args(args)
+    config.perform_initialization = False
+    (model,) = spec.build_chunks(args, config, _BUILD_SEED)
     return model
 
 
@@ -131,6 +135,7 @@ def convert(hf_dir: str, save: str, tensor_parallel_size: int = 1,
     with _one_cpu_process():
         model = _build_model(args)
         state = llama_hf.megatron_state_dict(weights, config, padded)
+        # Strict in effect: a parameter left out would stay uninitialized memory.
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:  # the mapping and Megatron-Core disagree: a bug here
             raise RuntimeError(f"the converted state dict does not fit Megatron-Core's Llama: "
