@@ -286,11 +286,19 @@ def test_the_launcher_trains_from_the_converted_checkpoint_at_pp2(megatron, tmp_
 
     trained = launch("--finetune", "--save", str(tmp_path / "trained"))
     assert trained.returncode == 0, (trained.stdout + trained.stderr)[-3000:]
+    assert "warning: checkpoint" not in trained.stderr, trained.stderr[-3000:]
     assert "PP=2" in trained.stdout and "USE_DPP=1" in trained.stdout, trained.stdout[-3000:]
     assert (f"loaded checkpoint from {tmp_path / 'ckpt' / 'iter_0000000'} at iteration 0 "
             f"(--finetune" in trained.stdout), trained.stdout[-3000:]
     losses = [float(v) for v in re.findall(r"\| lm loss: ([-+0-9.eE]+)", trained.stdout)]
     assert len(losses) == 4 and all(loss == loss for loss in losses), trained.stdout[-3000:]
+    # Llama 3.1's checkpoint trained with another rotary scaling factor: it loads (the shapes
+    # agree; the other load flags also take a model-only checkpoint), and one line says so.
+    other = launch("--no-load-optim", "--no-load-rng", "--rope-scaling-factor", "32")
+    assert other.returncode == 0, (other.stdout + other.stderr)[-3000:]
+    warnings = [line for line in other.stderr.splitlines() if "warning: checkpoint" in line]
+    assert len(warnings) == 1 and ("was saved with --rope-scaling-factor 8.0; this run has "
+                                   "--rope-scaling-factor 32.0" in warnings[0]), other.stderr[-3000:]
     refused = launch()
     assert refused.returncode != 0
     assert ("holds the model only (no optimizer, learning-rate schedule or RNG states, as a "

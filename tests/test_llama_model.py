@@ -61,6 +61,23 @@ def test_bad_llama_flags_are_one_line_errors(flags, message):
     assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
 
 
+def test_checkpoint_setting_differences_name_what_no_shape_shows():
+    import argparse
+
+    from megatron_dpp.models.families import GPT, LLAMA, checkpoint_setting_differences
+
+    saved = argparse.Namespace(norm_epsilon=1e-5, rotary_base=500000, use_rope_scaling=True,
+                               rope_scaling_factor=8.0, hidden_size=64)
+    run = argparse.Namespace(norm_epsilon=1e-5, rotary_base=500000, use_rope_scaling=False,
+                             rope_scaling_factor=None, hidden_size=128)
+    assert checkpoint_setting_differences(LLAMA, saved, run) == [
+        ("--use-rope-scaling", True, False), ("--rope-scaling-factor", 8.0, None)]
+    assert checkpoint_setting_differences(LLAMA, saved, saved) == []
+    assert checkpoint_setting_differences(GPT, saved, run) == []  # GPT has no rotary settings
+    # Checkpoints of runs before a flag existed do not have it: nothing to compare.
+    assert checkpoint_setting_differences(LLAMA, argparse.Namespace(), run) == []
+
+
 def test_llama_flags_defaults_and_shape_round_trip():
     from megatron_dpp.models.families import LLAMA, MODEL_FAMILIES
 

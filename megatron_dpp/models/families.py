@@ -129,6 +129,11 @@ class ModelFamily:
     """Its values of Megatron-LM's architecture flags (ARCHITECTURE_FLAGS: the parsed attribute ->
     its value here). A command line may state them; one stating another value is refused."""
 
+    unshaped_settings: tuple[str, ...] = ("norm_epsilon",)
+    """The parsed flags that change what the model computes but no tensor's shape: a checkpoint
+    saved with other values still loads (a shape check cannot see them), and the load names the
+    difference (checkpoint_setting_differences)."""
+
     def ties_output(self, untie_embeddings_and_output_weights: bool) -> bool:
         """Is the output layer's weight the word embedding's?"""
         if self.always_untied_output:
@@ -342,6 +347,8 @@ LLAMA = ModelFamily(
     shape_flags=_llama_shape_flags,
     mlp_activation="swiglu",
     architecture=LLAMA_ARCHITECTURE,
+    # Llama 3 and Llama 3.1 share every shape; their rotary settings tell them apart.
+    unshaped_settings=("norm_epsilon", "rotary_base", "use_rope_scaling", "rope_scaling_factor"),
 )
 
 
@@ -354,6 +361,18 @@ DEFAULT_MODEL = GPT.name
 
 TOKENIZER_TYPES = tuple(dict.fromkeys(t for f in MODEL_FAMILIES.values() for t in f.tokenizer_types))
 """Every --tokenizer-type some model trains with."""
+
+
+def checkpoint_setting_differences(family: ModelFamily, saved: argparse.Namespace,
+                                   run: argparse.Namespace) -> list[tuple[str, Any, Any]]:
+    """(flag, the checkpoint's value, this run's) for each of family.unshaped_settings the saved
+    args (a checkpoint's, as Megatron-LM keeps them) have and this run sets otherwise."""
+    differences = []
+    for name in family.unshaped_settings:
+        if hasattr(saved, name) and getattr(saved, name) != getattr(run, name, None):
+            differences.append((f"--{name.replace('_', '-')}", getattr(saved, name),
+                                getattr(run, name, None)))
+    return differences
 
 
 def model_family(name: str) -> ModelFamily:

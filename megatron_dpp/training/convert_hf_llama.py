@@ -197,7 +197,7 @@ def export(load: str, save: str, vocab_size: Optional[int] = None) -> tuple[str,
     from megatron.core import dist_checkpointing
 
     from megatron_dpp.training.checkpointing import find_checkpoint
-    from megatron_dpp.training.dist_checkpoint import CheckpointLoadError, checkpoint_format
+    from megatron_dpp.training.dist_checkpoint import CheckpointLoadError, saved_args
 
     try:
         import safetensors  # noqa: F401  (model.safetensors is written at the end)
@@ -213,10 +213,11 @@ def export(load: str, save: str, vocab_size: Optional[int] = None) -> tuple[str,
         except CheckpointLoadError as error:
             raise InputError(str(error)) from None
         directory = found.directory
-        if checkpoint_format(directory) != "torch_dist":
+        saved = saved_args(directory)
+        if saved is None:
             raise InputError(f"checkpoint {directory} is not in the torch_dist format (--ckpt-"
-                             f"format torch_dist, the default); the export reads that one only")
-        saved = dist_checkpointing.load_common_state_dict(directory).get("args")
+                             f"format torch_dist, the default) or keeps no run args; the export "
+                             f"reads a torch_dist checkpoint of this trainer")
         if getattr(saved, "model", None) != llama_hf.FAMILY.name:
             raise InputError(f"checkpoint {directory} is of model "
                              f"{getattr(saved, 'model', None)!r}; the export writes "

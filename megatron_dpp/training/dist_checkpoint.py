@@ -322,6 +322,17 @@ def read_tracker(root: str) -> int | None:
     return iteration
 
 
+def saved_args(directory: str) -> argparse.Namespace | None:
+    """The args of the run that saved a torch_dist checkpoint (as Megatron-LM keeps them), None
+    for another format or a common state without them."""
+    from megatron.core import dist_checkpointing
+
+    if checkpoint_format(directory) != "torch_dist":
+        return None
+    saved = dist_checkpointing.load_common_state_dict(directory).get("args")
+    return saved if isinstance(saved, argparse.Namespace) else None
+
+
 def checkpoint_format(directory: str) -> str | None:
     """'torch_dist' (Megatron-Core's metadata.json), 'torch' (our per-rank rank_RRRRR.pt files),
     or None (neither)."""

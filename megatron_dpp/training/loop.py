@@ -49,6 +49,7 @@ from megatron_dpp.training.checkpointing import (
     load_checkpoint,
     save_checkpoint,
 )
+from megatron_dpp.training.dist_checkpoint import saved_args
 from megatron_dpp.training.config import (
     TrainingConfig,
     ddp_config_from_args,
@@ -314,6 +315,7 @@ class Trainer:
                  level0: Timers | None = None):
         self.args = args
         self.platform = platform
+        self.spec = spec
         # Megatron-LM's level-0 timers (set-up, checkpoints, evaluation), at every level.
         self.level0 = level0 if level0 is not None else level0_timers(platform.device)
         self.train = training_config_from_args(args)
@@ -757,6 +759,27 @@ def _exit_reason(train: TrainingConfig, iteration: int, stop: AgreedStop | None,
     return None
 
 
+def _warn_of_setting_differences(directory: str, spec: ModelSpec,
+                                 args: argparse.Namespace) -> None:
+    """One line where the checkpoint was saved with other values of the model's settings that no
+    shape shows (e.g. a Llama 3.1 checkpoint trained without --use-rope-scaling): it loads, but
+    its weights then compute another function. Meant changes (a longer context's rotary base)
+    stay possible, hence a warning, not an error."""
+    from megatron_dpp.models.families import checkpoint_setting_differences
+
+    saved = saved_args(directory)
+    differences = (checkpoint_setting_differences(spec.family, saved, args)
+                   if saved is not None else [])
+    if differences:
+        def words(values):
+            return ", ".join(f"{flag} {value}" for flag, value in values)
+        print(f"megatron_dpp: warning: checkpoint {directory} was saved with "
+              f"{words((flag, saved_value) for flag, saved_value, _ in differences)}; this run "
+              f"has {words((flag, value) for flag, _, value in differences)}, so the loaded "
+              f"weights compute another function than the one they were trained for (give the "
+              f"checkpoint's values unless the change is meant)", file=sys.stderr, flush=True)
+
+
 def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
            checkpoint: CheckpointToLoad | None, started: float) -> int:
     train = trainer.train
@@ -773,6 +796,8 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
         trainer.level0(LOAD_CHECKPOINT).stop(barrier=True)
         log_rank0(f" loaded checkpoint from {checkpoint.directory} at iteration "
                   f"{trainer.state.iteration}{_load_scope_words(train.load_scope)}")
+        if dist.get_rank() == 0:
+            _warn_of_setting_differences(checkpoint.directory, trainer.spec, args)
         trainer.log_times([LOAD_CHECKPOINT])
     trainer.level0(MODEL_SETUP).stop()
     log_datetime("after model, optimizer, and learning rate scheduler are built")
