@@ -310,7 +310,7 @@ class Llama2Tokenizer:
         return self._model.decode([int(i) for i in ids])
 
 
-class HuggingFaceTokenizer:
+class HuggingFaceTokenizer(_EndOfDocument):
     """A local Hugging Face tokenizer directory through `transformers`' AutoTokenizer, as
     Megatron-LM 0.16's HuggingFaceTokenizer reads it: the vocabulary is len(tokenizer) (its added
     tokens included), the end-of-document token is its eos_token (what --append-eod appends, and
@@ -332,8 +332,8 @@ class HuggingFaceTokenizer:
             raise DataInputError(f"--tokenizer-model {directory!r} is not a Hugging Face "
                                  f"tokenizer directory (tokenizer.json, tokenizer_config.json): "
                                  f"{first_line}") from None
-        self._eos = self._tokenizer.eos_token_id
-        if self._eos is None:
+        self._eod = self._tokenizer.eos_token_id  # eod and eos: _EndOfDocument
+        if self._eod is None:
             raise DataInputError(f"--tokenizer-model {directory!r} names no eos_token (in its "
                                  f"tokenizer_config.json); {HUGGINGFACE} takes it as the "
                                  f"end-of-document token")
@@ -357,14 +357,6 @@ class HuggingFaceTokenizer:
     @property
     def inv_vocab(self) -> Dict[int, str]:
         return {index: token for token, index in self.vocab.items()}
-
-    @property
-    def eos(self) -> int:
-        return self._eos
-
-    @property
-    def eod(self) -> int:
-        return self._eos
 
     @property
     def bos(self) -> Optional[int]:
