@@ -45,8 +45,8 @@ TOKENIZER_FILE_FLAGS = {
 # (AutoTokenizer needs one of them).
 DIRECTORY_TOKENIZER_TYPES = (HUGGINGFACE,)
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-# The transformers HuggingFaceTokenizer reads its directory with (an optional dependency, like
-# sentencepiece for Llama2Tokenizer), said where it is missing.
+# The transformers HuggingFaceTokenizer reads its directory with (an optional dependency: the
+# tests' extra has it), said where it is missing.
 TRANSFORMERS_REQUIREMENT = "transformers>=4.40,<6"
 _ALL_FILE_FLAGS = tuple(dict.fromkeys(flag for flags in TOKENIZER_FILE_FLAGS.values()
                                       for flag in flags))
