@@ -27,7 +27,7 @@ synchronization, are what the data iterator yields until `.to(device)`, RNG stat
 (torch.get_rng_state), torch.optim's per-parameter `step` counters (CPU tensors unless fused or
 capturable), tensors made by torch.tensor() without a device, and whatever is computed from host
 tensors alone. The CUDA choices that differ from the CPU's are emulated: torch.optim's Adam runs
-its foreach implementation (its default on CUDA tensors), and the stop agreement is built as on a
+fused (our choice on a GPU, training/torch_adam.py), and the stop agreement is built as on a
 GPU (training/loop.py's stop_signals). Not emulated: Megatron-Core's compiled fusions (bias-gelu,
 bias-dropout-add: torch.compile on a GPU, eager here unless --compiled-fusions) and SDPA's kernels
 (one op on a GPU, the math path here, for ours and the anchor alike).
@@ -37,6 +37,8 @@ bias-dropout-add: torch.compile on a GPU, eager here unless --compiled-fusions) 
     python benchmarks/host_overhead.py --target ours --compare-linears 30   # direct linears A/B
     python benchmarks/host_overhead.py --target ours --compare-layers 30    # direct layer A/B
     python benchmarks/host_overhead.py --target ours --compare-rng-fork 30  # dropout fork A/B
+    python benchmarks/host_overhead.py --target ours --compare-layer-calls 30  # layer calls A/B
+    python benchmarks/host_overhead.py --target ours --compare-fused-adam 30   # fused AdamW A/B
     python benchmarks/host_overhead.py --target ours --compiled-fusions     # fusions' host cost
 Run it on two versions of the code to compare them (before/after a change).
 """
@@ -122,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the same with the direct layer's linears adding their bias in the "
                           "GEMM (torch.nn.functional.linear) against a product and a separate "
                           "addition, as Megatron-Core's linear function computes them (0: off)")
+    run.add_argument("--compare-layer-calls", type=_non_negative, default=0, metavar="ROUNDS",
+                     help="the same with the direct layer's shortened calls (nn.Module's __call__ "
+                          "without Megatron's CUDA-graph checks, no IdentityOp q/k norm calls, "
+                          "bias-dropout-add without its closures and grad handler) against "
+                          "Megatron's calls (0: off)")
+    run.add_argument("--compare-fused-adam", type=_non_negative, default=0, metavar="ROUNDS",
+                     help="the same with torch's fused AdamW (training/torch_adam.py, our choice "
+                          "on a GPU) against torch's foreach AdamW, its default on a GPU (0: off)")
     run.add_argument("--compiled-fusions", action="store_true",
                      help="ours with Megatron-Core's bias-gelu and bias-dropout-add fusions on, as "
                           "on a GPU: here torch.compile builds them for inductor's C++ backend, so "
@@ -565,19 +575,56 @@ def _switch_bias_in_products(trainer):
     return layers, switch
 
 
-# --compare-X: (what is compared, the function that finds the modules and switches them).
+def _switch_layer_calls(trainer):
+    """The direct layer's shortened calls (models.direct_layer) against Megatron's: its __call__
+    (CUDA-graph checks), IdentityOp q/k norm calls, bias-dropout-add through its closures and
+    torch.enable_grad."""
+    from megatron_dpp.models.direct_layer import DirectTransformerLayer
+
+    layers = [module for chunk in trainer.model for module in chunk.modules()
+              if isinstance(module, DirectTransformerLayer) and module.runs_directly]
+    shortened = {layer: (layer.plain_call, layer.norms_q, layer.norms_k,
+                         layer.bda_handler_enables_grad, layer.bda_unfused) for layer in layers}
+
+    def switch(direct: bool) -> None:
+        for layer, flags in shortened.items():
+            attention = layer.self_attention
+            (layer.plain_call, layer.norms_q, layer.norms_k, layer.bda_handler_enables_grad,
+             layer.bda_unfused) = flags if direct else (
+                False, attention.q_layernorm is not None, attention.k_layernorm is not None,
+                False, False)
+    return layers, switch
+
+
+def _switch_fused_adam(trainer):
+    """torch's fused AdamW (training/torch_adam.py) against its foreach AdamW, torch's default on
+    a GPU."""
+    from megatron_dpp.training.torch_adam import set_torch_adam_implementation, torch_adams
+
+    def switch(direct: bool) -> None:
+        set_torch_adam_implementation(trainer.optimizer, fused=direct)
+        if not direct:
+            _emulate_cuda_default_optimizer(trainer.optimizer)
+    return torch_adams(trainer.optimizer), switch
+
+
+# --compare-X: (what is compared, the function that finds the modules and switches them, what it
+# is compared against).
 COMPARISONS = {
-    "linears": ("direct linears", _switch_linears),
-    "layers": ("direct transformer layers", _switch_layers),
-    "rng_fork": ("core attention's RNG fork", _switch_rng_fork),
-    "bias_in_products": ("linears' bias in the GEMM", _switch_bias_in_products),
+    "linears": ("direct linears", _switch_linears, "Megatron-Core's"),
+    "layers": ("direct transformer layers", _switch_layers, "Megatron-Core's"),
+    "rng_fork": ("core attention's RNG fork", _switch_rng_fork, "Megatron-Core's"),
+    "bias_in_products": ("linears' bias in the GEMM", _switch_bias_in_products,
+                         "Megatron-Core's"),
+    "layer_calls": ("direct layer's shortened calls", _switch_layer_calls, "Megatron-Core's"),
+    "fused_adam": ("fused AdamW", _switch_fused_adam, "torch's foreach AdamW"),
 }
 
 
 def _compare(name: str, trainer, iteration, rounds: int) -> dict:
     """Our iteration with one of our host-time savings on and off (Megatron-Core's own code),
     paired round by round, the order swapped every round."""
-    what, find = COMPARISONS[name]
+    what, find, _ = COMPARISONS[name]
     modules, switch = find(trainer)
     if not modules:
         raise SystemExit(f"host_overhead: --compare-{name.replace('_', '-')}: the model has no "
@@ -623,6 +670,14 @@ def _inner_optimizers(optimizer) -> list:
 
 
 def _emulate_cuda_optimizer(optimizer) -> None:
+    """Our optimizer as on a GPU: torch's AdamW fused (training/torch_adam.py; kernels.
+    torch_fused_adam, which chooses it where CUDA is, is what the CPU lacks)."""
+    from megatron_dpp.training.torch_adam import set_torch_adam_implementation
+
+    set_torch_adam_implementation(optimizer, fused=True)
+
+
+def _emulate_cuda_default_optimizer(optimizer) -> None:
     """torch.optim picks its foreach implementation for CUDA tensors when none is asked for."""
     for inner in _inner_optimizers(optimizer):
         for group in inner.param_groups:
@@ -716,10 +771,10 @@ def print_table(result: dict) -> None:
                        ("  optimizer step", "optimizer_step")):
         print(f"{label:48s}" + "".join(f"{result[t]['host_ms'][key] or 0:>18.1f}"
                                        for t in targets))
-    for name, (what, _) in COMPARISONS.items():
+    for name, (what, _, against) in COMPARISONS.items():
         compared = result.get("ours", {}).get(name)
         if compared:
-            print(f"ours, {what} / Megatron-Core's ({compared['layers']} modules, "
+            print(f"ours, {what} / {against} ({compared['layers']} modules, "
                   f"{compared['rounds']} paired rounds): {compared['direct_ms']:.1f} / "
                   f"{compared['megatron_ms']:.1f} ms per iteration, ratio median "
                   f"{compared['ratio_median']:.3f} (quartiles "

@@ -269,16 +269,40 @@ def persist_layer_norm(args: argparse.Namespace, te_layers: Optional[bool] = Non
     return Choice(feature, True, "Apex's persistent LayerNorm is installed")
 
 
+def _megatron_fused_optimizer_library() -> Optional[str]:
+    """The library whose FusedAdam/FusedSGD Megatron-Core 0.16.1 imports (megatron/core/optimizer/
+    __init__.py: Transformer Engine first, then Apex), or None where it falls back to torch.optim."""
+    if module_importable(TRANSFORMER_ENGINE_MODULE):
+        return "Transformer Engine"
+    if module_importable("apex") and module_importable("amp_C"):
+        return "Apex"
+    return None
+
+
+def torch_fused_adam(args: argparse.Namespace) -> bool:
+    """Whether torch's AdamW, which Megatron-Core builds without Transformer Engine or Apex, runs
+    fused (training/torch_adam.py): Adam on a CUDA machine. torch's fused AdamW updates every
+    parameter in one multi-tensor kernel, as those libraries' FusedAdam does; its default on CUDA
+    (foreach) launches a dozen foreach ops and reads each parameter's step on the host. On the CPU
+    torch's default is kept (the CPU runs are the ones compared against Megatron's numbers bit for
+    bit)."""
+    return (getattr(args, "optimizer", "adam") == "adam"
+            and _megatron_fused_optimizer_library() is None and cuda_available())
+
+
 def _fused_optimizer(args: argparse.Namespace) -> Choice:
     feature = "fused optimizer"
     name = "SGD" if getattr(args, "optimizer", "adam") == "sgd" else "Adam"
-    if module_importable(TRANSFORMER_ENGINE_MODULE):
-        return Choice(feature, True, f"Transformer Engine's Fused{name} and multi-tensor kernels")
-    if module_importable("apex") and module_importable("amp_C"):
-        return Choice(feature, True, f"Apex's Fused{name} and multi-tensor kernels")
-    return Choice(feature, False, f"torch {name}, and torch's foreach ops in place of "
-                  f"Megatron-Core's per-tensor multi-tensor fallbacks (Transformer Engine and Apex "
-                  f"not installed)")
+    library = _megatron_fused_optimizer_library()
+    if library is not None:
+        return Choice(feature, True, f"{library}'s Fused{name} and multi-tensor kernels")
+    foreach = ("torch's foreach ops in place of Megatron-Core's per-tensor multi-tensor "
+               "fallbacks (Transformer Engine and Apex not installed)")
+    if torch_fused_adam(args):
+        return Choice(feature, True, f"torch's fused AdamW (torch.optim.AdamW(fused=True), one "
+                      f"multi-tensor kernel per step), and {foreach}")
+    return Choice(feature, False, f"torch {name}" + ("" if name == "SGD" else " (its fused "
+                  "kernel is used on a GPU)") + f", and {foreach}")
 
 
 def cuda_graphs(args: argparse.Namespace) -> Choice:

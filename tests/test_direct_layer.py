@@ -9,7 +9,11 @@ whose dense forward runs in one function. In one process (tp = pp = 1, gloo):
 (b) Megatron's forward runs wherever it has work to do: per layer (recomputation, offloading,
     another MLP class) and per call (an inference context, packed sequences, cross attention);
 (c) the local specs name the direct layer, and a split backward's rewrite turns it back into
-    Megatron's.
+    Megatron's;
+(d) its shortened calls (nn.Module's __call__ without Megatron's CUDA-graph checks, no IdentityOp
+    q/k norm calls, bias-dropout-add without its closures and grad handler, a plain store of
+    `current_microbatch`) leave Megatron's where those have work: real q/k norms give Megatron's
+    output and gradients, a layer with CUDA graphs goes through Megatron's __call__.
 The host time it saves: docs/gpu.md ("The transformer layer's forward").
 """
 from __future__ import annotations
@@ -302,3 +306,102 @@ def test_the_local_specs_name_the_direct_layer(megatron):
             assert spec.module is DirectTransformerLayer, model
             deferred = deferred_layer_spec(spec)
             assert dataclasses.is_dataclass(deferred) and deferred.module is TransformerLayer
+
+
+def test_real_qk_norms_run_and_match_megatrons_forward(megatron):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_dpp.models.direct_layer import DirectTransformerLayer, with_direct_classes
+
+    config = _config("gpt", qk_layernorm=True)
+    megatron_spec = get_gpt_layer_local_spec(qk_layernorm=True)
+    torch.manual_seed(0)
+    theirs = build_module(megatron_spec, config=config, layer_number=1)
+    ours = build_module(with_direct_classes(megatron_spec), config=config, layer_number=1)
+    assert type(ours) is DirectTransformerLayer and ours.runs_directly
+    assert ours.norms_q and ours.norms_k
+    with torch.no_grad():
+        for param in theirs.parameters():  # norms that are not the identity
+            param.add_(0.05 * torch.randn_like(param))
+    ours.load_state_dict(theirs.state_dict())
+    inputs = _inputs("gpt")
+    start = _rng_states()
+    expected = _train_step(theirs.train(), inputs)
+    _set_rng_states(start)
+    actual = _train_step(ours.train(), inputs)
+    _assert_close(actual[0], expected[0], "output")
+    _assert_close(actual[1], expected[1], "input gradient")
+    for name in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
+        _assert_close(actual[2][name], expected[2][name], name)
+    # Our specs' layers have none: the IdentityOps are not called.
+    _, plain = _layer_pair("gpt", "sdpa")
+    assert not plain.norms_q and not plain.norms_k
+
+
+def test_megatrons_call_runs_where_a_layer_has_cuda_graphs(megatron, monkeypatch):
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    _, ours = _layer_pair("gpt", "sdpa")
+    # cuda_graph_impl "none" and no graph manager: nn.Module's __call__ directly.
+    assert ours.plain_call
+    calls = []
+    megatron_call = TransformerLayer.__call__
+    monkeypatch.setattr(TransformerLayer, "__call__",
+                        lambda self, *a, **k: calls.append(1) or megatron_call(self, *a, **k))
+    inputs = _inputs("gpt")
+    with torch.no_grad():
+        direct = ours.eval()(**inputs)[0]
+        assert calls == []
+        ours.plain_call = False  # as a layer with cuda_graph_impl "local" (a GPU's) has it
+        through_megatron = ours(**inputs)[0]
+    assert calls == [1]
+    assert torch.equal(direct, through_megatron)
+
+
+def test_current_microbatch_is_a_plain_attribute(megatron):
+    from megatron.core.pipeline_parallel.schedules import set_current_microbatch
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    _, ours = _layer_pair("gpt", "sdpa")
+    ours.current_microbatch = 3
+    assert ours.__dict__["current_microbatch"] == 3 and ours.current_microbatch == 3
+    # Megatron's schedules set it through the model's decoder, as before.
+    block = TransformerBlock(_config("gpt"), _spec("gpt", "sdpa"))
+    holder = torch.nn.Module()
+    holder.decoder = block
+    set_current_microbatch(holder, 5)
+    assert [layer.current_microbatch for layer in block.layers] == [5, 5]
+    # Anything else is nn.Module's as before: a parameter registers.
+    ours.extra = torch.nn.Parameter(torch.zeros(1))
+    assert "extra" in dict(ours.named_parameters())
+
+
+def test_bias_dropout_add_keeps_megatrons_grad_handler_without_grad(megatron, monkeypatch):
+    """Evaluation under no_grad runs bias-dropout-add under Megatron's torch.enable_grad, as
+    Megatron's layer does; with grad on already, the handler has nothing to do and is skipped."""
+    _, ours = _layer_pair("gpt", "sdpa")
+    assert ours.bda_handler_enables_grad and ours.bda_unfused
+    entered = []
+    handler = ours.bias_dropout_add_exec_handler
+
+    class Counting:
+        def __enter__(self):
+            entered.append(1)
+            self.inner = handler()
+            return self.inner.__enter__()
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+    monkeypatch.setattr(ours, "bias_dropout_add_exec_handler", Counting)
+    inputs = _inputs("gpt")
+    with torch.no_grad():
+        ours.eval()(**inputs)
+    assert len(entered) == 2
+    ours.train()(**inputs)
+    assert len(entered) == 2
+    fused = _config("gpt", bias_dropout_fusion=True)
+    from megatron.core.transformer.spec_utils import build_module
+
+    assert not build_module(_spec("gpt", "sdpa"), config=fused, layer_number=1).bda_unfused

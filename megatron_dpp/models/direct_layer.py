@@ -28,6 +28,7 @@ model choose its layer classes.
 from __future__ import annotations
 
 import torch
+from megatron.core.fusions.fused_bias_dropout import _bias_dropout_add_func, get_bias_dropout_add
 from megatron.core.transformer import attention as megatron_attention
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
@@ -88,6 +89,37 @@ class DirectTransformerLayer(TransformerLayer):
             isinstance(linear, tuple(DIRECT_CLASSES.values()))
             for linear in (self.self_attention.linear_qkv, self.self_attention.linear_proj,
                            self.mlp.linear_fc1, self.mlp.linear_fc2))
+        # Megatron's __call__ routes a layer with CUDA graphs to them; without (cuda_graph_impl
+        # "none": no graph manager, no Transformer Engine capture) it ends in nn.Module's, after
+        # two checks per call that find nothing.
+        self.plain_call = (self.config.cuda_graph_impl == "none"
+                           and not hasattr(self, "cudagraph_manager"))
+        # Which of Megatron's calls on the dense path may be shortened without changing what
+        # runs: q/k norms that are IdentityOps (return their input), bias-dropout-add's grad
+        # handler (torch.enable_grad, nothing to do where grad is already on), and its unfused
+        # function (Megatron's own, called without the two closures that bind `training`).
+        attention = self.self_attention
+        self.norms_q = not isinstance(attention.q_layernorm, (IdentityOp, type(None)))
+        self.norms_k = not isinstance(attention.k_layernorm, (IdentityOp, type(None)))
+        self.bda_handler_enables_grad = self.bias_dropout_add_exec_handler is torch.enable_grad
+        self.bda_unfused = (not self.config.bias_dropout_fusion
+                            and self.self_attn_bda is get_bias_dropout_add
+                            and self.mlp_bda is get_bias_dropout_add)
+
+    def __call__(self, *args, **kwargs):
+        if self.plain_call:
+            return torch.nn.Module.__call__(self, *args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def __setattr__(self, name, value):
+        # Megatron's schedules set every layer's `current_microbatch` (an int its CUDA graphs
+        # read) before each micro-batch's forward. nn.Module.__setattr__ first checks the name
+        # against parameters, submodules and buffers, a dozen Python calls, to store a plain
+        # attribute where this stores it.
+        if name == "current_microbatch" and type(value) is int:
+            self.__dict__[name] = value
+            return
+        super().__setattr__(name, value)
 
     def _linear(self, linear, inputs):
         """(output, bias) of one of the layer's linears, the bias in the product where it can be."""
@@ -97,10 +129,11 @@ class DirectTransformerLayer(TransformerLayer):
 
     def forward(self, *args, **kwargs):
         # TransformerBlock passes every argument by name; anything else goes to Megatron's forward.
-        if (args or not self.runs_directly or kwargs.get("hidden_states") is None
-                or any(value is not None for name, value in kwargs.items()
-                       if name not in _DENSE_PATH_ARGUMENTS)):
+        if args or not self.runs_directly or kwargs.get("hidden_states") is None:
             return super().forward(*args, **kwargs)
+        for name, value in kwargs.items():
+            if value is not None and name not in _DENSE_PATH_ARGUMENTS:
+                return super().forward(*args, **kwargs)
         # Megatron's _forward_attention, _forward_mlp and _forward_post_mlp on the dense path.
         hidden_states = kwargs["hidden_states"]
         residual = hidden_states
@@ -108,18 +141,26 @@ class DirectTransformerLayer(TransformerLayer):
         attention_output = self._self_attention(normed, kwargs.get("attention_mask"),
                                                 kwargs.get("rotary_pos_emb"),
                                                 kwargs.get("attention_bias"))
-        with self.bias_dropout_add_exec_handler():
-            hidden_states = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
-                attention_output, residual, self.hidden_dropout)
+        hidden_states = self._bias_dropout_add(self.self_attn_bda, attention_output, residual)
         residual = hidden_states
         normed = self.pre_mlp_layernorm(hidden_states)
         mlp_output = self._mlp(normed) if self.mlp_inline else self.mlp(normed)
-        with self.bias_dropout_add_exec_handler():
-            hidden_states = self.mlp_bda(self.training, self.config.bias_dropout_fusion)(
-                mlp_output, residual, self.hidden_dropout)
+        hidden_states = self._bias_dropout_add(self.mlp_bda, mlp_output, residual)
         output = make_viewless_tensor(inp=hidden_states, requires_grad=hidden_states.requires_grad,
                                       keep_graph=True)
         return output, None  # no cross attention: no context
+
+    def _bias_dropout_add(self, bda, output_and_bias, residual):
+        """Megatron's bias-dropout-add of (output, bias) onto the residual, under its grad handler."""
+        if self.bda_handler_enables_grad and torch.is_grad_enabled():
+            if self.bda_unfused:
+                return _bias_dropout_add_func(output_and_bias, residual, self.hidden_dropout,
+                                              self.training)
+            return bda(self.training, self.config.bias_dropout_fusion)(
+                output_and_bias, residual, self.hidden_dropout)
+        with self.bias_dropout_add_exec_handler():
+            return bda(self.training, self.config.bias_dropout_fusion)(
+                output_and_bias, residual, self.hidden_dropout)
 
     def _self_attention(self, normed, attention_mask, rotary_pos_emb, attention_bias):
         """SelfAttention.forward (with get_query_key_value_tensors) on the dense path:
@@ -140,9 +181,9 @@ class DirectTransformerLayer(TransformerLayer):
         else:
             query, key, value = torch.split(mixed_qkv, split_sizes, dim=3)
         query = query.reshape(query.size(0), query.size(1), -1, head_size)
-        if attention.q_layernorm is not None:
+        if self.norms_q:
             query = attention.q_layernorm(query)
-        if attention.k_layernorm is not None:
+        if self.norms_k:
             key = attention.k_layernorm(key)
         if rotary_pos_emb is not None:
             if not isinstance(rotary_pos_emb, tuple):

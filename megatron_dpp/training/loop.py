@@ -22,11 +22,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 
 from megatron_dpp.comm.nodes import this_node_rank, use_node_network
 from megatron_dpp.comm.router import RouteError
+from megatron_dpp import kernels
 from megatron_dpp.data.datasets import uses_per_split_paths
 from megatron_dpp.data.iterators import build_data_iterators
 from megatron_dpp.data.tokenizer import build_tokenizer
@@ -63,10 +64,12 @@ from megatron_dpp.training.config import (
 from megatron_dpp.training.pipeline import build_forward_backward, close_forward_backward
 from megatron_dpp.training.profiler_window import make_profiler
 from megatron_dpp.training.failures import exit_for_lost_peer, is_lost_peer_error, peer_heartbeat
+from megatron_dpp.training.gradient_hooks import DistributedDataParallel
 from megatron_dpp.training.lr_schedule import SampleSchedule
 from megatron_dpp.training.params_norm import params_l2_norm
 from megatron_dpp.training.sgd_state import install_sgd_state_init
 from megatron_dpp.training.signals import AgreedStop, StopSignals
+from megatron_dpp.training.torch_adam import set_torch_adam_implementation
 from megatron_dpp.training.tensorboard_log import TensorBoardLog
 from megatron_dpp.training.timers import (DATA_SETUP, EVALUATE, LOAD_CHECKPOINT, MODEL_SETUP,
                                           SAVE_CHECKPOINT, TimedIterator, Timers, attach_timers,
@@ -189,6 +192,7 @@ def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSp
     optimizer_config = optimizer_config_from_args(args)
     attach_timers(optimizer_config, timers, args.barrier_with_L1_time)
     optimizer = get_megatron_optimizer(optimizer_config, model)
+    set_torch_adam_implementation(optimizer, fused=kernels.torch_fused_adam(args))
     install_sgd_state_init(optimizer)  # --optimizer sgd: what a torch_dist load calls
     set_sync_funcs(config, model, args)
     config.finalize_model_grads_func = finalize_model_grads
@@ -788,6 +792,8 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
         try:
             trainer.state = load_checkpoint(checkpoint, trainer.model, trainer.optimizer,
                                             trainer.scheduler, train.load_scope)
+            # The load gave torch's Adam the saved run's implementation: this run's again.
+            set_torch_adam_implementation(trainer.optimizer, fused=kernels.torch_fused_adam(args))
         except CheckpointLoadError as error:  # the same one line on every rank: rank 0 says it
             say_failure(f"megatron_dpp: error: {error}", exit_code=BAD_INPUT,
                         printed=dist.get_rank() == 0)
