@@ -27,7 +27,7 @@ synchronization, are what the data iterator yields until `.to(device)`, RNG stat
 (torch.get_rng_state), torch.optim's per-parameter `step` counters (CPU tensors unless fused or
 capturable), tensors made by torch.tensor() without a device, and whatever is computed from host
 tensors alone. The CUDA choices that differ from the CPU's are emulated: torch.optim's Adam runs
-fused (our choice on a GPU, training/torch_adam.py), and the stop agreement is built as on a
+fused (our choice on a GPU, kernels.torch_fused_adam), and the stop agreement is built as on a
 GPU (training/loop.py's stop_signals). Not emulated: Megatron-Core's compiled fusions (bias-gelu,
 bias-dropout-add: torch.compile on a GPU, eager here unless --compiled-fusions) and SDPA's kernels
 (one op on a GPU, the math path here, for ours and the anchor alike).
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "bias-dropout-add without its closures and grad handler) against "
                           "Megatron's calls (0: off)")
     run.add_argument("--compare-fused-adam", type=_non_negative, default=0, metavar="ROUNDS",
-                     help="the same with torch's fused AdamW (training/torch_adam.py, our choice "
+                     help="the same with torch's fused AdamW (kernels.set_torch_adam_implementation, our choice "
                           "on a GPU) against torch's foreach AdamW, its default on a GPU (0: off)")
     run.add_argument("--compiled-fusions", action="store_true",
                      help="ours with Megatron-Core's bias-gelu and bias-dropout-add fusions on, as "
@@ -597,9 +597,9 @@ def _switch_layer_calls(trainer):
 
 
 def _switch_fused_adam(trainer):
-    """torch's fused AdamW (training/torch_adam.py) against its foreach AdamW, torch's default on
+    """torch's fused AdamW (kernels.set_torch_adam_implementation) against its foreach AdamW, torch's default on
     a GPU."""
-    from megatron_dpp.training.torch_adam import set_torch_adam_implementation, torch_adams
+    from megatron_dpp.kernels import set_torch_adam_implementation, torch_adams
 
     def switch(direct: bool) -> None:
         set_torch_adam_implementation(trainer.optimizer, fused=direct)
@@ -670,9 +670,9 @@ def _inner_optimizers(optimizer) -> list:
 
 
 def _emulate_cuda_optimizer(optimizer) -> None:
-    """Our optimizer as on a GPU: torch's AdamW fused (training/torch_adam.py; kernels.
-    torch_fused_adam, which chooses it where CUDA is, is what the CPU lacks)."""
-    from megatron_dpp.training.torch_adam import set_torch_adam_implementation
+    """Our optimizer as on a GPU: torch's AdamW fused (kernels.set_torch_adam_implementation;
+    kernels.torch_fused_adam, which chooses it where CUDA is, is what the CPU lacks)."""
+    from megatron_dpp.kernels import set_torch_adam_implementation
 
     set_torch_adam_implementation(optimizer, fused=True)
 

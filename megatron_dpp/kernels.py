@@ -279,15 +279,14 @@ def _megatron_fused_optimizer_library() -> Optional[str]:
     return None
 
 
-def torch_fused_adam(args: argparse.Namespace) -> bool:
+def torch_fused_adam(optimizer: str) -> bool:
     """Whether torch's AdamW, which Megatron-Core builds without Transformer Engine or Apex, runs
-    fused (training/torch_adam.py): Adam on a CUDA machine. torch's fused AdamW updates every
-    parameter in one multi-tensor kernel, as those libraries' FusedAdam does; its default on CUDA
-    (foreach) launches a dozen foreach ops and reads each parameter's step on the host. On the CPU
-    torch's default is kept (the CPU runs are the ones compared against Megatron's numbers bit for
-    bit)."""
-    return (getattr(args, "optimizer", "adam") == "adam"
-            and _megatron_fused_optimizer_library() is None and cuda_available())
+    fused (set_torch_adam_implementation): `--optimizer adam` on a CUDA machine. torch's fused
+    AdamW updates every parameter in one multi-tensor kernel, as those libraries' FusedAdam does;
+    its default on CUDA (foreach) launches a dozen foreach ops and reads each parameter's step on
+    the host. On the CPU torch's default is kept (the CPU runs are the ones compared against
+    Megatron's numbers bit for bit)."""
+    return optimizer == "adam" and _megatron_fused_optimizer_library() is None and cuda_available()
 
 
 def _fused_optimizer(args: argparse.Namespace) -> Choice:
@@ -298,7 +297,7 @@ def _fused_optimizer(args: argparse.Namespace) -> Choice:
         return Choice(feature, True, f"{library}'s Fused{name} and multi-tensor kernels")
     foreach = ("torch's foreach ops in place of Megatron-Core's per-tensor multi-tensor "
                "fallbacks (Transformer Engine and Apex not installed)")
-    if torch_fused_adam(args):
+    if torch_fused_adam(getattr(args, "optimizer", "adam")):
         return Choice(feature, True, f"torch's fused AdamW (torch.optim.AdamW(fused=True), one "
                       f"multi-tensor kernel per step), and {foreach}")
     return Choice(feature, False, f"torch {name}" + ("" if name == "SGD" else " (its fused "
@@ -523,3 +522,49 @@ def install_foreach_multi_tensor_ops() -> bool:
             module.multi_tensor_scale_impl = foreach_multi_tensor_scale
             replaced = True
     return replaced
+
+
+def torch_adams(optimizer) -> list:
+    """The torch Adam/AdamW instances inside a Megatron-Core optimizer (its chained optimizers'
+    inner optimizers); empty for Transformer Engine's or Apex's FusedAdam, or SGD."""
+    import torch
+
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    inner = [getattr(part, "optimizer", part) for part in chained]
+    return [opt for opt in inner if isinstance(opt, torch.optim.Adam)]
+
+
+def set_torch_adam_implementation(optimizer, fused: bool) -> int:
+    """Every torch Adam/AdamW in `optimizer` fused (`fused=True`, its step counters float32 on
+    their parameter's device) or on torch's default (`fused`/`foreach` None, counters on the CPU),
+    each parameter with a step counter of its own. Returns the number of torch optimizers set.
+
+    Without Transformer Engine or Apex, Megatron-Core 0.16.1 builds `torch.optim.AdamW(params, lr,
+    weight_decay, betas, eps)`, and has no setting that passes `fused` to torch: the training loop
+    sets it here after the optimizer is built and again after a checkpoint load, since torch's
+    `load_state_dict` takes the saved groups' `fused`/`foreach` (whatever the saving run used), and
+    Megatron-Core's distributed optimizer gives every parameter one shared step tensor on load,
+    which a fused step (one increment per tensor in its list) would advance once per parameter.
+    torch_fused_adam decides; the search's optimizer measurement uses the same choice."""
+    import torch
+
+    def step_dtype(fused_step: bool) -> torch.dtype:
+        # torch.optim's own choice for a step counter (optimizer._get_scalar_dtype).
+        if fused_step or torch.get_default_dtype() != torch.float64:
+            return torch.float32
+        return torch.float64
+
+    adams = torch_adams(optimizer)
+    for adam in adams:
+        for group in adam.param_groups:
+            group["fused"] = True if fused else None
+            group["foreach"] = False if fused else None
+            for param in group["params"]:
+                state = adam.state.get(param)
+                if not state or "step" not in state:
+                    continue  # torch makes the counter at the first step, as the group says
+                step = state["step"]
+                value = step if torch.is_tensor(step) else torch.tensor(float(step))
+                state["step"] = value.detach().to(device=param.device if fused else "cpu",
+                                                  dtype=step_dtype(fused), copy=True)
+    return len(adams)

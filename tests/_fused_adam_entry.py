@@ -5,5 +5,5 @@ import runpy
 
 from megatron_dpp import kernels
 
-kernels.torch_fused_adam = lambda args: getattr(args, "optimizer", "adam") == "adam"
+kernels.torch_fused_adam = lambda optimizer: optimizer == "adam"
 runpy.run_module("megatron_dpp.pretrain_gpt", run_name="__main__", alter_sys=True)

@@ -1,5 +1,5 @@
 """torch's fused AdamW where Megatron-Core falls back to torch's AdamW on a GPU
-(megatron_dpp/training/torch_adam.py, kernels.torch_fused_adam):
+(kernels.torch_fused_adam, kernels.set_torch_adam_implementation):
 
 (a) the choice: Adam on a CUDA machine without Transformer Engine or Apex, said in the
     `kernels: fused optimizer` line; torch's default on the CPU, with SGD, or where Megatron-Core
@@ -36,17 +36,17 @@ def test_the_choice(monkeypatch):
     adam, sgd = types.SimpleNamespace(optimizer="adam"), types.SimpleNamespace(optimizer="sgd")
     monkeypatch.setattr(kernels, "_megatron_fused_optimizer_library", lambda: None)
     monkeypatch.setattr(kernels, "cuda_available", lambda: True)
-    assert kernels.torch_fused_adam(adam) and not kernels.torch_fused_adam(sgd)
+    assert kernels.torch_fused_adam("adam") and not kernels.torch_fused_adam("sgd")
     line = kernels._fused_optimizer(adam).line()
     assert line.startswith("kernels: fused optimizer on: torch's fused AdamW"), line
     assert kernels._fused_optimizer(sgd).line().startswith("kernels: fused optimizer off: torch SGD")
     monkeypatch.setattr(kernels, "_megatron_fused_optimizer_library", lambda: "Apex")
-    assert not kernels.torch_fused_adam(adam)  # Megatron-Core uses Apex's FusedAdam
+    assert not kernels.torch_fused_adam("adam")  # Megatron-Core uses Apex's FusedAdam
     assert kernels._fused_optimizer(adam).line() == (
         "kernels: fused optimizer on: Apex's FusedAdam and multi-tensor kernels")
     monkeypatch.setattr(kernels, "_megatron_fused_optimizer_library", lambda: None)
     monkeypatch.setattr(kernels, "cuda_available", lambda: False)
-    assert not kernels.torch_fused_adam(adam)
+    assert not kernels.torch_fused_adam("adam")
     assert kernels._fused_optimizer(adam).line().startswith("kernels: fused optimizer off: torch Adam")
 
 
@@ -68,7 +68,7 @@ def _steps(optimizer, params, count: int, seed: int) -> None:
 
 
 def test_switching_to_fused_and_back():
-    from megatron_dpp.training.torch_adam import set_torch_adam_implementation
+    from megatron_dpp.kernels import set_torch_adam_implementation
 
     params, reference_params = _params(), _params()
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
@@ -102,7 +102,7 @@ def test_switching_to_fused_and_back():
 
 
 def test_only_torch_adams_inside_megatrons_wrappers_are_switched():
-    from megatron_dpp.training.torch_adam import set_torch_adam_implementation, torch_adams
+    from megatron_dpp.kernels import set_torch_adam_implementation, torch_adams
 
     adam = torch.optim.AdamW(_params())
     sgd = torch.optim.SGD(_params(), lr=0.1)

@@ -23,7 +23,8 @@ the final layer norm):
   same way on a whole one-layer model, each storage attributed to the module that saved it first.
 
 Once per profile: Megatron-Core's optimizer step (get_megatron_optimizer: Adam, gradient clipping
-1.0, over DistributedDataParallel's buffers, as megatron_dpp.training builds them; no distributed
+1.0, over DistributedDataParallel's buffers, as megatron_dpp.training builds them, torch's fused
+AdamW on a GPU without Transformer Engine or Apex as training runs it; no distributed
 optimizer) on the one-layer model at the first sequence length, per parameter; and the per-task overhead of Megatron-Core's schedules, the time its
 pipeline_parallel.schedules.forward_step and backward_step take around a one-parameter stage
 beyond that stage's own forward and backward (medians over TASK_OVERHEAD_REPEATS runs).
@@ -548,6 +549,9 @@ def time_optimizer_step(shape: mm.ModelShape, warmup: int, repeats: int) -> floa
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=1.0, bf16=shape.dtype == "bf16",
                         fp16=shape.dtype == "fp16", params_dtype=TORCH_DTYPES[shape.dtype]), [ddp])
+    # The implementation training runs here (torch's fused AdamW on a GPU without Transformer
+    # Engine or Apex).
+    kernels.set_torch_adam_implementation(optimizer, fused=kernels.torch_fused_adam("adam"))
     _loss(ddp(**model_inputs(shape, 1))).backward()
     times = []
     for run in range(warmup + repeats):

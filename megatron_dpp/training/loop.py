@@ -69,7 +69,6 @@ from megatron_dpp.training.lr_schedule import SampleSchedule
 from megatron_dpp.training.params_norm import params_l2_norm
 from megatron_dpp.training.sgd_state import install_sgd_state_init
 from megatron_dpp.training.signals import AgreedStop, StopSignals
-from megatron_dpp.training.torch_adam import set_torch_adam_implementation
 from megatron_dpp.training.tensorboard_log import TensorBoardLog
 from megatron_dpp.training.timers import (DATA_SETUP, EVALUATE, LOAD_CHECKPOINT, MODEL_SETUP,
                                           SAVE_CHECKPOINT, TimedIterator, Timers, attach_timers,
@@ -192,7 +191,8 @@ def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSp
     optimizer_config = optimizer_config_from_args(args)
     attach_timers(optimizer_config, timers, args.barrier_with_L1_time)
     optimizer = get_megatron_optimizer(optimizer_config, model)
-    set_torch_adam_implementation(optimizer, fused=kernels.torch_fused_adam(args))
+    kernels.set_torch_adam_implementation(optimizer,
+                                          fused=kernels.torch_fused_adam(args.optimizer))
     install_sgd_state_init(optimizer)  # --optimizer sgd: what a torch_dist load calls
     set_sync_funcs(config, model, args)
     config.finalize_model_grads_func = finalize_model_grads
@@ -793,7 +793,8 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
             trainer.state = load_checkpoint(checkpoint, trainer.model, trainer.optimizer,
                                             trainer.scheduler, train.load_scope)
             # The load gave torch's Adam the saved run's implementation: this run's again.
-            set_torch_adam_implementation(trainer.optimizer, fused=kernels.torch_fused_adam(args))
+            kernels.set_torch_adam_implementation(
+                trainer.optimizer, fused=kernels.torch_fused_adam(args.optimizer))
         except CheckpointLoadError as error:  # the same one line on every rank: rank 0 says it
             say_failure(f"megatron_dpp: error: {error}", exit_code=BAD_INPUT,
                         printed=dist.get_rank() == 0)
