@@ -22,6 +22,13 @@ sequences, precomputed rotary cos/sin, recomputed norms, MLP or core attention, 
 output gate, fused QKV RoPE, per-layer no-RoPE, test mode, MoE or any other attention or MLP
 class, Transformer Engine's activation, fewer query groups than tensor-parallel ranks.
 
+Around the forward, the calls Megatron makes that find nothing to do are shortened where they
+can be (docs/gpu.md, "The optimizer step, the gradient hooks and the layer's calls"): without CUDA
+graphs the layer's call goes straight to nn.Module's, q/k norms that are IdentityOps are not
+called, the unfused bias-dropout-add runs Megatron's function without its closures and, where grad
+is on already, without its torch.enable_grad, and `current_microbatch` is stored as the plain
+attribute it is.
+
 `with_direct_layer(spec)` names it in a local layer spec, the public way Megatron-Core lets a
 model choose its layer classes.
 """
