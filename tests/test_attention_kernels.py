@@ -244,6 +244,8 @@ def test_gpu_without_optional_packages_asks_for_nothing_missing(megatron, model,
     assert "scaled_masked_softmax_cuda" not in choices.masked_softmax_fusion.reason  # unused
     assert "fused_weight_gradient_mlp_cuda not importable" in \
         choices.gradient_accumulation_fusion.reason
+    # No FusedAdam of Transformer Engine or Apex: torch's own fused AdamW.
+    assert choices.fused_optimizer.on and "torch's fused AdamW" in choices.fused_optimizer.reason
     core = spec.submodules.self_attention.submodules.core_attention
     assert core.module is SdpaCoreAttention
     assert all(probe for _name, probe in no_optional_packages.attempts), \
