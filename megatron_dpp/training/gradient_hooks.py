@@ -3,15 +3,17 @@
 Megatron-Core's DDP adds each parameter's gradient into the parameter's `main_grad` (a view of its
 contiguous gradient buffer) from a hook on the parameter's gradient accumulator, which autograd
 runs once per parameter and micro-batch: 1184 calls an iteration for GPT-125m's recipe (148
-parameters, 8 micro-batches). Besides the accumulation, that hook serves two features: it does
-nothing while a CUDA graph is being captured, and under --overlap-grad-reduce it counts the
-bucket's ready gradients to start the bucket's reduction. Where neither can happen (no CUDA graphs
-configured, no overlapped reduction) the hook here does the accumulation alone: the same condition,
-the same `main_grad.add_(grad)` into the same buffer, and `grad = None`, without the parameter's
-dictionary lookup, the graph-capture check and the `.data` view Megatron's takes of the gradient
-(an aten op per call, which on a GPU is host time in a step the host bounds: docs/gpu.md). The
-gradient carries no autograd history in a hook (nothing is differentiated twice here), so adding it
-directly is the same as adding its `.data`. Everywhere else Megatron's hook runs.
+parameters, 8 micro-batches). Each call looks the parameter up in a dictionary, asks whether a CUDA
+graph is being captured (the hook must then do nothing), takes the gradient's `.data` (an aten view
+op) and adds it; under --overlap-grad-reduce it then tells the parameter's bucket group that the
+gradient is ready, which starts the bucket's reduction once all of them are. Where no CUDA graph can
+be captured (cuda_graph_impl "none") the hook here does the same with the parameter's bucket group
+found once, when the hook is made (Megatron fills that dictionary before it makes its hooks and
+never again), and without the `.data`: a gradient carries no autograd history in a hook (nothing is
+differentiated twice here), so adding it directly is the same as adding its `.data`. The
+accumulation's condition, the overlap case's assertion and its ready call are Megatron's. On a GPU
+the Python and the view op are host time in a step the host bounds (docs/gpu.md). Elsewhere
+Megatron's hook runs.
 """
 from __future__ import annotations
 
@@ -22,11 +24,10 @@ __all__ = ["DistributedDataParallel", "accumulation_only"]
 
 
 def accumulation_only(ddp: MegatronDistributedDataParallel, param: torch.nn.Parameter) -> bool:
-    """Whether Megatron's backward hook for `param` would only accumulate its gradient: no CUDA graph
-    can be captured (cuda_graph_impl "none"), no overlapped reduction, and the parameter has a
-    gradient buffer (Megatron's hook skips one without)."""
+    """Whether Megatron's backward hook for `param` would only accumulate its gradient (and, under
+    --overlap-grad-reduce, say it is ready): no CUDA graph can be captured (cuda_graph_impl
+    "none"), and the parameter has a gradient buffer (Megatron's hook skips one without)."""
     return (getattr(ddp.config, "cuda_graph_impl", "none") == "none"
-            and not ddp.ddp_config.overlap_grad_reduce
             and param in ddp.param_to_bucket_group)
 
 
@@ -44,4 +45,14 @@ class DistributedDataParallel(MegatronDistributedDataParallel):
                 param.main_grad.add_(grad)
             param.grad = None
 
-        return accumulate_into_main_grad
+        if not self.ddp_config.overlap_grad_reduce:
+            return accumulate_into_main_grad
+        bucket_group = self.param_to_bucket_group[param]
+
+        def accumulate_and_mark_ready(*unused):
+            assert param.grad is not None, ("param.grad being None is not safe when "
+                                            "overlap_grad_reduce is True")  # Megatron's check
+            accumulate_into_main_grad()
+            bucket_group.register_grad_ready(param, self.force_all_reduce)
+
+        return accumulate_and_mark_ready
