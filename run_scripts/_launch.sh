@@ -10,7 +10,8 @@
 #   launch_check_layout_env    USE_DPP, PP, TP, VPP, NPROC as given (before any slow setup)
 #   launch_check_nodes ROLE    single | master | worker | slurm: NNODES, NODE_RANK, MASTER_ADDR,
 #                              MASTER_PORT, NODE_IPS (slurm: after setting NNODES and NODE_IPS)
-#   launch_prepare             Python environment, GPU-dependent defaults, recipe, data -> ALL_FLAGS
+#   launch_prepare             Python environment, GPU-dependent defaults, recipe, data; the user's
+#                              flags over them (megatron_dpp.launcher_flags) -> ALL_FLAGS
 #                              (GPUs: PP=2 where they hold two stages, else 1; NPROC = the GPUs,
 #                              rounded down to a multiple of PP x TP. CPU: PP=2, NPROC=2)
 #   launch_precheck [NODE]     bad flags: one line, exit 2, before torchrun starts
@@ -69,30 +70,90 @@ launch_set_model() {
   esac
 }
 
-# launch_sample_data_flags DATA_DIR -> SAMPLE_PREFIX, SAMPLE_TOKENIZER_FLAGS: the model's files of
-# the sample data (made by prepare_sample when missing).
+# launch_sample_data_flags DATA_DIR -> SAMPLE_MARKER, SAMPLE_PREFIX, SAMPLE_TOKENIZER_FLAGS: the
+# model's files of the sample data (launch_prepare_sample_if_used makes them where a flag uses them).
 launch_sample_data_flags() {
-  local dir="$1" marker
-  if [ "$LAUNCH_MODEL" = bert ]; then marker=sample_bert_text_sentence.idx; else marker=sample_text_document.idx; fi
-  if [ ! -f "$dir/$marker" ]; then
-    (cd "$REPO_ROOT" && "$PY" -m megatron_dpp.data.prepare_sample --output-dir "$dir")
-  fi
+  local dir="$1"
   if [ "$LAUNCH_MODEL" = bert ]; then
+    SAMPLE_MARKER="$dir/sample_bert_text_sentence.idx"
     SAMPLE_PREFIX="$dir/sample_bert_text_sentence"
     SAMPLE_TOKENIZER_FLAGS=(--vocab-file "$dir/bert-vocab.txt" --tokenizer-type BertWordPieceLowerCase)
   else
+    SAMPLE_MARKER="$dir/sample_text_document.idx"
     SAMPLE_PREFIX="$dir/sample_text_document"
     SAMPLE_TOKENIZER_FLAGS=(--vocab-file "$dir/vocab.json" --merge-file "$dir/merges.txt")
   fi
 }
 
-# launch_extra_has FLAG: whether the user's arguments give FLAG (`--flag` or `--flag=VALUE`).
-launch_extra_has() {
-  local arg
-  for arg in "${EXTRA_ARGS[@]}"; do
-    case "$arg" in "$1"|"$1"=*) return 0 ;; esac
+# launch_prepare_sample_if_used DATA_DIR: prepare_sample makes the sample data when a flag of
+# ALL_FLAGS names one of its files (the user's own data and tokenizer replace them) and it is missing.
+launch_prepare_sample_if_used() {
+  local dir="$1" word
+  [ -f "$SAMPLE_MARKER" ] && return 0
+  for word in "${ALL_FLAGS[@]}"; do
+    if [[ "$word" == "$dir/"* ]]; then
+      (cd "$REPO_ROOT" && "$PY" -m megatron_dpp.data.prepare_sample --output-dir "$dir")
+      return 0
+    fi
   done
-  return 1
+}
+
+# launch_extra_value VAR FLAG: VAR = the value of the user's last FLAG (`--flag V` or
+# `--flag=V`); false when the user's arguments do not give FLAG.
+launch_extra_value() {
+  local i found=1 word
+  for ((i = 0; i < ${#EXTRA_ARGS[@]}; i++)); do
+    word="${EXTRA_ARGS[i]}"
+    if [ "$word" = "$2" ]; then
+      printf -v "$1" '%s' "${EXTRA_ARGS[i + 1]:-}"; found=0
+    elif [[ "$word" == "$2"=* ]]; then
+      printf -v "$1" '%s' "${word#*=}"; found=0
+    fi
+  done
+  return "$found"
+}
+
+# launch_layout_from_flags: PP, TP and VPP as the user's own layout flags give them (one choice,
+# stated once: a variable that says otherwise is refused), so that the process count, the banner
+# and --use-dpp follow the command line as written.
+launch_layout_from_flags() {
+  local pair var flag value
+  for pair in PP:--pipeline-model-parallel-size TP:--tensor-model-parallel-size \
+              VPP:--num-virtual-stages-per-pipeline-rank; do
+    var="${pair%%:*}"; flag="${pair#*:}"
+    launch_extra_value value "$flag" || continue
+    if [ -n "$STRATEGY_FILE" ]; then
+      launch_fail "$flag and --strategy both choose the layout; remove $flag"
+    fi
+    if ! [[ "$value" =~ ^[0-9]+$ ]] || [ "$((10#$value))" -lt 1 ]; then
+      launch_fail "$flag $value is not a positive whole number"
+    fi
+    if [ -n "${!var:-}" ] && [ "$((10#${!var}))" != "$((10#$value))" ]; then
+      launch_fail "$var=${!var} and $flag $value disagree; give the layout once"
+    fi
+    printf -v "$var" '%s' "$((10#$value))"
+  done
+}
+
+# launch_assemble_flags RECIPE_FLAGS_NAME STRATEGY_NAME LAUNCHER_NAME USER_NAME (array names) ->
+# ALL_FLAGS, RECIPE_APPLIED, PROVENANCE_LINES: megatron_dpp.launcher_flags puts the user's flags
+# over the launcher's defaults and the strategy's over the recipe's (the recipe only when RECIPE
+# names it or the user gives no model shape; a user's choice replaces every flag of that choice).
+launch_assemble_flags() {
+  local -n recipe_words="$1" strategy_words="$2" launcher_words="$3" user_words="$4"
+  local out provenance status asked=()
+  out="$(mktemp)"; provenance="$(mktemp)"
+  if [ "$RECIPE_ASKED_FOR" = 1 ]; then asked=(--recipe-asked-for); fi
+  if ! status="$(cd "$REPO_ROOT" && "$PY" -m megatron_dpp.launcher_flags --recipe "$RECIPE" \
+       "${asked[@]}" --output "$out" --provenance "$provenance" ::recipe "${recipe_words[@]}" \
+       ::strategy "${strategy_words[@]}" ::launcher "${launcher_words[@]}" ::user "${user_words[@]}" 2>&1)"; then
+    rm -f "$out" "$provenance"
+    launch_fail "${status#error: }"
+  fi
+  mapfile -d '' -t ALL_FLAGS <"$out"
+  mapfile -t PROVENANCE_LINES <"$provenance"
+  rm -f "$out" "$provenance"
+  if [ "$status" = "recipe applied" ]; then RECIPE_APPLIED=1; else RECIPE_APPLIED=0; fi
 }
 
 # launch_resolve_paths: every path of ALL_FLAGS (the LAUNCH_PATH_FLAGS, as `--flag VALUE` or
@@ -290,6 +351,7 @@ launch_prepare() {
   if [ -n "$STRATEGY_FILE" ]; then
     launch_read_strategy
   fi
+  launch_layout_from_flags
   local gpus group
   # The GPUs torch sees; without an NVIDIA device node there are none, and importing torch to
   # learn that would cost seconds on every launch of a CPU machine. (DPP_NVIDIA_DEVICE_NODES: where
@@ -301,6 +363,7 @@ launch_prepare() {
   fi
   TP="${TP:-1}"
   VPP="${VPP:-1}"
+  if [ -n "${RECIPE:-}" ]; then RECIPE_ASKED_FOR=1; else RECIPE_ASKED_FOR=0; fi
   if [ "$gpus" -gt 0 ]; then
     RECIPE="${RECIPE:-$GPU_RECIPE}"
     # A pipeline whenever the GPUs hold two stages, so that --use-dpp has a schedule to run.
@@ -328,49 +391,31 @@ launch_prepare() {
   # shellcheck source=/dev/null
   source "$recipe_file"
 
-  local data_flags
+  # The launcher's defaults: the sample data and its tokenizer (DATA_ARGS, the user's own data
+  # flags, replace them), the environment's layout and schedule, the nodes.
+  local user_flags=() launcher_flags=() recipe_flags=("${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${LOGGING_ARGS[@]}")
   if [ -n "${DATA_ARGS:-}" ]; then
-    read -r -a data_flags <<<"$DATA_ARGS"
-  elif launch_extra_has --mock-data || launch_extra_has --train-data-path \
-      || launch_extra_has --valid-data-path || launch_extra_has --test-data-path \
-      || launch_extra_has --per-split-data-args-path || launch_extra_has --data-args-path; then
-    # Generated documents, a file of data paths, or each split's own: not the sample data, only
-    # its tokenizer unless one is given (and its --split where one data source is split: the
-    # per-split paths refuse it).
-    data_flags=()
-    if ! launch_extra_has --tokenizer-type; then
-      launch_abspath DATA_DIR "${DATA_DIR:-$REPO_ROOT/data/sample}"
-      launch_sample_data_flags "$DATA_DIR"
-      data_flags=("${SAMPLE_TOKENIZER_FLAGS[@]}")
-      if launch_extra_has --mock-data || launch_extra_has --data-args-path; then
-        data_flags+=(--split 98,2,0)
-      fi
-    fi
-  else
-    launch_abspath DATA_DIR "${DATA_DIR:-$REPO_ROOT/data/sample}"
-    launch_sample_data_flags "$DATA_DIR"
-    data_flags=(--data-path "$SAMPLE_PREFIX" "${SAMPLE_TOKENIZER_FLAGS[@]}" --split 98,2,0)
+    read -r -a user_flags <<<"$DATA_ARGS"
   fi
-
+  user_flags+=("${EXTRA_ARGS[@]}")
+  launch_abspath DATA_DIR "${DATA_DIR:-$REPO_ROOT/data/sample}"
+  launch_sample_data_flags "$DATA_DIR"
+  launcher_flags=(--data-path "$SAMPLE_PREFIX" "${SAMPLE_TOKENIZER_FLAGS[@]}" --split 98,2,0)
   # The strategy's flags (model shape, batch, layout, schedule) replace the environment's sizes.
-  local parallel_flags=("${STRATEGY_FLAGS[@]}")
   if [ -z "$STRATEGY_FILE" ]; then
-    parallel_flags=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
+    launcher_flags+=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
     if [ "$VPP" -gt 1 ]; then
-      parallel_flags+=(--num-virtual-stages-per-pipeline-rank "$VPP")
+      launcher_flags+=(--num-virtual-stages-per-pipeline-rank "$VPP")
     fi
     if [ "$USE_DPP" = "1" ] && [ "$PP" -ge 2 ]; then
-      parallel_flags+=(--use-dpp)
+      launcher_flags+=(--use-dpp)
     fi
   fi
-  local node_flags=()
   if [ -n "$NODE_IPS" ]; then
-    node_flags=(--multi-node --node-ips "$NODE_IPS")
+    launcher_flags+=(--multi-node --node-ips "$NODE_IPS")
   fi
-
-  # Extra arguments come last, so they override the recipe's (and the strategy's) flags.
-  ALL_FLAGS=("${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${LOGGING_ARGS[@]}"
-             "${data_flags[@]}" "${parallel_flags[@]}" "${node_flags[@]}" "${EXTRA_ARGS[@]}")
+  launch_assemble_flags recipe_flags STRATEGY_FLAGS launcher_flags user_flags
+  launch_prepare_sample_if_used "$DATA_DIR"
   launch_resolve_paths
 }
 
@@ -424,14 +469,24 @@ launch_schedule_state() {
   fi
 }
 
+# launch_print_provenance: under --dry-run, each flag that did not come from the user, by source,
+# and each one the user's replaced (megatron_dpp.launcher_flags), a line each.
+launch_print_provenance() {
+  local line
+  for line in "${PROVENANCE_LINES[@]}"; do
+    echo "$LAUNCH_NAME: $line"
+  done
+}
+
 launch_describe() {
-  local node_rank="$1" schedule
+  local node_rank="$1" schedule recipe_words="recipe $RECIPE"
   schedule="$(launch_schedule_state)"
+  if [ "$RECIPE_APPLIED" = 0 ]; then recipe_words="no recipe (your model shape)"; fi
   if [ "$LAUNCH_ROLE" = single ]; then
-    echo "$LAUNCH_NAME: $NPROC processes, TP=$TP PP=$PP VPP=$VPP, $schedule, recipe $RECIPE${STRATEGY_FILE:+, strategy $STRATEGY_FILE}"
+    echo "$LAUNCH_NAME: $NPROC processes, TP=$TP PP=$PP VPP=$VPP, $schedule, $recipe_words${STRATEGY_FILE:+, strategy $STRATEGY_FILE}"
   else
     echo "$LAUNCH_NAME: node $node_rank of $NNODES, $NPROC processes per node, TP=$TP PP=$PP" \
-         "VPP=$VPP, $schedule, recipe $RECIPE${STRATEGY_FILE:+, strategy $STRATEGY_FILE}," \
+         "VPP=$VPP, $schedule, $recipe_words${STRATEGY_FILE:+, strategy $STRATEGY_FILE}," \
          "master $MASTER_ADDR:$MASTER_PORT"
   fi
 }
@@ -441,6 +496,7 @@ launch_start() {
   launch_describe "$node_rank"
   if [ "$DRY_RUN" = 1 ]; then
     launch_print_command "$node_rank"
+    launch_print_provenance
     exit 0
   fi
   launch_torchrun_command "$node_rank"
@@ -513,6 +569,7 @@ launch_slurm() {
     for ((rank = 0; rank < NNODES; rank++)); do
       launch_print_command "$rank"
     done
+    launch_print_provenance
     exit 0
   fi
   if [ "$IN_STEP" = 0 ]; then

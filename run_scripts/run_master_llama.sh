@@ -18,11 +18,12 @@
 #   MASTER_PORT   rendezvous port, the same on every node (default 29500)
 #   NPROC         processes per node (default: number of GPUs, else 2); DP = NNODES*NPROC / (PP*TP)
 #   PP, TP, VPP, USE_DPP, RECIPE, DATA_DIR, DATA_ARGS   as in run_single_llama.sh
-# Extra arguments are passed to megatron_dpp.pretrain --model llama and override the recipe's flags.
+# Extra arguments are passed to megatron_dpp.pretrain --model llama: Megatron-LM's flags, which replace
+# the recipe's and the launcher's of the same choice (megatron_dpp/launcher_flags.py).
 # --strategy FILE (among them): the model shape, batch, layout and schedule of a strategy JSON
 # written by run_scripts/start-search.sh; it replaces PP, TP, VPP, USE_DPP and NPROC.
 # --dry-run (anywhere among them) checks everything and prints this node's torchrun command
-# instead of running it. Bad variables or flags: one line on stderr, exit code 2, before torchrun.
+# instead of running it (and, under it, the flags that did not come from you). Bad variables or flags: one line on stderr, exit code 2, before torchrun.
 set -euo pipefail
 LAUNCH_NAME=run_master_llama
 # shellcheck source=run_scripts/_launch.sh

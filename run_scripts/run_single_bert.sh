@@ -9,17 +9,21 @@
 #   VPP           virtual pipeline stages per pipeline rank (interleaved 1F1B; default 1)
 #   NPROC         processes on this node (default: the GPUs, rounded down to a multiple of PP*TP,
 #                 else 2); DP = NPROC / (PP*TP)
-#   RECIPE        model recipe in examples/bert (default: bert_tiny on CPU, bert_base on GPU)
+#   RECIPE        model recipe in examples/bert that fills the flags you leave out. Default: bert_tiny
+#                 on CPU, bert_base on GPU, and only when your flags give no model shape (with
+#                 --num-layers, --hidden-size, ... every flag you leave out is Megatron-LM's default)
 #   DATA_DIR      sample data directory (default: <repo>/data/sample)
 #   DATA_ARGS     data flags replacing the sample data (e.g. "--data-path P --vocab-file V ...")
 #   MASTER_PORT   rendezvous port (default: a free one)
 #   USE_DPP       1 (default): dynamic pipeline schedule (--use-dpp) whenever PP >= 2; 0: Megatron's
 #                 fixed 1F1B / interleaved schedule
-# Extra arguments are passed to megatron_dpp.pretrain_bert and override the recipe's flags.
+# Extra arguments are passed to megatron_dpp.pretrain_bert: Megatron-LM's flags, which replace
+# the recipe's and the launcher's of the same choice (megatron_dpp/launcher_flags.py).
 # --strategy FILE (among them): the model shape, batch, layout and schedule of a strategy JSON
 # written by run_scripts/start-search.sh; it replaces PP, TP, VPP, USE_DPP and NPROC.
 # --dry-run (anywhere among them) checks everything and prints the torchrun command instead of
-# running it. Several nodes: run_master_bert.sh and run_worker_bert.sh.
+# running it, and under it each flag that came from the recipe or the launcher's defaults, and each
+# one your flags replaced. Several nodes: run_master_bert.sh and run_worker_bert.sh.
 set -euo pipefail
 LAUNCH_NAME=run_single_bert
 # shellcheck source=run_scripts/_launch.sh

@@ -24,7 +24,8 @@
 #   MASTER_ADDR   the first of NODE_IPS, unless set
 # Environment, as in run_master_gpt.sh: MASTER_PORT (default 29500), NPROC (processes per node),
 # PP, TP, VPP, USE_DPP, RECIPE, DATA_DIR, DATA_ARGS.
-# Extra arguments are passed to megatron_dpp.pretrain_gpt and override the recipe's flags.
+# Extra arguments are passed to megatron_dpp.pretrain_gpt: Megatron-LM's flags, which replace
+# the recipe's and the launcher's of the same choice (megatron_dpp/launcher_flags.py).
 # --strategy FILE (among them): the model shape, batch, layout and schedule of a strategy JSON
 # written by run_scripts/start-search.sh; it replaces PP, TP, VPP, USE_DPP and NPROC.
 # --dry-run (anywhere among them) checks everything, prints the torchrun command of every node

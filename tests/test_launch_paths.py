@@ -209,8 +209,9 @@ def test_relative_data_dir_dpp_venv_and_blend(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     ((_, argv),) = _node_commands(result.stdout).items()
     assert os.path.normpath(argv[0]) == str(user / "venv" / "bin" / "python"), argv[0]
-    data_paths = [argv[i + 1] for i, word in enumerate(argv) if word == "--data-path"]
-    assert _same(data_paths[0], user / "d" / "sample_bert_text_sentence")  # DATA_DIR's
+    # The user's blend replaces the sample data (megatron_dpp/launcher_flags.py); DATA_DIR still
+    # gives the tokenizer, which the user's flags leave to the launcher.
+    assert argv.count("--data-path") == 1, argv
     weights_and_prefixes = _values(argv, "--data-path")
     assert weights_and_prefixes[0::2] == ["0.5", "0.5"]
     assert all(_same(p, user / "d" / "sample_bert_text_sentence") for p in weights_and_prefixes[1::2])

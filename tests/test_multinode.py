@@ -127,8 +127,10 @@ def _run_two_nodes(tmp_path: Path, layout: dict, extra: list[str], timeout: floa
 CASES = [
     ("pp2_dpp", dict(PP="2", NPROC="1", USE_DPP="1"), [], dict(PP="2", NPROC="2", USE_DPP="0")),
     ("pp2_1f1b", dict(PP="2", NPROC="1", USE_DPP="0"), [], dict(PP="2", NPROC="2", USE_DPP="0")),
-    ("pp4_vpp2_varlen_dpp", dict(PP="4", VPP="2", NPROC="2", USE_DPP="1"),
-     ["--num-layers", "8", "--variable-seq-lengths"], dict(PP="4", VPP="2", NPROC="4", USE_DPP="1")),
+    # RECIPE named: the tiny recipe with 8 layers (a shape flag alone means no recipe).
+    ("pp4_vpp2_varlen_dpp", dict(PP="4", VPP="2", NPROC="2", USE_DPP="1", RECIPE="gpt3_tiny"),
+     ["--num-layers", "8", "--variable-seq-lengths"],
+     dict(PP="4", VPP="2", NPROC="4", USE_DPP="1", RECIPE="gpt3_tiny")),
 ]
 
 

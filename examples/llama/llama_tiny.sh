@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tiny Llama for CPU (2 cores): a few minutes, lm loss visibly falling.
 # RMSNorm, SwiGLU, rotary positions, no biases and the untied output come with --model llama.
-# 4 heads in 2 key/value groups (grouped-query attention). Layers must divide by pipeline x
+# 8 heads in 4 key/value groups (grouped-query attention; TP up to 4). Layers must divide by pipeline x
 # virtual stages: 4 layers fit PP=1,2,4 and PP=2 with VPP=2. Trains on the GPT sample data.
 # The launchers source this file for its flags. Run directly, it trains with them on one node:
 #   bash examples/llama/llama_tiny.sh [--dry-run] [trainer flags]
@@ -10,7 +10,7 @@ if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
   RECIPE=llama_tiny exec bash "$(dirname "$0")/../../run_scripts/run_single_llama.sh" "$@"
 fi
 MODEL_ARGS=(
-  --num-layers 4 --hidden-size 128 --num-attention-heads 4 --num-query-groups 2
+  --num-layers 4 --hidden-size 128 --num-attention-heads 8 --num-query-groups 4
   --ffn-hidden-size 352 --seq-length 128 --max-position-embeddings 128
   --hidden-dropout 0.0 --attention-dropout 0.0
 )
