@@ -98,14 +98,15 @@ launch_prepare_sample_if_used() {
   done
 }
 
-# launch_extra_value VAR FLAG: VAR = the value of the user's last FLAG (`--flag V` or
-# `--flag=V`); false when the user's arguments do not give FLAG.
-launch_extra_value() {
+# launch_value_in VAR FLAG WORDS_NAME: VAR = the value of the last FLAG (`--flag V` or `--flag=V`)
+# among the array named WORDS_NAME; false when it gives no FLAG.
+launch_value_in() {
+  local -n words="$3"
   local i found=1 word
-  for ((i = 0; i < ${#EXTRA_ARGS[@]}; i++)); do
-    word="${EXTRA_ARGS[i]}"
+  for ((i = 0; i < ${#words[@]}; i++)); do
+    word="${words[i]}"
     if [ "$word" = "$2" ]; then
-      printf -v "$1" '%s' "${EXTRA_ARGS[i + 1]:-}"; found=0
+      printf -v "$1" '%s' "${words[i + 1]:-}"; found=0
     elif [[ "$word" == "$2"=* ]]; then
       printf -v "$1" '%s' "${word#*=}"; found=0
     fi
@@ -115,21 +116,28 @@ launch_extra_value() {
 
 # launch_layout_from_flags: PP, TP and VPP as the user's own layout flags give them (one choice,
 # stated once: a variable that says otherwise is refused), so that the process count, the banner
-# and --use-dpp follow the command line as written.
+# and --use-dpp follow the command line as written. An example script's layout (EXAMPLE_FLAGS:
+# Megatron-LM's examples/ scripts) applies where neither a variable nor a user's flag gives one.
 launch_layout_from_flags() {
-  local pair var flag value
+  local pair var flag value given
   for pair in PP:--pipeline-model-parallel-size TP:--tensor-model-parallel-size \
               VPP:--num-virtual-stages-per-pipeline-rank; do
     var="${pair%%:*}"; flag="${pair#*:}"
-    launch_extra_value value "$flag" || continue
-    if [ -n "$STRATEGY_FILE" ]; then
-      launch_fail "$flag and --strategy both choose the layout; remove $flag"
+    given="${!var:-}"
+    if launch_value_in value "$flag" EXTRA_ARGS; then
+      if [ -n "$STRATEGY_FILE" ]; then
+        launch_fail "$flag and --strategy both choose the layout; remove $flag"
+      fi
+    elif [ -z "$given" ] && [ -n "${EXAMPLE_FLAGS+set}" ] && launch_value_in value "$flag" EXAMPLE_FLAGS; then
+      given=""
+    else
+      continue
     fi
     if ! [[ "$value" =~ ^[0-9]+$ ]] || [ "$((10#$value))" -lt 1 ]; then
       launch_fail "$flag $value is not a positive whole number"
     fi
-    if [ -n "${!var:-}" ] && [ "$((10#${!var}))" != "$((10#$value))" ]; then
-      launch_fail "$var=${!var} and $flag $value disagree; give the layout once"
+    if [ -n "$given" ] && [ "$((10#$given))" != "$((10#$value))" ]; then
+      launch_fail "$var=$given and $flag $value disagree; give the layout once"
     fi
     printf -v "$var" '%s' "$((10#$value))"
   done
@@ -224,6 +232,16 @@ launch_parse_args() {
         [ $# -ge 2 ] || launch_fail "--strategy needs a FILE (the strategy JSON of start-search.sh)"
         STRATEGY_FILE="$2"; shift ;;
       --strategy=*) STRATEGY_FILE="${1#--strategy=}" ;;
+      --num-gpus | --num-gpus=*)  # MegatronDPP's: the GPUs (processes) of this node
+        local gpus="${1#--num-gpus=}"
+        if [ "$1" = --num-gpus ]; then
+          [ $# -ge 2 ] || launch_fail "--num-gpus needs a number (the GPUs of this node)"
+          gpus="$2"; shift
+        fi
+        if [ -n "${NPROC:-}" ] && [ "$NPROC" != "$gpus" ]; then
+          launch_fail "NPROC=$NPROC and --num-gpus $gpus disagree; give the processes of this node once"
+        fi
+        NPROC="$gpus" ;;
       *) EXTRA_ARGS+=("$1") ;;
     esac
     shift
@@ -384,12 +402,21 @@ launch_prepare() {
     NPROC="${NPROC:-2}"; PP="${PP:-2}"; RECIPE="${RECIPE:-$CPU_RECIPE}"
   fi
 
-  local recipe_file="$RECIPE_DIR/$RECIPE.sh"
-  if [ ! -f "$recipe_file" ]; then
-    launch_fail "no recipe $recipe_file; set RECIPE to one of: $(cd "$RECIPE_DIR" && ls *.sh | sed 's/\.sh$//' | tr '\n' ' ')"
+  if [ -n "${EXAMPLE_FLAGS+set}" ]; then
+    # A Megatron-LM examples/ script: its flags are the recipe, always applied (RECIPE is its name).
+    RECIPE="$LAUNCH_NAME"; RECIPE_ASKED_FOR=1
+    MODEL_ARGS=("${EXAMPLE_FLAGS[@]}"); TRAINING_ARGS=(); LOGGING_ARGS=()
+  else
+    local recipe_file="$RECIPE_DIR/$RECIPE.sh"
+    if [[ "$RECIPE" == train_* ]] && [ -f "$recipe_file" ]; then
+      launch_fail "RECIPE=$RECIPE is one of Megatron-LM's example scripts, not a recipe; run it: bash ${recipe_file#"$REPO_ROOT/"} ARGUMENTS"
+    fi
+    if [ ! -f "$recipe_file" ]; then
+      launch_fail "no recipe $recipe_file; set RECIPE to one of: $(cd "$RECIPE_DIR" && ls *.sh | grep -v '^train_' | sed 's/\.sh$//' | tr '\n' ' ')"
+    fi
+    # shellcheck source=/dev/null
+    source "$recipe_file"
   fi
-  # shellcheck source=/dev/null
-  source "$recipe_file"
 
   # The launcher's defaults: the sample data and its tokenizer (DATA_ARGS, the user's own data
   # flags, replace them), the environment's layout and schedule, the nodes.
@@ -400,7 +427,9 @@ launch_prepare() {
   user_flags+=("${EXTRA_ARGS[@]}")
   launch_abspath DATA_DIR "${DATA_DIR:-$REPO_ROOT/data/sample}"
   launch_sample_data_flags "$DATA_DIR"
-  launcher_flags=(--data-path "$SAMPLE_PREFIX" "${SAMPLE_TOKENIZER_FLAGS[@]}" --split 98,2,0)
+  if [ -z "${EXAMPLE_FLAGS+set}" ]; then  # an example script names its own data
+    launcher_flags=(--data-path "$SAMPLE_PREFIX" "${SAMPLE_TOKENIZER_FLAGS[@]}" --split 98,2,0)
+  fi
   # The strategy's flags (model shape, batch, layout, schedule) replace the environment's sizes.
   if [ -z "$STRATEGY_FILE" ]; then
     launcher_flags+=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
@@ -520,6 +549,67 @@ launch_main() {
     launch_precheck 0
     launch_start 0
   fi
+}
+
+# launch_example ROLE MODEL ARGS...: a script with the name, positional arguments and variables of
+# one of Megatron-LM's examples/ scripts (examples/*/train_*.sh), run through this launcher. The
+# script sets LAUNCH_NAME and EXAMPLE_FLAGS (its flags: a recipe that the user's appended flags
+# replace choice by choice), then calls this with the arguments after its positional ones.
+# Megatron-LM's variables give the job's layout: GPUS_PER_NODE (the processes of this node, as
+# NPROC or MegatronDPP's --num-gpus), NUM_NODES (NNODES), NODE_RANK, MASTER_ADDR, MASTER_PORT
+# (default 6000 across nodes, as in Megatron-LM's scripts). ROLE auto: one node alone, else the
+# master (NODE_RANK 0) or a worker; the nodes' addresses come from --node-ips (MegatronDPP's) or
+# NODE_IPS.
+launch_example() {
+  local role="$1" model="$2" ips=""
+  shift 2
+  if [ -n "${GPUS_PER_NODE:-}" ]; then
+    if [ -n "${NPROC:-}" ] && [ "$NPROC" != "$GPUS_PER_NODE" ]; then
+      launch_fail "NPROC=$NPROC and GPUS_PER_NODE=$GPUS_PER_NODE disagree; set one"
+    fi
+    NPROC="$GPUS_PER_NODE"
+  fi
+  if [ -n "${NUM_NODES:-}" ]; then
+    if [ -n "${NNODES:-}" ] && [ "$NNODES" != "$NUM_NODES" ]; then
+      launch_fail "NNODES=$NNODES and NUM_NODES=$NUM_NODES disagree; set one"
+    fi
+    NNODES="$NUM_NODES"
+  fi
+  local args=("$@")
+  if launch_value_in ips --node-ips args; then
+    if [ -n "${NODE_IPS:-}" ] && [ "$NODE_IPS" != "$ips" ]; then
+      launch_fail "NODE_IPS=$NODE_IPS and --node-ips $ips disagree; give the nodes' addresses once"
+    fi
+    NODE_IPS="$ips"
+    if [ -z "${NNODES:-}" ]; then  # one address per node
+      NNODES="$(awk -F, '{print NF}' <<<"$ips")"
+    fi
+  fi
+  if [ "$role" = auto ]; then
+    if [ "${NNODES:-1}" -le 1 ] 2>/dev/null; then
+      role=single
+    elif [ "${NODE_RANK:-0}" = 0 ]; then
+      role=master
+    else
+      role=worker
+    fi
+  fi
+  if [ "$role" != single ]; then
+    MASTER_PORT="${MASTER_PORT:-6000}"
+  fi
+  launch_main "$role" "$model" "$@"
+}
+
+# launch_example_positionals COUNT USAGE ARGS...: one line (exit 2) unless ARGS begin with COUNT
+# positional arguments (none a flag), as USAGE names them.
+launch_example_positionals() {
+  local count="$1" usage="$2" i
+  shift 2
+  for ((i = 1; i <= count; i++)); do
+    if [ $# -lt "$i" ] || [[ "${!i}" == -* ]]; then
+      launch_fail "usage: bash examples/$usage (argument $i of $count is missing)"
+    fi
+  done
 }
 
 # launch_slurm MODEL ARGS...: run_slurm_<model>.sh, which sets LAUNCH_NAME and SCRIPT_DIR (its
