@@ -21,9 +21,10 @@ from megatron_dpp.comm.flags import (add_multinode_args, add_transport_args,
                                      validate_multinode_args, validate_transport_args)
 from megatron_dpp.data import flags as data_flags
 from megatron_dpp.exit_codes import BAD_INPUT
-from megatron_dpp.flag_errors import ArgsError, check_refused_flags, require
+from megatron_dpp.flag_errors import ArgsError, check_refused_flags, check_stated_flags, require
 from megatron_dpp.kernels import install_warning_filters
 from megatron_dpp.models import families
+from megatron_dpp.models import megatron_lm_flags as model_megatron_lm_flags
 from megatron_dpp.models.flags import (REFUSED_MODEL_FLAGS, REFUSED_PARALLEL_FLAGS, add_model_args,
                                        add_parallel_args,
                                        validate_cuda_graph_args, validate_model_args,
@@ -32,22 +33,31 @@ from megatron_dpp.one_line_errors import InputError, OneLineErrorParser
 from megatron_dpp.rank_failure import fail
 from megatron_dpp.runtime.flags import add_dpp_args, validate_dpp_args
 from megatron_dpp.training.flags import (
-    REFUSED_CHECKPOINT_FLAGS, REFUSED_PROFILE_FLAGS, REFUSED_TRAINING_FLAGS,
+    REFUSED_CHECKPOINT_FLAGS, REFUSED_LOGGING_FLAGS, REFUSED_PROFILE_FLAGS, REFUSED_TRAINING_FLAGS,
     add_checkpoint_args, add_logging_args, add_profile_args, add_trace_args,
     add_training_args, validate_checkpoint_args, validate_logging_args, validate_profile_args,
     validate_trace_args, validate_training_args)
+from megatron_dpp.training import megatron_lm_flags as training_megatron_lm_flags
 
 # Megatron-LM flags that cannot apply here, each in its group (--help explains it): flag -> why.
 REFUSED_FLAGS: dict[str, str] = {**REFUSED_MODEL_FLAGS, **REFUSED_PARALLEL_FLAGS,
                                   **REFUSED_TRAINING_FLAGS, **data_flags.REFUSED_DATA_FLAGS,
-                                  **REFUSED_CHECKPOINT_FLAGS, **REFUSED_PROFILE_FLAGS}
+                                  **REFUSED_CHECKPOINT_FLAGS, **REFUSED_LOGGING_FLAGS,
+                                  **REFUSED_PROFILE_FLAGS}
+# Megatron-LM flags that state what always holds here, each in its group (flag_errors.StatedFlag).
+STATED_FLAGS = {**model_megatron_lm_flags.STATED_MODEL, **model_megatron_lm_flags.STATED_PARALLEL,
+                **training_megatron_lm_flags.STATED_TRAINING,
+                **training_megatron_lm_flags.STATED_CHECKPOINT,
+                **training_megatron_lm_flags.STATED_LOGGING, **data_flags.megatron_lm_flags.STATED_DATA}
 # The tokenizers some model trains with; each model's own are in models/families.py.
 TOKENIZER_TYPES = families.TOKENIZER_TYPES
 
 
 def validate_refused_args(args: argparse.Namespace) -> None:
-    """The first REFUSED_FLAGS flag given: one line with its reason."""
+    """The first REFUSED_FLAGS flag given: one line with its reason; then a STATED_FLAGS value
+    whose meaning does not hold here."""
     check_refused_flags(args, REFUSED_FLAGS)
+    check_stated_flags(args, STATED_FLAGS)
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from typing import Collection, Iterable, Mapping, Optional
 
 
@@ -51,6 +52,51 @@ def check_refused_flags(args: argparse.Namespace, refused: Mapping[str, str]) ->
     """The first flag of `refused` given: one line with its reason."""
     for flag, reason in refused.items():
         require(getattr(args, _refused_dest(flag)) is None, f"{flag} {reason}; remove it")
+
+
+# The first words of the --help of every flag that states what always holds here (StatedFlag).
+ALWAYS_SO_HERE = "Accepted for Megatron-LM command lines; always so here:"
+
+
+@dataclass(frozen=True)
+class StatedFlag:
+    """A Megatron-LM flag that asks for what always holds here: accepted (and --help says what
+    holds), for the values whose meaning holds; its other values are refused in one line."""
+
+    holds: str
+    """What always holds here, for --help."""
+
+    values: tuple[str, ...] = ()
+    """The values whose meaning holds here; empty: the flag takes no value."""
+
+    otherwise: str = ""
+    """Why Megatron-LM's other values cannot apply ("FLAG VALUE OTHERWISE; use ...")."""
+
+
+def _stated_dest(flag: str) -> str:
+    return "stated_" + flag.lstrip("-").replace("-", "_")
+
+
+def add_stated_flags(group, stated: Mapping[str, StatedFlag]) -> None:
+    """Each flag of `stated` in `group`, its --help saying what always holds here."""
+    for flag, spec in stated.items():
+        if spec.values:
+            group.add_argument(flag, dest=_stated_dest(flag), default=None, metavar="VALUE",
+                               help=f"{ALWAYS_SO_HERE} {spec.holds} ({flag} "
+                                    f"{' or '.join(spec.values)}; Megatron-LM's other values are "
+                                    f"refused in one line).")
+        else:
+            group.add_argument(flag, dest=_stated_dest(flag), action="store_const", const=True,
+                               default=None, help=f"{ALWAYS_SO_HERE} {spec.holds}.")
+
+
+def check_stated_flags(args: argparse.Namespace, stated: Mapping[str, StatedFlag]) -> None:
+    """A value of a `stated` flag whose meaning does not hold here: one line with the reason."""
+    for flag, spec in stated.items():
+        value = getattr(args, _stated_dest(flag))
+        if spec.values and value is not None:
+            require(value in spec.values,
+                    f"{flag} {value} {spec.otherwise}; use {flag} {spec.values[0]} or remove it")
 
 
 def require_output_dir(flag: str, path: str) -> None:

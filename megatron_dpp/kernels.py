@@ -229,10 +229,14 @@ def _compiled_fusion(feature: str, wanted: bool, off_flag: str) -> Choice:
 def _rope_fusion(args: argparse.Namespace) -> Choice:
     from megatron_dpp.models.families import DEFAULT_MODEL, model_family
 
-    architecture = model_family(getattr(args, "model", None) or DEFAULT_MODEL).architecture
-    if architecture["position_embedding_type"] != "rope":
+    position = getattr(args, "position_embedding_type", None) or model_family(
+        getattr(args, "model", None) or DEFAULT_MODEL).architecture["position_embedding_type"]
+    if position != "rope":
         return Choice("rope fusion", False, "unused: the model uses learned absolute position "
                       "embeddings (the fused rotary kernel is Transformer Engine's)")
+    if not getattr(args, "apply_rope_fusion", True):
+        return Choice("rope fusion", False, "--no-rope-fusion: Megatron-Core's unfused rotary "
+                      "embedding")
     return Choice("rope fusion", False, "Megatron-Core's unfused rotary embedding (the fused "
                   "kernel is Transformer Engine's, which is not set up for it here)")
 
@@ -323,11 +327,24 @@ def cuda_graphs(args: argparse.Namespace) -> Choice:
 
 
 def _mlp_activation(args: argparse.Namespace) -> str:
-    """"gelu" or "swiglu": which of Megatron-LM's --no-bias-*-fusion flags applies to the model."""
-    from megatron_dpp.models.families import model_family
+    """"gelu", "swiglu" or "squared_relu": the model's MLP (models/families.py, its flags)."""
+    from megatron_dpp.models.families import mlp_activation
 
-    model = getattr(args, "model", None)
-    return model_family(model).mlp_activation if model else "gelu"
+    return mlp_activation(args)
+
+
+def _bias_activation_fusion(args: argparse.Namespace, activation: str) -> Choice:
+    """Megatron-LM's choice: --bias-swiglu-fusion for SwiGLU, --bias-gelu-fusion otherwise (it
+    also sets squared ReLU's, which Megatron-Core has no kernel for), off without biases for
+    GeLU (Megatron-LM turns it off there; SwiGLU's kernel takes no bias)."""
+    flag = "swiglu" if activation == "swiglu" else "gelu"
+    feature = f"bias-{activation.replace('_', '-')} fusion"
+    if activation == "squared_relu":
+        return Choice(feature, False, "Megatron-Core fuses GeLU and SwiGLU only: unfused torch ops")
+    if activation == "gelu" and getattr(args, "add_bias_linear", True) is False:
+        return Choice(feature, False, "--disable-bias-linear: no bias to fuse (as Megatron-LM)")
+    return _compiled_fusion(feature, getattr(args, f"bias_{flag}_fusion"),
+                            f"--no-bias-{flag}-fusion")
 
 
 def _cross_entropy_fusion(args: argparse.Namespace) -> Choice:
@@ -356,9 +373,7 @@ def kernel_choices(args: argparse.Namespace) -> KernelChoices:
         transformer_engine_layers=te_layers,
         masked_softmax_fusion=_masked_softmax_fusion(
             attention, getattr(args, "masked_softmax_fusion", True)),
-        bias_activation_fusion=_compiled_fusion(
-            f"bias-{activation} fusion", getattr(args, f"bias_{activation}_fusion"),
-            f"--no-bias-{activation}-fusion"),
+        bias_activation_fusion=_bias_activation_fusion(args, activation),
         bias_dropout_fusion=_compiled_fusion("bias-dropout-add fusion",
                                              args.bias_dropout_fusion,
                                              "--no-bias-dropout-fusion"),

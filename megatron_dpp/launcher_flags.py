@@ -7,9 +7,9 @@ A Megatron-LM user's command line must train what it says. So, as `run_scripts/_
   which is Megatron-LM's;
 - a flag the user gives replaces every recipe, strategy or launcher flag of the same choice
   (`CHOICES`: warmup by iterations, fraction or samples is one choice; so are the run's length,
-  the tokenizer and its files, the data), and the flags whose defaults follow it (`FOLLOWERS`: a
-  recipe's warmup and decay lengths were sized for its own length; its FFN width for its
-  hidden size);
+  the data), and the flags that follow it (`FOLLOWERS`: a recipe's warmup and decay lengths were
+  sized for its own length, its FFN width for its hidden size, a tokenizer's files and vocabulary
+  for its type);
 - `--dry-run` names each flag that did not come from the user, and each one the user's replaced.
 
 Pure: no torch, no Megatron; `python -m megatron_dpp.launcher_flags` is the launchers' interface.
@@ -38,9 +38,6 @@ _CHOICE_GROUPS = {
     "decay length": ("--lr-decay-iters", "--lr-decay-samples"),
     "WSD decay length": ("--lr-wsd-decay-iters", "--lr-wsd-decay-samples"),
     "precision": ("--fp16", "--bf16"),
-    "tokenizer": ("--tokenizer-type", "--vocab-file", "--merge-file", "--tokenizer-model",
-                  "--vocab-size", "--vocab-extra-ids", "--tiktoken-pattern",
-                  "--tiktoken-num-special-tokens", "--tiktoken-special-tokens"),
     "data": ("--data-path", "--mock-data", "--train-data-path", "--valid-data-path",
              "--test-data-path", "--data-args-path", "--per-split-data-args-path"),
     "virtual pipeline": ("--num-virtual-stages-per-pipeline-rank",
@@ -53,6 +50,9 @@ choice of its own)."""
 
 FOLLOWERS: dict[str, tuple[str, ...]] = {
     "run length": ("warmup", "decay length", "WSD decay length"),
+    "--tokenizer-type": ("--vocab-file", "--merge-file", "--tokenizer-model", "--vocab-size",
+                         "--vocab-extra-ids", "--tiktoken-pattern", "--tiktoken-num-special-tokens",
+                         "--tiktoken-special-tokens", "--tokenizer-special-tokens"),
     "data": ("--split",),
     "--hidden-size": ("--ffn-hidden-size", "--kv-channels"),
     "--num-attention-heads": ("--kv-channels", "--num-query-groups"),
@@ -61,7 +61,8 @@ FOLLOWERS: dict[str, tuple[str, ...]] = {
 """A choice -> the choices whose value another source sized for its own value of it: a user's
 choice replaces those too, so that they take the trainer's default (Megatron-LM's), which
 follows the user's value (decay over the whole run, no warmup; FFN 4 x hidden; head size hidden /
-heads; a split of Megatron-LM's default for the user's data)."""
+heads; a split of Megatron-LM's default for the user's data; the files of the user's tokenizer).
+A follower given alone replaces only itself (`--vocab-size N` keeps the tokenizer type)."""
 
 _FLAG_WORD = re.compile(r"--[A-Za-z]")
 

@@ -199,8 +199,8 @@ BAD_FLAGS = {
     "wandb_project_without_name": (["--wandb-project", "x"], 1,
                                    "--wandb-project needs --wandb-exp-name NAME"),
     "async_save": (["--async-save"], 1, "--async-save (saving in the background) is not built"),
-    "kv_channels": (["--kv-channels", "16"], 1, "--kv-channels is not a choice here: the head "
-                                                "dimension is --hidden-size / --num-attention-heads"),
+    # --kv-channels now sets the head size (tests/test_gpt_architecture_options.py); a bad one:
+    "kv_channels": (["--kv-channels", "0"], 1, "--kv-channels must be positive, got 0"),
     "override_and_use_checkpoint_schedule": (["--override-opt_param-scheduler",
                                               "--use-checkpoint-opt_param-scheduler"], 1,
                                              "--override-opt_param-scheduler and "

@@ -146,3 +146,58 @@ def test_shrunk_to_a_cpu_run_it_trains_evaluates_saves_and_logs(tmp_path):
     assert "validation loss at iteration 8 on validation set" in result.stdout
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
+
+
+# ----------------------------------------------------------------------------------------------
+# examples/llama/train_llama3_8b_h100_fp8.sh
+# ----------------------------------------------------------------------------------------------
+def _llama(args: list[str], cwd: Path, timeout: float = 60, **variables: str):
+    env = _env()
+    for variable in _LAUNCH_VARIABLES:
+        env.pop(variable, None)
+    env.update(variables)
+    return subprocess.run(["bash", str(EXAMPLES / "llama" / "train_llama3_8b_h100_fp8.sh"), *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(60)
+def test_llama3_fp8_says_in_one_line_that_it_needs_transformer_engine(tmp_path):
+    for variables in ({}, {"DTYPE": "fp8"}):
+        result = _llama(["--dry-run"], tmp_path, **variables)
+        errors = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(errors) == 1, result.stderr
+        assert "Transformer Engine" in errors[0] and "DTYPE=bf16" in errors[0]
+    wrong = _llama(["--dry-run"], tmp_path, DTYPE="fp16")
+    assert wrong.returncode == 2 and "DTYPE=fp16; set DTYPE=bf16" in wrong.stderr
+
+
+@pytest.mark.timeout(120)
+def test_llama3_in_bf16_is_gpt_with_llamas_options_at_the_scripts_layout(tmp_path):
+    result = _llama(["--dry-run"], tmp_path, DTYPE="bf16", GPUS_PER_NODE="8")
+    assert result.returncode == 0, result.stderr
+    assert "8 processes, TP=1 PP=1" in result.stdout, result.stdout
+    (argv,) = _commands(result.stdout).values()
+    assert argv[argv.index("-m", argv.index("megatron_dpp.rank_launcher")) + 1] == \
+        "megatron_dpp.pretrain_gpt"
+    for flag, value in {"--kv-channels": "128", "--num-query-groups": "8",
+                        "--normalization": "RMSNorm", "--position-embedding-type": "rope",
+                        "--tokenizer-type": "NullTokenizer", "--vocab-size": "128256",
+                        "--save": str(tmp_path / "checkpoints" / "llama3_8b_fp8")}.items():
+        assert _last(argv, flag) == value, (flag, _last(argv, flag))
+    assert "--swiglu" in argv and "--mock-data" in argv and "--bf16" in argv
+
+
+@pytest.mark.timeout(400)
+def test_llama3_shrunk_to_a_cpu_run_trains(tmp_path):
+    result = _llama(["ckpt", "tb", "MOCK", "MOCK", "--num-layers", "2", "--hidden-size", "64",
+                     "--ffn-hidden-size", "176", "--num-attention-heads", "8",
+                     "--num-query-groups", "4", "--kv-channels", "16", "--seq-length", "64",
+                     "--max-position-embeddings", "64", "--global-batch-size", "8",
+                     "--vocab-size", "1024", "--train-samples", "32",
+                     "--pipeline-model-parallel-size", "2", "--eval-interval", "2",
+                     "--eval-iters", "1", "--save-interval", "4"],
+                    tmp_path, timeout=360, DTYPE="bf16")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert len(LOSS_RE.findall(result.stdout)) == 4, result.stdout[-3000:]
+    assert "validation loss at iteration 4 on test set" in result.stdout
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"

@@ -277,7 +277,9 @@ def test_the_launcher_trains_from_the_converted_checkpoint_at_pp2(megatron, tmp_
     common = ["--seq-length", "32", "--train-iters", "4", "--global-batch-size", "8",
               "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--bf16",
               *_flags(done.stdout), "--load", str(tmp_path / "ckpt")]
-    env = _env({**os.environ, "PP": "2", "DATA_ARGS": f"--mock-data --tokenizer-type "
+    # RECIPE named: the converted shape flags alone would leave every other flag at Megatron-LM's
+    # default (no --micro-batch-size, no --lr); the tiny recipe fills them, as a user would ask.
+    env = _env({**os.environ, "PP": "2", "RECIPE": "llama_tiny", "DATA_ARGS": f"--mock-data --tokenizer-type "
                 f"NullTokenizer --vocab-size {VOCAB - 1}"})
 
     def launch(*extra):

@@ -59,6 +59,8 @@ ASSEMBLY_CASES = {
         ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50304"],
         {"--tokenizer-type NullTokenizer", "--data-path S/doc", "--split 98,2,0"},
         {"--vocab-file S/vocab.json", "--merge-file S/merges.txt"}),
+    "a vocabulary size alone keeps the tokenizer and its files": (
+        ["--vocab-size", "1024"], {"--vocab-size 1024", "--vocab-file S/vocab.json"}, set()),
     "the user's data replaces the sample data and its split": (
         ["--mock-data"], {"--mock-data", "--vocab-file S/vocab.json"},
         {"--data-path S/doc", "--split 98,2,0"}),

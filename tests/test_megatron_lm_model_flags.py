@@ -1,6 +1,7 @@
 """Megatron-LM's model flags that its scripts carry: the architecture flags (a Megatron-LM Llama
-script's --swiglu --normalization RMSNorm ... validate with --model llama, and one stating another
-model's architecture is refused in one line naming the model that has it), --norm-epsilon,
+script's --swiglu --normalization RMSNorm ... validate with --model llama or --model gpt, and one
+stating another architecture for BERT or Llama is refused in one line naming the model that has
+it), --norm-epsilon,
 --no-masked-softmax-fusion and --transformer-impl, each reaching Megatron-Core's TransformerConfig
 or the `kernels:` choices (and --attention-softmax-in-fp32, which states what always holds here)."""
 import pytest
@@ -41,20 +42,22 @@ def test_a_megatron_lm_llama_script_validates_with_model_llama(monkeypatch, caps
 
 
 @pytest.mark.parametrize("model, flags, expected", [
-    ("gpt", ["--swiglu"], "--swiglu is not gpt's architecture here (--model llama has it)"),
-    ("gpt", ["--normalization", "RMSNorm"],
-     "--normalization RMSNorm is not gpt's architecture here (--model llama has it); remove it"),
+    # GPT takes each architecture flag on its own (tests/test_gpt_architecture_options.py);
+    # BERT and Llama keep theirs.
+    ("bert", ["--swiglu"], "--swiglu is not bert's architecture here (--model gpt or llama has "
+                           "it); remove it"),
     ("bert", ["--position-embedding-type", "rope"],
-     "--position-embedding-type rope is not bert's architecture here (--model llama has it)"),
-    ("gpt", ["--disable-bias-linear"], "--disable-bias-linear is not gpt's architecture here"),
+     "--position-embedding-type rope is not bert's architecture here (--model gpt or llama has "
+     "it)"),
     ("llama", ["--normalization", "LayerNorm"],
      "--normalization LayerNorm is not llama's architecture here (--model gpt or bert has it)"),
-    ("gpt", ["--group-query-attention"],
-     "--group-query-attention is not gpt's architecture here (--model llama has it)"),
+    ("llama", ["--qk-layernorm"], "--qk-layernorm is not llama's architecture here (--model gpt "
+                                  "has it); remove it"),
     ("gpt", ["--rotary-percent", "1.0"],
-     "--rotary-percent 1 is not gpt's architecture here (--model llama has it)"),
+     "--rotary-percent 1 sets rotary embeddings and --position-embedding-type is "
+     "learned_absolute: add --position-embedding-type rope or remove it"),
     ("llama", ["--rotary-percent", "0.5"],
-     "--rotary-percent 0.5 is not llama's architecture here (no model here has it)"),
+     "--rotary-percent 0.5 is not llama's architecture here (--model gpt has it)"),
     ("gpt", ["--norm-epsilon", "0"], "--norm-epsilon must be positive, got 0.0"),
     ("gpt", ["--transformer-impl", "local", "--attention-backend", "flash"],
      "--attention-backend flash is Transformer Engine's; drop it or --transformer-impl local"),

@@ -37,7 +37,7 @@ def test_flag_errors(monkeypatch, capsys):
         _error(monkeypatch, capsys)
     assert "--tokenizer-type NullTokenizer needs --vocab-size N > 0" in \
         _error(monkeypatch, capsys, "--mock-data", "--tokenizer-type", "NullTokenizer")
-    assert "--vocab-size is read by --tokenizer-type NullTokenizer only" in \
+    assert "--vocab-size is read by --tokenizer-type NullTokenizer and TikTokenizer only" in \
         _error(monkeypatch, capsys, *data_args(), "--vocab-size", "1000")
     assert "--vocab-file is not read by --tokenizer-type NullTokenizer (it reads no file)" in \
         _error(monkeypatch, capsys, *MOCK, "--vocab-file", "vocab.json")

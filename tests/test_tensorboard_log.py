@@ -12,6 +12,8 @@ pytest.importorskip("tensorboard")  # a test dependency (pyproject's `test` extr
 
 LR_RE = re.compile(r"\| learning rate: ([-+0-9.eE]+)")
 VALIDATION_RE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([-+0-9.eE]+)")
+FINAL_VALIDATION_RE = re.compile(
+    r"validation loss at iteration (\d+) on validation set \| lm loss value: ([-+0-9.eE]+)")
 
 
 def _scalars(directory):
@@ -44,7 +46,10 @@ def test_tensorboard_gets_the_log_lines_values(tmp_path):
     assert [value for _, value in scalars["world-size"]] == [2.0, 2.0, 2.0]
     assert [value for _, value in scalars["batch-size"]] == [8.0, 8.0, 8.0]
     (iteration, loss), = VALIDATION_RE.findall(out)
-    assert scalars["lm loss validation"] == [(2, pytest.approx(float(loss), rel=1e-6))]
+    # Then, as Megatron-LM, the evaluation after the last iteration (no test split: 98,2,0).
+    (_, final), = FINAL_VALIDATION_RE.findall(out)
+    assert scalars["lm loss validation"] == [(2, pytest.approx(float(loss), rel=1e-6)),
+                                             (3, pytest.approx(float(final), rel=1e-6))]
     assert scalars["lm loss validation ppl"][0][1] == pytest.approx(2.718281828 ** float(loss),
                                                                     rel=1e-5)
     assert "mem-allocated-bytes" not in scalars

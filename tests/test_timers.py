@@ -194,7 +194,9 @@ def test_level_0_timers_follow_what_they_time_at_every_level(tmp_path):
     last_iteration = max(i for i, line in enumerate(lines) if re.match(r" iteration\s+4/", line))
     assert len(done) == 1 and done[0] > last_iteration, lines[-8:]
     validations = [i for i, line in enumerate(lines) if line.startswith(" validation loss at")]
-    assert len(validations) == 2
+    # At iterations 2 and 4, then Megatron-LM's evaluation after the last one (no test split).
+    assert len(validations) == 3
+    assert lines[validations[2]].startswith(" validation loss at iteration 4 on validation set")
     for index in validations:  # the evaluate block, then the validation line
         assert ROW_RE.match(lines[index - 1]).group(1) == "evaluate", lines[index - 3:index + 1]
     saved = [i for i, line in enumerate(lines) if line.startswith(" saved checkpoint at")]

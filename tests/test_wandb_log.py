@@ -103,7 +103,8 @@ def test_wandb_gets_tensorboards_scalars_from_the_logging_rank(tmp_path, fake_wa
             [value for _, value in scalars[tag]], rel=1e-6), tag
     assert [value for _, value in logged["lm loss"]] == pytest.approx(losses, rel=1e-6)
     assert [value for _, value in logged["grad-norm"]] == pytest.approx(norms, rel=1e-6)
-    assert [step for step, _ in logged["lm loss validation"]] == [2]
+    # The interval evaluation's, then the one after the last iteration (as Megatron-LM).
+    assert [step for step, _ in logged["lm loss validation"]] == [2, 3]
 
 
 @pytest.mark.timeout(300)

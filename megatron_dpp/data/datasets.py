@@ -138,7 +138,10 @@ def samples_per_split(args) -> List[int]:
     train = max(train, getattr(args, "train_samples_drawn", 0))
     eval_iters = getattr(args, "eval_iters", 0) or 0
     eval_interval = getattr(args, "eval_interval", None) or args.train_iters
-    valid = (args.train_iters // eval_interval + 1) * eval_iters * args.global_batch_size
+    # One evaluation per --eval-interval and the one after the last iteration; --skip-train
+    # evaluates once only.
+    evaluations = 1 if getattr(args, "skip_train", False) else args.train_iters // eval_interval + 1
+    valid = evaluations * eval_iters * args.global_batch_size
     test = eval_iters * args.global_batch_size
     return [train, valid, test]
 

@@ -11,9 +11,14 @@ import argparse
 import json
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_dpp.data.tokenizer import (DEFAULT_TOKENIZER_TYPE, SUPPORTED_TOKENIZER_TYPES,
+from megatron_dpp.data.tokenizer import (DEFAULT_TIKTOKEN_NUM_SPECIAL_TOKENS,
+                                         DEFAULT_TIKTOKEN_VOCAB_SIZE, DEFAULT_TOKENIZER_TYPE,
+                                         SUPPORTED_TOKENIZER_TYPES, TIKTOKEN_PATTERNS,
+                                         TIKTOKEN_SPECIAL_TOKENS, check_tokenizer_args,
                                          check_tokenizer_files, check_vocab_size)
-from megatron_dpp.flag_errors import ArgsError, add_refused_flags, require, require_output_dir
+from megatron_dpp.data import megatron_lm_flags
+from megatron_dpp.flag_errors import (ArgsError, add_refused_flags, add_stated_flags, require,
+                                      require_output_dir)
 
 
 ModelDataCheck = Callable[[argparse.Namespace, Sequence[Any], list], None]
@@ -33,13 +38,15 @@ REFUSED_DATALOADER_TYPES = {
     "external": "(the training script's own iterator in place of the data loader) is not built "
                 "here: the trainer builds its data loader from the data flags",
 }
-# Megatron-LM's data flags that cannot apply here: flag -> why (flag_errors.py).
-REFUSED_DATA_FLAGS = {
-    "--tiktoken-pattern": "configures Megatron-LM's TikTokenizer (a tiktoken vocabulary in "
-                          "its JSON format), which is not a --tokenizer-type here; Llama 3's "
-                          "tokenizer is read by --tokenizer-type HuggingFaceTokenizer "
-                          "--tokenizer-model DIR",
+# Megatron-LM's tokenizer flags that do not apply to the tokenizers here: flag -> why.
+REFUSED_TOKENIZER_FLAGS = {
+    "--tokenizer-sentencepiece-legacy": "(megatron.core's SentencePiece wrapper reading special "
+                                        "tokens' text) is not a choice here: Llama2Tokenizer and "
+                                        "GPTSentencePieceTokenizer read the model as Megatron-LM's "
+                                        "trainer does, without it",
 }
+# Megatron-LM's data flags that cannot apply here: flag -> why (flag_errors.py).
+REFUSED_DATA_FLAGS: dict = {**megatron_lm_flags.REFUSED_DATA, **REFUSED_TOKENIZER_FLAGS}
 
 
 def add_data_args(parser: argparse.ArgumentParser,
@@ -87,9 +94,14 @@ def add_data_args(parser: argparse.ArgumentParser,
                        help="GPT2BPETokenizer (GPT's and Llama's default: byte-level BPE, needs "
                             "--vocab-file vocab.json and --merge-file), Llama2Tokenizer (GPT or "
                             "Llama: Llama 2's SentencePiece model, needs --tokenizer-model), "
+                            "GPTSentencePieceTokenizer (GPT or Llama: a SentencePiece model, "
+                            "no BOS, needs --tokenizer-model), "
                             "HuggingFaceTokenizer (GPT or Llama: a local Hugging Face tokenizer "
                             "directory such as Llama 3's, needs --tokenizer-model DIR and the "
-                            "transformers package), NullTokenizer (GPT or Llama: ids without a "
+                            "transformers package), TikTokenizer (GPT or Llama: a tiktoken "
+                            "vocabulary in Megatron-LM's JSON format, needs --tokenizer-model "
+                            "FILE.json, --tiktoken-pattern and the tiktoken package), "
+                            "NullTokenizer (GPT or Llama: ids without a "
                             "file, needs --vocab-size) or BertWordPieceLowerCase / "
                             "BertWordPieceCase (BERT's, lower-case the default: WordPiece, needs "
                             "--vocab-file vocab.txt).")
@@ -100,12 +112,32 @@ def add_data_args(parser: argparse.ArgumentParser,
                        help="Path to the BPE merges.txt (GPT2BPETokenizer only).")
     group.add_argument("--tokenizer-model", type=str, default=None,
                        help="The SentencePiece model file, e.g. Llama 2's tokenizer.model "
-                            "(Llama2Tokenizer), or the directory of a Hugging Face tokenizer, "
-                            "e.g. Llama 3's tokenizer.json and tokenizer_config.json "
-                            "(HuggingFaceTokenizer; local files only, nothing is downloaded).")
+                            "(Llama2Tokenizer, GPTSentencePieceTokenizer), the directory of a "
+                            "Hugging Face tokenizer, e.g. Llama 3's tokenizer.json and "
+                            "tokenizer_config.json (HuggingFaceTokenizer), or the tiktoken "
+                            "vocabulary's JSON file (TikTokenizer); local files only, nothing is "
+                            "downloaded.")
     group.add_argument("--vocab-size", type=int, default=None,
                        help="NullTokenizer's vocabulary: token ids 0..N-1, and N the "
-                            "end-of-document token (NullTokenizer only).")
+                            "end-of-document token; or TikTokenizer's, special tokens included "
+                            f"(default {DEFAULT_TIKTOKEN_VOCAB_SIZE}, Megatron-LM's: the file's "
+                            "first N - --tiktoken-num-special-tokens tokens). NullTokenizer and "
+                            "TikTokenizer only.")
+    group.add_argument("--tiktoken-pattern", choices=tuple(TIKTOKEN_PATTERNS), default=None,
+                       help="TikTokenizer only, and required by it (as in Megatron-LM): the "
+                            "expression that splits the text before BPE, Megatron-LM's v1 or "
+                            "v2; the one the vocabulary was made with.")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=None, metavar="N",
+                       help="TikTokenizer only: ids 0..N-1 are special tokens "
+                            f"(default {DEFAULT_TIKTOKEN_NUM_SPECIAL_TOKENS}, Megatron-LM's), "
+                            "--tiktoken-special-tokens first, then fillers <SPECIAL_i>.")
+    group.add_argument("--tiktoken-special-tokens", nargs="+", default=None, metavar="TOKEN",
+                       help="TikTokenizer only: the first special tokens, in id order "
+                            f"(default {' '.join(TIKTOKEN_SPECIAL_TOKENS)}; they must be among "
+                            "them: unknown, BOS, and EOS the end-of-document token).")
+    group.add_argument("--tokenizer-special-tokens", nargs="+", default=None, metavar="TOKEN",
+                       help="Megatron-LM's newer name of --tiktoken-special-tokens (which its "
+                            "trainer copies here): TikTokenizer only; give one of the two.")
     group.add_argument("--variable-seq-lengths", action="store_true",
                        help="Micro-batches of different lengths. GPT: one document per sample, "
                             "truncated to --seq-length, padded to the longest within a "
@@ -139,7 +171,8 @@ def add_data_args(parser: argparse.ArgumentParser,
                             "line with the reason.")
     group.add_argument("--num-workers", type=int, default=0,
                        help="Data loader worker processes (0: load in the training process).")
-    add_refused_flags(group, REFUSED_DATA_FLAGS, taking_a_value=("--tiktoken-pattern",))
+    add_refused_flags(group, REFUSED_DATA_FLAGS, taking_values=REFUSED_DATA_FLAGS)
+    add_stated_flags(group, megatron_lm_flags.STATED_DATA)
 
 
 def _read_data_args_files(args: argparse.Namespace) -> dict:
@@ -229,6 +262,24 @@ def _check_one_data_source(args: argparse.Namespace, named: dict) -> None:
         args.split = DEFAULT_SPLIT
 
 
+def _check_a_split_to_evaluate(args: argparse.Namespace) -> None:
+    """--skip-train only evaluates: the validation or the test split must have documents (where
+    neither has, Megatron-LM's evaluation stops at a missing validation iterator)."""
+    if not getattr(args, "skip_train", False):
+        return
+    from megatron_dpp.data.datasets import parse_split, uses_per_split_paths
+
+    if uses_per_split_paths(args):
+        require(args.valid_data_path is not None or args.test_data_path is not None,
+                "--skip-train only evaluates, and without --valid-data-path and "
+                "--test-data-path no split has documents to evaluate; give one of them")
+    else:
+        _train, valid, test = parse_split(args.split)
+        require(valid > 0 or test > 0,
+                f"--skip-train only evaluates, and --split {args.split} gives the validation "
+                f"and the test split no documents; give one of them a share")
+
+
 def validate_data_args(args: argparse.Namespace,
                        check_model_data: Optional[ModelDataCheck] = None) -> None:
     """check_model_data: the model's own check that the data gives the samples each split
@@ -241,6 +292,7 @@ def validate_data_args(args: argparse.Namespace,
     named = _read_data_args_files(args)
     _check_one_data_source(args, named)
     try:
+        _check_a_split_to_evaluate(args)
         sources = data_sources(args)
         for source in sources:
             for prefix in source.prefixes:
@@ -255,6 +307,7 @@ def validate_data_args(args: argparse.Namespace,
                               {"vocab_file": args.vocab_file, "merge_file": args.merge_file,
                                "tokenizer_model": args.tokenizer_model})
         check_vocab_size(tokenizer_type, args.vocab_size)
+        check_tokenizer_args(tokenizer_type, args)  # TikTokenizer's flags; some files read
         if args.data_cache_path is not None:  # Megatron's index cache is written there
             require_output_dir("--data-cache-path", args.data_cache_path)
         require(args.num_workers >= 0, "--num-workers must be >= 0")

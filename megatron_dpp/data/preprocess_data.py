@@ -10,6 +10,11 @@ Same command line as Megatron-LM's tools/preprocess_data.py for what this projec
         --tokenizer-type Llama2Tokenizer --tokenizer-model tokenizer.model --append-eod
     python -m megatron_dpp.data.preprocess_data --input corpus.jsonl --output-prefix data/my_llama3 \
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model llama3-tokenizer/ --append-eod
+    python -m megatron_dpp.data.preprocess_data --input corpus.jsonl --output-prefix data/my_spm \
+        --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tokenizer.model --append-eod
+    python -m megatron_dpp.data.preprocess_data --input corpus.jsonl --output-prefix data/my_tik \
+        --tokenizer-type TikTokenizer --tokenizer-model vocab.json --tiktoken-pattern v2 \
+        --vocab-size 131072 --append-eod
 Each JSON line is one document. Without --split-sentences each document is stored as one sequence
 (level "document"); with it, each sentence is one sequence and the dataset's document index marks
 where each document's sentences end (level "sentence"), which is what BERT's dataset reads.
@@ -28,8 +33,16 @@ import numpy
 
 from megatron_dpp.data.errors import DataInputError, exit_with_input_error
 from megatron_dpp.data.sentences import split_sentences as split_into_sentences
-from megatron_dpp.data.tokenizer import (DEFAULT_TOKENIZER_TYPE, SUPPORTED_TOKENIZER_TYPES,
-                                         WORDPIECE_LOWER_CASE, tokenizer_from_files)
+from megatron_dpp.data.tokenizer import (DEFAULT_TIKTOKEN_NUM_SPECIAL_TOKENS,
+                                         DEFAULT_TIKTOKEN_VOCAB_SIZE, DEFAULT_TOKENIZER_TYPE,
+                                         SUPPORTED_TOKENIZER_TYPES, TIKTOKEN, TIKTOKEN_PATTERNS,
+                                         TIKTOKEN_SPECIAL_TOKENS, WORDPIECE_LOWER_CASE,
+                                         tiktoken_options, tokenizer_from_files)
+
+# --tiktoken-pattern where TikTokenizer is not given one: Megatron-LM's tools/preprocess_data.py
+# builds its tokenizer through megatron.core's TikTokenTokenizer, whose default this is (its
+# trainer, like ours, needs the flag).
+PREPROCESS_TIKTOKEN_PATTERN = "v2"
 
 DOCUMENTS_PER_TASK = 256  # documents tokenized per worker task: big enough to amortize IPC
 BATCH_TIMEOUT_S = 300.0  # a worker that died loses its task; never wait for it forever
@@ -91,12 +104,12 @@ _worker_split_sentences = False
 
 def _init_worker(tokenizer_type: str, vocab_file: Optional[str], merge_file: Optional[str],
                  tokenizer_model: Optional[str], split_sentences: bool,
-                 include_special_tokens: bool = False) -> None:
+                 tokenizer_options: Optional[dict] = None) -> None:
+    """tokenizer_options: tokenizer_from_files' keyword arguments beyond the files."""
     global _worker_tokenizer, _worker_split_sentences
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
     _worker_tokenizer = tokenizer_from_files(tokenizer_type, vocab_file, merge_file,
-                                             tokenizer_model,
-                                             include_special_tokens=include_special_tokens)
+                                             tokenizer_model, **(tokenizer_options or {}))
     _worker_split_sentences = split_sentences
 
 
@@ -157,13 +170,18 @@ def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: Optional[s
                      tokenizer_type: str = DEFAULT_TOKENIZER_TYPE,
                      split_sentences: bool = False,
                      tokenizer_model: Optional[str] = None,
-                     include_special_tokens: bool = False) -> Dict[str, dict]:
+                     include_special_tokens: bool = False, vocab_size: Optional[int] = None,
+                     tiktoken_pattern: Optional[str] = None,
+                     tiktoken_num_special_tokens: Optional[int] = None,
+                     tiktoken_special_tokens: Optional[Sequence[str]] = None) -> Dict[str, dict]:
     """Tokenize input_path into one indexed dataset per json key.
 
     The tokenizer's files: vocab_file and merge_file (GPT2BPETokenizer), vocab_file (WordPiece),
-    tokenizer_model (Llama2Tokenizer's model file, HuggingFaceTokenizer's directory); the others
-    None. include_special_tokens: HuggingFaceTokenizer's (its BOS and the like in every
-    sequence). With split_sentences each
+    tokenizer_model (Llama2Tokenizer's and GPTSentencePieceTokenizer's model file,
+    HuggingFaceTokenizer's directory, TikTokenizer's JSON vocabulary); the others None.
+    include_special_tokens: HuggingFaceTokenizer's (its BOS and the like in every sequence);
+    vocab_size and the tiktoken_* values: TikTokenizer's (None: Megatron-LM's defaults; the
+    pattern is required here). With split_sentences each
     sentence is one sequence. Returns {key: {"prefix", "documents", "sequences", "tokens",
     "skipped_empty"}}.
     """
@@ -173,8 +191,12 @@ def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: Optional[s
     if not os.path.isfile(input_path):
         raise DataInputError(f"--input {input_path!r} does not exist")
     # Validates the files (and the flags) up front, before any output exists.
+    tokenizer_options = dict(include_special_tokens=include_special_tokens, vocab_size=vocab_size,
+                             tiktoken_pattern=tiktoken_pattern,
+                             tiktoken_num_special_tokens=tiktoken_num_special_tokens,
+                             tiktoken_special_tokens=tiktoken_special_tokens)
     tokenizer = tokenizer_from_files(tokenizer_type, vocab_file, merge_file, tokenizer_model,
-                                     include_special_tokens=include_special_tokens)
+                                     **tokenizer_options)
     eod = _end_of_document_token(tokenizer, tokenizer_type, append_eod)
     output_dir = os.path.dirname(os.path.abspath(output_prefix))
     if not os.path.isdir(output_dir):
@@ -189,7 +211,7 @@ def preprocess_jsonl(input_path: str, output_prefix: str, vocab_file: Optional[s
     stats = {key: {"prefix": final[key], "documents": 0, "sequences": 0, "tokens": 0,
                    "skipped_empty": 0} for key in json_keys}
     worker_args = (tokenizer_type, vocab_file, merge_file, tokenizer_model, split_sentences,
-                   include_special_tokens)
+                   tokenizer_options)
 
     pool = None
     try:
@@ -265,16 +287,41 @@ def build_parser() -> argparse.ArgumentParser:
                             f"Face tokenizer directory (e.g. Llama 3's), needs --tokenizer-model "
                             f"DIR and the transformers package; the ids are the tokenizer's "
                             f"without its special tokens (no BOS) unless "
-                            f"--tokenizer-hf-include-special-tokens, as in Megatron-LM.")
+                            f"--tokenizer-hf-include-special-tokens, as in Megatron-LM. "
+                            f"GPTSentencePieceTokenizer: a SentencePiece model, needs "
+                            f"--tokenizer-model; the model's ids, no BOS, as in Megatron-LM. "
+                            f"TikTokenizer: a tiktoken vocabulary in Megatron-LM's JSON format, "
+                            f"needs --tokenizer-model FILE.json and the tiktoken package; "
+                            f"special tokens' ids first (--tiktoken-num-special-tokens).")
     group.add_argument("--vocab-file", default=None,
                        help="Path to vocab.json (GPT2BPETokenizer) or vocab.txt (WordPiece).")
     group.add_argument("--merge-file", default=None,
                        help="Path to merges.txt (GPT2BPETokenizer only).")
     group.add_argument("--tokenizer-model", default=None,
                        help="Path to the SentencePiece model, e.g. Llama 2's tokenizer.model "
-                            "(Llama2Tokenizer), or to a Hugging Face tokenizer's directory, e.g. "
-                            "Llama 3's tokenizer.json and tokenizer_config.json "
-                            "(HuggingFaceTokenizer; local files only, nothing is downloaded).")
+                            "(Llama2Tokenizer, GPTSentencePieceTokenizer), or to a Hugging "
+                            "Face tokenizer's directory, e.g. Llama 3's tokenizer.json and "
+                            "tokenizer_config.json (HuggingFaceTokenizer), or to the tiktoken "
+                            "vocabulary's JSON file (TikTokenizer); local files only, nothing is "
+                            "downloaded.")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="TikTokenizer only: the vocabulary's size, special tokens included "
+                            f"(default {DEFAULT_TIKTOKEN_VOCAB_SIZE}, Megatron-LM's): the "
+                            "file's first N - --tiktoken-num-special-tokens tokens.")
+    group.add_argument("--tiktoken-pattern", choices=tuple(TIKTOKEN_PATTERNS), default=None,
+                       help="TikTokenizer only: the expression that splits the text before BPE, "
+                            "Megatron-LM's v1 or v2 (default "
+                            f"{PREPROCESS_TIKTOKEN_PATTERN}, as Megatron-LM's "
+                            "tools/preprocess_data.py; training needs it given).")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=None, metavar="N",
+                       help="TikTokenizer only: ids 0..N-1 are special tokens (default "
+                            f"{DEFAULT_TIKTOKEN_NUM_SPECIAL_TOKENS}, Megatron-LM's).")
+    group.add_argument("--tiktoken-special-tokens", nargs="+", default=None, metavar="TOKEN",
+                       help="TikTokenizer only: the first special tokens, in id order (default "
+                            f"{' '.join(TIKTOKEN_SPECIAL_TOKENS)}, which must be among them).")
+    group.add_argument("--tokenizer-special-tokens", nargs="+", default=None, metavar="TOKEN",
+                       help="Megatron-LM's newer name of --tiktoken-special-tokens: TikTokenizer "
+                            "only; give one of the two.")
     group.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
                        help="HuggingFaceTokenizer only: tokenize with the tokenizer's special "
                             "tokens, e.g. Llama 3's <|begin_of_text|> first in every document "
@@ -282,7 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--append-eod", action="store_true",
                        help="Append the end-of-document token to each document (<|endoftext|> "
                             "for GPT2BPETokenizer, the model's EOS for Llama2Tokenizer, the "
-                            "eos_token of HuggingFaceTokenizer's tokenizer_config.json; not for "
+                            "eos_token of HuggingFaceTokenizer's tokenizer_config.json, the "
+                            "model's EOS for GPTSentencePieceTokenizer, </s> for TikTokenizer; "
+                            "not for "
                             "WordPiece; with --split-sentences, to its last sentence).")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True,
@@ -293,6 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Number of worker processes that tokenize.")
     group.add_argument("--no-progress", action="store_true", help="Do not show a progress bar.")
     return parser
+
+
+def _tiktoken_pattern(args: argparse.Namespace) -> Optional[str]:
+    """--tiktoken-pattern, defaulted for TikTokenizer as Megatron-LM's tool defaults it."""
+    if args.tiktoken_pattern is None and args.tokenizer_type == TIKTOKEN:
+        return PREPROCESS_TIKTOKEN_PATTERN
+    return args.tiktoken_pattern
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -308,7 +364,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  tokenizer_type=args.tokenizer_type,
                                  split_sentences=args.split_sentences,
                                  tokenizer_model=args.tokenizer_model,
-                                 include_special_tokens=args.tokenizer_hf_include_special_tokens)
+                                 include_special_tokens=args.tokenizer_hf_include_special_tokens,
+                                 vocab_size=args.vocab_size,
+                                 **{**tiktoken_options(args),
+                                    "tiktoken_pattern": _tiktoken_pattern(args)})
     except DataInputError as e:
         exit_with_input_error(e)
     for key, s in stats.items():

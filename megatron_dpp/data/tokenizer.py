@@ -5,8 +5,12 @@
   BERT's normalization (lower case and accents stripped, or case kept) and pre-tokenization
   (`tokenizers`);
 - Llama2Tokenizer: Llama 2's SentencePiece model, a local tokenizer.model (`sentencepiece`);
+- GPTSentencePieceTokenizer: any SentencePiece model for a GPT (`sentencepiece`): the model's ids
+  without a BOS, its EOS the end-of-document token;
 - HuggingFaceTokenizer: a local Hugging Face tokenizer directory (Llama 3's tokenizer.json and
   tokenizer_config.json, say), through `transformers`' AutoTokenizer as Megatron-LM reads it;
+- TikTokenizer: a tiktoken BPE vocabulary in Megatron-LM's JSON format, a local .json file
+  (`tiktoken`), special tokens first, with Megatron-LM's --tiktoken-* flags and --vocab-size;
 - NullTokenizer (training only): no file, ids 0..N-1 with --vocab-size N and N as the
   end-of-document token, as Megatron-LM's; for --mock-data and data tokenized elsewhere.
 
@@ -15,6 +19,8 @@ tokenize, detokenize, unique_identifiers; BERTMaskedWordPieceDataset: also vocab
 sep, mask, pad). Which files each type reads is TOKENIZER_FILE_FLAGS, checked in one place
 (check_tokenizer_files). Training a BPE or WordPiece tokenizer on a local corpus lives here too.
 """
+import base64
+import binascii
 import json
 import os
 from collections import OrderedDict
@@ -28,7 +34,10 @@ GPT2_BPE = "GPT2BPETokenizer"
 WORDPIECE_LOWER_CASE = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}
 LLAMA2_SENTENCEPIECE = "Llama2Tokenizer"
 HUGGINGFACE = "HuggingFaceTokenizer"
-SUPPORTED_TOKENIZER_TYPES = (GPT2_BPE, *WORDPIECE_LOWER_CASE, LLAMA2_SENTENCEPIECE, HUGGINGFACE)
+GPT_SENTENCEPIECE = "GPTSentencePieceTokenizer"
+TIKTOKEN = "TikTokenizer"
+SUPPORTED_TOKENIZER_TYPES = (GPT2_BPE, *WORDPIECE_LOWER_CASE, LLAMA2_SENTENCEPIECE,
+                             GPT_SENTENCEPIECE, HUGGINGFACE, TIKTOKEN)
 # Reads no file and tokenizes nothing (no preprocessing): for training only.
 NULL_TOKENIZER = "NullTokenizer"
 DEFAULT_TOKENIZER_TYPE = GPT2_BPE
@@ -38,7 +47,9 @@ TOKENIZER_FILE_FLAGS = {
     GPT2_BPE: (("--vocab-file", "vocab_file"), ("--merge-file", "merge_file")),
     **{name: (("--vocab-file", "vocab_file"),) for name in WORDPIECE_LOWER_CASE},
     LLAMA2_SENTENCEPIECE: (("--tokenizer-model", "tokenizer_model"),),
+    GPT_SENTENCEPIECE: (("--tokenizer-model", "tokenizer_model"),),
     HUGGINGFACE: (("--tokenizer-model", "tokenizer_model"),),
+    TIKTOKEN: (("--tokenizer-model", "tokenizer_model"),),
     NULL_TOKENIZER: (),
 }
 # The types whose --tokenizer-model is a directory, not a file, and what such a directory holds
@@ -48,6 +59,32 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # The transformers HuggingFaceTokenizer reads its directory with (an optional dependency: the
 # tests' extra has it), said where it is missing.
 TRANSFORMERS_REQUIREMENT = "transformers>=4.40,<6"
+SENTENCEPIECE_REQUIREMENT = "sentencepiece>=0.2,<1"
+TIKTOKEN_REQUIREMENT = "tiktoken>=0.7,<1"
+# Megatron-LM's TikTokenizer: --tiktoken-pattern's regular expressions (the split of the text into
+# pieces before BPE; v1 and v2 as megatron/training/tokenizer/tokenizer.py defines them, which
+# tests/test_tiktoken_and_sentencepiece_tokenizers.py checks against megatron.core's), and its
+# defaults: --vocab-size 2**17, --tiktoken-num-special-tokens 1000, and the special tokens that
+# come first (ids 0, 1, 2: unknown, BOS, EOS) when --tiktoken-special-tokens names none; the
+# remaining special ids are fillers named <SPECIAL_i>.
+TIKTOKEN_PATTERNS = {
+    "v1": r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+",
+    "v2": (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+           r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|"
+           r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+}
+DEFAULT_TIKTOKEN_VOCAB_SIZE = 2 ** 17
+DEFAULT_TIKTOKEN_NUM_SPECIAL_TOKENS = 1000
+TIKTOKEN_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+TIKTOKEN_FILLER_TOKEN = "<SPECIAL_{}>"
+TIKTOKEN_PAD_TOKEN = "<pad>"
+# A TikTokenizer vocabulary's entries, in Megatron-LM's JSON file: a list of these objects, the
+# i-th with rank i, its token's bytes in base64, the first 256 the single bytes 0..255.
+TIKTOKEN_ENTRY_KEYS = ("rank", "token_bytes", "token_str")
+# The flags only TikTokenizer reads: (flag, the parsed flags' attribute).
+TIKTOKEN_FLAGS = (("--tiktoken-pattern", "tiktoken_pattern"),
+                  ("--tiktoken-num-special-tokens", "tiktoken_num_special_tokens"),
+                  ("--tiktoken-special-tokens", "tiktoken_special_tokens"))
 _ALL_FILE_FLAGS = tuple(dict.fromkeys(flag for flags in TOKENIZER_FILE_FLAGS.values()
                                       for flag in flags))
 # BERT's special tokens. [PAD] must be id 0: Megatron's BERT dataset pads the token types and the
@@ -157,6 +194,11 @@ def _where_to_get(flag: str, tokenizer_type: str) -> str:
         return ("pass the local directory of a Hugging Face tokenizer (tokenizer.json and "
                 "tokenizer_config.json; nothing is downloaded at run time), e.g. made by `hf "
                 "download meta-llama/Meta-Llama-3-8B --include 'tokenizer*' --local-dir DIR`")
+    if tokenizer_type == TIKTOKEN:
+        return ("pass the tiktoken vocabulary the data was tokenized with, in Megatron-LM's JSON "
+                "format (a list of {\"rank\", \"token_bytes\", \"token_str\"})")
+    if tokenizer_type == GPT_SENTENCEPIECE:
+        return "pass the SentencePiece model the data was tokenized with (a tokenizer.model)"
     if flag == "--tokenizer-model":
         return "pass the SentencePiece model the data was tokenized with (Llama 2's tokenizer.model)"
     return ("`python -m megatron_dpp.data.prepare_sample --output-dir DIR` makes GPT's and "
@@ -164,14 +206,81 @@ def _where_to_get(flag: str, tokenizer_type: str) -> str:
 
 
 def check_vocab_size(tokenizer_type: str, vocab_size: Optional[int]) -> None:
-    """--vocab-size: NullTokenizer's vocabulary, which it needs; no other tokenizer reads it."""
+    """--vocab-size: NullTokenizer's vocabulary, which it needs, and TikTokenizer's (special tokens
+    included; default 2**17, Megatron-LM's); no other tokenizer reads it."""
     if tokenizer_type == NULL_TOKENIZER:
         if vocab_size is None or vocab_size <= 0:
             raise DataInputError(f"--tokenizer-type {NULL_TOKENIZER} needs --vocab-size N > 0 "
                                  f"(token ids 0..N-1; N is the end-of-document token)")
+    elif tokenizer_type == TIKTOKEN:
+        if vocab_size is not None and vocab_size <= 0:
+            raise DataInputError(f"--vocab-size must be > 0, got {vocab_size} (the {TIKTOKEN} "
+                                 f"vocabulary's size, special tokens included)")
     elif vocab_size is not None:
-        raise DataInputError(f"--vocab-size is read by --tokenizer-type {NULL_TOKENIZER} only "
-                             f"({tokenizer_type} takes its vocabulary from its files): remove it")
+        raise DataInputError(f"--vocab-size is read by --tokenizer-type {NULL_TOKENIZER} and "
+                             f"{TIKTOKEN} only ({tokenizer_type} takes its vocabulary from its "
+                             f"files): remove it")
+
+
+def check_tiktoken_flags(tokenizer_type: str, tiktoken_pattern: Optional[str] = None,
+                         tiktoken_num_special_tokens: Optional[int] = None,
+                         tiktoken_special_tokens: Optional[Sequence[str]] = None) -> None:
+    """--tiktoken-pattern, --tiktoken-num-special-tokens, --tiktoken-special-tokens: TikTokenizer's,
+    and only its (None: not given); TikTokenizer needs the pattern. The values' own checks are
+    TikTokenizer's (with the vocabulary size they depend on)."""
+    given = {"tiktoken_pattern": tiktoken_pattern,
+             "tiktoken_num_special_tokens": tiktoken_num_special_tokens,
+             "tiktoken_special_tokens": tiktoken_special_tokens}
+    if tokenizer_type != TIKTOKEN:
+        for flag, attribute in TIKTOKEN_FLAGS:
+            if given[attribute] is not None:
+                raise DataInputError(f"{flag} is read by --tokenizer-type {TIKTOKEN} only, not "
+                                     f"{tokenizer_type}: remove it")
+    elif tiktoken_pattern is None:
+        raise DataInputError(f"--tokenizer-type {TIKTOKEN} needs --tiktoken-pattern v1 or v2 (the "
+                             f"expression that splits the text before BPE, the one the vocabulary "
+                             f"was made with), as Megatron-LM does")
+    elif tiktoken_pattern not in TIKTOKEN_PATTERNS:
+        raise DataInputError(f"--tiktoken-pattern {tiktoken_pattern!r} is not one of "
+                             f"{', '.join(TIKTOKEN_PATTERNS)}")
+
+
+# The tokenizer types whose files the flag check reads through (check_tokenizer_args): loading
+# them takes a fraction of a second, so a wrong file is one line before any rank starts.
+TOKENIZERS_OPENED_BY_THE_FLAG_CHECK = (GPT_SENTENCEPIECE, TIKTOKEN)
+
+
+def tiktoken_options(args) -> dict:
+    """The parsed flags' TikTokenizer values (None where absent), as tokenizer_from_files takes
+    them; --tokenizer-special-tokens (Megatron-LM's newer name of --tiktoken-special-tokens,
+    which its trainer copies there) gives the special tokens too: DataInputError where both
+    are given, or where args.tokenizer_type is another tokenizer's."""
+    options = {attribute: getattr(args, attribute, None) for _, attribute in TIKTOKEN_FLAGS}
+    newer = getattr(args, "tokenizer_special_tokens", None)
+    if newer is not None:
+        tokenizer_type = getattr(args, "tokenizer_type", None) or DEFAULT_TOKENIZER_TYPE
+        if tokenizer_type != TIKTOKEN:
+            raise DataInputError(f"--tokenizer-special-tokens is read by --tokenizer-type "
+                                 f"{TIKTOKEN} only here (its special tokens, as Megatron-LM's "
+                                 f"trainer reads it), not {tokenizer_type}: remove it")
+        if options["tiktoken_special_tokens"] is not None:
+            raise DataInputError("--tiktoken-special-tokens is Megatron-LM's older name of "
+                                 "--tokenizer-special-tokens: give one of the two")
+        options["tiktoken_special_tokens"] = newer
+    return options
+
+
+def check_tokenizer_args(tokenizer_type: str, args) -> None:
+    """The tokenizer flags beyond the files' existence (check_tokenizer_files) and --vocab-size
+    (check_vocab_size): the TikTokenizer flags (check_tiktoken_flags), and for the types in
+    TOKENIZERS_OPENED_BY_THE_FLAG_CHECK the file itself, read as the trainer will read it.
+    Raises DataInputError."""
+    check_tiktoken_flags(tokenizer_type, **tiktoken_options(args))
+    if tokenizer_type in TOKENIZERS_OPENED_BY_THE_FLAG_CHECK:
+        tokenizer_from_files(tokenizer_type, getattr(args, "vocab_file", None),
+                             getattr(args, "merge_file", None),
+                             getattr(args, "tokenizer_model", None),
+                             getattr(args, "vocab_size", None), **tiktoken_options(args))
 
 
 def check_include_special_tokens(tokenizer_type: str, include_special_tokens: bool) -> None:
@@ -183,18 +292,29 @@ def check_include_special_tokens(tokenizer_type: str, include_special_tokens: bo
 
 def tokenizer_from_files(tokenizer_type: str, vocab_file: Optional[str] = None,
                          merge_file: Optional[str] = None, tokenizer_model: Optional[str] = None,
-                         vocab_size: Optional[int] = None, include_special_tokens: bool = False):
+                         vocab_size: Optional[int] = None, include_special_tokens: bool = False,
+                         tiktoken_pattern: Optional[str] = None,
+                         tiktoken_num_special_tokens: Optional[int] = None,
+                         tiktoken_special_tokens: Optional[Sequence[str]] = None):
     """The tokenizer of `tokenizer_type` over its files (TOKENIZER_FILE_FLAGS says which it reads;
-    the others must be None); vocab_size: NullTokenizer's, and only its; include_special_tokens:
-    HuggingFaceTokenizer's, and only its."""
+    the others must be None); vocab_size: NullTokenizer's and TikTokenizer's, and only theirs;
+    include_special_tokens: HuggingFaceTokenizer's, and only its; the tiktoken_* values (None: not
+    given): TikTokenizer's, and only its."""
     check_tokenizer_files(tokenizer_type, {"vocab_file": vocab_file, "merge_file": merge_file,
                                            "tokenizer_model": tokenizer_model})
     check_vocab_size(tokenizer_type, vocab_size)
     check_include_special_tokens(tokenizer_type, include_special_tokens)
+    check_tiktoken_flags(tokenizer_type, tiktoken_pattern, tiktoken_num_special_tokens,
+                         tiktoken_special_tokens)
     if tokenizer_type == NULL_TOKENIZER:
         return NullTokenizer(vocab_size)
     if tokenizer_type == HUGGINGFACE:
         return HuggingFaceTokenizer(tokenizer_model, include_special_tokens)
+    if tokenizer_type == TIKTOKEN:
+        return TikTokenizer(tokenizer_model, tiktoken_pattern, vocab_size,
+                            tiktoken_num_special_tokens, tiktoken_special_tokens)
+    if tokenizer_type == GPT_SENTENCEPIECE:
+        return GPTSentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == GPT2_BPE:
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type in WORDPIECE_LOWER_CASE:
@@ -206,7 +326,9 @@ def build_tokenizer(args):
     """Build the tokenizer named by --tokenizer-type; sets args.padded_vocab_size like Megatron-LM.
 
     Reads args.tokenizer_type (None or absent: GPT2BPETokenizer), its files (args.vocab_file,
-    args.merge_file, args.tokenizer_model: TOKENIZER_FILE_FLAGS; NullTokenizer's args.vocab_size),
+    args.merge_file, args.tokenizer_model: TOKENIZER_FILE_FLAGS; NullTokenizer's and
+    TikTokenizer's args.vocab_size; TikTokenizer's args.tiktoken_pattern,
+    args.tiktoken_num_special_tokens, args.tiktoken_special_tokens),
     args.make_vocab_size_divisible_by (default 128) and args.tensor_model_parallel_size
     (default 1).
     """
@@ -214,7 +336,7 @@ def build_tokenizer(args):
     tokenizer = tokenizer_from_files(tokenizer_type, getattr(args, "vocab_file", None),
                                      getattr(args, "merge_file", None),
                                      getattr(args, "tokenizer_model", None),
-                                     getattr(args, "vocab_size", None))
+                                     getattr(args, "vocab_size", None), **tiktoken_options(args))
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size,
         getattr(args, "make_vocab_size_divisible_by", 128),
@@ -244,22 +366,28 @@ class NullTokenizer(_EndOfDocument):
         return " ".join(str(int(i)) for i in ids)
 
 
+def _sentencepiece_model(tokenizer_type: str, model_file: str):
+    """model_file through sentencepiece's SentencePieceProcessor; DataInputError (one line) when
+    the package is missing or the file is not a SentencePiece model."""
+    try:
+        import sentencepiece
+    except ImportError:
+        raise DataInputError(f"--tokenizer-type {tokenizer_type} needs the sentencepiece "
+                             f"package: pip install '{SENTENCEPIECE_REQUIREMENT}'") from None
+    try:
+        return sentencepiece.SentencePieceProcessor(model_file=model_file)
+    except (OSError, RuntimeError) as error:
+        raise DataInputError(f"--tokenizer-model {model_file!r} is not a SentencePiece model: "
+                             f"{str(error).splitlines()[0]}") from None
+
+
 class Llama2Tokenizer:
     """Llama 2's SentencePiece model as Megatron-LM's Llama2Tokenizer reads it: a document's tokens
     start with the model's BOS id, its EOS id is the end-of-document token (what --append-eod
     appends, and eod for the dataset's masks), and the vocabulary is the model's pieces."""
 
     def __init__(self, model_file: str):
-        try:
-            import sentencepiece
-        except ImportError:
-            raise DataInputError(f"--tokenizer-type {LLAMA2_SENTENCEPIECE} needs the sentencepiece "
-                                 f"package: pip install 'sentencepiece>=0.2,<1'") from None
-        try:
-            self._model = sentencepiece.SentencePieceProcessor(model_file=model_file)
-        except (OSError, RuntimeError) as error:
-            raise DataInputError(f"--tokenizer-model {model_file!r} is not a SentencePiece model: "
-                                 f"{str(error).splitlines()[0]}") from None
+        self._model = _sentencepiece_model(LLAMA2_SENTENCEPIECE, model_file)
         self._bos, self._eos = self._model.bos_id(), self._model.eos_id()
         if self._bos < 0 or self._eos < 0:
             raise DataInputError(f"--tokenizer-model {model_file!r} has no "
@@ -305,6 +433,56 @@ class Llama2Tokenizer:
 
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
         return [[self._bos] + ids for ids in self._model.encode(list(texts))]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._model.decode([int(i) for i in ids])
+
+
+class GPTSentencePieceTokenizer(_EndOfDocument):
+    """A SentencePiece model as Megatron-LM's GPTSentencePieceTokenizer reads it: a text's ids are
+    the model's own (no BOS, no EOS added), its EOS id is the end-of-document token (what
+    --append-eod appends, and eod for the dataset's masks), bos and pad are the model's ids (-1
+    where it has none: the dataset then masks no padding), and the vocabulary is the model's
+    pieces."""
+
+    def __init__(self, model_file: str):
+        self._model = _sentencepiece_model(GPT_SENTENCEPIECE, model_file)
+        self._eod = self._model.eos_id()  # eod and eos: _EndOfDocument
+        if self._eod < 0:
+            raise DataInputError(f"--tokenizer-model {model_file!r} has no EOS piece; "
+                                 f"{GPT_SENTENCEPIECE} takes it as the end-of-document token")
+        self._vocab: Optional[Dict[str, int]] = None
+        # GPTDataset hashes these into its index-cache file names (json.dumps of the config).
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("tokenizer_path", [model_file])])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._model.vocab_size()
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        if self._vocab is None:
+            self._vocab = {self._model.id_to_piece(i): i for i in range(self.vocab_size)}
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return {index: piece for piece, index in self.vocab.items()}
+
+    @property
+    def bos(self) -> int:
+        return self._model.bos_id()
+
+    @property
+    def pad(self) -> int:
+        return self._model.pad_id()
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._model.encode(text)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return self._model.encode(list(texts))
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._model.decode([int(i) for i in ids])
@@ -376,6 +554,152 @@ class HuggingFaceTokenizer(_EndOfDocument):
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids])
+
+
+def read_tiktoken_vocabulary(path: str, size: int, first_id: int) -> Dict[bytes, int]:
+    """The first `size` tokens of a tiktoken vocabulary in Megatron-LM's JSON format (a list whose
+    i-th entry is {"rank": i, "token_bytes": base64 of the token's bytes, "token_str": ...}, the
+    first 256 the single bytes 0..255), as tiktoken's mergeable ranks {token bytes: id}, the ids
+    from first_id on (after the special tokens). Raises DataInputError, in one line, for anything
+    else."""
+    where = f"--tokenizer-model {path!r}"
+    what = (f"{TIKTOKEN} reads Megatron-LM's tiktoken vocabulary: a JSON list of "
+            f"{{\"rank\": i, \"token_bytes\": base64, \"token_str\": ...}}")
+    if not path.endswith(".json"):
+        raise DataInputError(f"{where} is not a .json file; {what}")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            entries = json.load(handle)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        reason = f"{error.msg} at line {error.lineno}" if isinstance(
+            error, json.JSONDecodeError) else "not UTF-8 text"
+        raise DataInputError(f"{where} is not JSON ({reason}); {what}") from None
+    if not isinstance(entries, list):
+        raise DataInputError(f"{where} holds a JSON {type(entries).__name__}, not a list; {what}")
+    if len(entries) < size:
+        raise DataInputError(f"{where} holds {len(entries)} tokens, fewer than the {size} that "
+                             f"--vocab-size {size + first_id} less --tiktoken-num-special-tokens "
+                             f"{first_id} needs; pass --vocab-size {len(entries) + first_id} "
+                             f"(its default, Megatron-LM's, is {DEFAULT_TIKTOKEN_VOCAB_SIZE})")
+    ranks: Dict[bytes, int] = {}
+    for index, entry in enumerate(entries[:size]):
+        if not isinstance(entry, dict) or set(entry) != set(TIKTOKEN_ENTRY_KEYS):
+            raise DataInputError(f"{where} entry {index} is not an object with exactly the keys "
+                                 f"{', '.join(TIKTOKEN_ENTRY_KEYS)}; {what}")
+        if entry["rank"] != index:
+            raise DataInputError(f"{where} entry {index} has rank {entry['rank']!r}; the i-th "
+                                 f"entry has rank i")
+        try:
+            token = base64.b64decode(entry["token_bytes"], validate=True)
+        except (binascii.Error, TypeError, ValueError):
+            raise DataInputError(f"{where} entry {index}: token_bytes is not base64") from None
+        if index < 256 and token != bytes([index]):
+            raise DataInputError(f"{where} entry {index} is {token!r}, not the byte {index}; the "
+                                 f"first 256 entries are the single bytes 0..255 in order")
+        if token in ranks:
+            raise DataInputError(f"{where} entry {index} repeats the token of entry "
+                                 f"{ranks[token] - first_id} ({token!r})")
+        ranks[token] = index + first_id
+    return ranks
+
+
+class TikTokenizer(_EndOfDocument):
+    """A tiktoken BPE vocabulary in Megatron-LM's JSON format as Megatron-LM's TikTokenizer reads
+    it: the ids 0..num_special_tokens-1 are the special tokens (special_tokens, default <unk> <s>
+    </s>, then <SPECIAL_i> fillers), the file's first vocab_size - num_special_tokens tokens
+    follow in rank order; a text's ids are tiktoken's ordinary encoding with --tiktoken-pattern's
+    expression (no BOS added; special tokens' text in a document is ordinary text), the EOS </s>
+    is the end-of-document token (what --append-eod appends, and eod for the dataset's masks),
+    and the vocabulary is vocab_size (default 2**17). pad: the <pad> special token's id when
+    special_tokens names one, else -1 (the dataset masks no padding)."""
+
+    def __init__(self, path: str, pattern: str, vocab_size: Optional[int] = None,
+                 num_special_tokens: Optional[int] = None,
+                 special_tokens: Optional[Sequence[str]] = None):
+        try:
+            import tiktoken
+        except ImportError:
+            raise DataInputError(f"--tokenizer-type {TIKTOKEN} needs the tiktoken package: pip "
+                                 f"install '{TIKTOKEN_REQUIREMENT}'") from None
+        check_tiktoken_flags(TIKTOKEN, pattern)
+        vocab_size = DEFAULT_TIKTOKEN_VOCAB_SIZE if vocab_size is None else int(vocab_size)
+        num_special_tokens = (DEFAULT_TIKTOKEN_NUM_SPECIAL_TOKENS if num_special_tokens is None
+                              else int(num_special_tokens))
+        named = list(TIKTOKEN_SPECIAL_TOKENS if special_tokens is None else special_tokens)
+        repeated = sorted({token for token in named if named.count(token) > 1})
+        if repeated:
+            raise DataInputError(f"--tiktoken-special-tokens names {repeated[0]!r} more than once")
+        missing = [token for token in TIKTOKEN_SPECIAL_TOKENS if token not in named]
+        if missing:
+            raise DataInputError(f"--tiktoken-special-tokens lacks {' '.join(missing)}; "
+                                 f"{TIKTOKEN} needs {' '.join(TIKTOKEN_SPECIAL_TOKENS)} among them "
+                                 f"(unknown, BOS, EOS)")
+        if not len(named) <= num_special_tokens < vocab_size:
+            raise DataInputError(f"--tiktoken-num-special-tokens {num_special_tokens} must be at "
+                                 f"least the {len(named)} special tokens and less than "
+                                 f"--vocab-size {vocab_size}")
+        inner_size = vocab_size - num_special_tokens
+        if inner_size < 256:
+            raise DataInputError(f"--vocab-size {vocab_size} less --tiktoken-num-special-tokens "
+                                 f"{num_special_tokens} leaves {inner_size} tokens; a tiktoken "
+                                 f"vocabulary starts with the 256 single bytes")
+        ranks = read_tiktoken_vocabulary(path, inner_size, first_id=num_special_tokens)
+        names = named + [TIKTOKEN_FILLER_TOKEN.format(i)
+                         for i in range(len(named), num_special_tokens)]
+        fillers = set(names[len(named):]) & set(named)
+        if fillers:
+            raise DataInputError(f"--tiktoken-special-tokens names {sorted(fillers)[0]!r}, the "
+                                 f"name of a filler special token; rename it")
+        self._special = {name: index for index, name in enumerate(names)}
+        self._model = tiktoken.Encoding(name=os.path.splitext(os.path.basename(path))[0],
+                                        pat_str=TIKTOKEN_PATTERNS[pattern],
+                                        mergeable_ranks=ranks, special_tokens=self._special)
+        self._ranks = ranks
+        self._vocab_size = vocab_size
+        self.num_special_tokens = num_special_tokens
+        self._eod = self._special["</s>"]  # eod and eos: _EndOfDocument
+        self._vocab: Optional[Dict] = None
+        # GPTDataset hashes these into its index-cache file names (json.dumps of the config).
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("tokenizer_path", [path]), ("pattern", pattern),
+             ("vocab_size", vocab_size), ("num_special_tokens", num_special_tokens),
+             ("special_tokens", named)])
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def vocab(self) -> Dict:
+        """{token bytes, or a special token's name: id}, as Megatron-LM's TikTokenizer has it."""
+        if self._vocab is None:
+            self._vocab = {**self._ranks, **self._special}
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> Dict:
+        return {index: token for token, index in self.vocab.items()}
+
+    @property
+    def bos(self) -> int:
+        return self._special["<s>"]
+
+    @property
+    def unk(self) -> int:
+        return self._special["<unk>"]
+
+    @property
+    def pad(self) -> int:
+        return self._special.get(TIKTOKEN_PAD_TOKEN, -1)
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._model.encode_ordinary(text)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [self._model.encode_ordinary(text) for text in texts]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._model.decode([int(i) for i in ids])
 
 
 def train_bpe_tokenizer(texts: Iterable[str], output_dir: str, vocab_size: int) -> None:

@@ -13,7 +13,8 @@ import os
 from typing import Optional
 
 from megatron_dpp.cuda_presence import cuda_available
-from megatron_dpp.flag_errors import ArgsError, add_refused_flags, first_given, require
+from megatron_dpp.flag_errors import (ArgsError, add_refused_flags, add_stated_flags, first_given,
+                                      require)
 from megatron_dpp.kernels import (
     ATTENTION_BACKENDS,
     TRANSFORMER_ENGINE,
@@ -21,6 +22,8 @@ from megatron_dpp.kernels import (
     core_attention_from_args,
     transformer_engine_available,
 )
+from megatron_dpp.models.families import add_architecture_shape_args
+from megatron_dpp.models import megatron_lm_flags
 from megatron_dpp.models.pipeline_split import (EMBEDDING_FLAG, FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG,
                                                  LOSS_FLAG, PipelineSplit, layout_layers)
 
@@ -42,13 +45,12 @@ REFUSED_PARALLEL_FLAGS: dict[str, str] = {
     "--use-torch-fsdp2": "(FSDP) is not a layout here: data parallelism is Megatron-Core's DDP, "
                          "with --use-distributed-optimizer to shard the optimizer's state",
     "--num-experts": "(mixture-of-experts layers) is in none of the models here (gpt, bert, llama)",
-    "--kv-channels": "is not a choice here: the head dimension is --hidden-size / "
-                     "--num-attention-heads (the activation-memory model and the search assume it)",
     "--tp-comm-overlap": f"needs {_TP_COMM_OVERLAP}",
     "--tp-comm-overlap-cfg": f"configures --tp-comm-overlap, {_TP_COMM_OVERLAP}",
     **{flag: f"tunes --tp-comm-overlap, {_TP_COMM_OVERLAP}"
        for flag in ("--disable-tp-comm-split-ag", "--disable-tp-comm-split-rs",
                     "--disable-tp-comm-bulk-dgrad", "--disable-tp-comm-bulk-wgrad")},
+    **megatron_lm_flags.REFUSED_PARALLEL,
 }
 
 
@@ -62,6 +64,7 @@ REFUSED_MODEL_FLAGS: dict[str, str] = {
     "--fp8-amax-history-len": _FP8,
     "--fp8-amax-compute-algo": _FP8,
     "--fp8-param-gather": _FP8,
+    **megatron_lm_flags.REFUSED_MODEL,
 }
 MODEL_FLAGS_TAKING_A_VALUE = ("--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo")
 CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")  # Megatron-LM's --cross-entropy-fusion-impl
@@ -71,31 +74,21 @@ CROSS_ENTROPY_FUSION_IMPLS = ("native", "te")  # Megatron-LM's --cross-entropy-f
 # model shape
 # ----------------------------------------------------------------------------------------------
 def _add_architecture_flags(group) -> None:
-    """Megatron-LM's flags that describe the architecture. Each model here has one (GPT and BERT:
-    LayerNorm, GeLU, learned absolute positions, biases; Llama: RMSNorm, SwiGLU, rotary positions,
-    no biases, grouped-query attention): a command line may state its model's, and one naming
-    another's is refused in one line (models/families.py, ARCHITECTURE_FLAGS)."""
-    stated = ("Megatron-LM's architecture flag, accepted where it states the --model's own "
-              "architecture (%s) and refused otherwise")
-    group.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None,
-                       help=stated % "gpt, bert: LayerNorm; llama: RMSNorm")
-    group.add_argument("--swiglu", action="store_const", const=True, default=None,
-                       help=stated % "llama's SwiGLU MLP")
-    group.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
-                       default=None, help=stated % "gpt, bert: learned_absolute; llama: rope")
-    group.add_argument("--use-rotary-position-embeddings", action="store_const", const="rope",
-                       dest="position_embedding_type",
-                       help="Megatron-LM's older spelling of --position-embedding-type rope.")
-    group.add_argument("--no-position-embedding", action="store_const", const=False,
-                       dest="add_position_embedding", default=None,
-                       help=stated % "llama has no learned position embedding")
-    group.add_argument("--disable-bias-linear", action="store_const", const=False,
-                       dest="add_bias_linear", default=None,
-                       help=stated % "llama's linear layers have no biases")
-    group.add_argument("--group-query-attention", action="store_const", const=True, default=None,
-                       help=stated % "llama, with --num-query-groups")
-    group.add_argument("--rotary-percent", type=float, default=None,
-                       help=stated % "llama: 1.0, rotary positions over whole heads")
+    """Megatron-LM's flags that describe the architecture (models/families.py, ARCHITECTURE_FLAGS):
+    GPT takes each on its own, in Megatron-LM's names and defaults; BERT and Llama have one
+    architecture each (Llama's a preset of these), which a command line may state, and one naming
+    another value is refused in one line."""
+    add_architecture_shape_args(group)
+    group.add_argument("--apply-query-key-layer-scaling", action="store_const", const=True,
+                       default=None,
+                       help="Divide each layer's attention scores by its layer number before the "
+                            "softmax, which runs in fp32 and multiplies them back (Megatron-"
+                            "Core's guard against fp16 overflow; the same attention otherwise).")
+    group.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion",
+                       help="Apply rotary embeddings with Megatron-Core's unfused torch ops "
+                            "(Megatron-LM's flag against Transformer Engine's fused kernel, which "
+                            "this runtime never sets up: always so here; the `kernels:` line "
+                            "says).")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -150,7 +143,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        default="native",
                        help="With --cross-entropy-loss-fusion: Megatron-Core's native fused "
                             "cross entropy (default) or Transformer Engine's (where installed).")
-    add_refused_flags(group, REFUSED_MODEL_FLAGS, taking_a_value=MODEL_FLAGS_TAKING_A_VALUE)
+    add_refused_flags(group, REFUSED_MODEL_FLAGS, taking_a_value=MODEL_FLAGS_TAKING_A_VALUE,
+                      taking_values=megatron_lm_flags.REFUSED_MODEL)
+    add_stated_flags(group, megatron_lm_flags.STATED_MODEL)
     group.add_argument("--use-flash-attn", action="store_true",
                        help="Use FlashAttention for core attention; GPU only: Transformer Engine's "
                             "flash backend where it is installed, else the flash-attn package's "
@@ -181,7 +176,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                             "input each recomputed unit saves across the tensor-parallel ranks "
                             "(Megatron-Core's distribute_saved_activations). GPU only; not with "
                             "--sequence-parallel.")
-    group.add_argument("--no-clone-scatter-output-in-embedding", action="store_false",
+    group.add_argument("--no-clone-scatter-output-in-embedding",
+                       "--disable-clone-scatter-output-in-embedding", action="store_false",
                        dest="clone_scatter_output_in_embedding",
                        help="Do not clone the embedding output after scattering it to the "
                             "sequence-parallel ranks (Megatron-Core's "
@@ -226,7 +222,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                             "their own activation memory. Megatron-LM's transformer_engine value "
                             "(Transformer Engine's graphs) is not supported here.")
     group.add_argument("--use-mcore-models", action="store_true",
-                       help="Accepted as in Megatron-LM: the models here are always Megatron-Core's "
+                       help="Accepted for Megatron-LM command lines; always so here: the models "
+                            "are Megatron-Core's "
                             "(GPTModel, BertModel); there are no legacy models to choose instead.")
 
 
@@ -271,9 +268,12 @@ def validate_model_args(args: argparse.Namespace) -> None:
         require(args.attention_backend not in TRANSFORMER_ENGINE_BACKENDS,
                 f"--attention-backend {args.attention_backend} is Transformer Engine's; drop it "
                 f"or --transformer-impl local")
-    require(args.hidden_size % args.num_attention_heads == 0,
+    # Megatron-LM's rule: the head size defaults to hidden / heads, which must then divide.
+    require(getattr(args, "kv_channels", None) is not None
+            or args.hidden_size % args.num_attention_heads == 0,
             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
-            f"{args.num_attention_heads}; pick a head count that divides the hidden size")
+            f"{args.num_attention_heads}; pick a head count that divides the hidden size "
+            f"(or give the head size, --kv-channels)")
     require(args.seq_length <= args.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
             f"{args.max_position_embeddings}; raise --max-position-embeddings")
@@ -334,6 +334,9 @@ def validate_cuda_graph_args(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------------------
 # parallel layout and distributed runtime
 # ----------------------------------------------------------------------------------------------
+GROUP_SIZE_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
+
+
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("parallelism")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1,
@@ -345,6 +348,18 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                        help="Virtual pipeline stages (model chunks) per pipeline rank; an alternative "
                             "to --num-layers-per-virtual-pipeline-stage.")
+    group.add_argument(GROUP_SIZE_FLAG, type=int, default=None, metavar="N",
+                       dest="microbatch_group_size_per_vp_stage",
+                       help="Interleaved schedule (virtual pipeline stages): each model chunk "
+                            "runs N consecutive micro-batches before the rank moves to its next "
+                            "chunk, forwards and backwards alike (Megatron-Core's "
+                            "microbatch_group_size_per_vp_stage). Default: "
+                            "--pipeline-model-parallel-size, the depth-first order. N must be at "
+                            "least the pipeline size and at most the micro-batches per step, and "
+                            "the last group (micro-batches mod N) empty or at least the pipeline "
+                            "size, so a group larger than the pipeline trains micro-batch counts "
+                            "that are not a multiple of it. Also sets --use-dpp's interleaved "
+                            "order and its default memory budget.")
     group.add_argument(FIRST_FLAG, type=int, default=None, metavar="N",
                        help="Transformer layers on the first pipeline stage (which also runs the "
                             "embedding); the stages without a count given share the other layers "
@@ -385,6 +400,16 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ddp-num-buckets", type=int, default=None, metavar="N",
                        help="--ddp-bucket-size as a number of buckets: this rank's parameters / N "
                             "elements each (Megatron-LM's); not with --ddp-bucket-size.")
+    group.add_argument("--ddp-pad-buckets-for-high-nccl-busbw", action="store_true",
+                       help="With --use-distributed-optimizer: pad each gradient bucket to a "
+                            "multiple of 2**16 elements (and of the data-parallel size) instead "
+                            "of 128, so that NCCL's ring collectives keep a high bus bandwidth at "
+                            "large data-parallel sizes (Megatron-Core's "
+                            "pad_buckets_for_high_nccl_busbw).")
+    group.add_argument("--local-rank", type=int, default=None, metavar="N",
+                       help="Accepted for Megatron-LM command lines (torch.distributed.launch "
+                            "passes it); always so here: each rank's device is the one of its "
+                            "LOCAL_RANK (torchrun's), which N must equal.")
     group.add_argument("--distributed-backend", type=str, default=None, choices=["nccl", "gloo"],
                        help="torch.distributed backend (default: nccl with CUDA, gloo without).")
     group.add_argument("--distributed-timeout-minutes", type=int, default=10,
@@ -399,7 +424,8 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                             "needs Transformer Engine's attention and a data path that gives each "
                             "context-parallel rank its part of every sequence, which this runtime "
                             "does not have.")
-    group.add_argument("--no-delay-grad-reduce", action="store_false", dest="delay_grad_reduce",
+    group.add_argument("--no-delay-grad-reduce", "--no-align-grad-reduce", action="store_false",
+                       dest="delay_grad_reduce",
                        help="With --overlap-grad-reduce: every pipeline stage's DDP hooks start its "
                             "gradient reductions during its last backward, instead of the schedule "
                             "delaying them in all but the first stage and launching them at aligned "
@@ -426,12 +452,14 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                             "--use-dpp, whose runtime always overlaps its messages.")
     group.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_false",
                        dest="scatter_gather_tensors_in_pipeline",
-                       help="Accepted as in Megatron-LM: pipeline messages are always whole tensors "
-                            "here (Megatron-Core 0.16 no longer has the scatter/gather split of "
+                       help="Accepted for Megatron-LM command lines; always so here: pipeline "
+                            "messages are whole tensors (Megatron-Core 0.16 no longer has the scatter/gather split of "
                             "pipeline tensors across tensor-parallel ranks).")
     add_refused_flags(group, REFUSED_PARALLEL_FLAGS,
                       taking_a_value=("--pipeline-model-parallel-split-rank", "--tp-comm-overlap-cfg",
-                                      "--num-experts", "--kv-channels"))
+                                      "--num-experts"),
+                      taking_values=megatron_lm_flags.REFUSED_PARALLEL)
+    add_stated_flags(group, megatron_lm_flags.STATED_PARALLEL)
 
 
 def _world_size() -> int:
@@ -532,6 +560,26 @@ def _derive_pipeline_split(args: argparse.Namespace) -> None:
     pipeline_split_from_args(args).check()
 
 
+def _validate_microbatch_group_size(args: argparse.Namespace) -> None:
+    """--microbatch-group-size-per-virtual-pipeline-stage: only with virtual stages (the 1F1B
+    schedule has no groups), at least the pipeline size (Megatron-Core's interleaved schedule
+    refuses smaller groups); default the pipeline size, as ModelParallelConfig's. The checks
+    against the micro-batch count are the training flags' (training/flags.py)."""
+    group, pp = args.microbatch_group_size_per_vp_stage, args.pipeline_model_parallel_size
+    if args.virtual_pipeline_model_parallel_size is None:
+        require(group is None,
+                f"{GROUP_SIZE_FLAG} groups the micro-batches of the interleaved schedule, and "
+                f"this run has no virtual pipeline stages; add "
+                f"--num-virtual-stages-per-pipeline-rank or remove {GROUP_SIZE_FLAG}")
+        return
+    if group is None:
+        args.microbatch_group_size_per_vp_stage = pp
+        return
+    require(group >= pp,
+            f"{GROUP_SIZE_FLAG} {group} is below --pipeline-model-parallel-size {pp}: the "
+            f"interleaved schedule runs groups of at least the pipeline size; give {pp} or more")
+
+
 def validate_parallel_args(args: argparse.Namespace) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     require(tp >= 1 and pp >= 1, "--tensor-model-parallel-size and --pipeline-model-parallel-size "
@@ -546,6 +594,7 @@ def validate_parallel_args(args: argparse.Namespace) -> None:
     _derive_pipeline_split(args)
     if args.virtual_pipeline_model_parallel_size is not None:
         require(pp > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1")
+    _validate_microbatch_group_size(args)
 
     require(args.num_attention_heads % tp == 0,
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
@@ -569,6 +618,13 @@ def validate_parallel_args(args: argparse.Namespace) -> None:
     require(cuda or args.empty_unused_memory_level == 0,
             "--empty-unused-memory-level is GPU only; remove it on CPU")
     require(args.distributed_timeout_minutes > 0, "--distributed-timeout-minutes must be positive")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    require(args.local_rank is None or args.local_rank == local_rank,
+            f"--local-rank {args.local_rank} is not this rank's LOCAL_RANK {local_rank} (its "
+            f"device's); remove --local-rank and let the launcher set LOCAL_RANK")
+    require(args.use_distributed_optimizer or not args.ddp_pad_buckets_for_high_nccl_busbw,
+            "--ddp-pad-buckets-for-high-nccl-busbw pads the distributed optimizer's buckets; add "
+            "--use-distributed-optimizer or remove it")
     require(args.context_parallel_size == 1,
             f"--context-parallel-size {args.context_parallel_size}: only 1 runs here (context "
             f"parallelism needs Transformer Engine's attention and data split along the sequence "
@@ -589,6 +645,14 @@ def _activation_config(args: argparse.Namespace) -> argparse.Namespace:
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         num_query_groups=getattr(args, "num_query_groups", None),
+        kv_channels=getattr(args, "kv_channels", None),
+        normalization=getattr(args, "normalization", None) or "LayerNorm",
+        gated_linear_unit=bool(getattr(args, "swiglu", False)),
+        squared_relu=bool(getattr(args, "squared_relu", False)),
+        add_bias_linear=getattr(args, "add_bias_linear", None) is not False,
+        qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
+        position_embedding_type=getattr(args, "position_embedding_type", None),
+        rotary_percent=getattr(args, "rotary_percent", None),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel, pipeline_dtype=dtype, params_dtype=dtype,
         recompute_granularity=args.recompute_granularity,

@@ -27,25 +27,57 @@ from megatron_dpp.models.spec import ModelSpec
 
 @dataclass(frozen=True)
 class GPTShape:
-    """What GPTModel needs beyond TransformerConfig."""
+    """What GPTModel needs beyond TransformerConfig (the layer spec's choices among them)."""
 
     padded_vocab_size: int  # Megatron-LM's padding: a multiple of divisible-by x tp size
     max_position_embeddings: int
     untie_embeddings_and_output_weights: bool
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    rotary_percent: float = 1.0
+    rotary_base: int = 10000
+    rope_scaling: bool = False  # Llama 3.1's rotary frequency scaling (--use-rope-scaling)
+    rope_scaling_factor: float = families.DEFAULT_ROPE_SCALING_FACTOR
+    normalization: str = "LayerNorm"  # the layer spec's norms (Megatron-LM's --normalization)
+    qk_layernorm: bool = False
 
 
-def gpt_layer_spec(attention: Optional[str] = None) -> ModuleSpec:
+def gpt_layer_spec(attention: Optional[str] = None, normalization: str = "LayerNorm",
+                   qk_layernorm: bool = False) -> ModuleSpec:
     """Transformer Engine's layers where megatron_dpp.kernels chose its attention, else
     Megatron-Core's local layers with the chosen core attention (kernels.SDPA, FLASH_ATTN, LOCAL);
-    None: this machine's default (kernels.core_attention())."""
+    None: this machine's default (kernels.core_attention()). normalization and qk_layernorm:
+    Megatron-LM's --normalization and --qk-layernorm, as its gpt_builders passes them."""
     attention = attention or kernels.core_attention().module
     if attention == kernels.TRANSFORMER_ENGINE:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    return with_direct_classes(with_core_attention(get_gpt_layer_local_spec(), attention))
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return with_direct_classes(with_core_attention(
+        get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization=normalization),
+        attention))
+
+
+def gpt_layer_spec_options(args: argparse.Namespace) -> dict:
+    """gpt_layer_spec's keyword arguments of the (validated) flags."""
+    return {"normalization": args.normalization, "qk_layernorm": bool(args.qk_layernorm)}
+
+
+def architecture_config_fields(args: argparse.Namespace) -> dict:
+    """The TransformerConfig fields of Megatron-LM's architecture flags (validated: families.py
+    has resolved each), as its core_transformer_config_from_args sets them."""
+    from megatron.core.activations import squared_relu
+
+    fields = {"normalization": args.normalization, "add_bias_linear": bool(args.add_bias_linear),
+              "qk_layernorm": bool(args.qk_layernorm), "kv_channels": args.kv_channels,
+              "apply_query_key_layer_scaling": bool(args.apply_query_key_layer_scaling),
+              "num_query_groups": args.num_query_groups or args.num_attention_heads}
+    if args.swiglu:  # fc1 is one linear of twice the width: gate and up
+        fields.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    elif args.squared_relu:
+        fields["activation_func"] = squared_relu
+    return fields
 
 
 def build_gpt_chunks(config: TransformerConfig, shape: GPTShape, seed: int,
@@ -60,25 +92,42 @@ def build_gpt_chunks(config: TransformerConfig, shape: GPTShape, seed: int,
     initialization and numbers as the default chunks (core attention has no weights)."""
     model_class = GPTModel
     spec = gpt_layer_spec(attention or
-                          kernels.core_attention(split_backward=deferred_weight_grads).module)
+                          kernels.core_attention(split_backward=deferred_weight_grads).module,
+                          normalization=shape.normalization, qk_layernorm=shape.qk_layernorm)
     if deferred_weight_grads:
         from megatron_dpp.models.weight_grad import DeferredGPTModel
 
         model_class = DeferredGPTModel
+    rotary = {}
+    if shape.position_embedding_type == "rope":
+        rotary = {"rotary_percent": shape.rotary_percent, "rotary_base": shape.rotary_base,
+                  "rope_scaling": shape.rope_scaling,
+                  "rope_scaling_factor": shape.rope_scaling_factor}
     return build_model_chunks(
         model_class, spec, config, seed, gpt_global_parameter_name,
         vocab_size=shape.padded_vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         share_embeddings_and_output_weights=not shape.untie_embeddings_and_output_weights,
-        position_embedding_type="learned_absolute")
+        position_embedding_type=shape.position_embedding_type, **rotary)
 
 
-def _build_chunks_from_args(args: argparse.Namespace, config: TransformerConfig,
-                            seed: int) -> list[GPTModel]:
-    shape = GPTShape(padded_vocab_size=args.padded_vocab_size,  # set by build_tokenizer
-                     max_position_embeddings=args.max_position_embeddings,
-                     untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights)
-    return build_gpt_chunks(config, shape, seed,
+def gpt_shape_from_args(args: argparse.Namespace) -> GPTShape:
+    """GPTModel's arguments of the (validated) flags; padded_vocab_size is build_tokenizer's."""
+    return GPTShape(padded_vocab_size=args.padded_vocab_size,
+                    max_position_embeddings=args.max_position_embeddings,
+                    untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type,
+                    rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+                    rope_scaling=bool(getattr(args, "use_rope_scaling", False)),
+                    rope_scaling_factor=(getattr(args, "rope_scaling_factor", None)
+                                         or families.DEFAULT_ROPE_SCALING_FACTOR),
+                    normalization=args.normalization, qk_layernorm=bool(args.qk_layernorm))
+
+
+def build_chunks_from_args(args: argparse.Namespace, config: TransformerConfig,
+                           seed: int) -> list[GPTModel]:
+    """The chunks of GPT and of the models that are GPT with a preset of its flags (Llama)."""
+    return build_gpt_chunks(config, gpt_shape_from_args(args), seed,
                             deferred_weight_grads=getattr(args, "dpp_split_backward", False),
                             attention=kernels.core_attention_from_args(args).module)
 
@@ -140,6 +189,19 @@ def gpt_microbatch_work(item: Any) -> int:
 # ----------------------------------------------------------------------------------------------
 # what the search's profiler feeds a layer and a chunk
 # ----------------------------------------------------------------------------------------------
+def gpt_sample_layer_inputs(shape: Any, batch: int) -> dict:
+    """The layer spec's causal mask (None) and, with rotary embeddings, the angles GPTModel hands
+    its layers (models.memory_model.ModelShape)."""
+    if shape.position_embedding_type != "rope":
+        return {"attention_mask": None}
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rotary = RotaryEmbedding(kv_channels=shape.kv_channels, rotary_percent=shape.rotary_percent,
+                             rotary_base=shape.rotary_base,
+                             use_cpu_initialization=not torch.cuda.is_available())
+    return {"attention_mask": None, "rotary_pos_emb": rotary(shape.seq_length)}
+
+
 def gpt_sample_model_inputs(shape: Any, batch: int) -> dict:
     """Random tokens as labels too, positions as the GPT dataset gives them, no mask (causal)."""
     generator = torch.Generator().manual_seed(0)
@@ -152,20 +214,23 @@ def gpt_sample_model_inputs(shape: Any, batch: int) -> dict:
 
 GPT_SPEC = ModelSpec(
     family=families.GPT,
-    build_chunks=_build_chunks_from_args,
+    build_chunks=build_chunks_from_args,
     make_forward_step=make_gpt_forward_step,
     microbatch_work=gpt_microbatch_work,
     build_datasets=build_train_valid_test_datasets,
-    # GPT's own Megatron-Core modules that call torch.cuda; the platform patches them on CPU.
+    # GPT's own Megatron-Core modules that call torch.cuda; the platform patches them on CPU
+    # (the rotary embedding's buffers go to torch.cuda.current_device()).
     cpu_patched_modules=(
         "megatron.core.models.gpt.gpt_model",            # current_device() buffers
         "megatron.core.models.common.embeddings.language_model_embedding",  # current_device()
+        "megatron.core.models.common.embeddings.rotary_pos_embedding",
     ),
     global_parameter_name=gpt_global_parameter_name,
     activation_bytes=partial(chunk_activation_bytes, "gpt"),
     layer_spec=gpt_layer_spec,
-    config_fields=lambda args: {},  # Megatron-Core's defaults are GPT's
+    layer_spec_options=gpt_layer_spec_options,
+    config_fields=architecture_config_fields,
     transformer_layers=lambda model: model.decoder.layers,
-    sample_layer_inputs=lambda shape, batch: {"attention_mask": None},  # the spec's causal mask
+    sample_layer_inputs=gpt_sample_layer_inputs,
     sample_model_inputs=gpt_sample_model_inputs,
 )

@@ -41,7 +41,8 @@ from megatron_dpp.one_line_errors import InputError
 
 __all__ = [
     "BERT_TOKEN_TYPES", "ELEMENT_BYTES", "FP32_BYTES", "INDEX_BYTES", "MASK_BYTES", "MODELS",
-    "RECOMPUTE_MODES", "InputError", "ModelShape", "chunk_activation_bytes", "config_dtype",
+    "RECOMPUTE_MODES", "CHECKPOINT_MASK_TYPE_BYTES", "InputError", "ModelShape",
+    "chunk_activation_bytes", "config_dtype",
     "embedding_activation_bytes", "embedding_parameter_count", "layer_activation_bytes",
     "layer_forward_flops", "layer_parameter_count", "layers_activation_bytes", "model_shape",
     "model_state_bytes", "output_activation_bytes", "output_parameter_count", "recompute_layers",
@@ -50,11 +51,12 @@ __all__ = [
 
 MODELS = tuple(MODEL_FAMILIES)  # "gpt", "bert", "llama"
 RECOMPUTE_MODES = ("none", "selective", "full")
+MLPS = ("gelu", "swiglu", "squared_relu")
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FP32_BYTES = 4
 INDEX_BYTES = 8  # token, position and token-type ids are int64
 MASK_BYTES = 1  # torch.bool attention masks
-CHECKPOINT_MASK_TYPE_BYTES = 4  # Llama's selective checkpoint keeps the mask type as one int32
+CHECKPOINT_MASK_TYPE_BYTES = 4  # the selective checkpoint keeps the mask type as one int32
 BERT_TOKEN_TYPES = 2  # sentence-order prediction: two token types when the binary head is on
 
 
@@ -89,18 +91,65 @@ class ModelShape:
     attention_dropout: float = 0.1
     """--attention-dropout (Megatron-LM's default 0.1); 0 keeps no attention dropout mask."""
     num_query_groups: Optional[int] = None
-    """Llama's --num-query-groups (grouped-query attention); None: one per head."""
-    rotary_base: int = 10000
-    """Llama's --rotary-base (rotary position embeddings; no parameters, no memory)."""
+    """--num-query-groups (grouped-query attention); None: one per head."""
+    rotary_base: Optional[int] = None
+    """--rotary-base (rotary position embeddings; no parameters, no memory). None, as each
+    architecture field below: the model's own (models.families' architecture)."""
+    normalization: Optional[str] = None
+    """--normalization: "LayerNorm" or "RMSNorm"."""
+    mlp: Optional[str] = None
+    """The MLP: "gelu", "swiglu" (--swiglu) or "squared_relu" (--squared-relu)."""
+    add_bias_linear: Optional[bool] = None
+    """False: --disable-bias-linear."""
+    position_embedding_type: Optional[str] = None
+    """--position-embedding-type: "learned_absolute" or "rope"."""
+    rotary_percent: Optional[float] = None
+    """--rotary-percent: the rotated share of each head (rope)."""
+    kv_channels: Optional[int] = None
+    """--kv-channels, the head size; None: hidden_size / num_attention_heads."""
+    qk_layernorm: Optional[bool] = None
+    """--qk-layernorm: each head's queries and keys normalized."""
 
     @property
     def query_groups(self) -> int:
         """Key/value head groups: num_query_groups, else one per attention head."""
         return self.num_query_groups or self.num_attention_heads
 
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head the rotary embedding turns (0 without rotary embeddings)."""
+        if self.position_embedding_type != "rope":
+            return 0
+        if self.rotary_percent < 1.0:
+            return int(self.kv_channels * self.rotary_percent)
+        return self.kv_channels
+
     def __post_init__(self):
         if self.model not in MODELS:
             raise InputError(f"model must be one of {MODELS}, got {self.model!r}")
+        preset = MODEL_FAMILIES[self.model].architecture
+        defaults = {"normalization": preset["normalization"],
+                    "mlp": ("swiglu" if preset["swiglu"] else
+                            "squared_relu" if preset["squared_relu"] else "gelu"),
+                    "add_bias_linear": preset["add_bias_linear"],
+                    "position_embedding_type": preset["position_embedding_type"],
+                    "rotary_percent": preset["rotary_percent"] or 1.0,
+                    "rotary_base": preset["rotary_base"] or 10000,
+                    "qk_layernorm": preset["qk_layernorm"]}
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)  # frozen: set once, here
+        if self.kv_channels is None and self.num_attention_heads > 0 \
+                and self.hidden_size % self.num_attention_heads == 0:
+            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise InputError(f"normalization must be LayerNorm or RMSNorm, got "
+                             f"{self.normalization!r}")
+        if self.mlp not in MLPS:
+            raise InputError(f"mlp must be one of {MLPS}, got {self.mlp!r}")
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise InputError(f"position_embedding_type must be learned_absolute or rope, got "
+                             f"{self.position_embedding_type!r}")
         if self.dtype not in ELEMENT_BYTES:
             raise InputError(f"dtype must be one of {tuple(ELEMENT_BYTES)}, "
                                    f"got {self.dtype!r}")
@@ -108,9 +157,13 @@ class ModelShape:
                      "seq_length", "padded_vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise InputError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None:
             raise InputError(f"hidden_size {self.hidden_size} is not divisible by "
-                                   f"num_attention_heads {self.num_attention_heads}")
+                             f"num_attention_heads {self.num_attention_heads} (give kv_channels)")
+        if self.kv_channels <= 0:
+            raise InputError(f"kv_channels must be positive, got {self.kv_channels}")
+        if self.position_embedding_type == "rope" and not 0.0 < self.rotary_percent <= 1.0:
+            raise InputError(f"rotary_percent must be in (0, 1], got {self.rotary_percent}")
         if self.query_groups <= 0 or self.num_attention_heads % self.query_groups:
             raise InputError(f"num_query_groups {self.num_query_groups} must be positive and "
                              f"divide num_attention_heads {self.num_attention_heads}")
@@ -130,52 +183,51 @@ def model_shape(model: str, num_layers: int, hidden_size: int, num_attention_hea
 # ----------------------------------------------------------------------------------------------
 # parameters (whole model, before tensor parallelism)
 # ----------------------------------------------------------------------------------------------
+def _norm_parameters(shape: ModelShape, width: int) -> int:
+    """A LayerNorm's weight and bias, or an RMSNorm's weight."""
+    return (2 if shape.normalization == "LayerNorm" else 1) * width
+
+
 def layer_parameter_count(shape: ModelShape, tp: int = 1) -> int:
-    """One transformer layer: two layer norms (weight, bias), the fused QKV and output
-    projections and the two MLP linears, each with its bias. With tp > 1: one rank's share (the
-    column-parallel weights and biases and the row-parallel weights are split; the layer norms and
-    the row-parallel biases are replicated)."""
-    h, f = shape.hidden_size, shape.ffn_hidden_size
-    if shape.model == "llama":
-        return _llama_layer_parameter_count(shape, tp)
-    layer_norms = 2 * 2 * h
-    attention = (h * 3 * h + 3 * h) // tp + h * h // tp + h
-    mlp = (h * f + f) // tp + f * h // tp + h
-    return layer_norms + attention + mlp
-
-
-def _llama_layer_parameter_count(shape: ModelShape, tp: int) -> int:
-    """Llama's layer: two RMSNorm weights, no biases; QKV h x (h + 2 groups x head size)
-    (grouped-query attention), the output projection h x h, SwiGLU's fc1 h x 2f (gate and up in
-    one linear) and fc2 f x h."""
-    h, f = shape.hidden_size, shape.ffn_hidden_size
-    head_size = h // shape.num_attention_heads
-    qkv = h * (h + 2 * head_size * shape.query_groups)
-    return 2 * h + (qkv + h * h + h * 2 * f + f * h) // tp
+    """One transformer layer: two norms (LayerNorm: weight and bias; RMSNorm: weight), with
+    --qk-layernorm two more over the head size; the fused QKV projection (h x (heads + 2 groups)
+    x head size), the output projection and the two MLP linears (SwiGLU's fc1 twice as wide: gate
+    and up), each with its bias unless --disable-bias-linear. With tp > 1: one rank's share (the
+    column-parallel weights and biases and the row-parallel weights are split; the norms and the
+    row-parallel biases are replicated)."""
+    h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.kv_channels
+    query, qkv = shape.num_attention_heads * d, (shape.num_attention_heads + 2 * shape.query_groups) * d
+    fc1 = 2 * f if shape.mlp == "swiglu" else f
+    bias = 1 if shape.add_bias_linear else 0
+    norms = 2 * _norm_parameters(shape, h)
+    if shape.qk_layernorm:
+        norms += 2 * _norm_parameters(shape, d)
+    attention = (h * qkv + bias * qkv) // tp + query * h // tp + bias * h
+    mlp = (h * fc1 + bias * fc1) // tp + f * h // tp + bias * h
+    return norms + attention + mlp
 
 
 def embedding_parameter_count(shape: ModelShape, tp: int = 1) -> int:
-    """The first stage's extra parameters: word and position embeddings (BERT: and token types).
-    With tp > 1: one rank's share (the word embedding is split over the vocabulary)."""
+    """The first stage's extra parameters: word and learned position embeddings (BERT: and token
+    types; rotary positions have no parameters). With tp > 1: one rank's share (the word
+    embedding is split over the vocabulary)."""
     h = shape.hidden_size
-    if shape.model == "llama":
-        return shape.padded_vocab_size * h // tp  # rotary positions have no parameters
-    count = shape.padded_vocab_size * h // tp + shape.max_position_embeddings * h
+    count = shape.padded_vocab_size * h // tp
+    if shape.position_embedding_type == "learned_absolute":
+        count += shape.max_position_embeddings * h
     if shape.model == "bert" and shape.bert_binary_head:
         count += BERT_TOKEN_TYPES * h
     return count
 
 
 def output_parameter_count(shape: ModelShape, tp: int = 1) -> int:
-    """The last stage's extra parameters when it is not also the first (pp > 1): the final layer
-    norm and the output layer's weight, which the last stage keeps even when tied to the word
+    """The last stage's extra parameters when it is not also the first (pp > 1): the final norm
+    and the output layer's weight, which the last stage keeps even when tied to the word
     embedding (Megatron keeps a copy there and sums its gradient with the first stage's). BERT
     adds its LM head (dense, layer norm, output bias), the pooler and the binary head. With
     tp > 1: one rank's share (the output layer is split over the vocabulary)."""
     h, vocab = shape.hidden_size, shape.padded_vocab_size // tp
-    if shape.model == "llama":
-        return h + vocab * h  # the final RMSNorm's weight, the output layer
-    count = 2 * h + vocab * h
+    count = _norm_parameters(shape, h) + vocab * h
     if shape.model == "bert":
         count += (h * h + h) + 2 * h + vocab  # LM head dense, its layer norm, the output bias
         if shape.bert_binary_head:
@@ -213,34 +265,39 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none") -> int:
     """Bytes one layer keeps for its backward, per microbatch, on one tensor-parallel rank.
 
-    recompute: "none"; "selective" (Megatron recomputes core attention: its QKV inputs are kept,
+    recompute: "none"; "selective" (Megatron recomputes core attention: its inputs are kept,
     the softmax, its dropout and the mask are not; BERT's mask is still kept by the checkpoint);
     "full" (the layer's input only, with recompute_method uniform and one layer per unit)."""
     if recompute not in RECOMPUTE_MODES:
         raise InputError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     _check_parallel(shape, micro_batch, tp)
-    if shape.model == "llama":
-        return _llama_layer_activation_bytes(shape, micro_batch, tp, sequence_parallel, recompute)
     e = ELEMENT_BYTES[shape.dtype]
     s, b, h, a, f = (shape.seq_length, micro_batch, shape.hidden_size, shape.num_attention_heads,
                      shape.ffn_hidden_size)
     sp = tp if sequence_parallel else 1  # split of the tensors outside the tensor-parallel region
     sbh = s * b * h
+    rotary = shape.rotary_dim
+    bert_mask = _attention_mask_bytes(shape, b) if shape.model == "bert" else 0
     if recompute == "full":
-        mask = _attention_mask_bytes(shape, b) if shape.model == "bert" else 0
-        return sbh * e // sp + mask
+        # The checkpoint keeps the layer input (and the rotary angles, fp32, s x rotary dim).
+        return sbh * e // sp + s * rotary * FP32_BYTES + bert_mask
 
     hidden_masks = 2 if shape.hidden_dropout > 0 else 0  # after attention and after the MLP
-    # Outside the tensor-parallel region: both layer-norm inputs, both column-parallel linears'
-    # inputs (the layer-norm outputs) and the hidden dropout masks.
-    outside = (4 + hidden_masks) * sbh * e // sp
-    layer_norm_stats = 2 * 2 * s * b * FP32_BYTES // sp  # mean and rstd of two layer norms
-    # Inside: Q, K, V, the output projection's input, the GeLU's input and output.
-    inside = (3 * sbh + sbh + 2 * s * b * f) * e // tp
-    total = outside + layer_norm_stats + inside
+    if shape.normalization == "LayerNorm":
+        # Outside the tensor-parallel region: both norms' inputs, both column-parallel linears'
+        # inputs (the norms' outputs), the hidden dropout masks; the norms' mean and rstd.
+        outside = (4 + hidden_masks) * sbh * e // sp + 2 * 2 * s * b * FP32_BYTES // sp
+    else:
+        # Torch's RMSNorm computes in fp32: its fp32 input, normalized output and rstd.
+        outside = (2 * (2 * sbh * FP32_BYTES + s * b * FP32_BYTES) // sp
+                   + (2 + hidden_masks) * sbh * e // sp)
+    inside = (_attention_input_bytes(shape, b, e, recompute == "selective", tp)
+              + MLP_WIDTHS[shape.mlp] * s * b * f * e) // tp
+    rotary_bytes = 4 * s * rotary * e  # cos and sin of the angles, for queries and for keys
+    total = outside + inside + rotary_bytes
     if recompute == "selective":
-        mask = _attention_mask_bytes(shape, b) if shape.model == "bert" else 0
-        return total + mask
+        # The checkpoint also keeps the mask type, a one-element int32.
+        return total + bert_mask + CHECKPOINT_MASK_TYPE_BYTES
 
     scores = a * s * s * b // tp  # attention probabilities per rank
     softmax = scores * FP32_BYTES  # the fp32 softmax output
@@ -251,50 +308,76 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1,
     return total + softmax + probabilities + _attention_mask_bytes(shape, b)
 
 
-def _llama_layer_activation_bytes(shape: ModelShape, micro_batch: int, tp: int,
-                                  sequence_parallel: bool, recompute: str) -> int:
-    """Llama's layer as Megatron-Core's local spec saves it (see the module docstring for what it
-    shares with GPT's): each RMSNorm (torch's, computed in fp32) keeps its fp32 input, its fp32
-    normalized output and its fp32 rstd; the rotary embedding keeps the cos and sin of its angles
-    for queries and keys (4 x s x head size, in the activations' dtype, for any batch); the local
-    attention repeats the key/value groups to every head before its matmuls, which keep them at
-    full size (values without groups are a view of the QKV output, kept whole); SwiGLU keeps fc1's 2f-wide output, the SiLU output, the product and one more
-    f-wide tensor (5 x f in all). Selective recompute keeps the core attention's inputs instead
-    of its scores."""
-    e = ELEMENT_BYTES[shape.dtype]
-    s, b, h, a, f = (shape.seq_length, micro_batch, shape.hidden_size, shape.num_attention_heads,
-                     shape.ffn_hidden_size)
-    sp = tp if sequence_parallel else 1
-    sbh = s * b * h
-    head_size = h // a
-    rotary = 4 * s * head_size * e
-    if recompute == "full":
-        # The checkpoint keeps the layer input and the rotary angles (fp32, s x head size).
-        return sbh * e // sp + s * head_size * FP32_BYTES
-    hidden_masks = 2 if shape.hidden_dropout > 0 else 0
-    norms = 2 * (2 * sbh * FP32_BYTES + s * b * FP32_BYTES) // sp
-    outside = (2 + hidden_masks) * sbh * e // sp  # two column-parallel inputs, dropout masks
-    mlp = 5 * s * b * f * e // tp
-    if recompute == "selective":
-        # The checkpoint's inputs: the rotated queries and keys (per group), and the values, a
-        # view that keeps the whole QKV output alive; and the mask type, a one-element int32.
-        groups_share = shape.query_groups * sbh // a  # keys or values of the groups
-        attention_inputs = (sbh + groups_share + (sbh + 2 * groups_share)) * e // tp
-        return (norms + outside + mlp + rotary + attention_inputs + sbh * e // tp
-                + CHECKPOINT_MASK_TYPE_BYTES)
-    groups_share = shape.query_groups * sbh // a
-    # Q and K after rotation; V repeated to every head, or without groups to repeat, a view that
-    # keeps the whole QKV output alive; the projection's input.
-    values = sbh if shape.query_groups < a else sbh + 2 * groups_share
-    inside = (2 * sbh + values + sbh) * e // tp
-    scores = a * s * s * b // tp
-    softmax = scores * FP32_BYTES
-    if shape.attention_dropout > 0:
-        probabilities = 2 * scores * e
+MLP_WIDTHS = {"gelu": 2, "squared_relu": 2, "swiglu": 5}
+"""ffn_hidden_size-wide tensors the MLP keeps (with fc2's input): GeLU's input and output;
+squared ReLU's ReLU output (its square's input too) and the square; SwiGLU's fc1 output (2 wide,
+the SiLU's input), the SiLU output, the up projection plus Megatron's glu_linear_offset, and the
+product."""
+
+
+def _attention_input_bytes(shape: ModelShape, b: int, e: int, selective: bool, tp: int) -> int:
+    """What the attention keeps of its projections (all tensor-parallel ranks): the queries, keys
+    and values its matmuls keep (selective: the recomputed core attention's inputs, before the
+    groups are repeated), each a view of the QKV output or a tensor of its own, the QKV output
+    once where a view keeps it alive, the q/k norms' tensors and the output projection's input.
+
+    Megatron-Core's split leaves queries, keys and values views of the QKV output with one group
+    per head; with fewer groups the queries are reshaped into a copy (a view where a rank has one
+    group), and the local attention
+    repeats keys and values to every head (copies). The rotary embedding and the q/k norms make
+    new queries and keys; a LayerNorm keeps its input (a view), an RMSNorm its fp32 input (the
+    view itself in fp32, a copy otherwise), its fp32 normalized output and its fp32 rstd."""
+    s, a, g, d = shape.seq_length, shape.num_attention_heads, shape.query_groups, shape.kv_channels
+    queries, keys = s * b * a * d, s * b * g * d  # elements
+    grouped = g < a
+    # The split's queries are a view of the QKV output with one group per head or one group per
+    # rank; the local attention's reshape keeps that view with one sample only (else a copy).
+    query_view = not grouped or g // tp == 1
+    kept_query_view = not grouped or (query_view and b == 1)
+    rotary, normed = shape.rotary_dim > 0, bool(shape.qk_layernorm)
+    qkv_alive = False
+    total = queries * e  # the output projection's input
+    # The queries and keys the attention keeps.
+    # (selective: the checkpoint keeps the split's queries, before the attention's reshape)
+    if normed or rotary or not (query_view if selective else kept_query_view):
+        total += queries * e
     else:
-        probabilities = scores * e if e != FP32_BYTES else 0
-    return (norms + outside + mlp + rotary + inside + softmax + probabilities
-            + _attention_mask_bytes(shape, b))
+        qkv_alive = True
+    if selective:
+        if normed or rotary:
+            total += keys * e
+        else:
+            qkv_alive = True
+        qkv_alive = True  # the values, a view
+    else:
+        if grouped:
+            total += 2 * queries * e  # keys and values repeated to every head
+        elif normed or rotary:
+            total += keys * e
+            qkv_alive = True  # the values, a view
+        else:
+            qkv_alive = True
+    if normed:
+        # The norms' inputs: keys a view of the QKV output, queries one too with a group per head
+        # (else the reshaped copy).
+        for elements, vectors, view in ((queries, s * b * a, query_view), (keys, s * b * g, True)):
+            if shape.normalization == "LayerNorm":
+                total += 2 * vectors * FP32_BYTES  # mean and rstd
+                if view:
+                    qkv_alive = True
+                else:
+                    total += elements * e
+            else:
+                total += elements * FP32_BYTES + vectors * FP32_BYTES  # normalized output, rstd
+                if e != FP32_BYTES:
+                    total += elements * FP32_BYTES  # the fp32 copy of the input
+                elif view:
+                    qkv_alive = True
+                else:
+                    total += elements * e
+    if qkv_alive:
+        total += (queries + 2 * keys) * e
+    return total
 
 
 def embedding_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1,
@@ -306,10 +389,8 @@ def embedding_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1,
     e = ELEMENT_BYTES[shape.dtype]
     s, b, h = shape.seq_length, micro_batch, shape.hidden_size
     sp = tp if sequence_parallel else 1
-    if shape.model == "gpt":
-        ids = 2 * s * b * INDEX_BYTES
-    elif shape.model == "llama":
-        ids = s * b * INDEX_BYTES  # token ids; rotary positions need no lookup
+    if shape.model != "bert":  # token ids, and position ids where they are looked up
+        ids = (2 if shape.position_embedding_type == "learned_absolute" else 1) * s * b * INDEX_BYTES
     else:
         ids = s * b * INDEX_BYTES + s * INDEX_BYTES
         if shape.bert_binary_head:
@@ -331,7 +412,7 @@ def output_activation_bytes(shape: ModelShape, micro_batch: int, tp: int = 1,
     s, b, h = shape.seq_length, micro_batch, shape.hidden_size
     sp = tp if sequence_parallel else 1
     layer_norm = s * b * h * e // sp + 2 * s * b * FP32_BYTES // sp
-    if shape.model == "llama":  # RMSNorm: fp32 input and normalized output, fp32 rstd
+    if shape.normalization == "RMSNorm":  # fp32 input and normalized output, fp32 rstd
         layer_norm = (2 * s * b * h * FP32_BYTES + s * b * FP32_BYTES) // sp
     output_input = s * b * h * e // sp
     cross_entropy = (s * b * shape.padded_vocab_size // tp * FP32_BYTES
@@ -380,11 +461,13 @@ def layer_forward_flops(shape: ModelShape, micro_batch: int) -> float:
     QKV 6sbh^2, scores and context 4bs^2h, output projection 2sbh^2, MLP 4sbhf
     (= 24sbh^2 + 4bs^2h with f = 4h, Megatron's count)."""
     s, b, h, f = shape.seq_length, micro_batch, shape.hidden_size, shape.ffn_hidden_size
-    if shape.model == "llama":
-        # QKV with grouped keys and values, output projection, SwiGLU's fc1 (2f wide) and fc2.
-        kv = 2 * (h // shape.num_attention_heads) * shape.query_groups
-        return float(2 * s * b * (h * (h + kv) + h * h + 3 * h * f) + 4 * b * s * s * h)
-    return float(2 * s * b * (4 * h * h + 2 * h * f) + 4 * b * s * s * h)
+    # QKV (keys and values per group), scores and context over heads x head size, the output
+    # projection, fc1 (SwiGLU's twice as wide: gate and up) and fc2.
+    query = shape.num_attention_heads * shape.kv_channels
+    kv = 2 * shape.kv_channels * shape.query_groups
+    fc1 = 2 * f if shape.mlp == "swiglu" else f
+    return float(2 * s * b * (h * (query + kv) + query * h + h * fc1 + f * h)
+                 + 4 * b * s * s * query)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,6 +506,21 @@ def recompute_layers(config: Any, layers: int) -> dict[str, int]:
     return {"full": -(-layers // per_unit)}
 
 
+def config_architecture(config: Any) -> dict:
+    """The ModelShape architecture fields of a Megatron TransformerConfig (None: the model's own;
+    the position fields are megatron_dpp's, models/transformer_config.py sets them)."""
+    activation = getattr(getattr(config, "activation_func", None), "__name__", "gelu")
+    mlp = ("swiglu" if getattr(config, "gated_linear_unit", False)
+           else "squared_relu" if (activation == "squared_relu"
+                                   or getattr(config, "squared_relu", False)) else "gelu")
+    fields = {"mlp": mlp, "kv_channels": getattr(config, "kv_channels", None),
+              "position_embedding_type": getattr(config, "position_embedding_type", None),
+              "rotary_percent": getattr(config, "rotary_percent", None)}
+    for name in ("normalization", "add_bias_linear", "qk_layernorm"):
+        fields[name] = getattr(config, name, None)
+    return fields
+
+
 def layers_activation_bytes(shape: ModelShape, micro_batch: int, modes: dict[str, int],
                             tp: int = 1, sequence_parallel: bool = False) -> int:
     """Bytes consecutive layers of one chunk keep, `modes` as recompute_layers gives them. BERT's
@@ -456,7 +554,8 @@ def chunk_activation_bytes(model: str, config: Any, sizes: Sequence[int], micro_
                       max_position_embeddings=1, dtype=config_dtype(config),
                       hidden_dropout=config.hidden_dropout,
                       attention_dropout=config.attention_dropout,
-                      num_query_groups=getattr(config, "num_query_groups", None))
+                      num_query_groups=getattr(config, "num_query_groups", None),
+                      **config_architecture(config))
     by_length: dict[int, int] = {}
     estimates = []
     for tokens in sizes:

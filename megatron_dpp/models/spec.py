@@ -74,6 +74,10 @@ class ModelSpec:
     """(ModelShape, micro-batch size) -> keyword inputs of a whole chunk's forward with random
     tokens and labels, as the forward step passes them; the profiler's sample input."""
 
+    layer_spec_options: Callable[[argparse.Namespace], dict] = lambda args: {}
+    """args -> layer_spec's keyword arguments beyond the core attention (GPT's --normalization and
+    --qk-layernorm choose the spec's norms), so that the profiler builds the trained layer."""
+
     @property
     def name(self) -> str:
         """The model's name, as in MODEL_SPECS and --model (e.g. "gpt")."""

@@ -42,7 +42,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
     from megatron_dpp.models import MODEL_SPECS
 
     model_fields = MODEL_SPECS[args.model].config_fields(args)  # the model's own (Llama's RMSNorm...)
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -54,6 +54,9 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        # None (no virtual stages): ModelParallelConfig's default, the pipeline size.
+        microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage",
+                                                   None),
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
@@ -92,3 +95,8 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         **attention,
         **model_fields,
     )
+    # GPTModel's position arguments, which no TransformerConfig field holds: the activation model
+    # (models/memory_model.py's chunk_activation_bytes, the DPP runtime's budget) reads them here.
+    config.position_embedding_type = getattr(args, "position_embedding_type", None)
+    config.rotary_percent = getattr(args, "rotary_percent", None)
+    return config

@@ -45,7 +45,6 @@ from megatron_dpp.comm.errors import is_peer_lost
 from megatron_dpp.exit_codes import LOST_PEER
 from megatron_dpp.pipeline import Phase, ReadyTracker, Task, TaskGraph, make_scheduler
 from megatron_dpp.pipeline.budget import largest_microbatch_bytes
-from megatron_dpp.pipeline.registry import INTERLEAVED_1F1B
 from megatron_dpp.runtime.batch import GlobalBatch
 from megatron_dpp.runtime.config import DPPConfig
 from megatron_dpp.runtime.grad_sync import GradSync
@@ -297,8 +296,12 @@ class IterationRunner:
         self.channel = DecisionChannel(self.transport, layout.tp_ranks, layout.global_rank,
                                        partial(decision_tag, self.iteration))
         options = {}
-        if self.dpp.policy == INTERLEAVED_1F1B:
-            options["microbatch_group_size_per_vp_stage"] = config.microbatch_group_size_per_vp_stage
+        if self.V > 1:
+            # --microbatch-group-size-per-virtual-pipeline-stage: interleaved-1f1b's order, and
+            # for every policy the Megatron count the 'auto'/'provisioned' budgets hold (and
+            # dpp:adaptive's spine).
+            options["microbatch_group_size_per_vp_stage"] = getattr(
+                config, "microbatch_group_size_per_vp_stage", None)
         self.scheduler = make_scheduler(self.dpp.policy, self.graph, self.rank,
                                         budget_bytes=self.dpp.memory_budget_bytes, **options)
         self.record = IterationRecord(microbatch_order=list(self.scheduler.microbatch_order),

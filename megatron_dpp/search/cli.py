@@ -29,7 +29,8 @@ from megatron_dpp.search.hardware import PRESETS, load_hardware, with_matmul_rat
 from megatron_dpp.search.lengths import parse_distribution
 from megatron_dpp.search.model_profile import read_model_profile_dir
 from megatron_dpp.exit_codes import BAD_INPUT
-from megatron_dpp.models.families import DEFAULT_MODEL, MODEL_FAMILIES
+from megatron_dpp.models.families import (DEFAULT_MODEL, MODEL_FAMILIES, add_architecture_shape_args,
+                                         default_ffn_hidden_size)
 from megatron_dpp.one_line_errors import OneLineErrorParser
 from megatron_dpp.search.strategy import build_strategy, megatron_flags, write_strategy
 
@@ -67,6 +68,7 @@ def build_parser() -> OneLineErrorParser:
                        help="Attention dropout (0 keeps no attention dropout mask).")
     model.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="Separate output-layer weights (default: tied to the embedding).")
+    add_architecture_shape_args(model)  # Megatron-LM's architecture flags (gpt takes them all)
     for family in MODEL_FAMILIES.values():  # each model's own shape flags
         family.add_shape_args(model)
     precision = model.add_mutually_exclusive_group()
@@ -139,7 +141,7 @@ def _check(args) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise SearchInputError(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.hidden_size % args.num_attention_heads:
+    if args.hidden_size % args.num_attention_heads and args.kv_channels is None:
         raise SearchInputError(f"--hidden-size {args.hidden_size} is not divisible by "
                                f"--num-attention-heads {args.num_attention_heads}")
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
@@ -175,7 +177,8 @@ def load_problem(args) -> tuple[Problem, str, str]:
     shape = memory_model.ModelShape(
         model=args.model, num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size, seq_length=args.seq_length,
+        ffn_hidden_size=args.ffn_hidden_size or default_ffn_hidden_size(args),
+        seq_length=args.seq_length,
         padded_vocab_size=-(-vocab // divisor) * divisor,
         max_position_embeddings=args.max_position_embeddings or args.seq_length,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights, dtype=dtype,

@@ -194,6 +194,7 @@ def training_args(shape: mm.ModelShape, recompute: str = "none",
         flags.append("--untie-embeddings-and-output-weights")
     flags += families.model_family(shape.model).shape_flags(shape)
     args = arguments.build_parser(model=shape.model).parse_args([str(flag) for flag in flags])
+    families.model_family(shape.model).validate(args)  # its architecture flags resolved
     arguments.validate_model_args(args)
     args.virtual_pipeline_model_parallel_size = None  # pp = 1 (validate_parallel_args derives it)
     args.padded_vocab_size = shape.padded_vocab_size  # as build_tokenizer sets it
@@ -212,7 +213,9 @@ def layer_spec(model: str, args: argparse.Namespace):
     """The layer spec training builds for these flags (the core attention kernels chose)."""
     from megatron_dpp.models import MODEL_SPECS
 
-    return MODEL_SPECS[model].layer_spec(kernels.core_attention_from_args(args).module)
+    spec = MODEL_SPECS[model]
+    return spec.layer_spec(kernels.core_attention_from_args(args).module,
+                           **spec.layer_spec_options(args))
 
 
 def build_layer(shape: mm.ModelShape, recompute: str = "none", tp: int = 1,
@@ -794,6 +797,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Hidden dropout probability (default 0.1, as Megatron-LM).")
     parser.add_argument("--attention-dropout", type=float, default=0.1,
                         help="Attention dropout probability (default 0.1, as Megatron-LM).")
+    families.add_architecture_shape_args(parser)  # Megatron-LM's (gpt takes them all)
     for family in families.MODEL_FAMILIES.values():  # each model's own shape flags
         family.add_shape_args(parser)
     parser.add_argument("--tensor-model-parallel-sizes", type=int, nargs="+",
@@ -835,7 +839,7 @@ def options_from_args(args: argparse.Namespace) -> ProfilingOptions:
             raise SearchInputError(f"{flag} must be positive, got {values}")
     if args.warmup < 0:
         raise SearchInputError(f"--warmup must be >= 0, got {args.warmup}")
-    if args.hidden_size % args.num_attention_heads:
+    if args.hidden_size % args.num_attention_heads and args.kv_channels is None:
         raise SearchInputError(f"--hidden-size {args.hidden_size} is not divisible by "
                                f"--num-attention-heads {args.num_attention_heads}")
     for flag in ("hidden_dropout", "attention_dropout"):
@@ -848,7 +852,7 @@ def options_from_args(args: argparse.Namespace) -> ProfilingOptions:
     family = families.model_family(args.model)
     vocab = args.vocab_size or family.default_vocab_size
     multiple = args.make_vocab_size_divisible_by
-    ffn = args.ffn_hidden_size or 4 * args.hidden_size
+    ffn = args.ffn_hidden_size or families.default_ffn_hidden_size(args)
     def divides(tp: int) -> bool:
         return args.num_attention_heads % tp == 0 and ffn % tp == 0
 

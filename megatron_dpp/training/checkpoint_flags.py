@@ -60,7 +60,9 @@ class LoadScope:
 
     @classmethod
     def from_args(cls, args) -> "LoadScope":
-        return cls(optimizer=not (args.finetune or args.no_load_optim),
+        # --skip-train never steps the optimizer: Megatron-LM then turns --no-load-optim on.
+        skip_train = getattr(args, "skip_train", False)
+        return cls(optimizer=not (args.finetune or args.no_load_optim or skip_train),
                    rng=not (args.finetune or args.no_load_rng), position=not args.finetune)
 
 

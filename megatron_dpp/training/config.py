@@ -28,6 +28,7 @@ class TrainingConfig:
     """What the training loop needs beyond Megatron-Core's own configs."""
 
     train_iters: int
+    skip_train: bool  # --skip-train: no iteration, only the evaluation after them
     micro_batch_size: int
     global_batch_size: int  # --global-batch-size: after --rampup-batch-size's ramp, if any
     # micro-batch size x data-parallel size: a trained batch is a multiple of it (with
@@ -96,6 +97,7 @@ def microbatches_of(train: TrainingConfig, global_batch_size: int) -> int:
 def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
     return TrainingConfig(
         train_iters=args.train_iters,
+        skip_train=args.skip_train,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
         micro_batch_times_data_parallel=args.micro_batch_size * args.data_parallel_size,
@@ -188,4 +190,6 @@ def ddp_config_from_args(args: argparse.Namespace,
         align_param_gather=args.delay_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         bucket_size=bucket_size,
+        pad_buckets_for_high_nccl_busbw=getattr(args, "ddp_pad_buckets_for_high_nccl_busbw",
+                                                False),
     )

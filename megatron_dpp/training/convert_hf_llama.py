@@ -28,8 +28,8 @@ import tempfile
 from typing import Optional, Sequence
 
 from megatron_dpp.data.errors import DataInputError
-from megatron_dpp.data.tokenizer import (HF_TOKENIZER_FILES, HUGGINGFACE, tokenizer_from_files,
-                                         vocab_size_with_padding)
+from megatron_dpp.data.tokenizer import (HF_TOKENIZER_FILES, HUGGINGFACE, tiktoken_options,
+                                         tokenizer_from_files, vocab_size_with_padding)
 from megatron_dpp.flag_errors import ArgsError, require_output_dir
 from megatron_dpp.models import llama_hf
 from megatron_dpp.one_line_errors import InputError, OneLineErrorParser
@@ -181,7 +181,8 @@ def _vocabulary(saved: argparse.Namespace, vocab_size: Optional[int], directory:
         tokenizer = tokenizer_from_files(tokenizer_type, getattr(saved, "vocab_file", None),
                                          getattr(saved, "merge_file", None),
                                          getattr(saved, "tokenizer_model", None),
-                                         getattr(saved, "vocab_size", None))
+                                         getattr(saved, "vocab_size", None),
+                                         **tiktoken_options(saved))
     except (DataInputError, TypeError) as error:
         raise InputError(f"checkpoint {directory}: its run's tokenizer ({tokenizer_type}) cannot "
                          f"be read here ({error}); pass --vocab-size N, the tokenizer's "

@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 
 from megatron_dpp.cuda_presence import cuda_available
-from megatron_dpp.flag_errors import (add_refused_flags, first_given, require,
+from megatron_dpp.flag_errors import (add_refused_flags, add_stated_flags, first_given, require,
                                       require_output_dir)
+from megatron_dpp.training import megatron_lm_flags
 from megatron_dpp.training.batch_ramp import BatchSizeRamp, running_batch
 from megatron_dpp.training.checkpoint_flags import (add_checkpoint_format_args,
                                                     add_load_scope_args, check_load_dir,
@@ -34,6 +35,7 @@ REFUSED_TRAINING_FLAGS: dict[str, str] = {
     "--decoupled-min-lr": _ONE_SCHEDULE,
     "--grad-reduce-in-bf16": "is not built here: under --bf16 the gradients are accumulated and "
                              "all-reduced in fp32 (--accumulate-allreduce-grads-in-fp32 holds)",
+    **megatron_lm_flags.REFUSED_TRAINING,
 }
 REFUSED_CHECKPOINT_FLAGS: dict[str, str] = {
     "--async-save": "(saving in the background) is not built here: a save is one atomic, "
@@ -49,9 +51,9 @@ REFUSED_CHECKPOINT_FLAGS: dict[str, str] = {
                        "chooses the format (torch_dist, the default)",
     "--dist-ckpt-format": "is deprecated in Megatron-LM and does nothing there: --ckpt-format "
                           "chooses the format (torch_dist, the default)",
-    "--ckpt-fully-parallel-save": "is deprecated in Megatron-LM and does nothing there: a "
-                                  "torch_dist save here is always fully parallel",
+    **megatron_lm_flags.REFUSED_CHECKPOINT,
 }
+REFUSED_LOGGING_FLAGS: dict[str, str] = dict(megatron_lm_flags.REFUSED_LOGGING)
 # --tensorboard-dir's defaults, as Megatron-LM's.
 TENSORBOARD_LOG_INTERVAL, TENSORBOARD_QUEUE_SIZE = 1, 1000
 
@@ -156,7 +158,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                             "--bf16 and --fp16 the gradients are accumulated and all-reduced in "
                             "fp32 (Megatron-LM does so for bf16 always, for fp16 with this flag).")
     add_refused_flags(group, REFUSED_TRAINING_FLAGS,
-                      taking_a_value=("--decoupled-lr", "--decoupled-min-lr"))
+                      taking_a_value=("--decoupled-lr", "--decoupled-min-lr"),
+                      taking_values=megatron_lm_flags.REFUSED_TRAINING)
+    add_stated_flags(group, megatron_lm_flags.STATED_TRAINING)
     group.add_argument("--calculate-per-token-loss", action="store_true",
                        help="Scale the loss by the number of loss tokens in the whole global "
                             "batch instead of averaging it per micro-batch, as Megatron-LM: every "
@@ -178,16 +182,24 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                             "(for a job restarted on fewer GPUs); the learning-rate schedule "
                             "keeps counting the samples of the batch asked for.")
     group.add_argument("--exit-signal-handler", action="store_true",
-                       help="Accepted for Megatron-LM command lines and does nothing here: its "
-                            "behaviour is always on. On SIGTERM or SIGINT every rank stops after "
+                       help="Accepted for Megatron-LM command lines; always so here (the flag "
+                            "does nothing here: its behaviour is always on). On SIGTERM or "
+                            "SIGINT every rank stops after "
                             "the same iteration, saves a checkpoint when --save is given, and "
                             "exits with 128 + the signal number (training/signals.py).")
+    group.add_argument("--skip-train", action="store_true",
+                       help="Bypass the training loop, as Megatron-LM: evaluate the model on the "
+                            "validation and the test split (--eval-iters batches each, those "
+                            "with data) and exit, saving nothing. With --load the checkpoint's "
+                            "model at its iteration (its optimizer state is not loaded, as "
+                            "--no-load-optim), else the model as initialized, at iteration 0.")
     group.add_argument("--manual-gc", action="store_true",
                        help="Disable Python's automatic garbage collector and collect every "
                             "--manual-gc-interval iterations, aligned across ranks.")
     group.add_argument("--manual-gc-interval", type=int, default=0,
                        help="Iterations between manual collections (0: only around evaluation).")
-    group.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+    group.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", action="store_false",
+                       dest="manual_gc_eval",
                        help="With --manual-gc: do not collect at the start and the end of each "
                             "evaluation (without --manual-gc Python's collector runs as usual).")
 
@@ -240,15 +252,40 @@ def validate_training_args(args: argparse.Namespace) -> None:
             "--exit-interval must be positive")
     require(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
             "--exit-duration-in-mins must be positive")
+    # Megatron-LM would start, evaluate nothing and exit: a run that does nothing at all.
+    require(not (args.skip_train and args.eval_iters == 0),
+            "--skip-train only evaluates, and --eval-iters 0 evaluates nothing; give "
+            "--eval-iters N (batches per split)")
     require(args.manual_gc_interval >= 0, "--manual-gc-interval must be >= 0")
     require(args.manual_gc or args.manual_gc_interval == 0,
             "--manual-gc-interval needs --manual-gc")
     if args.virtual_pipeline_model_parallel_size is not None:
-        pp = args.pipeline_model_parallel_size
-        require(args.num_microbatches % pp == 0,
-                f"the interleaved schedule needs the number of micro-batches "
-                f"({args.num_microbatches}) to be a multiple of --pipeline-model-parallel-size "
-                f"{pp}; adjust --global-batch-size")
+        refusal = interleaved_microbatches_refusal(args, args.num_microbatches)
+        require(refusal is None, f"{refusal}; adjust --global-batch-size or {GROUP_SIZE_FLAG}")
+
+
+GROUP_SIZE_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
+
+
+def interleaved_microbatches_refusal(args: argparse.Namespace, num_microbatches: int) -> str | None:
+    """Why Megatron-Core 0.16.1's interleaved schedule refuses `num_microbatches` per step with
+    the group size G (args.microbatch_group_size_per_vp_stage, validate_parallel_args' default
+    --pipeline-model-parallel-size P), or None: G at most the micro-batches, and the last group
+    (micro-batches mod G) empty or at least P. With G = P that is a multiple of P."""
+    pp = args.pipeline_model_parallel_size
+    group = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
+    size = (f"{group} micro-batches ({GROUP_SIZE_FLAG})"
+            if getattr(args, "microbatch_group_size_per_vp_stage", None) not in (None, pp)
+            else f"{group} micro-batches (the default: --pipeline-model-parallel-size)")
+    if num_microbatches < group:
+        return (f"the interleaved schedule runs groups of {size}, more than the "
+                f"{num_microbatches} micro-batches per step")
+    last = num_microbatches % group
+    if 0 < last < pp:
+        return (f"the interleaved schedule runs the {num_microbatches} micro-batches per step in "
+                f"groups of {size}, and the last group would have {last}, fewer than "
+                f"--pipeline-model-parallel-size {pp} (it must be empty or at least that)")
+    return None
 
 
 OPTIMIZERS = ("adam", "sgd")
@@ -347,13 +384,11 @@ def batch_ramp_from_args(args: argparse.Namespace) -> BatchSizeRamp | None:
                     f"{args.data_parallel_size}; make START and INCREMENT multiples of "
                     f"{per_step} (or add --decrease-batch-size-if-needed)")
         if args.virtual_pipeline_model_parallel_size is not None:
-            pp = args.pipeline_model_parallel_size
             size = running_batch(size, per_step)
-            require((size // per_step) % pp == 0,
-                    f"--rampup-batch-size reaches a global batch of {size}, {size // per_step} "
-                    f"micro-batches, and the interleaved schedule needs a multiple of "
-                    f"--pipeline-model-parallel-size {pp}; make START and INCREMENT multiples "
-                    f"of {per_step * pp}")
+            refusal = interleaved_microbatches_refusal(args, size // per_step)
+            require(refusal is None,
+                    f"--rampup-batch-size reaches a global batch of {size}, and {refusal}; "
+                    f"change START and INCREMENT (or {GROUP_SIZE_FLAG})")
     require(getattr(args, "cuda_graph_impl", "none") != "local",
             "--rampup-batch-size changes the number of micro-batches, and --cuda-graph-impl "
             "local's graphs were captured for one; use one of the two")
@@ -439,7 +474,13 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--auto-detect-ckpt-format", action="store_true",
                        help="Accepted for Megatron-LM command lines and always so here: --load "
                             "tells torch_dist and torch checkpoints apart by their files.")
-    add_refused_flags(group, REFUSED_CHECKPOINT_FLAGS, taking_a_value=("--dist-ckpt-format",))
+    group.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                       help="With --load: a --load directory without a checkpoint stops the run "
+                            "in one line before it starts, as in Megatron-LM, also where it is "
+                            "--save too (which otherwise starts from scratch).")
+    add_refused_flags(group, REFUSED_CHECKPOINT_FLAGS, taking_a_value=("--dist-ckpt-format",),
+                      taking_values=megatron_lm_flags.REFUSED_CHECKPOINT)
+    add_stated_flags(group, megatron_lm_flags.STATED_CHECKPOINT)
 
 
 def validate_checkpoint_args(args: argparse.Namespace) -> None:
@@ -448,8 +489,10 @@ def validate_checkpoint_args(args: argparse.Namespace) -> None:
         require(args.save is not None, "--save-interval needs --save DIR")
     if args.save is not None:  # written after the first --save-interval iterations, or at the end
         require_output_dir("--save", args.save)
-    if args.load is not None:
-        check_load_dir(args.load, args.save)
+    require(not args.exit_on_missing_checkpoint or args.load is not None,
+            "--exit-on-missing-checkpoint needs --load DIR")
+    if args.load is not None:  # the same directory as --save may start from scratch, unless...
+        check_load_dir(args.load, None if args.exit_on_missing_checkpoint else args.save)
     check_load_scope_args(args)
 
 
@@ -461,9 +504,12 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-interval", type=int, default=100,
                        help="Print an iteration line every this many iterations.")
     group.add_argument("--eval-interval", type=int, default=1000,
-                       help="Evaluate on the validation set every this many iterations.")
+                       help="Evaluate on the validation set every this many iterations; after "
+                            "the last iteration the run evaluates again on the validation and "
+                            "the test split (those with data), as Megatron-LM.")
     group.add_argument("--eval-iters", type=int, default=100,
-                       help="Batches per evaluation (0 disables evaluation).")
+                       help="Batches per evaluation, of the validation or the test split (0 "
+                            "disables evaluation).")
     group.add_argument("--log-num-zeros-in-grad", action="store_true",
                        help="Count the zero elements of the gradients at each step and log them "
                             "(`num zeros`, Megatron-LM's; one more host-device wait per step on "
@@ -492,7 +538,8 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                        dest="log_learning_rate_to_tensorboard",
                        help="With --tensorboard-dir: leave out learning-rate (the first spelling "
                             "is Megatron-LM's).")
-    group.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
+    group.add_argument("--no-log-loss-scale-to-tensorboard",
+                       "--disable-log-loss-scale-to-tensorboard", action="store_false",
                        dest="log_loss_scale_to_tensorboard",
                        help="With --tensorboard-dir: leave out loss-scale.")
     group.add_argument("--log-batch-size-to-tensorboard", action="store_true",
@@ -542,6 +589,8 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                             "write iteration-time and each timer of --timing-log-level as "
                             "`<timer>-time` (its max over the ranks), in seconds per iteration, "
                             "as Megatron-LM.")
+    add_refused_flags(group, REFUSED_LOGGING_FLAGS, taking_values=REFUSED_LOGGING_FLAGS)
+    add_stated_flags(group, megatron_lm_flags.STATED_LOGGING)
 
 
 def validate_logging_args(args: argparse.Namespace) -> None:
@@ -656,6 +705,7 @@ REFUSED_PROFILE_FLAGS: dict[str, str] = {
     flag: "is an option of `nsys profile` (Megatron-LM's --profile help shows it on the nsys "
           "command line), not of training; give it to nsys"
     for flag in NSYS_OPTIONS}
+REFUSED_PROFILE_FLAGS.update(megatron_lm_flags.REFUSED_PROFILE)
 PROFILE_STEP_START, PROFILE_STEP_END, PROFILE_RANKS = 10, 12, [0]
 
 
@@ -684,7 +734,8 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--profile-ranks", type=int, nargs="+", default=None, metavar="RANK",
                        help=f"With --profile: the global ranks that profile (default "
                             f"{' '.join(map(str, PROFILE_RANKS))}).")
-    add_refused_flags(group, REFUSED_PROFILE_FLAGS, taking_a_value=NSYS_OPTIONS)
+    add_refused_flags(group, REFUSED_PROFILE_FLAGS, taking_a_value=NSYS_OPTIONS,
+                      taking_values=megatron_lm_flags.REFUSED_PROFILE)
     group.add_argument("--nvtx", action="store_true",
                        help="On a CUDA GPU: an NVTX range around each pipeline task, named like the "
                             "task (F3.0, B3.0, W3.0), for nsys or Nsight: around each task the DPP "

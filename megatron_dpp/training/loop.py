@@ -1,8 +1,9 @@
-"""Pretraining on Megatron-Core: setup, the iteration loop, evaluation, logging, checkpoints.
+"""Pretraining on Megatron-Core: setup, the iteration loop, evaluation (every --eval-interval and
+after the last iteration, or alone with --skip-train), logging, checkpoints.
 
 The model comes from a ModelSpec (megatron_dpp.models): its chunks, forward step, datasets and
-CPU patches. `pretrain(args, spec)` returns the process exit code: 0 when training finished (or
---exit-interval / --exit-duration-in-mins ended it), 128 + signal number when SIGINT/SIGTERM stopped it at an iteration boundary (after saving, if
+CPU patches. `pretrain(args, spec)` returns the process exit code: 0 when training (or
+--skip-train's evaluation) finished (or --exit-interval / --exit-duration-in-mins ended it), 128 + signal number when SIGINT/SIGTERM stopped it at an iteration boundary (after saving, if
 --save is given), 2 when --multi-node finds this node's --node-ips address on none of its interfaces
 or the checkpoint --load names cannot be loaded; a failed save ends the run with exit code 1.
 """
@@ -308,6 +309,13 @@ def _iterators_per_chunk(args, train_ds, valid_ds, consumed_train: int, consumed
     return train, (valid if valid[0] is not None else None)
 
 
+def _test_iterators_per_chunk(args, test_ds, num_chunks: int):
+    """One test iterator per model chunk, from the split's start (Megatron-LM evaluates it once,
+    after training); None without test data (--split 98,2,0, no --test-data-path)."""
+    test = [build_data_iterators(args, None, None, test_ds)[2] for _ in range(num_chunks)]
+    return test if test[0] is not None else None
+
+
 def _as_schedule_input(items: list):
     return items if len(items) > 1 else items[0]
 
@@ -446,17 +454,23 @@ class Trainer:
         self.unwatch()
         return norm
 
-    def evaluate(self, valid_iterators) -> None:
-        """Collective. As Megatron-LM: the 'evaluate' timer's block, then the validation loss."""
+    def evaluate(self, data_iterators, split: str | None = None,
+                 to_tensorboard: bool = True) -> None:
+        """Collective. As Megatron-LM's evaluate_and_print_results: the 'evaluate' timer's block,
+        then the loss line. `split` ("validation set", "test set"): the evaluation after
+        training, whose line names it and which, verbose as Megatron-LM's, counts its samples
+        and steps on rank 0. Megatron-LM's line and TensorBoard tag say validation for the test
+        split too; to_tensorboard is False under --skip-train (its write_to_tensorboard)."""
         self.level0(EVALUATE, log_level=0).start(barrier=True)
         with params_gathered(self.model):
-            loss = self._evaluate(valid_iterators)
+            loss = self._evaluate(data_iterators, verbose=split is not None)
         self.level0(EVALUATE).stop()
         self.log_times([EVALUATE])
         if is_logging_rank():
-            log(f" validation loss at iteration {self.state.iteration} | lm loss value: "
+            at = f"iteration {self.state.iteration}" + (f" on {split}" if split else "")
+            log(f" validation loss at {at} | lm loss value: "
                 f"{loss:.10E} | lm loss PPL: {math.exp(min(20.0, loss)):.6E} |")
-            if self.tensorboard is not None:
+            if self.tensorboard is not None and to_tensorboard:
                 self.tensorboard.validation(self.state.iteration, self.state.consumed_samples,
                                             loss)
 
@@ -469,20 +483,25 @@ class Trainer:
         if text is not None and is_logging_rank():
             log(text)
 
-    def _evaluate(self, valid_iterators) -> float:
-        """The validation loss over --eval-iters batches (the logging rank's; 0 elsewhere)."""
+    def _evaluate(self, data_iterators, verbose: bool = False) -> float:
+        """The loss over --eval-iters batches (the logging rank's; 0 elsewhere)."""
         manual_gc = self.train.manual_gc and self.train.manual_gc_eval
         if manual_gc:
             gc.collect()
         for chunk in self.model:
             chunk.eval()
         loss_sum = tokens = 0.0
+        steps = self.train.eval_iters
+        if verbose:
+            log_rank0(f"Evaluating on {steps * evaluation_batch_size(self.train)} samples")
         # As Megatron-LM: the timers count training only.
         with torch.no_grad(), eager_layers(self.config), timers_off(self.config):
-            for _ in range(self.train.eval_iters):
+            for step in range(1, steps + 1):
+                if verbose:
+                    log_rank0(f"Evaluating iter {step}/{steps}")
                 self.watch("an evaluation step (forward-only schedule, loss all-reduce)")
                 reduced = reduce_losses(
-                    self._run_schedule(valid_iterators, forward_only=True,
+                    self._run_schedule(data_iterators, forward_only=True,
                                        num_microbatches=self.train.num_microbatches),
                     self.platform.device)
                 self.unwatch()
@@ -706,8 +725,9 @@ def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec,
                     printed=dist.get_rank() == 0)
         return BAD_INPUT
     if args.load is not None and checkpoint is None:
-        log_rank0(f" no checkpoint in {args.load} yet (it is also --save): training starts from "
-                  f"scratch")
+        what = ("the model is evaluated as initialized" if args.skip_train
+                else "training starts from scratch")
+        log_rank0(f" no checkpoint in {args.load} yet (it is also --save): {what}")
     log_kernel_choices(args, log_rank0)  # one `kernels:` line per optional kernel or backend
     if args.unused_optimizer_flags:
         log_rank0(f" {', '.join(args.unused_optimizer_flags)}: Adam's, unused by --optimizer "
@@ -719,12 +739,12 @@ def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec,
               f"{args.padded_vocab_size})")
     level0 = level0_timers(platform.device)  # Megatron-LM's set-up timers, as it counts them
     level0(DATA_SETUP, log_level=0).start(barrier=True)
-    train_ds, valid_ds, _test_ds = spec.build_datasets(args, tokenizer)
+    train_ds, valid_ds, test_ds = spec.build_datasets(args, tokenizer)
     level0(DATA_SETUP).stop()
     level0(MODEL_SETUP, log_level=0).start(barrier=True)
     trainer = Trainer(args, platform, spec, level0)
     try:
-        return _train(args, trainer, train_ds, valid_ds, checkpoint, started)
+        return _train(args, trainer, train_ds, valid_ds, test_ds, checkpoint, started)
     finally:
         # Joins the watchdog thread on every path, an exception included (close() is idempotent).
         if trainer.watchdog is not None:
@@ -784,7 +804,7 @@ def _warn_of_setting_differences(directory: str, spec: ModelSpec,
               f"checkpoint's values unless the change is meant)", file=sys.stderr, flush=True)
 
 
-def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
+def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds, test_ds,
            checkpoint: CheckpointToLoad | None, started: float) -> int:
     train = trainer.train
     if checkpoint is not None:
@@ -819,21 +839,43 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
                   f"divisibility by micro_batch_size={train.micro_batch_size} * "
                   f"data_parallel_size={data_parallel} (--decrease-batch-size-if-needed)")
     if valid_ds is None and train.eval_iters > 0 and uses_per_split_paths(args):
-        log_rank0(" evaluation off: no --valid-data-path (with --train-data-path each split reads "
-                  "its own documents)")
+        off = ("evaluation off" if test_ds is None
+               else "validation off (the test split is evaluated after training)")
+        log_rank0(f" {off}: no --valid-data-path (with --train-data-path each split reads its "
+                  f"own documents)")
     trainer.level0(DATA_SETUP).start(barrier=True)
+    # --skip-train draws no training batch (Megatron-LM builds no training data loader then).
     train_iters, valid_iters = _iterators_per_chunk(
-        args, train_ds, valid_ds, trainer.state.consumed_samples, 0, len(trainer.model))
+        args, None if train.skip_train else train_ds, valid_ds, trainer.state.consumed_samples,
+        0, len(trainer.model))
+    test_iters = _test_iterators_per_chunk(args, test_ds, len(trainer.model))
     trainer.level0(DATA_SETUP).stop()
     log_datetime("after dataloaders are built")
-    log_rank0(f" training: {train.train_iters} iterations, global batch {trained}"
-              f"{ramp_words}, {train.num_microbatches} micro-batches of {train.micro_batch_size} "
-              f"per data-parallel rank, device {trainer.platform.device}, backend "
-              f"{trainer.platform.backend}")
+    if not train.skip_train:
+        log_rank0(f" training: {train.train_iters} iterations, global batch {trained}"
+                  f"{ramp_words}, {train.num_microbatches} micro-batches of "
+                  f"{train.micro_batch_size} per data-parallel rank, device "
+                  f"{trainer.platform.device}, backend {trainer.platform.backend}")
     # Rank 0 says it before the timers' all-gather; the logging rank prints their block after.
     log_rank0("done with setup ...")
     trainer.log_times([MODEL_SETUP, DATA_SETUP])
+    if train.skip_train:  # Megatron-LM's line: the model stays at the loaded iteration
+        log_rank0("skipping training (--skip-train is on) ...")
+    else:
+        ended = _train_iterations(args, trainer, train_iters, valid_iters, started)
+        if ended is not None:  # a stop before --train-iters: no evaluation after it, as Megatron-LM
+            return ended
+    _evaluate_after_training(trainer, valid_iters, test_iters)
+    trainer.close()
+    return OK
 
+
+def _train_iterations(args: argparse.Namespace, trainer: Trainer, train_iters, valid_iters,
+                      started: float) -> int | None:
+    """The iterations up to --train-iters with their logging, interval evaluations and saves,
+    then the save at the end. The exit code (the trainer closed) where the run stopped before
+    the end (a signal, --exit-interval, a NaN...); None once every iteration ran."""
+    train = trainer.train
     if train.manual_gc:
         gc.disable()
         gc.collect()
@@ -920,5 +962,31 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds,
         trainer.save()
     if train.manual_gc:
         gc.enable()
-    trainer.close()
-    return 0
+    return None
+
+
+def _evaluate_after_training(trainer: Trainer, valid_iters, test_iters) -> None:
+    """Megatron-LM's evaluation after the last iteration (or in place of training, --skip-train)
+    at the model's iteration, with its prefixes: the validation split, its stream going on
+    after the interval evaluations' batches (samples_per_split sized the split for one more),
+    then the test split from its start. A split without data is left out, as with
+    --eval-iters 0 both are; --skip-train writes nothing to TensorBoard, as Megatron-LM."""
+    if trainer.train.eval_iters == 0:
+        return
+    to_tensorboard = not trainer.train.skip_train
+    with _lost_peer_ends_the_run(trainer):
+        for iterators, split in ((valid_iters, "validation set"), (test_iters, "test set")):
+            if iterators is not None:
+                trainer.evaluate(iterators, split=split, to_tensorboard=to_tensorboard)
+
+
+@contextlib.contextmanager
+def _lost_peer_ends_the_run(trainer: Trainer):
+    """A peer that dies while this rank waits in a collective: say who, then end at once
+    (interpreter shutdown could block on the same dead peer)."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not is_lost_peer_error(error):
+            raise
+        exit_for_lost_peer(error, trainer.phase, getattr(trainer.args, "node_ips", None))

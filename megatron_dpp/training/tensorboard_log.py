@@ -12,7 +12,8 @@ consumed samples (W&B: the iteration's only, as Megatron-LM). At each logged ite
 --log-timers-to-tensorboard: `iteration-time`, `throughput` (with --log-throughput) and
 `<timer>-time` for each timer of --timing-log-level (training/timers.py). After each
 evaluation: `lm loss validation` (and `lm loss validation ppl` with
---log-validation-ppl-to-tensorboard), with their `vs samples`. Reading the losses every interval
+--log-validation-ppl-to-tensorboard), with their `vs samples`; after training, as Megatron-LM,
+the test split's loss under the same tags, and under --skip-train nothing. Reading the losses every interval
 makes the host wait for the device once per written iteration, as in Megatron-LM.
 """
 from __future__ import annotations
