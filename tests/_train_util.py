@@ -44,6 +44,8 @@ def data_args() -> list[str]:
 
 
 # A 4-layer GPT (hidden 64, seq 64), fp32, no dropout: deterministic and a few seconds per run.
+# Its batches are built in the ranks themselves (--num-workers 0): the CPU ranks share a few cores;
+# Megatron-LM's default of 2 workers per loader runs in test_megatron_lm_defaults.py.
 TINY_GPT_ARGS = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "64", "--max-position-embeddings", "64",
@@ -51,7 +53,7 @@ TINY_GPT_ARGS = [
     "--train-iters", "5", "--lr", "1e-3", "--lr-warmup-iters", "1", "--min-lr", "1e-4",
     "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.01",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234",
-    "--log-interval", "1", "--eval-iters", "0",
+    "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
 ]
 
 

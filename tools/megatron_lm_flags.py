@@ -11,12 +11,24 @@ one (its first choice, else its default, else one of its type), for tests/test_m
     python tools/megatron_lm_flags.py /work/.mirror/NVIDIA+Megatron-LM/repo core_v0.16.1 \
         > tests/data/megatron_lm_core_v0.16.1_flags.txt
 
+With --defaults it writes instead, as JSON, the value each destination of that parser holds when no
+flag is given (its parse of an empty command line, with LOCAL_RANK and WORLD_SIZE unset: two
+defaults read them), for tests/test_megatron_lm_defaults.py; its "_made_by" key holds the command,
+"_flag_dests" each flag's destination. What Megatron-LM's validate_args derives later from other
+flags (ffn_hidden_size = 4 x hidden, global_batch_size = micro x data-parallel, ...) is not in it:
+
+    python tools/megatron_lm_flags.py /work/.mirror/NVIDIA+Megatron-LM/repo core_v0.16.1 \
+        --defaults > tests/data/megatron_lm_core_v0.16.1_defaults.json
+
 Megatron-Core's version must match the tag's (0.16.1 for core_v0.16.1).
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import enum
+import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -72,13 +84,47 @@ def _example_value(action: argparse.Action) -> str | None:
     return "1" if kind is int else "0.5" if kind is float else "x"
 
 
+def _json_value(value):
+    """A default as JSON: an enum member by its name (AttnBackend.auto -> "auto", as the flag's
+    value is written), a tuple as a list; None, bools, numbers, strings and lists as they are."""
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, (list, tuple)):
+        return [_json_value(item) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"no JSON form for the default {value!r}")
+
+
+def _write_defaults(parser: argparse.ArgumentParser, tag: str) -> None:
+    """{"_made_by": the command, "_flag_dests": {flag: dest}, dest: default, ...} to stdout."""
+    defaults = vars(parser.parse_args([]))
+    flag_dests = {option: action.dest for action in parser._actions
+                  for option in action.option_strings if option.startswith("--")
+                  and option != "--help"}
+    document = {"_made_by": f"python tools/megatron_lm_flags.py GIT_DIR {tag} --defaults "
+                            f"(GIT_DIR: a clone of NVIDIA/Megatron-LM; Megatron-Core of the same "
+                            f"version installed)",
+                "_flag_dests": dict(sorted(flag_dests.items())),
+                **{dest: _json_value(defaults[dest]) for dest in sorted(defaults)}}
+    json.dump(document, sys.stdout, indent=1)
+    print()
+
+
 def main() -> None:
     git_dir, tag = sys.argv[1], sys.argv[2]
+    write_defaults = sys.argv[3:] == ["--defaults"]
     warnings.simplefilter("ignore")
+    # --local-rank's and --world-size's defaults are these variables' values (0 and 1 unset).
+    for name in ("LOCAL_RANK", "WORLD_SIZE"):
+        os.environ.pop(name, None)
     with tempfile.TemporaryDirectory() as tmp:
         training_dir = _training_package(git_dir, tag, Path(tmp))
         parser = _megatron_lm_parser(training_dir)
         literal = _literal_option_strings((training_dir / "arguments.py").read_text())
+    if write_defaults:
+        _write_defaults(parser, tag)
+        return
     values: dict[str, str | None] = {}
     for action in parser._actions:
         for option in action.option_strings:

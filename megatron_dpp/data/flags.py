@@ -163,14 +163,15 @@ def add_data_args(parser: argparse.ArgumentParser,
                        help="Threads per rank that build a blend's datasets (their index files) "
                             "at start-up, as Megatron-LM (default 1: one after the other).")
     group.add_argument("--dataloader-type", choices=[DATALOADER_TYPE, *REFUSED_DATALOADER_TYPES],
-                       default=DATALOADER_TYPE,
+                       default=None,
                        help="Megatron-LM's data loader kinds; single runs here (and is its "
                             "default): every sample once, in order from the consumed samples "
                             "on, each data-parallel rank its slice of every step (Megatron-LM's "
                             "MegatronPretrainingSampler). cyclic and external are refused in one "
                             "line with the reason.")
-    group.add_argument("--num-workers", type=int, default=0,
-                       help="Data loader worker processes (0: load in the training process).")
+    group.add_argument("--num-workers", type=int, default=2,
+                       help="Data loader worker processes per loader (default 2, Megatron-LM's; "
+                            "0: build the batches in the training process).")
     add_refused_flags(group, REFUSED_DATA_FLAGS, taking_values=REFUSED_DATA_FLAGS)
     add_stated_flags(group, megatron_lm_flags.STATED_DATA)
 
@@ -311,6 +312,8 @@ def validate_data_args(args: argparse.Namespace,
         if args.data_cache_path is not None:  # Megatron's index cache is written there
             require_output_dir("--data-cache-path", args.data_cache_path)
         require(args.num_workers >= 0, "--num-workers must be >= 0")
+        if args.dataloader_type is None:  # Megatron-LM's validate_args: not given, single
+            args.dataloader_type = DATALOADER_TYPE
         require(args.dataloader_type == DATALOADER_TYPE,
                 f"--dataloader-type {args.dataloader_type} "
                 f"{REFUSED_DATALOADER_TYPES.get(args.dataloader_type)}; remove it")

@@ -414,7 +414,7 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                        help="torch.distributed backend (default: nccl with CUDA, gloo without).")
     group.add_argument("--distributed-timeout-minutes", type=int, default=10,
                        help="Timeout for collective operations, in minutes.")
-    group.add_argument("--use-cpu-initialization", action="store_true",
+    group.add_argument("--use-cpu-initialization", action="store_true", default=None,
                        help="Initialize parameters on the CPU (then move them to the device).")
     group.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
                        help="Call torch.cuda.empty_cache() each iteration: 0 off, 1 after the "

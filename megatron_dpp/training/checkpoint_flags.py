@@ -33,11 +33,11 @@ def add_checkpoint_format_args(group) -> None:
 
 def add_load_scope_args(group) -> None:
     """Megatron-LM's flags for what --load restores beyond the model."""
-    group.add_argument("--no-load-optim", action="store_true",
+    group.add_argument("--no-load-optim", action="store_true", default=None,  # Megatron-LM's
                        help="With --load: leave the optimizer's state and the learning-rate "
                             "schedule as this run starts them (the fp32 main parameters of "
                             "--bf16/--fp16 are taken from the loaded model).")
-    group.add_argument("--no-load-rng", action="store_true",
+    group.add_argument("--no-load-rng", action="store_true", default=None,  # Megatron-LM's
                        help="With --load: leave the RNG states as --seed sets them.")
     group.add_argument("--finetune", action="store_true",
                        help="With --load: load the model only (as --no-load-optim "

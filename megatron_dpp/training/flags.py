@@ -552,16 +552,16 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                             "mem-allocated-count.")
     group.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                        help="With --tensorboard-dir: add the validation loss's perplexity.")
-    group.add_argument("--wandb-project", type=str, default="",
+    group.add_argument("--wandb-project", type=str, default=None,
                        help="Log the TensorBoard scalars (losses, learning-rate, grad-norm, ...; "
                             "the --log-...-to-tensorboard flags and --tensorboard-log-interval "
                             "apply) to this Weights & Biases project, as Megatron-LM; needs the "
                             "wandb package and --wandb-exp-name (training/wandb_log.py).")
-    group.add_argument("--wandb-exp-name", type=str, default="",
+    group.add_argument("--wandb-exp-name", type=str, default=None,
                        help="With --wandb-project: the run's name.")
-    group.add_argument("--wandb-save-dir", type=str, default="",
+    group.add_argument("--wandb-save-dir", type=str, default=None,
                        help="With --wandb-project: W&B's local files (default: <--save>/wandb).")
-    group.add_argument("--wandb-entity", type=str, default="",
+    group.add_argument("--wandb-entity", type=str, default=None,
                        help="With --wandb-project: the W&B user or team (default: W&B's own).")
     group.add_argument("--timing-log-level", type=int, default=DEFAULT_LOG_LEVEL,
                        choices=LOG_LEVELS,
