@@ -58,8 +58,10 @@ _FP8 = ("needs Transformer Engine's FP8 layers, which this runtime does not buil
         "--bf16 or --fp16)")
 # Megatron-LM's model flags (its example scripts carry them) that cannot apply here: flag -> why.
 REFUSED_MODEL_FLAGS: dict[str, str] = {
-    "--apply-layernorm-1p": "(zero-centred norm weights, stored as weight - 1) is not built here: "
-                            "the norms keep Megatron-Core's usual weights and checkpoints",
+    "--apply-layernorm-1p": "(zero-centred norm weights, stored as weight - 1) needs Transformer "
+                            "Engine's norms (Megatron-Core's local torch norm has no zero-centred "
+                            "weights), which this runtime does not build: the norms keep Megatron-"
+                            "Core's usual weights and checkpoints",
     "--fp8-format": _FP8,
     "--fp8-amax-history-len": _FP8,
     "--fp8-amax-compute-algo": _FP8,
@@ -143,6 +145,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        default="native",
                        help="With --cross-entropy-loss-fusion: Megatron-Core's native fused "
                             "cross entropy (default) or Transformer Engine's (where installed).")
+    group.add_argument("--deterministic-mode", action="store_true",
+                       help="Bitwise repeatable runs, as Megatron-LM: torch's deterministic "
+                            "algorithms on every rank and Megatron-Core's deterministic_mode "
+                            "(an embedding whose backward does not scatter-add with atomics); "
+                            "not with --use-flash-attn or --cross-entropy-loss-fusion, and, on "
+                            "NCCL, with NCCL_ALGO set to a fixed all-reduce algorithm (Tree, "
+                            "Ring, CollnetDirect, CollnetChain or ^NVLS). A GPU also needs "
+                            "CUBLAS_WORKSPACE_CONFIG=:4096:8 (torch's requirement).")
     add_refused_flags(group, REFUSED_MODEL_FLAGS, taking_a_value=MODEL_FLAGS_TAKING_A_VALUE,
                       taking_values=megatron_lm_flags.REFUSED_MODEL)
     add_stated_flags(group, megatron_lm_flags.STATED_MODEL)
@@ -299,10 +309,32 @@ def validate_model_args(args: argparse.Namespace) -> None:
         require(args.attention_backend in ("auto", "flash"),
                 f"--use-flash-attn asks for flash attention and --attention-backend "
                 f"{args.attention_backend} for another; drop one of them")
+    obstacle = deterministic_mode_obstacle(args) if args.deterministic_mode else None
+    require(obstacle is None, obstacle or "")
     if args.attention_backend in TRANSFORMER_ENGINE_BACKENDS:
         require(transformer_engine_available(),
                 f"--attention-backend {args.attention_backend} is Transformer Engine's attention "
                 f"and needs Transformer Engine on a CUDA GPU; use auto, sdpa or local")
+
+
+# NCCL's all-reduce algorithms whose reduction order is fixed (Megatron-LM's list).
+DETERMINISTIC_NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+
+
+def deterministic_mode_obstacle(args: argparse.Namespace) -> Optional[str]:
+    """Why --deterministic-mode cannot hold with these flags (Megatron-LM's checks), or None."""
+    if args.use_flash_attn:
+        return "--deterministic-mode: flash attention is not deterministic; remove --use-flash-attn"
+    if args.cross_entropy_loss_fusion:
+        return ("--deterministic-mode: the fused cross entropy is not deterministic; remove "
+                "--cross-entropy-loss-fusion")
+    uses_nccl = (args.distributed_backend == "nccl" if args.distributed_backend is not None
+                 else cuda_available())
+    if uses_nccl and os.environ.get("NCCL_ALGO") not in DETERMINISTIC_NCCL_ALGOS:
+        return (f"--deterministic-mode needs NCCL_ALGO set to one of "
+                f"{', '.join(DETERMINISTIC_NCCL_ALGOS)} (NCCL's all-reduce otherwise picks its "
+                f"algorithm per call); it is {os.environ.get('NCCL_ALGO', 'unset')}")
+    return None
 
 
 def cuda_graph_obstacle(args: argparse.Namespace) -> Optional[str]:

@@ -205,9 +205,6 @@ REFUSED_MODEL: dict[str, str] = {
     "--yaml-cfg": "(a YAML file of arguments) is not read here: give the flags on the command "
                   "line",
     "--enable-experimental": "(Megatron-Core's experimental features) is not built here",
-    "--deterministic-mode": "(Megatron-Core's deterministic kernels and torch's deterministic "
-                            "algorithms) is not wired up by this runtime; for repeatable runs "
-                            "keep --seed and the layout fixed",
 }
 
 # ----------------------------------------------------------------------------------------------

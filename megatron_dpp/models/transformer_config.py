@@ -91,6 +91,7 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         calculate_per_token_loss=args.calculate_per_token_loss,
         cross_entropy_loss_fusion=choices.cross_entropy_fusion.on,
         cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
+        deterministic_mode=args.deterministic_mode,
         **recompute,
         **attention,
         **model_fields,

@@ -309,6 +309,16 @@ def _iterators_per_chunk(args, train_ds, valid_ds, consumed_train: int, consumed
     return train, (valid if valid[0] is not None else None)
 
 
+def consumed_valid_samples_at_start(args, train: TrainingConfig, state: TrainState) -> int:
+    """Where the validation stream goes on: the checkpoint's count, or, as Megatron-LM's
+    build_train_valid_test_data_loaders, for an iteration-based run whose checkpoint says 0 (saved
+    before the count was kept), what its interval evaluations read at --global-batch-size."""
+    if state.iteration > 0 and state.consumed_valid_samples == 0 and args.train_samples is None:
+        return (state.iteration // train.eval_interval) * train.eval_iters * \
+            train.global_batch_size
+    return state.consumed_valid_samples
+
+
 def _test_iterators_per_chunk(args, test_ds, num_chunks: int):
     """One test iterator per model chunk, from the split's start (Megatron-LM evaluates it once,
     after training); None without test data (--split 98,2,0, no --test-data-path)."""
@@ -348,7 +358,6 @@ class Trainer:
         self.profiler = make_profiler(args, dist.get_rank(), run_directory)
         self.forward_step = spec.make_forward_step(args, platform.device)
         self.state = TrainState()
-        self.consumed_valid_samples = 0
         self.watchdog = _stall_watchdog(args)
         # The last step's count of zero gradient elements (--log-num-zeros-in-grad, else None).
         self.num_zeros_in_grad = None
@@ -505,7 +514,7 @@ class Trainer:
                                        num_microbatches=self.train.num_microbatches),
                     self.platform.device)
                 self.unwatch()
-                self.consumed_valid_samples += evaluation_batch_size(self.train)
+                self.state.consumed_valid_samples += evaluation_batch_size(self.train)
                 if reduced is not None:
                     loss, count = reduced[LM_LOSS]
                     loss_sum += loss * count
@@ -718,6 +727,10 @@ def pretrain(args: argparse.Namespace, spec: ModelSpec) -> int:
 def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec,
               started: float) -> int:
     set_seeds(args.seed, cuda_graphs=cuda_graph_choice(args).on)
+    if args.deterministic_mode:  # as Megatron-LM: every op from here on has to be deterministic
+        torch.use_deterministic_algorithms(True)
+        log_rank0(" deterministic mode: torch's deterministic algorithms and Megatron-Core's "
+                  "deterministic_mode are on")
     try:  # before the slow setup: a damaged checkpoint fails in seconds
         checkpoint = find_checkpoint(args.load, args.save) if args.load is not None else None
     except CheckpointLoadError as error:  # the same one line on every rank: rank 0 says it
@@ -844,10 +857,14 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds, test_
         log_rank0(f" {off}: no --valid-data-path (with --train-data-path each split reads its "
                   f"own documents)")
     trainer.level0(DATA_SETUP).start(barrier=True)
-    # --skip-train draws no training batch (Megatron-LM builds no training data loader then).
+    trainer.state.consumed_valid_samples = consumed_valid_samples_at_start(args, train,
+                                                                           trainer.state)
+    # --skip-train draws no training batch (Megatron-LM builds no training data loader then) and
+    # reads the validation split from its start (as Megatron-LM's loader then); a resumed run
+    # goes on where the saved run's validation stream had reached.
     train_iters, valid_iters = _iterators_per_chunk(
         args, None if train.skip_train else train_ds, valid_ds, trainer.state.consumed_samples,
-        0, len(trainer.model))
+        0 if train.skip_train else trainer.state.consumed_valid_samples, len(trainer.model))
     test_iters = _test_iterators_per_chunk(args, test_ds, len(trainer.model))
     trainer.level0(DATA_SETUP).stop()
     log_datetime("after dataloaders are built")
