@@ -194,6 +194,9 @@ CONFLICTS = {
                              {"--lr-warmup-fraction": ["0.01"]}, ["--lr-warmup-iters"]),
     "layout as a flag": ("gpt", ["--pipeline-model-parallel-size", "1"], {},
                          {"--pipeline-model-parallel-size": ["1"]}, ["--use-dpp"]),
+    # examples/llama/train_llama3_8b_h100_fp8.sh word-splits "--split '99,1,0'": the quotes stay
+    "a split in the shell's quotes": ("gpt", ["--split", "'99,1,0'"], {},
+                                      {"--split": ["'99,1,0'"]}, []),
 }
 
 

@@ -117,9 +117,12 @@ def megatron_blends(args) -> Dict[str, object]:
 
 
 def parse_split(split: str) -> List[float]:
-    """'969,30,1' -> normalized [train, valid, test] weights; one-line error when malformed."""
+    """'969,30,1' -> normalized [train, valid, test] weights; one-line error when malformed. Quotes
+    around it are the shell's, left in by a script that word-splits `"--split '99,1,0'"` (Megatron-
+    LM's examples/llama/train_llama3_8b_h100_fp8.sh); Megatron-LM reads through them too."""
     try:
-        values = [float(v) for v in split.replace("/", ",").split(",") if v.strip()]
+        values = [float(v) for v in split.strip().strip("'\"").replace("/", ",").split(",")
+                  if v.strip()]
     except ValueError:
         values = []
     if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or sum(values) <= 0:

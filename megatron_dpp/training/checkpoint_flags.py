@@ -4,6 +4,7 @@ to the checkpointing group and calls check_load_dir before launch; checkpointing
 --load at run time with the same helpers)."""
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from dataclasses import dataclass
@@ -20,10 +21,21 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _ITERATION_FOLDER = re.compile(r"iter_(\d{7})")
 
 
+def _checkpoint_format(value: str) -> str:
+    """--ckpt-format's value; Megatron-LM's fsdp_dtensor (Megatron FSDP's format) refused in one
+    line naming why (argparse's choices list would not)."""
+    if value == "fsdp_dtensor":
+        raise argparse.ArgumentTypeError(
+            "fsdp_dtensor is Megatron FSDP's checkpoint format, and FSDP is not a layout here "
+            "(data parallelism is Megatron-Core's DDP); use torch_dist")
+    return value
+
+
 def add_checkpoint_format_args(group) -> None:
     """Into the checkpointing argument group (an argparse group or parser)."""
     group.add_argument(
-        "--ckpt-format", choices=CHECKPOINT_FORMATS, default=DEFAULT_CHECKPOINT_FORMAT,
+        "--ckpt-format", type=_checkpoint_format, choices=CHECKPOINT_FORMATS,
+        default=DEFAULT_CHECKPOINT_FORMAT,
         help="Format --save writes: torch_dist (default, as Megatron-LM 0.16): Megatron-Core's "
              "distributed checkpoint, which Megatron-LM reads and which resumes at another "
              "tensor/pipeline/virtual-pipeline layout, with or without --use-dpp; torch: this "
