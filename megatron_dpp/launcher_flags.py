@@ -201,11 +201,21 @@ def _split_sections(argv: Sequence[str]) -> dict[str, list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--gives-shape"]:  # before the layout defaults: is this the user's own model?
+        try:
+            user = split_flags(_split_sections(argv[1:]).get(USER, []), USER)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        print("shape" if gives_model_shape(user) else "no shape")
+        return 0
     parser = argparse.ArgumentParser(
         prog="python -m megatron_dpp.launcher_flags",
         description="Assemble a launcher's trainer flags: writes them NUL-separated to --output "
                     "and the --dry-run provenance lines to --provenance; prints 'recipe applied' "
-                    "or 'recipe unused'.")
+                    "or 'recipe unused'. (`--gives-shape ::user WORDS...` alone prints 'shape' "
+                    "or 'no shape': whether the user's flags give a model shape.)")
     parser.add_argument("--recipe", required=True, help="the recipe's name (for the lines)")
     parser.add_argument("--recipe-asked-for", action="store_true",
                         help="RECIPE was set: the recipe applies even under the user's shape")

@@ -382,6 +382,16 @@ launch_prepare() {
   TP="${TP:-1}"
   VPP="${VPP:-1}"
   if [ -n "${RECIPE:-}" ]; then RECIPE_ASKED_FOR=1; else RECIPE_ASKED_FOR=0; fi
+  # The user's own model (a shape, no RECIPE): Megatron-LM's layout, PP=1, unless PP or the user's
+  # flags say otherwise. The recipes' default runs get a pipeline, for --use-dpp to schedule.
+  local user_words=() status
+  if [ -n "${DATA_ARGS:-}" ]; then read -r -a user_words <<<"$DATA_ARGS"; fi
+  user_words+=("${EXTRA_ARGS[@]}")
+  if [ -z "${PP:-}" ] && [ "$RECIPE_ASKED_FOR" = 0 ] && [ -z "${EXAMPLE_FLAGS+set}" ] && [ -z "$STRATEGY_FILE" ]; then
+    status="$(cd "$REPO_ROOT" && "$PY" -m megatron_dpp.launcher_flags --gives-shape ::user "${user_words[@]}" 2>&1)" \
+      || launch_fail "${status#error: }"
+    if [ "$status" = shape ]; then PP=1; fi
+  fi
   if [ "$gpus" -gt 0 ]; then
     RECIPE="${RECIPE:-$GPU_RECIPE}"
     # A pipeline whenever the GPUs hold two stages, so that --use-dpp has a schedule to run.

@@ -174,7 +174,9 @@ def test_a_user_with_a_model_shape_gets_megatron_lms_defaults(model):
     # What the launcher adds is named: the sample data, the layout, the schedule.
     (launcher_line,) = [line for line in result.stdout.splitlines()
                         if "from the launcher's defaults: " in line]
-    assert "--data-path" in launcher_line and "--pipeline-model-parallel-size 2" in launcher_line
+    # Megatron-LM's layout for the user's own model: no pipeline unless asked for.
+    assert "--data-path" in launcher_line and "--pipeline-model-parallel-size 1" in launcher_line
+    assert "TP=1 PP=1" in result.stdout
     assert "from recipe" not in result.stdout
 
 

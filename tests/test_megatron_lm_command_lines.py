@@ -354,13 +354,9 @@ CORPUS = {
     # (sequence parallelism needs Megatron-Core's TE layers: its local torch norm asserts)
     "guide tp4 sp": Line("docs/user-guide/parallelism-guide.md (tensor parallel)", "gpt", 4,
                          [*GUIDE_SHAPE, "--tensor-model-parallel-size", "4",
-                          "--sequence-parallel"], TE_OR_FP8,
-                         known="the launcher adds --pipeline-model-parallel-size 2 (Megatron-LM's "
-                               "default: 1), and 4 processes do not hold TP=4 x PP=2"),
+                          "--sequence-parallel"], TE_OR_FP8),
     "guide tp4": Line("docs/user-guide/parallelism-guide.md (tensor parallel)", "gpt", 4,
-                      [*GUIDE_SHAPE, "--tensor-model-parallel-size", "4"],
-                      known="the launcher adds --pipeline-model-parallel-size 2 (Megatron-LM's "
-                            "default: 1), and 4 processes do not hold TP=4 x PP=2"),
+                      [*GUIDE_SHAPE, "--tensor-model-parallel-size", "4"]),
     "guide pp8 vpp": Line("docs/user-guide/parallelism-guide.md (pipeline parallel)", "gpt", 8,
                           [*GUIDE_SHAPE[2:], "--num-layers", "64",
                            "--pipeline-model-parallel-size", "8",
