@@ -160,21 +160,24 @@ def _flag_check(argv, monkeypatch, capsys):
     return code, capsys.readouterr().err
 
 
-def test_load_without_a_checkpoint_is_refused_before_launch(tmp_path, monkeypatch, capsys):
+def test_load_without_a_checkpoint_starts_from_scratch_unless_asked_to_exit(tmp_path, monkeypatch,
+                                                                            capsys):
+    """Megatron-LM's load_checkpoint: a --load without a checkpoint (or not there) warns and starts
+    from random weights; --exit-on-missing-checkpoint refuses it in one line before launch."""
     empty = str(tmp_path / "empty")
     os.mkdir(empty)
-    code, err = _flag_check(["--load", empty], monkeypatch, capsys)
+    for directory in (empty, str(tmp_path / "not_yet")):
+        assert _flag_check(["--load", directory], monkeypatch, capsys)[0] == 0
+        # The same directory as --save (Megatron-LM's scripts): the first run starts from scratch.
+        assert _flag_check(["--load", directory, "--save", directory], monkeypatch, capsys)[0] == 0
+    code, err = _flag_check(["--load", empty, "--exit-on-missing-checkpoint"], monkeypatch, capsys)
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"megatron_dpp.pretrain_gpt: error: --load {empty} holds no checkpoint "
                           f"(no {TRACKER}, no iter_NNNNNNN folder)"), err
-    # The same directory as --save (Megatron-LM's scripts): the first run starts from scratch,
-    # even before the directory exists.
-    for directory in (empty, str(tmp_path / "not_yet")):
-        assert _flag_check(["--load", directory, "--save", directory], monkeypatch, capsys)[0] == 0
     # A tracker, an iteration folder, or iteration folders without a tracker: left to the run.
     os.mkdir(os.path.join(empty, "iter_0000007"))
-    assert _flag_check(["--load", empty], monkeypatch, capsys)[0] == 0
-    assert _flag_check(["--load", os.path.join(empty, "iter_0000007")], monkeypatch, capsys)[0] == 0
+    for argv in (["--load", empty], ["--load", os.path.join(empty, "iter_0000007")]):
+        assert _flag_check([*argv, "--exit-on-missing-checkpoint"], monkeypatch, capsys)[0] == 0
 
 
 def test_iteration_folders_without_a_tracker_ask_which_one(tmp_path):

@@ -1,6 +1,7 @@
 """GPT's architecture options, each on its own (Megatron-LM's names, defaults and meanings): rotary
 and partial rotary embeddings, --swiglu, --squared-relu, --normalization RMSNorm,
---disable-bias-linear, grouped-query attention, --qk-layernorm, --kv-channels (any head size),
+--disable-bias-linear, --add-qkv-bias (with it: a bias on the query/key/value projection only,
+Qwen2.5's), grouped-query attention, --qk-layernorm, --kv-channels (any head size),
 --untie-embeddings-and-output-weights and --apply-query-key-layer-scaling.
 
 - each option's GPT (our layer spec: the direct layer and linears) equals the same model built
@@ -33,6 +34,10 @@ QWEN3 = ["--group-query-attention", "--num-query-groups", "2", "--qk-layernorm",
          "--kv-channels", "32", "--swiglu", "--normalization", "RMSNorm",
          "--position-embedding-type", "rope", "--rotary-base", "1000000",
          "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+# A Qwen2.5-style decoder: Qwen3's without the q/k norms and with a bias on the QKV projection only.
+QWEN2_5 = ["--group-query-attention", "--num-query-groups", "2", "--add-qkv-bias", "--swiglu",
+           "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--rotary-base",
+           "1000000", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 OPTIONS = {
     "rope": ["--position-embedding-type", "rope"],
     "partial_rope": ["--position-embedding-type", "rope", "--rotary-percent", "0.5",
@@ -41,6 +46,7 @@ OPTIONS = {
     "squared_relu": ["--squared-relu"],
     "rmsnorm": ["--normalization", "RMSNorm"],
     "no_bias": ["--disable-bias-linear"],
+    "qkv_bias": ["--disable-bias-linear", "--add-qkv-bias"],
     "gqa": ["--group-query-attention", "--num-query-groups", "2"],
     "mqa": ["--group-query-attention"],  # Megatron-LM's default: one group
     "qk_layernorm": ["--qk-layernorm"],
@@ -48,6 +54,7 @@ OPTIONS = {
     "untied": ["--untie-embeddings-and-output-weights"],
     "qk_layer_scaling": ["--apply-query-key-layer-scaling"],
     "qwen3": QWEN3,
+    "qwen2_5": QWEN2_5,
 }
 
 
@@ -76,9 +83,14 @@ def megatron():
 def test_the_flags_take_megatron_lms_values(monkeypatch):
     defaults = _parse(monkeypatch)
     assert (defaults.normalization, defaults.swiglu, defaults.position_embedding_type,
-            defaults.add_bias_linear, defaults.num_query_groups, defaults.kv_channels,
-            defaults.rotary_percent, defaults.rotary_base, defaults.ffn_hidden_size) == \
-        ("LayerNorm", False, "learned_absolute", True, 4, 16, 1.0, 10000, 256)
+            defaults.add_bias_linear, defaults.add_qkv_bias, defaults.num_query_groups,
+            defaults.kv_channels, defaults.rotary_percent, defaults.rotary_base,
+            defaults.ffn_hidden_size) == \
+        ("LayerNorm", False, "learned_absolute", True, True, 4, 16, 1.0, 10000, 256)
+    # Megatron-LM's validate_args: add_qkv_bias follows add_bias_linear unless the flag is given.
+    assert _parse(monkeypatch, "--disable-bias-linear").add_qkv_bias is False
+    assert _parse(monkeypatch, "--disable-bias-linear", "--add-qkv-bias").add_qkv_bias is True
+    assert _parse(monkeypatch, "--add-qkv-bias").add_bias_linear is True
     qwen = _parse(monkeypatch, *QWEN3)
     assert (qwen.num_query_groups, qwen.kv_channels, qwen.qk_layernorm, qwen.rotary_base) == \
         (2, 32, True, 1000000)
@@ -126,9 +138,9 @@ def test_each_flag_has_its_help(capsys):
     text = build_parser(model="gpt").format_help()
     for flag in ("--position-embedding-type", "--rotary-percent", "--rotary-base",
                  "--no-rope-fusion", "--swiglu", "--squared-relu", "--normalization",
-                 "--disable-bias-linear", "--group-query-attention", "--num-query-groups",
-                 "--qk-layernorm", "--kv-channels", "--untie-embeddings-and-output-weights",
-                 "--apply-query-key-layer-scaling"):
+                 "--disable-bias-linear", "--add-qkv-bias", "--group-query-attention",
+                 "--num-query-groups", "--qk-layernorm", "--kv-channels",
+                 "--untie-embeddings-and-output-weights", "--apply-query-key-layer-scaling"):
         assert flag in text, flag
 
 
@@ -146,7 +158,7 @@ def _megatron_lm_config(args):
                   num_attention_heads=args.num_attention_heads, kv_channels=args.kv_channels,
                   num_query_groups=args.num_query_groups if args.group_query_attention else None,
                   normalization=args.normalization, add_bias_linear=args.add_bias_linear,
-                  qk_layernorm=args.qk_layernorm,
+                  add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
                   apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
                   hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
                   bias_activation_fusion=False, bias_dropout_fusion=False,
@@ -195,7 +207,7 @@ def test_the_model_equals_megatron_cores_own(monkeypatch, megatron, option):
     config = transformer_config_from_args(args)
     reference_config = _megatron_lm_config(args)
     for field in ("normalization", "gated_linear_unit", "activation_func", "add_bias_linear",
-                  "qk_layernorm", "kv_channels", "num_query_groups",
+                  "add_qkv_bias", "qk_layernorm", "kv_channels", "num_query_groups",
                   "apply_query_key_layer_scaling", "attention_softmax_in_fp32"):
         assert getattr(config, field) == getattr(reference_config, field), field
     (ours,) = MODEL_SPECS["gpt"].build_chunks(args, config, 1)
@@ -226,7 +238,11 @@ def _check_shapes(args, model):
     assert attention.linear_proj.weight.shape == (64, 4 * d)
     fc1 = 2 * args.ffn_hidden_size if args.swiglu else args.ffn_hidden_size
     assert layer.mlp.linear_fc1.weight.shape == (fc1, 64)
-    assert (attention.linear_qkv.bias is not None) == args.add_bias_linear
+    assert (attention.linear_qkv.bias is not None) == args.add_qkv_bias
+    if args.add_qkv_bias:
+        assert attention.linear_qkv.bias.shape == ((4 + 2 * groups) * d,)
+    for linear in (attention.linear_proj, layer.mlp.linear_fc1, layer.mlp.linear_fc2):
+        assert (linear.bias is not None) == args.add_bias_linear
     assert hasattr(model.embedding, "position_embeddings") == (
         args.position_embedding_type == "learned_absolute")
     assert model.share_embeddings_and_output_weights == (
@@ -282,8 +298,8 @@ def test_parameter_counts_and_flags_follow_the_option(monkeypatch, megatron, opt
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("option", ["rope", "partial_rope", "swiglu", "squared_relu", "rmsnorm",
-                                    "no_bias", "gqa", "mqa", "qk_layernorm", "kv_channels",
-                                    "qwen3"])
+                                    "no_bias", "qkv_bias", "gqa", "mqa", "qk_layernorm",
+                                    "kv_channels", "qwen3", "qwen2_5"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_activation_model_matches_saved_tensors(monkeypatch, megatron, option, dtype):
     """Exact for the layer in every recompute mode at micro-batch 1 and 2."""

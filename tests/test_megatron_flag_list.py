@@ -147,6 +147,9 @@ def _needs() -> dict:
         "--train-iters": ("gpt", 1, ["--train-iters", "6"]),
         "--lr": ("gpt", 1, ["--lr", "1e-4"]),
         "--min-lr": ("gpt", 1, ["--min-lr", "1e-5"]),
+        "--decoupled-min-lr": ("gpt", 1, ["--decoupled-lr", "1e-3", "--decoupled-min-lr",
+                                          "1e-5"]),
+        "--grad-reduce-in-bf16": ("gpt", 1, ["--bf16", "--grad-reduce-in-bf16"]),
         "--train-samples": ("gpt", 1, ["--train-samples", "10"], ["--train-iters"]),
         "--lr-decay-samples": ("gpt", 1, ["--train-samples", "10", "--lr-decay-samples", "8"],
                                ["--train-iters"]),
@@ -427,6 +430,10 @@ def test_accepted_flags_help_says_it_always_holds(parsers):
     ("--dist-ckpt-strictness", "raise_all", "; use --dist-ckpt-strictness assume_ok_unexpected"),
     ("--rerun-mode", "validate_results", "--rerun-mode validate_results (re-running iterations"),
     ("--softmax-type", "off-by-one", "--softmax-type off-by-one (off-by-one or learnable softmax)"),
+    ("--data-parallel-sharding-strategy", "optim_grads_params",
+     "--data-parallel-sharding-strategy optim_grads_params (FSDP) is not a layout here"),
+    ("--data-parallel-sharding-strategy", "optim",
+     "; use --data-parallel-sharding-strategy no_shard or remove it"),
 ])
 def test_an_accepted_flags_other_values_are_refused_in_one_line(parsers, monkeypatch, capsys,
                                                                  flag, value, expected):

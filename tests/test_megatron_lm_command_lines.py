@@ -142,9 +142,6 @@ _GPU_ONLY = {"--apply-layernorm-1p", "--attention-backend", "--empty-unused-memo
              "--profile", "--profile-step-start", "--profile-step-end"}
 LLAMA3_8B_CPU = [word for flag in split_flags(LLAMA3_8B_BF16, USER)
                  if flag.name not in _GPU_ONLY for word in flag.words]
-NOT_BUILT_LLAMA = ("--decoupled-lr/--decoupled-min-lr and --grad-reduce-in-bf16 are refused as "
-                   "not built; --tiktoken-pattern beside NullTokenizer (Megatron-LM ignores it) "
-                   "is refused")
 
 # ------------------------------------------------------------------------------------------------
 # examples/mixtral/train_mixtral_8x7b_distributed.sh
@@ -275,8 +272,8 @@ DETOX = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads",
          "--finetune", "--no-load-optim", "--log-validation-ppl-to-tensorboard",
          "--tensorboard-dir", "tensorboard/detox"]
 
-QKV_BIAS = ("--add-qkv-bias is refused as not built (and --padded-vocab-size as derived; "
-            "Megatron-LM takes a given one)")
+QKV_BIAS = ("--add-qkv-bias is GPT's architecture here, not --model llama's preset (by design: "
+            "run_single_gpt.sh takes it, as Megatron-LM's pretrain_gpt.py)")
 TE_OR_FP8 = "Transformer Engine"
 MOE = "mixture-of-experts"
 CP = "context parallel"
@@ -321,9 +318,9 @@ CORPUS = {
                                   LLAMA3_8B_BF16, TE_OR_FP8),
     # ... without its GPU-only flags
     "llama3_8b cpu": Line("examples/llama/train_llama3_8b_h100_fp8.sh", "llama", 8,
-                          LLAMA3_8B_CPU, known=NOT_BUILT_LLAMA),
+                          LLAMA3_8B_CPU),
     "llama3_8b cpu as gpt": Line("examples/llama/train_llama3_8b_h100_fp8.sh", "gpt", 8,
-                                 LLAMA3_8B_CPU, known=NOT_BUILT_LLAMA),
+                                 LLAMA3_8B_CPU),
     # ... main branch: --normalization RMSNorm; data from a file prefix (its non-MOCK branch)
     "llama3_8b main": Line("examples/llama/train_llama3_8b_h100_fp8.sh (main)", "llama", 8,
                            [*LLAMA3_8B_MODEL, "--normalization", "RMSNorm", *LLAMA3_8B_TRAINING,
@@ -377,9 +374,7 @@ CORPUS = {
                        [*GUIDE_SHAPE, "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
                         "optim_grads_params"], FSDP),
     "guide ddp no_shard": Line("docs/user-guide/parallelism-guide.md (DDP)", "gpt", 8,
-                               [*GUIDE_SHAPE, "--data-parallel-sharding-strategy", "no_shard"],
-                               known="--data-parallel-sharding-strategy is refused as FSDP even "
-                                     "at no_shard, Megatron-LM's default (plain DDP)"),
+                               [*GUIDE_SHAPE, "--data-parallel-sharding-strategy", "no_shard"]),
     "guide combined": Line("docs/user-guide/parallelism-guide.md (combining strategies)", "gpt",
                            64, GUIDE_COMBINED, CP),
     "guide expert parallel": Line("docs/user-guide/parallelism-guide.md (expert parallel)", "gpt",
@@ -424,8 +419,7 @@ CORPUS = {
                          "gpt", 8, modelopt(24, 896, 4864, 14, 2, 4096, 32768, 151936,
                                             ["--add-qkv-bias", *QWEN_ROPE, "--kv-channels", "64",
                                              "--padded-vocab-size", "151936",
-                                             "--make-vocab-size-divisible-by", "1"]),
-                         known=QKV_BIAS),
+                                             "--make-vocab-size-divisible-by", "1"])),
     "qwen2.5 7b": Line("examples/post_training/modelopt/conf/Qwen/Qwen2.5-7B-Instruct.sh",
                        "llama", 8, modelopt(28, 3584, 18944, 28, 4, 4096, 32768, 152064,
                                             ["--add-qkv-bias", *QWEN_ROPE, "--kv-channels",
@@ -442,7 +436,8 @@ CORPUS = {
                               ["--untie-embeddings-and-output-weights", *QWEN_ROPE,
                                "--kv-channels", "128", "--qk-layernorm",
                                "--make-vocab-size-divisible-by", "1187"]),
-                     known="--qk-layernorm is refused by --model llama (--model gpt has it)"),
+                     known="--qk-layernorm is GPT's architecture here, not --model llama's preset "
+                           "(by design: run_single_gpt.sh takes it)"),
     "qwen3 30b-a3b": Line("examples/post_training/modelopt/conf/Qwen/Qwen3-30B-A3B.sh", "gpt", 8,
                           modelopt(48, 2048, 6144, 32, 4, 4096, 40960, 151936,
                                    ["--untie-embeddings-and-output-weights", *QWEN_ROPE,
@@ -461,16 +456,14 @@ CORPUS = {
     "llama3.2 1b": Line("examples/post_training/modelopt/conf/meta-llama/"
                         "Llama-3.2-1B-Instruct.sh", "gpt", 8,
                         modelopt(16, 2048, 8192, 32, 8, 4096, 8192, 128256,
-                                 [*LLAMA31_ROPE, "--make-vocab-size-divisible-by", "1"]),
-                        known="--use-rope-scaling is unrecognized by --model gpt (llama has it)"),
+                                 [*LLAMA31_ROPE, "--make-vocab-size-divisible-by", "1"])),
     # ... a --load that is not there (and is not --save): Megatron-LM warns and starts from
     # random weights (--exit-on-missing-checkpoint off)
     "llama3.2 1b no checkpoint": Line(
         "examples/post_training/modelopt/conf/meta-llama/Llama-3.2-1B-Instruct.sh", "llama", 8,
         [*modelopt(16, 2048, 8192, 32, 8, 4096, 8192, 128256,
                    [*LLAMA31_ROPE, "--make-vocab-size-divisible-by", "1"]),
-         "--load", "checkpoints/Llama-3.2-1B-Instruct_mlm"],
-        known="a missing --load directory (not --save) is refused before launch"),
+         "--load", "checkpoints/Llama-3.2-1B-Instruct_mlm"]),
 }
 
 

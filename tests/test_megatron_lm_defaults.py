@@ -88,7 +88,8 @@ DIFFERENCES = {
 
 # The GPT architecture flags' destinations whose defaults differ (None: not given; each model family
 # fills in its own), being built elsewhere (models/families.py); not checked here.
-ELSEWHERE = {"add_bias_linear", "add_position_embedding", "apply_query_key_layer_scaling",
+ELSEWHERE = {"add_bias_linear", "add_position_embedding", "add_qkv_bias",
+             "apply_query_key_layer_scaling", "rope_scaling_factor", "use_rope_scaling",
              "group_query_attention", "normalization", "num_query_groups",
              "position_embedding_type", "qk_layernorm", "rotary_base", "rotary_percent",
              "squared_relu", "swiglu", "use_rotary_position_embeddings"}

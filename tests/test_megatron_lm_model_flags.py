@@ -53,6 +53,9 @@ def test_a_megatron_lm_llama_script_validates_with_model_llama(monkeypatch, caps
      "--normalization LayerNorm is not llama's architecture here (--model gpt or bert has it)"),
     ("llama", ["--qk-layernorm"], "--qk-layernorm is not llama's architecture here (--model gpt "
                                   "has it); remove it"),
+    # Qwen2.5's QKV bias: GPT's (BERT has biases on every linear already), never Llama's.
+    ("llama", ["--add-qkv-bias"], "--add-qkv-bias is not llama's architecture here (--model gpt "
+                                  "or bert has it); remove it"),
     ("gpt", ["--rotary-percent", "1.0"],
      "--rotary-percent 1 sets rotary embeddings and --position-embedding-type is "
      "learned_absolute: add --position-embedding-type rope or remove it"),
@@ -125,6 +128,6 @@ def _refused_flags():
 @pytest.mark.parametrize("flag, reason", _refused_flags())
 def test_every_refused_flag_is_one_line_with_its_reason(monkeypatch, capsys, flag, reason):
     """Megatron-LM's flags that cannot apply here (its example scripts carry several: FP8,
-    --apply-layernorm-1p, --decoupled-lr, ...): one line, before launch, saying why."""
+    --apply-layernorm-1p, ...): one line, before launch, saying why."""
     args, error = _parse(monkeypatch, capsys, "gpt", flag)
     assert args is None and error.endswith(f"error: {flag} {reason}; remove it"), error

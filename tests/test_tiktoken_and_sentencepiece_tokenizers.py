@@ -26,7 +26,8 @@ from _train_util import (PYTHON, REPO_ROOT, TINY_GPT_ARGS, _env, ensure_sample_d
                          run_training)
 from megatron_dpp.data.errors import DataInputError
 from megatron_dpp.data.tokenizer import (TIKTOKEN_PATTERNS, GPTSentencePieceTokenizer,
-                                         TikTokenizer, build_tokenizer, tokenizer_from_files)
+                                         TikTokenizer, build_tokenizer, check_tiktoken_flags,
+                                         ignored_tiktoken_pattern, tokenizer_from_files)
 
 SPM_VOCAB = 500
 MERGES = 244
@@ -240,9 +241,9 @@ SPM_MISTAKES = {
     "vocab size": (dict(vocab_size=1000),
                    "--vocab-size is read by --tokenizer-type NullTokenizer and TikTokenizer "
                    "only (GPTSentencePieceTokenizer takes its vocabulary from its files)"),
-    "tiktoken flag": (dict(tiktoken_pattern="v2"),
-                      "--tiktoken-pattern is read by --tokenizer-type TikTokenizer only, not "
-                      "GPTSentencePieceTokenizer: remove it"),
+    "tiktoken flag": (dict(tiktoken_num_special_tokens=100),
+                      "--tiktoken-num-special-tokens is read by --tokenizer-type TikTokenizer "
+                      "only, not GPTSentencePieceTokenizer: remove it"),
     "no sentencepiece": (dict(), "--tokenizer-type GPTSentencePieceTokenizer needs the "
                                  "sentencepiece package: pip install 'sentencepiece>=0.2,<1'"),
 }
@@ -265,6 +266,17 @@ def test_sentencepiece_mistakes_are_one_line_errors(spm_model, tmp_path, monkeyp
         build_tokenizer(argparse.Namespace(**flags))
     message = str(raised.value)
     assert "\n" not in message and message.startswith(expected.format(**where)), message
+
+
+def test_a_tiktoken_pattern_beside_another_tokenizer_is_ignored_with_a_warning():
+    """Megatron-LM ignores --tiktoken-pattern beside another tokenizer (its Llama 3 script passes
+    v2 with NullTokenizer): accepted, and one warning line says so."""
+    check_tiktoken_flags("NullTokenizer", tiktoken_pattern="v2")
+    assert ignored_tiktoken_pattern("NullTokenizer", "v2") == (
+        "--tiktoken-pattern v2 is read by --tokenizer-type TikTokenizer only: NullTokenizer "
+        "ignores it, as in Megatron-LM")
+    assert ignored_tiktoken_pattern("TikTokenizer", "v2") is None
+    assert ignored_tiktoken_pattern("NullTokenizer", None) is None
 
 
 def _entries(tik_vocab):
@@ -349,8 +361,7 @@ def test_tiktoken_mistakes_are_one_line_errors(tik_vocab, tmp_path, monkeypatch,
     assert "\n" not in message and message.startswith(expected.format(**where)), message
 
 
-@pytest.mark.parametrize("flag, value", [("tiktoken_pattern", "v1"),
-                                         ("tiktoken_num_special_tokens", 8),
+@pytest.mark.parametrize("flag, value", [("tiktoken_num_special_tokens", 8),
                                          ("tiktoken_special_tokens", ["<unk>", "<s>", "</s>"])])
 def test_tiktoken_flags_with_another_tokenizer_are_refused(flag, value):
     sample = ensure_sample_data()
@@ -460,10 +471,10 @@ def test_preprocessing_refuses_a_tiktoken_flag_for_another_tokenizer(spm_model, 
     with pytest.raises(SystemExit) as exit_:
         main(["--input", str(corpus), "--output-prefix", str(tmp_path / "c"),
               "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", spm_model,
-              "--tiktoken-pattern", "v1", "--no-progress"])
+              "--tiktoken-num-special-tokens", "8", "--no-progress"])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert exit_.value.code == 2 and lines == [
-        "error: --tiktoken-pattern is read by --tokenizer-type TikTokenizer only, not "
+        "error: --tiktoken-num-special-tokens is read by --tokenizer-type TikTokenizer only, not "
         "GPTSentencePieceTokenizer: remove it"], lines
     assert not list(tmp_path.glob("c_text_document*"))
 

@@ -14,7 +14,8 @@ from typing import Any, Callable, Optional, Sequence
 from megatron_dpp.data.tokenizer import (DEFAULT_TIKTOKEN_NUM_SPECIAL_TOKENS,
                                          DEFAULT_TIKTOKEN_VOCAB_SIZE, DEFAULT_TOKENIZER_TYPE,
                                          SUPPORTED_TOKENIZER_TYPES, TIKTOKEN_PATTERNS,
-                                         TIKTOKEN_SPECIAL_TOKENS, check_tokenizer_args,
+                                         TIKTOKEN_SPECIAL_TOKENS, check_padded_vocab_size,
+                                         check_tokenizer_args,
                                          check_tokenizer_files, check_vocab_size)
 from megatron_dpp.data import megatron_lm_flags
 from megatron_dpp.flag_errors import (ArgsError, add_refused_flags, add_stated_flags, require,
@@ -123,10 +124,17 @@ def add_data_args(parser: argparse.ArgumentParser,
                             f"(default {DEFAULT_TIKTOKEN_VOCAB_SIZE}, Megatron-LM's: the file's "
                             "first N - --tiktoken-num-special-tokens tokens). NullTokenizer and "
                             "TikTokenizer only.")
+    group.add_argument("--padded-vocab-size", type=int, default=None,
+                       help="The embedding's and the output layer's rows, used as given "
+                            "(Megatron-LM's; Qwen2.5's 151936): at least the tokenizer's "
+                            "vocabulary and divisible by --tensor-model-parallel-size. Default: "
+                            "the vocabulary padded to a multiple of "
+                            "--make-vocab-size-divisible-by x --tensor-model-parallel-size.")
     group.add_argument("--tiktoken-pattern", choices=tuple(TIKTOKEN_PATTERNS), default=None,
-                       help="TikTokenizer only, and required by it (as in Megatron-LM): the "
+                       help="TikTokenizer's, and required by it (as in Megatron-LM): the "
                             "expression that splits the text before BPE, Megatron-LM's v1 or "
-                            "v2; the one the vocabulary was made with.")
+                            "v2; the one the vocabulary was made with. Another tokenizer ignores "
+                            "it, as Megatron-LM's (a warning says so).")
     group.add_argument("--tiktoken-num-special-tokens", type=int, default=None, metavar="N",
                        help="TikTokenizer only: ids 0..N-1 are special tokens "
                             f"(default {DEFAULT_TIKTOKEN_NUM_SPECIAL_TOKENS}, Megatron-LM's), "
@@ -309,6 +317,7 @@ def validate_data_args(args: argparse.Namespace,
                                "tokenizer_model": args.tokenizer_model})
         check_vocab_size(tokenizer_type, args.vocab_size)
         check_tokenizer_args(tokenizer_type, args)  # TikTokenizer's flags; some files read
+        check_padded_vocab_size(args.padded_vocab_size, args.tensor_model_parallel_size)
         if args.data_cache_path is not None:  # Megatron's index cache is written there
             require_output_dir("--data-cache-path", args.data_cache_path)
         require(args.num_workers >= 0, "--num-workers must be >= 0")

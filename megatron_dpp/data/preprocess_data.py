@@ -37,7 +37,8 @@ from megatron_dpp.data.tokenizer import (DEFAULT_TIKTOKEN_NUM_SPECIAL_TOKENS,
                                          DEFAULT_TIKTOKEN_VOCAB_SIZE, DEFAULT_TOKENIZER_TYPE,
                                          SUPPORTED_TOKENIZER_TYPES, TIKTOKEN, TIKTOKEN_PATTERNS,
                                          TIKTOKEN_SPECIAL_TOKENS, WORDPIECE_LOWER_CASE,
-                                         tiktoken_options, tokenizer_from_files)
+                                         ignored_tiktoken_pattern, tiktoken_options,
+                                         tokenizer_from_files)
 
 # --tiktoken-pattern where TikTokenizer is not given one: Megatron-LM's tools/preprocess_data.py
 # builds its tokenizer through megatron.core's TikTokenTokenizer, whose default this is (its
@@ -309,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(default {DEFAULT_TIKTOKEN_VOCAB_SIZE}, Megatron-LM's): the "
                             "file's first N - --tiktoken-num-special-tokens tokens.")
     group.add_argument("--tiktoken-pattern", choices=tuple(TIKTOKEN_PATTERNS), default=None,
-                       help="TikTokenizer only: the expression that splits the text before BPE, "
+                       help="TikTokenizer's (another tokenizer ignores it, with a warning): "
+                            "the expression that splits the text before BPE, "
                             "Megatron-LM's v1 or v2 (default "
                             f"{PREPROCESS_TIKTOKEN_PATTERN}, as Megatron-LM's "
                             "tools/preprocess_data.py; training needs it given).")
@@ -358,6 +360,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.workers < 1:
             raise DataInputError(f"--workers must be >= 1, got {args.workers}")
+        ignored = ignored_tiktoken_pattern(args.tokenizer_type, args.tiktoken_pattern)
+        if ignored is not None:
+            print(f"warning: {ignored}", file=sys.stderr, flush=True)
         stats = preprocess_jsonl(args.input, args.output_prefix, args.vocab_file, args.merge_file,
                                  json_keys=args.json_keys, append_eod=args.append_eod,
                                  workers=args.workers, show_progress=not args.no_progress,

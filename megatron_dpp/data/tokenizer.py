@@ -156,6 +156,23 @@ def vocab_size_with_padding(vocab_size: int, divisible_by: int, tensor_parallel_
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
+def check_padded_vocab_size(padded_vocab_size: Optional[int], tensor_parallel_size: int,
+                            vocab_size: Optional[int] = None) -> None:
+    """A given --padded-vocab-size (None: not given): positive, split evenly among the tensor-
+    parallel ranks (the vocabulary-parallel embedding's rows), and, where the tokenizer's vocabulary
+    is known (vocab_size), at least that. Raises DataInputError."""
+    if padded_vocab_size is None:
+        return
+    if padded_vocab_size <= 0 or padded_vocab_size % tensor_parallel_size:
+        raise DataInputError(f"--padded-vocab-size {padded_vocab_size} must be a positive "
+                             f"multiple of --tensor-model-parallel-size {tensor_parallel_size}")
+    if vocab_size is not None and padded_vocab_size < vocab_size:
+        raise DataInputError(f"--padded-vocab-size {padded_vocab_size} is smaller than the "
+                             f"tokenizer's vocabulary ({vocab_size} tokens): give at least "
+                             f"{vocab_size}, or remove it to pad by "
+                             f"--make-vocab-size-divisible-by")
+
+
 def check_tokenizer_files(tokenizer_type: str, files: Dict[str, Optional[str]]) -> None:
     """Raises DataInputError, in one line, unless `files` ({attribute: path or None}, e.g.
     {"vocab_file": ..., "merge_file": ..., "tokenizer_model": ...}) gives every file that
@@ -226,14 +243,15 @@ def check_tiktoken_flags(tokenizer_type: str, tiktoken_pattern: Optional[str] = 
                          tiktoken_num_special_tokens: Optional[int] = None,
                          tiktoken_special_tokens: Optional[Sequence[str]] = None) -> None:
     """--tiktoken-pattern, --tiktoken-num-special-tokens, --tiktoken-special-tokens: TikTokenizer's,
-    and only its (None: not given); TikTokenizer needs the pattern. The values' own checks are
-    TikTokenizer's (with the vocabulary size they depend on)."""
+    and only its (None: not given); TikTokenizer needs the pattern. The pattern beside another
+    tokenizer is ignored, as Megatron-LM ignores it (ignored_tiktoken_pattern: the warning). The
+    values' own checks are TikTokenizer's (with the vocabulary size they depend on)."""
     given = {"tiktoken_pattern": tiktoken_pattern,
              "tiktoken_num_special_tokens": tiktoken_num_special_tokens,
              "tiktoken_special_tokens": tiktoken_special_tokens}
     if tokenizer_type != TIKTOKEN:
         for flag, attribute in TIKTOKEN_FLAGS:
-            if given[attribute] is not None:
+            if given[attribute] is not None and attribute != "tiktoken_pattern":
                 raise DataInputError(f"{flag} is read by --tokenizer-type {TIKTOKEN} only, not "
                                      f"{tokenizer_type}: remove it")
     elif tiktoken_pattern is None:
@@ -243,6 +261,18 @@ def check_tiktoken_flags(tokenizer_type: str, tiktoken_pattern: Optional[str] = 
     elif tiktoken_pattern not in TIKTOKEN_PATTERNS:
         raise DataInputError(f"--tiktoken-pattern {tiktoken_pattern!r} is not one of "
                              f"{', '.join(TIKTOKEN_PATTERNS)}")
+
+
+def ignored_tiktoken_pattern(tokenizer_type: Optional[str],
+                             tiktoken_pattern: Optional[str]) -> Optional[str]:
+    """The warning (one line) for --tiktoken-pattern beside a tokenizer other than TikTokenizer,
+    which alone reads it: Megatron-LM ignores it there (its Llama 3 script passes --tiktoken-pattern
+    v2 with NullTokenizer). None where there is nothing to say."""
+    tokenizer_type = tokenizer_type or DEFAULT_TOKENIZER_TYPE
+    if tiktoken_pattern is None or tokenizer_type == TIKTOKEN:
+        return None
+    return (f"--tiktoken-pattern {tiktoken_pattern} is read by --tokenizer-type {TIKTOKEN} only: "
+            f"{tokenizer_type} ignores it, as in Megatron-LM")
 
 
 # The tokenizer types whose files the flag check reads through (check_tokenizer_args): loading
@@ -330,13 +360,19 @@ def build_tokenizer(args):
     TikTokenizer's args.vocab_size; TikTokenizer's args.tiktoken_pattern,
     args.tiktoken_num_special_tokens, args.tiktoken_special_tokens),
     args.make_vocab_size_divisible_by (default 128) and args.tensor_model_parallel_size
-    (default 1).
+    (default 1); a given args.padded_vocab_size (--padded-vocab-size) is used as it is, as
+    Megatron-LM's build_tokenizer does, once checked against the vocabulary.
     """
     tokenizer_type = getattr(args, "tokenizer_type", None) or DEFAULT_TOKENIZER_TYPE
     tokenizer = tokenizer_from_files(tokenizer_type, getattr(args, "vocab_file", None),
                                      getattr(args, "merge_file", None),
                                      getattr(args, "tokenizer_model", None),
                                      getattr(args, "vocab_size", None), **tiktoken_options(args))
+    given = getattr(args, "padded_vocab_size", None)
+    if given is not None:
+        check_padded_vocab_size(given, getattr(args, "tensor_model_parallel_size", 1),
+                                tokenizer.vocab_size)
+        return tokenizer
     args.padded_vocab_size = vocab_size_with_padding(
         tokenizer.vocab_size,
         getattr(args, "make_vocab_size_divisible_by", 128),

@@ -57,6 +57,7 @@ ARCHITECTURE_FLAGS: dict[str, Callable[[Any], str]] = {
     "position_embedding_type": lambda value: f"--position-embedding-type {value}",
     "add_position_embedding": lambda value: "--no-position-embedding",
     "add_bias_linear": lambda value: "--disable-bias-linear",
+    "add_qkv_bias": lambda value: "--add-qkv-bias",
     "group_query_attention": lambda value: "--group-query-attention",
     "num_query_groups": lambda value: f"--num-query-groups {value}",
     "rotary_percent": lambda value: f"--rotary-percent {value:g}",
@@ -64,24 +65,30 @@ ARCHITECTURE_FLAGS: dict[str, Callable[[Any], str]] = {
     "qk_layernorm": lambda value: "--qk-layernorm",
     "kv_channels": lambda value: f"--kv-channels {value}",
     "apply_query_key_layer_scaling": lambda value: "--apply-query-key-layer-scaling",
+    "use_rope_scaling": lambda value: "--use-rope-scaling",
+    "rope_scaling_factor": lambda value: f"--rope-scaling-factor {value:g}",
 }
 """The parsed attribute of each flag (None when not given) -> the flag as written, for errors."""
 
 # Megatron-LM's defaults: GPT without any of the flags (num_query_groups None: one group per head;
-# kv_channels None: --hidden-size / --num-attention-heads).
+# kv_channels None: --hidden-size / --num-attention-heads; add_qkv_bias: the flag's own default,
+# which GPT's validation then sets to True where add_bias_linear already gives the projection a
+# bias, as Megatron-LM's validate_args keeps the two in sync).
 GPT_ARCHITECTURE = {"normalization": "LayerNorm", "swiglu": False, "squared_relu": False,
                     "position_embedding_type": "learned_absolute", "add_position_embedding": True,
-                    "add_bias_linear": True, "group_query_attention": False,
-                    "num_query_groups": None, "rotary_percent": 1.0, "rotary_base": 10000,
+                    "add_bias_linear": True, "add_qkv_bias": False,
+                    "group_query_attention": False, "num_query_groups": None, "rotary_percent": 1.0, "rotary_base": 10000,
                     "qk_layernorm": False, "kv_channels": None,
-                    "apply_query_key_layer_scaling": False}
+                    "apply_query_key_layer_scaling": False, "use_rope_scaling": False,
+                    "rope_scaling_factor": None}
 BERT_ARCHITECTURE = {**GPT_ARCHITECTURE, "rotary_percent": None,  # no rotary embedding
-                     "rotary_base": None}
+                     "rotary_base": None,
+                     "add_qkv_bias": True}  # a bias on every linear, the QKV projection's too
 LLAMA_ARCHITECTURE = {**GPT_ARCHITECTURE, "normalization": "RMSNorm", "swiglu": True,
                       "position_embedding_type": "rope", "add_position_embedding": False,
                       "add_bias_linear": False, "group_query_attention": True,
                       "rotary_percent": 1.0}  # rotary over whole heads
-ROTARY_FLAGS = ("rotary_percent", "rotary_base")
+ROTARY_FLAGS = ("rotary_percent", "rotary_base", "use_rope_scaling", "rope_scaling_factor")
 """The flags that set the rotary embedding (with --position-embedding-type rope only)."""
 
 
@@ -125,6 +132,11 @@ def add_architecture_shape_args(group: Any) -> None:
     group.add_argument("--disable-bias-linear", action="store_const", const=False,
                        dest="add_bias_linear", default=None,
                        help="No biases in the attention and MLP linears (Llama's).")
+    group.add_argument("--add-qkv-bias", action="store_const", const=True, default=None,
+                       help="A bias on the query/key/value projection, with "
+                            "--disable-bias-linear the only one (Qwen2's and Qwen2.5's; "
+                            "Megatron-Core's add_qkv_bias). Without --disable-bias-linear every "
+                            "linear has its bias already.")
     group.add_argument("--group-query-attention", action="store_const", const=True, default=None,
                        help="Grouped-query attention: heads share --num-query-groups key/value "
                             "heads (Megatron-LM's default with the flag alone: 1, multi-query "
@@ -319,6 +331,36 @@ def check_rotary(args: argparse.Namespace) -> None:
                  f"rotary embeddings turn channel pairs: pick a percent giving an even number")
 
 
+# Llama 3.1's rotary scaling factor (Megatron-LM's --rope-scaling-factor default).
+DEFAULT_ROPE_SCALING_FACTOR = 8.0
+
+
+def add_rope_scaling_args(group: Any) -> None:
+    """--use-rope-scaling and --rope-scaling-factor (ARCHITECTURE_FLAGS; None: not given), in
+    Megatron-LM's names: the trainer's architecture flags (models/flags.py)."""
+    group.add_argument("--use-rope-scaling", action="store_const", const=True, default=None,
+                       help="With rope: scale the rotary frequencies as Llama 3.1 and later do "
+                            "(Megatron-Core's rope_scaling: wavelengths beyond the original "
+                            "8192-token context divided by --rope-scaling-factor, a smooth blend "
+                            "between, short ones kept); for Llama 3.1/3.2/3.3's checkpoints and "
+                            "recipes (llama, or gpt with --position-embedding-type rope).")
+    group.add_argument("--rope-scaling-factor", type=float, default=None,
+                       help=f"The factor of --use-rope-scaling (default "
+                            f"{DEFAULT_ROPE_SCALING_FACTOR:g}, Llama 3.1's; Llama 3.2's is 32).")
+
+
+def check_rope_scaling(args: argparse.Namespace) -> None:
+    """--rope-scaling-factor of a model with rotary embeddings (with --use-rope-scaling only,
+    positive); --use-rope-scaling alone takes Megatron-LM's default factor."""
+    factor = args.rope_scaling_factor
+    if factor is not None:
+        _require(args.use_rope_scaling, f"--rope-scaling-factor {factor:g} scales nothing without "
+                                        f"--use-rope-scaling: add it or remove the factor")
+        _require(factor > 0, f"--rope-scaling-factor must be positive, got {factor:g}")
+    elif args.use_rope_scaling:
+        args.rope_scaling_factor = DEFAULT_ROPE_SCALING_FACTOR
+
+
 def mlp_activation(args: argparse.Namespace) -> str:
     """The MLP of the (validated) flags: "swiglu", "squared_relu" or "gelu"."""
     architecture = MODEL_FAMILIES[getattr(args, "model", None) or DEFAULT_MODEL].architecture
@@ -349,14 +391,17 @@ def _validate_gpt_architecture(args: argparse.Namespace) -> None:
         args.num_query_groups = heads  # multi-head attention: one group per head
     if args.position_embedding_type == "rope":
         check_rotary(args)
+        check_rope_scaling(args)
     args.kv_channels = head_size(args)
     if args.ffn_hidden_size is None and args.hidden_size:
         args.ffn_hidden_size = default_ffn_hidden_size(args)
+    # Megatron-LM's validate_args: biases on every linear give the QKV projection one too.
+    args.add_qkv_bias = bool(args.add_qkv_bias or args.add_bias_linear)
 
 
-_GPT_SHAPE_FIELDS = ("normalization", "add_bias_linear", "position_embedding_type",
-                     "rotary_percent", "rotary_base", "qk_layernorm", "kv_channels",
-                     "num_query_groups")
+_GPT_SHAPE_FIELDS = ("normalization", "add_bias_linear", "add_qkv_bias",
+                     "position_embedding_type", "rotary_percent", "rotary_base", "qk_layernorm",
+                     "kv_channels", "num_query_groups")
 
 
 def _gpt_shape_fields(args: argparse.Namespace) -> dict:
@@ -379,6 +424,8 @@ def _gpt_shape_flags(shape: Any) -> list[str]:
         flags.append("--squared-relu")
     if not shape.add_bias_linear:
         flags.append("--disable-bias-linear")
+        if shape.add_qkv_bias:
+            flags.append("--add-qkv-bias")
     if shape.query_groups != shape.num_attention_heads:
         flags += ["--group-query-attention", "--num-query-groups", str(shape.query_groups)]
     if shape.kv_channels != shape.hidden_size // shape.num_attention_heads \
@@ -490,25 +537,9 @@ BERT = ModelFamily(
 
 
 # Llama: a preset of GPT's architecture flags (RMSNorm, SwiGLU, rotary positions, grouped-query
-# attention, no biases) with an untied output layer, all implied by --model llama; its own flags
-# are Llama 3.1's rotary scaling.
+# attention, no biases) with an untied output layer, all implied by --model llama; of the flags
+# it may set, Llama 3.1's rotary scaling (GPT's too, with rotary embeddings).
 # ----------------------------------------------------------------------------------------------
-# Llama 3.1's rotary scaling factor (Megatron-LM's --rope-scaling-factor default).
-DEFAULT_ROPE_SCALING_FACTOR = 8.0
-
-
-def _add_llama_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("Llama")
-    group.add_argument("--use-rope-scaling", action="store_true",
-                       help="Scale the rotary frequencies as Llama 3.1 and later do (Megatron-"
-                            "Core's rope_scaling: wavelengths beyond the original 8192-token "
-                            "context divided by --rope-scaling-factor, a smooth blend between, "
-                            "short ones kept); for Llama 3.1/3.2/3.3's checkpoints and recipes.")
-    group.add_argument("--rope-scaling-factor", type=float, default=None,
-                       help=f"The factor of --use-rope-scaling (default "
-                            f"{DEFAULT_ROPE_SCALING_FACTOR:g}, Llama 3.1's; Llama 3.2's is 32).")
-
-
 def _validate_llama_args(args: argparse.Namespace) -> None:
     if args.num_query_groups is None:  # Llama's preset: one group per head unless given
         args.num_query_groups = args.num_attention_heads
@@ -516,13 +547,7 @@ def _validate_llama_args(args: argparse.Namespace) -> None:
         check_query_groups(args)
     check_rotary(args)
     args.kv_channels = head_size(args)
-    factor = args.rope_scaling_factor
-    if factor is not None:
-        _require(args.use_rope_scaling, f"--rope-scaling-factor {factor:g} scales nothing without "
-                                        f"--use-rope-scaling: add it or remove the factor")
-        _require(factor > 0, f"--rope-scaling-factor must be positive, got {factor:g}")
-    elif args.use_rope_scaling:
-        args.rope_scaling_factor = DEFAULT_ROPE_SCALING_FACTOR
+    check_rope_scaling(args)
     # Llama's output layer always has its own weight (always_untied_output): the flag is implied;
     # set it for the shared code that reads it.
     args.untie_embeddings_and_output_weights = True
@@ -553,11 +578,11 @@ LLAMA = ModelFamily(
     always_untied_output=True,
     check_data=_check_token_windows,
     shape_fields=_llama_shape_fields,
-    add_args=_add_llama_args,
     validate_args=_validate_llama_args,
     shape_flags=_llama_shape_flags,
     architecture=LLAMA_ARCHITECTURE,
-    free_architecture=frozenset({"num_query_groups", "rotary_base"}),
+    free_architecture=frozenset({"num_query_groups", "rotary_base", "use_rope_scaling",
+                                 "rope_scaling_factor"}),
     # Llama 3 and Llama 3.1 share every shape; their rotary settings tell them apart.
     unshaped_settings=("norm_epsilon", "rotary_base", "use_rope_scaling", "rope_scaling_factor"),
 )

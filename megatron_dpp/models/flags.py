@@ -22,7 +22,7 @@ from megatron_dpp.kernels import (
     core_attention_from_args,
     transformer_engine_available,
 )
-from megatron_dpp.models.families import add_architecture_shape_args
+from megatron_dpp.models.families import add_architecture_shape_args, add_rope_scaling_args
 from megatron_dpp.models import megatron_lm_flags
 from megatron_dpp.models.pipeline_split import (EMBEDDING_FLAG, FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG,
                                                  LOSS_FLAG, PipelineSplit, layout_layers)
@@ -81,6 +81,7 @@ def _add_architecture_flags(group) -> None:
     architecture each (Llama's a preset of these), which a command line may state, and one naming
     another value is refused in one line."""
     add_architecture_shape_args(group)
+    add_rope_scaling_args(group)
     group.add_argument("--apply-query-key-layer-scaling", action="store_const", const=True,
                        default=None,
                        help="Divide each layer's attention scores by its layer number before the "
@@ -682,6 +683,7 @@ def _activation_config(args: argparse.Namespace) -> argparse.Namespace:
         gated_linear_unit=bool(getattr(args, "swiglu", False)),
         squared_relu=bool(getattr(args, "squared_relu", False)),
         add_bias_linear=getattr(args, "add_bias_linear", None) is not False,
+        add_qkv_bias=getattr(args, "add_qkv_bias", None),
         qk_layernorm=bool(getattr(args, "qk_layernorm", False)),
         position_embedding_type=getattr(args, "position_embedding_type", None),
         rotary_percent=getattr(args, "rotary_percent", None),

@@ -70,6 +70,7 @@ def architecture_config_fields(args: argparse.Namespace) -> dict:
     from megatron.core.activations import squared_relu
 
     fields = {"normalization": args.normalization, "add_bias_linear": bool(args.add_bias_linear),
+              "add_qkv_bias": bool(args.add_qkv_bias),
               "qk_layernorm": bool(args.qk_layernorm), "kv_channels": args.kv_channels,
               "apply_query_key_layer_scaling": bool(args.apply_query_key_layer_scaling),
               "num_query_groups": args.num_query_groups or args.num_attention_heads}

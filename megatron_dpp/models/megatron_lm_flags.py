@@ -150,8 +150,6 @@ REFUSED_MODEL: dict[str, str] = {
             "--no-rope-freq", "--mrope-section"),
     **_each("(sliding-window attention) is not built here: attention is full (causal for gpt "
             "and llama) over --seq-length", "--window-size", "--window-attn-skip-freq"),
-    "--add-qkv-bias": "(biases on the query/key/value projection only) is not built here: gpt "
-                      "and bert have biases on every linear layer, llama on none",
     "--attention-output-gate": "(a gate on the attention output) is not built here: attention "
                                "is Megatron-Core's standard self-attention",
     "--qk-l2-norm": "(Llama 4's L2 norm of queries and keys) is not built here",
@@ -200,8 +198,6 @@ REFUSED_MODEL: dict[str, str] = {
     "--disable-jit-fuser": "is not a switch here: the torch.compile'd fusions are chosen by "
                            "--no-bias-gelu-fusion, --no-bias-swiglu-fusion and "
                            "--no-bias-dropout-fusion (off on CPU)",
-    "--padded-vocab-size": "is derived here, never given: the tokenizer's vocabulary padded to "
-                           "--make-vocab-size-divisible-by x --tensor-model-parallel-size",
     "--yaml-cfg": "(a YAML file of arguments) is not read here: give the flags on the command "
                   "line",
     "--enable-experimental": "(Megatron-Core's experimental features) is not built here",
@@ -214,7 +210,7 @@ REFUSED_PARALLEL: dict[str, str] = {
     **_each(_EXPERT_PARALLEL, "--expert-model-parallel-size", "--expert-tensor-parallel-size",
             "--overlap-moe-expert-parallel-comm", "--ep-overlap-early-attn-memory-release",
             "--rl-inference-expert-model-parallel-size"),
-    **_each(_FSDP, *"""--use-megatron-fsdp --data-parallel-sharding-strategy
+    **_each(_FSDP, *"""--use-megatron-fsdp
         --outer-dp-sharding-strategy --enable-full-sharding-in-hsdp --fsdp-double-buffer
         --fsdp-manual-registration --suggested-communication-unit-size --keep-fp8-transpose-cache
         --torch-fsdp2-no-reshard-after-forward""".split()),
@@ -291,6 +287,12 @@ STATED_MODEL: dict[str, StatedFlag] = {
                   "attention, which this runtime does not build for it"),
 }
 STATED_PARALLEL: dict[str, StatedFlag] = {
+    "--data-parallel-sharding-strategy": StatedFlag(
+        holds="data parallelism replicates the parameters and gradients on every data-parallel "
+              "rank (Megatron-Core's DDP; --use-distributed-optimizer shards the optimizer's "
+              "state), Megatron-LM's default",
+        values=("no_shard",),
+        otherwise=_FSDP),
     "--no-align-param-gather": StatedFlag(
         holds="without --delay-param-gather, the forward pre-hooks launch each bucket's "
               "parameter all-gather when its chunk needs it, not at aligned points across "

@@ -101,6 +101,9 @@ class ModelShape:
     """The MLP: "gelu", "swiglu" (--swiglu) or "squared_relu" (--squared-relu)."""
     add_bias_linear: Optional[bool] = None
     """False: --disable-bias-linear."""
+    add_qkv_bias: Optional[bool] = None
+    """The QKV projection's bias: --add-qkv-bias, or add_bias_linear (Megatron-LM keeps the two in
+    sync: True wherever add_bias_linear is)."""
     position_embedding_type: Optional[str] = None
     """--position-embedding-type: "learned_absolute" or "rope"."""
     rotary_percent: Optional[float] = None
@@ -139,6 +142,9 @@ class ModelShape:
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)  # frozen: set once, here
+        object.__setattr__(self, "add_qkv_bias", bool(
+            self.add_bias_linear or (preset["add_qkv_bias"] if self.add_qkv_bias is None
+                                     else self.add_qkv_bias)))
         if self.kv_channels is None and self.num_attention_heads > 0 \
                 and self.hidden_size % self.num_attention_heads == 0:
             object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
@@ -192,17 +198,19 @@ def layer_parameter_count(shape: ModelShape, tp: int = 1) -> int:
     """One transformer layer: two norms (LayerNorm: weight and bias; RMSNorm: weight), with
     --qk-layernorm two more over the head size; the fused QKV projection (h x (heads + 2 groups)
     x head size), the output projection and the two MLP linears (SwiGLU's fc1 twice as wide: gate
-    and up), each with its bias unless --disable-bias-linear. With tp > 1: one rank's share (the
+    and up), each with its bias unless --disable-bias-linear (the QKV projection's then with
+    --add-qkv-bias). With tp > 1: one rank's share (the
     column-parallel weights and biases and the row-parallel weights are split; the norms and the
     row-parallel biases are replicated)."""
     h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.kv_channels
     query, qkv = shape.num_attention_heads * d, (shape.num_attention_heads + 2 * shape.query_groups) * d
     fc1 = 2 * f if shape.mlp == "swiglu" else f
     bias = 1 if shape.add_bias_linear else 0
+    qkv_bias = 1 if shape.add_qkv_bias else 0
     norms = 2 * _norm_parameters(shape, h)
     if shape.qk_layernorm:
         norms += 2 * _norm_parameters(shape, d)
-    attention = (h * qkv + bias * qkv) // tp + query * h // tp + bias * h
+    attention = (h * qkv + qkv_bias * qkv) // tp + query * h // tp + bias * h
     mlp = (h * fc1 + bias * fc1) // tp + f * h // tp + bias * h
     return norms + attention + mlp
 
@@ -436,7 +444,8 @@ def model_state_bytes(parameter_count: int, dtype: str, dp: int = 1,
     """Parameters + gradients + Adam state as Megatron-Core keeps them, per data-parallel rank.
 
     bf16/fp16: 16-bit parameters (2), fp32 main gradients (4: DDP's grad buffer with
-    grad_reduce_in_fp32, as megatron_dpp.training.config sets it), fp32 main parameters (4:
+    grad_reduce_in_fp32, as megatron_dpp.training.config sets it; --grad-reduce-in-bf16's bf16
+    buffer, 2, is not modelled), fp32 main parameters (4:
     Float16OptimizerWithFloat16Params / the distributed optimizer's shards) and Adam's two fp32
     moments (8): 18 bytes per parameter; the distributed optimizer shards the 12 fp32 optimizer
     bytes over dp: 6 + 12/dp (Megatron-LM's megatron/training/theoretical_memory_usage.py).
@@ -516,7 +525,7 @@ def config_architecture(config: Any) -> dict:
     fields = {"mlp": mlp, "kv_channels": getattr(config, "kv_channels", None),
               "position_embedding_type": getattr(config, "position_embedding_type", None),
               "rotary_percent": getattr(config, "rotary_percent", None)}
-    for name in ("normalization", "add_bias_linear", "qk_layernorm"):
+    for name in ("normalization", "add_bias_linear", "add_qkv_bias", "qk_layernorm"):
         fields[name] = getattr(config, name, None)
     return fields
 

@@ -72,7 +72,8 @@ from megatron_dpp.search.space import Layout
 from megatron_dpp.sim import CommModel, DurationModel, SimResult, simulate
 
 # Bytes of a reduced gradient element: fp32 main gradients whatever the dtype (grad_reduce_in_fp32,
-# as megatron_dpp.training.config sets it; memory_model.model_state_bytes counts them so).
+# as megatron_dpp.training.config sets it; memory_model.model_state_bytes counts them so; the
+# search does not model --grad-reduce-in-bf16's bf16 gradients).
 GRAD_BYTES = memory_model.FP32_BYTES
 # The output layer's forward + backward over its forward (logits matmul, then two for its backward).
 OUTPUT_WORK_RATIO = 3.0

@@ -108,12 +108,15 @@ def no_checkpoint_words(load: str) -> str:
             f"directory to --save to start from scratch")
 
 
-def check_load_dir(load: str, save: str | None) -> None:
+def check_load_dir(load: str, save: str | None, exit_on_missing_checkpoint: bool = False) -> None:
     """Before launch: --load names a directory with a checkpoint (a tracker or iteration folders)
-    or an iteration folder, unless it is also --save (Megatron-LM's scripts pass one directory to
-    both: the first run starts from scratch, and says so). Raises ArgsError."""
-    if same_directory(load, save):
+    or an iteration folder. One that does not exist or holds no checkpoint starts the run from
+    randomly initialized weights, as Megatron-LM's load_checkpoint does (the run says so: a
+    warning, or where --load is also --save, as Megatron-LM's scripts pass it, that the first run
+    starts from scratch), unless --exit-on-missing-checkpoint: then it is refused here. Raises
+    ArgsError."""
+    if not exit_on_missing_checkpoint and (same_directory(load, save) or not os.path.exists(load)):
         return
     require_input_dir("--load", load, "a --save directory")
-    require(iteration_of_folder(load) is not None or holds_checkpoints(load),
-            no_checkpoint_words(load))
+    require(not exit_on_missing_checkpoint or iteration_of_folder(load) is not None
+            or holds_checkpoints(load), no_checkpoint_words(load))

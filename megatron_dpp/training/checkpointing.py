@@ -100,6 +100,9 @@ REPLACED_SUFFIX = ".replaced"  # a re-saved iteration's previous folder, until t
 class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
+    # The validation samples the interval evaluations have read (Megatron-LM's
+    # args.consumed_valid_samples): a resumed run's validation stream goes on from there.
+    consumed_valid_samples: int = 0
 
 
 @dataclass(frozen=True)
@@ -196,7 +199,8 @@ def save_checkpoint(root: str, state: TrainState, model_chunks, optimizer, sched
     if ckpt_format == "torch_dist":
         def prepare():
             size, write = prepare_dist_checkpoint(
-                state.iteration, state.consumed_samples, model_chunks, optimizer, scheduler, args)
+                state.iteration, state.consumed_samples, model_chunks, optimizer, scheduler, args,
+                consumed_valid_samples=state.consumed_valid_samples)
 
             def write_dist(directory: str) -> dict:
                 write(directory)
@@ -407,6 +411,7 @@ def _prepare_torch(state: TrainState, model_chunks, optimizer, scheduler) -> tup
     payload = {
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,
+        "consumed_valid_samples": state.consumed_valid_samples,
         "layout": _layout(model_chunks),
         "model": [chunk.state_dict() for chunk in model_chunks],
         "optimizer": _optimizer_state(optimizer),
@@ -494,7 +499,8 @@ def load_checkpoint(checkpoint: CheckpointToLoad, model_chunks, optimizer,
     if fmt == "torch_dist":
         loaded = load_dist_checkpoint(directory, model_chunks, optimizer, scheduler,
                                       checkpoint.verified, scope)
-        state = TrainState(iteration=loaded.iteration, consumed_samples=loaded.consumed_samples)
+        state = TrainState(iteration=loaded.iteration, consumed_samples=loaded.consumed_samples,
+                           consumed_valid_samples=loaded.consumed_valid_samples)
     elif fmt == "torch":
         state = _load_torch(directory, checkpoint.verified, model_chunks, optimizer, scheduler,
                             scope)
@@ -561,7 +567,9 @@ def _load_torch(directory: str, verified: bool, model_chunks, optimizer,
     if converted is not None and dist.get_rank() == 0:
         print(f"megatron_dpp: checkpoint {directory}: {converted}", flush=True)
     return TrainState(iteration=payload["iteration"],
-                      consumed_samples=payload["consumed_samples"])
+                      consumed_samples=payload["consumed_samples"],
+                      # 0 in a checkpoint saved before it was kept: the loop's fallback then
+                      consumed_valid_samples=payload.get("consumed_valid_samples", 0))
 
 
 def _short(layout: dict) -> str:

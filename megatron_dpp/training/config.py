@@ -40,6 +40,9 @@ class TrainingConfig:
     seed: int
     lr: float
     min_lr: float
+    # --decoupled-lr (None: off) and its floor: the embedding's and output layer's param groups
+    decoupled_lr: Optional[float]
+    decoupled_min_lr: Optional[float]
     lr_decay_style: str
     # The schedule's lengths in samples, as Megatron-LM counts them (training/lr_schedule.py);
     # a warmup given as a fraction of the decay may be fractional.
@@ -107,6 +110,8 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
         seed=args.seed,
         lr=args.lr,
         min_lr=args.min_lr,
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
         lr_decay_style=args.lr_decay_style,
         lr_warmup_samples=args.lr_warmup_steps,
         lr_decay_samples=args.lr_decay_steps,
@@ -159,6 +164,9 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
         sgd_momentum=args.sgd_momentum,
         lr=args.lr,
         min_lr=args.min_lr,
+        # get_megatron_optimizer gives is_embedding_or_output_parameter their own param groups
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
         weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,
@@ -184,7 +192,9 @@ def ddp_config_from_args(args: argparse.Namespace,
     if getattr(args, "ddp_num_buckets", None) is not None:
         bucket_size = max(1, num_parameters // args.ddp_num_buckets)
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.bf16 or args.fp16,
+        # Megatron-LM's accumulate_allreduce_grads_in_fp32 (always for fp16 here); bf16 unless
+        # --grad-reduce-in-bf16, which Megatron-LM ignores without --bf16.
+        grad_reduce_in_fp32=args.fp16 or (args.bf16 and not args.grad_reduce_in_bf16),
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         align_param_gather=args.delay_param_gather,

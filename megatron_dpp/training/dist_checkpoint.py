@@ -4,7 +4,8 @@ Layout, as Megatron-LM's: SAVE/iter_NNNNNNN/ (Megatron-Core's files: metadata.js
 the torch_dist shards *.distcp and .metadata) and SAVE/latest_checkpointed_iteration.txt. The
 state dict is Megatron-LM's (checkpoint_version 3.0): `model` (one chunk) or `model0`, `model1`...
 (one per virtual-pipeline chunk), `optimizer`, `opt_param_scheduler`, `rng_state`, `iteration`,
-`args` (with consumed_train_samples, the data position), so Megatron-LM's loader reads it.
+`args` (with consumed_train_samples and consumed_valid_samples, the data positions), so
+Megatron-LM's loader reads it.
 
 Every tensor is stored under its global name and shape (a GPTModel/BertModel chunk's sharded state
 dict carries its global layer offsets), so a checkpoint saved at one tensor/pipeline/virtual-pipeline
@@ -62,6 +63,7 @@ class CheckpointSaveError(RuntimeError):
 class LoadedState:
     iteration: int
     consumed_samples: int
+    consumed_valid_samples: int = 0  # 0: a checkpoint saved before it was kept (loop.py's fallback)
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -209,12 +211,14 @@ def _model_state_dict(model_chunks, metadata: dict) -> dict:
             for i, chunk in enumerate(model_chunks)}
 
 
-def _args_for_checkpoint(args: argparse.Namespace | None, consumed_samples: int):
-    """Megatron-LM keeps the run's args, the data position among them (consumed_train_samples)."""
+def _args_for_checkpoint(args: argparse.Namespace | None, consumed_samples: int,
+                         consumed_valid_samples: int = 0):
+    """Megatron-LM keeps the run's args, the data positions among them (consumed_train_samples,
+    consumed_valid_samples)."""
     saved = argparse.Namespace(**{k: v for k, v in vars(args or argparse.Namespace()).items()
                                   if _picklable(v)})
     saved.consumed_train_samples = consumed_samples
-    saved.consumed_valid_samples = 0
+    saved.consumed_valid_samples = consumed_valid_samples
     return saved
 
 
@@ -224,10 +228,10 @@ def _picklable(value) -> bool:
 
 def _state_dict(iteration: int, consumed_samples: int, args, model_chunks, optimizer, scheduler,
                 metadata: dict, is_loading: bool, with_rng: bool = True,
-                with_optimizer: bool = True) -> dict:
+                with_optimizer: bool = True, consumed_valid_samples: int = 0) -> dict:
     state = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
              "consumed_samples": consumed_samples,
-             "args": _args_for_checkpoint(args, consumed_samples),
+             "args": _args_for_checkpoint(args, consumed_samples, consumed_valid_samples),
              "megatron_dpp_layout": _layout()}
     state.update(_model_state_dict(model_chunks, metadata))
     if with_optimizer:
@@ -250,7 +254,7 @@ def _no_rank_differences(common: dict) -> dict:
 # save (checkpointing.py's save transaction calls it: the staging folder, checksums, publishing)
 # ----------------------------------------------------------------------------------------------
 def prepare_dist_checkpoint(iteration: int, consumed_samples: int, model_chunks, optimizer,
-                            scheduler, args=None):
+                            scheduler, args=None, consumed_valid_samples: int = 0):
     """This rank's part of the checkpoint: (the bytes of tensors it will write, write), where
     write(directory) is the collective save into the (empty) `directory`; it raises what the write
     raised (torch.distributed.checkpoint's CheckpointException, an OSError...). optimizer and
@@ -267,7 +271,8 @@ def prepare_dist_checkpoint(iteration: int, consumed_samples: int, model_chunks,
     model_only = optimizer is None
     state = _state_dict(iteration, consumed_samples, args, model_chunks, optimizer, scheduler,
                         metadata, is_loading=False, with_rng=not model_only,
-                        with_optimizer=not model_only)
+                        with_optimizer=not model_only,
+                        consumed_valid_samples=consumed_valid_samples)
     state[SAVED_WITH_CHECKSUMS] = MANIFEST_FILE
 
     def write(directory: str) -> None:
@@ -493,7 +498,9 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
         raise CheckpointLoadError(error)
     if converted is not None and dist.get_rank() == 0:
         print(f"megatron_dpp: checkpoint {directory}: {converted}", flush=True)
-    return LoadedState(iteration=int(common["iteration"]), consumed_samples=consumed)
+    return LoadedState(iteration=int(common["iteration"]), consumed_samples=consumed,
+                       consumed_valid_samples=int(
+                           getattr(common.get("args"), "consumed_valid_samples", 0) or 0))
 
 
 def _consumed_samples(common: dict) -> int:

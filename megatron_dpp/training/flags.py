@@ -28,15 +28,7 @@ from megatron_dpp.training.wandb_log import save_dir as wandb_save_dir
 # optimization, batch, precision
 # ----------------------------------------------------------------------------------------------
 # Megatron-LM's flags that cannot apply here, by group: flag -> why (flag_errors.py).
-_ONE_SCHEDULE = ("(a learning rate of the input and output embeddings of their own) is not built "
-                 "here: one learning-rate schedule covers every parameter")
-REFUSED_TRAINING_FLAGS: dict[str, str] = {
-    "--decoupled-lr": _ONE_SCHEDULE,
-    "--decoupled-min-lr": _ONE_SCHEDULE,
-    "--grad-reduce-in-bf16": "is not built here: under --bf16 the gradients are accumulated and "
-                             "all-reduced in fp32 (--accumulate-allreduce-grads-in-fp32 holds)",
-    **megatron_lm_flags.REFUSED_TRAINING,
-}
+REFUSED_TRAINING_FLAGS: dict[str, str] = dict(megatron_lm_flags.REFUSED_TRAINING)
 REFUSED_CHECKPOINT_FLAGS: dict[str, str] = {
     "--async-save": "(saving in the background) is not built here: a save is one atomic, "
                     "checksummed transaction that training waits for (README, \"Checkpoints\")",
@@ -79,6 +71,15 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                             "training/batch_ramp.py).")
     group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
     group.add_argument("--min-lr", type=float, default=0.0, help="Learning rate floor of the decay.")
+    group.add_argument("--decoupled-lr", type=float, default=None,
+                       help="A peak learning rate of its own for the input embedding and the "
+                            "output layer (Megatron-Core's is_embedding_or_output_parameter; a "
+                            "tied output layer is the embedding), as Megatron-LM: same schedule, "
+                            "own peak; its floor is --decoupled-min-lr, else --min-lr. The log "
+                            "line adds `decoupled learning rate`.")
+    group.add_argument("--decoupled-min-lr", type=float, default=None,
+                       help="With --decoupled-lr: the floor of its decay (default --min-lr). "
+                            "Without --decoupled-lr it does nothing, as in Megatron-LM.")
     group.add_argument("--lr-decay-style", type=str, default="linear",
                        choices=["constant", "linear", "cosine", "inverse-square-root"],
                        help="Learning rate decay function.")
@@ -156,9 +157,17 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                        help="Accepted for Megatron-LM command lines and always so here: under "
                             "--bf16 and --fp16 the gradients are accumulated and all-reduced in "
-                            "fp32 (Megatron-LM does so for bf16 always, for fp16 with this flag).")
+                            "fp32 (Megatron-LM does so for bf16 unless --grad-reduce-in-bf16, for "
+                            "fp16 with this flag), except under --bf16 --grad-reduce-in-bf16, "
+                            "which wins over it, as in Megatron-LM's validate_args.")
+    group.add_argument("--grad-reduce-in-bf16", action="store_true",
+                       help="Under --bf16, accumulate and all-reduce the gradients in bf16 "
+                            "instead of fp32 (DDP's grad_reduce_in_fp32 off; the optimizer's main "
+                            "parameters stay fp32), as Megatron-LM: half the gradient memory and "
+                            "traffic. Without --bf16 it does nothing, as in Megatron-LM. "
+                            "megatron_dpp.search's memory and cost models still count fp32 "
+                            "gradients.")
     add_refused_flags(group, REFUSED_TRAINING_FLAGS,
-                      taking_a_value=("--decoupled-lr", "--decoupled-min-lr"),
                       taking_values=megatron_lm_flags.REFUSED_TRAINING)
     add_stated_flags(group, megatron_lm_flags.STATED_TRAINING)
     group.add_argument("--calculate-per-token-loss", action="store_true",
@@ -239,6 +248,7 @@ def validate_training_args(args: argparse.Namespace) -> None:
     # schedule's lengths count --global-batch-size's samples, as Megatron-LM's.
     args.num_microbatches = running // per_step
     require(0 <= args.min_lr <= args.lr, f"--min-lr {args.min_lr} must be in [0, --lr]")
+    _validate_decoupled_lr(args)
     _validate_schedule_lengths(args)
     require(args.clip_grad >= 0, f"--clip-grad must be >= 0 (0 disables clipping), got "
                                  f"{args.clip_grad}")
@@ -286,6 +296,25 @@ def interleaved_microbatches_refusal(args: argparse.Namespace, num_microbatches:
                 f"groups of {size}, and the last group would have {last}, fewer than "
                 f"--pipeline-model-parallel-size {pp} (it must be empty or at least that)")
     return None
+
+
+def _validate_decoupled_lr(args: argparse.Namespace) -> None:
+    """--decoupled-lr and its floor in range, as --lr and --min-lr (Megatron-LM checks neither:
+    a floor above the peak would make the decay rise). --decoupled-min-lr alone is accepted and
+    unused, as in Megatron-LM."""
+    for flag, value in (("--decoupled-lr", args.decoupled_lr),
+                        ("--decoupled-min-lr", args.decoupled_min_lr)):
+        require(value is None or value >= 0, f"{flag} must be >= 0, got {value}")
+    if args.decoupled_lr is None:
+        return
+    if args.decoupled_min_lr is None:
+        require(args.min_lr <= args.decoupled_lr,
+                f"--decoupled-lr {args.decoupled_lr} is below its floor --min-lr {args.min_lr} "
+                f"(the default of --decoupled-min-lr); give --decoupled-min-lr")
+    else:
+        require(args.decoupled_min_lr <= args.decoupled_lr,
+                f"--decoupled-min-lr {args.decoupled_min_lr} must be in [0, --decoupled-lr "
+                f"{args.decoupled_lr}]")
 
 
 OPTIMIZERS = ("adam", "sgd")
@@ -465,8 +494,9 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--save", type=str, default=None, help="Directory to save checkpoints to.")
     group.add_argument("--load", type=str, default=None,
                        help="Directory to resume from: a --save directory (its latest checkpoint) "
-                            "or one of its iter_NNNNNNN folders. Without a checkpoint in it, an "
-                            "error, unless it is also --save (the first run starts from scratch).")
+                            "or one of its iter_NNNNNNN folders. Without a checkpoint in it (or "
+                            "not there yet), the run starts from randomly initialized weights, "
+                            "as in Megatron-LM, with a warning unless it is also --save.")
     group.add_argument("--save-interval", type=int, default=None,
                        help="Save a checkpoint every this many iterations (needs --save).")
     add_checkpoint_format_args(group)
@@ -477,7 +507,7 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--exit-on-missing-checkpoint", action="store_true",
                        help="With --load: a --load directory without a checkpoint stops the run "
                             "in one line before it starts, as in Megatron-LM, also where it is "
-                            "--save too (which otherwise starts from scratch).")
+                            "--save too (without the flag such a run starts from scratch).")
     add_refused_flags(group, REFUSED_CHECKPOINT_FLAGS, taking_a_value=("--dist-ckpt-format",),
                       taking_values=megatron_lm_flags.REFUSED_CHECKPOINT)
     add_stated_flags(group, megatron_lm_flags.STATED_CHECKPOINT)
@@ -491,8 +521,8 @@ def validate_checkpoint_args(args: argparse.Namespace) -> None:
         require_output_dir("--save", args.save)
     require(not args.exit_on_missing_checkpoint or args.load is not None,
             "--exit-on-missing-checkpoint needs --load DIR")
-    if args.load is not None:  # the same directory as --save may start from scratch, unless...
-        check_load_dir(args.load, None if args.exit_on_missing_checkpoint else args.save)
+    if args.load is not None:  # without a checkpoint: starts from scratch, unless...
+        check_load_dir(args.load, args.save, args.exit_on_missing_checkpoint)
     check_load_scope_args(args)
 
 

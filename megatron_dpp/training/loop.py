@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
 
 from megatron_dpp.comm.nodes import this_node_rank, use_node_network
 from megatron_dpp.comm.router import RouteError
 from megatron_dpp import kernels
 from megatron_dpp.data.datasets import uses_per_split_paths
 from megatron_dpp.data.iterators import build_data_iterators
-from megatron_dpp.data.tokenizer import build_tokenizer
+from megatron_dpp.data.tokenizer import build_tokenizer, ignored_tiktoken_pattern
 from megatron_dpp.exit_codes import BAD_INPUT, FAILED, OK, SIGNAL_BASE
 from megatron_dpp.kernels import cuda_graphs as cuda_graph_choice
 from megatron_dpp.kernels import install_foreach_multi_tensor_ops, log_kernel_choices
@@ -51,6 +51,7 @@ from megatron_dpp.training.checkpointing import (
     load_checkpoint,
     save_checkpoint,
 )
+from megatron_dpp.training.checkpoint_flags import TRACKER_FILE, same_directory
 from megatron_dpp.training.dist_checkpoint import saved_args
 from megatron_dpp.training.config import (
     TrainingConfig,
@@ -191,7 +192,8 @@ def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSp
     ]
     optimizer_config = optimizer_config_from_args(args)
     attach_timers(optimizer_config, timers, args.barrier_with_L1_time)
-    optimizer = get_megatron_optimizer(optimizer_config, model)
+    overrides = optimizer_config_overrides(optimizer_config)
+    optimizer = get_megatron_optimizer(optimizer_config, model, config_overrides=overrides)
     kernels.set_torch_adam_implementation(optimizer,
                                           fused=kernels.torch_fused_adam(args.optimizer))
     install_sgd_state_init(optimizer)  # --optimizer sgd: what a torch_dist load calls
@@ -199,6 +201,18 @@ def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSp
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     return config, model, optimizer
+
+
+def optimizer_config_overrides(optimizer_config) -> dict:
+    """Megatron-Core's default param-group overrides, --decoupled-lr's group marked
+    is_decoupled_lr: 0.16.1's optimizer load tells the saved groups apart by (wd_mult, lr_mult,
+    is_expert_parallel, is_decoupled_lr) only, and would take the decoupled group's state for the
+    default group's (a resume fails on their sizes)."""
+    overrides = get_standard_config_overrides(optimizer_config)
+    for override in overrides.values():
+        if "max_lr" in override:  # the decoupled one (is_embedding_or_output_parameter)
+            override["is_decoupled_lr"] = True
+    return overrides
 
 
 def log_model_size(config, chunks: list) -> int:
@@ -640,6 +654,14 @@ def _write_tensorboard(trainer: Trainer, reduced, grad_norm, params_norm) -> Non
         params_norm=params_norm)
 
 
+def _decoupled_lr(trainer: Trainer) -> float:
+    """--decoupled-lr's rate now, as Megatron-LM logs it: of the param group whose max_lr it
+    overrides (Megatron-Core's default_config False; every rank has it, empty or not)."""
+    group = next(group for group in trainer.optimizer.param_groups
+                 if not group.get("default_config", True))
+    return trainer.scheduler.get_lr(group)
+
+
 def _format_iteration(trainer: Trainer, reduced, grad_norm, params_norm, elapsed_ms: float,
                       skipped: int) -> str:
     train = trainer.train
@@ -656,6 +678,8 @@ def _format_iteration(trainer: Trainer, reduced, grad_norm, params_norm, elapsed
         fields.append(f"throughput per GPU (TFLOP/s/GPU): {shown}")
     fields += [
         f"learning rate: {trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]):.6E}",
+        *([f"decoupled learning rate: {_decoupled_lr(trainer):.6E}"]
+          if train.decoupled_lr is not None else []),
         f"global batch size: {trainer.last_global_batch_size:5d}",
         f"lm loss: {loss:.10E}",
         *(f"{name}: {value:.10E}" for name, (value, _count) in reduced.items() if name != LM_LOSS),
@@ -731,16 +755,28 @@ def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec,
         torch.use_deterministic_algorithms(True)
         log_rank0(" deterministic mode: torch's deterministic algorithms and Megatron-Core's "
                   "deterministic_mode are on")
+    # A --load without a checkpoint starts from scratch (Megatron-LM's), --save or not, unless
+    # --exit-on-missing-checkpoint: find_checkpoint's directory that may hold none yet.
+    may_hold_none = None if args.exit_on_missing_checkpoint else args.load
     try:  # before the slow setup: a damaged checkpoint fails in seconds
-        checkpoint = find_checkpoint(args.load, args.save) if args.load is not None else None
+        checkpoint = find_checkpoint(args.load, may_hold_none) if args.load is not None else None
     except CheckpointLoadError as error:  # the same one line on every rank: rank 0 says it
         say_failure(f"megatron_dpp: error: {error}", exit_code=BAD_INPUT,
                     printed=dist.get_rank() == 0)
         return BAD_INPUT
     if args.load is not None and checkpoint is None:
-        what = ("the model is evaluated as initialized" if args.skip_train
-                else "training starts from scratch")
-        log_rank0(f" no checkpoint in {args.load} yet (it is also --save): {what}")
+        if same_directory(args.load, args.save):
+            what = ("the model is evaluated as initialized" if args.skip_train
+                    else "training starts from scratch")
+            log_rank0(f" no checkpoint in {args.load} yet (it is also --save): {what}")
+        elif dist.get_rank() == 0:  # Megatron-LM's warning, in one line
+            print(f"megatron_dpp: warning: could not find the metadata file "
+                  f"{os.path.join(args.load, TRACKER_FILE)}: will not load any checkpoint, "
+                  f"the model starts from randomly initialized weights (--exit-on-missing-"
+                  f"checkpoint stops instead)", file=sys.stderr, flush=True)
+    ignored = ignored_tiktoken_pattern(args.tokenizer_type, getattr(args, "tiktoken_pattern", None))
+    if ignored is not None and dist.get_rank() == 0:
+        print(f"megatron_dpp: warning: {ignored}", file=sys.stderr, flush=True)
     log_kernel_choices(args, log_rank0)  # one `kernels:` line per optional kernel or backend
     if args.unused_optimizer_flags:
         log_rank0(f" {', '.join(args.unused_optimizer_flags)}: Adam's, unused by --optimizer "

@@ -38,6 +38,10 @@ _COMPARED = {
     "end_wd": "--weight-decay",
     "wd_incr_steps": "weight-decay samples (the training's length)",
     "wd_incr_style": "weight-decay style",
+    # Ours only (state_dict): the decoupled groups' max_lr/min_lr live in the optimizer's
+    # param groups, which a load restores without a check.
+    "decoupled_lr": "--decoupled-lr",
+    "decoupled_min_lr": "--decoupled-min-lr",
 }
 # Megatron-Core's older names for the same values (its load_state_dict reads them too).
 _OLD_NAMES = {"start_lr": "max_lr", "warmup_iter": "lr_warmup_steps",
@@ -65,15 +69,31 @@ class SampleSchedule(OptimizerParamScheduler):
             use_checkpoint_opt_param_scheduler=not train.override_opt_param_scheduler,
             override_opt_param_scheduler=train.override_opt_param_scheduler)
         self.keep_checkpoint_schedule = train.use_checkpoint_opt_param_scheduler
+        # --decoupled-lr's peak and floor (None: off; the floor defaults to --min-lr, as
+        # Megatron-Core's param groups; --decoupled-min-lr alone does nothing).
+        self.decoupled_lr = train.decoupled_lr
+        self.decoupled_min_lr = None if train.decoupled_lr is None else (
+            train.min_lr if train.decoupled_min_lr is None else train.decoupled_min_lr)
+
+    def state_dict(self) -> dict:
+        # Megatron-Core's load_state_dict (and Megatron-LM's) reads only its own keys.
+        return {**super().state_dict(), "decoupled_lr": self.decoupled_lr,
+                "decoupled_min_lr": self.decoupled_min_lr}
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
+        if not self.override_opt_param_scheduler and "decoupled_lr" in state_dict:
+            # The checkpoint's, as its param groups (restored with the optimizer) hold them.
+            self.decoupled_lr = state_dict["decoupled_lr"]
+            self.decoupled_min_lr = state_dict.get("decoupled_min_lr")
         if self.override_opt_param_scheduler:
             # The rate is computed from each parameter group's own max_lr and min_lr, which the
             # optimizer's checkpoint restored: the flags must win there too (Megatron-LM leaves
             # them, and its override changes nothing of the peak or the floor: its issue #1138).
             for group in self.optimizer.param_groups:
-                group["max_lr"], group["min_lr"] = self.max_lr, self.min_lr
+                decoupled = self.decoupled_lr is not None and not group.get("default_config", True)
+                group["max_lr"], group["min_lr"] = ((self.decoupled_lr, self.decoupled_min_lr)
+                                                    if decoupled else (self.max_lr, self.min_lr))
             self.step(0)
 
     def step_after_update(self, global_batch_size: int) -> None:
