@@ -142,7 +142,8 @@ BAD_FLAGS = {
                           f"--save {A_FILE}/checkpoints: cannot create it in {A_FILE}"),
     "load_is_a_file": (["--load", A_FILE], 1,
                        f"--load {A_FILE} is not a directory; point it at a --save directory"),
-    "load_missing": (["--load", "/nonexistent/checkpoints"], 1,
+    # (without --exit-on-missing-checkpoint: Megatron-LM's warning, and random weights)
+    "load_missing": (["--load", "/nonexistent/checkpoints", "--exit-on-missing-checkpoint"], 1,
                      "--load /nonexistent/checkpoints: no such directory"),
     "trace_dir_is_a_file": (["--pipeline-model-parallel-size", "2", "--trace", "--trace-dir", A_FILE],
                             2, f"--trace-dir {A_FILE} exists and is not a directory"),
