@@ -1,4 +1,4 @@
-"""The exit codes of a training process, in one place (README "When a rank or a node fails",
+"""The exit codes of a training process, in one place (docs/running.md "Exit codes",
 docs/multinode.md). Standard library only: the launchers' helpers read it without torch.
 
 A launcher script (megatron_dpp.rank_launcher around torchrun) ends with the code of the rank that

@@ -31,7 +31,7 @@ from megatron_dpp.training.wandb_log import save_dir as wandb_save_dir
 REFUSED_TRAINING_FLAGS: dict[str, str] = dict(megatron_lm_flags.REFUSED_TRAINING)
 REFUSED_CHECKPOINT_FLAGS: dict[str, str] = {
     "--async-save": "(saving in the background) is not built here: a save is one atomic, "
-                    "checksummed transaction that training waits for (README, \"Checkpoints\")",
+                    "checksummed transaction that training waits for (docs/checkpoints.md)",
     "--no-save-optim": "is not built here: a checkpoint always holds the optimizer's state "
                        "(--no-load-optim leaves it out at --load)",
     "--no-save-rng": "is not built here: a checkpoint always holds the RNG states "
