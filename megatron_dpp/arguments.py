@@ -23,6 +23,7 @@ from megatron_dpp.data import flags as data_flags
 from megatron_dpp.exit_codes import BAD_INPUT
 from megatron_dpp.flag_errors import ArgsError, check_refused_flags, check_stated_flags, require
 from megatron_dpp.kernels import install_warning_filters
+from megatron_dpp.mcore.version import installed_version, version_obstacle
 from megatron_dpp.models import families
 from megatron_dpp.models import megatron_lm_flags as model_megatron_lm_flags
 from megatron_dpp.models.flags import (REFUSED_MODEL_FLAGS, REFUSED_PARALLEL_FLAGS, add_model_args,
@@ -51,6 +52,12 @@ STATED_FLAGS = {**model_megatron_lm_flags.STATED_MODEL, **model_megatron_lm_flag
                 **training_megatron_lm_flags.STATED_LOGGING, **data_flags.megatron_lm_flags.STATED_DATA}
 # The tokenizers some model trains with; each model's own are in models/families.py.
 TOKENIZER_TYPES = families.TOKENIZER_TYPES
+
+
+def validate_megatron_core_version(args: argparse.Namespace) -> None:
+    """The version gate, first: an unsupported megatron-core is one line before anything runs."""
+    obstacle = version_obstacle(installed_version())
+    require(obstacle is None, obstacle)
 
 
 def validate_refused_args(args: argparse.Namespace) -> None:
@@ -152,7 +159,8 @@ def _validate_model_args(args: argparse.Namespace) -> None:
 def validate_args(args: argparse.Namespace) -> None:
     """Check and complete `args` in place; raises ArgsError. Creates no process group. The model's
     checks run before the shared ones (the data checks need the model's tokenizer default)."""
-    for validate in [validate_refused_args, _validate_model_args, *VALIDATORS]:
+    for validate in [validate_megatron_core_version, validate_refused_args, _validate_model_args,
+                     *VALIDATORS]:
         validate(args)
 
 

@@ -29,6 +29,9 @@ FORBIDDEN = {
     # The search prices layouts (pipeline, sim) and measures layers (models) and links (comm);
     # it never runs training.
     "search": {"runtime", "training"},
+    # The seam to Megatron-Core's internals is a leaf: standard library, torch and megatron.core.
+    "mcore": {"pipeline", "sim", "comm", "runtime", "trace", "models", "training", "data",
+              "search", "arguments", "platform", "kernels"},
 }
 
 
