@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "TransformerLayer forward (0: off)")
     run.add_argument("--compare-rng-fork", type=_non_negative, default=0, metavar="ROUNDS",
                      help="the same with core attention's dropout RNG fork "
-                          "(megatron_dpp.models.rng_fork) against Megatron-Core's tracker fork; "
+                          "(megatron_dpp.mcore.rng) against Megatron-Core's tracker fork; "
                           "on the CPU Megatron's fork also filters a warning a GPU never logs, so "
                           "the CPU overstates the saving (0: off)")
     run.add_argument("--compare-bias-in-products", type=_non_negative, default=0,
@@ -541,12 +541,13 @@ def _switch_layers(trainer):
 
 
 def _switch_rng_fork(trainer):
-    """Core attention's dropout fork (models.rng_fork) against Megatron-Core's tracker fork. On the
+    """Core attention's dropout fork (mcore.rng) against Megatron-Core's tracker fork. On the
     CPU Megatron's fork also runs megatron_dpp.platform's filter of its CPU-state warning, which a
     GPU does not: the CPU overstates what the GPU saves."""
     from megatron.core import tensor_parallel
 
-    from megatron_dpp.models import rng_fork, sdpa_attention
+    from megatron_dpp.mcore import rng as rng_fork
+    from megatron_dpp.models import sdpa_attention
 
     attentions = [module for chunk in trainer.model for module in chunk.modules()
                   if isinstance(module, sdpa_attention.SdpaCoreAttention) and module.dropout_p > 0]

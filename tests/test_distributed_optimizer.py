@@ -7,7 +7,7 @@ or Transformer Engine):
   --overlap-param-gather, --use-dpp at pp=2 x dp=2 (with --delay-param-gather) gives Megatron's
   1F1B's losses bit for bit;
 - a run saved at iteration 3 resumes to the uninterrupted run's losses bit for bit, through both
-  checkpoint formats (training/distributed_optimizer_compat.py: what Megatron-Core 0.16.1's
+  checkpoint formats (mcore/distributed_optimizer.py: what Megatron-Core 0.16.1's
   loads get wrong with torch's Adam; before it, torch_dist's load failed and the resumed updates
   drifted from iteration 5 on);
 - a torch_dist checkpoint of dp=2 resumes at dp=1, pp=2 with --use-dpp, and tp=2 (its state

@@ -1,4 +1,4 @@
-"""Our DistributedDataParallel (megatron_dpp.training.gradient_hooks): Megatron-Core's, whose
+"""Our DistributedDataParallel (megatron_dpp.mcore.ddp): Megatron-Core's, whose
 per-parameter backward hook, where it has only the accumulation to do, does only that. In one
 process (tp = pp = dp = 1, gloo):
 
@@ -80,7 +80,7 @@ def _accumulate_two_micro_batches(ddp) -> torch.Tensor:
 def test_the_same_gradients_as_megatrons_hook(megatron, overlap):
     from megatron.core.distributed import DistributedDataParallel as Megatrons
 
-    from megatron_dpp.training.gradient_hooks import DistributedDataParallel
+    from megatron_dpp.mcore.ddp import DistributedDataParallel
 
     config = _config()
     theirs = _accumulate_two_micro_batches(_ddp(Megatrons, config, overlap_grad_reduce=overlap))
@@ -94,7 +94,7 @@ def test_the_same_gradients_as_megatrons_hook(megatron, overlap):
 
 
 def test_megatrons_hook_where_it_has_more_to_do(megatron):
-    from megatron_dpp.training.gradient_hooks import DistributedDataParallel, accumulation_only
+    from megatron_dpp.mcore.ddp import DistributedDataParallel, accumulation_only
 
     ddp = _ddp(DistributedDataParallel, _config())
     param = next(ddp.parameters())

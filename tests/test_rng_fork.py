@@ -1,4 +1,4 @@
-"""megatron_dpp.models.rng_fork: the model-parallel RNG fork of core attention's dropout.
+"""megatron_dpp.mcore.rng: the model-parallel RNG fork of core attention's dropout.
 
 - the same dropout masks as Megatron-Core's `get_cuda_rng_tracker().fork()`, call after call, and
   the same tracker and default-generator states afterwards, bit for bit;
@@ -69,7 +69,7 @@ def _assert_same_states(a, b):
 
 
 def test_fork_draws_what_megatrons_fork_draws(tracker):
-    from megatron_dpp.models.rng_fork import model_parallel_rng
+    from megatron_dpp.mcore.rng import model_parallel_rng
 
     start = _snapshot(tracker)
     expected = _draws(lambda: tracker.fork())
@@ -130,7 +130,7 @@ def test_sdpa_attention_with_dropout_equals_megatrons_fork(tracker, monkeypatch)
 
 
 def test_an_exception_inside_restores_the_states(tracker):
-    from megatron_dpp.models.rng_fork import MODEL_PARALLEL_STREAM, model_parallel_rng
+    from megatron_dpp.mcore.rng import MODEL_PARALLEL_STREAM, model_parallel_rng
 
     default_before = torch.get_rng_state()
     stream_before = tracker.get_states()[MODEL_PARALLEL_STREAM].clone()
@@ -148,7 +148,7 @@ def test_checkpointed_recompute_replays_the_mask(tracker):
     dropout in the recompute must draw the forward's mask, or the gradient would be wrong."""
     from megatron.core import tensor_parallel
 
-    from megatron_dpp.models.rng_fork import model_parallel_rng
+    from megatron_dpp.mcore.rng import model_parallel_rng
 
     def function(x):
         with model_parallel_rng(DEVICE):
@@ -172,7 +172,7 @@ def test_checkpointed_recompute_replays_the_mask(tracker):
 def test_megatrons_fork_where_states_are_not_plain(tracker, monkeypatch, case):
     from megatron.core.tensor_parallel import random as megatron_random
 
-    from megatron_dpp.models import rng_fork
+    from megatron_dpp.mcore import rng as rng_fork
 
     if case == "graph-safe states":
         monkeypatch.setattr(tracker, "use_cudagraphable_rng", True)

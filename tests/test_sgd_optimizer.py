@@ -1,6 +1,6 @@
 """--optimizer sgd (Megatron-LM's, with --sgd-momentum): trains, the dynamic schedule matches
 Megatron's, and a checkpoint in either format resumes the uninterrupted run (Megatron-Core gives
-SGD no state initializer, which its torch_dist load needs: training/sgd_state.py); its zero
+SGD no state initializer, which its torch_dist load needs: mcore/sgd_state.py); its zero
 momentum buffers change no step."""
 import tempfile
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _train_util import run_training
-from megatron_dpp.training.sgd_state import init_sgd_momentum
+from megatron_dpp.mcore.sgd_state import init_sgd_momentum
 
 SGD = ["--optimizer", "sgd", "--lr", "0.05", "--min-lr", "0.005"]
 

@@ -23,7 +23,7 @@ SEAMS: dict[tuple[str, str], str] = {
     ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator._communicate"):
         "comm/megatron_p2p.py overrides it: Megatron's schedules over a Transport",
     ("megatron.core.distributed", "DistributedDataParallel._make_backward_post_hook"):
-        "training/gradient_hooks.py overrides it: a hook that only accumulates",
+        "mcore/ddp.py overrides it: a hook that only accumulates",
     ("megatron.core.transformer.cuda_graphs", "_CudagraphGlobalRecord.cudagraph_created"):
         "training/loop.py writes it: evaluation runs eagerly under --cuda-graph-impl local",
     ("megatron.core.fusions.fused_bias_dropout", "_bias_dropout_add_func"):
@@ -33,9 +33,9 @@ SEAMS: dict[tuple[str, str], str] = {
     ("megatron.core.transformer.attention", "SplitAlongDim"):
         "models/direct_layer.py reads it: the QKV split Megatron uses",
     ("megatron.core.tensor_parallel.random", "_MODEL_PARALLEL_RNG_TRACKER_NAME"):
-        "models/rng_fork.py reads it: the model-parallel stream's name",
+        "mcore/rng.py reads it: the model-parallel stream's name",
     ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker"):
-        "models/rng_fork.py reads and writes its _current_state_name and states_",
+        "mcore/rng.py reads and writes its _current_state_name and states_",
     ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"):
         "platform.py rebinds it on CPU (CPU generator states)",
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"):
@@ -57,15 +57,15 @@ SEAMS: dict[tuple[str, str], str] = {
         "platform.py wraps it on CPU (send_tensor.cuda())",
     ("megatron.core.optimizer.distrib_optimizer",
      "DistributedOptimizer.load_parameter_state_from_fully_reshardable"):
-        "training/distributed_optimizer_compat.py rebinds it (torch Adam's state keys)",
+        "mcore/distributed_optimizer.py rebinds it (torch Adam's state keys)",
     ("megatron.core.optimizer.distrib_optimizer",
      "DistributedOptimizer.load_parameter_state_from_dp_reshardable"):
-        "training/distributed_optimizer_compat.py relies on its state layout",
+        "mcore/distributed_optimizer.py relies on its state layout",
     ("megatron.core.optimizer.distrib_optimizer",
      "DistributedOptimizer.get_parameter_state_dp_reshardable"):
-        "training/distributed_optimizer_compat.py reads its entries' padding",
+        "mcore/distributed_optimizer.py reads its entries' padding",
     ("megatron.core.optimizer.distrib_optimizer", "HAVE_APEX_OR_TE"):
-        "training/distributed_optimizer_compat.py reads it: the torch-Adam-only fixes",
+        "mcore/distributed_optimizer.py reads it: the torch-Adam-only fixes",
     ("megatron.core.optimizer.grad_scaler", "DynamicGradScaler.load_state_dict"):
         "platform.py wraps it on CPU (.cuda(current_device()))",
     ("megatron.core.models.bert.bert_model",
@@ -137,7 +137,7 @@ FINGERPRINTS: dict[tuple[str, str], str] = {
     ("megatron.core.optimizer_param_scheduler", "OptimizerParamScheduler.load_state_dict"):
         "fa5a92a1d788",
     ("megatron.core.datasets.gpt_dataset", "GPTDataset._get_num_epochs"): "a5f257e4925a",
-    ("megatron.core.datasets.bert_dataset", "BERTMaskedWordPieceDataset._build_sample_index"):
+    ("megatron.core.datasets.masked_dataset", "MaskedWordPieceDataset._build_sample_index"):
         "fc23752ea60a",
     ("megatron.core.models.bert.bert_model",
      "BertModel._sanity_check_attention_and_get_attn_mask_dimension"): "d60c870eedb7",

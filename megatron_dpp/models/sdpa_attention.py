@@ -27,7 +27,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
 from megatron_dpp import kernels
-from megatron_dpp.models.rng_fork import model_parallel_rng
+from megatron_dpp.mcore.rng import model_parallel_rng
 
 
 class SdpaCoreAttention(MegatronModule):

@@ -44,7 +44,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_dpp.models.pipeline_split import PipelineSplit
-from megatron_dpp.training import distributed_optimizer_compat, lr_schedule
+from megatron_dpp.mcore import distributed_optimizer
+from megatron_dpp.training import lr_schedule
 from megatron_dpp.training.checkpoint_flags import (
     CHECKPOINT_FORMATS,
     TRACKER_FILE,
@@ -173,8 +174,8 @@ def _load_optimizer_state(optimizer, states: list[dict]) -> None:
         if "param_state" in entry:
             with torch.no_grad():  # in fp32 the main parameters are views of the model's
                 sub.load_parameter_state_from_dp_reshardable(
-                    distributed_optimizer_compat.flagged_unpadded(entry["param_state"]))
-    distributed_optimizer_compat.after_load(optimizer)
+                    distributed_optimizer.flagged_unpadded(entry["param_state"]))
+    distributed_optimizer.after_load(optimizer)
 
 
 def _rank_file_name(rank: int) -> str:

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_dpp.training import distributed_optimizer_compat, lr_schedule
+from megatron_dpp.mcore import distributed_optimizer
+from megatron_dpp.training import lr_schedule
 from megatron_dpp.training.checkpoint_flags import TRACKER_FILE, LoadScope
 from megatron_dpp.training.checkpoint_integrity import (MANIFEST_FILE, SAVED_WITH_CHECKSUMS,
                                                         missing_manifest)
@@ -451,7 +452,7 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
                 f"--use-distributed-optimizer; resume the same way, or add --no-load-optim")
         with _errors_as(f"checkpoint {directory}: building this run's state dict"):
             if scope.optimizer:
-                distributed_optimizer_compat.before_sharded_load(optimizer)
+                distributed_optimizer.before_sharded_load(optimizer)
             # RNG states are per (pipeline, tensor) rank: restored at the saving layout only.
             run_state = _state_dict(int(common["iteration"]), 0, None, model_chunks, optimizer,
                                     scheduler, run_metadata, is_loading=True,
@@ -484,7 +485,7 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
                 unwrap(chunk).load_state_dict(loaded[_model_key(i, len(model_chunks))], strict=True)
             if scope.optimizer:
                 optimizer.load_state_dict(loaded["optimizer"])
-                distributed_optimizer_compat.after_load(optimizer)
+                distributed_optimizer.after_load(optimizer)
                 scheduler.load_state_dict(schedule)
             else:  # fp32 main parameters (bf16/fp16) from the loaded model, as Megatron-LM
                 optimizer.reload_model_params()

@@ -66,10 +66,10 @@ from megatron_dpp.training.config import (
 from megatron_dpp.training.pipeline import build_forward_backward, close_forward_backward
 from megatron_dpp.training.profiler_window import make_profiler
 from megatron_dpp.training.failures import exit_for_lost_peer, is_lost_peer_error, peer_heartbeat
-from megatron_dpp.training.gradient_hooks import DistributedDataParallel
+from megatron_dpp.mcore.ddp import DistributedDataParallel
 from megatron_dpp.training.lr_schedule import SampleSchedule
 from megatron_dpp.training.params_norm import params_l2_norm
-from megatron_dpp.training.sgd_state import install_sgd_state_init
+from megatron_dpp.mcore.sgd_state import install_sgd_state_init
 from megatron_dpp.training.signals import AgreedStop, StopSignals
 from megatron_dpp.training.tensorboard_log import TensorBoardLog
 from megatron_dpp.training.timers import (DATA_SETUP, EVALUATE, LOAD_CHECKPOINT, MODEL_SETUP,
