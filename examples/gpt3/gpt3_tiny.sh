@@ -16,6 +16,9 @@ TRAINING_ARGS=(
   --micro-batch-size 2 --global-batch-size 16 --train-iters 60
   --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 5
   --weight-decay 0.01 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95 --seed 1234
+  # The data loads in each rank's own process: on a few CPU cores, loader workers (Megatron-LM's
+  # default 2) only take time from the ranks.
+  --num-workers 0
 )
 LOGGING_ARGS=(
   --log-interval 5 --eval-interval 30 --eval-iters 2
