@@ -98,7 +98,7 @@ def test_graphs_off_are_suggested_only_where_they_could_run(flags, monkeypatch):
 def test_evaluation_lowers_the_graphs_created_flag_and_restores_it(impl, monkeypatch):
     from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
 
-    from megatron_dpp.training.loop import eager_layers
+    from megatron_dpp.mcore.cudagraphs import eager_layers
 
     monkeypatch.setattr(_CudagraphGlobalRecord, "cudagraph_created", True)
     config = argparse.Namespace(cuda_graph_impl=impl)

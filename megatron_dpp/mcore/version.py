@@ -25,7 +25,7 @@ SEAMS: dict[tuple[str, str], str] = {
     ("megatron.core.distributed", "DistributedDataParallel._make_backward_post_hook"):
         "mcore/ddp.py overrides it: a hook that only accumulates",
     ("megatron.core.transformer.cuda_graphs", "_CudagraphGlobalRecord.cudagraph_created"):
-        "training/loop.py writes it: evaluation runs eagerly under --cuda-graph-impl local",
+        "mcore/cudagraphs.py writes it: evaluation runs eagerly under --cuda-graph-impl local",
     ("megatron.core.fusions.fused_bias_dropout", "_bias_dropout_add_func"):
         "models/direct_layer.py calls it: bias-dropout-add without the closures",
     ("megatron.core.transformer.attention", "_yarn_get_concentration_factor_from_config"):

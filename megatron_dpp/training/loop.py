@@ -66,6 +66,7 @@ from megatron_dpp.training.config import (
 from megatron_dpp.training.pipeline import build_forward_backward, close_forward_backward
 from megatron_dpp.training.profiler_window import make_profiler
 from megatron_dpp.training.failures import exit_for_lost_peer, is_lost_peer_error, peer_heartbeat
+from megatron_dpp.mcore.cudagraphs import eager_layers
 from megatron_dpp.mcore.ddp import DistributedDataParallel
 from megatron_dpp.training.lr_schedule import SampleSchedule
 from megatron_dpp.training.params_norm import params_l2_norm
@@ -114,26 +115,6 @@ def set_seeds(seed: int, cuda_graphs: bool = False) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs)
-
-
-@contextlib.contextmanager
-def eager_layers(config):
-    """Evaluation with --cuda-graph-impl local: the layers' graphs were captured in training mode,
-    dropout on, and replaying them would apply it. Megatron-Core's CudaGraphManager runs a layer
-    eagerly in eval mode while no graph has been created (its _CudagraphGlobalRecord's flag), so
-    the flag is lowered for the evaluation and restored after; its schedule's create_cudagraphs()
-    at the end of the forward-only pass then finds nothing recorded and does nothing."""
-    if getattr(config, "cuda_graph_impl", "none") != "local":
-        yield
-        return
-    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
-
-    created = _CudagraphGlobalRecord.cudagraph_created
-    _CudagraphGlobalRecord.cudagraph_created = False
-    try:
-        yield
-    finally:
-        _CudagraphGlobalRecord.cudagraph_created = created
 
 
 def is_logging_rank() -> bool:
