@@ -417,7 +417,25 @@ def _sentencepiece_model(tokenizer_type: str, model_file: str):
                              f"{str(error).splitlines()[0]}") from None
 
 
-class Llama2Tokenizer:
+class _SentencePieceVocabulary:
+    """The vocabulary of a SentencePiece model in self._model (self._vocab: None until read)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self._model.vocab_size()
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        if self._vocab is None:
+            self._vocab = {self._model.id_to_piece(i): i for i in range(self.vocab_size)}
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return {index: piece for piece, index in self.vocab.items()}
+
+
+class Llama2Tokenizer(_SentencePieceVocabulary):
     """Llama 2's SentencePiece model as Megatron-LM's Llama2Tokenizer reads it: a document's tokens
     start with the model's BOS id, its EOS id is the end-of-document token (what --append-eod
     appends, and eod for the dataset's masks), and the vocabulary is the model's pieces."""
@@ -433,20 +451,6 @@ class Llama2Tokenizer:
         # GPTDataset hashes these into its index-cache file names (json.dumps of the config).
         self.unique_identifiers = OrderedDict(
             [("class", type(self).__name__), ("tokenizer_path", [model_file])])
-
-    @property
-    def vocab_size(self) -> int:
-        return self._model.vocab_size()
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        if self._vocab is None:
-            self._vocab = {self._model.id_to_piece(i): i for i in range(self.vocab_size)}
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return {index: piece for piece, index in self.vocab.items()}
 
     @property
     def bos(self) -> int:
@@ -474,7 +478,7 @@ class Llama2Tokenizer:
         return self._model.decode([int(i) for i in ids])
 
 
-class GPTSentencePieceTokenizer(_EndOfDocument):
+class GPTSentencePieceTokenizer(_SentencePieceVocabulary, _EndOfDocument):
     """A SentencePiece model as Megatron-LM's GPTSentencePieceTokenizer reads it: a text's ids are
     the model's own (no BOS, no EOS added), its EOS id is the end-of-document token (what
     --append-eod appends, and eod for the dataset's masks), bos and pad are the model's ids (-1
@@ -491,20 +495,6 @@ class GPTSentencePieceTokenizer(_EndOfDocument):
         # GPTDataset hashes these into its index-cache file names (json.dumps of the config).
         self.unique_identifiers = OrderedDict(
             [("class", type(self).__name__), ("tokenizer_path", [model_file])])
-
-    @property
-    def vocab_size(self) -> int:
-        return self._model.vocab_size()
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        if self._vocab is None:
-            self._vocab = {self._model.id_to_piece(i): i for i in range(self.vocab_size)}
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return {index: piece for piece, index in self.vocab.items()}
 
     @property
     def bos(self) -> int:
