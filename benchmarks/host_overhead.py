@@ -107,12 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
                           f"({DEFAULT['timed_iterations']})")
     run.add_argument("--compare-linears", type=_non_negative, default=0, metavar="ROUNDS",
                      help="also time our iteration with our direct linear layers "
-                          "(megatron_dpp.models.direct_linear) against Megatron-Core's own "
+                          "(megatron_dpp.mcore.direct_linear) against Megatron-Core's own "
                           "forward, alternating in one process for ROUNDS rounds (order "
                           "swapped every round); reports the per-round ratio (0: off)")
     run.add_argument("--compare-layers", type=_non_negative, default=0, metavar="ROUNDS",
                      help="the same with our direct transformer layer "
-                          "(megatron_dpp.models.direct_layer) against Megatron-Core's "
+                          "(megatron_dpp.mcore.direct_layer) against Megatron-Core's "
                           "TransformerLayer forward (0: off)")
     run.add_argument("--compare-rng-fork", type=_non_negative, default=0, metavar="ROUNDS",
                      help="the same with core attention's dropout RNG fork "
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "bias-dropout-add without its closures and grad handler) against "
                           "Megatron's calls (0: off)")
     run.add_argument("--compare-fused-adam", type=_non_negative, default=0, metavar="ROUNDS",
-                     help="the same with torch's fused AdamW (kernels.set_torch_adam_implementation, our choice "
+                     help="the same with torch's fused AdamW (mcore/optimizer.py set_torch_adam_implementation, our choice "
                           "on a GPU) against torch's foreach AdamW, its default on a GPU (0: off)")
     run.add_argument("--compiled-fusions", action="store_true",
                      help="ours with Megatron-Core's bias-gelu and bias-dropout-add fusions on, as "
@@ -325,12 +325,12 @@ def _counting(counter: Counter):
         counter.mark_host(state)
         return state
 
-    # On the CPU, megatron_dpp.platform gives Megatron-Core's modules a `torch` stand-in whose
+    # On the CPU, megatron_dpp.mcore.cpu_patches gives Megatron-Core's modules a `torch` stand-in whose
     # factories turn device="cuda" into "cpu": such a call asks for the device.
-    stand_in = getattr(sys.modules.get("megatron_dpp.platform"), "_CPU_TORCH", None)
+    stand_in = getattr(sys.modules.get("megatron_dpp.mcore.cpu_patches"), "_CPU_TORCH", None)
     saved = {}
     if stand_in is not None:
-        from megatron_dpp.platform import _is_cuda_device
+        from megatron_dpp.mcore.cpu_patches import _is_cuda_device
 
         saved = {name: stand_in.__dict__.get(name) for name in ("get_rng_state", "tensor")}
         factory = getattr(stand_in, "tensor")
@@ -513,9 +513,9 @@ def _force_compiled_fusions() -> None:
 
 
 def _switch_linears(trainer):
-    """The direct linear layers (models.direct_linear) against Megatron-Core's forward of the same
+    """The direct linear layers (mcore.direct_linear) against Megatron-Core's forward of the same
     layers: `multiplies_directly` switched off."""
-    from megatron_dpp.models.direct_linear import DIRECT_CLASSES
+    from megatron_dpp.mcore.direct_linear import DIRECT_CLASSES
 
     layers = [module for chunk in trainer.model for module in chunk.modules()
               if isinstance(module, tuple(DIRECT_CLASSES.values())) and module.multiplies_directly]
@@ -527,9 +527,9 @@ def _switch_linears(trainer):
 
 
 def _switch_layers(trainer):
-    """The direct transformer layer (models.direct_layer) against Megatron-Core's TransformerLayer
+    """The direct transformer layer (mcore.direct_layer) against Megatron-Core's TransformerLayer
     forward: `runs_directly` switched off."""
-    from megatron_dpp.models.direct_layer import DirectTransformerLayer
+    from megatron_dpp.mcore.direct_layer import DirectTransformerLayer
 
     layers = [module for chunk in trainer.model for module in chunk.modules()
               if isinstance(module, DirectTransformerLayer) and module.runs_directly]
@@ -542,7 +542,7 @@ def _switch_layers(trainer):
 
 def _switch_rng_fork(trainer):
     """Core attention's dropout fork (mcore.rng) against Megatron-Core's tracker fork. On the
-    CPU Megatron's fork also runs megatron_dpp.platform's filter of its CPU-state warning, which a
+    CPU Megatron's fork also runs megatron_dpp.mcore.cpu_patches's filter of its CPU-state warning, which a
     GPU does not: the CPU overstates what the GPU saves."""
     from megatron.core import tensor_parallel
 
@@ -562,10 +562,10 @@ def _switch_rng_fork(trainer):
 
 
 def _switch_bias_in_products(trainer):
-    """The direct layer's linears with their bias in the GEMM (models.direct_linear's
+    """The direct layer's linears with their bias in the GEMM (mcore.direct_linear's
     bias_in_product) against the product and a separate addition, as Megatron-Core's linear
     function computes them: `bias_in_products` switched off."""
-    from megatron_dpp.models.direct_layer import DirectTransformerLayer
+    from megatron_dpp.mcore.direct_layer import DirectTransformerLayer
 
     layers = [module for chunk in trainer.model for module in chunk.modules()
               if isinstance(module, DirectTransformerLayer) and module.bias_in_products]
@@ -577,10 +577,10 @@ def _switch_bias_in_products(trainer):
 
 
 def _switch_layer_calls(trainer):
-    """The direct layer's shortened calls (models.direct_layer) against Megatron's: its __call__
+    """The direct layer's shortened calls (mcore.direct_layer) against Megatron's: its __call__
     (CUDA-graph checks), IdentityOp q/k norm calls, bias-dropout-add through its closures and
     torch.enable_grad."""
-    from megatron_dpp.models.direct_layer import DirectTransformerLayer
+    from megatron_dpp.mcore.direct_layer import DirectTransformerLayer
 
     layers = [module for chunk in trainer.model for module in chunk.modules()
               if isinstance(module, DirectTransformerLayer) and module.runs_directly]
@@ -598,9 +598,9 @@ def _switch_layer_calls(trainer):
 
 
 def _switch_fused_adam(trainer):
-    """torch's fused AdamW (kernels.set_torch_adam_implementation) against its foreach AdamW, torch's default on
+    """torch's fused AdamW (mcore.optimizer.set_torch_adam_implementation) against its foreach AdamW, torch's default on
     a GPU."""
-    from megatron_dpp.kernels import set_torch_adam_implementation, torch_adams
+    from megatron_dpp.mcore.optimizer import set_torch_adam_implementation, torch_adams
 
     def switch(direct: bool) -> None:
         set_torch_adam_implementation(trainer.optimizer, fused=direct)
@@ -671,9 +671,9 @@ def _inner_optimizers(optimizer) -> list:
 
 
 def _emulate_cuda_optimizer(optimizer) -> None:
-    """Our optimizer as on a GPU: torch's AdamW fused (kernels.set_torch_adam_implementation;
+    """Our optimizer as on a GPU: torch's AdamW fused (mcore.optimizer.set_torch_adam_implementation;
     kernels.torch_fused_adam, which chooses it where CUDA is, is what the CPU lacks)."""
-    from megatron_dpp.kernels import set_torch_adam_implementation
+    from megatron_dpp.mcore.optimizer import set_torch_adam_implementation
 
     set_torch_adam_implementation(optimizer, fused=True)
 

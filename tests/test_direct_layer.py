@@ -1,4 +1,4 @@
-"""The direct transformer layer (megatron_dpp.models.direct_layer): Megatron-Core's TransformerLayer
+"""The direct transformer layer (megatron_dpp.mcore.direct_layer): Megatron-Core's TransformerLayer
 whose dense forward runs in one function. In one process (tp = pp = 1, gloo):
 
 (a) GPT's, BERT's and Llama's layers (our specs, both core attentions) give Megatron's forward's
@@ -75,8 +75,8 @@ def _megatrons(spec):
     """The same spec with Megatron's TransformerLayer."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from megatron_dpp.models.direct_layer import DirectTransformerLayer
-    from megatron_dpp.models.spec_classes import replace_spec_classes
+    from megatron_dpp.mcore.direct_layer import DirectTransformerLayer
+    from megatron_dpp.mcore.specs import replace_spec_classes
 
     return replace_spec_classes(spec, {DirectTransformerLayer: TransformerLayer})
 
@@ -85,7 +85,7 @@ def _layer_pair(model: str, attention: str, **config_overrides):
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from megatron_dpp.models.direct_layer import DirectTransformerLayer
+    from megatron_dpp.mcore.direct_layer import DirectTransformerLayer
 
     config = _config(model, **config_overrides)
     spec = _spec(model, attention)
@@ -206,9 +206,9 @@ def test_the_linears_add_their_bias_in_the_product(megatron):
     # With Megatron's linears in our layer, the layer adds the biases itself.
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_dpp.models.direct_layer import DirectTransformerLayer
-    from megatron_dpp.models.direct_linear import DIRECT_CLASSES
-    from megatron_dpp.models.spec_classes import replace_spec_classes
+    from megatron_dpp.mcore.direct_layer import DirectTransformerLayer
+    from megatron_dpp.mcore.direct_linear import DIRECT_CLASSES
+    from megatron_dpp.mcore.specs import replace_spec_classes
     from megatron.core.transformer.spec_utils import build_module
 
     megatron_linears = replace_spec_classes(
@@ -297,7 +297,7 @@ def test_the_local_specs_name_the_direct_layer(megatron):
 
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from megatron_dpp.models.direct_layer import DirectTransformerLayer
+    from megatron_dpp.mcore.direct_layer import DirectTransformerLayer
     from megatron_dpp.models.weight_grad import deferred_layer_spec
 
     for model in ("gpt", "bert", "llama"):
@@ -312,7 +312,7 @@ def test_real_qk_norms_run_and_match_megatrons_forward(megatron):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_dpp.models.direct_layer import DirectTransformerLayer, with_direct_classes
+    from megatron_dpp.mcore.direct_layer import DirectTransformerLayer, with_direct_classes
 
     config = _config("gpt", qk_layernorm=True)
     megatron_spec = get_gpt_layer_local_spec(qk_layernorm=True)

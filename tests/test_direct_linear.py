@@ -1,4 +1,4 @@
-"""Direct linear layers (megatron_dpp.models.direct_linear): Megatron-Core's local linears whose
+"""Direct linear layers (megatron_dpp.mcore.direct_linear): Megatron-Core's local linears whose
 forward on one tensor-parallel rank is torch.matmul, differentiated by autograd, instead of
 Megatron's Python autograd functions. In one process (tp = pp = 1, gloo):
 
@@ -74,7 +74,7 @@ def _assert_close(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
 def _layer_pair(kind: str, bias: bool, skip_bias_add: bool):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_dpp.models.direct_linear import (
+    from megatron_dpp.mcore.direct_linear import (
         DirectColumnParallelLinear,
         DirectRowParallelLinear,
     )
@@ -160,7 +160,7 @@ def _gpt_pair():
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_dpp.models.direct_linear import with_direct_linears
+    from megatron_dpp.mcore.direct_linear import with_direct_linears
 
     arguments = dict(config=_config(), vocab_size=VOCAB, max_sequence_length=SEQ,
                      pre_process=True, post_process=True,
@@ -179,7 +179,7 @@ def _gpt_pair():
 
 
 def test_a_gpt_chunk_with_direct_linears_is_megatrons(megatron):
-    from megatron_dpp.models.direct_linear import DIRECT_CLASSES
+    from megatron_dpp.mcore.direct_linear import DIRECT_CLASSES
 
     theirs, ours = _gpt_pair()
     direct = [module for module in ours.modules() if isinstance(module,
@@ -200,7 +200,7 @@ def test_a_gpt_chunk_with_direct_linears_is_megatrons(megatron):
 
 
 def test_megatrons_forward_runs_where_it_has_work_to_do(megatron):
-    from megatron_dpp.models.direct_linear import _one_rank_without_communication
+    from megatron_dpp.mcore.direct_linear import _one_rank_without_communication
 
     _, ours, width = _layer_pair("column", True, True)
     inputs = torch.randn(SEQ, BATCH, width)
@@ -247,7 +247,7 @@ def test_the_local_specs_name_the_direct_linears(megatron):
 
     from megatron_dpp import kernels
     from megatron_dpp.models.bert import bert_layer_spec
-    from megatron_dpp.models.direct_linear import DIRECT_CLASSES
+    from megatron_dpp.mcore.direct_linear import DIRECT_CLASSES
     from megatron_dpp.models.gpt import gpt_layer_spec
     from megatron_dpp.models.llama import llama_layer_spec
     from megatron_dpp.models.weight_grad import deferred_layer_spec

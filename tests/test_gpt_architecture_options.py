@@ -200,7 +200,7 @@ def _loss_and_grads(model, tokens):
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_the_model_equals_megatron_cores_own(monkeypatch, megatron, option):
     from megatron_dpp.models import MODEL_SPECS
-    from megatron_dpp.models.direct_layer import DirectTransformerLayer
+    from megatron_dpp.mcore.direct_layer import DirectTransformerLayer
     from megatron_dpp.models.transformer_config import transformer_config_from_args
 
     args = _parse(monkeypatch, *OPTIONS[option])

@@ -93,7 +93,7 @@ def _tensors(seed: int, dtype=torch.float32):
 
 
 def test_foreach_l2_norm_is_megatrons_number_bit_for_bit():
-    from megatron_dpp.kernels import foreach_multi_tensor_l2_norm
+    from megatron_dpp.mcore.optimizer import foreach_multi_tensor_l2_norm
 
     local_l2_norm, _ = _fallbacks()
     tensors = _tensors(1)
@@ -105,7 +105,7 @@ def test_foreach_l2_norm_is_megatrons_number_bit_for_bit():
 
 @pytest.mark.parametrize("scale", [1.0, 0.37])
 def test_foreach_scale_is_megatrons_copy_bit_for_bit(scale):
-    from megatron_dpp.kernels import foreach_multi_tensor_scale
+    from megatron_dpp.mcore.optimizer import foreach_multi_tensor_scale
 
     _, local_scale = _fallbacks()
     sources = _tensors(2)
@@ -125,7 +125,7 @@ def test_install_replaces_only_the_local_fallbacks():
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mcore_optimizer
 
-    from megatron_dpp import kernels
+    from megatron_dpp.mcore import optimizer as kernels
 
     local_l2_norm, local_scale = _fallbacks()
     saved = (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl,

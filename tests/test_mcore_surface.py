@@ -7,6 +7,7 @@ import ast
 import importlib
 import importlib.util
 import inspect
+import pathlib
 import subprocess
 import sys
 
@@ -101,3 +102,121 @@ def test_the_flag_check_stops_on_another_version_before_anything_runs():
         "megatron_dpp.pretrain_gpt: error: megatron-core 0.17.0 is installed; megatron-dpp runs on "
         "megatron-core 0.16.1 only (it relies on internals that change between releases, "
         "docs/mcore_internals.md): pip install megatron-core==0.16.1"], result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing outside megatron_dpp/mcore/ names a private Megatron-Core attribute
+# ---------------------------------------------------------------------------------------------
+REPO = pathlib.Path(__file__).resolve().parents[1]
+GUARDED_FOLDERS = ("megatron_dpp", "benchmarks", "tools")
+
+# Names that Megatron-Core happens to use for something of its own too, and whose owner here is
+# another: ours (allowed only in a file that defines the name itself: there it is ours), or
+# torch's.
+OTHER_OWNERS = {
+    "_cond": "ours", "_finished": "ours", "_forward": "ours", "_handle": "ours", "_index": "ours",
+    "_name": "ours", "_open": "ours", "_read": "ours", "_split": "ours", "_start": "ours",
+    "_tensors": "ours", "_tokenizer": "ours", "_value": "ours", "_vocab_size": "ours",
+    "_C": "torch's (torch._C) and our extensions' compiled modules",
+}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__") and name != "_"
+
+
+def _defined_names(tree: ast.AST) -> set:
+    """Names a file defines: functions, classes, assigned names and attributes, arguments."""
+    defined = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            defined.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+    return defined
+
+
+def _reaching_names(tree: ast.AST):
+    """(name, line) of every mention that can reach into another module's objects: attributes,
+    imported names and modules, strings that are identifiers (getattr(x, "_name")), and methods
+    (an override). A plain name (a local, a module-level function) is the file's own."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            yield node.attr, node.lineno
+        elif isinstance(node, ast.ClassDef):
+            for child in node.body:
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield child.name, child.lineno
+        elif isinstance(node, ast.alias):
+            for part in node.name.split("."):
+                yield part, node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for part in node.module.split("."):
+                yield part, node.lineno
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and node.value.isidentifier():
+            yield node.value, node.lineno
+
+
+def _megatron_core_private_names() -> set:
+    """Every private name Megatron-Core's source defines or imports, and its private modules."""
+    root = pathlib.Path(importlib.util.find_spec("megatron.core").origin).parent
+    names = set()
+    for path in root.rglob("*.py"):
+        names.update(part for part in path.relative_to(root).with_suffix("").parts
+                     if _is_private(part))
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except SyntaxError:
+            continue
+        names.update(name for name in _defined_names(tree) if _is_private(name))
+        names.update(alias.asname or alias.name.split(".")[-1] for node in ast.walk(tree)
+                     if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names
+                     if _is_private(alias.asname or alias.name.split(".")[-1]))
+    return names
+
+
+def _reaches_into_megatron_core(path: pathlib.Path, private: set) -> list:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    defined = _defined_names(tree)
+
+    def allowed(name: str) -> bool:
+        owner = OTHER_OWNERS.get(name)
+        return owner is not None and (owner != "ours" or name in defined)
+
+    return sorted({f"{path.relative_to(REPO)}:{line}: {name}"
+                   for name, line in _reaching_names(tree) if name in private and not allowed(name)})
+
+
+def test_nothing_outside_mcore_names_a_private_megatron_core_attribute():
+    private = _megatron_core_private_names()
+    mcore = REPO / "megatron_dpp" / "mcore"
+    found = []
+    for folder in GUARDED_FOLDERS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if mcore not in path.parents:
+                found += _reaches_into_megatron_core(path, private)
+    assert not found, ("private Megatron-Core names outside megatron_dpp/mcore/ (move the use "
+                       "behind a named function there, or, for a name that is not Megatron-Core's, "
+                       "add it to OTHER_OWNERS):\n" + "\n".join(found))
+
+
+def test_a_reach_into_megatron_core_outside_mcore_is_found(tmp_path):
+    private = _megatron_core_private_names()
+    assert {"_communicate", "_get_num_epochs", "_forward_impl"} <= private
+    reach = tmp_path / "reach.py"
+    reach.write_text("from megatron.core.fusions.fused_bias_dropout import _bias_dropout_add_func\n"
+                     "def f(layer):\n"
+                     "    return layer._forward_impl, getattr(layer, '_handle')\n")
+    global REPO
+    saved, REPO = REPO, tmp_path
+    try:
+        assert _reaches_into_megatron_core(reach, private) == [
+            "reach.py:1: _bias_dropout_add_func", "reach.py:3: _forward_impl",
+            "reach.py:3: _handle"]
+    finally:
+        REPO = saved

@@ -1,5 +1,5 @@
 """torch's fused AdamW where Megatron-Core falls back to torch's AdamW on a GPU
-(kernels.torch_fused_adam, kernels.set_torch_adam_implementation):
+(kernels.torch_fused_adam, mcore.optimizer.set_torch_adam_implementation):
 
 (a) the choice: Adam on a CUDA machine without Transformer Engine or Apex, said in the
     `kernels: fused optimizer` line; torch's default on the CPU, with SGD, or where Megatron-Core
@@ -70,7 +70,7 @@ def _steps(optimizer, params, count: int, seed: int) -> None:
 
 
 def test_switching_to_fused_and_back():
-    from megatron_dpp.kernels import set_torch_adam_implementation
+    from megatron_dpp.mcore.optimizer import set_torch_adam_implementation
 
     params, reference_params = _params(), _params()
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
@@ -104,7 +104,7 @@ def test_switching_to_fused_and_back():
 
 
 def test_only_torch_adams_inside_megatrons_wrappers_are_switched():
-    from megatron_dpp.kernels import set_torch_adam_implementation, torch_adams
+    from megatron_dpp.mcore.optimizer import set_torch_adam_implementation, torch_adams
 
     adam = torch.optim.AdamW(_params())
     sgd = torch.optim.SGD(_params(), lr=0.1)

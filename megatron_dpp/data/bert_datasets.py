@@ -13,7 +13,6 @@ builds (and again inside the dataset class, for callers that skip the up-front c
 defaults and the up-front checks need neither torch nor Megatron-Core (the launcher runs them before
 it starts any rank); the dataset class imports both when built.
 """
-import contextlib
 from typing import Optional, Sequence
 
 import numpy
@@ -128,34 +127,15 @@ def check_bert_splits_have_data(source: DataSource, num_samples: Sequence[int],
                                                     min_sentences, source.per_split)
 
 
-@contextlib.contextmanager
-def _as_the_only_rank():
-    """Make torch.distributed.get_rank() answer 0 while no process group exists.
-
-    Megatron's BERT index builder asks for the rank unconditionally (GPT's checks
-    is_initialized() first); without a process group this process is the only rank.
-    """
-    import torch
-
-    original = torch.distributed.get_rank
-    torch.distributed.get_rank = lambda group=None: 0
-    try:
-        yield
-    finally:
-        torch.distributed.get_rank = original
-
-
 def _guarded_bert_dataset_class():
-    import torch
-    from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset
+    from megatron_dpp.mcore.datasets import bert_dataset_with_sample_index_hook
 
-    class GuardedBERTDataset(BERTMaskedWordPieceDataset):
+    class GuardedBERTDataset(bert_dataset_with_sample_index_hook()):
         """BERTMaskedWordPieceDataset that refuses, instead of failing obscurely or looping
         forever, a split with no documents or no usable one, and that also builds in a process
         with no process group (one process, e.g. tests and tools)."""
 
-        def _build_sample_index(self, sequence_length: int,
-                                min_sentences: int) -> numpy.ndarray:
+        def check_sample_index(self, sequence_length: int, min_sentences: int) -> None:
             name, prefix = self.index_split.name, self.dataset_path
             per_split = self.config.split is None  # --valid-data-path, ...
             if len(self.indices) == 0:
@@ -166,10 +146,6 @@ def _guarded_bert_dataset_class():
                     min_sentences) == 0:
                 raise _split_has_no_usable_document(name, prefix, len(self.indices),
                                                     self.num_samples, min_sentences, per_split)
-            if torch.distributed.is_initialized():
-                return super()._build_sample_index(sequence_length, min_sentences)
-            with _as_the_only_rank():
-                return super()._build_sample_index(sequence_length, min_sentences)
 
     return GuardedBERTDataset
 

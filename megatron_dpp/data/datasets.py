@@ -199,12 +199,12 @@ def check_splits_have_data(source: DataSource, num_samples: Sequence[int],
 
 
 def _guarded_gpt_dataset_class():
-    from megatron.core.datasets.gpt_dataset import GPTDataset
+    from megatron_dpp.mcore.datasets import gpt_dataset_with_epoch_hook
 
-    class GuardedGPTDataset(GPTDataset):
+    class GuardedGPTDataset(gpt_dataset_with_epoch_hook()):
         """GPTDataset that refuses, instead of looping forever, to draw samples from no tokens."""
 
-        def _get_num_epochs(self, num_tokens_per_epoch: int) -> int:
+        def epochs_for_tokens(self, num_tokens_per_epoch: int) -> Optional[int]:
             if num_tokens_per_epoch == 0 and self.num_samples:
                 raise DataInputError(
                     f"the {self.index_split.name} split of {self.dataset_path} has no tokens but "
@@ -215,7 +215,7 @@ def _guarded_gpt_dataset_class():
                 # dataset whose share of that split rounds to no document): Megatron-Core's loop
                 # would still want its one extra token and never end.
                 return 1
-            return super()._get_num_epochs(num_tokens_per_epoch)
+            return None
 
     return GuardedGPTDataset
 

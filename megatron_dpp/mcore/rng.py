@@ -28,7 +28,7 @@ _DEFAULT_STATE = "default-rng"
 
 def _default_generator(device: torch.device) -> torch.Generator:
     """The generator Megatron's tracker swaps states in: the device's default CUDA generator, or on
-    the CPU (megatron_dpp.platform points the tracker at it) torch's default generator."""
+    the CPU (mcore/cpu_patches.py points the tracker at it) torch's default generator."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         return torch.cuda.default_generators[index]

@@ -21,40 +21,40 @@ SUPPORTED_VERSIONS = ("0.16.1",)
 # override, and module globals we rebind or patch.
 SEAMS: dict[tuple[str, str], str] = {
     ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator._communicate"):
-        "comm/megatron_p2p.py overrides it: Megatron's schedules over a Transport",
+        "mcore/p2p.py overrides it: Megatron's schedules over comm/megatron_p2p.py's Transport",
     ("megatron.core.distributed", "DistributedDataParallel._make_backward_post_hook"):
         "mcore/ddp.py overrides it: a hook that only accumulates",
     ("megatron.core.transformer.cuda_graphs", "_CudagraphGlobalRecord.cudagraph_created"):
         "mcore/cudagraphs.py writes it: evaluation runs eagerly under --cuda-graph-impl local",
     ("megatron.core.fusions.fused_bias_dropout", "_bias_dropout_add_func"):
-        "models/direct_layer.py calls it: bias-dropout-add without the closures",
+        "mcore/direct_layer.py calls it: bias-dropout-add without the closures",
     ("megatron.core.transformer.attention", "_yarn_get_concentration_factor_from_config"):
-        "models/direct_layer.py calls it: the RoPE mscale, as SelfAttention computes it",
+        "mcore/direct_layer.py calls it: the RoPE mscale, as SelfAttention computes it",
     ("megatron.core.transformer.attention", "SplitAlongDim"):
-        "models/direct_layer.py reads it: the QKV split Megatron uses",
+        "mcore/direct_layer.py reads it: the QKV split Megatron uses",
     ("megatron.core.tensor_parallel.random", "_MODEL_PARALLEL_RNG_TRACKER_NAME"):
         "mcore/rng.py reads it: the model-parallel stream's name",
     ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker"):
         "mcore/rng.py reads and writes its _current_state_name and states_",
     ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"):
-        "platform.py rebinds it on CPU (CPU generator states)",
+        "mcore/cpu_patches.py rebinds it on CPU (CPU generator states)",
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"):
-        "platform.py rebinds it on CPU (CPU generator states)",
+        "mcore/cpu_patches.py rebinds it on CPU (CPU generator states)",
     ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"):
-        "platform.py rebinds it on CPU (no torch.cuda.FloatTensor assertion)",
+        "mcore/cpu_patches.py rebinds it on CPU (no torch.cuda.FloatTensor assertion)",
     ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"):
-        "platform.py rebinds the optimizer module's by-name import too",
+        "mcore/cpu_patches.py rebinds the optimizer module's by-name import too",
     ("megatron.core.optimizer.clip_grads", "l2_norm_impl"):
-        "kernels.py rebinds it: foreach ops instead of the per-tensor fallback",
+        "mcore/optimizer.py rebinds it: foreach ops instead of the per-tensor fallback",
     ("megatron.core.optimizer.clip_grads", "multi_tensor_scale_impl"):
-        "kernels.py rebinds it: foreach ops instead of the per-tensor fallback",
+        "mcore/optimizer.py rebinds it: foreach ops instead of the per-tensor fallback",
     ("megatron.core.optimizer.optimizer", "multi_tensor_scale_impl"):
-        "kernels.py rebinds it: foreach ops instead of the per-tensor fallback",
+        "mcore/optimizer.py rebinds it: foreach ops instead of the per-tensor fallback",
     ("megatron.core.models.common.language_module.language_module",
      "LanguageModule.setup_embeddings_and_output_layer"):
-        "platform.py wraps it on CPU (weight.data.cuda())",
+        "mcore/cpu_patches.py wraps it on CPU (weight.data.cuda())",
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.get_parameter_state_dp_zero"):
-        "platform.py wraps it on CPU (send_tensor.cuda())",
+        "mcore/cpu_patches.py wraps it on CPU (send_tensor.cuda())",
     ("megatron.core.optimizer.distrib_optimizer",
      "DistributedOptimizer.load_parameter_state_from_fully_reshardable"):
         "mcore/distributed_optimizer.py rebinds it (torch Adam's state keys)",
@@ -67,18 +67,18 @@ SEAMS: dict[tuple[str, str], str] = {
     ("megatron.core.optimizer.distrib_optimizer", "HAVE_APEX_OR_TE"):
         "mcore/distributed_optimizer.py reads it: the torch-Adam-only fixes",
     ("megatron.core.optimizer.grad_scaler", "DynamicGradScaler.load_state_dict"):
-        "platform.py wraps it on CPU (.cuda(current_device()))",
+        "mcore/cpu_patches.py wraps it on CPU (.cuda(current_device()))",
     ("megatron.core.models.bert.bert_model",
      "BertModel._sanity_check_attention_and_get_attn_mask_dimension"):
-        "models/bert.py overrides it: a b1ss mask for SdpaCoreAttention",
+        "mcore/bert_model.py overrides it: models/bert.py's b1ss mask for SdpaCoreAttention",
     ("megatron.core.datasets.gpt_dataset", "GPTDataset._get_num_epochs"):
-        "data/datasets.py overrides it: a 0-token split is refused (upstream loops forever)",
+        "mcore/datasets.py overrides it: data/datasets.py refuses a 0-token split",
     ("megatron.core.datasets.masked_dataset", "MaskedWordPieceDataset._build_sample_index"):
-        "data/bert_datasets.py overrides it: empty-split errors",
+        "mcore/datasets.py overrides it: data/bert_datasets.py's empty-split errors",
     ("megatron.core.tensor_parallel.layers", "ColumnParallelLinear._forward_impl"):
-        "models/weight_grad/layers.py overrides it: deferred weight gradients",
+        "mcore/linear_call.py overrides it: the split backward's deferred linears",
     ("megatron.core.tensor_parallel.layers", "RowParallelLinear._forward_impl"):
-        "models/weight_grad/layers.py overrides it: deferred weight gradients",
+        "mcore/linear_call.py overrides it: the split backward's deferred linears",
     ("megatron.core.fusions.fused_layer_norm", "HAVE_PERSIST_LAYER_NORM"):
         "kernels.py reads it: the persistent layer norm's kernel line",
     ("megatron.core.tokenizers.text.libraries.tiktoken_tokenizer", "_PATTERN_TIKTOKEN_V1"):

@@ -20,9 +20,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_dpp import kernels
 from megatron_dpp.data.bert_datasets import build_bert_datasets
+from megatron_dpp.mcore.bert_model import BertModelWithMaskHook
+from megatron_dpp.mcore.direct_layer import with_direct_classes
 from megatron_dpp.models.init import build_model_chunks, stacked_model_global_name
 from megatron_dpp.models.memory_model import chunk_activation_bytes
-from megatron_dpp.models.direct_layer import with_direct_classes
 from megatron_dpp.models.sdpa_attention import uses_sdpa_core_attention, with_core_attention
 from megatron_dpp.models import families
 from megatron_dpp.models.spec import ModelSpec
@@ -57,16 +58,14 @@ def bert_layer_spec(attention: Optional[str] = None) -> ModuleSpec:
     return with_direct_classes(with_core_attention(bert_layer_local_spec, attention))
 
 
-class LocalMaskBertModel(BertModel):
+class LocalMaskBertModel(BertModelWithMaskHook):
     """BertModel that also gives our core attention (SdpaCoreAttention) Megatron's local padding
     mask ([b, 1, s, s], True = masked out). BertModel picks the mask's shape by comparing the
     spec's core attention with its own DotProductAttention, and otherwise asks Transformer
     Engine's version (which fails without Transformer Engine)."""
 
-    def _sanity_check_attention_and_get_attn_mask_dimension(self) -> str:
-        if uses_sdpa_core_attention(self.transformer_layer_spec):
-            return "b1ss"
-        return super()._sanity_check_attention_and_get_attn_mask_dimension()
+    def attention_mask_dimension(self) -> Optional[str]:
+        return "b1ss" if uses_sdpa_core_attention(self.transformer_layer_spec) else None
 
 
 def build_bert_chunks(config: TransformerConfig, shape: BertShape, seed: int,

@@ -17,9 +17,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_dpp import kernels
 from megatron_dpp.data.datasets import build_train_valid_test_datasets
+from megatron_dpp.mcore.direct_layer import with_direct_classes
 from megatron_dpp.models.init import build_model_chunks, stacked_model_global_name
 from megatron_dpp.models.memory_model import chunk_activation_bytes
-from megatron_dpp.models.direct_layer import with_direct_classes
 from megatron_dpp.models.sdpa_attention import with_core_attention
 from megatron_dpp.models import families
 from megatron_dpp.models.spec import ModelSpec

@@ -42,7 +42,7 @@ class ModelSpec:
 
     cpu_patched_modules: tuple[str, ...]
     """Megatron-Core modules specific to this model that call torch.cuda or create tensors on
-    "cuda": on CPU, the platform replaces their `torch` global (see megatron_dpp.platform)."""
+    "cuda": on CPU, the platform replaces their `torch` global (see megatron_dpp.mcore.cpu_patches)."""
 
     global_parameter_name: Callable[[torch.nn.Module, str], str]
     """(chunk, chunk-local parameter name) -> the parameter's name in the unsplit model; the

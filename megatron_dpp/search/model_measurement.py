@@ -544,6 +544,8 @@ def time_optimizer_step(shape: mm.ModelShape, warmup: int, repeats: int) -> floa
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from megatron_dpp.mcore.optimizer import set_torch_adam_implementation
+
     model = build_model(shape)
     config = transformer_config(dataclasses.replace(shape, num_layers=1))
     half = shape.dtype != "fp32"
@@ -554,7 +556,7 @@ def time_optimizer_step(shape: mm.ModelShape, warmup: int, repeats: int) -> floa
                         fp16=shape.dtype == "fp16", params_dtype=TORCH_DTYPES[shape.dtype]), [ddp])
     # The implementation training runs here (torch's fused AdamW on a GPU without Transformer
     # Engine or Apex).
-    kernels.set_torch_adam_implementation(optimizer, fused=kernels.torch_fused_adam("adam"))
+    set_torch_adam_implementation(optimizer, fused=kernels.torch_fused_adam("adam"))
     _loss(ddp(**model_inputs(shape, 1))).backward()
     times = []
     for run in range(warmup + repeats):

@@ -80,7 +80,7 @@ def _one_cpu_process():
     from megatron.core import parallel_state, tensor_parallel
 
     from megatron_dpp.models import MODEL_SPECS
-    from megatron_dpp.platform import apply_cpu_patches
+    from megatron_dpp.mcore.cpu_patches import apply_cpu_patches
 
     apply_cpu_patches(MODEL_SPECS[llama_hf.FAMILY.name].cpu_patched_modules)
     with tempfile.TemporaryDirectory(prefix="convert_hf_llama_") as directory:

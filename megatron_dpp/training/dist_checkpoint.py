@@ -74,7 +74,7 @@ def iteration_dir(root: str, iteration: int) -> str:
 def _cpu_patches() -> None:
     """On CPU, Megatron-Core's torch.cuda calls of the save/load path (platform.py's patches)."""
     if not torch.cuda.is_available():
-        from megatron_dpp.platform import apply_cpu_patches
+        from megatron_dpp.mcore.cpu_patches import apply_cpu_patches
 
         apply_cpu_patches(_CPU_PATCHED)
 

@@ -34,7 +34,7 @@ from megatron_dpp.data.iterators import build_data_iterators
 from megatron_dpp.data.tokenizer import build_tokenizer, ignored_tiktoken_pattern
 from megatron_dpp.exit_codes import BAD_INPUT, FAILED, OK, SIGNAL_BASE
 from megatron_dpp.kernels import cuda_graphs as cuda_graph_choice
-from megatron_dpp.kernels import install_foreach_multi_tensor_ops, log_kernel_choices
+from megatron_dpp.kernels import log_kernel_choices
 from megatron_dpp.models import ModelSpec
 from megatron_dpp.models.pipeline_split import PipelineSplit
 from megatron_dpp.platform import Platform, setup_platform
@@ -68,6 +68,8 @@ from megatron_dpp.training.profiler_window import make_profiler
 from megatron_dpp.training.failures import exit_for_lost_peer, is_lost_peer_error, peer_heartbeat
 from megatron_dpp.mcore.cudagraphs import eager_layers
 from megatron_dpp.mcore.ddp import DistributedDataParallel
+from megatron_dpp.mcore.optimizer import (install_foreach_multi_tensor_ops,
+                                          set_torch_adam_implementation)
 from megatron_dpp.training.lr_schedule import SampleSchedule
 from megatron_dpp.training.params_norm import params_l2_norm
 from megatron_dpp.mcore.sgd_state import install_sgd_state_init
@@ -164,7 +166,7 @@ def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSp
     ddp_config = ddp_config_from_args(args, num_parameters)
     # Without Apex / Transformer Engine: torch foreach ops for the gradient norm, clipping and the
     # main-to-model parameter copy instead of Megatron-Core's per-tensor loops, which synchronize
-    # with the GPU once per parameter tensor (kernels.foreach_multi_tensor_l2_norm).
+    # with the GPU once per parameter tensor (mcore/optimizer.py).
     install_foreach_multi_tensor_ops()
     model = [
         # Only the first chunk buckets its gradients (Megatron-LM does the same).
@@ -175,8 +177,7 @@ def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSp
     attach_timers(optimizer_config, timers, args.barrier_with_L1_time)
     overrides = optimizer_config_overrides(optimizer_config)
     optimizer = get_megatron_optimizer(optimizer_config, model, config_overrides=overrides)
-    kernels.set_torch_adam_implementation(optimizer,
-                                          fused=kernels.torch_fused_adam(args.optimizer))
+    set_torch_adam_implementation(optimizer, fused=kernels.torch_fused_adam(args.optimizer))
     install_sgd_state_init(optimizer)  # --optimizer sgd: what a torch_dist load calls
     set_sync_funcs(config, model, args)
     config.finalize_model_grads_func = finalize_model_grads
@@ -843,7 +844,7 @@ def _train(args: argparse.Namespace, trainer: Trainer, train_ds, valid_ds, test_
             trainer.state = load_checkpoint(checkpoint, trainer.model, trainer.optimizer,
                                             trainer.scheduler, train.load_scope)
             # The load gave torch's Adam the saved run's implementation: this run's again.
-            kernels.set_torch_adam_implementation(
+            set_torch_adam_implementation(
                 trainer.optimizer, fused=kernels.torch_fused_adam(args.optimizer))
         except CheckpointLoadError as error:  # the same one line on every rank: rank 0 says it
             say_failure(f"megatron_dpp: error: {error}", exit_code=BAD_INPUT,

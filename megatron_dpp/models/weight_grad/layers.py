@@ -9,7 +9,6 @@ go to the stash and reach the parameters at W.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Optional
 
 import torch
@@ -17,12 +16,12 @@ from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    linear_with_grad_accumulation_and_async_allreduce,
 )
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
+from megatron_dpp.mcore.linear_call import LinearCallSeam
 from megatron_dpp.models.weight_grad.functions import (
     DeferredEmbeddingFunction,
     DeferredLayerNormFunction,
@@ -60,23 +59,14 @@ def _tap_if_deferring(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return tap(bias, *deferral)
 
 
-# Megatron passes the linear's arguments by keyword; binding them against its own function keeps
-# this override right if it ever passes some by position.
-_LINEAR_ARGUMENTS = inspect.signature(linear_with_grad_accumulation_and_async_allreduce)
+class _DeferredLinear(LinearCallSeam):
+    """Takes the linear call (mcore/linear_call.py) inside a deferral, for a trainable weight:
+    the weight's (and a trainable bias's) gradient then goes to the stash."""
 
+    def takes_linear_call(self, weight) -> bool:
+        return active_deferral() is not None and _trainable_leaf(weight)
 
-class _DeferredLinear:
-    """Overrides `_forward_impl`, the one seam through which Column/RowParallelLinear.forward
-    calls the linear autograd function (it is where Megatron itself switches to the frozen-weight
-    function); the rest of forward (tp copies/reductions, bias handling, gathers) is Megatron's."""
-
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        deferral = active_deferral()
-        if deferral is None or not _trainable_leaf(weight):
-            return super()._forward_impl(input, weight, *args, **kwargs)
-        call = _LINEAR_ARGUMENTS.bind(input, weight, *args, **kwargs)
-        call.apply_defaults()
-        arguments = call.arguments
+    def linear_call(self, arguments):
         unsupported = [name for name in ("gradient_accumulation_fusion", "sequence_parallel")
                        if arguments[name]]
         if arguments["grad_output_buffer"] is not None:
@@ -85,14 +75,15 @@ class _DeferredLinear:
             raise WeightGradError(
                 f"{type(self).__name__}: deferred weight gradients do not support "
                 f"{', '.join(unsupported)} yet; turn it off or run the fused backward")
-        bias = arguments["bias"]
+        deferral = active_deferral()
+        weight, bias = arguments["weight"], arguments["bias"]
         trainable_bias = bias if _trainable_leaf(bias) else None
         site = open_site(deferral[0], deferral[1], weight, trainable_bias)
         allreduce_dgrad = bool(arguments["allreduce_dgrad"])
         tp_group = (get_tensor_model_parallel_group_if_none(arguments["tp_group"])
                     if allreduce_dgrad else None)
         bias_input = proxy(bias) if trainable_bias is not None else bias
-        return DeferredLinearFunction.apply(input, proxy(weight), bias_input, site,
+        return DeferredLinearFunction.apply(arguments["input"], proxy(weight), bias_input, site,
                                             allreduce_dgrad, tp_group)
 
 

@@ -30,10 +30,10 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
+from megatron_dpp.mcore.direct_layer import DirectTransformerLayer
+from megatron_dpp.mcore.direct_linear import DirectColumnParallelLinear, DirectRowParallelLinear
+from megatron_dpp.mcore.specs import replace_spec_classes
 from megatron_dpp.models.bert import LocalMaskBertModel
-from megatron_dpp.models.direct_layer import DirectTransformerLayer
-from megatron_dpp.models.direct_linear import DirectColumnParallelLinear, DirectRowParallelLinear
-from megatron_dpp.models.spec_classes import replace_spec_classes
 from megatron_dpp.models.weight_grad.layers import (
     DEFERRED_CLASSES,
     DeferredColumnParallelLinear,
@@ -55,9 +55,9 @@ __all__ = [
 # The classes of Megatron-Core's local spec (get_gpt_layer_local_spec) and ours. With apex,
 # the local spec's norm is FusedLayerNorm: ours is torch's LayerNorm (same math, other kernel).
 # WrappedTorchNorm builds torch's LayerNorm or RMSNorm (Llama) by the config: so does ours.
-# Our specs name the direct linears (models.direct_linear), Megatron's subclasses: under a split
+# Our specs name the direct linears (mcore.direct_linear), Megatron's subclasses: under a split
 # backward every training forward defers, through Megatron's forward, so ours subclass Megatron's.
-# The direct layer (models.direct_layer) goes back to Megatron's: a split backward's layers run
+# The direct layer (mcore.direct_layer) goes back to Megatron's: a split backward's layers run
 # Megatron's forward, as the deferred classes were tested under.
 _SPEC_CLASSES: dict[type, type] = {
     DirectTransformerLayer: TransformerLayer,

@@ -13,7 +13,7 @@ the same arguments in the same order in one function: input norm, QKV linear, Me
 of the heads, q/k norms, rotary embedding (Megatron's apply_rotary_pos_emb), core attention,
 output projection, bias-dropout-add (Megatron's own function), pre-MLP norm, MLP (unfused
 activation as Megatron's MLP computes it, or Megatron's MLP forward where its fused activations are
-on), bias-dropout-add. One difference: our direct linears (models.direct_linear) add each bias in
+on), bias-dropout-add. One difference: our direct linears (mcore.direct_linear) add each bias in
 their GEMM, where Megatron adds three of the four after the product. Same numbers to rounding:
 tests/test_direct_layer.py checks GPT, BERT and Llama layers, training with dropout and
 evaluation, against Megatron's forward to 1e-6 (bit for bit at its sizes here), dropout drawing
@@ -44,8 +44,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from megatron_dpp.models.direct_linear import DIRECT_CLASSES, with_direct_linears
-from megatron_dpp.models.spec_classes import replace_spec_classes
+from megatron_dpp.mcore.direct_linear import DIRECT_CLASSES, with_direct_linears
+from megatron_dpp.mcore.specs import replace_spec_classes
 
 __all__ = ["DirectTransformerLayer", "with_direct_layer", "with_direct_classes",
            "DIRECT_LAYER_CLASSES"]
@@ -90,7 +90,7 @@ class DirectTransformerLayer(TransformerLayer):
         self.runs_directly = _dense_path_only(self)
         # Megatron's MLP forward fuses bias and activation itself where that is on.
         self.mlp_inline = not self.config.bias_activation_fusion
-        # Our direct linears add their bias in the GEMM when asked (models.direct_linear); the
+        # Our direct linears add their bias in the GEMM when asked (mcore.direct_linear); the
         # layer then adds none itself (one kernel per linear fewer).
         self.bias_in_products = self.runs_directly and all(
             isinstance(linear, tuple(DIRECT_CLASSES.values()))
@@ -241,5 +241,5 @@ def with_direct_layer(layer_spec: ModuleSpec) -> ModuleSpec:
 
 
 def with_direct_classes(layer_spec: ModuleSpec) -> ModuleSpec:
-    """Our local specs' classes: the direct layer and the direct linears (models.direct_linear)."""
+    """Our local specs' classes: the direct layer and the direct linears (mcore.direct_linear)."""
     return with_direct_layer(with_direct_linears(layer_spec))

@@ -11,7 +11,7 @@ and attributes, whose forward is then `torch.nn.functional.linear` (the product 
 with the bias in the GEMM's epilogue as Transformer Engine's layers add it: one kernel where
 Megatron's function launches two), differentiated by autograd in C++. A layer that returns its
 bias for the caller to fuse (skip_bias_add) still does, unless the caller asks for it in the
-product (`bias_in_product=True`, as models.direct_layer does). In every other case (tensor parallelism, sequence
+product (`bias_in_product=True`, as mcore.direct_layer does). In every other case (tensor parallelism, sequence
 parallelism, expert communication, gradient-accumulation fusion, deferred embedding gradients,
 CPU offloading, a weight passed in) the forward is Megatron's own.
 
@@ -24,7 +24,7 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_dpp.models.spec_classes import replace_spec_classes
+from megatron_dpp.mcore.specs import replace_spec_classes
 
 __all__ = ["DirectColumnParallelLinear", "DirectRowParallelLinear", "with_direct_linears",
            "DIRECT_CLASSES"]
