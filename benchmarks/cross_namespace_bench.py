@@ -147,7 +147,7 @@ def stream_at_receiver(ops, rank: int, payload, buffers, go) -> Optional[float]:
 
 def _measure(config: dict, rank: int, all_ops: dict) -> dict:
     import torch
-    from transport_bench import ping_pong
+    from message_ops import ping_pong
 
     go = torch.zeros(1, dtype=torch.uint8)
     samples = {name: {str(size): {"one_way_s": [], "stream_s": []} for size in config["sizes"]}
@@ -178,7 +178,7 @@ def worker_main(config_path: str, rank: int) -> None:
 
     import torch
     import torch.distributed as dist
-    from transport_bench import MessageOps
+    from message_ops import MessageOps
 
     torch.set_num_threads(1)
     config = json.loads(Path(config_path).read_text())

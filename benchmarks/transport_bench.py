@@ -41,7 +41,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from two_ranks import run_two_ranks  # benchmarks/ (this script's directory)
+from message_ops import MessageOps, ping_pong  # benchmarks/ (this script's directory)
+from two_ranks import run_two_ranks
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -187,48 +188,6 @@ def bench_memcpy(args, size: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # two-process part
-
-
-class MessageOps:
-    """send/recv of one transport in the benchmark's terms."""
-
-    def __init__(self, name, ctx, peer):
-        self.name, self.ctx, self.peer = name, ctx, peer
-        self.tag = 0
-
-    def next_tag(self) -> int:
-        self.tag += 1
-        return self.tag
-
-    def send(self, tensor, tag):
-        if self.ctx is not None:
-            return self.ctx.isend(tensor, self.peer, tag)
-        return dist.isend(tensor, dst=self.peer)
-
-    def recv(self, buffer, tag):
-        if self.ctx is not None:
-            return self.ctx.irecv(self.peer, tag)
-        return dist.irecv(buffer, src=self.peer)
-
-    def wait(self, handle):
-        return handle.wait(timeout=60) if self.ctx is not None else handle.wait()
-
-
-def ping_pong(ops: MessageOps, rank: int, size: int, iters: int) -> list[float]:
-    payload = torch.ones(size, dtype=torch.uint8)
-    buffer = torch.empty(size, dtype=torch.uint8)
-    one_way = []
-    for _ in range(iters + 2):  # the first two warm up
-        tag = ops.next_tag()
-        start = time.perf_counter()
-        if rank == 0:
-            ops.wait(ops.send(payload, tag))
-            ops.wait(ops.recv(buffer, tag))
-        else:
-            ops.wait(ops.recv(buffer, tag))
-            ops.wait(ops.send(payload, tag))
-        one_way.append((time.perf_counter() - start) / 2)
-    return one_way[2:]
 
 
 def _stream(ops: MessageOps, rank: int, size: int, count: int, repeats: int) -> list[float]:

@@ -308,12 +308,28 @@ def _fused_optimizer(args: argparse.Namespace) -> Choice:
                   "kernel is used on a GPU)") + f", and {foreach}")
 
 
+def cuda_graph_obstacle(args: argparse.Namespace) -> Optional[str]:
+    """Why --cuda-graph-impl local cannot run with the other flags (the error to give), or None."""
+    flag = "--cuda-graph-impl local"
+    if not cuda_available():
+        return f"{flag} captures CUDA graphs and needs a CUDA GPU; drop it on CPU"
+    if getattr(args, "use_dpp", False):
+        return (f"{flag} runs under Megatron's schedules, which build the graphs at the end of the "
+                f"first iteration; the --use-dpp runtime does not: drop one of them")
+    if getattr(args, "recompute_granularity", None) is not None:
+        return (f"{flag} does not graph recomputed layers (Megatron-Core supports recomputation "
+                f"only with whole-iteration graphs); drop --recompute-activations / "
+                f"--recompute-granularity or the graphs")
+    if getattr(args, "variable_seq_lengths", False):
+        return (f"{flag} replays graphs captured for one shape; --variable-seq-lengths changes the "
+                f"shape every micro-batch: drop one of them")
+    return None
+
+
 def cuda_graphs(args: argparse.Namespace) -> Choice:
     """Megatron-Core's local CUDA graphs (TransformerConfig.cuda_graph_impl "local"), asked for with
     Megatron-LM's --cuda-graph-impl local; the flag's checks (a GPU, Megatron's schedules, fixed
-    shapes) are models/flags.py's validate_cuda_graph_args."""
-    from megatron_dpp.models.flags import cuda_graph_obstacle
-
+    shapes) are cuda_graph_obstacle's, which models/flags.py's validate_cuda_graph_args runs."""
     feature = "CUDA graphs"
     if getattr(args, "cuda_graph_impl", "none") != "local":
         reason = "--cuda-graph-impl none (Megatron-LM's default): every kernel is launched from Python"

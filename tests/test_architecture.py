@@ -23,9 +23,12 @@ FORBIDDEN = {
     "sim": {"comm", "runtime", "models", "training", "data", "search"},
     "comm": {"runtime", "models", "training", "data", "search"},
     "runtime": {"models", "training", "data", "search"},
-    "models": {"runtime", "training", "search"},
+    "models": {"runtime", "training", "search", "convert"},
     "trace": {"sim", "comm", "runtime", "models", "training", "data", "search"},
-    "training": {"search"},
+    "training": {"search", "convert"},
+    # Checkpoints and observability sit under the loop: they never import it, nor each other.
+    "training.checkpoint": {"training", "runtime", "search", "convert", "arguments"},
+    "training.observe": {"training", "models", "data", "search", "convert", "arguments"},
     # The search prices layouts (pipeline, sim) and measures layers (models) and links (comm);
     # it never runs training.
     "search": {"runtime", "training"},
@@ -46,15 +49,34 @@ def _imported_modules(path: Path) -> set[str]:
     return names
 
 
+def _forbidden(package: str, module: str) -> bool:
+    """module (megatron_dpp.X.Y...) is inside a package FORBIDDEN[package] names, and not inside
+    `package` itself (training.checkpoint may import training.checkpoint.flags, not training.loop)."""
+    parts = module.split(".")
+    if parts[0] != "megatron_dpp" or len(parts) < 2:
+        return False
+    inner = ".".join(parts[1:])
+    if inner == package or inner.startswith(package + "."):
+        return False
+    return any(inner == banned or inner.startswith(banned + ".") for banned in FORBIDDEN[package])
+
+
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_imports_point_one_way(package):
     offenders = []
-    for path in sorted((PACKAGE / package).rglob("*.py")):
+    for path in sorted((PACKAGE / package.replace(".", "/")).rglob("*.py")):
         for module in _imported_modules(path):
-            parts = module.split(".")
-            if parts[0] == "megatron_dpp" and len(parts) > 1 and parts[1] in FORBIDDEN[package]:
+            if _forbidden(package, module):
                 offenders.append(f"{path.relative_to(PACKAGE.parent)} imports {module}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_a_forbidden_import_is_found():
+    assert _forbidden("training.checkpoint", "megatron_dpp.training.lr_schedule")
+    assert _forbidden("training.observe", "megatron_dpp.training.checkpoint.flags")
+    assert not _forbidden("training.checkpoint", "megatron_dpp.training.checkpoint.flags")
+    assert not _forbidden("training", "megatron_dpp.training.checkpoint.flags")
+    assert _forbidden("models", "megatron_dpp.runtime.executor")
 
 
 _BLOCKER = """
@@ -127,11 +149,12 @@ MODEL_ALIAS_ENTRIES = {"pretrain_gpt.py", "pretrain_bert.py", "pretrain_llama.py
 
 def test_no_model_is_named_outside_the_models_package():
     """Only megatron_dpp/models/ knows what a model is: elsewhere no string constant is a model's
-    name (the rest takes a ModelSpec or a ModelFamily), the entry-point aliases aside."""
+    name (the rest takes a ModelSpec or a ModelFamily), the entry-point aliases aside, and the
+    Hugging Face converters (convert/), whose files name Hugging Face's model types ("llama")."""
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE)
-        if relative.parts[0] == "models" or str(relative) in MODEL_ALIAS_ENTRIES:
+        if relative.parts[0] in ("models", "convert") or str(relative) in MODEL_ALIAS_ENTRIES:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) \

@@ -1,6 +1,6 @@
 """Checkpoints that are never silently wrong: checksums recorded at save and verified at load,
---load never silent, saves that fail cleanly (megatron_dpp/training/checkpoint_integrity.py and
-the save transaction of checkpointing.py).
+--load never silent, saves that fail cleanly (megatron_dpp/training/checkpoint/integrity.py and
+the save transaction of training/checkpoint/save_load.py).
 
 - In this process: the manifest and every kind of damage; the save transaction on a one-rank gloo
   group (too little space, a real ENOSPC on a small tmpfs, a torch_dist write failing, publishing
@@ -27,8 +27,8 @@ import torch.distributed as dist
 from _ports import free_local_port
 from _tmpfs import mounted_tmpfs
 from _train_util import PYTHON, REPO_ROOT, TINY_GPT_ARGS, _env, data_args
-from megatron_dpp.training import checkpointing
-from megatron_dpp.training.checkpoint_integrity import (
+from megatron_dpp.training.checkpoint import save_load as checkpointing
+from megatron_dpp.training.checkpoint.integrity import (
     MANIFEST_FILE,
     SAVED_WITH_CHECKSUMS,
     SPACE_MARGIN_BYTES,
@@ -43,7 +43,7 @@ from megatron_dpp.training.checkpoint_integrity import (
     space_problem,
     write_manifest,
 )
-from megatron_dpp.training.checkpointing import CheckpointLoadError, CheckpointSaveError
+from megatron_dpp.training.checkpoint.save_load import CheckpointLoadError, CheckpointSaveError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 ERROR_RE = re.compile(r"^megatron_dpp: error: .*$", re.MULTILINE)

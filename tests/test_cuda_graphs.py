@@ -136,7 +136,7 @@ def test_graph_safe_tracker_states_are_saved_as_bytes_and_loaded_into_the_same_g
         monkeypatch):
     from megatron.core import tensor_parallel
 
-    from megatron_dpp.training.dist_checkpoint import (CheckpointLoadError, set_tracker_states,
+    from megatron_dpp.training.checkpoint.torch_dist import (CheckpointLoadError, set_tracker_states,
                                                        tracker_states)
 
     generators = {"model-parallel-rng": _generator(1), "data-parallel-rng": _generator(2)}
@@ -159,7 +159,7 @@ def test_graph_safe_tracker_states_are_saved_as_bytes_and_loaded_into_the_same_g
 def test_plain_tracker_states_round_trip_as_before(monkeypatch):
     from megatron.core import tensor_parallel
 
-    from megatron_dpp.training.dist_checkpoint import set_tracker_states, tracker_states
+    from megatron_dpp.training.checkpoint.torch_dist import set_tracker_states, tracker_states
 
     states = {"model-parallel-rng": torch.get_rng_state()}
     tracker = _Tracker(states)

@@ -236,7 +236,7 @@ def test_dpp_runtime_records_every_task_kind_in_device_time(tmp_path):
 
 
 def test_megatron_schedule_steps_in_device_time():
-    from megatron_dpp.training.megatron_tracing import MegatronScheduleTracer
+    from megatron_dpp.training.observe.megatron_tracing import MegatronScheduleTracer
 
     device = FakeDevice()
     recorder = TraceRecorder(0, "rank 0", make_clock(device))

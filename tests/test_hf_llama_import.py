@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from _train_util import PYTHON, REPO_ROOT, _env
-from megatron_dpp.models import llama_hf
+from megatron_dpp.convert import llama_hf
 from megatron_dpp.one_line_errors import InputError
 
 VOCAB = 256  # a multiple of 128: Megatron pads nothing

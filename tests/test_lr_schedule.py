@@ -104,7 +104,7 @@ def test_sample_based_flag_errors_are_one_line(monkeypatch, capsys, extra, expec
 
 
 def test_an_iteration_counted_state_is_converted_and_megatron_lm_names_are_read():
-    from megatron_dpp.training.lr_schedule import state_in_samples
+    from megatron_dpp.training.checkpoint.scheduler_state import state_in_samples
 
     old = {"max_lr": 1e-3, "min_lr": 1e-4, "lr_warmup_steps": 1, "lr_decay_steps": 6,
            "num_steps": 3, "lr_decay_style": "cosine", "start_wd": 0.01, "end_wd": 0.01,
@@ -173,7 +173,7 @@ def _resume(save, *extra):
 
 @pytest.mark.timeout(240)
 def test_checkpoint_schedule_counts_samples_and_resumes(saved, uninterrupted):
-    from megatron_dpp.training.lr_schedule import SAMPLES_MARKER
+    from megatron_dpp.training.checkpoint.scheduler_state import SAMPLES_MARKER
 
     common = _common(saved)
     schedule = common["opt_param_scheduler"]
@@ -191,9 +191,9 @@ def test_an_earlier_iteration_counted_checkpoint_resumes_on_its_schedule(saved, 
                                                                            tmp_path):
     """A checkpoint of megatron-dpp before samples were counted (rewritten here: its counts
     divided by the batch, no marker, its manifest made anew) resumes on the same schedule."""
-    from megatron_dpp.training.checkpoint_integrity import (checkpoint_files, file_entry,
+    from megatron_dpp.training.checkpoint.integrity import (checkpoint_files, file_entry,
                                                             write_manifest)
-    from megatron_dpp.training.lr_schedule import SAMPLES_MARKER
+    from megatron_dpp.training.checkpoint.scheduler_state import SAMPLES_MARKER
 
     old = str(tmp_path / "old")
     shutil.copytree(saved, old)
@@ -215,9 +215,9 @@ def test_an_earlier_iteration_counted_checkpoint_resumes_on_its_schedule(saved, 
 @pytest.mark.timeout(240)
 def test_a_megatron_lm_checkpoint_schedule_is_read_in_samples(saved, uninterrupted, tmp_path):
     """Megatron-LM's common state has neither our layout nor our marker, and counts samples."""
-    from megatron_dpp.training.checkpoint_integrity import (checkpoint_files, file_entry,
+    from megatron_dpp.training.checkpoint.integrity import (checkpoint_files, file_entry,
                                                             write_manifest)
-    from megatron_dpp.training.lr_schedule import SAMPLES_MARKER
+    from megatron_dpp.training.checkpoint.scheduler_state import SAMPLES_MARKER
 
     theirs = str(tmp_path / "megatron_lm")
     shutil.copytree(saved, theirs)

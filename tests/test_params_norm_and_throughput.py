@@ -13,7 +13,7 @@ import torch
 
 from _one_rank import one_rank_megatron
 from _train_util import run_training
-from megatron_dpp.training.throughput import ModelShape, floating_point_operations, tflops_per_gpu
+from megatron_dpp.training.observe.throughput import ModelShape, floating_point_operations, tflops_per_gpu
 
 PARAMS_NORM_RE = re.compile(r"\| params norm: ([-+0-9.eE]+)")
 THROUGHPUT_RE = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+) \| "
@@ -58,7 +58,7 @@ def megatron(tmp_path_factory):
 
 
 def test_each_parameter_counts_once_from_its_main_values(megatron):
-    from megatron_dpp.training.params_norm import params_l2_norm
+    from megatron_dpp.training.observe.params_norm import params_l2_norm
 
     model = torch.nn.Module()
     model.a = torch.nn.Parameter(torch.full((3,), 2.0))  # 12

@@ -21,7 +21,7 @@ import torch
 from _runtime_harness import run_pipeline
 from _train_util import run_training
 from megatron_dpp.trace.recorder import GRADIENT_SYNC, OPTIMIZER_STEP
-from megatron_dpp.training.profiler_window import (
+from megatron_dpp.training.observe.profiler_window import (
     NSYS_COMMAND,
     NsysCaptureRange,
     TorchProfilerWindow,
@@ -196,7 +196,7 @@ def test_nvtx_range_around_every_task_named_like_it(monkeypatch):
 def test_nvtx_range_around_every_megatron_step_named_like_its_task(monkeypatch):
     """Megatron's schedule, not traced (no recorder): its forward_step/backward_step timers push
     and pop one range each, named like the task the k-th step of each phase is (1F1B order)."""
-    from megatron_dpp.training.megatron_tracing import MegatronScheduleTracer
+    from megatron_dpp.training.observe.megatron_tracing import MegatronScheduleTracer
 
     calls = []
     monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(("push", name)))

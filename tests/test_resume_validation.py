@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from _train_util import run_training
-from megatron_dpp.training.checkpoint_integrity import (checkpoint_files, file_entry,
+from megatron_dpp.training.checkpoint.integrity import (checkpoint_files, file_entry,
                                                         write_manifest)
-from megatron_dpp.training.checkpointing import TrainState
+from megatron_dpp.training.checkpoint.save_load import TrainState
 from megatron_dpp.training.loop import consumed_valid_samples_at_start
 from test_final_evaluation import _final, _interval
 

@@ -1,4 +1,4 @@
-"""Megatron-LM's timers (training/timers.py): --timing-log-level, --timing-log-option,
+"""Megatron-LM's timers (training/observe/timers.py): --timing-log-level, --timing-log-option,
 --no-barrier-with-level-1-timing, --log-timers-to-tensorboard.
 
 Checked: the level filter and a timer's accumulation (CPU clock); Megatron-LM's three blocks, to
@@ -20,8 +20,8 @@ import pytest
 
 from _gpu import gpu_env
 from _train_util import REPO_ROOT, TINY_GPT_ARGS, flag_error, run_training
-from megatron_dpp.training.timer_hooks import NO_TIMER
-from megatron_dpp.training.timers import TimerReport, Timers, timers_to_log
+from megatron_dpp.training.observe.timer_hooks import NO_TIMER
+from megatron_dpp.training.observe.timers import TimerReport, Timers, timers_to_log
 
 PP2 = ["--train-iters", "4", "--pipeline-model-parallel-size", "2", "--log-interval", "2"]
 BLOCK_RE = re.compile(r"\(min, max\) time across ranks \(ms\):\n((?:    .*\n)+)")
@@ -232,7 +232,7 @@ def test_flag_errors(capsys, monkeypatch, argv, message):
 # ---- on a GPU ---------------------------------------------------------------------------------
 CUDA_TIMER_SCRIPT = """
 import torch
-from megatron_dpp.training.timers import Timers
+from megatron_dpp.training.observe.timers import Timers
 timers = Timers(2, torch.device("cuda"))
 x = torch.randn(2048, 2048, device="cuda")
 torch.cuda.synchronize()

@@ -13,7 +13,7 @@ from _trace_checks import check_clock_alignment, check_messages, load_traces
 from _train_util import run_training
 from megatron_dpp.pipeline import Phase, Task, TaskGraph
 from megatron_dpp.trace.recorder import GRADIENT_SYNC, IN_COLLECTIVE, OPTIMIZER_STEP, POSTING_SEND
-from megatron_dpp.training.step_tracing import FINALIZE_COLLECTIVES, LOSS_ALL_REDUCE, STOP_AGREEMENT
+from megatron_dpp.training.observe.step_tracing import FINALIZE_COLLECTIVES, LOSS_ALL_REDUCE, STOP_AGREEMENT
 from megatron_dpp.trace.clock import ClockAlignment, OffsetSample, offset_from_rounds
 
 ITERATIONS, MICROBATCHES = 3, 8
@@ -175,7 +175,7 @@ def test_alignment_corrects_offset_and_drift():
 def test_megatron_order_pairs_every_send_with_the_task_it_feeds(P, V, M, group):
     """Megatron pairs messages in program order: the k-th send of a direction on one rank is the
     k-th receive of that direction on the neighbour; it must feed the task named for it there."""
-    from megatron_dpp.training.megatron_tracing import MegatronTaskOrder
+    from megatron_dpp.training.observe.megatron_tracing import MegatronTaskOrder
 
     graph = TaskGraph(P, V, M)
     orders = [MegatronTaskOrder(graph, rank, group) for rank in range(P)]
@@ -231,7 +231,7 @@ class _ListRecorder:
 def test_schedule_timers_record_steps_and_pass_every_timer_on():
     """forward_step's and backward_step's timers become task spans; every timer call still reaches
     the timers they stand in for."""
-    from megatron_dpp.training.megatron_tracing import MegatronScheduleTracer
+    from megatron_dpp.training.observe.megatron_tracing import MegatronScheduleTracer
 
     recorder = _ListRecorder()
     tracer = MegatronScheduleTracer(recorder, pipeline_rank=1, pipeline_size=2,
@@ -272,7 +272,7 @@ def test_gradient_sync_span_holds_a_wait_per_finalize_collective():
     collective timers inside it is a wait on the compute lane within the span; every timer call
     still reaches the timers the stand-in replaced, which are back in place afterwards."""
     from megatron_dpp.trace.recorder import TraceRecorder
-    from megatron_dpp.training.step_tracing import StepTracer
+    from megatron_dpp.training.observe.step_tracing import StepTracer
 
     recorder = TraceRecorder(0, "rank 0")
     replaced = _FakeTimers()
@@ -308,7 +308,7 @@ def test_gradient_sync_without_timers_of_its_own_and_after_an_error():
     """config.timers None (the DPP runtime's default): the stand-in still sees the collectives; an
     exception inside finalize leaves config.timers as it was and still records the span."""
     from megatron_dpp.trace.recorder import TraceRecorder
-    from megatron_dpp.training.step_tracing import StepTracer
+    from megatron_dpp.training.observe.step_tracing import StepTracer
 
     recorder = TraceRecorder(0, "rank 0")
 

@@ -1,4 +1,4 @@
-"""--wandb-project: Megatron-LM's Weights & Biases logging (training/wandb_log.py).
+"""--wandb-project: Megatron-LM's Weights & Biases logging (training/observe/wandb_log.py).
 
 The wandb package is not a dependency and W&B's service cannot be reached here, so the runs use a
 stand-in `wandb` module (on PYTHONPATH) that records each call: `init`'s arguments, each `log`

@@ -31,7 +31,7 @@ KNOWN_GROUPS = IDLE_GROUPS[:-1]
 def reason_group(reason: str) -> str:
     """The recorded wait reasons in six groups: the DPP runtime's (runtime/executor.py), those of
     Megatron's own schedules (comm/megatron_p2p.py: "waiting for an input from rank N") and the
-    training step's collectives (training/step_tracing.py)."""
+    training step's collectives (training/observe/step_tracing.py)."""
     if "waiting for an input" in reason:
         return INPUT  # nothing to run until a message arrives
     if reason.startswith("the policy held back"):

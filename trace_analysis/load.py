@@ -76,7 +76,7 @@ def read_rank_file(path: Path) -> dict:
     return document
 
 
-# otherData as megatron_dpp/training/tracing.py writes it: key -> (type, what it is). Required ones
+# otherData as megatron_dpp/training/observe/tracing.py writes it: key -> (type, what it is). Required ones
 # first; `schedule` (older traces lack it), `node` (where torchrun says it) and `clock_alignment`
 # may be absent.
 REQUIRED_METADATA = {

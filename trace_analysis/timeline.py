@@ -174,7 +174,7 @@ def _listed(names: List[str], most: int = 4) -> str:
 
 
 def check_complete(run: RunTraces, timeline: RunTimeline) -> None:
-    """What every rank of a traced run records (training/tracing.py), checked so that a rank file
+    """What every rank of a traced run records (training/observe/tracing.py), checked so that a rank file
     with events missing is refused in one line instead of measured as idle time:
     - at least one task;
     - the same iterations (its "iteration N" marks and the iterations of its tasks) as every rank;

@@ -11,7 +11,7 @@ Pass it with the process groups of parallel_state:
     forward_backward_func(..., p2p_communicator=TransportP2PCommunicator(pp_group, config, transport),
                           pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
-With an observer (--trace: training/megatron_tracing.py), it reports every send as it is posted,
+With an observer (--trace: training/observe/megatron_tracing.py), it reports every send as it is posted,
 every receive as it is posted and as it is taken in, and every wait on a message that had not
 completed yet.
 """

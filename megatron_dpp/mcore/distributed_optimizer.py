@@ -1,7 +1,7 @@
 """Loading Megatron-Core 0.16.1's distributed optimizer over torch's Adam, where neither Apex nor
 Transformer Engine is installed (their FusedAdam keeps `step` in its param groups; torch's Adam
 keeps a `step` tensor per parameter). Four things its load paths get wrong there, each mended from
-outside, at the two checkpoint formats' load (training/dist_checkpoint.py, training/checkpointing.py):
+outside, at the two checkpoint formats' load (training/checkpoint/torch_dist.py, training/checkpoint/save_load.py):
 
 - before_sharded_load: DistributedOptimizer.sharded_state_dict(is_loading=True) starts from
   state_dict(), which reads every parameter's `step` and fails on a fresh optimizer (no step yet).

@@ -20,11 +20,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_dpp import kernels
 from megatron_dpp.data.bert_datasets import build_bert_datasets
-from megatron_dpp.mcore.bert_model import BertModelWithMaskHook
 from megatron_dpp.mcore.direct_layer import with_direct_classes
+from megatron_dpp.models.bert_mask import LocalMaskBertModel
 from megatron_dpp.models.init import build_model_chunks, stacked_model_global_name
 from megatron_dpp.models.memory_model import chunk_activation_bytes
-from megatron_dpp.models.sdpa_attention import uses_sdpa_core_attention, with_core_attention
+from megatron_dpp.models.sdpa_attention import with_core_attention
 from megatron_dpp.models import families
 from megatron_dpp.models.spec import ModelSpec
 
@@ -56,16 +56,6 @@ def bert_layer_spec(attention: Optional[str] = None) -> ModuleSpec:
     from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 
     return with_direct_classes(with_core_attention(bert_layer_local_spec, attention))
-
-
-class LocalMaskBertModel(BertModelWithMaskHook):
-    """BertModel that also gives our core attention (SdpaCoreAttention) Megatron's local padding
-    mask ([b, 1, s, s], True = masked out). BertModel picks the mask's shape by comparing the
-    spec's core attention with its own DotProductAttention, and otherwise asks Transformer
-    Engine's version (which fails without Transformer Engine)."""
-
-    def attention_mask_dimension(self) -> Optional[str]:
-        return "b1ss" if uses_sdpa_core_attention(self.transformer_layer_spec) else None
 
 
 def build_bert_chunks(config: TransformerConfig, shape: BertShape, seed: int,

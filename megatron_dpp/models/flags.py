@@ -20,6 +20,7 @@ from megatron_dpp.kernels import (
     TRANSFORMER_ENGINE,
     TRANSFORMER_ENGINE_BACKENDS,
     core_attention_from_args,
+    cuda_graph_obstacle,
     transformer_engine_available,
 )
 from megatron_dpp.models.families import add_architecture_shape_args, add_rope_scaling_args
@@ -335,24 +336,6 @@ def deterministic_mode_obstacle(args: argparse.Namespace) -> Optional[str]:
         return (f"--deterministic-mode needs NCCL_ALGO set to one of "
                 f"{', '.join(DETERMINISTIC_NCCL_ALGOS)} (NCCL's all-reduce otherwise picks its "
                 f"algorithm per call); it is {os.environ.get('NCCL_ALGO', 'unset')}")
-    return None
-
-
-def cuda_graph_obstacle(args: argparse.Namespace) -> Optional[str]:
-    """Why --cuda-graph-impl local cannot run with the other flags (the error to give), or None."""
-    flag = "--cuda-graph-impl local"
-    if not cuda_available():
-        return f"{flag} captures CUDA graphs and needs a CUDA GPU; drop it on CPU"
-    if getattr(args, "use_dpp", False):
-        return (f"{flag} runs under Megatron's schedules, which build the graphs at the end of the "
-                f"first iteration; the --use-dpp runtime does not: drop one of them")
-    if getattr(args, "recompute_granularity", None) is not None:
-        return (f"{flag} does not graph recomputed layers (Megatron-Core supports recomputation "
-                f"only with whole-iteration graphs); drop --recompute-activations / "
-                f"--recompute-granularity or the graphs")
-    if getattr(args, "variable_seq_lengths", False):
-        return (f"{flag} replays graphs captured for one shape; --variable-seq-lengths changes the "
-                f"shape every micro-batch: drop one of them")
     return None
 
 

@@ -12,7 +12,7 @@ kept (the least queueing). From the two measurements the offset is modelled as a
 (a constant offset plus a linear drift), and a local time t becomes t - offset(t).
 
 Times are microseconds. Standard library only: the exchange itself lives with the process groups
-(megatron_dpp.training.clock_sync).
+(megatron_dpp.training.observe.clock_sync).
 """
 from __future__ import annotations
 

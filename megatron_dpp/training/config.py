@@ -14,10 +14,10 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 
 from megatron_dpp.training.batch_ramp import BatchSizeRamp, running_batch
-from megatron_dpp.training.checkpoint_flags import LoadScope
+from megatron_dpp.training.checkpoint.flags import LoadScope
 from megatron_dpp.training.flags import batch_ramp_from_args
-from megatron_dpp.training.tensorboard_log import TensorBoardConfig
-from megatron_dpp.training.wandb_log import wandb_config_from_args
+from megatron_dpp.training.observe.tensorboard_log import TensorBoardConfig
+from megatron_dpp.training.observe.wandb_log import wandb_config_from_args
 # transformer_config_from_args: the training loop imports it from here.
 from megatron_dpp.models.transformer_config import (params_dtype_from_args,
                                                     transformer_config_from_args)
@@ -62,8 +62,8 @@ class TrainingConfig:
     save_interval: Optional[int]
     tensorboard: Optional[TensorBoardConfig]  # --tensorboard-dir, --wandb-project; what they get
     log_num_zeros_in_grad: bool  # the optimizer counts them (OptimizerConfig's field too)
-    log_params_norm: bool  # the parameters' L2 norm at logged iterations (training/params_norm.py)
-    log_throughput: bool  # TFLOP/s per rank in the log line (training/throughput.py)
+    log_params_norm: bool  # the parameters' L2 norm at logged iterations (training/observe/params_norm.py)
+    log_throughput: bool  # TFLOP/s per rank in the log line (training/observe/throughput.py)
     timing_log_option: str  # --timing-log-option: how the timers' block shows the ranks
     # stop at the first NaN or Inf gradient norm or logged loss (not --no-check-for-nan-in-
     # loss-and-grad; off under --fp16's dynamic loss scale)

@@ -1,6 +1,6 @@
 """The training loop's flags and their checks, in --help's groups "training" (optimization, batch,
 precision, garbage collection), "checkpointing", "logging and evaluation", "tracing" (--trace,
-training/tracing.py) and "profiling" (Megatron-LM's --profile window, training/profiler_window.py;
+training/observe/tracing.py) and "profiling" (Megatron-LM's --profile window, training/observe/profiler_window.py;
 --nvtx). training/config.py turns the parsed flags into config dataclasses; megatron_dpp.arguments
 composes this module with the other packages' flags.
 
@@ -16,12 +16,12 @@ from megatron_dpp.flag_errors import (add_refused_flags, add_stated_flags, first
                                       require_output_dir)
 from megatron_dpp.training import megatron_lm_flags
 from megatron_dpp.training.batch_ramp import BatchSizeRamp, running_batch
-from megatron_dpp.training.checkpoint_flags import (add_checkpoint_format_args,
+from megatron_dpp.training.checkpoint.flags import (add_checkpoint_format_args,
                                                     add_load_scope_args, check_load_dir,
                                                     check_load_scope_args)
-from megatron_dpp.training.timers import (DEFAULT_LOG_LEVEL, DEFAULT_LOG_OPTION, LOG_LEVELS,
+from megatron_dpp.training.observe.timers import (DEFAULT_LOG_LEVEL, DEFAULT_LOG_OPTION, LOG_LEVELS,
                                           LOG_OPTIONS)
-from megatron_dpp.training.wandb_log import save_dir as wandb_save_dir
+from megatron_dpp.training.observe.wandb_log import save_dir as wandb_save_dir
 
 
 # ----------------------------------------------------------------------------------------------
@@ -548,16 +548,16 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                        help="Log the L2 norm of all parameters (`params norm`, Megatron-LM's; with "
                             "--tensorboard-dir also `params-norm`): an all-reduce over the "
                             "model-parallel ranks and one host-device wait at each iteration "
-                            "that logs it (training/params_norm.py).")
+                            "that logs it (training/observe/params_norm.py).")
     group.add_argument("--log-throughput", action="store_true",
                        help="Log the model's TFLOP/s per rank (`throughput per GPU "
                             "(TFLOP/s/GPU)`), counted as Megatron-LM counts them "
-                            "(training/throughput.py: the GEMMs at the full --seq-length, "
+                            "(training/observe/throughput.py: the GEMMs at the full --seq-length, "
                             "attention halved as causal).")
     group.add_argument("--tensorboard-dir", type=str, default=None,
                        help="Write Megatron-LM's TensorBoard scalars here (losses, learning-rate, "
                             "loss-scale, grad-norm, validation loss, each also `vs samples`); "
-                            "needs the tensorboard package (training/tensorboard_log.py).")
+                            "needs the tensorboard package (training/observe/tensorboard_log.py).")
     group.add_argument("--tensorboard-log-interval", type=int, default=TENSORBOARD_LOG_INTERVAL,
                        help="With --tensorboard-dir: write every this many iterations (each "
                             "write reads the losses: one host-device wait).")
@@ -586,7 +586,7 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                        help="Log the TensorBoard scalars (losses, learning-rate, grad-norm, ...; "
                             "the --log-...-to-tensorboard flags and --tensorboard-log-interval "
                             "apply) to this Weights & Biases project, as Megatron-LM; needs the "
-                            "wandb package and --wandb-exp-name (training/wandb_log.py).")
+                            "wandb package and --wandb-exp-name (training/observe/wandb_log.py).")
     group.add_argument("--wandb-exp-name", type=str, default=None,
                        help="With --wandb-project: the run's name.")
     group.add_argument("--wandb-save-dir", type=str, default=None,
@@ -604,7 +604,7 @@ def add_logging_args(parser: argparse.ArgumentParser) -> None:
                             "its parts), 2 also batch-generator, forward-compute and "
                             "backward-compute (and, with Megatron's schedules, their "
                             "send/receive waits). On a GPU they time the device with CUDA events, "
-                            "without synchronizing at each timer (training/timers.py).")
+                            "without synchronizing at each timer (training/observe/timers.py).")
     group.add_argument("--timing-log-option", type=str, default=DEFAULT_LOG_OPTION,
                        choices=LOG_OPTIONS,
                        help="Print each timer's max over the ranks, its (min, max) (the "
@@ -726,7 +726,7 @@ def check_trace_dir(trace_dir: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# profiling (Megatron-LM's --profile flags; training/profiler_window.py)
+# profiling (Megatron-LM's --profile flags; training/observe/profiler_window.py)
 # ----------------------------------------------------------------------------------------------
 # nsys options that Megatron-LM's --profile help shows: refused, each with its reason
 # (flag_errors.py).

@@ -42,7 +42,7 @@ from megatron_dpp.rank_failure import fail, say_failure
 from megatron_dpp.runtime.config import DPPConfig
 from megatron_dpp.runtime.watchdog import StallWatchdog
 from megatron_dpp.trace.recorder import GRADIENT_SYNC, OPTIMIZER_STEP
-from megatron_dpp.training.checkpointing import (
+from megatron_dpp.training.checkpoint.save_load import (
     CheckpointLoadError,
     CheckpointSaveError,
     CheckpointToLoad,
@@ -51,8 +51,8 @@ from megatron_dpp.training.checkpointing import (
     load_checkpoint,
     save_checkpoint,
 )
-from megatron_dpp.training.checkpoint_flags import TRACKER_FILE, same_directory
-from megatron_dpp.training.dist_checkpoint import saved_args
+from megatron_dpp.training.checkpoint.flags import TRACKER_FILE, same_directory
+from megatron_dpp.training.checkpoint.torch_dist import saved_args
 from megatron_dpp.training.config import (
     TrainingConfig,
     ddp_config_from_args,
@@ -64,25 +64,25 @@ from megatron_dpp.training.config import (
     transformer_config_from_args,
 )
 from megatron_dpp.training.pipeline import build_forward_backward, close_forward_backward
-from megatron_dpp.training.profiler_window import make_profiler
+from megatron_dpp.training.observe.profiler_window import make_profiler
 from megatron_dpp.training.failures import exit_for_lost_peer, is_lost_peer_error, peer_heartbeat
 from megatron_dpp.mcore.cudagraphs import eager_layers
 from megatron_dpp.mcore.ddp import DistributedDataParallel
 from megatron_dpp.mcore.optimizer import (install_foreach_multi_tensor_ops,
                                           set_torch_adam_implementation)
 from megatron_dpp.training.lr_schedule import SampleSchedule
-from megatron_dpp.training.params_norm import params_l2_norm
+from megatron_dpp.training.observe.params_norm import params_l2_norm
 from megatron_dpp.mcore.sgd_state import install_sgd_state_init
 from megatron_dpp.training.signals import AgreedStop, StopSignals
-from megatron_dpp.training.tensorboard_log import TensorBoardLog
-from megatron_dpp.training.timers import (DATA_SETUP, EVALUATE, LOAD_CHECKPOINT, MODEL_SETUP,
+from megatron_dpp.training.observe.tensorboard_log import TensorBoardLog
+from megatron_dpp.training.observe.timers import (DATA_SETUP, EVALUATE, LOAD_CHECKPOINT, MODEL_SETUP,
                                           SAVE_CHECKPOINT, TimedIterator, Timers, attach_timers,
                                           level0_timers, timed, timers_from_args, timers_off,
                                           times_text, timers_to_log)
-from megatron_dpp.training.wandb_log import WandbInitError
-from megatron_dpp.training.throughput import ModelShape, floating_point_operations, tflops_per_gpu
-from megatron_dpp.training.step_tracing import LOSS_ALL_REDUCE, STOP_AGREEMENT, StepTracer
-from megatron_dpp.training.tracing import agree_run_directory
+from megatron_dpp.training.observe.wandb_log import WandbInitError
+from megatron_dpp.training.observe.throughput import ModelShape, floating_point_operations, tflops_per_gpu
+from megatron_dpp.training.observe.step_tracing import LOSS_ALL_REDUCE, STOP_AGREEMENT, StepTracer
+from megatron_dpp.training.observe.tracing import agree_run_directory
 
 
 def setup_node_network(args: argparse.Namespace) -> bool:
@@ -423,7 +423,7 @@ class Trainer:
         return reduced, grad_norm, updated
 
     def traced_step(self, name: str):
-        """With --trace: a span of the training step (training/step_tracing.py); with --nvtx, an
+        """With --trace: a span of the training step (training/observe/step_tracing.py); with --nvtx, an
         NVTX range named like it."""
         stack = contextlib.ExitStack()
         if self.args.nvtx:

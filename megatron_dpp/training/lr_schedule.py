@@ -12,7 +12,7 @@ Loading a checkpoint's schedule (Megatron-LM's rule): where the checkpoint's val
 this run's flags, the load stops in one line unless --override-opt_param-scheduler (the flags win)
 or --use-checkpoint-opt_param-scheduler (the checkpoint wins) says which to take. Checkpoints of
 megatron-dpp before this counted iterations; they are recognised by a missing marker and
-converted once, with a line saying so.
+converted once, with a line saying so (checkpoint/scheduler_state.py).
 """
 from __future__ import annotations
 
@@ -21,10 +21,6 @@ from typing import Optional
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_dpp.training.config import TrainingConfig
-
-# Saved beside the scheduler's state in our checkpoints (both formats): its steps are samples.
-# Megatron-LM's checkpoints have no such key and always count samples.
-SAMPLES_MARKER = "megatron_dpp_schedule_in_samples"
 
 # The state's values a load compares with this run's, as Megatron-Core's load_state_dict does,
 # and the flags each comes from (for the one-line error).
@@ -43,15 +39,6 @@ _COMPARED = {
     "decoupled_lr": "--decoupled-lr",
     "decoupled_min_lr": "--decoupled-min-lr",
 }
-# Megatron-Core's older names for the same values (its load_state_dict reads them too).
-_OLD_NAMES = {"start_lr": "max_lr", "warmup_iter": "lr_warmup_steps",
-              "warmup_steps": "lr_warmup_steps", "end_iter": "lr_decay_steps",
-              "decay_steps": "lr_decay_steps", "decay_style": "lr_decay_style",
-              "num_iters": "num_steps"}
-# Lengths (counts of steps) in a state: what an iteration-counted state multiplies.
-_LENGTHS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
-
-
 class SampleSchedule(OptimizerParamScheduler):
     """Megatron-Core's scheduler over the lengths in samples of a TrainingConfig, advanced by the
     global batch. Weight decay stays constant, as Megatron-LM's default."""
@@ -102,7 +89,7 @@ class SampleSchedule(OptimizerParamScheduler):
         self.step(increment=global_batch_size)
 
     def schedule_difference(self, state: dict) -> Optional[str]:
-        """Where a checkpoint's schedule (state_in_samples's) differs from this run's flags and
+        """Where a checkpoint's schedule (checkpoint/scheduler_state.py's state_in_samples) differs from this run's flags and
         neither --override-opt_param-scheduler nor --use-checkpoint-opt_param-scheduler was
         given: the differences and what to do, in one line; else None."""
         if self.override_opt_param_scheduler or self.keep_checkpoint_schedule:
@@ -125,24 +112,3 @@ class SampleSchedule(OptimizerParamScheduler):
 
 def _constant_weight_decay(state: dict) -> bool:
     return state.get("start_wd") == state.get("end_wd")
-
-
-def state_in_samples(saved: dict, in_samples: bool, iteration: int,
-                     consumed_samples: int, saved_args=None) -> tuple[dict, Optional[str]]:
-    """A checkpoint's scheduler state with its lengths in samples, and a line saying what was
-    converted (None: nothing). in_samples: the state counts samples (ours with SAMPLES_MARKER, or
-    Megatron-LM's); otherwise it is an earlier megatron-dpp's, counted in iterations, whose
-    global batch is consumed_samples / iteration (it had no batch-size ramp-up)."""
-    state = {_OLD_NAMES.get(key, key): value for key, value in saved.items()}
-    if in_samples:
-        return state, None
-    batch = consumed_samples // iteration if iteration > 0 else \
-        getattr(saved_args, "global_batch_size", None)
-    if not batch:
-        raise ValueError("its learning-rate schedule counts iterations (saved by an earlier "
-                         "megatron-dpp) and its global batch size is unknown")
-    for key in _LENGTHS:
-        if key in state:
-            state[key] = state[key] * batch
-    return state, (f"its learning-rate schedule counted iterations (saved by an earlier "
-                   f"megatron-dpp): converted to samples at global batch {batch}")

@@ -28,10 +28,10 @@ def close_forward_backward(forward_backward: Callable) -> None:
 def build_forward_backward(args: argparse.Namespace, spec: ModelSpec,
                            run_directory: Optional[str] = None) -> Callable:
     """Call after parallel_state is initialized (Megatron picks its schedule from it).
-    `run_directory`: where --trace writes (training/tracing.py's agree_run_directory).
+    `run_directory`: where --trace writes (training/observe/tracing.py's agree_run_directory).
 
     A callable that holds resources carries a `close()`; see close_forward_backward. One built with
-    --trace carries its `trace` (training/tracing.py's RunTrace; None without --trace), which the
+    --trace carries its `trace` (training/observe/tracing.py's RunTrace; None without --trace), which the
     training step records its own parts into."""
     if getattr(args, "use_dpp", False):
         return _build_dpp(args, spec, run_directory)
@@ -61,8 +61,8 @@ def _build_megatron_over_transport(args: argparse.Namespace, spec: ModelSpec,
     communicators: dict[int, TransportP2PCommunicator] = {}
     trace, tracer = None, None
     if args.trace or args.nvtx:
-        from megatron_dpp.training.megatron_tracing import MegatronScheduleTracer
-        from megatron_dpp.training.tracing import policy_label, start_trace
+        from megatron_dpp.training.observe.megatron_tracing import MegatronScheduleTracer
+        from megatron_dpp.training.observe.tracing import policy_label, start_trace
 
         trace = start_trace(args, run_directory) if args.trace else None
         tracer = MegatronScheduleTracer(
@@ -116,7 +116,7 @@ def _build_dpp(args: argparse.Namespace, spec: ModelSpec, run_directory: Optiona
     transport = make_transport_from_args(args, peers=dpp_peers())
     trace = None
     if args.trace:
-        from megatron_dpp.training.tracing import start_trace
+        from megatron_dpp.training.observe.tracing import start_trace
 
         trace = start_trace(args, run_directory)
     split = {}

@@ -33,7 +33,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron_dpp.mcore.direct_layer import DirectTransformerLayer
 from megatron_dpp.mcore.direct_linear import DirectColumnParallelLinear, DirectRowParallelLinear
 from megatron_dpp.mcore.specs import replace_spec_classes
-from megatron_dpp.models.bert import LocalMaskBertModel
+from megatron_dpp.models.bert_mask import LocalMaskBertModel
 from megatron_dpp.models.weight_grad.layers import (
     DEFERRED_CLASSES,
     DeferredColumnParallelLinear,

@@ -12,7 +12,7 @@ dict carries its global layer offsets), so a checkpoint saved at one tensor/pipe
 layout loads at another, with or without --use-dpp (DPP runs the same chunks). The RNG states are
 per (pipeline, tensor) rank and are restored only at the layout that saved them.
 
-Saves are atomic and checksummed, as in both formats (checkpointing.py's save transaction): this
+Saves are atomic and checksummed, as in both formats (save_load.py's save transaction): this
 module writes the files into SAVE/iter_NNNNNNN.saving/; the transaction records their checksums
 and publishes the folder. A load here comes after the transaction's checks of the files.
 """
@@ -30,9 +30,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_dpp.mcore import distributed_optimizer
-from megatron_dpp.training import lr_schedule
-from megatron_dpp.training.checkpoint_flags import TRACKER_FILE, LoadScope
-from megatron_dpp.training.checkpoint_integrity import (MANIFEST_FILE, SAVED_WITH_CHECKSUMS,
+from megatron_dpp.training.checkpoint import scheduler_state
+from megatron_dpp.training.checkpoint.flags import TRACKER_FILE, LoadScope
+from megatron_dpp.training.checkpoint.integrity import (MANIFEST_FILE, SAVED_WITH_CHECKSUMS,
                                                         missing_manifest)
 
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's
@@ -239,7 +239,7 @@ def _state_dict(iteration: int, consumed_samples: int, args, model_chunks, optim
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
                                                           metadata=metadata)
         state["opt_param_scheduler"] = scheduler.state_dict()
-        state[lr_schedule.SAMPLES_MARKER] = True
+        state[scheduler_state.SAMPLES_MARKER] = True
     if with_rng:
         state["rng_state"] = _sharded_rng_state()
     return state
@@ -252,7 +252,7 @@ def _no_rank_differences(common: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# save (checkpointing.py's save transaction calls it: the staging folder, checksums, publishing)
+# save (save_load.py's save transaction calls it: the staging folder, checksums, publishing)
 # ----------------------------------------------------------------------------------------------
 def prepare_dist_checkpoint(iteration: int, consumed_samples: int, model_chunks, optimizer,
                             scheduler, args=None, consumed_valid_samples: int = 0):
@@ -435,7 +435,7 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
         schedule = converted = None
         if scope.optimizer:
             with _errors_as(f"checkpoint {directory}"):
-                schedule, converted = lr_schedule.state_in_samples(
+                schedule, converted = scheduler_state.state_in_samples(
                     common["opt_param_scheduler"], _schedule_in_samples(common),
                     int(common["iteration"]), consumed, common.get("args"))
             difference = scheduler.schedule_difference(schedule)
@@ -514,7 +514,7 @@ def _consumed_samples(common: dict) -> int:
 def _schedule_in_samples(common: dict) -> bool:
     """Ours since the marker, and Megatron-LM's (which has no layout of ours), count samples; ours
     before it counted iterations."""
-    return bool(common.get(lr_schedule.SAMPLES_MARKER)) or "megatron_dpp_layout" not in common
+    return bool(common.get(scheduler_state.SAMPLES_MARKER)) or "megatron_dpp_layout" not in common
 
 
 def _same_model_parallel(saved: dict) -> bool:

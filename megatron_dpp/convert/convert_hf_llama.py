@@ -14,7 +14,7 @@ with --finetune (or --no-load-optim --no-load-rng). It is written as the trainer
 checkpoints (a staging folder, checksums, then published with the tracker file).
 
 One process on the CPU: it holds the model once in the weights' dtype, plus one weight file's
-tensor at a time (16 GB and more for an 8B model in bf16). models/llama_hf.py says what maps where.
+tensor at a time (16 GB and more for an 8B model in bf16). convert/llama_hf.py says what maps where.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from megatron_dpp.data.errors import DataInputError
 from megatron_dpp.data.tokenizer import (HF_TOKENIZER_FILES, HUGGINGFACE, tiktoken_options,
                                          tokenizer_from_files, vocab_size_with_padding)
 from megatron_dpp.flag_errors import ArgsError, require_output_dir
-from megatron_dpp.models import llama_hf
+from megatron_dpp.convert import llama_hf
 from megatron_dpp.one_line_errors import InputError, OneLineErrorParser
 
 # The seed build_chunks takes (the model is built uninitialized: _build_model).
@@ -130,7 +130,7 @@ def convert(hf_dir: str, save: str, tensor_parallel_size: int = 1,
     args.tokenizer_model = hf_dir if has_tokenizer else None
     import torch
 
-    from megatron_dpp.training.checkpointing import TrainState, save_checkpoint
+    from megatron_dpp.training.checkpoint.save_load import TrainState, save_checkpoint
 
     with _one_cpu_process():
         model = _build_model(args)
@@ -197,8 +197,8 @@ def export(load: str, save: str, vocab_size: Optional[int] = None) -> tuple[str,
     any layout; returns (the iteration folder read, save). Raises InputError (one line)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_dpp.training.checkpointing import find_checkpoint
-    from megatron_dpp.training.dist_checkpoint import CheckpointLoadError, saved_args
+    from megatron_dpp.training.checkpoint.save_load import find_checkpoint
+    from megatron_dpp.training.checkpoint.torch_dist import CheckpointLoadError, saved_args
 
     try:
         import safetensors  # noqa: F401  (model.safetensors is written at the end)

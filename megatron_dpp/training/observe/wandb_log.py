@@ -4,7 +4,7 @@ Megatron-LM's last rank starts a run with `wandb.init(dir=..., name=--wandb-exp-
 project=--wandb-project, config=the flags, entity=--wandb-entity)` and logs each of its TensorBoard
 scalars under the same tag at the iteration as W&B's step (the `vs samples` copies are
 TensorBoard's only); `wandb.finish()` at the end. Here the rank that prints the log line does it
-(training/tensorboard_log.py's writer, which holds the same values), every
+(training/observe/tensorboard_log.py's writer, which holds the same values), every
 --tensorboard-log-interval iterations, with the same flags choosing what goes in. Megatron-LM
 writes W&B only where it also writes TensorBoard; here --wandb-project alone is enough.
 

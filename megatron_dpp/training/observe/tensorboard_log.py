@@ -1,5 +1,5 @@
 """Megatron-LM's TensorBoard scalars (--tensorboard-dir), and the same ones to Weights & Biases
-(--wandb-project, training/wandb_log.py): the same tags, written by the rank that prints the log line (the last pipeline stage's first tensor- and data-parallel rank; Megatron-LM
+(--wandb-project, training/observe/wandb_log.py): the same tags, written by the rank that prints the log line (the last pipeline stage's first tensor- and data-parallel rank; Megatron-LM
 writes from the last rank, which holds the same values).
 
 Every --tensorboard-log-interval iterations: each reported loss (`lm loss`, BERT's `sop loss`),
@@ -10,7 +10,7 @@ memory (`mem-reserved-bytes`, `mem-allocated-bytes`, `mem-max-allocated-bytes`,
 `mem-allocated-count`, with --log-memory-to-tensorboard), each also as `<tag> vs samples` over the
 consumed samples (W&B: the iteration's only, as Megatron-LM). At each logged iteration, with
 --log-timers-to-tensorboard: `iteration-time`, `throughput` (with --log-throughput) and
-`<timer>-time` for each timer of --timing-log-level (training/timers.py). After each
+`<timer>-time` for each timer of --timing-log-level (training/observe/timers.py). After each
 evaluation: `lm loss validation` (and `lm loss validation ppl` with
 --log-validation-ppl-to-tensorboard), with their `vs samples`; after training, as Megatron-LM,
 the test split's loss under the same tags, and under --skip-train nothing. Reading the losses every interval
@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_dpp.training.wandb_log import WandbConfig, WandbRun
+from megatron_dpp.training.observe.wandb_log import WandbConfig, WandbRun
 
 
 @dataclass(frozen=True)

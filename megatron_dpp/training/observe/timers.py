@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from megatron_dpp.training.timer_hooks import NO_TIMER
+from megatron_dpp.training.observe.timer_hooks import NO_TIMER
 
 LOG_LEVELS = (0, 1, 2)
 LOG_OPTIONS = ("max", "minmax", "all")

@@ -1,6 +1,6 @@
 """The checkpoint flags' checks that need no process group: --ckpt-format (argparse's choices are
 its check), what --load may name and what it restores (LoadScope). Standard library only (training/flags.py adds --ckpt-format
-to the checkpointing group and calls check_load_dir before launch; checkpointing.py resolves
+to the checkpointing group and calls check_load_dir before launch; save_load.py resolves
 --load at run time with the same helpers)."""
 from __future__ import annotations
 

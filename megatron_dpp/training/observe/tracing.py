@@ -2,8 +2,8 @@
 
 Every rank of a traced run writes TRACE_DIR/<run>/benchmark-rank<R>.json (megatron_dpp.trace's
 recorder) when training ends; <run> is the start time, the layout and the schedule, agreed on by all
-ranks. The DPP runtime and Megatron's own schedules (training/megatron_tracing.py) fill the same
-recorder. Each rank measures its clock against rank 0's at start and at end (training/clock_sync.py)
+ranks. The DPP runtime and Megatron's own schedules (training/observe/megatron_tracing.py) fill the same
+recorder. Each rank measures its clock against rank 0's at start and at end (training/observe/clock_sync.py)
 and writes its events on rank 0's clock.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from megatron_dpp.pipeline.registry import ONE_F_ONE_B
 from megatron_dpp.trace.clock import ClockAlignment, OffsetSample
 from megatron_dpp.trace.device_clock import DeviceClock
 from megatron_dpp.trace.recorder import TraceRecorder
-from megatron_dpp.training.clock_sync import REFERENCE_RANK, clock_group, measure_offset
+from megatron_dpp.training.observe.clock_sync import REFERENCE_RANK, clock_group, measure_offset
 
 # What ordered the tasks, as the run name ends: the DPP runtime, or Megatron's own schedule.
 DPP_SCHEDULE = "dpp"

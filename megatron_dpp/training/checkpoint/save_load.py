@@ -4,7 +4,7 @@ load_checkpoint.
 Two formats (--ckpt-format), both in Megatron-LM's layout SAVE/iter_NNNNNNN/ plus
 SAVE/latest_checkpointed_iteration.txt:
 
-- torch_dist (default): Megatron-Core's distributed checkpoint (training/dist_checkpoint.py).
+- torch_dist (default): Megatron-Core's distributed checkpoint (training/checkpoint/torch_dist.py).
   Megatron-LM reads it, and it resumes at another tensor/pipeline/virtual-pipeline layout, with
   or without --use-dpp.
 - torch: this project's earlier per-rank files, iter_NNNNNNN/rank_RRRRR.pt (one per global rank:
@@ -18,7 +18,7 @@ that a failure on one rank ends the save on every rank at once:
   1. room: every rank's estimate of its bytes (tensors plus a margin) against the free space of
      --save; too little and nothing is written;
   2. rank 0 makes SAVE/iter_NNNNNNN.saving/, every rank writes its files into it;
-  3. checksums: each rank's files (training/checkpoint_integrity.py), into the folder's manifest
+  3. checksums: each rank's files (training/checkpoint/integrity.py), into the folder's manifest
      checksums.json (rank 0);
   4. rank 0 publishes: .saving -> iter_NNNNNNN, then the tracker.
 Any failure (a full disk, errno 28...) removes the .saving folder and raises CheckpointSaveError,
@@ -45,8 +45,8 @@ from megatron.core import parallel_state, tensor_parallel
 
 from megatron_dpp.models.pipeline_split import PipelineSplit
 from megatron_dpp.mcore import distributed_optimizer
-from megatron_dpp.training import lr_schedule
-from megatron_dpp.training.checkpoint_flags import (
+from megatron_dpp.training.checkpoint import scheduler_state
+from megatron_dpp.training.checkpoint.flags import (
     CHECKPOINT_FORMATS,
     TRACKER_FILE,
     LoadScope,
@@ -55,7 +55,7 @@ from megatron_dpp.training.checkpoint_flags import (
     no_checkpoint_words,
     same_directory,
 )
-from megatron_dpp.training.checkpoint_integrity import (
+from megatron_dpp.training.checkpoint.integrity import (
     MANIFEST_FILE,
     SAVED_WITH_CHECKSUMS,
     CheckpointDamaged,
@@ -74,7 +74,7 @@ from megatron_dpp.training.checkpoint_integrity import (
     unverified_warning,
     write_manifest,
 )
-from megatron_dpp.training.dist_checkpoint import (
+from megatron_dpp.training.checkpoint.torch_dist import (
     OLD_FORMAT_CONVERTER,
     CheckpointLoadError,
     CheckpointSaveError,
@@ -417,7 +417,7 @@ def _prepare_torch(state: TrainState, model_chunks, optimizer, scheduler) -> tup
         "model": [chunk.state_dict() for chunk in model_chunks],
         "optimizer": _optimizer_state(optimizer),
         "scheduler": scheduler.state_dict(),
-        lr_schedule.SAMPLES_MARKER: True,
+        scheduler_state.SAMPLES_MARKER: True,
         "rng": _rng_state(),
         SAVED_WITH_CHECKSUMS: MANIFEST_FILE,
     }
@@ -540,8 +540,8 @@ def _load_torch(directory: str, verified: bool, model_chunks, optimizer,
     converted = None
     if error is None and scope.optimizer:
         try:
-            schedule, converted = lr_schedule.state_in_samples(
-                payload["scheduler"], payload.get(lr_schedule.SAMPLES_MARKER, False),
+            schedule, converted = scheduler_state.state_in_samples(
+                payload["scheduler"], payload.get(scheduler_state.SAMPLES_MARKER, False),
                 payload["iteration"], payload["consumed_samples"])
             difference = scheduler.schedule_difference(schedule)
             if difference is not None:

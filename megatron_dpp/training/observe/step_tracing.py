@@ -18,7 +18,7 @@ import time
 from typing import Callable, Dict, Iterator
 
 from megatron_dpp.trace.recorder import GRADIENT_SYNC, IN_COLLECTIVE, TraceRecorder
-from megatron_dpp.training.timer_hooks import HookedTimers
+from megatron_dpp.training.observe.timer_hooks import HookedTimers
 
 # Megatron-Core's timers inside finalize_model_grads, each around one kind of collective.
 FINALIZE_COLLECTIVES: Dict[str, str] = {

@@ -1,7 +1,7 @@
 """Llama's Hugging Face files in Megatron-Core's terms, both ways: the trainer flags of a
 config.json and the Megatron-Core state dict of its weights (model.safetensors, sharded or not,
 or pytorch_model.bin); and a config.json and Hugging Face weights from a run's flags and state
-dict. training/convert_hf_llama.py writes the first as a checkpoint and exports the second.
+dict. convert/convert_hf_llama.py writes the first as a checkpoint and exports the second.
 
 What maps where (Megatron-Core's local layer spec; its checkpoints name the norms as Transformer
 Engine's layers do, so either spec loads them):

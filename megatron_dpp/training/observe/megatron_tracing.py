@@ -7,7 +7,7 @@ How the schedule is hooked (no Megatron function is wrapped, patched or copied):
 - Steps. Megatron's forward_step and backward_step start and stop the timers 'forward-compute' and
   'backward-compute' on `config.timers`, TransformerConfig's public timing hook, around exactly the
   model's forward (with the loss) and its backward. While a traced schedule runs, config.timers is a
-  HookedTimers (training/timer_hooks.py) that turns those two into task spans and passes every
+  HookedTimers (training/observe/timer_hooks.py) that turns those two into task spans and passes every
   timer call on to the timers it stands in for, if any. Wrapping forward_step_func alone would miss the backward, which
   Megatron runs from inside its schedule.
 - Which task a step is. Megatron's interleaved schedule runs its forwards in the order of its
@@ -38,7 +38,7 @@ from megatron.core.pipeline_parallel.schedules import get_schedule_table
 from megatron_dpp.comm.tags import Direction
 from megatron_dpp.pipeline import Phase, Task, TaskGraph
 from megatron_dpp.trace.recorder import POSTING_SEND, TraceRecorder
-from megatron_dpp.training.timer_hooks import HookedTimers
+from megatron_dpp.training.observe.timer_hooks import HookedTimers
 
 # Megatron's timer names around its forward_step and backward_step.
 STEP_TIMERS = {"forward-compute": Phase.F, "backward-compute": Phase.B}

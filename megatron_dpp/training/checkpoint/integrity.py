@@ -1,5 +1,5 @@
 """What makes a checkpoint trustworthy: the checksum manifest written at save and verified at load,
-and the estimate of the space a save needs. No process group here: checkpointing.py makes the ranks
+and the estimate of the space a save needs. No process group here: save_load.py makes the ranks
 agree on what these functions find.
 
 The manifest is one JSON file per iteration folder, iter_NNNNNNN/checksums.json, written by rank 0
