@@ -5,7 +5,7 @@ synchronization stops the host from running ahead of the GPU; a step whose host 
 GPU work leaves the GPU waiting. This benchmark counts that work on the CPU, where it can be
 counted op by op:
 
-- ours: megatron_dpp's training iteration at pp=1 (training/loop.py's Trainer.train_step over
+- ours: megatron_dpp's training iteration at pp=1 (training/step.py's Trainer.train_step over
   Megatron-Core's schedule, the optimizer step, the loss read when the loop logs, the stop
   agreement), built from the same flags as `megatron_dpp.pretrain_gpt`, SDPA core attention;
 - anchor: benchmarks/gpu_speed_anchor.py's model and step (forward and backward per micro-batch,
@@ -423,20 +423,22 @@ def measure_ours(args: argparse.Namespace) -> dict:
 
     from megatron_dpp.arguments import parse_args
     from megatron_dpp.models import MODEL_SPECS
-    from megatron_dpp.training import loop
+    from megatron_dpp.data.tokenizer import build_tokenizer
+    from megatron_dpp.platform import setup_platform
+    from megatron_dpp.training import loop, setup, step
     from megatron_dpp.training.signals import StopSignals
 
     spec = MODEL_SPECS["gpt"]
     if args.compiled_fusions:
         _force_compiled_fusions()
     train_args = parse_args(_our_argv(args))
-    platform = loop.setup_platform(spec.cpu_patched_modules)
-    loop.initialize_distributed(train_args, platform)
+    platform = setup_platform(spec.cpu_patched_modules)
+    setup.initialize_distributed(train_args, platform)
     try:
-        loop.set_seeds(train_args.seed)
-        tokenizer = loop.build_tokenizer(train_args)
+        setup.set_seeds(train_args.seed)
+        tokenizer = build_tokenizer(train_args)
         train_ds, valid_ds, _ = spec.build_datasets(train_args, tokenizer)
-        trainer = loop.Trainer(train_args, platform, spec)
+        trainer = step.Trainer(train_args, platform, spec)
         iterators, _ = loop._iterators_per_chunk(train_args, train_ds, valid_ds, 0, 0,
                                                  len(trainer.model))
         # The stop agreement as the loop builds it on a GPU (emulated: the flag is on the

@@ -43,7 +43,7 @@ def main() -> int:
     from megatron_dpp.models import MODEL_SPECS
     from megatron_dpp.platform import setup_platform
     from megatron_dpp.training.config import training_config_from_args
-    from megatron_dpp.training.loop import build_model_and_optimizer, initialize_distributed, set_seeds
+    from megatron_dpp.training.setup import build_model_and_optimizer, initialize_distributed, set_seeds
     from megatron_dpp.training.pipeline import build_forward_backward, close_forward_backward
 
     variants = json.loads(os.environ["VARIANTS"])

@@ -123,9 +123,9 @@ def test_microbatch_work_is_its_token_count():
 
 
 def test_the_loop_averages_every_reported_loss_by_its_count(megatron):
-    """training/loop.py's reduce_losses: each name's sums and counts over the microbatches (and
+    """training/step.py's reduce_losses: each name's sums and counts over the microbatches (and
     data-parallel ranks), "lm loss" first; names a microbatch does not report count nothing."""
-    from megatron_dpp.training.loop import reduce_losses
+    from megatron_dpp.training.step import reduce_losses
 
     reported = [{"lm loss": torch.tensor([2.0, 4.0]), "sop loss": torch.tensor([1.0, 2.0])},
                 {"lm loss": torch.tensor([4.0, 4.0])}]

@@ -174,7 +174,7 @@ def test_plain_tracker_states_round_trip_as_before(monkeypatch):
 def test_seeds_ask_for_a_graph_safe_tracker_with_graphs(cuda_graphs, monkeypatch):
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron_dpp.training import loop
+    from megatron_dpp.training import setup
 
     calls = []
     monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 1)
@@ -182,7 +182,7 @@ def test_seeds_ask_for_a_graph_safe_tracker_with_graphs(cuda_graphs, monkeypatch
                         lambda seed, **kwargs: calls.append((seed, kwargs)))
     states = random.getstate(), np.random.get_state(), torch.get_rng_state()
     try:
-        loop.set_seeds(1234, cuda_graphs=cuda_graphs)
+        setup.set_seeds(1234, cuda_graphs=cuda_graphs)
     finally:
         random.setstate(states[0])
         np.random.set_state(states[1])

@@ -161,7 +161,7 @@ def _built(monkeypatch, *extra):
     from megatron_dpp.models.gpt import GPT_SPEC
     from megatron_dpp.platform import setup_platform
     from megatron_dpp.training.config import training_config_from_args
-    from megatron_dpp.training.loop import build_model_and_optimizer
+    from megatron_dpp.training.setup import build_model_and_optimizer
     from megatron_dpp.training.lr_schedule import SampleSchedule
 
     args = _parse(monkeypatch, *extra)
@@ -191,7 +191,7 @@ def test_embedding_and_output_groups_follow_the_decoupled_schedule(megatron, mon
     decoupled = [group for group in optimizer.param_groups if not group["default_config"]]
     others = [group for group in optimizer.param_groups if group["default_config"]]
     assert len(decoupled) == 1 and others
-    # Marked, so that a saved group loads into its own (loop.optimizer_config_overrides)
+    # Marked, so that a saved group loads into its own (setup.optimizer_config_overrides)
     assert decoupled[0]["is_decoupled_lr"] and not any(g["is_decoupled_lr"] for g in others)
     assert {id(param) for param in decoupled[0]["params"]} == flagged
     assert not flagged & {id(param) for group in others for param in group["params"]}

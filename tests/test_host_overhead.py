@@ -35,8 +35,8 @@ def quick_result(tmp_path_factory):
 
 # Where an iteration may still wait for the device: Megatron-Core's gradient norm (its
 # `total_norm.item()`, which the clipping decision needs on the host) and the loop's loss read
-# when it logs (training/loop.py's ReducedLosses.read).
-ALLOWED_SYNC_SITES = ("clip_grads.py", "loop.py")
+# when it logs (training/step.py's ReducedLosses.read).
+ALLOWED_SYNC_SITES = ("clip_grads.py", "step.py")
 
 
 def test_quick_mode_syncs_per_iteration(quick_result):

@@ -1,4 +1,4 @@
-"""--bf16 / --fp16 model chunks (training/loop.wrap_for_mixed_precision), on CPU in one process:
+"""--bf16 / --fp16 model chunks (training/setup.wrap_for_mixed_precision), on CPU in one process:
 without Megatron's Float16Module a 16-bit GPT or BERT forward mixes dtypes (torch's position
 embedding and layer norms are built in fp32) and fails; wrapped, every parameter is 16-bit and
 the losses come back in fp32, as in Megatron-LM.
@@ -16,7 +16,7 @@ import torch
 
 from megatron_dpp.models.bert import BERT_SPEC, BertShape, build_bert_chunks
 from megatron_dpp.models.gpt import GPTShape, build_gpt_chunks
-from megatron_dpp.training.loop import wrap_for_mixed_precision
+from megatron_dpp.training.setup import wrap_for_mixed_precision
 
 import re
 

@@ -109,7 +109,7 @@ def _profile_args(**overrides):
 
 
 def _train(profiler, iterations, ran):
-    """The trainer's calls around each training step (training/loop.py's train_step)."""
+    """The trainer's calls around each training step (training/step.py's train_step)."""
     for iteration in range(iterations):
         if profiler is not None:
             profiler.iteration_starts(iteration)
@@ -224,7 +224,8 @@ def test_nvtx_range_around_gradient_sync_and_optimizer_step(monkeypatch):
     """The trainer's --nvtx ranges beside the schedule's: GRADIENT_SYNC around
     config.finalize_model_grads_func (which the DPP runtime and Megatron's schedules both call),
     OPTIMIZER_STEP around the optimizer's step (Trainer.traced_step)."""
-    from megatron_dpp.training.loop import Trainer, _nvtx_around_gradient_sync
+    from megatron_dpp.training.setup import nvtx_around_gradient_sync as _nvtx_around_gradient_sync
+    from megatron_dpp.training.step import Trainer
 
     calls = []
     monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(("push", name)))

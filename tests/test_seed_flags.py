@@ -357,7 +357,7 @@ class _Chunk:
 
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_delay_flags_set_the_schedule_sync_funcs(chunks, monkeypatch, capsys):
-    from megatron_dpp.training.loop import set_sync_funcs
+    from megatron_dpp.training.setup import set_sync_funcs
 
     model = [_Chunk() for _ in range(chunks)]
 
@@ -386,7 +386,7 @@ def test_delay_flags_set_the_schedule_sync_funcs(chunks, monkeypatch, capsys):
 
 
 def test_params_gathered_around_evaluation_and_checkpoints_with_overlap_param_gather():
-    from megatron_dpp.training.loop import params_gathered
+    from megatron_dpp.training.setup import params_gathered
 
     hooked, plain = _Chunk(use_forward_hook=True), _Chunk()
     with params_gathered([hooked, plain]):

@@ -138,10 +138,10 @@ class IterationProfiler:
     def install(self) -> None:
         import torch
 
-        from megatron_dpp.training import loop
+        from megatron_dpp.training import step
 
         self.cuda = torch.cuda.is_available()
-        original = loop.Trainer.train_step
+        original = step.Trainer.train_step
         profiler = self
 
         def train_step(trainer, data_iterators):
@@ -157,7 +157,7 @@ class IterationProfiler:
                 if active:
                     profiler._stop(torch)
 
-        loop.Trainer.train_step = train_step
+        step.Trainer.train_step = train_step
 
     def _start(self, torch) -> None:
         if self.cuda:

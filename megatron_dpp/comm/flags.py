@@ -150,7 +150,7 @@ def validate_multinode_args(args: argparse.Namespace) -> None:
         check_node_count(args.node_ips, node_count)
     except ValueError as error:
         raise ArgsError(f"--node-ips {text}: {error}") from None
-    # This node's address must be one of its own (the startup check, training/loop.py, refuses it
+    # This node's address must be one of its own (the startup check, training/setup.py, refuses it
     # otherwise on every rank after launch). A job of one node is node 0; on several nodes the
     # node rank is torchrun's GROUP_RANK, which the check sees in every rank (and in a pre-check
     # that sets it).

@@ -721,7 +721,7 @@ def _validate_distribute_saved_activations(args: argparse.Namespace, cuda: bool)
 
 def _validate_overlap_args(args: argparse.Namespace) -> None:
     """The data-parallel and pipeline overlap flags (Megatron-LM's rules; they reach the DDP
-    config in training/config.py and the schedules' sync functions in training/loop.py)."""
+    config in training/config.py and the schedules' sync functions in training/setup.py)."""
     if args.overlap_param_gather:
         require(args.use_distributed_optimizer,
                 "--overlap-param-gather overlaps the distributed optimizer's parameter all-gather; "

@@ -6,5 +6,5 @@ rank 0's clock (the ping-pong itself is training/observe/clock_sync.py); `device
 device time on a GPU (CUDA events, given by its caller, read without a host-device sync).
 
 NVTX ranges (--nvtx) are pushed by the runtime itself (runtime/executor.py), Megatron's schedules'
-tracer and the trainer (training/loop.py); --profile's nsys capture range or torch.profiler
+tracer and the trainer (training/step.py); --profile's nsys capture range or torch.profiler
 (--use-pytorch-profiler) runs from training/observe/profiler_window.py, and the aggregation lives in `trace_analysis/`."""

@@ -254,7 +254,7 @@ def validate_training_args(args: argparse.Namespace) -> None:
                                  f"{args.clip_grad}")
     require(args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}")
     _validate_optimizer(args)
-    # numpy's seed (set with Python's and torch's, training/loop.py) takes 0..2**32-1.
+    # numpy's seed (set with Python's and torch's, training/setup.py) takes 0..2**32-1.
     require(0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}")
     require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; pick one")
     _validate_loss_scaling(args)
