@@ -102,6 +102,15 @@ class IterationRecord:
 
 
 @dataclass
+class PendingReceive:
+    """A receive posted for one task's input: the transport's handle and where it comes from."""
+
+    handle: Any
+    peer: int
+    tag: int
+
+
+@dataclass
 class DPPSession:
     """State that lives across iterations: the transport, the tag iteration counter, the last record."""
 
@@ -315,8 +324,7 @@ class IterationRunner:
         self.tracker = ReadyTracker(self.graph, self.rank, forward_only=forward_only)
         self.tasks = [t for t in self.graph.tasks(self.rank)
                       if not (forward_only and t.phase is not Phase.F)]
-        self.pending_recvs: Dict[Task, Any] = {}
-        self.pending_recv_tags: Dict[Task, tuple] = {}
+        self.receives: Dict[Task, PendingReceive] = {}  # posted and not arrived yet
         self.arrived: Dict[Task, torch.Tensor] = {}
         self.ran: set = set()
         self.pending_sends: List[Any] = []
@@ -346,8 +354,7 @@ class IterationRunner:
                 continue
             peer = self.layout.pp_ranks[source[0]]
             tag = message_tag(self.iteration, source[1])
-            self.pending_recvs[task] = self.transport.irecv(peer, tag)
-            self.pending_recv_tags[task] = (peer, tag)
+            self.receives[task] = PendingReceive(self.transport.irecv(peer, tag), peer, tag)
 
     # ---- main loop ----------------------------------------------------------------------------
     def run(self) -> list:
@@ -427,12 +434,11 @@ class IterationRunner:
 
     # ---- arrivals and waiting ------------------------------------------------------------------
     def _mark_arrived(self, task: Task, tensor: torch.Tensor):
+        receive = self.receives.pop(task)
         if self.recorder is not None:
-            peer, tag = self.pending_recv_tags[task]
             self.recorder.message(f"recv {task}", time.perf_counter(),
-                                  {"peer": peer, "tag": tag, "bytes": _nbytes(tensor)})
-        del self.pending_recvs[task]
-        del self.pending_recv_tags[task]
+                                  {"peer": receive.peer, "tag": receive.tag,
+                                   "bytes": _nbytes(tensor)})
         self.arrived[task] = tensor
         self.tracker.input_arrived(task)
         self.deadline.progressed()
@@ -441,12 +447,12 @@ class IterationRunner:
         """Every input that has arrived: one transport call for all outstanding receives (all of
         an iteration's are posted at its start, so a test() of each would grow with M), and one
         more per arrival."""
-        while self.pending_recvs:
-            tasks = list(self.pending_recvs)
-            index = self._test_any([self.pending_recvs[task] for task in tasks], "an input")
+        while self.receives:
+            tasks = list(self.receives)
+            index = self._test_any([self.receives[task].handle for task in tasks], "an input")
             if index < 0:
                 return
-            self._mark_arrived(tasks[index], self.pending_recvs[tasks[index]].wait())
+            self._mark_arrived(tasks[index], self.receives[tasks[index]].handle.wait())
 
     def _test_any(self, handles: list, what: str) -> int:
         """transport.test_any(handles): the index of a completed one, or -1; a transport error (a
@@ -457,10 +463,10 @@ class IterationRunner:
             self._fail(f"transport error while waiting for {what}: {error}", is_peer_lost(error))
 
     def _wait_for_arrival(self):
-        if not self.pending_recvs:
+        if not self.receives:
             self._fail("the policy chose no task and no message is outstanding (scheduler bug)")
-        tasks = list(self.pending_recvs)
-        handles = [self.pending_recvs[t] for t in tasks]
+        tasks = list(self.receives)
+        handles = [self.receives[t].handle for t in tasks]
         while True:
             index = self._wait_any(handles, "a message to arrive")
             if index is not None:
@@ -470,10 +476,11 @@ class IterationRunner:
                 self._fail(f"no progress for {self.dpp.timeout_s:g} s")
 
     def _await_input(self, task: Task):
-        handle = self.pending_recvs.get(task)
-        if handle is None:
+        receive = self.receives.get(task)
+        if receive is None:
             self._fail(f"told to run {task} whose input is neither here nor expected")
-        self._mark_arrived(task, self._wait(handle, f"input of {task} (tag {self.pending_recv_tags[task]})"))
+        self._mark_arrived(task, self._wait(receive.handle, f"input of {task} (tag "
+                                                            f"{(receive.peer, receive.tag)})"))
 
     def _wait(self, handle, what: str) -> torch.Tensor:
         while True:
@@ -608,7 +615,8 @@ class IterationRunner:
             + " ".join(str(t) for t in self.record.tasks[-3:]),
             "ready: " + " ".join(sorted(str(t) for t in self.tracker.ready)),
             "awaited (peer, tag) -> task: "
-            + ", ".join(f"{self.pending_recv_tags[t]} -> {t}" for t in sorted(self.pending_recvs, key=str)),
+            + ", ".join(f"{(r.peer, r.tag)} -> {t}"
+                        for t, r in sorted(self.receives.items(), key=lambda item: str(item[0]))),
             f"sends not finished: {len(self.pending_sends)}",
         ]
         if self.channel.is_leader and not self.forward_only:
