@@ -87,11 +87,10 @@ def _worker(rank: int, args, port: int, results) -> None:
                 dist.all_reduce(per_task, op=dist.ReduceOp.MAX)
                 if repeat < args.warmup:
                     continue
-                for turn, started, ended in zip(record.task_seconds, record.task_started,
-                                                record.task_ended):
-                    step = ended - started
+                for ran in record.ran:
+                    step = ran.ended - ran.started
                     step_us[schedule].append(step * 1e6)
-                    runtime_us[schedule].append((turn - step) * 1e6)
+                    runtime_us[schedule].append((ran.turn_seconds - step) * 1e6)
                 wall_per_task_us[schedule].append(per_task.item() * 1e6)
         gathered = [None] * P
         dist.all_gather_object(gathered, (runtime_us, step_us))

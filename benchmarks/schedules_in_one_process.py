@@ -106,9 +106,9 @@ def main() -> int:
                 mine = None
                 if record is not None:  # compute ms per task kind: {"F": .., "B": .., "W": ..}
                     mine = {}
-                    for task, begin, end in zip(record.tasks, record.task_started, record.task_ended):
-                        kind = task.phase.name
-                        mine[kind] = mine.get(kind, 0.0) + (end - begin) * 1e3
+                    for ran in record.ran:
+                        kind = ran.task.phase.name
+                        mine[kind] = mine.get(kind, 0.0) + (ran.ended - ran.started) * 1e3
                 gathered = [None] * dist.get_world_size()
                 dist.all_gather_object(gathered, mine)
                 busy[name].append(gathered if record is not None else None)

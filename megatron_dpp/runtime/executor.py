@@ -43,7 +43,7 @@ from megatron.core.utils import get_model_config, get_model_type
 
 from megatron_dpp.comm.errors import is_peer_lost
 from megatron_dpp.exit_codes import LOST_PEER
-from megatron_dpp.pipeline import Phase, ReadyTracker, Task, TaskGraph, make_scheduler
+from megatron_dpp.pipeline import Phase, RanTask, ReadyTracker, RunLog, Task, TaskGraph, make_scheduler
 from megatron_dpp.pipeline.budget import largest_microbatch_bytes
 from megatron_dpp.runtime.batch import GlobalBatch
 from megatron_dpp.runtime.config import DPPConfig
@@ -86,19 +86,36 @@ class IterationRecord:
     policy: str = ""
     # How the policy ran when that is not its usual way (RankScheduler.strategy), else None.
     strategy: Optional[str] = None
-    tasks: List[Task] = field(default_factory=list)
-    # Wall seconds of the loop turn that ran each task (harvest arrivals, decide, run, send), in the
-    # order of `tasks`: what a task costs beyond its own compute is measured from these.
-    task_seconds: List[float] = field(default_factory=list)
-    # time.perf_counter() when each task's step began (after the decision) and its compute ended
-    # (before its output is posted): one clock for all processes of a machine, so ranks' timelines
-    # line up.
-    task_started: List[float] = field(default_factory=list)
-    task_ended: List[float] = field(default_factory=list)
+    # What ran, in order, with its times: the rank scheduler's RunLog, the one record the trace
+    # reads too. Times are time.perf_counter() (one clock for all processes of a machine, so
+    # ranks' timelines line up); a task's turn_seconds (harvest arrivals, decide, run, send) less
+    # its step is what it costs beyond its own compute.
+    log: RunLog = field(default_factory=RunLog)
     peak_held_bytes: int = 0
     budget_bytes: int = 0
     # With split backwards, what the stash held (estimated and measured bytes), else None.
     split_backward: Optional[SplitBackwardRecord] = None
+
+    @property
+    def ran(self) -> List[RanTask]:
+        return self.log.entries
+
+    # Views of `log` by field, in the order the tasks ran.
+    @property
+    def tasks(self) -> List[Task]:
+        return self.log.tasks
+
+    @property
+    def task_started(self) -> List[float]:
+        return [entry.started for entry in self.log.entries]
+
+    @property
+    def task_ended(self) -> List[float]:
+        return [entry.ended for entry in self.log.entries]
+
+    @property
+    def task_seconds(self) -> List[float]:
+        return [entry.turn_seconds for entry in self.log.entries]
 
 
 @dataclass
@@ -317,6 +334,7 @@ class IterationRunner:
                                       sizes=sizes, policy=self.scheduler.name,
                                       strategy=self.scheduler.strategy,
                                       budget_bytes=self.scheduler.budget_bytes,
+                                      log=self.scheduler.log,
                                       split_backward=(None if self.feature is None
                                                       else self.feature.record))
         self.order_position = {m: i for i, m in enumerate(self.scheduler.microbatch_order)}
@@ -326,7 +344,8 @@ class IterationRunner:
                       if not (forward_only and t.phase is not Phase.F)]
         self.receives: Dict[Task, PendingReceive] = {}  # posted and not arrived yet
         self.arrived: Dict[Task, torch.Tensor] = {}
-        self.ran: set = set()
+        # What has run: the scheduler's RunLog (every rank writes it, see _execute).
+        self.log = self.scheduler.log
         self.pending_sends: List[Any] = []
         self.outgoing: Optional[tuple] = None  # (task, output) handed to `send`, posted after the task
         self.saved: Dict[tuple, tuple] = {}  # (microbatch, chunk) -> (input, output) until backward
@@ -393,7 +412,7 @@ class IterationRunner:
         return [item for m in range(self.M) for item in self.outputs_by_microbatch.get(m, [])]
 
     def _lead(self):
-        while len(self.ran) < len(self.tasks):
+        while self.log.finished < len(self.tasks):
             turn_start = time.perf_counter()
             self._collect_arrivals()
             self._reap_sends()
@@ -409,7 +428,7 @@ class IterationRunner:
             self._execute(task, turn_start)
 
     def _follow(self):
-        while len(self.ran) < len(self.tasks):
+        while self.log.finished < len(self.tasks):
             handle = self.channel.expect_next()
             waited_from = time.perf_counter()
             decision = self._wait(handle, f"decision #{self.channel.sequence} from tensor-parallel "
@@ -508,11 +527,16 @@ class IterationRunner:
     # ---- running tasks ------------------------------------------------------------------------
     def _execute(self, task: Task, turn_start: float):
         self.tracker.start(task)
+        # The leader of a training iteration tells the scheduler (its memory accounting), which
+        # logs the task; a follower or an evaluation pass only logs it.
         accounts_memory = self.channel.is_leader and not self.forward_only
         if accounts_memory:
             self.scheduler.on_start(task)
             self.record.peak_held_bytes = max(self.record.peak_held_bytes, self.scheduler.held_bytes)
-        self.record.task_started.append(time.perf_counter())
+        else:
+            self.log.start(task)
+        ran = self.log.last
+        ran.started = time.perf_counter()
         if self.session.nvtx:
             torch.cuda.nvtx.range_push(str(task))
         # On a GPU with --trace: events on the compute stream around the task's compute alone.
@@ -521,17 +545,17 @@ class IterationRunner:
         device_span = None if self.recorder is None else self.recorder.task_ends(device_start)
         if self.session.nvtx:
             torch.cuda.nvtx.range_pop()
-        self.record.task_ended.append(time.perf_counter())
+        ran.ended = time.perf_counter()
         self._post_output()
         self.tracker.finish(task)
         if accounts_memory:
             self.scheduler.on_finish(task)
             self.record.peak_held_bytes = max(self.record.peak_held_bytes, self.scheduler.held_bytes)
+        else:
+            self.log.finish(task)
         if self.recorder is not None:
-            self._record_task(task, accounts_memory, device_span)
-        self.ran.add(task)
-        self.record.tasks.append(task)
-        self.record.task_seconds.append(time.perf_counter() - turn_start)
+            self._record_task(ran, accounts_memory, device_span)
+        ran.turn_seconds = time.perf_counter() - turn_start
         self.deadline.progressed()
 
     # ---- what handlers call -------------------------------------------------------------------
@@ -582,16 +606,15 @@ class IterationRunner:
         self.pending_sends = []
 
     # ---- tracing ------------------------------------------------------------------------------
-    def _record_task(self, task: Task, with_memory: bool, device_span) -> None:
-        m = task.microbatch
-        self.recorder.task(str(task), task.phase.label, self.record.task_started[-1],
-                           self.record.task_ended[-1],
+    def _record_task(self, ran: RanTask, with_memory: bool, device_span) -> None:
+        task, m = ran.task, ran.task.microbatch
+        self.recorder.task(str(task), task.phase.label, ran.started, ran.ended,
                            {"iteration": self.iteration, "microbatch": m, "chunk": task.chunk,
                             "virtual_stage": self.graph.virtual_stage(self.rank, task.chunk),
                             "tokens": int(self.graph.sizes[m])}, device_span=device_span)
         if with_memory:
             extra = {} if self.feature is None else self.feature.memory_counters()
-            self.recorder.memory(self.record.task_ended[-1], self.scheduler.held_bytes,
+            self.recorder.memory(ran.ended, self.scheduler.held_bytes,
                                  self.scheduler.budget_bytes, **extra)
 
     def _wait_reason(self) -> str:
@@ -611,8 +634,8 @@ class IterationRunner:
         lines = [
             f"iteration tag {self.iteration}, pipeline rank {self.rank}/{self.P}, V={self.V}, M={self.M}, "
             f"policy {policy}, {role}",
-            f"tasks run {len(self.ran)}/{len(self.tasks)}; last: "
-            + " ".join(str(t) for t in self.record.tasks[-3:]),
+            f"tasks run {self.log.finished}/{len(self.tasks)}; last: "
+            + " ".join(str(entry.task) for entry in self.log.entries[-3:]),
             "ready: " + " ".join(sorted(str(t) for t in self.tracker.ready)),
             "awaited (peer, tag) -> task: "
             + ", ".join(f"{(r.peer, r.tag)} -> {t}"
