@@ -82,7 +82,7 @@ def _worker(rank: int, args, port: int, results) -> None:
                    else None, model=model, num_microbatches=scenario.M,
                    seq_length=scenario.max_tokens, micro_batch_size=1, forward_only=False)
                 elapsed = time.perf_counter() - start
-                record = fb.dpp_session.last_record
+                record = fb.last_record
                 per_task = torch.tensor([elapsed / len(record.tasks)], dtype=torch.float64)
                 dist.all_reduce(per_task, op=dist.ReduceOp.MAX)
                 if repeat < args.warmup:

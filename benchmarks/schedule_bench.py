@@ -337,7 +337,7 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
             times[schedule].append(measured[0].item() * 1e3)
             peaks[schedule].append(int(measured[1].item()))
             over_budget[schedule] |= measured[2].item() > 0
-            record = getattr(getattr(fb, "dpp_session", None), "last_record", None)
+            record = getattr(fb, "last_record", None)
             if record is not None:
                 split = parse_schedule(schedule)[1]
                 for ran in record.ran:

@@ -101,8 +101,7 @@ def main() -> int:
                 elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 times[name].append(elapsed.item() * 1e3)
-                record = getattr(getattr(forward_backward[name], "dpp_session", None),
-                                 "last_record", None)
+                record = getattr(forward_backward[name], "last_record", None)
                 mine = None
                 if record is not None:  # compute ms per task kind: {"F": .., "B": .., "W": ..}
                     mine = {}

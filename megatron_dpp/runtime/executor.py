@@ -167,19 +167,68 @@ def make_forward_backward_dpp(config: DPPConfig, transport: Any, microbatch_work
                               activation_bytes_fn: ActivationBytesFn,
                               recorder: Optional[TraceRecorder] = None, nvtx: bool = False,
                               stash: Any = None,
-                              weight_grad_bytes_fn: Optional[WeightGradBytesFn] = None):
-    """A callable with Megatron's forward_backward_func keyword signature, bound to one DPP session.
-    Its `close()` closes the transport (collective; training.pipeline.close_forward_backward).
-    With a recorder, every iteration's tasks, waits, messages and memory go into it. With
+                              weight_grad_bytes_fn: Optional[WeightGradBytesFn] = None,
+                              trace: Any = None) -> "ForwardBackwardDPP":
+    """Megatron's forward_backward_func bound to a new DPP session (ForwardBackwardDPP).
+    With a recorder, every iteration's tasks, waits, messages and memory go into it; `trace` is
+    what close() writes first (training/tracing.py's RunTrace, whose recorder that is). With
     config.split_backward, `stash` and `weight_grad_bytes_fn` are the model side of the split
     (DPPSession), which runtime/split_backward.py's SplitBackward drives."""
     session = DPPSession(config=config, transport=transport, microbatch_work=microbatch_work,
                          activation_bytes_fn=activation_bytes_fn, recorder=recorder, nvtx=nvtx,
                          stash=stash, weight_grad_bytes_fn=weight_grad_bytes_fn)
-    fn = partial(forward_backward_dpp, dpp_session=session)
-    fn.dpp_session = session
-    fn.close = transport.close
-    return fn
+    return ForwardBackwardDPP(session, trace=trace)
+
+
+class ForwardBackwardDPP:
+    """forward_backward_dpp bound to one DPP session: called with Megatron's forward_backward_func
+    keywords, it runs one global batch; `close()` ends the session (collective:
+    training.pipeline.close_forward_backward)."""
+
+    def __init__(self, session: DPPSession, trace: Any = None):
+        self.session = session
+        # --trace: training/tracing.py's RunTrace (None without), which the training step records
+        # its own parts into and close() writes.
+        self.trace = trace
+
+    @property
+    def last_record(self) -> Optional[IterationRecord]:
+        """What the last call did on this rank (None before the first)."""
+        return self.session.last_record
+
+    def __call__(
+        self,
+        *,
+        forward_step_func,
+        data_iterator: Union[Iterator, List[Iterator]],
+        model: Union[torch.nn.Module, List[torch.nn.Module]],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: Optional[int] = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: Optional[bool] = None,
+        adjust_tensor_shapes_fn: Optional[Callable] = None,
+        p2p_communicator=None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        force_all_reduce: Optional[bool] = False,
+    ):
+        return forward_backward_dpp(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=num_microbatches, seq_length=seq_length,
+            micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+            forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+            first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+            p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+            force_all_reduce=force_all_reduce, dpp_session=self.session)
+
+    def close(self) -> None:
+        """Write the trace (collective: the end-of-run clock measurement), then close the
+        transport (collective with the peers)."""
+        if self.trace is not None:
+            self.trace.write()
+        self.session.transport.close()
 
 
 def _check_supported(config, cp_size: int, adjust_tensor_shapes_fn, num_chunks: int, iterators):
