@@ -16,10 +16,12 @@ Data parallelism: gradient reduction is held back (Megatron's no_sync_func) unti
 each model chunk, as in Megatron's schedules (runtime/grad_sync.py).
 
 Split backwards (DPPConfig.split_backward, --dpp-split-backward) are the loop's one optional
-feature, runtime/split_backward.py's SplitBackward: it adds W tasks and the stash's bytes to the
-task graph, puts its F, B and W handlers into the handler table, and is told when the iteration
-ends (its stash must be empty, or is emptied after a failure); the loop reports its state and
-memory next to its own. Without the flag the loop runs F and B exactly as before.
+feature, one object: `IterationRunner.split_backward`, runtime/split_backward.py's SplitBackward
+(None without the flag, and in evaluation). Every use goes through it: it adds W tasks and the
+stash's bytes to the task graph, puts its F, B and W handlers into the handler table (they reach
+the stash only through it), and is told when the iteration ends (its stash must be empty, or is
+emptied after a failure); the loop reports its state and memory next to its own, and its record
+is IterationRecord.split_backward. Without the flag the loop runs F and B exactly as before.
 
 Activation bytes per microbatch come from the caller too (activation_bytes_fn: training passes the
 model's ModelSpec.activation_bytes, the search's analytical model), so the runtime knows no model.
@@ -140,8 +142,8 @@ class DPPSession:
     # Split backwards (DPPConfig.split_backward): the model side, given by the caller
     # (training/pipeline.py: models.weight_grad's megatron_weight_grad_bytes and a
     # WeightGradStash): the stash's bytes per microbatch, and the rank's stash (the model chunks'
-    # deferred layers store into it). Each iteration's SplitBackward (runtime/split_backward.py)
-    # is made from them; the loop itself never touches them.
+    # deferred layers store into it). Each iteration's SplitBackward (runtime/split_backward.py,
+    # IterationRunner.split_backward) is made from them and is the only user of them.
     weight_grad_bytes_fn: Optional[WeightGradBytesFn] = None
     stash: Any = None
     iteration: int = 0
@@ -349,10 +351,10 @@ class IterationRunner:
         # Budgets are provisioned for the largest microbatch any batch can hold (a full sequence),
         # as Megatron's fixed schedules must be, not for the largest of this batch.
         largest_size = seq_length * micro_batch_size
-        # The one optional feature: split backwards, in training only (None otherwise). The loop
-        # reaches it through the task graph, the handler table, and the hooks `end_iteration`,
-        # `state_lines` and `memory_counters`.
-        self.feature = SplitBackward.for_iteration(session, models, config, forward_only,
+        # The one optional feature: split backwards, in training only (None otherwise), reached
+        # by this one name. The loop uses it through the task graph, the handler table, and the
+        # hooks `end_iteration`, `state_lines` and `memory_counters`.
+        self.split_backward = SplitBackward.for_iteration(session, models, config, forward_only,
                                                    sizes, largest_size)
 
         act_bytes = session.activation_bytes_fn(config, sizes, micro_batch_size, self.V, self.P)
@@ -360,11 +362,11 @@ class IterationRunner:
         largest_possible = largest_microbatch_bytes(session.activation_bytes_fn, config, seq_length,
                                                     micro_batch_size, self.V, self.P)
         graph_options = {}
-        if self.feature is not None:
+        if self.split_backward is not None:
             # What the feature keeps per microbatch counts against the budget like activations.
-            act_bytes = [a + b for a, b in zip(act_bytes, self.feature.held_bytes)]
-            largest_possible += self.feature.largest_held_bytes
-            graph_options = self.feature.graph_options
+            act_bytes = [a + b for a, b in zip(act_bytes, self.split_backward.held_bytes)]
+            largest_possible += self.split_backward.largest_held_bytes
+            graph_options = self.split_backward.graph_options
         self.graph = TaskGraph(self.P, self.V, self.M, sizes, act_bytes,
                                max_act_bytes=max(largest_possible, max(act_bytes)),
                                **graph_options)
@@ -384,8 +386,8 @@ class IterationRunner:
                                       strategy=self.scheduler.strategy,
                                       budget_bytes=self.scheduler.budget_bytes,
                                       log=self.scheduler.log,
-                                      split_backward=(None if self.feature is None
-                                                      else self.feature.record))
+                                      split_backward=(None if self.split_backward is None
+                                                      else self.split_backward.record))
         self.order_position = {m: i for i, m in enumerate(self.scheduler.microbatch_order)}
 
         self.tracker = ReadyTracker(self.graph, self.rank, forward_only=forward_only)
@@ -401,8 +403,8 @@ class IterationRunner:
         self.outputs_by_microbatch: Dict[int, list] = {}
         self.grad_sync = GradSync(config, models, forward_only)
         self.handlers = make_handlers(self)
-        if self.feature is not None:
-            self.feature.register_handlers(self, self.handlers)
+        if self.split_backward is not None:
+            self.split_backward.register_handlers(self, self.handlers)
         self.recorder = session.recorder
 
     # ---- setup ------------------------------------------------------------------------------
@@ -426,14 +428,14 @@ class IterationRunner:
 
     # ---- main loop ----------------------------------------------------------------------------
     def run(self) -> list:
-        if self.feature is None:
+        if self.split_backward is None:
             return self._run()
         try:
             store = self._run()
         except BaseException:
-            self.feature.end_iteration(failed=True)
+            self.split_backward.end_iteration(failed=True)
             raise
-        self.feature.end_iteration(failed=False)
+        self.split_backward.end_iteration(failed=False)
         return store
 
     def _run(self) -> list:
@@ -662,7 +664,7 @@ class IterationRunner:
                             "virtual_stage": self.graph.virtual_stage(self.rank, task.chunk),
                             "tokens": int(self.graph.sizes[m])}, device_span=device_span)
         if with_memory:
-            extra = {} if self.feature is None else self.feature.memory_counters()
+            extra = {} if self.split_backward is None else self.split_backward.memory_counters()
             self.recorder.memory(ran.ended, self.scheduler.held_bytes,
                                  self.scheduler.budget_bytes, **extra)
 
@@ -694,8 +696,8 @@ class IterationRunner:
         if self.channel.is_leader and not self.forward_only:
             lines.append(f"activation bytes held {self.scheduler.held_bytes} of budget "
                          f"{self.scheduler.budget_bytes}")
-        if self.feature is not None:
-            lines += self.feature.state_lines()
+        if self.split_backward is not None:
+            lines += self.split_backward.state_lines()
         return lines
 
     def _fail(self, reason: str, lost_peer: bool = False):
