@@ -36,16 +36,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel.schedules import (
-    clear_embedding_activation_buffer,
-    finish_embedding_wgrad_compute,
-)
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
 from megatron_dpp.comm.errors import is_peer_lost
 from megatron_dpp.exit_codes import LOST_PEER
-from megatron_dpp.pipeline import Phase, RanTask, ReadyTracker, RunLog, Task, TaskGraph, make_scheduler
+from megatron_dpp.mcore.schedules import (schedule_epilogue, schedule_prologue,
+                                          unsupported_schedule_feature)
+from megatron_dpp.pipeline import (Phase, RanTask, ReadyTracker, RunLog, Task, TaskGraph,
+                                   make_scheduler)
 from megatron_dpp.pipeline.budget import largest_microbatch_bytes
 from megatron_dpp.runtime.batch import GlobalBatch
 from megatron_dpp.runtime.config import DPPConfig
@@ -246,6 +245,9 @@ def _check_supported(config, cp_size: int, adjust_tensor_shapes_fn, num_chunks: 
     if len(iterators) != num_chunks:
         raise ValueError(f"forward_backward_dpp: {num_chunks} model chunks but {len(iterators)} "
                          "data iterators (pass one per chunk, as for Megatron's interleaved schedule)")
+    unsupported = unsupported_schedule_feature(config)
+    if unsupported is not None:
+        raise ValueError(f"forward_backward_dpp: {unsupported}")
 
 
 def forward_backward_dpp(
@@ -285,11 +287,7 @@ def forward_backward_dpp(
     _check_supported(config, layout.cp_size, adjust_tensor_shapes_fn, len(models), iterators)
     is_last_pipeline_rank = layout.pp_rank == layout.pp_size - 1
 
-    if config.timers is not None:
-        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-    embedding_module = None
-    if config.finalize_model_grads_func is not None and not forward_only:
-        embedding_module = clear_embedding_activation_buffer(config, models, is_last_pipeline_rank)
+    embedding_module = schedule_prologue(config, models, forward_only, is_last_pipeline_rank)
 
     runner = IterationRunner(
         session=dpp_session, layout=layout, config=config, models=models, iterators=iterators,
@@ -304,16 +302,8 @@ def forward_backward_dpp(
         report_and_exit(failure.reason, failure.state_lines,
                         LOST_PEER if failure.lost_peer else dpp_session.config.timeout_exit_code)
 
-    if config.finalize_model_grads_func is not None and not forward_only:
-        finish_embedding_wgrad_compute(config, embedding_module, is_last_pipeline_rank, pg_collection.tp)
-        config.finalize_model_grads_func(
-            models,
-            runner.total_num_tokens if config.calculate_per_token_loss else None,
-            pg_collection=pg_collection,
-            force_all_reduce=force_all_reduce,
-        )
-    if config.timers is not None:
-        config.timers("forward-backward").stop()
+    schedule_epilogue(config, models, forward_only, is_last_pipeline_rank, embedding_module,
+                      runner.total_num_tokens, pg_collection, force_all_reduce)
     return forward_data_store
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
-from megatron.core.pipeline_parallel.schedules import (
+
+from megatron_dpp.mcore.schedules import (
     backward_step,
     check_first_val_step,
     deallocate_output_tensor,
     forward_step,
 )
-
 from megatron_dpp.pipeline import Phase, Task
 from megatron_dpp.runtime.batch import GlobalBatch
 from megatron_dpp.runtime.grad_sync import GradSync

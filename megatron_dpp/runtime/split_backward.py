@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
-from megatron.core.pipeline_parallel.schedules import backward_step
 
+from megatron_dpp.mcore.schedules import backward_step
 from megatron_dpp.pipeline import Phase, Task
 from megatron_dpp.runtime.handlers import ForwardHandler, IterationView
 
