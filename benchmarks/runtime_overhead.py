@@ -82,16 +82,15 @@ def _worker(rank: int, args, port: int, results) -> None:
                    else None, model=model, num_microbatches=scenario.M,
                    seq_length=scenario.max_tokens, micro_batch_size=1, forward_only=False)
                 elapsed = time.perf_counter() - start
-                record = fb.dpp_session.last_record
+                record = fb.last_record
                 per_task = torch.tensor([elapsed / len(record.tasks)], dtype=torch.float64)
                 dist.all_reduce(per_task, op=dist.ReduceOp.MAX)
                 if repeat < args.warmup:
                     continue
-                for turn, started, ended in zip(record.task_seconds, record.task_started,
-                                                record.task_ended):
-                    step = ended - started
+                for ran in record.ran:
+                    step = ran.ended - ran.started
                     step_us[schedule].append(step * 1e6)
-                    runtime_us[schedule].append((turn - step) * 1e6)
+                    runtime_us[schedule].append((ran.turn_seconds - step) * 1e6)
                 wall_per_task_us[schedule].append(per_task.item() * 1e6)
         gathered = [None] * P
         dist.all_gather_object(gathered, (runtime_us, step_us))

@@ -246,8 +246,8 @@ def _gather_timeline(record, start: float, P: int) -> List[List[list]]:
     from the earliest rank's start (perf_counter is one clock for all processes of a machine)."""
     import torch.distributed as dist
 
-    mine = (start, [(int(t.phase), t.microbatch, t.chunk, begin, end)
-                    for t, begin, end in zip(record.tasks, record.task_started, record.task_ended)])
+    mine = (start, [(int(ran.task.phase), ran.task.microbatch, ran.task.chunk, ran.started, ran.ended)
+                    for ran in record.ran])
     gathered = [None] * P
     dist.all_gather_object(gathered, mine)
     origin = min(rank_start for rank_start, _ in gathered)
@@ -337,14 +337,15 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
             times[schedule].append(measured[0].item() * 1e3)
             peaks[schedule].append(int(measured[1].item()))
             over_budget[schedule] |= measured[2].item() > 0
-            record = getattr(getattr(fb, "dpp_session", None), "last_record", None)
+            record = getattr(fb, "last_record", None)
             if record is not None:
                 split = parse_schedule(schedule)[1]
-                for task, seconds in zip(record.tasks, record.task_seconds):
+                for ran in record.ran:
+                    task = ran.task
                     requested = model[task.chunk].seconds(task.phase, task.microbatch, split)
-                    overheads[int(task.phase)].append((seconds - requested) * 1e3)
+                    overheads[int(task.phase)].append((ran.turn_seconds - requested) * 1e3)
                 if rank == 0:
-                    setups.append((record.task_started[0] - start) * 1e3)
+                    setups.append((record.ran[0].started - start) * 1e3)
                 if trace:
                     timelines[schedule].append(_gather_timeline(record, start, P))
     # Each row's budget on the fullest rank (the table's column), from every rank's own.

@@ -101,14 +101,13 @@ def main() -> int:
                 elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 times[name].append(elapsed.item() * 1e3)
-                record = getattr(getattr(forward_backward[name], "dpp_session", None),
-                                 "last_record", None)
+                record = getattr(forward_backward[name], "last_record", None)
                 mine = None
                 if record is not None:  # compute ms per task kind: {"F": .., "B": .., "W": ..}
                     mine = {}
-                    for task, begin, end in zip(record.tasks, record.task_started, record.task_ended):
-                        kind = task.phase.name
-                        mine[kind] = mine.get(kind, 0.0) + (end - begin) * 1e3
+                    for ran in record.ran:
+                        kind = ran.task.phase.name
+                        mine[kind] = mine.get(kind, 0.0) + (ran.ended - ran.started) * 1e3
                 gathered = [None] * dist.get_world_size()
                 dist.all_gather_object(gathered, mine)
                 busy[name].append(gathered if record is not None else None)

@@ -34,10 +34,15 @@ Interface (stable names):
   the policy's usual way), `microbatch_order` (same list on every rank: a pure function of sizes,
   P, V, M and the policy), `next_task(ready) -> Task | None` (None: wait for an arrival; a static
   order returns its next listed task iff it is ready), `on_start(task)`, `on_finish(task)`, `done`,
-  `held_bytes`, `budget_bytes`, `peak_bytes`, `history`.
+  `held_bytes`, `budget_bytes`, `peak_bytes`, `log` (its RunLog), `history` (the tasks started,
+  in order, read from `log`).
   One task runs at a time per rank: call next_task when idle, on_start before running the
   returned task, on_finish when it completes. Activations count as held from on_start(F) to
   on_finish(B), or on_finish(W) with split backwards.
+- `RunLog` (run_log.py): the one record of what a rank ran, in order (`RanTask(task, started,
+  ended, turn_seconds)` entries, and the count finished). Each scheduler keeps one (`log`, written
+  by on_start/on_finish); `history` and `done` read it, and the runtime writes its task times into
+  the same entries, which its iteration record and trace read.
 """
 from megatron_dpp.pipeline.budget import (
     AUTO_BUDGET,
@@ -54,6 +59,7 @@ from megatron_dpp.pipeline.budget import (
 )
 from megatron_dpp.pipeline.graph import TaskGraph
 from megatron_dpp.pipeline.ready import ReadyTracker
+from megatron_dpp.pipeline.run_log import RanTask, RunLog
 from megatron_dpp.pipeline.registry import (
     DEFAULT_POLICY,
     DYNAMIC_SCHEDULES,
@@ -75,8 +81,10 @@ __all__ = [
     "PROVISIONED_BUDGET",
     "PairedReceiveScheduler",
     "Phase",
+    "RanTask",
     "RankScheduler",
     "ReadyTracker",
+    "RunLog",
     "SCHEDULE_NAMES",
     "STATIC_SCHEDULES",
     "StaticOrderScheduler",

@@ -231,13 +231,13 @@ class AdaptiveScheduler(RankScheduler):
     def on_start(self, task: Task) -> None:
         if task.phase == _W:
             self._weight_grads.remove(task)
-            self.history.append(task)
+            self.log.start(task)
             return
         position = self._index[task]
         if self._done[position]:
             raise RuntimeError(f"{self.name} rank {self.rank}: {task} started twice")
         # RankScheduler.on_start inlined: this runs once per task in 64-rank simulations.
-        self.history.append(task)
+        self.log.start(task)
         delta = self._delta[position]
         self._admitted += delta if delta > 0 else 0
         if task.phase == _F:
@@ -259,7 +259,7 @@ class AdaptiveScheduler(RankScheduler):
 
     def on_finish(self, task: Task) -> None:
         # RankScheduler.on_finish inlined, as on_start.
-        self._finished += 1
+        self.log.finish(task)
         if task.phase == _F:
             return
         backward = task

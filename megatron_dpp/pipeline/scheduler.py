@@ -10,11 +10,13 @@ import abc
 from typing import Collection, Sequence
 
 from megatron_dpp.pipeline.graph import TaskGraph
+from megatron_dpp.pipeline.run_log import RunLog
 from megatron_dpp.pipeline.task import Phase, Task
 
 
 class RankScheduler(abc.ABC):
-    """Bookkeeping shared by every schedule: memory held, history, completion.
+    """Bookkeeping shared by every schedule: memory held, and the rank's RunLog (what started,
+    how many finished), which `history` and `done` read.
 
     Activation bytes are held from the start of a forward until the end of its backward (of its
     W task, when the graph splits backwards).
@@ -38,29 +40,34 @@ class RankScheduler(abc.ABC):
         self.microbatch_order = list(microbatch_order)
         self.held_bytes = 0
         self.peak_bytes = 0
-        self.history: list[Task] = []
+        # The one record of what this rank ran; an executor adds its times to the entries.
+        self.log = RunLog()
         self._act = graph.act_bytes
-        self._finished = 0
         self._total = len(graph.phases) * graph.M * graph.V
         self._release = graph.release_phase
 
     @property
     def done(self) -> bool:
-        return self._finished == self._total
+        return self.log.finished == self._total
+
+    @property
+    def history(self) -> list[Task]:
+        """Every task started, in order."""
+        return self.log.tasks
 
     @abc.abstractmethod
     def next_task(self, ready: Collection[Task]) -> Task | None:
         """The task to run now (a member of `ready`), or None to wait for an arrival."""
 
     def on_start(self, task: Task) -> None:
-        self.history.append(task)
+        self.log.start(task)
         if task.phase == Phase.F:
             self.held_bytes += self._act[task.microbatch]
             if self.held_bytes > self.peak_bytes:
                 self.peak_bytes = self.held_bytes
 
     def on_finish(self, task: Task) -> None:
-        self._finished += 1
+        self.log.finish(task)
         if task.phase == self._release:
             self.held_bytes -= self._act[task.microbatch]
 

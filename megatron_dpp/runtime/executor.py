@@ -16,10 +16,12 @@ Data parallelism: gradient reduction is held back (Megatron's no_sync_func) unti
 each model chunk, as in Megatron's schedules (runtime/grad_sync.py).
 
 Split backwards (DPPConfig.split_backward, --dpp-split-backward) are the loop's one optional
-feature, runtime/split_backward.py's SplitBackward: it adds W tasks and the stash's bytes to the
-task graph, puts its F, B and W handlers into the handler table, and is told when the iteration
-ends (its stash must be empty, or is emptied after a failure); the loop reports its state and
-memory next to its own. Without the flag the loop runs F and B exactly as before.
+feature, one object: `IterationRunner.split_backward`, runtime/split_backward.py's SplitBackward
+(None without the flag, and in evaluation). Every use goes through it: it adds W tasks and the
+stash's bytes to the task graph, puts its F, B and W handlers into the handler table (they reach
+the stash only through it), and is told when the iteration ends (its stash must be empty, or is
+emptied after a failure); the loop reports its state and memory next to its own, and its record
+is IterationRecord.split_backward. Without the flag the loop runs F and B exactly as before.
 
 Activation bytes per microbatch come from the caller too (activation_bytes_fn: training passes the
 model's ModelSpec.activation_bytes, the search's analytical model), so the runtime knows no model.
@@ -34,16 +36,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel.schedules import (
-    clear_embedding_activation_buffer,
-    finish_embedding_wgrad_compute,
-)
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
 from megatron_dpp.comm.errors import is_peer_lost
 from megatron_dpp.exit_codes import LOST_PEER
-from megatron_dpp.pipeline import Phase, ReadyTracker, Task, TaskGraph, make_scheduler
+from megatron_dpp.mcore.schedules import (schedule_epilogue, schedule_prologue,
+                                          unsupported_schedule_feature)
+from megatron_dpp.pipeline import (Phase, RanTask, ReadyTracker, RunLog, Task, TaskGraph,
+                                   make_scheduler)
 from megatron_dpp.pipeline.budget import largest_microbatch_bytes
 from megatron_dpp.runtime.batch import GlobalBatch
 from megatron_dpp.runtime.config import DPPConfig
@@ -86,19 +87,45 @@ class IterationRecord:
     policy: str = ""
     # How the policy ran when that is not its usual way (RankScheduler.strategy), else None.
     strategy: Optional[str] = None
-    tasks: List[Task] = field(default_factory=list)
-    # Wall seconds of the loop turn that ran each task (harvest arrivals, decide, run, send), in the
-    # order of `tasks`: what a task costs beyond its own compute is measured from these.
-    task_seconds: List[float] = field(default_factory=list)
-    # time.perf_counter() when each task's step began (after the decision) and its compute ended
-    # (before its output is posted): one clock for all processes of a machine, so ranks' timelines
-    # line up.
-    task_started: List[float] = field(default_factory=list)
-    task_ended: List[float] = field(default_factory=list)
+    # What ran, in order, with its times: the rank scheduler's RunLog, the one record the trace
+    # reads too. Times are time.perf_counter() (one clock for all processes of a machine, so
+    # ranks' timelines line up); a task's turn_seconds (harvest arrivals, decide, run, send) less
+    # its step is what it costs beyond its own compute.
+    log: RunLog = field(default_factory=RunLog)
     peak_held_bytes: int = 0
     budget_bytes: int = 0
     # With split backwards, what the stash held (estimated and measured bytes), else None.
     split_backward: Optional[SplitBackwardRecord] = None
+
+    @property
+    def ran(self) -> List[RanTask]:
+        return self.log.entries
+
+    # Views of `log` by field, in the order the tasks ran.
+    @property
+    def tasks(self) -> List[Task]:
+        return self.log.tasks
+
+    @property
+    def task_started(self) -> List[float]:
+        return [entry.started for entry in self.log.entries]
+
+    @property
+    def task_ended(self) -> List[float]:
+        return [entry.ended for entry in self.log.entries]
+
+    @property
+    def task_seconds(self) -> List[float]:
+        return [entry.turn_seconds for entry in self.log.entries]
+
+
+@dataclass
+class PendingReceive:
+    """A receive posted for one task's input: the transport's handle and where it comes from."""
+
+    handle: Any
+    peer: int
+    tag: int
 
 
 @dataclass
@@ -114,8 +141,8 @@ class DPPSession:
     # Split backwards (DPPConfig.split_backward): the model side, given by the caller
     # (training/pipeline.py: models.weight_grad's megatron_weight_grad_bytes and a
     # WeightGradStash): the stash's bytes per microbatch, and the rank's stash (the model chunks'
-    # deferred layers store into it). Each iteration's SplitBackward (runtime/split_backward.py)
-    # is made from them; the loop itself never touches them.
+    # deferred layers store into it). Each iteration's SplitBackward (runtime/split_backward.py,
+    # IterationRunner.split_backward) is made from them and is the only user of them.
     weight_grad_bytes_fn: Optional[WeightGradBytesFn] = None
     stash: Any = None
     iteration: int = 0
@@ -141,19 +168,68 @@ def make_forward_backward_dpp(config: DPPConfig, transport: Any, microbatch_work
                               activation_bytes_fn: ActivationBytesFn,
                               recorder: Optional[TraceRecorder] = None, nvtx: bool = False,
                               stash: Any = None,
-                              weight_grad_bytes_fn: Optional[WeightGradBytesFn] = None):
-    """A callable with Megatron's forward_backward_func keyword signature, bound to one DPP session.
-    Its `close()` closes the transport (collective; training.pipeline.close_forward_backward).
-    With a recorder, every iteration's tasks, waits, messages and memory go into it. With
+                              weight_grad_bytes_fn: Optional[WeightGradBytesFn] = None,
+                              trace: Any = None) -> "ForwardBackwardDPP":
+    """Megatron's forward_backward_func bound to a new DPP session (ForwardBackwardDPP).
+    With a recorder, every iteration's tasks, waits, messages and memory go into it; `trace` is
+    what close() writes first (training/tracing.py's RunTrace, whose recorder that is). With
     config.split_backward, `stash` and `weight_grad_bytes_fn` are the model side of the split
     (DPPSession), which runtime/split_backward.py's SplitBackward drives."""
     session = DPPSession(config=config, transport=transport, microbatch_work=microbatch_work,
                          activation_bytes_fn=activation_bytes_fn, recorder=recorder, nvtx=nvtx,
                          stash=stash, weight_grad_bytes_fn=weight_grad_bytes_fn)
-    fn = partial(forward_backward_dpp, dpp_session=session)
-    fn.dpp_session = session
-    fn.close = transport.close
-    return fn
+    return ForwardBackwardDPP(session, trace=trace)
+
+
+class ForwardBackwardDPP:
+    """forward_backward_dpp bound to one DPP session: called with Megatron's forward_backward_func
+    keywords, it runs one global batch; `close()` ends the session (collective:
+    training.pipeline.close_forward_backward)."""
+
+    def __init__(self, session: DPPSession, trace: Any = None):
+        self.session = session
+        # --trace: training/tracing.py's RunTrace (None without), which the training step records
+        # its own parts into and close() writes.
+        self.trace = trace
+
+    @property
+    def last_record(self) -> Optional[IterationRecord]:
+        """What the last call did on this rank (None before the first)."""
+        return self.session.last_record
+
+    def __call__(
+        self,
+        *,
+        forward_step_func,
+        data_iterator: Union[Iterator, List[Iterator]],
+        model: Union[torch.nn.Module, List[torch.nn.Module]],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: Optional[int] = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: Optional[bool] = None,
+        adjust_tensor_shapes_fn: Optional[Callable] = None,
+        p2p_communicator=None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        force_all_reduce: Optional[bool] = False,
+    ):
+        return forward_backward_dpp(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=num_microbatches, seq_length=seq_length,
+            micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+            forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+            first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+            p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+            force_all_reduce=force_all_reduce, dpp_session=self.session)
+
+    def close(self) -> None:
+        """Write the trace (collective: the end-of-run clock measurement), then close the
+        transport (collective with the peers)."""
+        if self.trace is not None:
+            self.trace.write()
+        self.session.transport.close()
 
 
 def _check_supported(config, cp_size: int, adjust_tensor_shapes_fn, num_chunks: int, iterators):
@@ -169,6 +245,9 @@ def _check_supported(config, cp_size: int, adjust_tensor_shapes_fn, num_chunks: 
     if len(iterators) != num_chunks:
         raise ValueError(f"forward_backward_dpp: {num_chunks} model chunks but {len(iterators)} "
                          "data iterators (pass one per chunk, as for Megatron's interleaved schedule)")
+    unsupported = unsupported_schedule_feature(config)
+    if unsupported is not None:
+        raise ValueError(f"forward_backward_dpp: {unsupported}")
 
 
 def forward_backward_dpp(
@@ -208,11 +287,7 @@ def forward_backward_dpp(
     _check_supported(config, layout.cp_size, adjust_tensor_shapes_fn, len(models), iterators)
     is_last_pipeline_rank = layout.pp_rank == layout.pp_size - 1
 
-    if config.timers is not None:
-        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-    embedding_module = None
-    if config.finalize_model_grads_func is not None and not forward_only:
-        embedding_module = clear_embedding_activation_buffer(config, models, is_last_pipeline_rank)
+    embedding_module = schedule_prologue(config, models, forward_only, is_last_pipeline_rank)
 
     runner = IterationRunner(
         session=dpp_session, layout=layout, config=config, models=models, iterators=iterators,
@@ -227,16 +302,8 @@ def forward_backward_dpp(
         report_and_exit(failure.reason, failure.state_lines,
                         LOST_PEER if failure.lost_peer else dpp_session.config.timeout_exit_code)
 
-    if config.finalize_model_grads_func is not None and not forward_only:
-        finish_embedding_wgrad_compute(config, embedding_module, is_last_pipeline_rank, pg_collection.tp)
-        config.finalize_model_grads_func(
-            models,
-            runner.total_num_tokens if config.calculate_per_token_loss else None,
-            pg_collection=pg_collection,
-            force_all_reduce=force_all_reduce,
-        )
-    if config.timers is not None:
-        config.timers("forward-backward").stop()
+    schedule_epilogue(config, models, forward_only, is_last_pipeline_rank, embedding_module,
+                      runner.total_num_tokens, pg_collection, force_all_reduce)
     return forward_data_store
 
 
@@ -274,10 +341,10 @@ class IterationRunner:
         # Budgets are provisioned for the largest microbatch any batch can hold (a full sequence),
         # as Megatron's fixed schedules must be, not for the largest of this batch.
         largest_size = seq_length * micro_batch_size
-        # The one optional feature: split backwards, in training only (None otherwise). The loop
-        # reaches it through the task graph, the handler table, and the hooks `end_iteration`,
-        # `state_lines` and `memory_counters`.
-        self.feature = SplitBackward.for_iteration(session, models, config, forward_only,
+        # The one optional feature: split backwards, in training only (None otherwise), reached
+        # by this one name. The loop uses it through the task graph, the handler table, and the
+        # hooks `end_iteration`, `state_lines` and `memory_counters`.
+        self.split_backward = SplitBackward.for_iteration(session, models, config, forward_only,
                                                    sizes, largest_size)
 
         act_bytes = session.activation_bytes_fn(config, sizes, micro_batch_size, self.V, self.P)
@@ -285,11 +352,11 @@ class IterationRunner:
         largest_possible = largest_microbatch_bytes(session.activation_bytes_fn, config, seq_length,
                                                     micro_batch_size, self.V, self.P)
         graph_options = {}
-        if self.feature is not None:
+        if self.split_backward is not None:
             # What the feature keeps per microbatch counts against the budget like activations.
-            act_bytes = [a + b for a, b in zip(act_bytes, self.feature.held_bytes)]
-            largest_possible += self.feature.largest_held_bytes
-            graph_options = self.feature.graph_options
+            act_bytes = [a + b for a, b in zip(act_bytes, self.split_backward.held_bytes)]
+            largest_possible += self.split_backward.largest_held_bytes
+            graph_options = self.split_backward.graph_options
         self.graph = TaskGraph(self.P, self.V, self.M, sizes, act_bytes,
                                max_act_bytes=max(largest_possible, max(act_bytes)),
                                **graph_options)
@@ -308,25 +375,26 @@ class IterationRunner:
                                       sizes=sizes, policy=self.scheduler.name,
                                       strategy=self.scheduler.strategy,
                                       budget_bytes=self.scheduler.budget_bytes,
-                                      split_backward=(None if self.feature is None
-                                                      else self.feature.record))
+                                      log=self.scheduler.log,
+                                      split_backward=(None if self.split_backward is None
+                                                      else self.split_backward.record))
         self.order_position = {m: i for i, m in enumerate(self.scheduler.microbatch_order)}
 
         self.tracker = ReadyTracker(self.graph, self.rank, forward_only=forward_only)
         self.tasks = [t for t in self.graph.tasks(self.rank)
                       if not (forward_only and t.phase is not Phase.F)]
-        self.pending_recvs: Dict[Task, Any] = {}
-        self.pending_recv_tags: Dict[Task, tuple] = {}
+        self.receives: Dict[Task, PendingReceive] = {}  # posted and not arrived yet
         self.arrived: Dict[Task, torch.Tensor] = {}
-        self.ran: set = set()
+        # What has run: the scheduler's RunLog (every rank writes it, see _execute).
+        self.log = self.scheduler.log
         self.pending_sends: List[Any] = []
         self.outgoing: Optional[tuple] = None  # (task, output) handed to `send`, posted after the task
         self.saved: Dict[tuple, tuple] = {}  # (microbatch, chunk) -> (input, output) until backward
         self.outputs_by_microbatch: Dict[int, list] = {}
         self.grad_sync = GradSync(config, models, forward_only)
         self.handlers = make_handlers(self)
-        if self.feature is not None:
-            self.feature.register_handlers(self, self.handlers)
+        if self.split_backward is not None:
+            self.split_backward.register_handlers(self, self.handlers)
         self.recorder = session.recorder
 
     # ---- setup ------------------------------------------------------------------------------
@@ -346,19 +414,18 @@ class IterationRunner:
                 continue
             peer = self.layout.pp_ranks[source[0]]
             tag = message_tag(self.iteration, source[1])
-            self.pending_recvs[task] = self.transport.irecv(peer, tag)
-            self.pending_recv_tags[task] = (peer, tag)
+            self.receives[task] = PendingReceive(self.transport.irecv(peer, tag), peer, tag)
 
     # ---- main loop ----------------------------------------------------------------------------
     def run(self) -> list:
-        if self.feature is None:
+        if self.split_backward is None:
             return self._run()
         try:
             store = self._run()
         except BaseException:
-            self.feature.end_iteration(failed=True)
+            self.split_backward.end_iteration(failed=True)
             raise
-        self.feature.end_iteration(failed=False)
+        self.split_backward.end_iteration(failed=False)
         return store
 
     def _run(self) -> list:
@@ -386,7 +453,7 @@ class IterationRunner:
         return [item for m in range(self.M) for item in self.outputs_by_microbatch.get(m, [])]
 
     def _lead(self):
-        while len(self.ran) < len(self.tasks):
+        while self.log.finished < len(self.tasks):
             turn_start = time.perf_counter()
             self._collect_arrivals()
             self._reap_sends()
@@ -402,7 +469,7 @@ class IterationRunner:
             self._execute(task, turn_start)
 
     def _follow(self):
-        while len(self.ran) < len(self.tasks):
+        while self.log.finished < len(self.tasks):
             handle = self.channel.expect_next()
             waited_from = time.perf_counter()
             decision = self._wait(handle, f"decision #{self.channel.sequence} from tensor-parallel "
@@ -427,12 +494,11 @@ class IterationRunner:
 
     # ---- arrivals and waiting ------------------------------------------------------------------
     def _mark_arrived(self, task: Task, tensor: torch.Tensor):
+        receive = self.receives.pop(task)
         if self.recorder is not None:
-            peer, tag = self.pending_recv_tags[task]
             self.recorder.message(f"recv {task}", time.perf_counter(),
-                                  {"peer": peer, "tag": tag, "bytes": _nbytes(tensor)})
-        del self.pending_recvs[task]
-        del self.pending_recv_tags[task]
+                                  {"peer": receive.peer, "tag": receive.tag,
+                                   "bytes": _nbytes(tensor)})
         self.arrived[task] = tensor
         self.tracker.input_arrived(task)
         self.deadline.progressed()
@@ -441,12 +507,12 @@ class IterationRunner:
         """Every input that has arrived: one transport call for all outstanding receives (all of
         an iteration's are posted at its start, so a test() of each would grow with M), and one
         more per arrival."""
-        while self.pending_recvs:
-            tasks = list(self.pending_recvs)
-            index = self._test_any([self.pending_recvs[task] for task in tasks], "an input")
+        while self.receives:
+            tasks = list(self.receives)
+            index = self._test_any([self.receives[task].handle for task in tasks], "an input")
             if index < 0:
                 return
-            self._mark_arrived(tasks[index], self.pending_recvs[tasks[index]].wait())
+            self._mark_arrived(tasks[index], self.receives[tasks[index]].handle.wait())
 
     def _test_any(self, handles: list, what: str) -> int:
         """transport.test_any(handles): the index of a completed one, or -1; a transport error (a
@@ -457,10 +523,10 @@ class IterationRunner:
             self._fail(f"transport error while waiting for {what}: {error}", is_peer_lost(error))
 
     def _wait_for_arrival(self):
-        if not self.pending_recvs:
+        if not self.receives:
             self._fail("the policy chose no task and no message is outstanding (scheduler bug)")
-        tasks = list(self.pending_recvs)
-        handles = [self.pending_recvs[t] for t in tasks]
+        tasks = list(self.receives)
+        handles = [self.receives[t].handle for t in tasks]
         while True:
             index = self._wait_any(handles, "a message to arrive")
             if index is not None:
@@ -470,10 +536,11 @@ class IterationRunner:
                 self._fail(f"no progress for {self.dpp.timeout_s:g} s")
 
     def _await_input(self, task: Task):
-        handle = self.pending_recvs.get(task)
-        if handle is None:
+        receive = self.receives.get(task)
+        if receive is None:
             self._fail(f"told to run {task} whose input is neither here nor expected")
-        self._mark_arrived(task, self._wait(handle, f"input of {task} (tag {self.pending_recv_tags[task]})"))
+        self._mark_arrived(task, self._wait(receive.handle, f"input of {task} (tag "
+                                                            f"{(receive.peer, receive.tag)})"))
 
     def _wait(self, handle, what: str) -> torch.Tensor:
         while True:
@@ -501,11 +568,16 @@ class IterationRunner:
     # ---- running tasks ------------------------------------------------------------------------
     def _execute(self, task: Task, turn_start: float):
         self.tracker.start(task)
+        # The leader of a training iteration tells the scheduler (its memory accounting), which
+        # logs the task; a follower or an evaluation pass only logs it.
         accounts_memory = self.channel.is_leader and not self.forward_only
         if accounts_memory:
             self.scheduler.on_start(task)
             self.record.peak_held_bytes = max(self.record.peak_held_bytes, self.scheduler.held_bytes)
-        self.record.task_started.append(time.perf_counter())
+        else:
+            self.log.start(task)
+        ran = self.log.last
+        ran.started = time.perf_counter()
         if self.session.nvtx:
             torch.cuda.nvtx.range_push(str(task))
         # On a GPU with --trace: events on the compute stream around the task's compute alone.
@@ -514,17 +586,17 @@ class IterationRunner:
         device_span = None if self.recorder is None else self.recorder.task_ends(device_start)
         if self.session.nvtx:
             torch.cuda.nvtx.range_pop()
-        self.record.task_ended.append(time.perf_counter())
+        ran.ended = time.perf_counter()
         self._post_output()
         self.tracker.finish(task)
         if accounts_memory:
             self.scheduler.on_finish(task)
             self.record.peak_held_bytes = max(self.record.peak_held_bytes, self.scheduler.held_bytes)
+        else:
+            self.log.finish(task)
         if self.recorder is not None:
-            self._record_task(task, accounts_memory, device_span)
-        self.ran.add(task)
-        self.record.tasks.append(task)
-        self.record.task_seconds.append(time.perf_counter() - turn_start)
+            self._record_task(ran, accounts_memory, device_span)
+        ran.turn_seconds = time.perf_counter() - turn_start
         self.deadline.progressed()
 
     # ---- what handlers call -------------------------------------------------------------------
@@ -575,16 +647,15 @@ class IterationRunner:
         self.pending_sends = []
 
     # ---- tracing ------------------------------------------------------------------------------
-    def _record_task(self, task: Task, with_memory: bool, device_span) -> None:
-        m = task.microbatch
-        self.recorder.task(str(task), task.phase.label, self.record.task_started[-1],
-                           self.record.task_ended[-1],
+    def _record_task(self, ran: RanTask, with_memory: bool, device_span) -> None:
+        task, m = ran.task, ran.task.microbatch
+        self.recorder.task(str(task), task.phase.label, ran.started, ran.ended,
                            {"iteration": self.iteration, "microbatch": m, "chunk": task.chunk,
                             "virtual_stage": self.graph.virtual_stage(self.rank, task.chunk),
                             "tokens": int(self.graph.sizes[m])}, device_span=device_span)
         if with_memory:
-            extra = {} if self.feature is None else self.feature.memory_counters()
-            self.recorder.memory(self.record.task_ended[-1], self.scheduler.held_bytes,
+            extra = {} if self.split_backward is None else self.split_backward.memory_counters()
+            self.recorder.memory(ran.ended, self.scheduler.held_bytes,
                                  self.scheduler.budget_bytes, **extra)
 
     def _wait_reason(self) -> str:
@@ -604,18 +675,19 @@ class IterationRunner:
         lines = [
             f"iteration tag {self.iteration}, pipeline rank {self.rank}/{self.P}, V={self.V}, M={self.M}, "
             f"policy {policy}, {role}",
-            f"tasks run {len(self.ran)}/{len(self.tasks)}; last: "
-            + " ".join(str(t) for t in self.record.tasks[-3:]),
+            f"tasks run {self.log.finished}/{len(self.tasks)}; last: "
+            + " ".join(str(entry.task) for entry in self.log.entries[-3:]),
             "ready: " + " ".join(sorted(str(t) for t in self.tracker.ready)),
             "awaited (peer, tag) -> task: "
-            + ", ".join(f"{self.pending_recv_tags[t]} -> {t}" for t in sorted(self.pending_recvs, key=str)),
+            + ", ".join(f"{(r.peer, r.tag)} -> {t}"
+                        for t, r in sorted(self.receives.items(), key=lambda item: str(item[0]))),
             f"sends not finished: {len(self.pending_sends)}",
         ]
         if self.channel.is_leader and not self.forward_only:
             lines.append(f"activation bytes held {self.scheduler.held_bytes} of budget "
                          f"{self.scheduler.budget_bytes}")
-        if self.feature is not None:
-            lines += self.feature.state_lines()
+        if self.split_backward is not None:
+            lines += self.split_backward.state_lines()
         return lines
 
     def _fail(self, reason: str, lost_peer: bool = False):

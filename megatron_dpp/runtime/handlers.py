@@ -3,21 +3,22 @@
 A handler computes its task with Megatron-Core's own step functions (forward_step, backward_step)
 and hands its output to the runner's `send`; the runner does everything around it (choosing the
 task, the ready rule, memory accounting, the record). `IterationView` lists what a handler may use
-of the runner. `make_handlers` gives the table of F and B; a feature with task kinds of its own
-puts its handlers into that table (the split backward's F, B and W: runtime/split_backward.py).
+of the runner. `make_handlers` gives the table of F and B; the split backward (the runner's one
+optional feature, `IterationRunner.split_backward`, runtime/split_backward.py) puts its own F, B
+and W into that table.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 import torch
-from megatron.core.pipeline_parallel.schedules import (
+
+from megatron_dpp.mcore.schedules import (
     backward_step,
     check_first_val_step,
     deallocate_output_tensor,
     forward_step,
 )
-
 from megatron_dpp.pipeline import Phase, Task
 from megatron_dpp.runtime.batch import GlobalBatch
 from megatron_dpp.runtime.grad_sync import GradSync

@@ -9,8 +9,10 @@ does differently for it, so the executor itself has no split-specific code:
 - the task graph: W tasks (`graph_options`), and the stash's estimated bytes added to what each
   microbatch holds from F to the end of its W (`held_bytes`, `largest_held_bytes`), which the
   scheduler's budget counts;
-- the handler table (`register_handlers`): F forwards under `stash.defer((m, c))`, B stores the
-  weight-gradient work under that key, W runs it and drives the data-parallel gradient sync;
+- the handler table (`register_handlers`): F forwards under `deferring(task)` (the stash's
+  `defer((m, c))`), B stores the weight-gradient work under that key, W runs it
+  (`run_weight_grad`) and drives the data-parallel gradient sync. The handlers reach the stash
+  only through this object;
 - the stash's measured bytes, from B to W (`SplitBackwardRecord`, the trace's `stash` counter);
 - the end of the iteration (`end_iteration`): every W ran, so the stash must be empty; a failed
   iteration empties it, so the next one finds no stale work;
@@ -19,11 +21,11 @@ does differently for it, so the executor itself has no split-specific code:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
-from megatron.core.pipeline_parallel.schedules import backward_step
 
+from megatron_dpp.mcore.schedules import backward_step
 from megatron_dpp.pipeline import Phase, Task
 from megatron_dpp.runtime.handlers import ForwardHandler, IterationView
 
@@ -45,7 +47,8 @@ class SplitBackwardRecord:
 
 
 class SplitBackward:
-    """The split backward of one iteration on one rank: the executor's only optional feature.
+    """The split backward of one iteration on one rank: the executor's only optional feature,
+    `IterationRunner.split_backward`.
 
     The executor reads it at setup (`graph_options`, `held_bytes`, `largest_held_bytes`,
     `register_handlers`) and calls it when it records memory (`memory_counters`), at the end of
@@ -94,9 +97,20 @@ class SplitBackward:
         """Put the split's F, B and W handlers into the runner's table. The W handler drives the
         gradient sync (each chunk's last W completes its gradients), so B never releases it."""
         runner.grad_sync.check_split_backward()
-        handlers[Phase.F] = DeferringForwardHandler(runner, self.stash)
+        handlers[Phase.F] = DeferringForwardHandler(runner, self)
         handlers[Phase.B] = InputGradHandler(runner, self)
         handlers[Phase.W] = WeightGradHandler(runner, self)
+
+    # ---- the stash, as the handlers use it -----------------------------------------------------
+    def deferring(self, task: Task) -> ContextManager:
+        """The deferred layers bind the weight-gradient work they make inside to task's
+        (microbatch, chunk)."""
+        return self.stash.defer((task.microbatch, task.chunk))
+
+    def run_weight_grad(self, task: Task) -> None:
+        """Run the weight-gradient work B(task) stored (W(task)); what it held is free again."""
+        self.stash.run((task.microbatch, task.chunk))
+        self.work_ran(task)
 
     # ---- the stash's bytes, measured ----------------------------------------------------------
     def work_stored(self, task: Task) -> None:
@@ -138,23 +152,23 @@ class SplitBackward:
 
 
 class DeferringForwardHandler(ForwardHandler):
-    """F(m, c) of a split backward: Megatron's forward step under `stash.defer((m, c))`, so the
-    chunk's deferred layers bind their weight-gradient work to that key."""
+    """F(m, c) of a split backward: Megatron's forward step under `split.deferring(task)`, so the
+    chunk's deferred layers bind their weight-gradient work to (m, c)."""
 
-    def __init__(self, runner: IterationView, stash: Any):
+    def __init__(self, runner: IterationView, split: SplitBackward):
         super().__init__(runner)
-        self.stash = stash
+        self.split = split
 
     def _forward(self, task: Task, input_tensor, store: list):
-        with self.stash.defer((task.microbatch, task.chunk)):
+        with self.split.deferring(task):
             return super()._forward(task, input_tensor, store)
 
 
 class InputGradHandler:
     """B(m, c) of a split backward: the input gradient only, sent upstream at once. The deferred
     layers store the weight-gradient work under (m, c); its data-parallel sync moves to W. The
-    backward runs under defer((m, c)) too, so a recomputed forward (activation checkpointing)
-    defers into the same key."""
+    backward runs under `split.deferring(task)` too, so a recomputed forward (activation
+    checkpointing) defers into the same key."""
 
     def __init__(self, runner: IterationView, split: SplitBackward):
         self.runner = runner
@@ -165,7 +179,7 @@ class InputGradHandler:
         m, c = task.microbatch, task.chunk
         input_tensor, output_tensor = runner.saved.pop((m, c))
         output_tensor_grad = runner.take_input(task)
-        with self.split.stash.defer((m, c)):  # no_sync is on: GradSync follows the W tasks
+        with self.split.deferring(task):  # no_sync is on: GradSync follows the W tasks
             input_tensor_grad = backward_step(input_tensor, output_tensor, output_tensor_grad,
                                               runner.model_type, runner.config)
         runner.send(task, input_tensor_grad)
@@ -187,6 +201,5 @@ class WeightGradHandler:
         self.weight_grads_left[c] -= 1
         is_last_of_chunk = self.weight_grads_left[c] == 0
         runner.grad_sync.before_weight_grad(c, is_last_of_chunk)
-        self.split.stash.run((m, c))
+        self.split.run_weight_grad(task)
         runner.grad_sync.after_weight_grad(c, is_last_of_chunk)
-        self.split.work_ran(task)

@@ -125,9 +125,6 @@ def _build_dpp(args: argparse.Namespace, spec: ModelSpec, run_directory: Optiona
 
         # The chunks' deferred layers store their weight-gradient work into this stash at B.
         split = {"stash": WeightGradStash(), "weight_grad_bytes_fn": megatron_weight_grad_bytes}
-    forward_backward = make_forward_backward_dpp(
+    return make_forward_backward_dpp(
         config, transport, spec.microbatch_work, spec.activation_bytes,
-        recorder=None if trace is None else trace.recorder, nvtx=args.nvtx, **split)
-    forward_backward.close = _closer(trace, transport)
-    forward_backward.trace = trace
-    return forward_backward
+        recorder=None if trace is None else trace.recorder, nvtx=args.nvtx, trace=trace, **split)

@@ -1,0 +1,64 @@
+"""Megatron-Core's pipeline schedules (megatron.core.pipeline_parallel.schedules) as the DPP
+runtime uses them: the step functions it runs one task at a time (re-exported: the module has no
+`__all__`, so these are internals), and the prologue and epilogue that every one of Megatron's
+schedules puts around its steps, copied from forward_backward_pipelining_without_interleaving.
+
+Two parts of upstream's epilogue are not copied, and the runtime refuses the configurations that
+need them (`unsupported_schedule_feature`): `off_interface.reset()` (fine-grained activation
+offloading) and `create_cudagraphs()` (cuda_graph_impl "local"), neither of which this project
+builds with the DPP runtime.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+from megatron.core.pipeline_parallel.schedules import (  # noqa: F401  (re-exports)
+    backward_step,
+    check_first_val_step,
+    clear_embedding_activation_buffer,
+    deallocate_output_tensor,
+    finish_embedding_wgrad_compute,
+    forward_step,
+)
+
+
+def unsupported_schedule_feature(config) -> Optional[str]:
+    """Why a schedule without upstream's activation-offloading reset and CUDA-graph creation
+    cannot run `config` (one line), or None."""
+    if getattr(config, "fine_grained_activation_offloading", False):
+        return ("fine-grained activation offloading (fine_grained_activation_offloading) is not "
+                "supported: the schedule does not reset the offloading state between iterations")
+    if getattr(config, "cuda_graph_impl", "none") == "local":
+        return ("cuda_graph_impl 'local' (--cuda-graph-impl local) is not supported: Megatron's "
+                "schedules create those graphs after the first iteration, this one does not")
+    return None
+
+
+def schedule_prologue(config, models: List[Any], forward_only: bool, is_last_stage: bool):
+    """What a schedule does before its first step: clear the deferred embedding-wgrad
+    activations (when gradients are finalized in Megatron-Core) and start the forward-backward
+    timer. Returns the embedding module for `schedule_epilogue` (None when there is none)."""
+    embedding_module = None
+    if config.finalize_model_grads_func is not None and not forward_only:
+        embedding_module = clear_embedding_activation_buffer(config, models, is_last_stage)
+    if config.timers is not None:
+        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+    return embedding_module
+
+
+def schedule_epilogue(config, models: List[Any], forward_only: bool, is_last_stage: bool,
+                      embedding_module, total_num_tokens, pg_collection,
+                      force_all_reduce: Optional[bool]) -> None:
+    """What a schedule does after its last step: the deferred embedding weight gradients,
+    finalize_model_grads_func (the data-parallel reduction, layernorm and embedding all-reduces),
+    and stop the forward-backward timer."""
+    if config.finalize_model_grads_func is not None and not forward_only:
+        finish_embedding_wgrad_compute(config, embedding_module, is_last_stage, pg_collection.tp)
+        config.finalize_model_grads_func(
+            models,
+            total_num_tokens if config.calculate_per_token_loss else None,
+            pg_collection=pg_collection,
+            force_all_reduce=force_all_reduce,
+        )
+    if config.timers is not None:
+        config.timers("forward-backward").stop()
