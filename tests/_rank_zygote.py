@@ -60,6 +60,7 @@ def preload() -> None:
     import megatron_dpp.models.llama  # noqa: F401
     import megatron_dpp.data.bert_datasets  # noqa: F401
     import megatron_dpp.data.datasets  # noqa: F401
+    import megatron_dpp.mcore.datasets  # noqa: F401
     import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
     import megatron.core.datasets.gpt_dataset  # noqa: F401
     import megatron.core.datasets.helpers  # noqa: F401
