@@ -10,8 +10,6 @@ Megatron's.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Mapping
-
 import torch
 from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
 
@@ -21,17 +19,13 @@ _LINEAR_ARGUMENTS = inspect.signature(linear_with_grad_accumulation_and_async_al
 
 
 class LinearCallSeam:
-    """Mixin for ColumnParallelLinear and RowParallelLinear (put it first among the bases)."""
+    """Mixin for ColumnParallelLinear and RowParallelLinear (put it first among the bases). A
+    subclass that takes a call defines `linear_call(arguments) -> output`: the arguments of
+    Megatron's linear_with_grad_accumulation_and_async_allreduce by name, defaults filled in."""
 
     def takes_linear_call(self, weight: torch.Tensor) -> bool:
         """True: this call goes to `linear_call`; False: to Megatron's own function."""
         return False
-
-    def linear_call(self, arguments: Mapping[str, Any]) -> torch.Tensor:
-        """The linear's output, from the arguments of Megatron's
-        linear_with_grad_accumulation_and_async_allreduce by name (defaults filled in)."""
-        raise NotImplementedError(f"{type(self).__name__} takes the linear call but has no "
-                                  "linear_call")
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if not self.takes_linear_call(weight):

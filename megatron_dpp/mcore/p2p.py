@@ -51,20 +51,10 @@ class _Completed:
 
 
 class CommunicatorSeam(P2PCommunicator):
-    """P2PCommunicator whose messages go through the hooks below. Handles are the subclass's own;
-    the overlapped path reads their `peer` and `tag` for its shape error."""
-
-    def post_send(self, tensor: torch.Tensor, forward: bool, peer: int) -> Any:
-        raise NotImplementedError
-
-    def post_receive(self, forward: bool, peer: int) -> Any:
-        raise NotImplementedError
-
-    def complete_send(self, handle: Any) -> None:
-        raise NotImplementedError
-
-    def take_in(self, handle: Any) -> torch.Tensor:
-        raise NotImplementedError
+    """P2PCommunicator whose messages go through four hooks a subclass defines:
+    `post_send(tensor, forward, peer) -> handle`, `post_receive(forward, peer) -> handle`,
+    `complete_send(handle)` and `take_in(handle) -> tensor`. Handles are the subclass's own; the
+    overlapped path reads their `peer` and `tag` for its shape error."""
 
     def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev: bool,
                      recv_next: bool, tensor_shape, wait_on_reqs: bool = True):
