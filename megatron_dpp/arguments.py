@@ -1,15 +1,18 @@
 """Megatron-LM style command-line flags and their validation: the composition of every package's.
 
 Each package declares its flag groups beside its config, one `add_<group>_args(parser)` and one
-`validate_<group>_args(args)` per group: models/flags.py (model shape, parallelism), comm/flags.py
-(multi-node, transport), training/flags.py (training, checkpointing, logging, tracing, profiling),
-data/flags.py, runtime/flags.py (DPP); each model's own flags are its family's (models/families.py).
+`validate_<group>_args(args)` per group: models/flags.py (model shape), parallel/flags.py
+(parallelism), comm/flags.py (multi-node, transport), training/flags.py (training, checkpointing,
+logging, tracing, profiling), data/flags.py, runtime/flags.py (DPP); each model's own flags are its
+family's (models/families.py).
 Validation runs before any process group exists: a bad combination raises `ArgsError`
 (flag_errors.py) with one line that says what is wrong and how to fix it; `parse_args` prints that
 line and exits with code 2.
 
 Names and semantics follow Megatron-LM (`--help` lists them). The parsed result is a plain
-argparse Namespace; `megatron_dpp.training.config` turns it into config dataclasses.
+argparse Namespace holding the flags as given, plus `args.parallel`, the frozen layout the
+parallelism flags imply (parallel/layout.py's ParallelLayout); `megatron_dpp.training.config` turns
+them into config dataclasses.
 """
 from __future__ import annotations
 
@@ -26,13 +29,16 @@ from megatron_dpp.kernels import install_warning_filters
 from megatron_dpp.mcore.version import installed_version, version_obstacle
 from megatron_dpp.models import families
 from megatron_dpp.models import megatron_lm_flags as model_megatron_lm_flags
-from megatron_dpp.models.flags import (REFUSED_MODEL_FLAGS, REFUSED_PARALLEL_FLAGS, add_model_args,
-                                       add_parallel_args,
-                                       validate_cuda_graph_args, validate_model_args,
-                                       validate_parallel_args)
+from megatron_dpp.models.flags import (REFUSED_MODEL_FLAGS, add_model_args,
+                                       largest_microbatch_activation_bytes,
+                                       validate_cuda_graph_args, validate_model_args)
 from megatron_dpp.one_line_errors import InputError, OneLineErrorParser
+from megatron_dpp.parallel import megatron_lm_flags as parallel_megatron_lm_flags
+from megatron_dpp.parallel.flags import (REFUSED_PARALLEL_FLAGS, add_parallel_args,
+                                         validate_parallel_args)
 from megatron_dpp.rank_failure import fail
-from megatron_dpp.runtime.flags import add_dpp_args, validate_dpp_args
+from megatron_dpp.runtime import flags as dpp_flags
+from megatron_dpp.runtime.flags import add_dpp_args
 from megatron_dpp.training.flags import (
     REFUSED_CHECKPOINT_FLAGS, REFUSED_LOGGING_FLAGS, REFUSED_PROFILE_FLAGS, REFUSED_TRAINING_FLAGS,
     add_checkpoint_args, add_logging_args, add_profile_args, add_trace_args,
@@ -46,7 +52,8 @@ REFUSED_FLAGS: dict[str, str] = {**REFUSED_MODEL_FLAGS, **REFUSED_PARALLEL_FLAGS
                                   **REFUSED_CHECKPOINT_FLAGS, **REFUSED_LOGGING_FLAGS,
                                   **REFUSED_PROFILE_FLAGS}
 # Megatron-LM flags that state what always holds here, each in its group (flag_errors.StatedFlag).
-STATED_FLAGS = {**model_megatron_lm_flags.STATED_MODEL, **model_megatron_lm_flags.STATED_PARALLEL,
+STATED_FLAGS = {**model_megatron_lm_flags.STATED_MODEL,
+                **parallel_megatron_lm_flags.STATED_PARALLEL,
                 **training_megatron_lm_flags.STATED_TRAINING,
                 **training_megatron_lm_flags.STATED_CHECKPOINT,
                 **training_megatron_lm_flags.STATED_LOGGING, **data_flags.megatron_lm_flags.STATED_DATA}
@@ -65,6 +72,30 @@ def validate_refused_args(args: argparse.Namespace) -> None:
     whose meaning does not hold here."""
     check_refused_flags(args, REFUSED_FLAGS)
     check_stated_flags(args, STATED_FLAGS)
+
+
+def derive_parallel_layout(args: argparse.Namespace) -> None:
+    """The parallelism flags' checks; their result, the frozen layout they imply, becomes
+    args.parallel: the one value validation adds for the parallel layout, read by the validators
+    after it and by everything that runs."""
+    args.parallel = validate_parallel_args(args)
+
+
+def dpp_minimum_budget_bytes(args: argparse.Namespace) -> Optional[int]:
+    """The least --dpp-memory-budget byte count the dynamic policies run with on these flags: the
+    pipeline's minimum_budget_bytes (one full-length microbatch on each model chunk of a rank) over
+    the activation bytes the runtime counts for one (models/flags.py). None while
+    --micro-batch-size is invalid. With --dpp-split-backward the runtime adds what each
+    microbatch's W keeps, measured on the built chunks: the budget must exceed this by that much."""
+    from megatron_dpp.pipeline.budget import minimum_budget_bytes  # (not loaded with this module)
+
+    largest = largest_microbatch_activation_bytes(args)
+    return None if largest is None else minimum_budget_bytes(args.parallel.chunks_per_rank, largest)
+
+
+def validate_dpp_args(args: argparse.Namespace) -> None:
+    """The DPP runtime's flags, an explicit budget against the model's minimum."""
+    dpp_flags.validate_dpp_args(args, dpp_minimum_budget_bytes(args))
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -90,11 +121,11 @@ ARG_GROUPS: list[Callable[[argparse.ArgumentParser], None]] = [
     add_profile_args,
 ]
 
-# Order matters: later validators read values the earlier ones derive (world and data-parallel
-# sizes, ffn size, number of micro-batches).
+# Order matters: later validators read values the earlier ones derive (args.parallel, the ffn
+# size, the number of micro-batches).
 VALIDATORS: list[Callable[[argparse.Namespace], None]] = [
     validate_model_args,
-    validate_parallel_args,
+    derive_parallel_layout,
     validate_multinode_args,
     validate_training_args,
     validate_checkpoint_args,

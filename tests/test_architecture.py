@@ -19,11 +19,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "megatron_dpp"
 # a package that is itself checked).
 FORBIDDEN = {
     "pipeline": {"sim", "comm", "runtime", "trace", "models", "training", "data", "search",
-                 "arguments", "platform"},
+                 "arguments", "platform", "parallel"},
     "sim": {"comm", "runtime", "models", "training", "data", "search"},
     "comm": {"runtime", "models", "training", "data", "search"},
     "runtime": {"models", "training", "data", "search"},
     "models": {"runtime", "training", "search", "convert"},
+    # The parallel layout's flags, checks and split sit under the models, which read them.
+    "parallel": {"models", "runtime", "training", "data", "search", "convert", "comm", "sim",
+                 "trace", "arguments"},
     "trace": {"sim", "comm", "runtime", "models", "training", "data", "search"},
     "training": {"search", "convert"},
     # Checkpoints and observability sit under the loop: they never import it, nor each other.
@@ -34,7 +37,7 @@ FORBIDDEN = {
     "search": {"runtime", "training"},
     # The seam to Megatron-Core's internals is a leaf: standard library, torch and megatron.core.
     "mcore": {"pipeline", "sim", "comm", "runtime", "trace", "models", "training", "data",
-              "search", "arguments", "platform", "kernels"},
+              "search", "arguments", "platform", "kernels", "parallel"},
 }
 
 
@@ -77,6 +80,8 @@ def test_a_forbidden_import_is_found():
     assert not _forbidden("training.checkpoint", "megatron_dpp.training.checkpoint.flags")
     assert not _forbidden("training", "megatron_dpp.training.checkpoint.flags")
     assert _forbidden("models", "megatron_dpp.runtime.executor")
+    assert _forbidden("parallel", "megatron_dpp.models.memory_model")
+    assert not _forbidden("models", "megatron_dpp.parallel.split")
 
 
 _BLOCKER = """

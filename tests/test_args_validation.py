@@ -383,21 +383,20 @@ BUDGET_SHAPES = {
 
 @pytest.mark.parametrize("shape", list(BUDGET_SHAPES))
 def test_budget_minimum_is_the_runtimes(shape, monkeypatch):
-    """The pre-check's minimum (runtime/flags.py) is the one the schedulers refuse a budget below:
+    """The pre-check's minimum (megatron_dpp.arguments) is the one the schedulers refuse a budget below:
     pipeline/budget.py's minimum over the model's activation bytes of the TransformerConfig the
     training loop builds from the same flags."""
-    from megatron_dpp.arguments import parse_args
+    from megatron_dpp.arguments import dpp_minimum_budget_bytes, parse_args
     from megatron_dpp.models import MODEL_SPECS
     from megatron_dpp.models.transformer_config import transformer_config_from_args
     from megatron_dpp.pipeline import TaskGraph, make_scheduler
     from megatron_dpp.pipeline.budget import largest_microbatch_bytes, minimum_budget_bytes
-    from megatron_dpp.runtime.flags import dpp_minimum_budget_bytes
 
     extra, world_size = BUDGET_SHAPES[shape]
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     args = parse_args([*data_args(), *TINY, "--pipeline-model-parallel-size", "2", "--use-dpp",
                        *extra], model="gpt")
-    V, P = args.virtual_pipeline_model_parallel_size or 1, args.pipeline_model_parallel_size
+    V, P = args.parallel.virtual_pipeline_model_parallel_size or 1, args.pipeline_model_parallel_size
     config = transformer_config_from_args(args)
     largest = largest_microbatch_bytes(MODEL_SPECS["gpt"].activation_bytes, config,
                                        args.seq_length, args.micro_batch_size, V, P)

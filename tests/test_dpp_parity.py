@@ -48,7 +48,7 @@ LAYOUTS = {
     "pp4_vpp2": ("pp4_vpp2", PP4 + EIGHT_LAYERS + VPP2, 4),
     "tp2_pp2": ("tp2_pp2", REFERENCES["tp2_pp2"][0], 4),
     "varlen_pp2": ("varlen_pp2", REFERENCES["varlen_pp2"][0], 2),
-    # Uneven splits (models/pipeline_split.py): layers 1 | 3; 1 | 2 | 1 with the embedding and the
+    # Uneven splits (parallel/split.py): layers 1 | 3; 1 | 2 | 1 with the embedding and the
     # loss counted as layers; 1+1 | 3+3 of 8 layers over virtual stages.
     "pp2_uneven": ("pp2", PP2 + ["--decoder-first-pipeline-num-layers", "1"], 2),
     # A layout string: 2+1 | 1+0 over virtual stages, the last rank's second chunk only the loss.

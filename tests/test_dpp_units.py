@@ -137,19 +137,27 @@ def test_decision_round_trip():
     assert not follower.is_leader and follower.leader == 4
 
 
-def _dpp_args(**overrides):
+def _dpp_args(virtual_pipeline_model_parallel_size=None, **overrides):
     import argparse
 
+    from megatron_dpp.parallel.layout import ParallelLayout
+
     values = dict(use_dpp=True, dpp_policy="dpp:adaptive", dpp_memory_budget="auto", dpp_timeout=30.0,
-                  pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=None,
-                  context_parallel_size=1)
+                  pipeline_model_parallel_size=2, context_parallel_size=1,
+                  parallel=ParallelLayout(
+                      virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size))
     values.update(overrides)
     return argparse.Namespace(**values)
 
 
-def test_dpp_flags_validate_and_convert_the_budget():
-    from megatron_dpp.arguments import validate_dpp_args
+def validate_dpp_args(args):
+    """The DPP flags' checks alone: no model, so no budget minimum (megatron_dpp.arguments')."""
+    from megatron_dpp.runtime.flags import validate_dpp_args
 
+    validate_dpp_args(args, minimum_budget_bytes=None)
+
+
+def test_dpp_flags_validate_and_convert_the_budget():
     args = _dpp_args(dpp_memory_budget="1GiB")
     validate_dpp_args(args)
     assert args.dpp_memory_budget_bytes == 2**30
@@ -169,7 +177,7 @@ def test_dpp_flags_validate_and_convert_the_budget():
     ({"dpp_policy": "1f1b", "virtual_pipeline_model_parallel_size": 2}, "interleaved-1f1b"),
 ])
 def test_bad_dpp_flags_are_one_line_errors(overrides, message):
-    from megatron_dpp.arguments import ArgsError, validate_dpp_args
+    from megatron_dpp.arguments import ArgsError
 
     with pytest.raises(ArgsError, match=message) as error:
         validate_dpp_args(_dpp_args(**overrides))

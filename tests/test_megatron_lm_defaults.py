@@ -192,7 +192,7 @@ def test_values_derived_when_not_given_are_megatron_lms(validated):
     assert DEFAULT_SPLIT == "969, 30, 1"
     assert args.lr_decay_iters == args.train_iters
     assert args.max_position_embeddings == args.seq_length  # Megatron-LM requires it
-    assert args.distributed_backend == "gloo"  # DIFFERENCES: CPU ranks
+    assert args.parallel.distributed_backend == "gloo"  # DIFFERENCES: CPU ranks
 
 
 def test_accepted_flags_default_to_what_holds_here():

@@ -45,10 +45,10 @@ def test_default_is_the_pipeline_size_and_reaches_the_config(two_ranks):
     from megatron_dpp.models.transformer_config import transformer_config_from_args
 
     args = _parse(_batch(4))
-    assert args.microbatch_group_size_per_vp_stage == 2
+    assert args.parallel.microbatch_group_size_per_vp_stage == 2
     assert transformer_config_from_args(args).microbatch_group_size_per_vp_stage == 2
     args = _parse(_batch(6, 3))
-    assert (args.num_microbatches, args.microbatch_group_size_per_vp_stage) == (6, 3)
+    assert (args.num_microbatches, args.parallel.microbatch_group_size_per_vp_stage) == (6, 3)
     assert transformer_config_from_args(args).microbatch_group_size_per_vp_stage == 3
 
 
@@ -88,7 +88,7 @@ def test_refusals_are_one_line(two_ranks, capsys, argv, message):
 
 def test_a_ramp_up_whose_batches_all_hold_the_groups_runs(two_ranks):
     args = _parse([*_batch(6, 3), "--train-samples", "30", "--rampup-batch-size", "3", "3", "6"])
-    assert args.microbatch_group_size_per_vp_stage == 3
+    assert args.parallel.microbatch_group_size_per_vp_stage == 3
 
 
 class _Group:
@@ -150,13 +150,15 @@ def megatron_accepts(monkeypatch, P, V, M, group) -> bool:
 
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_the_accepted_counts_are_megatron_cores(monkeypatch, P):
+    from megatron_dpp.parallel.layout import ParallelLayout
     from megatron_dpp.training.flags import interleaved_microbatches_refusal
 
     seen = {True: 0, False: 0}
     for M in range(1, 14):
         for group in [None, *range(P, M + 2)]:
-            args = SimpleNamespace(pipeline_model_parallel_size=P,
-                                   microbatch_group_size_per_vp_stage=group)
+            layout = ParallelLayout(virtual_pipeline_model_parallel_size=2,
+                                    microbatch_group_size_per_vp_stage=group)
+            args = SimpleNamespace(pipeline_model_parallel_size=P, parallel=layout)
             ours = interleaved_microbatches_refusal(args, M) is None
             theirs = megatron_accepts(monkeypatch, P, 2, M, group)
             assert ours == theirs, (P, M, group)

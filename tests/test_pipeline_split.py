@@ -1,4 +1,4 @@
-"""models/pipeline_split.py against Megatron-Core: the splits it accepts are the ones Megatron-Core's
+"""parallel/split.py against Megatron-Core: the splits it accepts are the ones Megatron-Core's
 TransformerConfig and get_num_layers_to_build accept, with the same layers per model chunk, and each
 refusal is one line naming the flags."""
 import itertools
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_dpp.flag_errors import ArgsError
-from megatron_dpp.models.pipeline_split import PipelineSplit
+from megatron_dpp.parallel.split import PipelineSplit
 
 
 def megatron_chunk_layers(split: PipelineSplit):
@@ -131,13 +131,13 @@ def test_layout_gives_each_chunk_its_layers(monkeypatch):
     size are virtual stages, in Megatron's order (stage k on rank k mod PP)."""
     from _train_util import TINY_GPT_ARGS, data_args
     from megatron_dpp.arguments import parse_args
-    from megatron_dpp.models.flags import pipeline_split_from_args
+    from megatron_dpp.parallel.flags import pipeline_split_from_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     args = parse_args([*data_args(), *TINY_GPT_ARGS, "--pipeline-model-parallel-size", "2",
                        "--pipeline-model-parallel-layout", "E,t*2|t|t|L"], model="gpt")
-    assert args.virtual_pipeline_model_parallel_size == 2
+    assert args.parallel.virtual_pipeline_model_parallel_size == 2
     split = pipeline_split_from_args(args)
     assert split.chunk_layers() == [[2, 1], [1, 0]] and split.describe() == "2+1 | 1+0"
 
@@ -150,7 +150,7 @@ def test_layout_counts_are_megatron_cores(layout, pp):
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_dpp.models.pipeline_split import layout_layers
+    from megatron_dpp.parallel.split import layout_layers
 
     num_layers = {"Et|tttL": 4, "Ett|t|t|L": 4, "Et|(tt|)*2,tL": 6, "Et*3|t*3|t*2,L": 8}[layout]
     config = TransformerConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=2,

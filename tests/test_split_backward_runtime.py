@@ -243,12 +243,13 @@ def test_overlap_without_grad_sync_func_is_refused_with_split():
     GradSync(config, [model], forward_only=False)  # the fused backward takes any order
 
 
-def _dpp_args(**overrides):
+def _dpp_args(sequence_parallel=False, **overrides):
+    from megatron_dpp.parallel.layout import ParallelLayout
+
     values = dict(use_dpp=True, dpp_policy="dpp:adaptive", dpp_memory_budget="auto",
-                  dpp_timeout=30.0, pipeline_model_parallel_size=2,
-                  virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
-                  dpp_split_backward=True, sequence_parallel=False, use_flash_attn=False,
-                  attention_backend="auto")
+                  dpp_timeout=30.0, pipeline_model_parallel_size=2, context_parallel_size=1,
+                  dpp_split_backward=True, use_flash_attn=False, attention_backend="auto",
+                  parallel=ParallelLayout(sequence_parallel=sequence_parallel))
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -259,9 +260,10 @@ def _dpp_args(**overrides):
     ({"attention_backend": "flash"}, "drop --attention-backend flash or --dpp-split-backward"),
 ])
 def test_split_backward_flag_errors_are_one_line(overrides, message):
-    from megatron_dpp.arguments import ArgsError, validate_dpp_args
+    from megatron_dpp.arguments import ArgsError
+    from megatron_dpp.runtime.flags import validate_dpp_args
 
-    validate_dpp_args(_dpp_args())
+    validate_dpp_args(_dpp_args(), minimum_budget_bytes=None)  # (no model here: no minimum)
     with pytest.raises(ArgsError, match=message) as error:
-        validate_dpp_args(_dpp_args(**overrides))
+        validate_dpp_args(_dpp_args(**overrides), minimum_budget_bytes=None)
     assert "\n" not in str(error.value)

@@ -33,6 +33,7 @@ from megatron_dpp.data.tokenizer import (HF_TOKENIZER_FILES, HUGGINGFACE, tiktok
 from megatron_dpp.flag_errors import ArgsError, require_output_dir
 from megatron_dpp.convert import llama_hf
 from megatron_dpp.one_line_errors import InputError, OneLineErrorParser
+from megatron_dpp.parallel.layout import ParallelLayout
 
 # The seed build_chunks takes (the model is built uninitialized: _build_model).
 _BUILD_SEED = 0
@@ -68,7 +69,7 @@ def _model_args(flags: list[str], padded_vocab_size: int) -> argparse.Namespace:
          "--use-cpu-initialization"])
     llama_hf.FAMILY.validate(args)
     validate_model_args(args)
-    args.virtual_pipeline_model_parallel_size = None
+    args.parallel = ParallelLayout()  # one CPU process, pp = tp = 1
     args.padded_vocab_size = padded_vocab_size
     return args
 

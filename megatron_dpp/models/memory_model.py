@@ -36,7 +36,7 @@ from typing import Any, List, Optional, Sequence
 # The search's input error (search/errors.py names it SearchInputError): a bad shape ends a search
 # command as one line, exit 2; models/ must not import the search, so the class lives below both.
 from megatron_dpp.models.families import MODEL_FAMILIES
-from megatron_dpp.models.pipeline_split import PipelineSplit
+from megatron_dpp.parallel.split import PipelineSplit
 from megatron_dpp.one_line_errors import InputError
 
 __all__ = [

@@ -24,8 +24,9 @@ def params_dtype_from_args(args: argparse.Namespace) -> torch.dtype:
 
 
 def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
-    """args: megatron_dpp.arguments' flags, validated (virtual_pipeline_model_parallel_size is
-    derived by its validate_parallel_args)."""
+    """args: megatron_dpp.arguments' flags, validated, with args.parallel, the layout they imply
+    (parallel/layout.py)."""
+    layout = args.parallel
     recompute = {}
     if args.recompute_granularity is not None:
         recompute["recompute_granularity"] = args.recompute_granularity
@@ -53,16 +54,15 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         attention_dropout=args.attention_dropout,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
         # None (no virtual stages): ModelParallelConfig's default, the pipeline size.
-        microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage",
-                                                   None),
+        microbatch_group_size_per_vp_stage=layout.microbatch_group_size_per_vp_stage,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
         pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,  # the string: parsed
-        sequence_parallel=args.sequence_parallel,
+        sequence_parallel=layout.sequence_parallel,
         use_cpu_initialization=args.use_cpu_initialization,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -72,9 +72,9 @@ def transformer_config_from_args(args: argparse.Namespace) -> TransformerConfig:
         # instead of one batch (--no-overlap-p2p-communication: per-direction ops, each awaited).
         # A batch pairs messages by order, and with pp=2 both directions go to the same peer, so
         # activations and gradients could be swapped; the unbatched path keeps them apart.
-        overlap_p2p_comm=(args.virtual_pipeline_model_parallel_size is not None
+        overlap_p2p_comm=(layout.virtual_pipeline_model_parallel_size is not None
                           and args.overlap_p2p_comm),
-        batch_p2p_comm=args.virtual_pipeline_model_parallel_size is None,
+        batch_p2p_comm=layout.virtual_pipeline_model_parallel_size is None,
         variable_seq_lengths=bool(getattr(args, "variable_seq_lengths", False)),
         # TransformerConfig rejects variable_seq_lengths with the default MoE dispatcher
         # ("allgather"); the dispatcher is unused by dense models, so pick one that allows it.

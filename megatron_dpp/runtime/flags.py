@@ -9,6 +9,7 @@ megatron_dpp.arguments loads neither.
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 from megatron_dpp.flag_errors import ArgsError, require
 from megatron_dpp.kernels import TRANSFORMER_ENGINE_BACKENDS
@@ -51,7 +52,11 @@ def add_dpp_args(parser: argparse.ArgumentParser) -> None:
                             "--attention-backend's sdpa or local, or --use-flash-attn's flash-attn).")
 
 
-def validate_dpp_args(args: argparse.Namespace) -> None:
+def validate_dpp_args(args: argparse.Namespace, minimum_budget_bytes: Optional[int]) -> None:
+    """The DPP flags. args.parallel: the derived layout (parallel/layout.py). minimum_budget_bytes:
+    the least byte count the dynamic policies run with on these flags (megatron_dpp.arguments'
+    dpp_minimum_budget_bytes, from the model's activation bytes); None where it is not known (an
+    invalid micro-batch size, which the training flags refuse)."""
     from megatron_dpp.pipeline import check_policy_layout, parse_memory_budget
 
     try:
@@ -69,27 +74,14 @@ def validate_dpp_args(args: argparse.Namespace) -> None:
             "--use-dpp schedules a pipeline; set --pipeline-model-parallel-size 2 or more, or drop "
             "--use-dpp")
     try:
-        check_policy_layout(args.dpp_policy, args.virtual_pipeline_model_parallel_size or 1)
+        check_policy_layout(args.dpp_policy, args.parallel.chunks_per_rank)
     except ValueError as error:
         raise ArgsError(f"--dpp-policy {error}") from None
     _validate_split_backward(args)
-    _validate_budget_minimum(args)
+    _validate_budget_minimum(args, minimum_budget_bytes)
 
 
-def dpp_minimum_budget_bytes(args: argparse.Namespace) -> int:
-    """The least --dpp-memory-budget byte count the dynamic policies run with on these flags: the
-    pipeline's minimum_budget_bytes (V full-length microbatches) over the activation bytes the
-    runtime counts for one, which models/flags.py derives from the flags
-    (args.largest_microbatch_activation_bytes: pipeline/budget.py's largest_microbatch_bytes over
-    the model's chunk_activation_bytes). With --dpp-split-backward the runtime adds what each
-    microbatch's W keeps, measured on the built chunks: the budget must exceed this by that much."""
-    from megatron_dpp.pipeline.budget import minimum_budget_bytes
-
-    return minimum_budget_bytes(args.virtual_pipeline_model_parallel_size or 1,
-                                args.largest_microbatch_activation_bytes)
-
-
-def _validate_budget_minimum(args: argparse.Namespace) -> None:
+def _validate_budget_minimum(args: argparse.Namespace, minimum: Optional[int]) -> None:
     """A byte count below what a dynamic policy needs fails in every rank's first iteration
     (make_scheduler: "below the minimum"); refused here, before launch. The static orders only
     report the budget."""
@@ -99,16 +91,15 @@ def _validate_budget_minimum(args: argparse.Namespace) -> None:
     budget = args.dpp_memory_budget_bytes
     if args.dpp_policy not in DYNAMIC_SCHEDULES or not is_explicit_budget(budget):
         return
-    if getattr(args, "largest_microbatch_activation_bytes", None) is None:
-        return  # not derived (validate_parallel_args did not run): the runtime checks it
-    minimum = dpp_minimum_budget_bytes(args)
+    if minimum is None:
+        return  # not known before launch: the schedulers check it in the first iteration
     stash = (", plus what --dpp-split-backward's W keeps" if getattr(args, "dpp_split_backward", False)
              else "")
     require(budget >= minimum,
             f"--dpp-memory-budget {args.dpp_memory_budget} ({budget} bytes) is below the minimum "
             f"{minimum} bytes of --dpp-policy {args.dpp_policy} on these flags (one full-length "
             f"microbatch, --seq-length x --micro-batch-size, on each of the "
-            f"{args.virtual_pipeline_model_parallel_size or 1} model chunks of a rank{stash}); "
+            f"{args.parallel.chunks_per_rank} model chunks of a rank{stash}); "
             f"give at least {minimum}, 'auto' or 'provisioned'")
 
 
@@ -120,7 +111,7 @@ def _validate_split_backward(args: argparse.Namespace) -> None:
     multi-token prediction have no flag here (always off)."""
     if not getattr(args, "dpp_split_backward", False):
         return
-    require(not args.sequence_parallel,
+    require(not args.parallel.sequence_parallel,
             "--dpp-split-backward does not support --sequence-parallel (deferred weight gradients "
             "cover Megatron-Core's local layers without it); drop one of them")
     require(args.attention_backend not in TRANSFORMER_ENGINE_BACKENDS,

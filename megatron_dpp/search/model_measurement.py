@@ -61,6 +61,7 @@ import torch
 
 from megatron_dpp import kernels
 from megatron_dpp.models import families
+from megatron_dpp.parallel.layout import ParallelLayout
 from megatron_dpp.search import memory_model as mm
 from megatron_dpp.search.errors import SearchInputError
 from megatron_dpp.search.model_profile import (CHUNK_PARTS, MB, STAGE_EXTRA_PARTS,
@@ -196,7 +197,7 @@ def training_args(shape: mm.ModelShape, recompute: str = "none",
     args = arguments.build_parser(model=shape.model).parse_args([str(flag) for flag in flags])
     families.model_family(shape.model).validate(args)  # its architecture flags resolved
     arguments.validate_model_args(args)
-    args.virtual_pipeline_model_parallel_size = None  # pp = 1 (validate_parallel_args derives it)
+    args.parallel = ParallelLayout()  # pp = 1, no virtual stages (validate_parallel_args' part)
     args.padded_vocab_size = shape.padded_vocab_size  # as build_tokenizer sets it
     return args
 

@@ -8,7 +8,7 @@ Rules (each one the repo's own flag check, megatron_dpp/arguments.py, or Megatro
 - The layers split over the PP stages evenly (PP divides the layers), or, with PP >= 2 and one
   model chunk per rank, unevenly as Megatron-LM's --decoder-last-pipeline-num-layers splits them:
   the last stage gets `last_stage_layers` and the others share the rest evenly
-  (models/pipeline_split.py's rules). The last stage also runs the output layer and the loss, so
+  (parallel/split.py's rules). The last stage also runs the output layer and the loss, so
   fewer layers there can balance the stages; more layers there can lower the first stage's
   memory, which holds the most microbatches in flight.
 - VPP (model chunks per pipeline rank) divides the layers of a rank of an even split; VPP > 1
@@ -31,7 +31,7 @@ import functools
 from typing import Iterator
 
 from megatron_dpp.flag_errors import ArgsError
-from megatron_dpp.models.pipeline_split import PipelineSplit
+from megatron_dpp.parallel.split import PipelineSplit
 from megatron_dpp.pipeline import DYNAMIC_SCHEDULES
 from megatron_dpp.pipeline.registry import INTERLEAVED_1F1B, ONE_F_ONE_B
 
@@ -96,7 +96,7 @@ class SpaceInputs:
 
 
 def pipeline_split(num_layers: int, pp: int, last_stage_layers: int) -> PipelineSplit:
-    """The split of a layout's layers (models/pipeline_split.py), last_stage_layers 0: even."""
+    """The split of a layout's layers (parallel/split.py), last_stage_layers 0: even."""
     return PipelineSplit(num_layers, pp, last=last_stage_layers or None)
 
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_dpp.exit_codes import BAD_INPUT
 from megatron_dpp.models.families import MODEL_FAMILIES
-from megatron_dpp.models.pipeline_split import LAST_FLAG
+from megatron_dpp.parallel.split import LAST_FLAG
 from megatron_dpp.one_line_errors import OneLineErrorParser
 from megatron_dpp.search.errors import SearchInputError
 

@@ -103,7 +103,7 @@ def training_config_from_args(args: argparse.Namespace) -> TrainingConfig:
         skip_train=args.skip_train,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
-        micro_batch_times_data_parallel=args.micro_batch_size * args.data_parallel_size,
+        micro_batch_times_data_parallel=args.micro_batch_size * args.parallel.data_parallel_size,
         num_microbatches=args.num_microbatches,
         batch_ramp=batch_ramp_from_args(args),
         seq_length=args.seq_length,

@@ -224,25 +224,25 @@ def validate_training_args(args: argparse.Namespace) -> None:
     require(args.train_samples is None or args.train_samples > 0,
             "--train-samples must be positive")
     require(args.lr is not None and args.lr >= 0, "--lr is required and must be >= 0")
-    per_step = args.micro_batch_size * args.data_parallel_size
+    per_step = args.micro_batch_size * args.parallel.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = per_step
     require(args.global_batch_size > 0,
             f"--global-batch-size must be positive, got {args.global_batch_size}; use a multiple "
             f"of --micro-batch-size {args.micro_batch_size} x data-parallel size "
-            f"{args.data_parallel_size} = {per_step}")
+            f"{args.parallel.data_parallel_size} = {per_step}")
     running = running_batch(args.global_batch_size, per_step)
     if not args.decrease_batch_size_if_needed:
         require(args.global_batch_size % per_step == 0,
                 f"--global-batch-size {args.global_batch_size} is not divisible by "
                 f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
-                f"{args.data_parallel_size}; use a multiple of {per_step}"
+                f"{args.parallel.data_parallel_size}; use a multiple of {per_step}"
                 + (f" (or --decrease-batch-size-if-needed to train with {running})"
                    if running else ""))
     require(running > 0,
             f"--global-batch-size {args.global_batch_size} is below one micro-batch on each "
             f"data-parallel rank (--micro-batch-size {args.micro_batch_size} x data-parallel "
-            f"size {args.data_parallel_size} = {per_step}), even with "
+            f"size {args.parallel.data_parallel_size} = {per_step}), even with "
             f"--decrease-batch-size-if-needed")
     # Of the batch trained (--decrease-batch-size-if-needed: rounded down); the learning-rate
     # schedule's lengths count --global-batch-size's samples, as Megatron-LM's.
@@ -269,7 +269,7 @@ def validate_training_args(args: argparse.Namespace) -> None:
     require(args.manual_gc_interval >= 0, "--manual-gc-interval must be >= 0")
     require(args.manual_gc or args.manual_gc_interval == 0,
             "--manual-gc-interval needs --manual-gc")
-    if args.virtual_pipeline_model_parallel_size is not None:
+    if args.parallel.virtual_pipeline_model_parallel_size is not None:
         refusal = interleaved_microbatches_refusal(args, args.num_microbatches)
         require(refusal is None, f"{refusal}; adjust --global-batch-size or {GROUP_SIZE_FLAG}")
 
@@ -279,13 +279,12 @@ GROUP_SIZE_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
 
 def interleaved_microbatches_refusal(args: argparse.Namespace, num_microbatches: int) -> str | None:
     """Why Megatron-Core 0.16.1's interleaved schedule refuses `num_microbatches` per step with
-    the group size G (args.microbatch_group_size_per_vp_stage, validate_parallel_args' default
+    the group size G (args.parallel.microbatch_group_size_per_vp_stage, by default
     --pipeline-model-parallel-size P), or None: G at most the micro-batches, and the last group
     (micro-batches mod G) empty or at least P. With G = P that is a multiple of P."""
     pp = args.pipeline_model_parallel_size
-    group = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
-    size = (f"{group} micro-batches ({GROUP_SIZE_FLAG})"
-            if getattr(args, "microbatch_group_size_per_vp_stage", None) not in (None, pp)
+    group = args.parallel.microbatch_group_size_per_vp_stage or pp
+    size = (f"{group} micro-batches ({GROUP_SIZE_FLAG})" if group != pp
             else f"{group} micro-batches (the default: --pipeline-model-parallel-size)")
     if num_microbatches < group:
         return (f"the interleaved schedule runs groups of {size}, more than the "
@@ -399,7 +398,7 @@ def batch_ramp_from_args(args: argparse.Namespace) -> BatchSizeRamp | None:
             f"--rampup-batch-size: INCREMENT {increment} does not divide --global-batch-size "
             f"{final} - START {start} = {final - start}")
     ramp = BatchSizeRamp(start, increment, samples, final)
-    per_step = args.micro_batch_size * args.data_parallel_size
+    per_step = args.micro_batch_size * args.parallel.data_parallel_size
     for size in ramp.sizes:
         if args.decrease_batch_size_if_needed:
             require(size >= per_step,
@@ -410,9 +409,9 @@ def batch_ramp_from_args(args: argparse.Namespace) -> BatchSizeRamp | None:
             require(size % per_step == 0,
                     f"--rampup-batch-size reaches a global batch of {size}, not divisible by "
                     f"--micro-batch-size {args.micro_batch_size} x data-parallel size "
-                    f"{args.data_parallel_size}; make START and INCREMENT multiples of "
+                    f"{args.parallel.data_parallel_size}; make START and INCREMENT multiples of "
                     f"{per_step} (or add --decrease-batch-size-if-needed)")
-        if args.virtual_pipeline_model_parallel_size is not None:
+        if args.parallel.virtual_pipeline_model_parallel_size is not None:
             size = running_batch(size, per_step)
             refusal = interleaved_microbatches_refusal(args, size // per_step)
             require(refusal is None,
@@ -798,9 +797,9 @@ def validate_profile_args(args: argparse.Namespace) -> None:
         require(end <= args.train_iters,
                 f"--profile-step-end {end} is past --train-iters {args.train_iters}; lower it (the "
                 f"profiled iterations are [--profile-step-start, --profile-step-end))")
-        outside = [rank for rank in args.profile_ranks if not 0 <= rank < args.world_size]
+        outside = [rank for rank in args.profile_ranks if not 0 <= rank < args.parallel.world_size]
         require(not outside, f"--profile-ranks {' '.join(map(str, outside))}: not a rank of a "
-                             f"world of {args.world_size} (0..{args.world_size - 1})")
+                             f"world of {args.parallel.world_size} (0..{args.parallel.world_size - 1})")
         args.profile_ranks = sorted(set(args.profile_ranks))
         if args.use_pytorch_profiler:  # the nsys capture range writes nothing itself
             check_trace_dir(args.trace_dir)

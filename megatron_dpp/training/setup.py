@@ -27,7 +27,7 @@ from megatron_dpp.mcore.optimizer import (
 )
 from megatron_dpp.mcore.sgd_state import install_sgd_state_init
 from megatron_dpp.models import ModelSpec
-from megatron_dpp.models.pipeline_split import PipelineSplit
+from megatron_dpp.parallel.split import PipelineSplit
 from megatron_dpp.platform import Platform
 from megatron_dpp.rank_failure import say_failure
 from megatron_dpp.runtime.config import DPPConfig
@@ -57,12 +57,12 @@ def setup_node_network(args: argparse.Namespace) -> bool:
 
 
 def initialize_distributed(args: argparse.Namespace, platform: Platform) -> None:
-    dist.init_process_group(backend=args.distributed_backend,
+    dist.init_process_group(backend=args.parallel.distributed_backend,
                             timeout=timedelta(minutes=args.distributed_timeout_minutes))
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.parallel.virtual_pipeline_model_parallel_size,
     )
 
 
@@ -134,7 +134,7 @@ def optimizer_config_overrides(optimizer_config) -> dict:
 def log_model_size(config, chunks: list) -> int:
     """Megatron-LM's parameter count line, from each (tensor, pipeline) rank of the first
     data-parallel replica, and, on rank 0, the pipeline split when a flag made it other than even
-    (models/pipeline_split.py). Returns this rank's parameter count."""
+    (parallel/split.py). Returns this rank's parameter count."""
     split = PipelineSplit.from_config(config)
     if not split.is_default:
         log_rank0(f" pipeline split: transformer layers per pipeline rank {split.describe()}")

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_dpp.models.pipeline_split import PipelineSplit
+from megatron_dpp.parallel.split import PipelineSplit
 from megatron_dpp.mcore import distributed_optimizer
 from megatron_dpp.training.checkpoint import scheduler_state
 from megatron_dpp.training.checkpoint.flags import (

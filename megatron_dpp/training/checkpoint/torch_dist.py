@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_dpp.mcore import distributed_optimizer
+from megatron_dpp.parallel.layout import flags_and_layout
 from megatron_dpp.training.checkpoint import scheduler_state
 from megatron_dpp.training.checkpoint.flags import TRACKER_FILE, LoadScope
 from megatron_dpp.training.checkpoint.integrity import (MANIFEST_FILE, SAVED_WITH_CHECKSUMS,
@@ -215,9 +216,10 @@ def _model_state_dict(model_chunks, metadata: dict) -> dict:
 def _args_for_checkpoint(args: argparse.Namespace | None, consumed_samples: int,
                          consumed_valid_samples: int = 0):
     """Megatron-LM keeps the run's args, the data positions among them (consumed_train_samples,
-    consumed_valid_samples)."""
-    saved = argparse.Namespace(**{k: v for k, v in vars(args or argparse.Namespace()).items()
-                                  if _picklable(v)})
+    consumed_valid_samples), and the derived parallel layout under Megatron-LM's names
+    (data_parallel_size, virtual_pipeline_model_parallel_size, ...: args.parallel's fields)."""
+    values = flags_and_layout(args or argparse.Namespace())
+    saved = argparse.Namespace(**{k: v for k, v in values.items() if _picklable(v)})
     saved.consumed_train_samples = consumed_samples
     saved.consumed_valid_samples = consumed_valid_samples
     return saved

@@ -34,7 +34,7 @@ MEGATRON_1F1B_SCHEDULE = ONE_F_ONE_B
 def schedule_name(args: argparse.Namespace) -> str:
     if getattr(args, "use_dpp", False):
         return DPP_SCHEDULE
-    if args.virtual_pipeline_model_parallel_size:
+    if args.parallel.virtual_pipeline_model_parallel_size:
         return MEGATRON_INTERLEAVED_SCHEDULE
     return MEGATRON_1F1B_SCHEDULE
 
@@ -49,12 +49,12 @@ def run_name(args: argparse.Namespace, started: float) -> str:
     """E.g. 20261124-153000-pp2-vpp2-tp2-dpp: the start time, the parallel layout, the schedule."""
     parts = [time.strftime("%Y%m%d-%H%M%S", time.localtime(started)),
              f"pp{args.pipeline_model_parallel_size}"]
-    if args.virtual_pipeline_model_parallel_size:
-        parts.append(f"vpp{args.virtual_pipeline_model_parallel_size}")
+    if args.parallel.virtual_pipeline_model_parallel_size:
+        parts.append(f"vpp{args.parallel.virtual_pipeline_model_parallel_size}")
     if args.tensor_model_parallel_size > 1:
         parts.append(f"tp{args.tensor_model_parallel_size}")
-    if args.data_parallel_size > 1:
-        parts.append(f"dp{args.data_parallel_size}")
+    if args.parallel.data_parallel_size > 1:
+        parts.append(f"dp{args.parallel.data_parallel_size}")
     parts.append(schedule_name(args))
     return "-".join(parts)
 

@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_dpp.parallel.layout import flags_and_layout
+
 # The flags' values W&B can store as the run's config (vars(args) also holds derived objects).
 _CONFIG_TYPES = (str, int, float, bool, type(None), list, tuple)
 
@@ -47,7 +49,7 @@ def wandb_config_from_args(args: argparse.Namespace) -> Optional[WandbConfig]:
     return WandbConfig(
         project=args.wandb_project, name=args.wandb_exp_name, directory=save_dir(args),
         entity=args.wandb_entity or None,
-        run_config={name: value for name, value in vars(args).items()
+        run_config={name: value for name, value in flags_and_layout(args).items()
                     if isinstance(value, _CONFIG_TYPES)})
 
 
