@@ -30,7 +30,7 @@ every schedule of one batch sees the same lengths; ratios are per batch, then av
 The pp=2 overlap: the same projection of the CPU model of benchmarks/real_model_bench.py (hidden
 768, 4 layers, 12 heads, FFN 3072, fp32, the sample tokenizer's vocabulary, samples of up to 512
 tokens, micro-batch 1, global batch 8), beside the ratios that benchmark measured (quoted from
-docs/scheduling.md, "The real model").
+docs/results.md, "The real model").
 
     python benchmarks/scale_projection.py                       # the full table, ~20 s here
     python benchmarks/scale_projection.py --json runs/scale_projection.json
@@ -114,7 +114,7 @@ CPU_SHAPE = dict(num_layers=4, hidden_size=768, num_attention_heads=12, ffn_hidd
                  seq_length=512, padded_vocab_size=4096, dtype="fp32",
                  hidden_dropout=0.0, attention_dropout=0.0)  # sample tokenizer: 4096 tokens
 CPU_MICROBATCHES = 8
-# docs/scheduling.md, "The real model", part 1, run 2: compute of both ranks per batch (median over
+# docs/results.md, "The real model", part 1, run 2: compute of both ranks per batch (median over
 # 28 batches): forwards 538 ms. The CPU matmul rate below is fitted to it (see cpu_matmul_gflops).
 CPU_FORWARD_COMPUTE_MS = 538.0
 # docs/search.md ("Predictions against measured runs"): p2p (shm_tensor) latency 0.027 ms;
@@ -122,7 +122,7 @@ CPU_FORWARD_COMPUTE_MS = 538.0
 CPU_P2P_LATENCY_MS, CPU_P2P_GBPS = 0.027, 18.0
 CPU_SCHEDULES = (("1f1b", "1f1b", False), ("1f1b-sorted", "1f1b-sorted", False),
                  ("dpp:adaptive", "dpp:adaptive", False), ("dpp:adaptive+W", "dpp:adaptive", True))
-# Measured, docs/scheduling.md "The real model" (commands there): part 1 (one process, paired by
+# Measured, docs/results.md "The real model" (commands there): part 1 (one process, paired by
 # batch, median time / Megatron 1F1B, runs 1 and 2) and part 2 (training runs: median ratio, bubble).
 CPU_MEASURED = {
     "command_part1": "python benchmarks/real_model_bench.py --training-rounds 0",
@@ -546,7 +546,7 @@ def format_cpu(cpu: dict) -> str:
         lines.append(f"| {r['schedule']} | {r['time_ms']:.1f} | {r['ratio']:.3f} | {r['bubble']:.3f} | "
                      f"{m['part1'][0]:.3f}, {m['part1'][1]:.3f} | {m['part2']:.3f} | {m['bubble']:.3f} |")
     lines.append("  measured: " + "; ".join(cpu["measured_commands"])
-                 + " (docs/scheduling.md, The real model)")
+                 + " (docs/results.md, The real model)")
     return "\n".join(lines)
 
 

@@ -38,7 +38,8 @@ from _shm_util import run_ranks  # noqa: E402
 HIDDEN, MICRO_BATCH = 128, 2  # examples/gpt3/gpt3_tiny.sh
 SEQS = (64, 256, 128, 192, 96, 256, 160, 224)  # tokens per sequence of microbatch m (variable lengths)
 # CPU milliseconds of a step at 256 tokens: (first stage F, B), (last stage F with the loss, B); the
-# medians of the traced tiny GPT at 256 tokens (docs/scheduling.md) are about 10/14 and 21/22 ms.
+# medians of the traced tiny GPT at 256 tokens (docs/results/2026-12-02-scheduling-measurements.md)
+# are about 10/14 and 21/22 ms.
 WORK_MS = {0: (10.0, 14.0), 1: (21.0, 22.0)}
 BUDGET = 4  # forwards the DPP order runs ahead on the first stage
 

@@ -3,7 +3,7 @@ completes, respects every dependency and its budget; with equal microbatches dpp
 slower than Megatron's order.
 
 SCHED_PROPERTY_EXAMPLES=N raises the number of random cases per property (default 60) for a deep
-run, e.g. SCHED_PROPERTY_EXAMPLES=3000 (see docs/scheduling.md for the last deep run).
+run, e.g. SCHED_PROPERTY_EXAMPLES=3000 (see docs/results.md for the last deep run).
 """
 import os
 

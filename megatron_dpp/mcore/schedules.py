@@ -7,11 +7,16 @@ Two parts of upstream's epilogue are not copied, and the runtime refuses the con
 need them (`unsupported_schedule_feature`): `off_interface.reset()` (fine-grained activation
 offloading) and `create_cudagraphs()` (cuda_graph_impl "local"), neither of which this project
 builds with the DPP runtime.
+
+`ForwardBackwardFunc` is the base of every forward-backward callable that holds resources (the
+DPP runtime's ForwardBackwardDPP, training/pipeline.py's MegatronOverTransport): Megatron's
+forward_backward_func keyword signature, spelled once, with `trace` and `close()`.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
+import torch
 from megatron.core.pipeline_parallel.schedules import (  # noqa: F401  (re-exports)
     backward_step,
     check_first_val_step,
@@ -20,6 +25,58 @@ from megatron.core.pipeline_parallel.schedules import (  # noqa: F401  (re-expor
     finish_embedding_wgrad_compute,
     forward_step,
 )
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+
+class ForwardBackwardFunc:
+    """Megatron-Core's forward_backward_func as an object that holds a transport and, with
+    --trace, the run's trace (training/observe/tracing.py's RunTrace; None without), which the
+    training step records its own parts into.
+
+    `__call__` takes exactly the keywords of Megatron's schedules (those of
+    forward_backward_pipelining_without_interleaving, declared here once for every such object)
+    and passes them, as one dict, to the subclass's `run(kwargs)`, which runs one global batch and
+    returns what Megatron's schedules return. `close()` releases what the object holds
+    (collective: training.pipeline.close_forward_backward)."""
+
+    def __init__(self, transport: Any, trace: Any = None):
+        self.transport = transport
+        self.trace = trace
+
+    def __call__(
+        self,
+        *,
+        forward_step_func,
+        data_iterator: Union[Iterator, List[Iterator]],
+        model: Union[torch.nn.Module, List[torch.nn.Module]],
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: Optional[int] = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: Optional[bool] = None,
+        adjust_tensor_shapes_fn: Optional[Callable] = None,
+        p2p_communicator=None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        force_all_reduce: Optional[bool] = False,
+    ):
+        kwargs: Dict[str, Any] = dict(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=num_microbatches, seq_length=seq_length,
+            micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+            forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+            first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
+            p2p_communicator=p2p_communicator, pg_collection=pg_collection,
+            force_all_reduce=force_all_reduce)
+        return self.run(kwargs)
+
+    def close(self) -> None:
+        """Write the trace (collective: the end-of-run clock measurement), then close the
+        transport (collective with the peers)."""
+        if self.trace is not None:
+            self.trace.write()
+        self.transport.close()
 
 
 def unsupported_schedule_feature(config) -> Optional[str]:

@@ -6,7 +6,7 @@ ask the policy's RankScheduler (the same object the simulator drives) for the ne
 with the handler of its kind (runtime/handlers.py: Megatron-Core's own forward_step / backward_step),
 send its output. When the policy has nothing to run, the rank blocks in the transport's wait_any
 until a message arrives; a deadline without progress, or a lost peer, ends the iteration with a
-`DPPFailure` carrying the rank's state, which forward_backward_dpp prints before exiting the job.
+`DPPFailure` carrying the rank's state, which ForwardBackwardDPP prints before exiting the job.
 
 Tensor parallelism: the ranks of a tensor-parallel group must run the same task sequence (their
 forward steps share collectives). Rank 0 of the group decides and sends each decision point-to-point
@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,8 +41,8 @@ from megatron.core.utils import get_model_config, get_model_type
 
 from megatron_dpp.comm.errors import is_peer_lost
 from megatron_dpp.exit_codes import LOST_PEER
-from megatron_dpp.mcore.schedules import (schedule_epilogue, schedule_prologue,
-                                          unsupported_schedule_feature)
+from megatron_dpp.mcore.schedules import (ForwardBackwardFunc, schedule_epilogue,
+                                          schedule_prologue, unsupported_schedule_feature)
 from megatron_dpp.pipeline import (Phase, RanTask, ReadyTracker, RunLog, Task, TaskGraph,
                                    make_scheduler)
 from megatron_dpp.pipeline.budget import largest_microbatch_bytes
@@ -181,55 +181,71 @@ def make_forward_backward_dpp(config: DPPConfig, transport: Any, microbatch_work
     return ForwardBackwardDPP(session, trace=trace)
 
 
-class ForwardBackwardDPP:
+class ForwardBackwardDPP(ForwardBackwardFunc):
     """forward_backward_dpp bound to one DPP session: called with Megatron's forward_backward_func
-    keywords, it runs one global batch; `close()` ends the session (collective:
+    keywords (mcore/schedules.py's ForwardBackwardFunc), it runs one global batch under the
+    session's policy; `close()` writes the trace, then closes the session's transport (collective:
     training.pipeline.close_forward_backward)."""
 
     def __init__(self, session: DPPSession, trace: Any = None):
+        super().__init__(session.transport, trace)
         self.session = session
-        # --trace: training/tracing.py's RunTrace (None without), which the training step records
-        # its own parts into and close() writes.
-        self.trace = trace
 
     @property
     def last_record(self) -> Optional[IterationRecord]:
         """What the last call did on this rank (None before the first)."""
         return self.session.last_record
 
-    def __call__(
-        self,
-        *,
-        forward_step_func,
-        data_iterator: Union[Iterator, List[Iterator]],
-        model: Union[torch.nn.Module, List[torch.nn.Module]],
-        num_microbatches: int,
-        seq_length: int,
-        micro_batch_size: int,
-        decoder_seq_length: Optional[int] = None,
-        forward_only: bool = False,
-        collect_non_loss_data: bool = False,
-        first_val_step: Optional[bool] = None,
-        adjust_tensor_shapes_fn: Optional[Callable] = None,
-        p2p_communicator=None,
-        pg_collection: Optional[ProcessGroupCollection] = None,
-        force_all_reduce: Optional[bool] = False,
-    ):
-        return forward_backward_dpp(
-            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-            num_microbatches=num_microbatches, seq_length=seq_length,
-            micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
-            forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-            first_val_step=first_val_step, adjust_tensor_shapes_fn=adjust_tensor_shapes_fn,
-            p2p_communicator=p2p_communicator, pg_collection=pg_collection,
-            force_all_reduce=force_all_reduce, dpp_session=self.session)
+    def run(self, kwargs: Dict[str, Any]):
+        """One global batch. Returns the forward data store (losses on the last stage) in
+        microbatch order, like Megatron's schedules.
 
-    def close(self) -> None:
-        """Write the trace (collective: the end-of-run clock measurement), then close the
-        transport (collective with the peers)."""
-        if self.trace is not None:
-            self.trace.write()
-        self.session.transport.close()
+        p2p_communicator is accepted for signature compatibility and not used: DPP sends through
+        the session's transport. Shapes travel in the message headers; seq_length only sizes the
+        memory budget (the largest microbatch a batch can contain)."""
+        session = self.session
+        models = kwargs["model"] if isinstance(kwargs["model"], list) else [kwargs["model"]]
+        iterators = kwargs["data_iterator"]
+        iterators = iterators if isinstance(iterators, list) else [iterators]
+        forward_only = kwargs["forward_only"]
+        config = get_model_config(models[0])
+        pg_collection = kwargs["pg_collection"]
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        layout = RankLayout.from_process_groups(pg_collection.pp, pg_collection.tp,
+                                                getattr(pg_collection, "mp", None),
+                                                pg_collection.cp.size())
+        _check_supported(config, layout.cp_size, kwargs["adjust_tensor_shapes_fn"], len(models),
+                         iterators)
+        is_last_pipeline_rank = layout.pp_rank == layout.pp_size - 1
+
+        embedding_module = schedule_prologue(config, models, forward_only, is_last_pipeline_rank)
+
+        runner = IterationRunner(
+            session=session, layout=layout, config=config, models=models, iterators=iterators,
+            forward_step_func=kwargs["forward_step_func"],
+            num_microbatches=kwargs["num_microbatches"], seq_length=kwargs["seq_length"],
+            micro_batch_size=kwargs["micro_batch_size"], forward_only=forward_only,
+            collect_non_loss_data=kwargs["collect_non_loss_data"],
+            first_val_step=kwargs["first_val_step"],
+        )
+        try:
+            forward_data_store = runner.run()
+        except DPPFailure as failure:
+            # os._exit inside: interpreter shutdown could block on the very peer that stopped.
+            report_and_exit(failure.reason, failure.state_lines,
+                            LOST_PEER if failure.lost_peer else session.config.timeout_exit_code)
+
+        schedule_epilogue(config, models, forward_only, is_last_pipeline_rank, embedding_module,
+                          runner.total_num_tokens, pg_collection, kwargs["force_all_reduce"])
+        return forward_data_store
+
+
+def forward_backward_dpp(*, dpp_session: DPPSession, **kwargs):
+    """Run one global batch under dpp_session's DPP policy: Megatron's forward_backward_func
+    keywords (ForwardBackwardFunc.__call__ spells them) plus the session, for a caller that holds
+    a session rather than a ForwardBackwardDPP; the same call as ForwardBackwardDPP's."""
+    return ForwardBackwardDPP(dpp_session)(**kwargs)
 
 
 def _check_supported(config, cp_size: int, adjust_tensor_shapes_fn, num_chunks: int, iterators):
@@ -248,63 +264,6 @@ def _check_supported(config, cp_size: int, adjust_tensor_shapes_fn, num_chunks: 
     unsupported = unsupported_schedule_feature(config)
     if unsupported is not None:
         raise ValueError(f"forward_backward_dpp: {unsupported}")
-
-
-def forward_backward_dpp(
-    *,
-    forward_step_func,
-    data_iterator: Union[Iterator, List[Iterator]],
-    model: Union[torch.nn.Module, List[torch.nn.Module]],
-    num_microbatches: int,
-    seq_length: int,
-    micro_batch_size: int,
-    decoder_seq_length: Optional[int] = None,
-    forward_only: bool = False,
-    collect_non_loss_data: bool = False,
-    first_val_step: Optional[bool] = None,
-    adjust_tensor_shapes_fn: Optional[Callable] = None,
-    p2p_communicator=None,
-    pg_collection: Optional[ProcessGroupCollection] = None,
-    force_all_reduce: Optional[bool] = False,
-    dpp_session: DPPSession,
-):
-    """Run one global batch under the session's DPP policy. Returns the forward data store (losses on
-    the last stage) in microbatch order, like Megatron's schedules.
-
-    p2p_communicator is accepted for signature compatibility and not used: DPP sends through
-    dpp_session.transport. Shapes travel in the message headers; seq_length only sizes the memory
-    budget (the largest microbatch a batch can contain).
-    """
-    del p2p_communicator, decoder_seq_length
-    models = model if isinstance(model, list) else [model]
-    iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
-    config = get_model_config(models[0])
-    if pg_collection is None:
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    layout = RankLayout.from_process_groups(pg_collection.pp, pg_collection.tp,
-                                            getattr(pg_collection, "mp", None),
-                                            pg_collection.cp.size())
-    _check_supported(config, layout.cp_size, adjust_tensor_shapes_fn, len(models), iterators)
-    is_last_pipeline_rank = layout.pp_rank == layout.pp_size - 1
-
-    embedding_module = schedule_prologue(config, models, forward_only, is_last_pipeline_rank)
-
-    runner = IterationRunner(
-        session=dpp_session, layout=layout, config=config, models=models, iterators=iterators,
-        forward_step_func=forward_step_func, num_microbatches=num_microbatches,
-        seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=forward_only,
-        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-    )
-    try:
-        forward_data_store = runner.run()
-    except DPPFailure as failure:
-        # os._exit inside: interpreter shutdown could block on the very peer that stopped.
-        report_and_exit(failure.reason, failure.state_lines,
-                        LOST_PEER if failure.lost_peer else dpp_session.config.timeout_exit_code)
-
-    schedule_epilogue(config, models, forward_only, is_last_pipeline_rank, embedding_module,
-                      runner.total_num_tokens, pg_collection, force_all_reduce)
-    return forward_data_store
 
 
 class IterationRunner:

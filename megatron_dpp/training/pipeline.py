@@ -9,11 +9,11 @@ decoder_seq_length, forward_only, ...). The choice depends on the flags: Megatro
 from __future__ import annotations
 
 import argparse
-from functools import partial
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_dpp.mcore.schedules import ForwardBackwardFunc
 from megatron_dpp.models.spec import ModelSpec
 
 
@@ -30,9 +30,10 @@ def build_forward_backward(args: argparse.Namespace, spec: ModelSpec,
     """Call after parallel_state is initialized (Megatron picks its schedule from it).
     `run_directory`: where --trace writes (training/observe/tracing.py's agree_run_directory).
 
-    A callable that holds resources carries a `close()`; see close_forward_backward. One built with
-    --trace carries its `trace` (training/observe/tracing.py's RunTrace; None without --trace), which the
-    training step records its own parts into."""
+    A callable that holds resources is a ForwardBackwardFunc (mcore/schedules.py) and carries a
+    `close()`; see close_forward_backward. Such a callable carries its `trace`
+    (training/observe/tracing.py's RunTrace; None without --trace), which the training step
+    records its own parts into."""
     if getattr(args, "use_dpp", False):
         return _build_dpp(args, spec, run_directory)
     # --trace and --nvtx see Megatron's schedule through our P2P adapter and config.timers, so such
@@ -44,21 +45,15 @@ def build_forward_backward(args: argparse.Namespace, spec: ModelSpec,
 
 
 def _build_megatron_over_transport(args: argparse.Namespace, spec: ModelSpec,
-                                   run_directory: Optional[str]) -> Callable:
+                                   run_directory: Optional[str]) -> "MegatronOverTransport":
     """Megatron's own 1F1B / interleaved schedule, its messages carried by our transports
     (TransportP2PCommunicator); with --trace, its steps, messages and waits recorded; with --nvtx,
     an NVTX range around each step. Builds the transport (and starts the trace) now: collective."""
     from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.core.utils import get_model_config
 
     from megatron_dpp.comm import make_transport_from_args
-    from megatron_dpp.comm.megatron_p2p import TransportP2PCommunicator
 
-    schedule = get_forward_backward_func()
     transport = make_transport_from_args(args)
-    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    communicators: dict[int, TransportP2PCommunicator] = {}
     trace, tracer = None, None
     if args.trace or args.nvtx:
         from megatron_dpp.training.observe.megatron_tracing import MegatronScheduleTracer
@@ -70,36 +65,56 @@ def _build_megatron_over_transport(args: argparse.Namespace, spec: ModelSpec,
             parallel_state.get_pipeline_model_parallel_rank(),
             parallel_state.get_pipeline_model_parallel_world_size(), spec.microbatch_work,
             policy_label(args), nvtx=args.nvtx)
-    observer = tracer if trace is not None else None  # messages and waits go to the recorder
+    return MegatronOverTransport(get_forward_backward_func(), transport, args.p2p_timeout,
+                                 trace=trace, tracer=tracer)
 
-    def forward_backward(**kwargs):
+
+class MegatronOverTransport(ForwardBackwardFunc):
+    """Megatron's schedule (`schedule`, what get_forward_backward_func picked) with its messages
+    carried by `transport`: called with Megatron's forward_backward_func keywords
+    (mcore/schedules.py's ForwardBackwardFunc), it runs the schedule with a
+    TransportP2PCommunicator and the job's process groups, where the caller passed none. `tracer`
+    (MegatronScheduleTracer, with --trace or --nvtx) records or marks its steps; messages and waits
+    go to the trace's recorder only with --trace. `close()` writes the trace, then closes the
+    transport (collective: close_forward_backward)."""
+
+    def __init__(self, schedule: Callable, transport: Any, p2p_timeout: float, trace: Any = None,
+                 tracer: Any = None):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        super().__init__(transport, trace)
+        self.schedule = schedule
+        self.p2p_timeout = p2p_timeout
+        self.tracer = tracer
+        self.pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        # One communicator per model config for the run: its message numbering continues across
+        # iterations.
+        self.communicators: dict[int, Any] = {}
+
+    def run(self, kwargs: dict[str, Any]):
+        from megatron.core.utils import get_model_config
+
         model = kwargs["model"]
         config = get_model_config(model[0] if isinstance(model, list) else model)
-        # One communicator for the run: its message numbering continues across iterations.
-        if id(config) not in communicators:
-            communicators[id(config)] = TransportP2PCommunicator(
-                parallel_state.get_pipeline_model_parallel_group(), config, transport,
-                timeout_s=args.p2p_timeout, observer=observer)
-        call = partial(schedule, p2p_communicator=communicators[id(config)],
-                       pg_collection=pg_collection)
-        if tracer is None:
-            return call(**kwargs)
-        return tracer.run(call, config, kwargs)
+        if kwargs["p2p_communicator"] is None:
+            kwargs["p2p_communicator"] = self._communicator(config)
+        if kwargs["pg_collection"] is None:
+            kwargs["pg_collection"] = self.pg_collection
+        if self.tracer is None:
+            return self.schedule(**kwargs)
+        return self.tracer.run(self.schedule, config, kwargs)
 
-    forward_backward.close = _closer(trace, transport)
-    forward_backward.trace = trace
-    return forward_backward
+    def _communicator(self, config):
+        from megatron.core import parallel_state
 
+        from megatron_dpp.comm.megatron_p2p import TransportP2PCommunicator
 
-def _closer(trace, transport) -> Callable[[], None]:
-    """close(): write the trace (collective: the end-of-run clock measurement), then close the
-    transport (collective with the peers)."""
-    def close() -> None:
-        if trace is not None:
-            trace.write()
-        transport.close()
-
-    return close
+        if id(config) not in self.communicators:
+            observer = self.tracer if self.trace is not None else None  # to the recorder
+            self.communicators[id(config)] = TransportP2PCommunicator(
+                parallel_state.get_pipeline_model_parallel_group(), config, self.transport,
+                timeout_s=self.p2p_timeout, observer=observer)
+        return self.communicators[id(config)]
 
 
 def _build_dpp(args: argparse.Namespace, spec: ModelSpec, run_directory: Optional[str]) -> Callable:

@@ -33,12 +33,10 @@ rank (the training loop exits with code 2).
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import sys
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
@@ -86,8 +84,9 @@ from megatron_dpp.training.checkpoint.torch_dist import (
     load_dist_checkpoint,
     read_tracker,
     prepare_dist_checkpoint,
-    set_tracker_states,
-    tracker_states,
+    RngKeys,
+    rng_state,
+    set_rng_state,
 )
 
 __all__ = ["TrainState", "CheckpointToLoad", "CheckpointLoadError", "CheckpointSaveError",
@@ -129,25 +128,9 @@ def _layout(model_chunks) -> dict[str, int | str | None]:
     return layout
 
 
-def _rng_state() -> dict:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": tracker_states(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-    set_tracker_states(state["tracker"])
+# The per-rank format's names for the RNG states (torch_dist.py's rng_state captures them).
+PER_RANK_RNG_KEYS = RngKeys(python="python", numpy="numpy", torch="torch", tracker="tracker",
+                            cuda="cuda")
 
 
 def _sub_optimizers(optimizer) -> list:
@@ -418,7 +401,7 @@ def _prepare_torch(state: TrainState, model_chunks, optimizer, scheduler) -> tup
         "optimizer": _optimizer_state(optimizer),
         "scheduler": scheduler.state_dict(),
         scheduler_state.SAMPLES_MARKER: True,
-        "rng": _rng_state(),
+        "rng": rng_state(PER_RANK_RNG_KEYS),
         SAVED_WITH_CHECKSUMS: MANIFEST_FILE,
     }
     name = _rank_file_name(dist.get_rank())
@@ -559,7 +542,7 @@ def _load_torch(directory: str, verified: bool, model_chunks, optimizer,
             else:  # fp32 main parameters (bf16/fp16) from the loaded model, as Megatron-LM
                 optimizer.reload_model_params()
             if scope.rng:
-                _set_rng_state(payload["rng"])
+                set_rng_state(payload["rng"], PER_RANK_RNG_KEYS)
         except Exception as exc:
             error = f"checkpoint {path} does not fit this model: {_one_line(exc)}"
         error = agree(error)

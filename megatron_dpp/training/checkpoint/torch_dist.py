@@ -134,25 +134,46 @@ def sharded_sd_metadata(optimizer) -> dict:
     return metadata
 
 
-def _rng_state() -> dict:
+@dataclass(frozen=True)
+class RngKeys:
+    """The key each RNG state is stored under in one checkpoint format."""
+    python: str
+    numpy: str
+    torch: str
+    tracker: str
+    cuda: str
+
+
+# Megatron-LM's names, which its loader reads (save_load.py's per-rank format has its own).
+MEGATRON_RNG_KEYS = RngKeys(python="random_rng_state", numpy="np_rng_state",
+                            torch="torch_rng_state", tracker="rng_tracker_states",
+                            cuda="cuda_rng_state")
+
+
+def rng_state(keys: RngKeys) -> dict:
+    """Python's, NumPy's, torch's and the model-parallel tracker's RNG states, and CUDA's where
+    there is a GPU, under `keys`: one capture for both checkpoint formats, which differ only in
+    the names they store the states under."""
     state = {
-        "random_rng_state": random.getstate(),
-        "np_rng_state": np.random.get_state(),
-        "torch_rng_state": torch.get_rng_state(),
-        "rng_tracker_states": tracker_states(),
+        keys.python: random.getstate(),
+        keys.numpy: np.random.get_state(),
+        keys.torch: torch.get_rng_state(),
+        keys.tracker: tracker_states(),
     }
     if torch.cuda.is_available():
-        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+        state[keys.cuda] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["random_rng_state"])
-    np.random.set_state(state["np_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
-    if torch.cuda.is_available() and "cuda_rng_state" in state:
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-    set_tracker_states(state["rng_tracker_states"])
+def set_rng_state(state: dict, keys: RngKeys) -> None:
+    """Restores what rng_state(keys) saved (CUDA's only where this run has a GPU and the file
+    has it)."""
+    random.setstate(state[keys.python])
+    np.random.set_state(state[keys.numpy])
+    torch.set_rng_state(state[keys.torch])
+    if torch.cuda.is_available() and keys.cuda in state:
+        torch.cuda.set_rng_state(state[keys.cuda])
+    set_tracker_states(state[keys.tracker])
 
 
 def tracker_states() -> dict:
@@ -189,8 +210,8 @@ def _sharded_rng_state():
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    return ShardedObject("rng_state", [_rng_state()], (pp_size, tp_size), (pp_rank, tp_rank),
-                         replica_id=parallel_state.get_data_parallel_rank())
+    return ShardedObject("rng_state", [rng_state(MEGATRON_RNG_KEYS)], (pp_size, tp_size),
+                         (pp_rank, tp_rank), replica_id=parallel_state.get_data_parallel_rank())
 
 
 def _model_key(index: int, count: int) -> str:
@@ -493,7 +514,7 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
                 optimizer.reload_model_params()
             if "rng_state" in run_state:
                 rng = loaded["rng_state"]
-                _set_rng_state(rng[0] if isinstance(rng, list) else rng)
+                set_rng_state(rng[0] if isinstance(rng, list) else rng, MEGATRON_RNG_KEYS)
     except CheckpointLoadError as exc:
         error = str(exc)
     error = agree(error)
