@@ -227,10 +227,9 @@ def _compiled_fusion(feature: str, wanted: bool, off_flag: str) -> Choice:
 
 
 def _rope_fusion(args: argparse.Namespace) -> Choice:
-    from megatron_dpp.models.families import DEFAULT_MODEL, model_family
-
-    position = getattr(args, "position_embedding_type", None) or model_family(
-        getattr(args, "model", None) or DEFAULT_MODEL).architecture["position_embedding_type"]
+    # The model family fills in its architecture when the flags are validated
+    # (models/families.py); absent, Megatron-LM's default.
+    position = getattr(args, "position_embedding_type", None) or "learned_absolute"
     if position != "rope":
         return Choice("rope fusion", False, "unused: the model uses learned absolute position "
                       "embeddings (the fused rotary kernel is Transformer Engine's)")
@@ -343,10 +342,12 @@ def cuda_graphs(args: argparse.Namespace) -> Choice:
 
 
 def _mlp_activation(args: argparse.Namespace) -> str:
-    """"gelu", "swiglu" or "squared_relu": the model's MLP (models/families.py, its flags)."""
-    from megatron_dpp.models.families import mlp_activation
-
-    return mlp_activation(args)
+    """"gelu", "swiglu" or "squared_relu": the model's MLP, from --swiglu / --squared-relu, which
+    the model family fills in when the flags are validated (models/families.py's mlp_activation);
+    absent, Megatron-LM's default GeLU."""
+    if getattr(args, "swiglu", None):
+        return "swiglu"
+    return "squared_relu" if getattr(args, "squared_relu", None) else "gelu"
 
 
 def _bias_activation_fusion(args: argparse.Namespace, activation: str) -> Choice:

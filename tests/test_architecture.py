@@ -74,6 +74,22 @@ def test_imports_point_one_way(package):
     assert not offenders, "\n".join(offenders)
 
 
+# Top-level modules that packages import (kernels.py: the flag checks, the model builders): they
+# never import the packages above them, lazily or not.
+MODULE_FORBIDDEN = {
+    "kernels.py": {"models", "parallel", "training", "runtime", "search", "convert", "arguments"},
+}
+
+
+@pytest.mark.parametrize("module", sorted(MODULE_FORBIDDEN))
+def test_top_level_modules_import_nothing_above_them(module):
+    banned = MODULE_FORBIDDEN[module]
+    offenders = [name for name in _imported_modules(PACKAGE / module)
+                 if name.split(".")[0] == "megatron_dpp" and len(name.split(".")) > 1
+                 and name.split(".")[1] in banned]
+    assert not offenders, f"megatron_dpp/{module} imports {offenders}"
+
+
 def test_a_forbidden_import_is_found():
     assert _forbidden("training.checkpoint", "megatron_dpp.training.lr_schedule")
     assert _forbidden("training.observe", "megatron_dpp.training.checkpoint.flags")
