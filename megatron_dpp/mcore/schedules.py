@@ -14,6 +14,7 @@ forward_backward_func keyword signature, spelled once, with `trace` and `close()
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
@@ -77,6 +78,33 @@ class ForwardBackwardFunc:
         if self.trace is not None:
             self.trace.write()
         self.transport.close()
+
+
+def no_sync_func(config) -> Callable[[], Any]:
+    """config.no_sync_func as the interleaved schedule uses it: a list (one per model chunk) entered
+    together, as its multi_no_sync; None: a null context."""
+    funcs = config.no_sync_func
+    if isinstance(funcs, list):
+        chunk_funcs = list(funcs)
+
+        def multi_no_sync():
+            stack = contextlib.ExitStack()
+            for chunk_no_sync in chunk_funcs:
+                stack.enter_context(chunk_no_sync())
+            return stack
+
+        return multi_no_sync
+    return funcs or contextlib.nullcontext
+
+
+def grad_sync_funcs(config, model_chunks: list, forward_only: bool) -> Optional[list]:
+    """config.grad_sync_func as the interleaved schedule uses it: one per model chunk (a single
+    function repeated), None when there is none or only forwards run. Unlike the schedule, the
+    config is left as it is."""
+    funcs = None if forward_only else config.grad_sync_func
+    if funcs is not None and not isinstance(funcs, list):
+        funcs = [funcs for _ in model_chunks]
+    return funcs
 
 
 def unsupported_schedule_feature(config) -> Optional[str]:

@@ -21,7 +21,7 @@ overlap_grad_reduce without grad_sync_func (hooks launching reductions in last-W
 """
 from __future__ import annotations
 
-import contextlib
+from megatron_dpp.mcore import schedules
 
 
 class GradSync:
@@ -30,23 +30,9 @@ class GradSync:
     def __init__(self, config, models, forward_only: bool):
         self.config = config
         self.models = models
-        no_sync = config.no_sync_func
-        if isinstance(no_sync, list):
-            funcs = list(no_sync)
-
-            def all_chunks_no_sync():
-                stack = contextlib.ExitStack()
-                for chunk_no_sync in funcs:
-                    stack.enter_context(chunk_no_sync())
-                return stack
-
-            no_sync = all_chunks_no_sync
-        self._no_sync_func = no_sync or contextlib.nullcontext
+        self._no_sync_func = schedules.no_sync_func(config)
         self._context = None
-        grad_sync = None if forward_only else config.grad_sync_func
-        if grad_sync is not None and not isinstance(grad_sync, list):
-            grad_sync = [grad_sync for _ in models]
-        self.grad_sync_funcs = grad_sync
+        self.grad_sync_funcs = schedules.grad_sync_funcs(config, models, forward_only)
         self.synchronized = set()
         # Split backwards: chunks whose last W ran, and the next chunk whose reductions may start.
         self._weight_grads_done: set = set()
