@@ -9,7 +9,6 @@ exported and read by transformers with our model's logits."""
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ import warnings
 import pytest
 import torch
 
-from _train_util import PYTHON, REPO_ROOT, _env
+from _train_util import PYTHON, REPO_ROOT, _env, main_in_process
 from megatron_dpp.convert import llama_hf
 from megatron_dpp.one_line_errors import InputError
 
@@ -94,17 +93,13 @@ def _in_process(main, argv) -> subprocess.CompletedProcess:
     and output as the command's: a process of its own spends seconds importing torch and
     Megatron-Core. The tests that check a tool prints nothing on stderr (no warnings: an
     interpreter's imports included) run the command itself."""
-    stdout, stderr = io.StringIO(), io.StringIO()
-    level = logging.getLogger("torch.utils.cpp_extension").level  # the tool quiets it
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
-            warnings.catch_warnings():
-        try:
-            code = main([str(arg) for arg in argv])
-        except SystemExit as exit_:  # argparse's usage errors
-            code = exit_.code
-        finally:
-            logging.getLogger("torch.utils.cpp_extension").setLevel(level)
-    return subprocess.CompletedProcess(argv, code, stdout.getvalue(), stderr.getvalue())
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level  # the tool quiets it, and its warning filters
+    try:
+        with warnings.catch_warnings():
+            return main_in_process(main, argv)
+    finally:
+        logger.setLevel(level)
 
 
 def _convert_here(hf_dir, save, *extra) -> subprocess.CompletedProcess:
