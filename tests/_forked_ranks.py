@@ -5,6 +5,7 @@
     returncode, output = run_forked("megatron_dpp.pretrain_gpt", args, nproc=2, env=env,
                                     cwd=REPO_ROOT, timeout=300)
     # None where `env` shows a GPU (not CUDA_VISIBLE_DEVICES=""): run under torchrun then.
+    codes, stdouts, stderrs = run_forked_apart(...)  # as ranks started directly: each its own
 
 Kept from `torchrun --standalone --nproc-per-node=N -m MODULE ARGS`: every rank a process of its
 own, in a session of its own, running MODULE as `python -m` does, with torchrun's variables (RANK,
@@ -15,6 +16,9 @@ the ranks' stdout and stderr on one pipe; when a rank fails, SIGTERM to the othe
 rank's `rank` and `exitcode` lines). Not kept: the agent's restarts (the tests run none) and its error file.
 The launcher itself is tested through its own entry points (run_single_gpt.sh, rank_launcher, the
 multi-node, timeout, heartbeat and signal tests, which start torchrun).
+
+run_forked_apart starts the same ranks as processes started directly (not under torchrun) would
+be: each with a stdout and a stderr of its own, ending on its own, with its own exit code.
 
 One server per local rank index, each with its own hash seed (as separate interpreters have), so
 that an order that depends on string hashing still differs between ranks.
@@ -141,12 +145,13 @@ def _rank_env(env: dict, rank: int, nproc: int, port: int, run_id: str) -> dict:
             "TORCHELASTIC_RUN_ID": run_id, "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 
 
-def _send_request(server: _Server, request: dict, output_fd: int) -> tuple[socket.socket, int]:
+def _send_request(server: _Server, request: dict,
+                  output_fds: list[int]) -> tuple[socket.socket, int]:
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     connection.settimeout(30)
     connection.connect(server.socket_path)
     body = json.dumps(request).encode()
-    socket.send_fds(connection, [HEADER.pack(len(body)) + body], [output_fd])
+    socket.send_fds(connection, [HEADER.pack(len(body)) + body], output_fds)
     reply = b""
     while not reply.endswith(b"\n"):
         chunk = connection.recv(64)
@@ -167,58 +172,95 @@ def run_forked(module: str, args: Sequence[str], nproc: int, env: dict, cwd: Pat
     servers = _SERVERS.matching(env, nproc)
     if servers is None:
         return None
-    port, run_id = free_local_port(), str(uuid.uuid4())
     read_fd, write_fd = os.pipe()
+    pids, (output,) = _run(servers, module, args, env, cwd, [(write_fd,)] * nproc, [read_fd],
+                           timeout, stop_on_failure=True)
+    text = output.decode(errors="replace")
+    failed = [(rank, pid, code) for rank, (pid, code) in enumerate(pids) if code != 0]
+    if not failed:
+        return 0, text
+    return 1, text + _failure_report(failed)
+
+
+def run_forked_apart(module: str, args: Sequence[str], nproc: int, env: dict, cwd: Path,
+                     timeout: float) -> Optional[tuple[list[int], list[str], list[str]]]:
+    """The ranks as run_forked starts them, but as separate processes started directly would
+    be (no torchrun): each ends on its own (a failed rank stops no other), with a stdout and a
+    stderr of its own. (each rank's exit code, as Popen.returncode; each rank's stdout; each
+    rank's stderr), in rank order; None where `env` shows a GPU. Raises AssertionError with
+    the output so far when the run outlives `timeout`."""
+    servers = _SERVERS.matching(env, nproc)
+    if servers is None:
+        return None
+    pipes = [os.pipe() for _ in range(2 * nproc)]  # rank r: stdout 2r, stderr 2r + 1
+    written = [(pipes[2 * rank][1], pipes[2 * rank + 1][1]) for rank in range(nproc)]
+    pids, outputs = _run(servers, module, args, env, cwd, written,
+                         [read_fd for read_fd, _ in pipes], timeout, stop_on_failure=False)
+    texts = [output.decode(errors="replace") for output in outputs]
+    return [code for _, code in pids], texts[0::2], texts[1::2]
+
+
+def _run(servers: list[_Server], module: str, args: Sequence[str], env: dict, cwd: Path,
+         written: list[tuple[int, ...]], read_fds: list[int], timeout: float,
+         stop_on_failure: bool) -> tuple[list[tuple[int, int]], list[bytes]]:
+    """Fork rank r on servers[r] with written[r] as its output fds (closed here once sent), then
+    _watch: ([(pid, exit code)] in rank order, what each of read_fds gave)."""
+    nproc = len(written)
+    port, run_id = free_local_port(), str(uuid.uuid4())
     connections: dict[socket.socket, int] = {}  # connection -> rank pid
     try:
         for rank, server in enumerate(servers):
             request = {"module": module, "args": list(args), "cwd": str(cwd),
                        "env": _rank_env(env, rank, nproc, port, run_id)}
-            connection, pid = _send_request(server, request, write_fd)
+            connection, pid = _send_request(server, request, list(written[rank]))
             connections[connection] = pid
     except BaseException:
-        os.close(write_fd)
-        os.close(read_fd)
+        for fd in {*(fd for fds in written for fd in fds), *read_fds}:
+            os.close(fd)
         for connection, pid in connections.items():
             kill_session(pid, signal.SIGKILL)
             connection.close()
         raise
-    os.close(write_fd)
-    return _watch(read_fd, connections, timeout)
+    for fd in {fd for fds in written for fd in fds}:
+        os.close(fd)
+    return _watch(read_fds, connections, timeout, stop_on_failure)
 
 
-def _watch(read_fd: int, connections: dict[socket.socket, int],
-           timeout: float) -> tuple[int, str]:
-    """Collect the output and exit codes; stop the rest when one rank fails, as torchrun does."""
+def _watch(read_fds: list[int], connections: dict[socket.socket, int], timeout: float,
+           stop_on_failure: bool) -> tuple[list[tuple[int, int]], list[bytes]]:
+    """Collect the outputs and exit codes; with stop_on_failure, stop the rest when one rank
+    fails, as torchrun does."""
     selector = selectors.DefaultSelector()
-    selector.register(read_fd, selectors.EVENT_READ, None)
+    for index, read_fd in enumerate(read_fds):
+        selector.register(read_fd, selectors.EVENT_READ, index)
     for connection in connections:
         selector.register(connection, selectors.EVENT_READ, connection)
-    output, codes = bytearray(), {}
+    outputs, codes = [bytearray() for _ in read_fds], {}
     pids = list(connections.values())  # in rank order
     deadline = time.monotonic() + timeout
     kill_at: Optional[float] = None
-    output_open = True
+    open_fds = len(read_fds)
     try:
-        while output_open or len(codes) < len(pids):
+        while open_fds or len(codes) < len(pids):
             now = time.monotonic()
             if now > deadline:
                 for pid in pids:
                     kill_session(pid, signal.SIGKILL)
+                so_far = b"".join(outputs).decode(errors="replace")
                 raise AssertionError(f"training did not finish within {timeout}s:\n"
-                                     f"{output.decode(errors='replace')[-4000:]}")
+                                     f"{so_far[-4000:]}")
             if kill_at is not None and now > kill_at:
                 for pid in pids:
                     kill_session(pid, signal.SIGKILL)
                 kill_at = None
             for key, _ in selector.select(timeout=0.5):
-                if key.data is None:
-                    chunk = os.read(read_fd, 65536)
+                if isinstance(key.data, int):
+                    chunk = os.read(key.fd, 65536)
                     if chunk:
-                        output += chunk
+                        outputs[key.data] += chunk
                     else:
-                        selector.unregister(read_fd)
-                        output_open = False
+                        selector.unregister(key.fd)
+                        open_fds -= 1
                     continue
                 connection = key.data
                 reply = connection.recv(64)
@@ -226,21 +268,19 @@ def _watch(read_fd: int, connections: dict[socket.socket, int],
                 pid = connections[connection]
                 code = int(reply.split()[1]) if reply.startswith(b"exit ") else -signal.SIGKILL
                 codes[pid] = code
-                if code != 0 and kill_at is None and len(codes) < len(pids):
+                if (stop_on_failure and code != 0 and kill_at is None
+                        and len(codes) < len(pids)):
                     for other in pids:
                         if other not in codes:
                             kill_session(other, signal.SIGTERM)
                     kill_at = time.monotonic() + _STOP_GRACE_S
     finally:
         selector.close()
-        os.close(read_fd)
+        for read_fd in read_fds:
+            os.close(read_fd)
         for connection in connections:
             connection.close()
-    text = output.decode(errors="replace")
-    failed = [(rank, pid, codes[pid]) for rank, pid in enumerate(pids) if codes[pid] != 0]
-    if not failed:
-        return 0, text
-    return 1, text + _failure_report(failed)
+    return [(pid, codes[pid]) for pid in pids], [bytes(output) for output in outputs]
 
 
 def _failure_report(failed: list[tuple[int, int, int]]) -> str:

@@ -9,7 +9,8 @@ what a run started this way keeps of torchrun's behaviour.
     python tests/_rank_zygote.py SOCKET     # prints "ready" once imported and listening
 
 Protocol, one Unix-socket connection per rank: the client sends, with the write end of its output
-pipe attached (SCM_RIGHTS), an 8-byte length and a JSON request {"module", "args", "env", "cwd"};
+pipe attached (SCM_RIGHTS; or two: stdout's, then stderr's), an 8-byte length and a JSON request
+{"module", "args", "env", "cwd"};
 the server answers "pid N\\n" once forked and "exit CODE\\n" when the rank has ended (CODE as
 Popen.returncode: negative for a signal). A client that closes its connection early has the rank's
 session killed. The server ends when its parent (the pytest process) is gone.
@@ -71,27 +72,33 @@ def preload() -> None:
     gc.freeze()
 
 
-def _receive_request(connection: socket.socket) -> tuple[dict, int]:
-    """(the request, the attached output fd); raises ValueError on a malformed one."""
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _receive_request(connection: socket.socket) -> tuple[dict, list[int]]:
+    """(the request, the attached output fds: one for both streams, or stdout's and stderr's);
+    raises ValueError on a malformed one."""
     connection.settimeout(30)
-    data, fds, _, _ = socket.recv_fds(connection, _MAX_REQUEST_BYTES, 1)
-    if len(fds) != 1 or len(data) < HEADER.size:
-        for fd in fds:
-            os.close(fd)
-        raise ValueError(f"expected one output fd and a header, got {len(fds)} fds, {len(data)} B")
+    data, fds, _, _ = socket.recv_fds(connection, _MAX_REQUEST_BYTES, 2)
+    if len(fds) not in (1, 2) or len(data) < HEADER.size:
+        _close_all(fds)
+        raise ValueError(f"expected one or two output fds and a header, got {len(fds)} fds, "
+                         f"{len(data)} B")
     (length,) = HEADER.unpack_from(data)
     body = data[HEADER.size:]
     while len(body) < length:
         chunk = connection.recv(length - len(body))
         if not chunk:
-            os.close(fds[0])
+            _close_all(fds)
             raise ValueError("connection closed inside a request")
         body += chunk
     connection.settimeout(None)
-    return json.loads(body), fds[0]
+    return json.loads(body), fds
 
 
-def _become_rank(request: dict, output_fd: int) -> None:
+def _become_rank(request: dict, output_fds: list[int]) -> None:
     """In the forked child: the process `python -m module` would be, before the module runs."""
     os.setsid()
     signal.set_wakeup_fd(-1)
@@ -100,10 +107,10 @@ def _become_rank(request: dict, output_fd: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.dup2(output_fd, 1)
-    os.dup2(output_fd, 2)
+    os.dup2(output_fds[0], 1)
+    os.dup2(output_fds[-1], 2)
     os.close(null)
-    os.close(output_fd)
+    _close_all(output_fds)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -141,7 +148,7 @@ def serve(listener: socket.socket) -> dict:
             if key.data == "listener":
                 connection, _ = listener.accept()
                 try:
-                    request, output_fd = _receive_request(connection)
+                    request, output_fds = _receive_request(connection)
                 except (ValueError, OSError) as error:
                     print(f"rank zygote: bad request: {error}", file=sys.stderr, flush=True)
                     connection.close()
@@ -152,9 +159,9 @@ def serve(listener: socket.socket) -> dict:
                 if pid == 0:
                     connection.close()
                     close_all_in_child()
-                    _become_rank(request, output_fd)
+                    _become_rank(request, output_fds)
                     return request
-                os.close(output_fd)
+                _close_all(output_fds)
                 connection.sendall(f"pid {pid}\n".encode())
                 ranks[pid] = connection
                 selector.register(connection, selectors.EVENT_READ, pid)

@@ -79,6 +79,23 @@ def _env(base: dict | None = None) -> dict:
     return env
 
 
+def main_in_process(main, argv: Sequence[str]) -> subprocess.CompletedProcess:
+    """A command's `main(argv)` called in this process, its exit code (SystemExit's included) and
+    what it printed, as subprocess.run gives them: a process of its own spends seconds importing
+    torch. What only a new interpreter prints (its imports' warnings) is not in it: a test that
+    checks for that runs the command itself."""
+    import contextlib
+    import io
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = main([str(arg) for arg in argv])
+        except SystemExit as exit_:  # argparse's usage errors, a command's _fail
+            code = exit_.code
+    return subprocess.CompletedProcess(list(argv), code, stdout.getvalue(), stderr.getvalue())
+
+
 def torchrun_command(args: Sequence[str], nproc: int,
                      entry: str = "megatron_dpp.pretrain_gpt") -> list[str]:
     return [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",

@@ -5,10 +5,12 @@ the save transaction of training/checkpoint/save_load.py).
 - In this process: the manifest and every kind of damage; the save transaction on a one-rank gloo
   group (too little space, a real ENOSPC on a small tmpfs, a torch_dist write failing, publishing
   failing) and on two forked ranks (a failure on one rank ends the save on both at once).
-- The real trainer, its ranks started directly (as torchrun does, but each rank's exit code is
-  seen): a table of damaged checkpoints (one line naming the file, exit code 2 on every rank, no
-  traceback, no training step), --load of an iteration folder, --load = --save without a
-  checkpoint (starts from scratch, and says so), a checkpoint saved before checksums (a warning).
+- The real trainer, its ranks started as processes of their own (as torchrun does, but each
+  rank's exit code and stderr is seen; forked from the preloaded servers of _forked_ranks.py
+  where there is no GPU): a table of damaged checkpoints (one line naming the file, exit code 2
+  on every rank, no traceback, no training step), --load of an iteration folder, --load = --save
+  without a checkpoint (starts from scratch, and says so), a checkpoint saved before checksums
+  (a warning).
 """
 import json
 import multiprocessing
@@ -24,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _forked_ranks import run_forked_apart
 from _ports import free_local_port
 from _tmpfs import mounted_tmpfs
 from _train_util import PYTHON, REPO_ROOT, TINY_GPT_ARGS, _env, data_args
@@ -339,12 +342,20 @@ PP2 = ["--pipeline-model-parallel-size", "2", "--lr-decay-iters", "6"]
 
 
 def run_ranks(args, nproc=2, timeout=120):
-    """megatron_dpp.pretrain_gpt on `nproc` ranks started directly, with torchrun's variables:
-    (each rank's exit code, stdout of all ranks, stderr of all ranks)."""
+    """megatron_dpp.pretrain_gpt on `nproc` ranks, each a process of its own with torchrun's
+    variables: (each rank's exit code, stdout of all ranks, stderr of all ranks). Forked from
+    the preloaded servers (each rank's imports skip 4-7 s of CPU), started directly where the
+    environment shows a GPU."""
+    command_args = [*data_args(), *TINY_GPT_ARGS, *args]
+    forked = run_forked_apart("megatron_dpp.pretrain_gpt", command_args, nproc, _env(),
+                              REPO_ROOT, timeout)
+    if forked is not None:
+        codes, outs, errs = forked
+        return codes, "".join(outs), "".join(errs)
     env = _env()
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_local_port()),
                WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
-    command = [PYTHON, "-m", "megatron_dpp.pretrain_gpt", *data_args(), *TINY_GPT_ARGS, *args]
+    command = [PYTHON, "-m", "megatron_dpp.pretrain_gpt", *command_args]
     ranks = [subprocess.Popen(command, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                               cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, start_new_session=True) for rank in range(nproc)]

@@ -8,15 +8,18 @@ the launcher must train from the checkpoint at pp=2 with the DPP runtime, its ch
 exported and read by transformers with our model's logits."""
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import subprocess
+import warnings
 
 import pytest
 import torch
 
-from _train_util import PYTHON, REPO_ROOT, _env
+from _train_util import PYTHON, REPO_ROOT, _env, main_in_process
 from megatron_dpp.convert import llama_hf
 from megatron_dpp.one_line_errors import InputError
 
@@ -85,6 +88,53 @@ def _export(load, save, *extra) -> subprocess.CompletedProcess:
                           env=_env(), cwd=REPO_ROOT)
 
 
+def _in_process(main, argv) -> subprocess.CompletedProcess:
+    """A tool's main (convert_hf_llama.main, export_main) called in this process, its exit code
+    and output as the command's: a process of its own spends seconds importing torch and
+    Megatron-Core. The tests that check a tool prints nothing on stderr (no warnings: an
+    interpreter's imports included) run the command itself."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    level = logger.level  # the tool quiets it, and its warning filters
+    try:
+        with warnings.catch_warnings():
+            return main_in_process(main, argv)
+    finally:
+        logger.setLevel(level)
+
+
+def _convert_here(hf_dir, save, *extra) -> subprocess.CompletedProcess:
+    from megatron_dpp.convert.convert_hf_llama import main
+
+    return _in_process(main, ["--hf-dir", hf_dir, "--save", save, *extra])
+
+
+def _export_here(load, save, *extra) -> subprocess.CompletedProcess:
+    from megatron_dpp.convert.convert_hf_llama import export_main
+
+    return _in_process(export_main, ["--load", load, "--save", save, *extra])
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """convert(**kind): a Llama made by _make_llama(**kind) and converted by the command (or, with
+    here=True, in this process), once per module for the tests that only read them (the same
+    kind: the same keywords); (its directory, the checkpoint, the conversion's CompletedProcess),
+    which each test checks itself."""
+    made = {}
+
+    def convert(here: bool = False, **kind):
+        key = (here, *sorted(kind.items()))
+        if key not in made:
+            directory = tmp_path_factory.mktemp("converted")
+            _make_llama(directory / "hf", **kind)
+            made[key] = (directory / "hf", directory / "ckpt",
+                         (_convert_here if here else _convert)(directory / "hf",
+                                                               directory / "ckpt"))
+        return made[key]
+
+    return convert
+
+
 def _safetensors(directory) -> dict:
     from safetensors.torch import load_file
 
@@ -99,12 +149,20 @@ def _flags(stdout: str) -> list[str]:
     return flags[:end]
 
 
-@pytest.fixture(scope="module")
-def megatron():
+@contextlib.contextmanager
+def _megatron():
+    """One rank's Megatron for our model; only around our model's use, as the tools called in
+    this process (_in_process) start and end a group of their own."""
     from megatron_dpp.search import model_measurement
 
     with model_measurement.single_process_megatron("llama"):
-        yield model_measurement
+        yield
+
+
+@pytest.fixture
+def megatron():
+    with _megatron():
+        yield
 
 
 def _assert_our_logits_equal_transformers(flags: list[str], checkpoint, hf_dir) -> None:
@@ -140,29 +198,29 @@ def _assert_our_logits_equal_transformers(flags: list[str], checkpoint, hf_dir) 
 @pytest.mark.parametrize("scaled, metas_keys, mistral",
                          [(False, False, False), (True, True, False), (False, False, True)],
                          ids=["llama3", "llama3.1-metas-config", "mistral"])
-def test_converted_logits_equal_transformers(megatron, tmp_path, scaled, metas_keys, mistral):
-    _make_llama(tmp_path / "hf", scaled, metas_keys=metas_keys, mistral=mistral)
-    done = _convert(tmp_path / "hf", tmp_path / "ckpt")
+def test_converted_logits_equal_transformers(megatron, converted, scaled, metas_keys, mistral):
+    hf_dir, ckpt, done = converted(scaled=scaled, metas_keys=metas_keys, mistral=mistral)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.strip() == "", done.stderr[-3000:]  # no warnings
     flags = _flags(done.stdout)
     assert ("--use-rope-scaling" in flags) == scaled
     assert flags[flags.index("--rotary-base") + 1] == ("1000000" if mistral else "500000")
-    _assert_our_logits_equal_transformers(flags, tmp_path / "ckpt" / "iter_0000000",
-                                          tmp_path / "hf")
+    _assert_our_logits_equal_transformers(flags, ckpt / "iter_0000000", hf_dir)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_export_gives_back_the_weights_bit_for_bit(tmp_path, dtype):
-    _make_llama(tmp_path / "hf", scaled=True, dtype=dtype, tokenizer=True)
-    converted = _convert(tmp_path / "hf", tmp_path / "ckpt")
-    assert converted.returncode == 0, converted.stderr[-3000:]
-    assert (f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {tmp_path / 'hf'} --load "
-            f"{tmp_path / 'ckpt'} --finetune" in converted.stdout), converted.stdout
-    done = _export(tmp_path / "ckpt", tmp_path / "back")
+def test_export_gives_back_the_weights_bit_for_bit(converted, tmp_path, dtype):
+    # bf16's conversion is the launcher test's, by the command; fp32's is this test's own: in
+    # this process (the export, whose stderr is checked, runs the command).
+    hf_dir, ckpt, conversion = converted(here=dtype == torch.float32, scaled=True, dtype=dtype,
+                                         tokenizer=True)
+    assert conversion.returncode == 0, conversion.stderr[-3000:]
+    assert (f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {hf_dir} --load "
+            f"{ckpt} --finetune" in conversion.stdout), conversion.stdout
+    done = _export(ckpt, tmp_path / "back")
     assert done.returncode == 0 and done.stderr.strip() == "", done.stderr[-3000:]
-    original, exported = _safetensors(tmp_path / "hf"), _safetensors(tmp_path / "back")
+    original, exported = _safetensors(hf_dir), _safetensors(tmp_path / "back")
     assert sorted(original) == sorted(exported)
     for name, tensor in original.items():
         assert exported[name].dtype == dtype and torch.equal(exported[name], tensor), name
@@ -212,8 +270,8 @@ def test_every_weight_file_layout_converts(tmp_path, layout):
         source.mkdir()
         (source / "config.json").write_text((tmp_path / "single" / "config.json").read_text())
         torch.save(original, source / "pytorch_model.bin")
-    assert _convert(source, tmp_path / "ckpt").returncode == 0
-    done = _export(tmp_path / "ckpt", tmp_path / "back", "--vocab-size", str(VOCAB))
+    assert _convert_here(source, tmp_path / "ckpt").returncode == 0
+    done = _export_here(tmp_path / "ckpt", tmp_path / "back", "--vocab-size", str(VOCAB))
     assert done.returncode == 0, done.stderr[-3000:]
     exported = _safetensors(tmp_path / "back")
     assert sorted(exported) == sorted(original)
@@ -221,21 +279,23 @@ def test_every_weight_file_layout_converts(tmp_path, layout):
 
 
 @pytest.mark.timeout(300)
-def test_export_mistakes_are_one_line_errors(tmp_path):
-    _make_llama(tmp_path / "hf", scaled=False)  # no tokenizer files
-    assert _convert(tmp_path / "hf", tmp_path / "ckpt").returncode == 0
+def test_export_mistakes_are_one_line_errors(converted, tmp_path):
+    # No tokenizer files: the Llama of test_converted_logits_equal_transformers[llama3].
+    _, ckpt, conversion = converted(scaled=False, metas_keys=False, mistral=False)
+    assert conversion.returncode == 0
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
-    cases = [((tmp_path / "ckpt", tmp_path / "out"), "names no tokenizer (converted from weights "
-                                                     "without one); pass --vocab-size N"),
-             ((tmp_path / "ckpt", tmp_path / "full", "--vocab-size", "256"),
+    # The first through the command (its exit code and stderr), the others in this process.
+    cases = [(_export, (tmp_path / "none", tmp_path / "out"),
+              f"--load '{tmp_path / 'none'}' is not a directory"),
+             (_export_here, (ckpt, tmp_path / "out"), "names no tokenizer (converted from "
+                                                      "weights without one); pass --vocab-size N"),
+             (_export_here, (ckpt, tmp_path / "full", "--vocab-size", "256"),
               f"--save '{tmp_path / 'full'}' exists and is not an empty directory"),
-             ((tmp_path / "none", tmp_path / "out"), f"--load '{tmp_path / 'none'}' is not a "
-                                                     f"directory"),
-             ((tmp_path / "ckpt", tmp_path / "out", "--vocab-size", "300"),
+             (_export_here, (ckpt, tmp_path / "out", "--vocab-size", "300"),
               "--vocab-size 300 exceeds the checkpoint's padded vocabulary 256")]
-    for arguments, expected in cases:
-        done = _export(*arguments)
+    for export, arguments, expected in cases:
+        done = export(*arguments)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
         assert expected in lines[0], lines[0]
@@ -255,9 +315,11 @@ def test_bad_directories_are_one_line_errors(tmp_path):
              "empty": "'{d}' has no config.json; pass the directory of a Hugging Face Llama",
              "no_weights": "'{d}' has no weights (model.safetensors, its index, or "
                            "pytorch_model.bin)"}
+    # The first through the command (its exit code and stderr), the others in this process.
     for name, expected in cases.items():
         directory = tmp_path / name
-        done = _convert(directory, tmp_path / "out")
+        convert = _convert if name == "missing" else _convert_here
+        done = convert(directory, tmp_path / "out")
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
         assert expected.format(d=directory) in lines[0], lines[0]
@@ -266,17 +328,16 @@ def test_bad_directories_are_one_line_errors(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_the_launcher_trains_from_the_converted_checkpoint_at_pp2(megatron, tmp_path):
+def test_the_launcher_trains_from_the_converted_checkpoint_at_pp2(converted, tmp_path):
     """A bf16 Llama converted, then trained in bf16 at pp=2 with --use-dpp (the checkpoint,
     written at pp=1, reshards on load); without --finetune the load says how to load it. The
     trained checkpoint (saved at pp=2) exported: transformers reads it and gives our logits."""
-    _make_llama(tmp_path / "hf", scaled=True, dtype=torch.bfloat16, tokenizer=True)
-    done = _convert(tmp_path / "hf", tmp_path / "ckpt")
+    hf_dir, ckpt, done = converted(scaled=True, dtype=torch.bfloat16, tokenizer=True)
     assert done.returncode == 0, done.stderr[-3000:]
     done_flags = done.stdout
     common = ["--seq-length", "32", "--train-iters", "4", "--global-batch-size", "8",
               "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0", "--bf16",
-              *_flags(done.stdout), "--load", str(tmp_path / "ckpt")]
+              *_flags(done.stdout), "--load", str(ckpt)]
     # RECIPE named: the converted shape flags alone would leave every other flag at Megatron-LM's
     # default (no --micro-batch-size, no --lr); the tiny recipe fills them, as a user would ask.
     env = _env({**os.environ, "PP": "2", "RECIPE": "llama_tiny", "DATA_ARGS": f"--mock-data --tokenizer-type "
@@ -290,7 +351,7 @@ def test_the_launcher_trains_from_the_converted_checkpoint_at_pp2(megatron, tmp_
     assert trained.returncode == 0, (trained.stdout + trained.stderr)[-3000:]
     assert "warning: checkpoint" not in trained.stderr, trained.stderr[-3000:]
     assert "PP=2" in trained.stdout and "USE_DPP=1" in trained.stdout, trained.stdout[-3000:]
-    assert (f"loaded checkpoint from {tmp_path / 'ckpt' / 'iter_0000000'} at iteration 0 "
+    assert (f"loaded checkpoint from {ckpt / 'iter_0000000'} at iteration 0 "
             f"(--finetune" in trained.stdout), trained.stdout[-3000:]
     losses = [float(v) for v in re.findall(r"\| lm loss: ([-+0-9.eE]+)", trained.stdout)]
     assert len(losses) == 4 and all(loss == loss for loss in losses), trained.stdout[-3000:]
@@ -306,11 +367,12 @@ def test_the_launcher_trains_from_the_converted_checkpoint_at_pp2(megatron, tmp_
     assert ("holds the model only (no optimizer, learning-rate schedule or RNG states, as a "
             "converted checkpoint): load it with --finetune" in refused.stdout + refused.stderr)
     # The run named NullTokenizer: the export takes the vocabulary from --vocab-size.
-    done = _export(tmp_path / "trained", tmp_path / "exported", "--vocab-size", str(VOCAB))
+    done = _export_here(tmp_path / "trained", tmp_path / "exported", "--vocab-size", str(VOCAB))
     assert done.returncode == 0, done.stderr[-3000:]
     exported = _safetensors(tmp_path / "exported")
-    original = _safetensors(tmp_path / "hf")
+    original = _safetensors(hf_dir)
     assert exported["lm_head.weight"].dtype == torch.bfloat16
     assert not torch.equal(exported["lm_head.weight"], original["lm_head.weight"])  # trained
-    _assert_our_logits_equal_transformers(_flags(done_flags), tmp_path / "trained" /
-                                          "iter_0000004", tmp_path / "exported")
+    with _megatron():
+        _assert_our_logits_equal_transformers(_flags(done_flags), tmp_path / "trained" /
+                                              "iter_0000004", tmp_path / "exported")
