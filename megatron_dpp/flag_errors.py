@@ -32,6 +32,11 @@ def _refused_dest(flag: str) -> str:
     return "refused_" + flag.lstrip("-").replace("-", "_")
 
 
+def each_refused(reason: str, *flags: str) -> dict[str, str]:
+    """A refused-flags table's rows for several flags refused for one reason."""
+    return {flag: reason for flag in flags}
+
+
 def add_refused_flags(group, refused: Mapping[str, str], taking_a_value: Collection[str] = (),
                       taking_values: Collection[str] = ()) -> None:
     """Each flag of `refused` in `group`; those in `taking_a_value` take a value in Megatron-LM (or

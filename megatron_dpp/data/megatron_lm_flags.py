@@ -8,11 +8,7 @@ only, as data/flags.py.
 """
 from __future__ import annotations
 
-from megatron_dpp.flag_errors import StatedFlag
-
-
-def _each(reason: str, *flags: str) -> dict[str, str]:
-    return {flag: reason for flag in flags}
+from megatron_dpp.flag_errors import StatedFlag, each_refused
 
 
 _FIM = ("configures Megatron-LM's fill-in-the-middle dataset, which is not built here: samples "
@@ -21,10 +17,10 @@ _CACHE_PATH = ("is not built here: the dataset's index caches are built at start
                "are missing (--data-cache-path, default beside the data)")
 
 REFUSED_DATA: dict[str, str] = {
-    **_each(_FIM, "--fim-data", "--fim-rate", "--fim-spm-rate", "--fim-split-sample",
+    **each_refused(_FIM, "--fim-data", "--fim-rate", "--fim-spm-rate", "--fim-split-sample",
             "--fim-fragment-rate", "--fim-no-prefix", "--fim-prefix-token", "--fim-middle-token",
             "--fim-suffix-token", "--fim-pad-token", "--fim-eod-token"),
-    **_each(_CACHE_PATH, "--dataloader-defer-npy-index-mmap", "--dataloader-fast-cache-load",
+    **each_refused(_CACHE_PATH, "--dataloader-defer-npy-index-mmap", "--dataloader-fast-cache-load",
             "--per-dataset-sequences-path"),
     "--object-storage-cache-path": "(s3 or MSC object storage) is not built here: --data-path "
                                    "names local files",

@@ -9,11 +9,7 @@ Standard library only, as models/flags.py.
 """
 from __future__ import annotations
 
-from megatron_dpp.flag_errors import StatedFlag
-
-
-def _each(reason: str, *flags: str) -> dict[str, str]:
-    return {flag: reason for flag in flags}
+from megatron_dpp.flag_errors import StatedFlag, each_refused
 
 
 _MODELS = "the models here are gpt, bert and llama (--model)"
@@ -55,7 +51,7 @@ _CUDA_GRAPH_TE = ("configures Transformer Engine's or whole-iteration CUDA graph
 # --help's "model" group
 # ----------------------------------------------------------------------------------------------
 REFUSED_MODEL: dict[str, str] = {
-    **_each(_MOE, *"""--moe-apply-probs-on-input --moe-aux-loss-coeff --moe-deepep-num-sms
+    **each_refused(_MOE, *"""--moe-apply-probs-on-input --moe-aux-loss-coeff --moe-deepep-num-sms
         --moe-enable-deepep --moe-enable-routing-replay --moe-expert-capacity-factor
         --moe-extended-tp --moe-ffn-hidden-size --moe-flex-dispatcher-backend --moe-grouped-gemm
         --moe-hybridep-num-sms --moe-input-jitter-eps --moe-latent-size --moe-layer-freq
@@ -70,17 +66,17 @@ REFUSED_MODEL: dict[str, str] = {
         --moe-token-dispatcher-type --moe-token-drop-policy --moe-upcycling-granularity
         --moe-use-legacy-grouped-gemm --moe-use-upcycling --moe-z-loss-coeff
         --use-fused-weighted-squared-relu""".split()),
-    **_each(_MLA, *"""--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim
+    **each_refused(_MLA, *"""--multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim
         --qk-pos-emb-head-dim --v-head-dim --mscale --mscale-all-dim --rotary-scaling-factor
         --cache-mla-latents""".split()),
     "--rope-type": "chooses between rotary embeddings (rope) and YaRN (multi-latent attention's "
                    "default); YaRN is not built here and rotary embeddings need no flag (llama "
                    "has them): remove it",
-    **_each(_FP8, *"""--fp8-recipe --fp8-margin --fp8-interval --fp8-quantizer-factory
+    **each_refused(_FP8, *"""--fp8-recipe --fp8-margin --fp8-interval --fp8-quantizer-factory
         --first-last-layers-bf16 --num-layers-at-start-in-bf16 --num-layers-at-end-in-bf16
         --disable-fp8-wgrad --no-fp8-wgrad --reuse-grad-buf-for-mxfp8-param-ag""".split()),
-    **_each(_FP4, "--fp4-format", "--fp4-recipe", "--fp4-param-gather", "--fp4-quantizer-factory"),
-    **_each(_KITCHEN, "--use-kitchen-attention", "--kitchen-attention-backend",
+    **each_refused(_FP4, "--fp4-format", "--fp4-recipe", "--fp4-param-gather", "--fp4-quantizer-factory"),
+    **each_refused(_KITCHEN, "--use-kitchen-attention", "--kitchen-attention-backend",
             "--kitchen-config-file", "--kitchen-recipe-number"),
     "--te-precision-config-file": "chooses Transformer Engine's precision per module, and this "
                                   "runtime builds no Transformer Engine FP8/FP4 layers (train "
@@ -91,7 +87,7 @@ REFUSED_MODEL: dict[str, str] = {
     "--te-rng-tracker": "is Transformer Engine's RNG tracker, which Transformer Engine's CUDA "
                         "graphs need; the RNG here is Megatron-Core's tracker (--seed), and "
                         "--cuda-graph-impl local needs no other",
-    **_each(_INFERENCE, *"""--inference-batch-times-seqlen-threshold --inference-coordinator-port
+    **each_refused(_INFERENCE, *"""--inference-batch-times-seqlen-threshold --inference-coordinator-port
         --inference-dynamic-batching --inference-dynamic-batching-block-size
         --inference-dynamic-batching-buffer-size-gb
         --inference-dynamic-batching-cuda-graph-max-tokens
@@ -106,43 +102,43 @@ REFUSED_MODEL: dict[str, str] = {
         --no-inference-wandb-logging --flash-decode --enable-chunked-prefill
         --disable-chunked-prefill --mlp-chunks-for-prefill --nccl-all-reduce-for-prefill
         --decode-only-cuda-graphs --use-legacy-static-engine --max-tokens-to-oom""".split()),
-    **_each(_VISION, *"""--img-h --img-w --num-channels --patch-dim --num-classes
+    **each_refused(_VISION, *"""--img-h --img-w --num-channels --patch-dim --num-classes
         --classes-fraction --data-per-class-fraction --vision-pretraining
         --vision-pretraining-type --vision-backbone-type --swin-backbone-type --mask-type
         --mask-factor --iter-per-epoch --dino-local-img-size --dino-local-crops-number
         --dino-head-hidden-size --dino-bottleneck-size --dino-freeze-last-layer
         --dino-norm-last-layer --dino-warmup-teacher-temp --dino-teacher-temp
         --dino-warmup-teacher-temp-epochs""".split()),
-    **_each(_RETRIEVAL, *"""--ict-head-size --biencoder-projection-dim
+    **each_refused(_RETRIEVAL, *"""--ict-head-size --biencoder-projection-dim
         --biencoder-shared-query-context-model --ict-load --bert-load --titles-data-path
         --query-in-block-prob --use-one-sent-docs --evidence-data-path
         --retriever-report-topk-accuracies --retriever-score-scaling --block-data-path
         --embedding-path --indexer-batch-size --indexer-log-interval --bert-embedder-type
         --output-bert-embeddings""".split()),
-    **_each(_ENCODER_DECODER, "--encoder-num-layers", "--decoder-num-layers",
+    **each_refused(_ENCODER_DECODER, "--encoder-num-layers", "--decoder-num-layers",
             "--encoder-seq-length", "--decoder-seq-length", "--relative-attention-num-buckets",
             "--relative-attention-max-distance"),
-    **_each(_MAMBA, "--is-hybrid-model", "--hybrid-attention-ratio", "--hybrid-mlp-ratio",
+    **each_refused(_MAMBA, "--is-hybrid-model", "--hybrid-attention-ratio", "--hybrid-mlp-ratio",
             "--hybrid-override-pattern", "--mamba-state-dim", "--mamba-head-dim",
             "--mamba-num-groups", "--mamba-num-heads", "--disable-mamba-mem-eff-path"),
-    **_each(_ATTENTION_VARIANT, *"""--experimental-attention-variant --linear-attention-freq
+    **each_refused(_ATTENTION_VARIANT, *"""--experimental-attention-variant --linear-attention-freq
         --linear-conv-kernel-dim --linear-key-head-dim --linear-num-key-heads
         --linear-num-value-heads --linear-value-head-dim --dsa-indexer-head-dim
         --dsa-indexer-loss-coeff --dsa-indexer-n-heads --dsa-indexer-topk
         --dsa-indexer-use-sparse-loss""".split()),
-    **_each(_MTP, "--mtp-num-layers", "--mtp-loss-scaling-factor", "--mtp-standalone"),
-    **_each(_HETEROGENEOUS, "--heterogeneous-layers-config-path",
+    **each_refused(_MTP, "--mtp-num-layers", "--mtp-loss-scaling-factor", "--mtp-standalone"),
+    **each_refused(_HETEROGENEOUS, "--heterogeneous-layers-config-path",
             "--heterogeneous-layers-config-encoded-json"),
-    **_each(_ACTIVATION, "--openai-gelu", "--quick-geglu", "--activation-func-clamp-value",
+    **each_refused(_ACTIVATION, "--openai-gelu", "--quick-geglu", "--activation-func-clamp-value",
             "--glu-linear-offset"),
-    **_each(_ROTARY_VARIANT, "--rotary-interleaved", "--rotary-seq-len-interpolation-factor",
+    **each_refused(_ROTARY_VARIANT, "--rotary-interleaved", "--rotary-seq-len-interpolation-factor",
             "--no-rope-freq", "--mrope-section"),
-    **_each("(sliding-window attention) is not built here: attention is full (causal for gpt "
+    **each_refused("(sliding-window attention) is not built here: attention is full (causal for gpt "
             "and llama) over --seq-length", "--window-size", "--window-attn-skip-freq"),
     "--attention-output-gate": "(a gate on the attention output) is not built here: attention "
                                "is Megatron-Core's standard self-attention",
     "--qk-l2-norm": "(Llama 4's L2 norm of queries and keys) is not built here",
-    **_each("(clipping the query and key weights, for Muon-trained models) is not built here",
+    **each_refused("(clipping the query and key weights, for Muon-trained models) is not built here",
             "--qk-clip", "--qk-clip-alpha", "--qk-clip-threshold"),
     "--apply-residual-connection-post-layernorm":
         "(the original BERT's residual order) is not built here: every model is pre-LayerNorm "
@@ -169,12 +165,12 @@ REFUSED_MODEL: dict[str, str] = {
     "--disable-bf16-reduced-precision-matmul":
         "is not built here: torch's default for bf16 matmuls (reduced-precision reductions "
         "allowed) holds",
-    **_each(_OFFLOAD, "--cpu-offloading-num-layers", "--fine-grained-activation-offloading",
+    **each_refused(_OFFLOAD, "--cpu-offloading-num-layers", "--fine-grained-activation-offloading",
             "--offload-modules", "--min-offloaded-tensor-size"),
     "--recompute-modules": "(recomputing chosen submodules) is not built here: "
                            "--recompute-granularity selective recomputes core attention, full "
                            "whole layers",
-    **_each(_CUDA_GRAPH_TE, "--cuda-graph-scope", "--cuda-graph-warmup-steps",
+    **each_refused(_CUDA_GRAPH_TE, "--cuda-graph-scope", "--cuda-graph-warmup-steps",
             "--external-cuda-graph"),
     "--enable-cuda-graph": "is Megatron-LM's deprecated spelling: use --cuda-graph-impl local",
     "--spec": "(a layer spec from a Python function of its own) is not built here: each --model "

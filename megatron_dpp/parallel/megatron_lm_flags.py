@@ -9,11 +9,7 @@ library only, as parallel/flags.py.
 """
 from __future__ import annotations
 
-from megatron_dpp.flag_errors import StatedFlag
-
-
-def _each(reason: str, *flags: str) -> dict[str, str]:
-    return {flag: reason for flag in flags}
+from megatron_dpp.flag_errors import StatedFlag, each_refused
 
 
 _TP_OVERLAP = ("tunes --tp-comm-overlap, Transformer Engine's userbuffer overlap of "
@@ -35,23 +31,23 @@ _NCCL_TUNING = ("tunes NCCL communicators and buffers that this runtime creates 
 # --help's "parallelism" group
 # ----------------------------------------------------------------------------------------------
 REFUSED_PARALLEL: dict[str, str] = {
-    **_each(_EXPERT_PARALLEL, "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+    **each_refused(_EXPERT_PARALLEL, "--expert-model-parallel-size", "--expert-tensor-parallel-size",
             "--overlap-moe-expert-parallel-comm", "--ep-overlap-early-attn-memory-release",
             "--rl-inference-expert-model-parallel-size"),
-    **_each(_FSDP, *"""--use-megatron-fsdp
+    **each_refused(_FSDP, *"""--use-megatron-fsdp
         --outer-dp-sharding-strategy --enable-full-sharding-in-hsdp --fsdp-double-buffer
         --fsdp-manual-registration --suggested-communication-unit-size --keep-fp8-transpose-cache
         --torch-fsdp2-no-reshard-after-forward""".split()),
-    **_each(_CONTEXT_PARALLEL, "--cp-comm-type", "--hierarchical-context-parallel-sizes",
+    **each_refused(_CONTEXT_PARALLEL, "--cp-comm-type", "--hierarchical-context-parallel-sizes",
             "--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank"),
-    **_each(_TP_OVERLAP, "--no-tp-comm-overlap-ag", "--disable-tp-comm-overlap-ag",
+    **each_refused(_TP_OVERLAP, "--no-tp-comm-overlap-ag", "--disable-tp-comm-overlap-ag",
             "--no-tp-comm-overlap-rs", "--disable-tp-comm-overlap-rs", "--tp-comm-overlap-rs-dgrad",
             "--no-tp-comm-split-ag", "--no-tp-comm-split-rs", "--no-tp-comm-bulk-dgrad",
             "--no-tp-comm-bulk-wgrad", "--tp-comm-bootstrap-backend"),
     "--disable-async-tensor-model-parallel-allreduce":
         "is ignored by Megatron-Core 0.16 (deprecated): the tensor-parallel all-reduce always "
         "runs asynchronously beside the weight-gradient GEMM",
-    **_each(_NCCL_TUNING, "--nccl-communicator-config-path", "--high-priority-stream-groups",
+    **each_refused(_NCCL_TUNING, "--nccl-communicator-config-path", "--high-priority-stream-groups",
             "--use-sharp", "--sharp-enabled-group", "--use-nccl-ub",
             "--disable-symmetric-registration", "--symmetric-ar-type",
             "--create-all-gather-group"),

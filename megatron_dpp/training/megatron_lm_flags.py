@@ -9,11 +9,7 @@ Standard library only, as training/flags.py.
 """
 from __future__ import annotations
 
-from megatron_dpp.flag_errors import StatedFlag
-
-
-def _each(reason: str, *flags: str) -> dict[str, str]:
-    return {flag: reason for flag in flags}
+from megatron_dpp.flag_errors import StatedFlag, each_refused
 
 
 _RL = ("configures Megatron-LM's reinforcement learning (GRPO rollouts and their inference); "
@@ -56,7 +52,7 @@ _MEMORY_PROFILE = ("(torch's CUDA memory history) is not built here; --profile "
 # --help's "training" group
 # ----------------------------------------------------------------------------------------------
 REFUSED_TRAINING: dict[str, str] = {
-    **_each(_RL, *"""--perform-rl-step --grpo-prompts-per-step --grpo-group-size
+    **each_refused(_RL, *"""--perform-rl-step --grpo-prompts-per-step --grpo-group-size
         --grpo-iterations --grpo-clamp-eps-lower --grpo-clamp-eps-upper --grpo-kl-beta
         --grpo-entropy-term-weight --grpo-filter-groups-with-same-reward --langrl-env-config
         --langrl-inference-server-type --langrl-inference-server-conversation-template
@@ -74,29 +70,29 @@ REFUSED_TRAINING: dict[str, str] = {
         --no-rl-offload-inference-model-weights-when-idle --rl-parallel-generation-tasks
         --rl-prompts-per-eval --rl-verify-model-weights-swap --no-rl-verify-model-weights-swap
         --rl-skip-bos-token --no-rl-skip-bos-token --refit-method""".split()),
-    **_each("selects Megatron-LM's supervised fine-tuning data (chat conversations), which is "
+    **each_refused("selects Megatron-LM's supervised fine-tuning data (chat conversations), which is "
             "not built here: the data is pretraining documents (--data-path); fine-tune a "
             "checkpoint on them with --load DIR --finetune", "--sft",
             "--sft-tokenizer-prompt-format"),
-    **_each(_INPROCESS, *"""--inprocess-restart --inprocess-max-iterations
+    **each_refused(_INPROCESS, *"""--inprocess-restart --inprocess-max-iterations
         --inprocess-monitor-thread-interval --inprocess-monitor-process-interval
         --inprocess-progress-watchdog-interval --inprocess-heartbeat-interval
         --inprocess-soft-timeout --inprocess-hard-timeout --inprocess-heartbeat-timeout
         --inprocess-barrier-timeout --inprocess-completion-timeout --inprocess-last-call-wait
         --inprocess-termination-grace-time --inprocess-granularity
         --inprocess-active-world-size --inprocess-empty-cuda-cache""".split()),
-    **_each(_FT, "--enable-ft-package", "--calc-ft-timeouts", "--ft-num-warmup-iters"),
-    **_each("configures the ADLR cluster's autoresume service, which is not used here: on "
+    **each_refused(_FT, "--enable-ft-package", "--calc-ft-timeouts", "--ft-num-warmup-iters"),
+    **each_refused("configures the ADLR cluster's autoresume service, which is not used here: on "
             "SIGTERM the run saves and exits (--exit-signal-handler), and --load resumes",
             "--adlr-autoresume", "--adlr-autoresume-interval"),
-    **_each(_CPU_OFFLOAD, "--optimizer-cpu-offload", "--optimizer-offload-fraction",
+    **each_refused(_CPU_OFFLOAD, "--optimizer-cpu-offload", "--optimizer-offload-fraction",
             "--use-torch-optimizer-for-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d"),
-    **_each(_MUON, "--muon-momentum", "--muon-use-nesterov", "--muon-no-split-qkv",
+    **each_refused(_MUON, "--muon-momentum", "--muon-use-nesterov", "--muon-no-split-qkv",
             "--muon-scale-mode", "--muon-fp32-matmul-prec", "--muon-num-ns-steps",
             "--muon-tp-mode", "--muon-extra-scale-factor"),
-    **_each(_PRECISION_AWARE, "--use-precision-aware-optimizer", "--main-grads-dtype",
+    **each_refused(_PRECISION_AWARE, "--use-precision-aware-optimizer", "--main-grads-dtype",
             "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype"),
-    **_each(_RERUN, "--error-injection-rate", "--error-injection-type", "--check-for-spiky-loss",
+    **each_refused(_RERUN, "--error-injection-rate", "--error-injection-type", "--check-for-spiky-loss",
             "--result-rejected-tracker-filename"),
     "--check-for-large-grads": "(the re-run state machine's check for large gradients) is not "
                                "built here: --clip-grad bounds the gradient norm, and a NaN/Inf "
@@ -106,9 +102,9 @@ REFUSED_TRAINING: dict[str, str] = {
     "--check-weight-hash-across-dp-replicas-interval":
         "is not built here: data-parallel replicas start equal and apply the same all-reduced "
         "gradients",
-    **_each(_WEIGHT_DECAY_SCHEDULE, "--start-weight-decay", "--end-weight-decay",
+    **each_refused(_WEIGHT_DECAY_SCHEDULE, "--start-weight-decay", "--end-weight-decay",
             "--weight-decay-incr-style"),
-    **_each(_WSD, "--lr-wsd-decay-style", "--lr-wsd-decay-samples", "--lr-wsd-decay-iters"),
+    **each_refused(_WSD, "--lr-wsd-decay-style", "--lr-wsd-decay-samples", "--lr-wsd-decay-iters"),
     "--lr-warmup-init": "(a warmup that starts above 0) is not built here: the warmup rises "
                         "linearly from 0 to --lr",
     "--head-lr-mult": "(a learning rate of the output head of its own) is not built here: one "
@@ -148,15 +144,15 @@ REFUSED_TRAINING: dict[str, str] = {
 # --help's "checkpointing" group
 # ----------------------------------------------------------------------------------------------
 REFUSED_CHECKPOINT: dict[str, str] = {
-    **_each(_NON_PERSISTENT, "--non-persistent-save-interval", "--non-persistent-ckpt-type",
+    **each_refused(_NON_PERSISTENT, "--non-persistent-save-interval", "--non-persistent-ckpt-type",
             "--non-persistent-global-ckpt-dir", "--non-persistent-local-ckpt-dir",
             "--non-persistent-local-ckpt-algo", "--replication", "--replication-jump",
             "--replication-factor", "--persistent-save-interval"),
-    **_each(_ASYNC, "--use-persistent-ckpt-worker", "--ckpt-assume-constant-structure"),
-    **_each(_CONVERT, "--ckpt-convert-format", "--ckpt-convert-save",
+    **each_refused(_ASYNC, "--use-persistent-ckpt-worker", "--ckpt-assume-constant-structure"),
+    **each_refused(_CONVERT, "--ckpt-convert-format", "--ckpt-convert-save",
             "--ckpt-convert-update-legacy-dist-opt-format"),
-    **_each(_FSDP_LOAD, "--no-strict-fsdp-dtensor-load", "--disable-strict-fsdp-dtensor-load"),
-    **_each("is not built here: a torch_dist save splits the writing across data-parallel "
+    **each_refused(_FSDP_LOAD, "--no-strict-fsdp-dtensor-load", "--disable-strict-fsdp-dtensor-load"),
+    **each_refused("is not built here: a torch_dist save splits the writing across data-parallel "
             "replicas (Megatron-LM's default), always", "--no-ckpt-fully-parallel-save",
             "--disable-ckpt-fully-parallel-save"),
     "--ckpt-fully-parallel-load": "is not built here: --load reads with Megatron-Core's default "
@@ -179,16 +175,16 @@ REFUSED_CHECKPOINT: dict[str, str] = {
                                           "command line (a torch_dist checkpoint loads at "
                                           "another one)",
     "--save-retain-interval": "is not built here: every checkpoint saved is kept",
-    **_each(_GRADS_DUMP, "--save-wgrads-interval", "--save-dgrads-interval"),
+    **each_refused(_GRADS_DUMP, "--save-wgrads-interval", "--save-dgrads-interval"),
 }
 
 # ----------------------------------------------------------------------------------------------
 # --help's "logging and evaluation" group
 # ----------------------------------------------------------------------------------------------
 REFUSED_LOGGING: dict[str, str] = {
-    **_each(_ONE_LOGGER, "--one-logger-project", "--one-logger-run-name", "--one-logger-async",
+    **each_refused(_ONE_LOGGER, "--one-logger-project", "--one-logger-run-name", "--one-logger-async",
             "--app-tag-run-name", "--app-tag-run-version"),
-    **_each(_STRAGGLER, "--log-straggler", "--disable-straggler-on-startup",
+    **each_refused(_STRAGGLER, "--log-straggler", "--disable-straggler-on-startup",
             "--straggler-ctrlr-port", "--straggler-minmax-count"),
     "--log-energy": "(energy from NVML) is not built here",
     "--log-device-memory-used": "(nvidia-smi's memory) is not built here; "
@@ -204,7 +200,7 @@ REFUSED_LOGGING: dict[str, str] = {
 # --help's "profiling" group
 # ----------------------------------------------------------------------------------------------
 REFUSED_PROFILE: dict[str, str] = {
-    **_each(_MEMORY_PROFILE, "--record-memory-history", "--memory-snapshot-path"),
+    **each_refused(_MEMORY_PROFILE, "--record-memory-history", "--memory-snapshot-path"),
 }
 
 # ----------------------------------------------------------------------------------------------
