@@ -21,8 +21,6 @@ import struct
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy
-
 from megatron_dpp.data.errors import DataInputError
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
@@ -45,6 +43,8 @@ class IndexArrays:
 
 def read_index(prefix: str) -> IndexArrays:
     """The arrays of `prefix`.idx (copies: no memory map stays open)."""
+    import numpy  # here: bin_file_problem, below, needs the standard library only
+
     path = prefix + ".idx"
     with open(path, "rb") as file:
         data = file.read()
@@ -103,9 +103,12 @@ def bin_file_problem(prefix: str) -> Optional[str]:
     bin_path, idx_path = prefix + ".bin", prefix + ".idx"
     found = os.path.getsize(bin_path)
     needed, sequences = bin_bytes_needed(prefix)
+    if found == 0 and sequences == 0:
+        return (f"{bin_path} is empty (0 bytes), and {idx_path} indexes no sequence: no tokens to "
+                f"read; remake both with tools/preprocess_data.py from documents with text")
     if found == 0:
-        return (f"{bin_path} is empty (0 bytes), and {idx_path} indexes {sequences} sequences: "
-                f"expected at least {needed} bytes; remake both with tools/preprocess_data.py")
+        return (f"{bin_path} is empty: expected at least {needed} bytes, as {idx_path} says "
+                f"({sequences} sequences), found 0; remake both with tools/preprocess_data.py")
     if found < needed:
         return (f"{bin_path} is shorter than {idx_path} says: expected at least {needed} bytes "
                 f"(the end of its last sequence), found {found}; copy it again or remake both "
