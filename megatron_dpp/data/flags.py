@@ -1,7 +1,8 @@
 """The data flags (--data-path, --split, the tokenizer files, --variable-seq-lengths, ...; --help's
-"data" group) and their checks: the files exist, the blend and the split parse. Which samples a
-model builds from the data is the model's (models/families.py, ModelFamily.check_data), which
-megatron_dpp.arguments passes in: the data package does not import models.
+"data" group) and their checks: the files exist (each .bin as long as its .idx says), the blend
+and the split parse. Which samples a model builds from the data is the model's (models/
+families.py, ModelFamily.check_data), which megatron_dpp.arguments passes in: the data package
+does not import models.
 
 The datasets module (and with it megatron.core) is imported only when the flags are checked.
 """
@@ -297,6 +298,7 @@ def validate_data_args(args: argparse.Namespace,
     # Imported here: the data package pulls in megatron.core only when a check needs it.
     from megatron_dpp.data.datasets import data_sources, dataset_files_missing, samples_per_split
     from megatron_dpp.data.errors import DataInputError
+    from megatron_dpp.data.index_file import bin_file_problem
 
     named = _read_data_args_files(args)
     _check_one_data_source(args, named)
@@ -311,6 +313,8 @@ def validate_data_args(args: argparse.Namespace,
                 require(not missing, f"{where}: {' and '.join(missing)} not found; make it with "
                                      f"tools/preprocess_data.py or `python -m "
                                      f"megatron_dpp.data.prepare_sample --output-dir DIR`")
+                problem = bin_file_problem(prefix)  # the .bin as long as its .idx says
+                require(problem is None, f"{where}: {problem}")
         tokenizer_type = args.tokenizer_type or DEFAULT_TOKENIZER_TYPE
         check_tokenizer_files(tokenizer_type,
                               {"vocab_file": args.vocab_file, "merge_file": args.merge_file,
