@@ -455,15 +455,15 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
                                       f"checkpoint): load it with --finetune, or with "
                                       f"--no-load-optim --no-load-rng")
         consumed = _consumed_samples(common)
-        schedule = converted = None
+        schedule = converted = schedule_error = None
         if scope.optimizer:
             with _errors_as(f"checkpoint {directory}"):
                 schedule, converted = scheduler_state.state_in_samples(
                     common["opt_param_scheduler"], _schedule_in_samples(common),
                     int(common["iteration"]), consumed, common.get("args"))
             difference = scheduler.schedule_difference(schedule)
-            if difference is not None:
-                raise CheckpointLoadError(f"checkpoint {directory}: {difference}")
+            if difference is not None:  # said after the model's and the optimizer's problems
+                schedule_error = f"checkpoint {directory}: {difference}"
         with _errors_as(f"checkpoint {directory} is damaged (.metadata)"):
             tensors = load_tensors_metadata(directory)
         run_metadata = sharded_sd_metadata(optimizer)
@@ -482,7 +482,9 @@ def load_dist_checkpoint(directory: str, model_chunks, optimizer, scheduler,
                                     with_rng=scope.rng and _same_model_parallel(
                                         common.get("megatron_dpp_layout", {})),
                                     with_optimizer=scope.optimizer)
-        error = _model_mismatch(run_state, directory, tensors)
+        # docs/failures.md's order: the model's tensors and shapes, the optimizer, then the
+        # learning-rate schedule.
+        error = _model_mismatch(run_state, directory, tensors) or schedule_error
     except CheckpointLoadError as exc:
         error = str(exc)
     error = agree(error)
