@@ -4,9 +4,10 @@
   the run directory gone) raises from write_trace with no temporary file left, and is one warning
   line from RunTrace.write, after the end-of-run clock measurement (the collective every rank
   enters); the start-of-run free-space warning and the estimate it compares against.
-- The real trainer (two ranks, --trace on a 64 KiB tmpfs; root only, skipped elsewhere): training
-  finishes with its losses and exit code 0, each rank prints one warning line naming its file and
-  ENOSPC, and no temporary file stays.
+- The real trainer (two ranks): --trace on a 64 KiB tmpfs (root only, skipped elsewhere; ENOSPC),
+  and, for any user, under a 40 KiB file-size limit (RLIMIT_FSIZE: EFBIG; Python ignores SIGXFSZ):
+  training finishes with its losses and exit code 0, each rank prints one warning line naming its
+  file and the errno, and no temporary file stays.
 """
 import argparse
 import errno
@@ -14,11 +15,15 @@ import glob
 import json
 import os
 import re
+import resource
+import signal
+import subprocess
 
 import pytest
 
 from _tmpfs import mounted_tmpfs
-from _train_util import run_training
+from _train_util import (REPO_ROOT, TINY_GPT_ARGS, _env, data_args, parse_log, run_training,
+                         torchrun_command)
 from megatron_dpp.trace import chrome
 from megatron_dpp.trace.clock import OffsetSample
 from megatron_dpp.trace.recorder import TraceRecorder
@@ -163,7 +168,7 @@ def test_the_estimate_is_below_a_measured_trace():
 
 
 # ----------------------------------------------------------------------------------------------
-# The real trainer on a full disk
+# The real trainer, its traces unwritable
 # ----------------------------------------------------------------------------------------------
 ITERATIONS = 8  # about 90 KiB of trace a rank: neither rank's file fits in 64 KiB
 
@@ -174,16 +179,50 @@ def test_a_traced_run_on_a_full_disk_trains_and_warns_once_per_rank(tmp_path):
             ["--pipeline-model-parallel-size", "2", "--train-iters", str(ITERATIONS), "--trace",
              "--trace-dir", trace_dir, "--use-dpp", "--p2p-transport", "shm"],
             nproc=2, timeout=240)
-        assert rc == 0, out[-3000:]
-        assert len(losses) == ITERATIONS, out[-3000:]
-        assert "Traceback" not in out, out[-3000:]
-        (run,) = os.listdir(trace_dir)
-        warnings = WRITE_WARNING_RE.findall(out)
-        assert sorted(warnings) == [
-            f"megatron_dpp: warning: could not write the trace "
-            f"{os.path.join(trace_dir, run, f'benchmark-rank{rank}.json')}: [Errno 28] No space "
-            f"left on device; training is unaffected" for rank in (0, 1)], out[-3000:]
+        _check_warned_run(rc, losses, out, trace_dir,
+                          f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}")
         (space,) = SPACE_WARNING_RE.findall(out)  # at start, one line for the node
+        (run,) = os.listdir(trace_dir)
         assert f"trace directory {os.path.join(trace_dir, run)} has " in space
-        assert _leftovers(trace_dir) == []
-        assert os.listdir(os.path.join(trace_dir, run)) == []
+
+
+def _check_warned_run(rc, losses, out, trace_dir, reason):
+    assert rc == 0, out[-3000:]
+    assert len(losses) == ITERATIONS, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    (run,) = os.listdir(trace_dir)
+    assert sorted(WRITE_WARNING_RE.findall(out)) == [
+        f"megatron_dpp: warning: could not write the trace "
+        f"{os.path.join(trace_dir, run, f'benchmark-rank{rank}.json')}: {reason}; training is "
+        f"unaffected" for rank in (0, 1)], out[-3000:]
+    assert _leftovers(trace_dir) == []
+    assert os.listdir(os.path.join(trace_dir, run)) == []
+
+
+FILE_SIZE_LIMIT = 40 * 1024
+
+
+def _limit_file_size():
+    resource.setrlimit(resource.RLIMIT_FSIZE,
+                       (FILE_SIZE_LIMIT, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def test_a_traced_run_past_a_file_size_limit_trains_and_warns_once_per_rank(tmp_path):
+    """Any user: the ranks under RLIMIT_FSIZE (started under torchrun with the limit, gloo between
+    them: shm_tensor's segments are files too). Each rank's trace (about 90 KiB) is past it."""
+    trace_dir = str(tmp_path / "traces")
+    args = [*data_args(), *TINY_GPT_ARGS, "--pipeline-model-parallel-size", "2", "--train-iters",
+            str(ITERATIONS), "--trace", "--trace-dir", trace_dir, "--p2p-transport", "torch"]
+    process = subprocess.Popen(torchrun_command(args, 2), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO_ROOT,
+                               start_new_session=True, preexec_fn=_limit_file_size)
+    try:
+        out, _ = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, _ = process.communicate()
+        raise AssertionError(f"training did not finish within 240 s:\n{out[-4000:]}")
+    losses, _ = parse_log(out)
+    _check_warned_run(process.returncode, losses, out, trace_dir,
+                      f"[Errno {errno.EFBIG}] {os.strerror(errno.EFBIG)}")
+    assert SPACE_WARNING_RE.findall(out) == []  # the disk itself has room
