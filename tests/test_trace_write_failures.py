@@ -29,7 +29,8 @@ from megatron_dpp.trace.clock import OffsetSample
 from megatron_dpp.trace.recorder import TraceRecorder
 from megatron_dpp.training.observe import tracing
 
-WRITE_WARNING_RE = re.compile(r"^megatron_dpp: warning: could not write the trace .*$", re.MULTILINE)
+WRITE_WARNING_RE = re.compile(r"^megatron_dpp: warning: could not write the trace .*$",
+                              re.MULTILINE)
 SPACE_WARNING_RE = re.compile(r"^megatron_dpp: warning: trace directory .*$", re.MULTILINE)
 EVENTS = [chrome.process_name(0, "rank 0")]
 
@@ -158,7 +159,7 @@ def _args(**overrides):
 
 def test_the_estimate_is_below_a_measured_trace():
     """The tiny GPT at pp=2, M=8, 4 iterations wrote 42 914 to 48 889 bytes a rank (DPP and
-    Megatron's 1F1B): the estimate stays under that, so it warns only when space is clearly short."""
+    Megatron's 1F1B): the estimate stays under that; it warns only when space is clearly short."""
     estimate = tracing.estimated_trace_bytes(_args())
     assert 4 * 8 * 2 * 500 < estimate < 42_914
     assert tracing.estimated_trace_bytes(_args(dpp_split_backward=True)) == estimate * 3 // 2

@@ -70,7 +70,7 @@ def run_name(args: argparse.Namespace, started: float) -> str:
 # The size of a trace, measured on the tiny GPT at pp=2, M=8 (tests/_train_util.py's TINY_GPT_ARGS,
 # 4 iterations): a task brings 3.6 to 4.5 events (its span, its waits, its messages, the memory
 # counter, its share of the step lane), an event 170 to 185 bytes of JSON; a rank's file was 670
-# to 760 bytes a task. The estimate takes less of both, so it warns only when space is clearly short.
+# to 760 bytes a task. The estimate takes less of both: it warns only when space is clearly short.
 TRACE_EVENTS_PER_TASK = 3.5
 TRACE_BYTES_PER_EVENT = 160
 
@@ -82,7 +82,8 @@ def estimated_trace_bytes(args: argparse.Namespace) -> int:
     data_parallel = max(1, args.parallel.data_parallel_size)
     microbatches = max(1, args.global_batch_size // (args.micro_batch_size * data_parallel))
     chunks = args.parallel.virtual_pipeline_model_parallel_size or 1
-    phases = 3 if getattr(args, "use_dpp", False) and getattr(args, "dpp_split_backward", False) else 2
+    split = getattr(args, "use_dpp", False) and getattr(args, "dpp_split_backward", False)
+    phases = 3 if split else 2  # F, B (and W)
     tasks = (args.train_iters or 0) * microbatches * chunks * phases
     return int(tasks * TRACE_EVENTS_PER_TASK * TRACE_BYTES_PER_EVENT)
 
@@ -106,8 +107,10 @@ def trace_space_warning(directory: str, ranks: int, per_rank_bytes: int,
 
 def trace_write_warning(path: str, error: OSError) -> str:
     """The one line a rank prints when its trace cannot be written."""
-    reason = (f"[Errno {error.errno}] {error.strerror}" if error.errno is not None and error.strerror
-              else str(error) or type(error).__name__)
+    if error.errno is not None and error.strerror:
+        reason = f"[Errno {error.errno}] {error.strerror}"
+    else:
+        reason = str(error) or type(error).__name__
     return (f"megatron_dpp: warning: could not write the trace {path}: {reason}; training is "
             f"unaffected")
 
