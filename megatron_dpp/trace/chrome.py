@@ -47,8 +47,16 @@ def trace_document(events: Iterable[dict], metadata: Optional[Dict[str, Any]] = 
 
 def write_trace(path: str, events: List[dict], metadata: Optional[Dict[str, Any]] = None) -> None:
     """Write the trace whole or not at all: into a temporary file beside `path`, then renamed, so a
-    run killed mid-write leaves no truncated file."""
+    run killed mid-write leaves no truncated file. A write that fails (OSError: the disk full, no
+    permission, the directory gone) removes the temporary file and raises the error."""
     temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w") as f:
-        json.dump(trace_document(events, metadata), f)
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "w") as f:
+            json.dump(trace_document(events, metadata), f)
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.remove(temporary)
+        except OSError:  # never made (open failed), or already renamed
+            pass
+        raise

@@ -700,7 +700,8 @@ def add_trace_args(parser: argparse.ArgumentParser) -> None:
                        help="Record what every pipeline rank did (each task, each wait and its reason, "
                             "each message; with --use-dpp also the activation bytes held) as one "
                             "Chrome trace per rank, on rank 0's clock: "
-                            "TRACE_DIR/<run>/benchmark-rank<R>.json, written when training ends. "
+                            "TRACE_DIR/<run>/benchmark-rank<R>.json, written when training ends (a file "
+                            "that cannot be written is one warning line, never a failed run). "
                             "Records the DPP runtime with --use-dpp, else Megatron's own 1F1B or "
                             "interleaved schedule (run over --p2p-transport, torch included).")
     group.add_argument("--trace-dir", type=str, default="benchmark",
