@@ -59,6 +59,12 @@ def fail(line: str, exit_code: int = 2) -> None:
 
 def first_failure(folder: str) -> Optional[RankFailure]:
     """The earliest recorded failure in `folder`, or None when no rank recorded one."""
+    return min(all_failures(folder), key=lambda failure: (failure.time, failure.rank),
+               default=None)
+
+
+def all_failures(folder: str) -> list[RankFailure]:
+    """Every failure recorded in `folder` that can be read."""
     failures = []
     for name in os.listdir(folder):
         if not (name.startswith("rank_") and name.endswith(".json")):
@@ -70,4 +76,4 @@ def first_failure(folder: str) -> Optional[RankFailure]:
                                         str(record["line"]), float(record["time"])))
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a rank killed while writing: the others still tell the story
-    return min(failures, key=lambda failure: (failure.time, failure.rank), default=None)
+    return failures

@@ -5,17 +5,20 @@ torchrun reports failed ranks with a ChildFailedError traceback and a table that
 healthy rank (the first one it noticed, to the second). Here the ranks record their one-line error
 (megatron_dpp.rank_failure) in a folder this launcher gives them; when torchrun reports a failure,
 the launcher's last line is the line of the rank that failed first, by time, and its exit code is
-that rank's. A rank that died without a line (a crash, a signal) is named with its exit status.
+that rank's. A rank that died without a line (a crash, a signal) is named with its host and exit
+status; one killed by a signal (kill -9, the OOM killer) comes first, before the line a peer then
+recorded (a lost peer).
 """
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import tempfile
 from typing import Optional, Sequence
 
-from megatron_dpp.rank_failure import FAILURE_DIR_ENV, first_failure
+from megatron_dpp.rank_failure import FAILURE_DIR_ENV, all_failures, first_failure
 
 PROG = "megatron_dpp.rank_launcher"
 
@@ -27,14 +30,33 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _unrecorded_failure(error) -> tuple[str, int]:
-    """(line, exit code) from torchrun's own report, when no rank recorded a line."""
+def _killed_rank(error, folder: str) -> Optional[tuple[int, int]]:
+    """(rank, signal number) of the first rank torchrun saw killed by a signal that recorded no
+    line (kill -9, the OOM killer), or None: what the others' lines (a lost peer) follow. SIGTERM
+    is left out: torchrun stops the other ranks with it once one has failed."""
+    recorded = {failure.rank for failure in all_failures(folder)}
+    killed = sorted((failure.timestamp, rank, -failure.exitcode)
+                    for rank, failure in error.failures.items()
+                    if failure.exitcode < 0 and -failure.exitcode != signal.SIGTERM
+                    and rank not in recorded)
+    return (killed[0][1], killed[0][2]) if killed else None
+
+
+def _failure_line(error, folder: str) -> tuple[str, int]:
+    """(the launcher's last line, its exit code) when torchrun reports failed ranks."""
+    recorded = first_failure(folder)
+    killed = _killed_rank(error, folder)
+    if killed is not None:  # the shell's convention for a signal: 128 + its number
+        rank, number = killed
+        then = (f"then: {recorded.line}" if recorded is not None
+                else "its output above says what it was doing")
+        return (f"{PROG}: rank {rank} on {socket.gethostname()} was killed by "
+                f"{_signal_name(number)}; {then}"), 128 + number
+    if recorded is not None:
+        return recorded.line, recorded.exit_code
     rank, failure = error.get_first_failure()
-    if failure.exitcode < 0:  # killed by a signal: the shell's convention, 128 + its number
-        return (f"{PROG}: rank {rank} was killed by {_signal_name(-failure.exitcode)}; "
-                f"its output above says what it was doing"), 128 - failure.exitcode
-    return (f"{PROG}: rank {rank} failed with exit code {failure.exitcode}; "
-            f"its output above says why"), failure.exitcode or 1
+    return (f"{PROG}: rank {rank} on {socket.gethostname()} failed with exit code "
+            f"{failure.exitcode}; its output above says why"), failure.exitcode or 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -48,11 +70,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             torchrun.run(args)
         except ChildFailedError as error:
-            recorded = first_failure(folder)
-            if recorded is not None:
-                line, code = recorded.line, recorded.exit_code
-            else:
-                line, code = _unrecorded_failure(error)
+            line, code = _failure_line(error, folder)
             print(line, file=sys.stderr, flush=True)
             return code
         except SignalException as stop:

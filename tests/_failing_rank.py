@@ -19,6 +19,12 @@ elif mode == "crash":  # no line recorded: an exception's traceback
     if rank == 1:
         raise RuntimeError("an unexpected crash")
     time.sleep(60)
+elif mode == "killed_peer_reports":  # rank 1 killed; rank 0, stopped by torchrun, reports it
+    if rank == 0:
+        signal.signal(signal.SIGTERM, lambda *_: fail("[rank 0] lost the peer", exit_code=4))
+        time.sleep(60)
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
 elif mode == "killed":
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)

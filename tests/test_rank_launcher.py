@@ -1,5 +1,6 @@
 """megatron_dpp.rank_launcher: when ranks fail, its last line is the first failing rank's line and
 its exit code is that rank's; no torchrun traceback."""
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,13 +24,19 @@ def _last_line(result: subprocess.CompletedProcess) -> str:
     return result.stderr.strip().splitlines()[-1]
 
 
+HOST = socket.gethostname()
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode, code, last_line", [
     ("lines", 5, "rank 1: the first failure"),
-    ("crash", 1, "megatron_dpp.rank_launcher: rank 1 failed with exit code 1; its output above "
-                 "says why"),
-    ("killed", 137, "megatron_dpp.rank_launcher: rank 1 was killed by SIGKILL; its output above "
-                    "says what it was doing"),
+    ("crash", 1, f"megatron_dpp.rank_launcher: rank 1 on {HOST} failed with exit code 1; its "
+                 f"output above says why"),
+    ("killed", 137, f"megatron_dpp.rank_launcher: rank 1 on {HOST} was killed by SIGKILL; its "
+                    f"output above says what it was doing"),
+    # The peer's line (a lost peer) follows the killed rank, which comes first.
+    ("killed_peer_reports", 137, f"megatron_dpp.rank_launcher: rank 1 on {HOST} was killed by "
+                                 f"SIGKILL; then: [rank 0] lost the peer"),
 ])
 def test_launcher_ends_with_the_first_failure(mode, code, last_line):
     result = _launch(mode)
