@@ -276,6 +276,29 @@ def test_a_failed_torch_dist_write_names_the_folder_and_errno(one_rank, tmp_path
     _assert_previous_is_latest(root)
 
 
+def test_a_torch_dist_save_starts_no_manager_process(one_rank, tmp_path):
+    """Megatron-Core's writer hands its results back through a multiprocessing Manager's queue by
+    default, a process per rank that outlives a rank killed during the save; the synchronous save
+    here (mcore/checkpoint_writer.py) starts none, and what it wrote loads."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    from megatron_dpp.mcore.checkpoint_writer import in_process_write_results
+    from megatron_dpp.training.checkpoint.torch_dist import _cpu_patches
+
+    _cpu_patches()
+    assert not multiprocessing.active_children()
+    weights = torch.arange(8.0)
+    with in_process_write_results():
+        dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", weights)},
+                                str(tmp_path), get_default_save_sharded_strategy("torch_dist"))
+    assert not multiprocessing.active_children()  # the bucket writers ended, no Manager started
+    loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8))},
+                                     str(tmp_path))
+    assert torch.equal(loaded["w"], weights)
+
+
 def test_a_failed_publish_keeps_the_previous_checkpoint_latest(one_rank, tmp_path, monkeypatch):
     root = str(tmp_path / "ck")
     checkpointing._save_atomically(root, 2, _prepare({"w": torch.zeros(10)}))

@@ -152,6 +152,23 @@ def test_checkpoint_of_another_model_is_one_line_exit_2(saved_pp2, schedule):
     assert "another model" in line and saved_pp2 in line and "shape" in line, line
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_save_left_unfinished_is_removed_at_the_next_start(tmp_path, uninterrupted):
+    """A rank killed during a save leaves iter_N.saving/ (issue: its survivors could not remove
+    it): the next start removes it first, in one line, and saves that iteration again."""
+    save = str(tmp_path / "ckpt")
+    left = os.path.join(save, "iter_0000002.saving")
+    os.makedirs(os.path.join(left, "__0_0.distcp.partial"))
+    rc, losses, _norms, out = run_training(
+        [*SCHEDULE, *PP2, "--train-iters", "2", "--save", save, "--save-interval", "2"], nproc=2)
+    assert rc == 0, out[-3000:]
+    assert losses == uninterrupted[:2]
+    assert (f" removed iter_0000002.saving from {save}: the staging folder of a save that did not "
+            f"finish") in out, out[-3000:]
+    assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
 # ----------------------------------------------------------------------------------------------
 # atomic saves: a full disk
 # ----------------------------------------------------------------------------------------------

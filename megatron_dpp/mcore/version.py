@@ -79,6 +79,9 @@ SEAMS: dict[tuple[str, str], str] = {
         "mcore/linear_call.py overrides it: the split backward's deferred linears",
     ("megatron.core.tensor_parallel.layers", "RowParallelLinear._forward_impl"):
         "mcore/linear_call.py overrides it: the split backward's deferred linears",
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async", "_results_queue"):
+        "mcore/checkpoint_writer.py sets it around a synchronous save: an in-process queue "
+        "instead of a multiprocessing Manager's",
     ("megatron.core.fusions.fused_layer_norm", "HAVE_PERSIST_LAYER_NORM"):
         "kernels.py reads it: the persistent layer norm's kernel line",
     ("megatron.core.tokenizers.text.libraries.tiktoken_tokenizer", "_PATTERN_TIKTOKEN_V1"):
@@ -142,6 +145,14 @@ FINGERPRINTS: dict[tuple[str, str], str] = {
     ("megatron.core.models.bert.bert_model",
      "BertModel._sanity_check_attention_and_get_attn_mask_dimension"): "d60c870eedb7",
     ("megatron.core.transformer.cuda_graphs", "_CudagraphGlobalRecord"): "d46eafe1936b",
+    # mcore/checkpoint_writer.py: the global is read when set, and a synchronous save puts its
+    # results from the rank's process and takes them with get_nowait.
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async", "_get_write_results_queue"):
+        "96a44ad1c0b8",
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async",
+     "FileSystemWriterAsync.write_preloaded_data_multiproc"): "37656807e22a",
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async",
+     "FileSystemWriterAsync.retrieve_write_results"): "a21f2910259b",
 }
 
 

@@ -40,6 +40,7 @@ from megatron_dpp.training.checkpoint.save_load import (
     TrainState,
     find_checkpoint,
     load_checkpoint,
+    remove_unfinished_saves,
 )
 from megatron_dpp.training.checkpoint.torch_dist import saved_args
 from megatron_dpp.training.config import (
@@ -199,8 +200,22 @@ def pretrain(args: argparse.Namespace, spec: ModelSpec) -> int:
         dist.destroy_process_group()
 
 
+def _remove_unfinished_saves(save: str | None) -> None:
+    """What a save left in --save when a rank died during it (iter_N.saving/), removed before
+    anything else: one line saying so, and one warning for a folder that could not be."""
+    removed, problems = remove_unfinished_saves(save)
+    if removed:
+        log_rank0(f" removed {', '.join(removed)} from {save}: the staging folder of a save that "
+                  f"did not finish (a rank ended during it); the latest checkpoint is unchanged")
+    for problem in problems:
+        print(f"megatron_dpp: warning: could not remove an unfinished save: {problem}",
+              file=sys.stderr, flush=True)
+
+
 def _pretrain(args: argparse.Namespace, platform: Platform, spec: ModelSpec,
               started: float) -> int:
+    if dist.get_rank() == 0:
+        _remove_unfinished_saves(args.save)
     set_seeds(args.seed, cuda_graphs=cuda_graph_choice(args).on)
     if args.deterministic_mode:  # as Megatron-LM: every op from here on has to be deterministic
         torch.use_deterministic_algorithms(True)

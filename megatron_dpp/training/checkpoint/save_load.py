@@ -39,10 +39,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
 
-from megatron_dpp.parallel.split import PipelineSplit
 from megatron_dpp.mcore import distributed_optimizer
+from megatron_dpp.parallel.split import PipelineSplit
 from megatron_dpp.training.checkpoint import scheduler_state
 from megatron_dpp.training.checkpoint.flags import (
     CHECKPOINT_FORMATS,
@@ -90,7 +90,8 @@ from megatron_dpp.training.checkpoint.torch_dist import (
 )
 
 __all__ = ["TrainState", "CheckpointToLoad", "CheckpointLoadError", "CheckpointSaveError",
-           "save_checkpoint", "find_checkpoint", "load_checkpoint", "TRACKER_FILE"]
+           "save_checkpoint", "find_checkpoint", "load_checkpoint", "remove_unfinished_saves",
+           "TRACKER_FILE"]
 
 SAVING_SUFFIX = ".saving"  # the folder a save writes into, renamed once complete
 REPLACED_SUFFIX = ".replaced"  # a re-saved iteration's previous folder, until the tracker moved
@@ -221,6 +222,27 @@ def _save_atomically(root: str, iteration: int, prepare) -> str:
         raise CheckpointSaveError(f"saving the checkpoint of iteration {iteration} to {root} "
                                   f"failed ({error}); {_latest_words(root)}")
     return final
+
+
+def remove_unfinished_saves(root: str | None) -> tuple[list[str], list[str]]:
+    """Rank 0, at start: the iter_N.saving folders a save left in `root` (--save) when a rank died
+    during it (its survivors could not remove it). Returns (the folders removed, one line for each
+    that could not be: path and reason). The published checkpoints and the tracker are untouched;
+    a save of the same iteration would otherwise find its staging folder taken."""
+    if not root or not os.path.isdir(root):
+        return [], []
+    removed, problems = [], []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not (name.startswith("iter_") and name.endswith(SAVING_SUFFIX)) or \
+                not os.path.isdir(path):
+            continue
+        try:
+            shutil.rmtree(path)
+            removed.append(name)
+        except OSError as exc:
+            problems.append(_os_error_words(exc, path))
+    return removed, problems
 
 
 def _room_problem(root: str, staging: str, prepare) -> tuple:

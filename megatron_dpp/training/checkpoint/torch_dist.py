@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_dpp.mcore import distributed_optimizer
+from megatron_dpp.mcore.checkpoint_writer import in_process_write_results
 from megatron_dpp.parallel.layout import flags_and_layout
 from megatron_dpp.training.checkpoint import scheduler_state
 from megatron_dpp.training.checkpoint.flags import TRACKER_FILE, LoadScope
@@ -306,8 +307,9 @@ def prepare_dist_checkpoint(iteration: int, consumed_samples: int, model_chunks,
             # --ckpt-fully-parallel-save (its default).
             strategy = FullyParallelSaveStrategyWrapper(
                 strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
-        dist_checkpointing.save(state, directory, strategy, content_metadata=metadata,
-                                preprocess_common_before_consistancy_check=_no_rank_differences)
+        with in_process_write_results():  # no Manager process per rank (mcore/checkpoint_writer.py)
+            dist_checkpointing.save(state, directory, strategy, content_metadata=metadata,
+                                    preprocess_common_before_consistancy_check=_no_rank_differences)
 
     return _main_replica_bytes(state), write
 
