@@ -32,7 +32,12 @@ def record_failure(line: str, exit_code: int) -> None:
     folder = os.environ.get(FAILURE_DIR_ENV)
     if not folder:
         return
-    rank = int(os.environ.get("RANK", "0"))
+    record_failure_in(folder, int(os.environ.get("RANK", "0")), line, exit_code)
+
+
+def record_failure_in(folder: str, rank: int, line: str, exit_code: int) -> None:
+    """Record `rank`'s one-line error in `folder` (the launcher does for a rank it ends itself).
+    Never raises."""
     record = {"rank": rank, "exit_code": exit_code, "line": line, "time": time.time()}
     path = os.path.join(folder, f"rank_{rank}.json")
     try:

@@ -7,7 +7,8 @@ healthy rank (the first one it noticed, to the second). Here the ranks record th
 the launcher's last line is the line of the rank that failed first, by time, and its exit code is
 that rank's. A rank that died without a line (a crash, a signal) is named with its host and exit
 status; one killed by a signal (kill -9, the OOM killer) comes first, before the line a peer then
-recorded (a lost peer).
+recorded (a lost peer). A rank stopped by a signal when the job ends is killed at once
+(megatron_dpp.stopped_ranks), not after torchrun's 30 s.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import tempfile
 from typing import Optional, Sequence
 
 from megatron_dpp.rank_failure import FAILURE_DIR_ENV, all_failures, first_failure
+from megatron_dpp.stopped_ranks import StoppedRankWatch
 
 PROG = "megatron_dpp.rank_launcher"
 
@@ -67,6 +69,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
     with tempfile.TemporaryDirectory(prefix="dpp-failures-") as folder:
         os.environ[FAILURE_DIR_ENV] = folder  # the ranks inherit it
+        watch = StoppedRankWatch(folder)  # no 30 s wait for a rank that cannot act on SIGTERM
+        watch.start()
         try:
             torchrun.run(args)
         except ChildFailedError as error:
@@ -77,6 +81,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # SIGTERM/SIGINT to the launcher: torchrun has passed it on and the ranks, which stop
             # at an iteration boundary and save, have said so; end as a signalled process does.
             return 128 + int(stop.sigval)
+        finally:
+            watch.stop()
     return 0
 
 

@@ -25,6 +25,12 @@ elif mode == "killed_peer_reports":  # rank 1 killed; rank 0, stopped by torchru
         time.sleep(60)
     time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGKILL)
+elif mode == "stopped":  # rank 1 stops itself; rank 0 then reports it lost
+    if rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    time.sleep(1.0)
+    fail("[rank 0] lost the peer (rank 1)", exit_code=4)
 elif mode == "killed":
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -1,13 +1,18 @@
 """megatron_dpp.rank_launcher: when ranks fail, its last line is the first failing rank's line and
 its exit code is that rank's; no torchrun traceback."""
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from megatron_dpp.rank_failure import first_failure, record_failure
+from megatron_dpp.rank_failure import (all_failures, first_failure, record_failure,
+                                       record_failure_in)
+from megatron_dpp.stopped_ranks import StoppedRankWatch, is_stopped
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RANK_SCRIPT = str(Path(__file__).with_name("_failing_rank.py"))
@@ -45,6 +50,45 @@ def test_launcher_ends_with_the_first_failure(mode, code, last_line):
     assert "ChildFailedError" not in result.stderr, result.stderr[-3000:]
     if mode != "crash":  # the crashing rank's own traceback is its output, and stays
         assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_stopped_when_the_job_ends_is_killed_at_once():
+    """torchrun waits 30 s for a rank to act on its SIGTERM; a stopped one cannot. The launcher
+    kills it once a peer has reported it, and ends with the peer's line."""
+    started = time.monotonic()
+    result = _launch("stopped")
+    took = time.monotonic() - started
+    assert result.returncode == 4, result.stderr[-3000:]
+    assert _last_line(result) == "[rank 0] lost the peer (rank 1)", result.stderr[-3000:]
+    assert took < 25, f"the launcher took {took:.0f} s: it waited for the stopped rank"
+
+
+def test_the_watch_kills_only_stopped_children_and_records_their_line(tmp_path):
+    """StoppedRankWatch over real children: a running one is left alone, a stopped one is
+    killed and its line recorded, and nothing happens before a failure is recorded."""
+    env = {**os.environ, "RANK": "3"}
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not is_stopped(stopped.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        watch = StoppedRankWatch(str(tmp_path))
+        watch.kill_stopped_ranks_if_a_rank_failed()
+        assert stopped.poll() is None  # no failure recorded yet
+        record_failure_in(str(tmp_path), 0, "[rank 0] lost the peer", 4)
+        watch.kill_stopped_ranks_if_a_rank_failed()
+        assert stopped.wait(timeout=10) == -signal.SIGKILL
+        assert running.poll() is None
+        assert watch.killed == [3]
+        line = next(f for f in all_failures(str(tmp_path)) if f.rank == 3).line
+        assert "rank 3" in line and "was stopped" in line, line
+    finally:
+        for process in (running, stopped):
+            process.kill()
+            process.wait()
 
 
 @pytest.mark.timeout(150)
