@@ -53,16 +53,23 @@ def lost_peer_report(error: BaseException, phase: Optional[str],
     return reason, [f"backend: {text}", "that node's log says why its rank stopped"]
 
 
+def _one_line(reason: str, details: Sequence[str]) -> str:
+    """A lost peer's report as one line (the launcher's last line is the same): the reason, then
+    what it tells, each after a semicolon."""
+    return "; ".join([reason, *details])
+
+
 def exit_for_lost_peer(error: BaseException, phase: Optional[str],
                        node_ips: Optional[Sequence[str]]) -> None:
-    """Report a collective's lost peer (lost_peer_report) and exit with LOST_PEER."""
+    """Report a collective's lost peer (lost_peer_report) in one line and exit with LOST_PEER."""
     reason, lines = lost_peer_report(error, phase, node_ips)
-    report_and_exit(reason, lines, LOST_PEER)
+    report_and_exit(_one_line(reason, lines), [], LOST_PEER)
 
 
 def exit_for_silent_peer(lost: LostPeer) -> None:
-    """A peer's heartbeats stopped (called from the heartbeat thread): report it, exit LOST_PEER."""
-    report_and_exit(lost.reason(), lost.state_lines(), LOST_PEER)
+    """A peer's heartbeats stopped (called from the heartbeat thread): report it in one line, exit
+    LOST_PEER."""
+    report_and_exit(_one_line(lost.reason(), lost.state_lines()), [], LOST_PEER)
 
 
 def exit_for_failed_heartbeat(reason: str) -> None:
