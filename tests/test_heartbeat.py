@@ -113,18 +113,28 @@ def test_a_silent_peer_is_named_inbound_within_the_timeout():
 
 
 @pytest.mark.timeout(30)
+class _LosingSendsTo:
+    """A socket whose datagrams to `lost_to` are lost on the way (a one-way broken link)."""
+
+    def __init__(self, sock, lost_to):
+        self._sock, self._lost_to = sock, lost_to
+
+    def sendto(self, data, address):
+        return len(data) if tuple(address) == self._lost_to else self._sock.sendto(data, address)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
 def test_a_one_way_loss_is_named_outbound_where_the_beats_still_arrive():
-    """Rank 0's beats to rank 1 go into a socket nobody reads; rank 1's reach rank 0. Rank 1 has
-    heard nothing (inbound, and never: maybe a firewall); rank 0 hears that it is not heard."""
+    """Rank 0's beats to rank 1 are lost on the way; rank 1's reach rank 0. Rank 1 has heard
+    nothing (inbound, and never: maybe a firewall); rank 0 hears that it is not heard."""
     sockets = [bind_udp(LOOPBACK) for _ in range(2)]
-    black_hole = bind_udp(LOOPBACK)
     addresses = [PeerAddress(rank, LOOPBACK, sock.getsockname()[1], f"node {rank}", os.getpid(),
                              1000 + rank) for rank, sock in enumerate(sockets)]
-    towards_black_hole = PeerAddress(1, LOOPBACK, black_hole.getsockname()[1], "node 1",
-                                     os.getpid(), addresses[1].run_id)
     lost: list[list] = [[], []]
-    beats = [Heartbeat(sockets[0], addresses[0], [towards_black_hole], INTERVAL_S, TIMEOUT_S,
-                       lost[0].append),
+    beats = [Heartbeat(_LosingSendsTo(sockets[0], (LOOPBACK, addresses[1].port)), addresses[0],
+                       [addresses[1]], INTERVAL_S, TIMEOUT_S, lost[0].append),
              Heartbeat(sockets[1], addresses[1], [addresses[0]], INTERVAL_S, TIMEOUT_S,
                        lost[1].append)]
     try:
@@ -132,7 +142,6 @@ def test_a_one_way_loss_is_named_outbound_where_the_beats_still_arrive():
     finally:
         for beat in beats:
             beat.close(say_bye=False)
-        black_hole.close()
     heard_nothing, not_heard = lost[1][0], lost[0][0]
     assert heard_nothing.direction == INBOUND and heard_nothing.beats_received == 0
     assert "none of its heartbeats ever arrived" in heard_nothing.state_lines()[0]
@@ -208,6 +217,69 @@ def test_datagrams_of_strangers_do_not_count_as_beats():
         finally:
             stranger.close()
         assert lost[1] and lost[1][0].peer.rank == 0, "the stranger's beats kept rank 0 alive"
+
+
+@pytest.mark.timeout(30)
+def test_a_forged_bye_from_another_socket_leaves_the_peer_watched():
+    """A process that read rank 0's run id (the rendezvous store) sends rank 1 a bye in rank 0's
+    name, and beats numbered 2**64 - 1, from a socket of its own: rank 1 goes on hearing rank
+    0's real beats, and loses nobody."""
+    from megatron_dpp.comm import heartbeat as module
+
+    sockets = [bind_udp(LOOPBACK) for _ in range(2)]
+    addresses = [PeerAddress(rank, LOOPBACK, sock.getsockname()[1], f"node {rank}", os.getpid(),
+                             2000 + rank) for rank, sock in enumerate(sockets)]
+    lost: list[list] = [[], []]
+    beats = [Heartbeat(sockets[rank], addresses[rank], [addresses[1 - rank]], INTERVAL_S,
+                       TIMEOUT_S, lost[rank].append) for rank in range(2)]
+    try:
+        wait_until(lambda: beats[1].beats_received()[0] >= 1, 5, "rank 0's first beat")
+        forger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with forger:
+            for sequence in (10**6, 2**64 - 1):
+                for kind in (module._BYE, module._BEAT):
+                    forger.sendto(encode_packet(kind, 0, addresses[0].run_id, sequence, 0),
+                                  (LOOPBACK, addresses[1].port))
+        heard = beats[1].beats_received()[0]
+        wait_until(lambda: beats[1].beats_received()[0] >= heard + 3, 10 * TIMEOUT_S,
+                   "rank 0's real beats after the forgeries")
+        assert not lost[1] and not beats[1]._state[0].left
+    finally:
+        for beat in beats:
+            beat.close(say_bye=False)
+
+
+def test_only_the_peers_socket_in_sequence_counts():
+    """The receiving side of one datagram: from the peer's published socket, numbered above the
+    last one within SEQUENCE_WINDOW; a replay, a number past the window, another socket: nothing."""
+    from megatron_dpp.comm import heartbeat as module
+
+    sock, sink = bind_udp(LOOPBACK), bind_udp(LOOPBACK)
+    me = PeerAddress(0, LOOPBACK, sock.getsockname()[1], "node 0", os.getpid(), 1)
+    peer = PeerAddress(1, LOOPBACK, sink.getsockname()[1], "node 1", os.getpid(), 7)
+    beat = Heartbeat(sock, me, [peer], INTERVAL_S, 100.0, lambda lost: None)
+    try:
+        beat.close(say_bye=False)  # its thread stopped: _receive alone below
+        state, source, elsewhere = beat._state[1], (LOOPBACK, peer.port), (LOOPBACK, 1)
+
+        def receive(kind, sequence, at=source):
+            beat._receive(encode_packet(kind, 1, 7, sequence, 0), at, 0.0)
+
+        receive(_BEAT, module.SEQUENCE_WINDOW + 1)  # past the window above -1
+        receive(_BEAT, 1, at=elsewhere)
+        assert state.beats == 0
+        receive(_BEAT, 1)
+        receive(_BEAT, 1)  # a replay
+        assert state.beats == 1 and state.last_sequence == 1
+        receive(module._BYE, 1)  # a replayed number
+        receive(module._BYE, 5, at=elsewhere)
+        receive(module._BYE, 2 + module.SEQUENCE_WINDOW)
+        assert not state.left
+        receive(_BEAT, 3)  # beats lost on the way: a gap
+        receive(module._BYE, 4)
+        assert state.beats == 2 and state.left
+    finally:
+        sink.close()
 
 
 @pytest.mark.timeout(30)
@@ -341,10 +413,8 @@ def test_a_burst_from_every_peer_is_received_whole():
         if beat.receive_buffer_bytes < peers * 1024:
             pytest.skip(f"the kernel grants {beat.receive_buffer_bytes} B of receive buffer "
                         f"(net.core.rmem_max): too little to hold {peers} datagrams")
-        burst = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        with burst:
-            for rank in range(1, peers + 1):
-                burst.sendto(encode_packet(_BEAT, rank, 5000 + rank, 1, 0), (LOOPBACK, me.port))
+        for rank in range(1, peers + 1):  # from the socket the peers published
+            sink.sendto(encode_packet(_BEAT, rank, 5000 + rank, 1, 0), (LOOPBACK, me.port))
         wait_until(lambda: sum(beat.beats_received().values()) == peers, 10,
                    f"all {peers} beats counted (counted "
                    f"{sum(beat.beats_received().values())})")

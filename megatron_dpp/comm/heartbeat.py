@@ -91,6 +91,10 @@ _BYE = 2
 # last heard from the receiver.
 _PACKET = struct.Struct("!4sBxxxIQQI")
 _MAX_MS = 0xFFFFFFFF
+# How far above the last sequence number a beat or bye may be and still be believed: beats lost on
+# the way leave gaps of a few (one per interval, 18 h of them at 1 s), a forged or corrupt number
+# (2**64 - 1) would make every real beat after it look old.
+SEQUENCE_WINDOW = 1 << 16
 STORE_PREFIX = "megatron_dpp/heartbeat"
 
 
@@ -187,6 +191,15 @@ def size_receive_buffer(sock: socket.socket, peers: int) -> int:
     if wanted > sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, wanted)
     return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+
+
+def _same_address(source: tuple, peer: "PeerAddress") -> bool:
+    """Does recvfrom's `source` (host, port[, flow, scope]) name the peer's published socket?"""
+    try:
+        return (source[1] == peer.port
+                and ipaddress.ip_address(source[0]) == ipaddress.ip_address(peer.host))
+    except (ValueError, IndexError):
+        return False
 
 
 def bind_udp(host: str) -> socket.socket:
@@ -399,25 +412,32 @@ class Heartbeat(_WakeableThread):
     def _read_all(self, now: float) -> None:
         while True:
             try:
-                data = self._sock.recv(_PACKET.size + 1)
+                data, source = self._sock.recvfrom(_PACKET.size + 1)
             except BlockingIOError:
                 return
             except OSError:  # an ICMP error reported on the socket: nothing to read
                 return
-            self._receive(data, now)
+            self._receive(data, source, now)
 
-    def _receive(self, data: bytes, now: float) -> None:
+    def _receive(self, data: bytes, source: tuple, now: float) -> None:
+        """One datagram from `source` (recvfrom's address). Believed only from the peer's own
+        socket, as it published it, of its run, and in sequence: a beat or bye numbered above
+        the last one, by at most SEQUENCE_WINDOW; a replayed or forged one changes nothing."""
         if len(data) != _PACKET.size:
             return
         magic, kind, rank, run_id, sequence, heard_us_ago_ms = _PACKET.unpack(data)
         peer = self._peers.get(rank)
         if magic != _MAGIC or peer is None or run_id != peer.run_id:
             return  # not ours: another job, an earlier run, noise
+        if not _same_address(source, peer):
+            return  # another process claiming to be the peer
         state = self._state[rank]
+        if not state.last_sequence < sequence <= state.last_sequence + SEQUENCE_WINDOW:
+            return  # a replay, or a number no sender reaches
+        state.last_sequence = sequence
         if kind == _BYE:
             state.left = True
-        elif kind == _BEAT and sequence > state.last_sequence:
-            state.last_sequence = sequence
+        elif kind == _BEAT:
             state.last_heard = now
             state.beats += 1
             state.heard_us_ago_s = heard_us_ago_ms / 1000.0
