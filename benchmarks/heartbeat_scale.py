@@ -98,14 +98,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------------
 # the peers, in processes of their own
 # ----------------------------------------------------------------------------------------------
-def play_peers(target: tuple, peers: int, arrivals: str, interval_s: float, intervals: int,
-               seed: int, started) -> None:
+def play_peers(sock: socket.socket, target: tuple, peers: int, arrivals: str, interval_s: float,
+               intervals: int, seed: int, started) -> None:
     """Beat to `target` as ranks 1..peers, `intervals` times, each at its own random phase
-    ("spread") or all at once ("aligned"). Sets `started` (an Event) just before the first."""
+    ("spread") or all at once ("aligned"), from `sock`: the socket the peers published (the rank
+    counts a beat only from the peer's own address). Sets `started` (an Event) just before the
+    first."""
     rng = random.Random(seed)
     schedule = sorted((0.0 if arrivals == "aligned" else rng.uniform(0, interval_s), rank)
                       for rank in range(1, peers + 1))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     started.set()
     start = time.monotonic()
     for sequence in range(1, intervals + 1):
@@ -195,7 +196,6 @@ def measure(ranks: int, design: str, args: argparse.Namespace) -> dict:
     sink_result, sink_end = context.Pipe(duplex=False)
     counter = context.Process(target=count_datagrams, args=(sink, stop_sink, sink_end))
     counter.start()
-    sink.close()
     if design == "thread":
         beat = Heartbeat(sock, me, addresses, interval_s, timeout_s, lost.append)
         thread_id, helper_pid = beat.native_thread_id, None
@@ -205,10 +205,12 @@ def measure(ranks: int, design: str, args: argparse.Namespace) -> dict:
         thread_id, helper_pid = beat.native_thread_id, beat.helper_pid
     thread_cpu_s = ThreadCpu(thread_id)
     started = context.Event()
-    player = context.Process(target=play_peers, args=((LOOPBACK, me.port), peers, args.arrivals,
-                                                      interval_s, intervals, ranks, started))
+    player = context.Process(target=play_peers, args=(sink, (LOOPBACK, me.port), peers,
+                                                      args.arrivals, interval_s, intervals, ranks,
+                                                      started))
     try:
         player.start()
+        sink.close()  # the counter and the player hold their own
         if not started.wait(timeout=120):
             raise RuntimeError(f"the played peers ({ranks} ranks) did not start within 120 s")
         wall_start = time.monotonic()
