@@ -9,9 +9,14 @@ that rank's. A rank that died without a line (a crash, a signal) is named with i
 status; one killed by a signal (kill -9, the OOM killer) comes first, before the line a peer then
 recorded (a lost peer). A rank stopped by a signal when the job ends is killed at once
 (megatron_dpp.stopped_ranks), not after torchrun's 30 s.
+
+A job of one node gets its rendezvous store, gloo's and NCCL's sockets on 127.0.0.1
+(megatron_dpp.loopback_store) and, where the environment holds none, a fresh job key (DPP_JOB_KEY, megatron_dpp.comm.job_key) that
+authenticates its heartbeats.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -19,6 +24,10 @@ import sys
 import tempfile
 from typing import Optional, Sequence
 
+from megatron_dpp.comm.job_key import JOB_KEY_ENV, new_job_key
+from megatron_dpp.exit_codes import BAD_INPUT
+from megatron_dpp.loopback_store import (LoopbackStore, StoreBindError, loopback_port_wanted,
+                                         sockets_on_loopback)
 from megatron_dpp.rank_failure import FAILURE_DIR_ENV, all_failures, first_failure
 from megatron_dpp.stopped_ranks import StoppedRankWatch
 
@@ -63,10 +72,26 @@ def _failure_line(error, folder: str) -> tuple[str, int]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed import run as torchrun
+
+    args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
+    with contextlib.ExitStack() as job:
+        port = loopback_port_wanted(args)
+        if port is not None:  # one node: nothing of the job listens beyond this machine
+            try:
+                job.enter_context(LoopbackStore(port)).use_in(args)
+            except StoreBindError as error:
+                print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+                return BAD_INPUT
+            if "--multi-node" not in args.training_script_args:  # else --node-ips chooses
+                sockets_on_loopback(os.environ)  # gloo's and NCCL's; the ranks inherit them
+            os.environ.setdefault(JOB_KEY_ENV, new_job_key())
+        return _run(torchrun, args)
+
+
+def _run(torchrun, args) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
     with tempfile.TemporaryDirectory(prefix="dpp-failures-") as folder:
         os.environ[FAILURE_DIR_ENV] = folder  # the ranks inherit it
         watch = StoppedRankWatch(folder)  # no 30 s wait for a rank that cannot act on SIGTERM

@@ -674,7 +674,13 @@ launch_slurm() {
   fi
   if [ "$IN_STEP" = 0 ]; then
     # The batch script (or an salloc shell): start this script once on every node of the job.
-    export NODE_IPS MASTER_ADDR MASTER_PORT
+    # One job key for all its nodes, drawn here where none is given: srun hands it to each, and
+    # it never travels through the rendezvous store (megatron_dpp/comm/job_key.py).
+    if [ -z "${DPP_JOB_KEY:-}" ]; then
+      DPP_JOB_KEY="$(cd "$REPO_ROOT" && "$PY" -m megatron_dpp.comm.job_key new)" ||
+        launch_fail "cannot draw a job key (python -m megatron_dpp.comm.job_key new)"
+    fi
+    export NODE_IPS MASTER_ADDR MASTER_PORT DPP_JOB_KEY
     exec srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
       bash "$SCRIPT_DIR/$LAUNCH_NAME.sh" "$@"
   fi

@@ -233,6 +233,10 @@ BAD_FLAGS = {
     "dpp_timeout_zero": (["--dpp-timeout", "0"], 1, "--dpp-timeout must be positive seconds"),
     "p2p_timeout_negative": (["--p2p-timeout", "-1"], 1, "--p2p-timeout must be positive seconds"),
     "num_workers_negative": (["--num-workers", "-1"], 1, "--num-workers must be >= 0"),
+    # The job key comes in the environment (ENV below): checked with the flags, before launch.
+    "job_key_not_hex": ([], 1, "DPP_JOB_KEY must be hexadecimal digits"),
+    "job_key_short": ([], 1, "DPP_JOB_KEY holds 16 hexadecimal digits; a job key needs at least "
+                             "32"),
 }
 
 # Environment a case runs with, beyond WORLD_SIZE and RANK (the launchers' pre-check sets
@@ -242,6 +246,8 @@ ENV = {
     "multi_node_this_node_foreign_address": {"GROUP_WORLD_SIZE": "2", "GROUP_RANK": "1",
                                              "LOCAL_WORLD_SIZE": "1"},
     "multi_node_count_mismatch": {"GROUP_WORLD_SIZE": "1"},
+    "job_key_not_hex": {"DPP_JOB_KEY": "not a key"},
+    "job_key_short": {"DPP_JOB_KEY": "ab" * 8},
 }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import shlex
 import subprocess
 import time
@@ -447,7 +448,8 @@ def test_slurm_batch_script_starts_itself_once_per_node_with_srun(tmp_path, mode
     record = tmp_path / "srun.txt"
     fake_srun = bin_dir / "srun"
     fake_srun.write_text(f'#!/bin/sh\n{{ echo "$@"; echo "NODE_IPS=$NODE_IPS"; '
-                         f'echo "MASTER_ADDR=$MASTER_ADDR"; }} > {shlex.quote(str(record))}\n')
+                         f'echo "MASTER_ADDR=$MASTER_ADDR"; echo "DPP_JOB_KEY=$DPP_JOB_KEY"; }} '
+                         f'> {shlex.quote(str(record))}\n')
     fake_srun.chmod(0o755)
     result, _ = _run_script(f"run_slurm_{model}.sh",
                             {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "0",
@@ -455,10 +457,12 @@ def test_slurm_batch_script_starts_itself_once_per_node_with_srun(tmp_path, mode
                              "PATH": f"{bin_dir}:{os.environ['PATH']}"},
                             ["--log-interval", "3"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
-    arguments, node_ips, master = record.read_text().splitlines()
+    arguments, node_ips, master, key = record.read_text().splitlines()
     assert arguments.startswith("--nodes=2 --ntasks=2 --ntasks-per-node=1 ")
     assert arguments.endswith(f"run_scripts/run_slurm_{model}.sh --log-interval 3")
     assert (node_ips, master) == ("NODE_IPS=127.0.0.1,127.0.0.2", "MASTER_ADDR=127.0.0.1")
+    # One job key for every node, drawn here (srun hands it over): 64 hexadecimal digits.
+    assert re.fullmatch(r"DPP_JOB_KEY=[0-9a-f]{64}", key), key
 
 
 # ----------------------------------------------------------------------------------------------

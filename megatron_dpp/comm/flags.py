@@ -13,6 +13,7 @@ import importlib.util
 import os
 
 from megatron_dpp.comm import heartbeat
+from megatron_dpp.comm.job_key import job_key_problem
 from megatron_dpp.comm.nodes import (NODE_RANK_VARIABLE, NodeNetworkError, check_node_count,
                                      num_nodes, parse_node_ips, use_node_network)
 from megatron_dpp.comm.defaults import DEFAULT_TIMEOUT_S, DEFAULT_TRANSPORT_KIND, TRANSPORT_KINDS
@@ -58,7 +59,11 @@ def add_transport_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--heartbeat-interval", type=float, default=heartbeat.DEFAULT_INTERVAL_S,
                        help="Seconds between the heartbeats each rank sends every other rank (one "
                             "UDP datagram, from its node's --node-ips address; 127.0.0.1 on one "
-                            "node), from a thread that beats while the rank computes or waits.")
+                            "node), from a thread that beats while the rank computes or waits. "
+                            "Each datagram is authenticated with the job's key, DPP_JOB_KEY in the "
+                            "environment (hex; the one-node launcher draws one, run_slurm_*.sh "
+                            "draws one for all nodes; across nodes started by hand give each node "
+                            "the same, from `python -m megatron_dpp.comm.job_key new`).")
     group.add_argument("--heartbeat-timeout", type=float, default=heartbeat.DEFAULT_TIMEOUT_S,
                        help="Seconds without heartbeats, in either direction, after which a rank "
                             "declares a peer lost: it names the peer (rank, node, address, which "
@@ -77,6 +82,8 @@ def validate_transport_args(args: argparse.Namespace) -> None:
         heartbeat.check_heartbeat_settings(args.heartbeat_interval, args.heartbeat_timeout)
     except ValueError as error:
         raise ArgsError(str(error)) from None
+    key_problem = job_key_problem(os.environ)
+    require(not key_problem, str(key_problem))
     if args.p2p_transport == "rdma":
         import rdma_tensor
 

@@ -63,6 +63,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Callable, MutableMapping, Optional, Sequence
 
+from megatron_dpp.comm.job_key import JOB_KEY_ENV, MAC_BYTES, DatagramSeal, key_check
 from megatron_dpp.comm.nodes import NODE_RANK_VARIABLE, NUM_NODES_VARIABLE, this_node_rank
 
 DEFAULT_INTERVAL_S = 1.0
@@ -108,6 +109,10 @@ class HeartbeatError(RuntimeError):
     """Heartbeats could not start; the message is one line that says why."""
 
 
+class JobKeyMismatch(HeartbeatError):
+    """Ranks of one job hold different job keys (DPP_JOB_KEY), or some none: bad input."""
+
+
 def check_heartbeat_settings(interval_s: float, timeout_s: float) -> None:
     """Raises ValueError (one line, in flag names) unless the interval is positive and the timeout
     is HEARTBEAT_OFF or spans at least MIN_BEATS_PER_TIMEOUT intervals."""
@@ -135,6 +140,7 @@ class PeerAddress:
     node: str  # "node 1" (torchrun's node rank), for reports
     pid: int
     run_id: int  # random per start: datagrams of another job or an earlier run are ignored
+    key_check: str = ""  # job_key.key_check of the rank's job key: equal on every rank, or none
 
     def describe(self) -> str:
         return f"rank {self.rank} ({self.node}, {self.host})"
@@ -329,7 +335,7 @@ class Heartbeat(_WakeableThread):
     def __init__(self, sock: socket.socket, me: PeerAddress, peers: Sequence[PeerAddress],
                  interval_s: float, timeout_s: float, on_lost: Callable[[LostPeer], None],
                  first_beat_s: Optional[float] = None,
-                 alive: Optional[Callable[[], bool]] = None):
+                 alive: Optional[Callable[[], bool]] = None, key: Optional[bytes] = None):
         check_heartbeat_settings(interval_s, timeout_s)
         if timeout_s == HEARTBEAT_OFF:
             raise ValueError("a Heartbeat needs a timeout; with heartbeats off, make none")
@@ -350,6 +356,9 @@ class Heartbeat(_WakeableThread):
         self._state = {peer.rank: _PeerState(now) for peer in peers}
         self._on_lost = on_lost
         self._alive = alive
+        # With the job's key every datagram carries a MAC over its bytes and its receiver's rank.
+        self._seal = DatagramSeal(key) if key else None
+        self._datagram_bytes = _PACKET.size + (MAC_BYTES if self._seal else 0)
         self._sequence = 0
         self._listening_since = now  # the end of this thread's last stall
         # The thread wakes every interval; a gap of two means it could not run (stopped, or
@@ -412,7 +421,7 @@ class Heartbeat(_WakeableThread):
     def _read_all(self, now: float) -> None:
         while True:
             try:
-                data, source = self._sock.recvfrom(_PACKET.size + 1)
+                data, source = self._sock.recvfrom(self._datagram_bytes + 1)
             except BlockingIOError:
                 return
             except OSError:  # an ICMP error reported on the socket: nothing to read
@@ -422,9 +431,14 @@ class Heartbeat(_WakeableThread):
     def _receive(self, data: bytes, source: tuple, now: float) -> None:
         """One datagram from `source` (recvfrom's address). Believed only from the peer's own
         socket, as it published it, of its run, and in sequence: a beat or bye numbered above
-        the last one, by at most SEQUENCE_WINDOW; a replayed or forged one changes nothing."""
-        if len(data) != _PACKET.size:
+        the last one, by at most SEQUENCE_WINDOW, and, with the job's key, sealed with it for this
+        rank; a replayed or forged one changes nothing."""
+        if len(data) != self._datagram_bytes:
             return
+        if self._seal is not None:
+            data = self._seal.opened(data, self.me.rank)
+            if data is None:
+                return  # not sealed with the job's key: forged, or another job's
         magic, kind, rank, run_id, sequence, heard_us_ago_ms = _PACKET.unpack(data)
         peer = self._peers.get(rank)
         if magic != _MAGIC or peer is None or run_id != peer.run_id:
@@ -469,6 +483,8 @@ class Heartbeat(_WakeableThread):
                 continue
             packet = encode_packet(kind, self.me.rank, self.me.run_id, self._sequence,
                                    int((now - state.last_heard) * 1000))
+            if self._seal is not None:
+                packet = self._seal.seal(packet, rank)
             peer = self._peers[rank]
             try:
                 self._sock.sendto(packet, (peer.host, peer.port))
@@ -497,7 +513,7 @@ class HeartbeatProcess(_WakeableThread):
 
     def __init__(self, sock: socket.socket, me: PeerAddress, peers: Sequence[PeerAddress],
                  interval_s: float, timeout_s: float, on_lost: Callable[[LostPeer], None],
-                 on_helper_failed: Callable[[str], None]):
+                 on_helper_failed: Callable[[str], None], key: Optional[bytes] = None):
         check_heartbeat_settings(interval_s, timeout_s)
         if timeout_s == HEARTBEAT_OFF:
             raise ValueError("a HeartbeatProcess needs a timeout; with heartbeats off, make none")
@@ -510,7 +526,9 @@ class HeartbeatProcess(_WakeableThread):
         settings = {"me": asdict(me), "peers": [asdict(peer) for peer in peers],
                     "interval_s": interval_s, "timeout_s": timeout_s,
                     "socket_fd": sock.fileno(), "ticks_fd": ticks_read,
-                    "reports_fd": reports_write}
+                    "reports_fd": reports_write,
+                    # through the pipe, as the environment brought it: never on a command line
+                    "key": key.hex() if key else None}
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         environ = dict(os.environ)
         environ["PYTHONPATH"] = os.pathsep.join(
@@ -629,24 +647,62 @@ class HeartbeatProcess(_WakeableThread):
 def start_heartbeat(store, rank: int, world_size: int, host: str, node: str,
                     interval_s: float, timeout_s: float, on_lost: Callable[[LostPeer], None],
                     rendezvous_timeout_s: float, prefix: str = STORE_PREFIX,
-                    on_helper_failed: Optional[Callable[[str], None]] = None
-                    ) -> HeartbeatProcess:
+                    on_helper_failed: Optional[Callable[[str], None]] = None,
+                    key: Optional[bytes] = None) -> HeartbeatProcess:
     """Bind on `host`, publish the address in `store` (a torch.distributed Store) under `prefix`,
     read every other rank's, start the helper process beating. Collective: every rank of the job
     calls it once per store. `on_helper_failed` (default: print the reason to stderr) is called
-    if the helper ends on its own. Raises HeartbeatError."""
+    if the helper ends on its own. `key`: the job's key (job_key.job_key), which seals every
+    datagram; every rank must hold the same one, or none. Raises HeartbeatError."""
     check_heartbeat_settings(interval_s, timeout_s)
     sock = bind_udp(host)
     try:
         me = PeerAddress(rank, host, sock.getsockname()[1], node, os.getpid(),
-                         random.getrandbits(63))
+                         random.getrandbits(63), key_check(key))
         store.set(f"{prefix}/{rank}", me.encode())
         peers = _read_peers(store, prefix, rank, world_size, rendezvous_timeout_s)
+        _check_same_key(me, peers)
     except BaseException:
         sock.close()
         raise
     return HeartbeatProcess(sock, me, peers, interval_s, timeout_s, on_lost,
-                            on_helper_failed or _print_helper_failure)
+                            on_helper_failed or _print_helper_failure, key=key)
+
+
+def _check_same_key(me: PeerAddress, peers: Sequence[PeerAddress]) -> None:
+    """Raises HeartbeatError naming the peers whose job key differs from this rank's (or who have
+    one where this rank has none): their datagrams would never open here, and ours not there."""
+    others = [peer for peer in peers if peer.key_check != me.key_check]
+    if not others:
+        return
+    first = others[0]
+    if not first.key_check:
+        differs = f"holds no {JOB_KEY_ENV}, and this rank ({me.node}) one"
+    elif not me.key_check:
+        differs = f"holds a {JOB_KEY_ENV}, and this rank ({me.node}) none"
+    else:
+        differs = f"holds another {JOB_KEY_ENV} than this rank ({me.node})"
+    more = f" (and {len(others) - 1} more rank(s))" if len(others) > 1 else ""
+    raise JobKeyMismatch(f"heartbeat: rank {first.rank} ({first.node}) {differs}{more}; give "
+                         f"every node's launcher the same {JOB_KEY_ENV}, or none on any")
+
+
+def protection_line(key: Optional[bytes], store_host: str) -> str:
+    """The start-up line that says how this job is protected from other processes: where its
+    rendezvous store listens (`store_host`, the ranks' MASTER_ADDR) and how heartbeats are
+    checked (docs/multinode.md, "Threat model")."""
+    if store_host == LOOPBACK:
+        where = "one node: the rendezvous store and every socket on 127.0.0.1"
+    else:
+        where = (f"the rendezvous store at {store_host} is reachable from the network and "
+                 f"unauthenticated")
+    if key:
+        beats = (f"heartbeats authenticated with the job's key ({JOB_KEY_ENV}, HMAC-SHA256), "
+                 f"from each peer's own socket, in sequence")
+    else:
+        beats = (f"heartbeats from each peer's own socket, in sequence, NOT authenticated (no "
+                 f"{JOB_KEY_ENV}: give every node the same one)")
+    return f"job protection: {where}; {beats}; docs/multinode.md, \"Threat model\""
 
 
 def _print_helper_failure(reason: str) -> None:

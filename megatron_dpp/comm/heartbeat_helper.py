@@ -46,7 +46,8 @@ def main() -> int:
 
     beat = Heartbeat(sock, PeerAddress(**settings["me"]),
                      [PeerAddress(**peer) for peer in settings["peers"]], interval_s,
-                     settings["timeout_s"], report, alive=training_runs)
+                     settings["timeout_s"], report, alive=training_runs,
+                     key=bytes.fromhex(settings["key"]) if settings["key"] else None)
     os.write(reports, READY)
     say_bye = False
     try:

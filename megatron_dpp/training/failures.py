@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
 import sys
 from typing import Iterator, Optional, Sequence
@@ -17,8 +18,10 @@ from typing import Iterator, Optional, Sequence
 import torch.distributed as dist
 
 from megatron_dpp.comm.heartbeat import (HEARTBEAT_OFF, HeartbeatError, HeartbeatProcess,
-                                         LostPeer, heartbeat_host, node_label, start_heartbeat)
-from megatron_dpp.exit_codes import FAILED, LOST_PEER
+                                         JobKeyMismatch, LostPeer, heartbeat_host, node_label,
+                                         protection_line, start_heartbeat)
+from megatron_dpp.comm.job_key import job_key
+from megatron_dpp.exit_codes import BAD_INPUT, FAILED, LOST_PEER
 from megatron_dpp.runtime.watchdog import report_and_exit
 
 # Messages of torch.distributed backends whose peer process or link went away.
@@ -81,20 +84,27 @@ def exit_for_failed_heartbeat(reason: str) -> None:
 def start_peer_heartbeat(args: argparse.Namespace) -> Optional[HeartbeatProcess]:
     """Heartbeats with every other rank, on this node's --node-ips address (127.0.0.1 on one
     node); None with --heartbeat-timeout 0 or a single rank. Collective over the default store:
-    call right after init_process_group, on every rank. Exits FAILED, in one line, when they
-    cannot start."""
+    call right after init_process_group, on every rank. Datagrams are sealed with the job's key
+    (DPP_JOB_KEY) where the environment holds one; rank 0 says in one line which protection is
+    on. Exits in one line when they cannot start: BAD_INPUT when the ranks' keys differ, else
+    FAILED."""
     if args.heartbeat_timeout == HEARTBEAT_OFF or dist.get_world_size() == 1:
         return None
+    key = job_key(os.environ)  # its form was checked with the flags (comm/flags.py)
+    host = heartbeat_host(args.node_ips if args.multi_node else None)
     try:
-        return start_heartbeat(
+        heartbeat = start_heartbeat(
             dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size(),
-            heartbeat_host(args.node_ips if args.multi_node else None), node_label(),
-            args.heartbeat_interval, args.heartbeat_timeout, on_lost=exit_for_silent_peer,
+            host, node_label(), args.heartbeat_interval, args.heartbeat_timeout,
+            on_lost=exit_for_silent_peer,
             rendezvous_timeout_s=60.0 * args.distributed_timeout_minutes,
-            on_helper_failed=exit_for_failed_heartbeat)
+            on_helper_failed=exit_for_failed_heartbeat, key=key)
     except HeartbeatError as error:
         print(f"megatron_dpp: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(FAILED) from None
+        raise SystemExit(BAD_INPUT if isinstance(error, JobKeyMismatch) else FAILED) from None
+    if dist.get_rank() == 0:
+        print(protection_line(key, os.environ.get("MASTER_ADDR", "")), flush=True)
+    return heartbeat
 
 
 @contextlib.contextmanager
