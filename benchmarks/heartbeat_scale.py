@@ -17,10 +17,12 @@ With the shortest timeout allowed (4 intervals), reported per N and design:
 - CPU per second of wall time of its thread in this process (at most what it takes from
   training), and of the helper process.
 Also the time one rank takes to read the N - 1 addresses from a TCPStore at start, in one request
-(as start_heartbeat does) and key by key (as it did before).
+(as start_heartbeat does) and key by key (as it did before). --job-key seals every datagram with a
+job key (DPP_JOB_KEY), as a job started by the one-node launcher or under SLURM does.
 
     python benchmarks/heartbeat_scale.py --json runs/heartbeat_scale.json
     python benchmarks/heartbeat_scale.py --quick
+    python benchmarks/heartbeat_scale.py --designs helper --job-key
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ sys.path.insert(0, REPO)
 from megatron_dpp.comm.heartbeat import (_BEAT, LOOPBACK, MIN_BEATS_PER_TIMEOUT,  # noqa: E402
                                          Heartbeat, HeartbeatProcess, PeerAddress, _read_peers,
                                          bind_udp, encode_packet)
+from megatron_dpp.comm.job_key import DatagramSeal  # noqa: E402
 
 DESIGNS = ("thread", "helper")
 ARRIVALS = ("spread", "aligned")
@@ -79,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "phase (spread, as ranks beat now) or all at once (aligned).")
     parser.add_argument("--designs", type=lambda text: text.split(","), default=list(DESIGNS),
                         help="Designs to run, comma-separated: thread, helper (default both).")
+    parser.add_argument("--job-key", action="store_true",
+                        help="Seal every datagram with a job key (HMAC-SHA256), as training does "
+                             "where DPP_JOB_KEY is set.")
     parser.add_argument("--quick", action="store_true",
                         help="Smoke run (about 10 s): 8 and 400 ranks, 0.25 s intervals, 8 of "
                              "them.")
@@ -99,11 +105,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 # the peers, in processes of their own
 # ----------------------------------------------------------------------------------------------
 def play_peers(sock: socket.socket, target: tuple, peers: int, arrivals: str, interval_s: float,
-               intervals: int, seed: int, started) -> None:
+               intervals: int, seed: int, started, key: bytes | None = None) -> None:
     """Beat to `target` as ranks 1..peers, `intervals` times, each at its own random phase
     ("spread") or all at once ("aligned"), from `sock`: the socket the peers published (the rank
-    counts a beat only from the peer's own address). Sets `started` (an Event) just before the
-    first."""
+    counts a beat only from the peer's own address), sealed for rank 0 with `key` where one is
+    given. Sets `started` (an Event) just before the first."""
+    seal = DatagramSeal(key) if key else None
     rng = random.Random(seed)
     schedule = sorted((0.0 if arrivals == "aligned" else rng.uniform(0, interval_s), rank)
                       for rank in range(1, peers + 1))
@@ -115,7 +122,8 @@ def play_peers(sock: socket.socket, target: tuple, peers: int, arrivals: str, in
             delay = base + phase - time.monotonic()
             if delay > 0.0005:
                 time.sleep(delay)
-            sock.sendto(encode_packet(_BEAT, rank, RUN_ID_BASE + rank, sequence, 0), target)
+            packet = encode_packet(_BEAT, rank, RUN_ID_BASE + rank, sequence, 0)
+            sock.sendto(packet if seal is None else seal.seal(packet, 0), target)
     sock.close()
 
 
@@ -191,23 +199,24 @@ def measure(ranks: int, design: str, args: argparse.Namespace) -> dict:
     addresses = [PeerAddress(rank, LOOPBACK, sink.getsockname()[1], "node 1", os.getpid(),
                              RUN_ID_BASE + rank) for rank in range(1, ranks)]
     timeout_s = MIN_BEATS_PER_TIMEOUT * interval_s
+    key = os.urandom(32) if args.job_key else None
     lost, failed = [], []
     stop_sink = context.Event()
     sink_result, sink_end = context.Pipe(duplex=False)
     counter = context.Process(target=count_datagrams, args=(sink, stop_sink, sink_end))
     counter.start()
     if design == "thread":
-        beat = Heartbeat(sock, me, addresses, interval_s, timeout_s, lost.append)
+        beat = Heartbeat(sock, me, addresses, interval_s, timeout_s, lost.append, key=key)
         thread_id, helper_pid = beat.native_thread_id, None
     else:
         beat = HeartbeatProcess(sock, me, addresses, interval_s, timeout_s, lost.append,
-                                failed.append)
+                                failed.append, key=key)
         thread_id, helper_pid = beat.native_thread_id, beat.helper_pid
     thread_cpu_s = ThreadCpu(thread_id)
     started = context.Event()
     player = context.Process(target=play_peers, args=(sink, (LOOPBACK, me.port), peers,
                                                       args.arrivals, interval_s, intervals, ranks,
-                                                      started))
+                                                      started, key))
     try:
         player.start()
         sink.close()  # the counter and the player hold their own
@@ -230,7 +239,7 @@ def measure(ranks: int, design: str, args: argparse.Namespace) -> dict:
     delivered = sink_result.recv() if sink_result.poll(30) else 0
     counter.join(timeout=30)
     beats_sent_for = wall / interval_s  # intervals this rank was beating, about
-    return {"ranks": ranks, "design": design, "arrivals": args.arrivals,
+    return {"ranks": ranks, "design": design, "arrivals": args.arrivals, "job_key": args.job_key,
             "false_losses": len(lost), "helper_failed": failed,
             "delivered_share": min(1.0, delivered / (peers * beats_sent_for)),
             "thread_cpu_ms_per_s": 1e3 * thread_cpu / wall,
@@ -289,7 +298,8 @@ def main(argv=None) -> int:
         with open(args.json, "w") as out:
             json.dump({"settings": {"ranks": args.ranks, "interval_s": args.interval,
                                     "intervals": args.intervals, "arrivals": args.arrivals,
-                                    "designs": args.designs, "quick": args.quick},
+                                    "designs": args.designs, "quick": args.quick,
+                                    "job_key": args.job_key},
                        "heartbeat": results, "address_reading": reading}, out, indent=1)
     return 0
 

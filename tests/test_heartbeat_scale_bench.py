@@ -82,3 +82,20 @@ def test_a_thread_that_ended_keeps_its_last_cpu_reading():
     assert not os.path.exists(cpu.path), "the ended thread's /proc entry stayed for 10 s"
     assert cpu.read() == alive
     assert ThreadCpu(thread.native_id).read() == 0.0  # gone before its first reading
+
+
+@pytest.mark.timeout(300)
+def test_sealed_beats_keep_up_too(tmp_path):
+    """--job-key: the played peers seal their beats for the measured rank, which opens every one
+    (a beat that did not open would leave its peer silent: a false loss)."""
+    out = tmp_path / "heartbeat_scale.json"
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "heartbeat_scale.py"), "--quick",
+         "--designs", "helper", "--job-key", "--json", str(out)], capture_output=True, text=True,
+        timeout=280, env=_env(), cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["settings"]["job_key"] is True
+    for row in report["heartbeat"]:
+        assert row["job_key"] and row["false_losses"] == 0 and not row["helper_failed"], row
+        assert row["delivered_share"] >= 0.8, row
