@@ -8,11 +8,12 @@ the launcher's last line is the line of the rank that failed first, by time, and
 that rank's. A rank that died without a line (a crash, a signal) is named with its host and exit
 status; one killed by a signal (kill -9, the OOM killer) comes first, before the line a peer then
 recorded (a lost peer). A rank stopped by a signal when the job ends is killed at once
-(megatron_dpp.stopped_ranks), not after torchrun's 30 s.
+(megatron_dpp.stopped_ranks), not after torchrun's 30 s. The folder, torchrun's log folder inside
+it, is removed when the launcher ends: a job leaves nothing in TMPDIR.
 
 A job of one node gets its rendezvous store, gloo's and NCCL's sockets on 127.0.0.1
-(megatron_dpp.loopback_store) and, where the environment holds none, a fresh job key (DPP_JOB_KEY, megatron_dpp.comm.job_key) that
-authenticates its heartbeats.
+(megatron_dpp.loopback_store) and, where the environment holds none, a fresh job key
+(DPP_JOB_KEY, megatron_dpp.comm.job_key) that authenticates its heartbeats.
 """
 from __future__ import annotations
 
@@ -94,6 +95,10 @@ def _run(torchrun, args) -> int:
 
     with tempfile.TemporaryDirectory(prefix="dpp-failures-") as folder:
         os.environ[FAILURE_DIR_ENV] = folder  # the ranks inherit it
+        if args.log_dir is None:
+            # torchrun's default log folder, $TMPDIR/torchelastic_*, is never removed: one left per
+            # job. Inside this folder it goes with it (a --log-dir of the user's stays theirs).
+            args.log_dir = os.path.join(folder, "torchrun-logs")
         watch = StoppedRankWatch(folder)  # no 30 s wait for a rank that cannot act on SIGTERM
         watch.start()
         try:
