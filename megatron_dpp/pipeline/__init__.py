@@ -6,9 +6,14 @@ Interface (stable names):
 
 - `Phase` (IntEnum: F, B, W) and `Task(phase, microbatch, chunk)`, a hashable tuple that prints
   and parses back: `str(Task(Phase.F, 3, 1)) == "F3.1"`, `Task.parse("F3.1")`.
-  `chunk` is the LOCAL model chunk on the rank (0..V-1); its virtual stage is chunk*P + rank.
+  `chunk` is the LOCAL model chunk on the rank (0..V-1); the graph's Placement says which
+  virtual stage it is (interleaved: chunk*P + rank).
   `microbatch` is always the index into the global batch as the data iterator yields it.
-- `TaskGraph(P, V, M, sizes, act_bytes, max_act_bytes=None, split_backward=False)`: sizes[m] =
+- `Placement` (placement.py): which rank holds each virtual stage, as data; `interleaved(P, V)`
+  (Megatron's, the default), `v_shape(P)` (ZB-V's), `from_stage_ranks(ranks)`; `stage(rank,
+  chunk)`, `location(stage)`, `first_stage`, `last_stage`, neighbours. Nothing else computes
+  stage positions.
+- `TaskGraph(P, V, M, sizes, act_bytes, max_act_bytes=None, split_backward=False, placement=None)`: sizes[m] =
   relative work of microbatch m; act_bytes[m] = bytes one forward of m holds on ONE chunk until
   its backward ends; max_act_bytes = the largest a batch can contain (default: this batch's
   largest). split_backward: each backward is B (input gradient, sent on) plus a local W (weight
@@ -58,6 +63,7 @@ from megatron_dpp.pipeline.budget import (
     provisioned_inflight_forwards,
 )
 from megatron_dpp.pipeline.graph import TaskGraph
+from megatron_dpp.pipeline.placement import Placement, from_stage_ranks, interleaved, parse_placement, v_shape
 from megatron_dpp.pipeline.ready import ReadyTracker
 from megatron_dpp.pipeline.run_log import RanTask, RunLog
 from megatron_dpp.pipeline.registry import (
@@ -80,6 +86,7 @@ __all__ = [
     "MemoryBudget",
     "PROVISIONED_BUDGET",
     "PairedReceiveScheduler",
+    "Placement",
     "Phase",
     "RanTask",
     "RankScheduler",
@@ -95,11 +102,15 @@ __all__ = [
     "check_policy_layout",
     "default_budget_bytes",
     "format_tasks",
+    "from_stage_ranks",
+    "interleaved",
     "make_scheduler",
     "megatron_inflight_forwards",
     "parse_memory_budget",
+    "parse_placement",
     "parse_tasks",
     "provisioned_budget_bytes",
     "provisioned_inflight_forwards",
     "size_sorted_order",
+    "v_shape",
 ]
