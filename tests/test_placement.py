@@ -134,3 +134,118 @@ def test_v_ready_rule_rank_zero_starts_and_ends_the_pipeline():
     rank1.finish(Task(F, 0, 0))
     assert Task(B, 0, 0) not in rank1.ready
     assert rank1.needs_input(Task(B, 0, 0))
+
+
+# --- the V placement in the simulator --------------------------------------------------------------
+
+from megatron_dpp.pipeline import (SCHEDULE_NAMES, V_PLACEMENT_SCHEDULES, make_scheduler,  # noqa: E402
+                                   static_orders)
+from megatron_dpp.sim import simulate  # noqa: E402
+from megatron_dpp.sim.models import CommModel, DurationModel  # noqa: E402
+
+# Megatron's orders assume the interleaved placement (1f1b also one chunk per rank).
+INTERLEAVED_ONLY = {"1f1b", "interleaved-1f1b", "1f1b-sorted"}
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split"])
+@pytest.mark.parametrize("M", [4, 8, 16])
+@pytest.mark.parametrize("P", [2, 4])
+def test_every_policy_runs_a_v_graph_to_the_end_or_refuses_it_in_one_line(P, M, split):
+    sizes = [1 + (3 * m) % 5 for m in range(M)]  # variable sizes: the dynamic policies deviate
+    for equal in (True, False):
+        graph = TaskGraph(P, 2, M, sizes=None if equal else sizes, split_backward=split,
+                          placement=v_shape(P))
+        for name in SCHEDULE_NAMES + V_PLACEMENT_SCHEDULES:
+            if name in INTERLEAVED_ONLY:
+                with pytest.raises(ValueError) as refused:
+                    make_scheduler(name, graph, 0)
+                assert "\n" not in str(refused.value)
+                continue
+            result = simulate(graph, name, DurationModel(jitter_sigma=0.0 if equal else 0.3),
+                              CommModel(latency=0.1), seed=1)
+            assert len(result.timeline) == P * len(graph.phases) * 2 * M, name
+            assert result.makespan >= result.pipeline_bound - 1e-9, name
+
+
+def test_megatrons_orders_refuse_a_v_graph_and_zbv_an_interleaved_one():
+    v_graph = TaskGraph(4, 2, 8, placement=v_shape(4))
+    with pytest.raises(ValueError, match="interleaved-1f1b is Megatron's order for the interleaved placement"):
+        make_scheduler("interleaved-1f1b", v_graph, 0)
+    with pytest.raises(ValueError, match="zb-v is ZB-V's order for the v placement"):
+        make_scheduler("zb-v", TaskGraph(4, 2, 8), 0)
+    with pytest.raises(ValueError, match="zb-v runs two model chunks per rank"):
+        make_scheduler("zb-v", TaskGraph(4, 1, 8), 0)
+
+
+def test_a_custom_placement_runs_gpipe_and_the_rules_with_a_byte_budget():
+    graph = TaskGraph(2, 2, 4, placement=from_stage_ranks([1, 0, 0, 1]))
+    with pytest.raises(ValueError, match="dpp:adaptive follows Megatron's or ZB-V's order"):
+        make_scheduler("dpp:adaptive", graph, 0, budget_bytes=100)
+    with pytest.raises(ValueError, match="no reference order to size 'auto'"):
+        make_scheduler("gpipe", graph, 0)
+    for name in ("gpipe", "dpp:greedy", "dpp:breadth-first", "dpp:depth-first"):
+        result = simulate(graph, name, budget_bytes=8)
+        assert len(result.timeline) == 2 * 2 * 2 * 4, name
+
+
+@pytest.mark.parametrize("M", [1, 2, 4, 7, 16])
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_zbv_order_is_torchs(P, M):
+    """Our generator against torch's own ScheduleZBVZeroBubble order (its per-rank method, run on
+    a stand-in for the schedule object: building the real one needs pipeline stages)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    graph = TaskGraph(P, 2, M, split_backward=True, placement=v_shape(P))
+    letter = {Phase.F: "F", Phase.B: "I", Phase.W: "W"}
+    schedule = SimpleNamespace(pp_group_size=P, _n_microbatches=M, num_stages=2 * P)
+    for rank in range(P):
+        theirs = [repr(action) for action in
+                  ScheduleZBVZeroBubble._calculate_single_rank_operations(schedule, rank)
+                  if action is not None]
+        ours = static_orders.zbv_order(P, rank, M, range(M), graph.task_table, weight_grads=True)
+        assert [f"{graph.virtual_stage(rank, t.chunk)}{letter[t.phase]}{t.microbatch}"
+                for t in ours] == theirs
+
+
+def test_zbv_split_makespan_is_0_868_of_fused_1f1b_at_p4_m16_with_uniform_f_b_w():
+    """The issue's figure, in the simulator's default cost model (a rank's forward takes 1, its
+    backward 2, its model cut into V chunks; a split backward is half B, half W):
+    1f1b: V=1, fused backward, F=1 and B=2 per rank: (M + P - 1) * 3 = 57;
+    zb-v: the v placement, split backward, F = B = W = 0.5 per chunk: M * 3 + (P - 1) * 0.5 = 49.5.
+    Both without message delays; 49.5 / 57 = 0.868."""
+    P, M = 4, 16
+    one_f_one_b = simulate(TaskGraph(P, 1, M), "1f1b")
+    zbv = simulate(TaskGraph(P, 2, M, split_backward=True, placement=v_shape(P)), "zb-v")
+    assert one_f_one_b.makespan == pytest.approx(57.0)
+    assert zbv.makespan == pytest.approx(49.5)
+    assert zbv.makespan / one_f_one_b.makespan == pytest.approx(0.868, abs=5e-4)
+    assert zbv.makespan == pytest.approx(zbv.pipeline_bound)  # no bubble beyond the fill
+
+
+def test_adaptive_on_a_v_graph_with_equal_sizes_runs_zbvs_order():
+    graph = TaskGraph(4, 2, 16, placement=v_shape(4))
+    adaptive, zbv = simulate(graph, "dpp:adaptive"), simulate(graph, "zb-v")
+    assert adaptive.makespan == pytest.approx(zbv.makespan)
+    for rank in range(4):
+        scheduler = make_scheduler("zb-v", graph, rank)
+        assert [task for r, task, _, _ in adaptive.timeline if r == rank] == scheduler.order
+        # The default budget on the v placement is what ZB-V's order holds there.
+        assert scheduler.budget_bytes == static_orders.peak_inflight_forwards(scheduler.order) * graph.max_act_bytes
+
+
+def test_the_turn_of_the_v_costs_no_transfer():
+    """P=2, one microbatch, messages take 1: stage 1 (rank 1, chunk 0) hands its forward to stage 2
+    (rank 1, chunk 1) and stage 2 its gradient back to stage 1 at once; the other hops pay 1."""
+    graph = TaskGraph(2, 2, 1, placement=v_shape(2))
+    result = simulate(graph, "zb-v", comm_model=CommModel(latency=1.0))
+    span = {(rank, str(task)): (start, end) for rank, task, start, end in result.timeline}
+    assert span[(0, "F0.0")] == (0.0, 0.5)
+    assert span[(1, "F0.0")] == (1.5, 2.0)  # one hop
+    assert span[(1, "F0.1")] == (2.0, 2.5)  # the turn: no hop
+    assert span[(0, "F0.1")] == (3.5, 4.0)  # one hop back to rank 0, the last stage
+    assert span[(0, "B0.1")] == (4.0, 5.0)  # the loss makes its own gradient
+    assert span[(1, "B0.1")] == (6.0, 7.0)
+    assert span[(1, "B0.0")] == (7.0, 8.0)  # the turn again: no hop
+    assert span[(0, "B0.0")] == (9.0, 10.0)

@@ -25,7 +25,10 @@ Interface (stable names):
 - `make_scheduler(name, graph, rank, budget_bytes=None, **opts) -> RankScheduler`, names in
   `SCHEDULE_NAMES` (registry.py, the only place they are spelled): gpipe, 1f1b (V=1),
   interleaved-1f1b (V>1), 1f1b-sorted (Megatron's order over dpp:adaptive's size-sorted microbatch
-  order), dpp:adaptive (`DEFAULT_POLICY`), dpp:breadth-first, dpp:depth-first, dpp:greedy.
+  order), dpp:adaptive (`DEFAULT_POLICY`), dpp:breadth-first, dpp:depth-first, dpp:greedy; on
+  the v placement also zb-v (`V_PLACEMENT_SCHEDULES`, ZB-V's order; the runtime runs the
+  interleaved placement only). `check_policy_placement(name, placement)` refuses, in one line, a
+  policy whose order assumes another placement.
   Options: microbatch_group_size_per_vp_stage (interleaved group size, default P; also sets
   dpp:adaptive's spine and the V>1 default budget), max_inflight (dpp:*: admit by a count of held
   chunk activations instead of bytes), sort_microbatches (dpp:breadth-first/depth-first/greedy:
@@ -71,7 +74,9 @@ from megatron_dpp.pipeline.registry import (
     DYNAMIC_SCHEDULES,
     SCHEDULE_NAMES,
     STATIC_SCHEDULES,
+    V_PLACEMENT_SCHEDULES,
     check_policy_layout,
+    check_policy_placement,
     make_scheduler,
     size_sorted_order,
 )
@@ -99,7 +104,9 @@ __all__ = [
     "TaskGraph",
     "budget_bytes_for",
     "check_memory_budget",
+    "V_PLACEMENT_SCHEDULES",
     "check_policy_layout",
+    "check_policy_placement",
     "default_budget_bytes",
     "format_tasks",
     "from_stage_ranks",

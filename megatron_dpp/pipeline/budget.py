@@ -16,6 +16,7 @@ from typing import Optional, Union
 from megatron_dpp.pipeline import static_orders
 from megatron_dpp.pipeline.adaptive import spine_group_size
 from megatron_dpp.pipeline.graph import TaskGraph
+from megatron_dpp.pipeline.placement import INTERLEAVED, V_SHAPE
 
 AUTO_BUDGET = "auto"
 PROVISIONED_BUDGET = "provisioned"
@@ -52,8 +53,18 @@ def minimum_budget_bytes(num_model_chunks: int, max_act_bytes: int) -> int:
 
 
 def megatron_inflight_forwards(graph: TaskGraph, rank: int, group_size: int | None = None) -> int:
-    """Forward activations Megatron's schedule (1F1B, interleaved for V>1) holds at most on `rank`."""
+    """Forward activations the reference order of the graph's placement holds at most on `rank`:
+    Megatron's schedule (1F1B, interleaved for V>1) on the interleaved placement, ZB-V's on the v
+    placement (its W tasks holding activations with split backwards). Other placements have no
+    reference order: their budgets are byte counts."""
     P, V, M = graph.P, graph.V, graph.M
+    placement = graph.placement
+    if placement.name == V_SHAPE:
+        order = static_orders.zbv_order(P, rank, M, range(M), graph.task_table, graph.split_backward)
+        return static_orders.peak_inflight_forwards(order)
+    if placement.name != INTERLEAVED:
+        raise ValueError(f"memory budget: placement {placement} has no reference order to size "
+                         "'auto' or 'provisioned' by; give a byte count")
     if V == 1:
         warmup, total = static_orders.one_f_one_b_warmup(P, rank, M), M
     else:
