@@ -33,7 +33,8 @@ Interface (stable names):
   dpp:adaptive's spine and the V>1 default budget), max_inflight (dpp:*: admit by a count of held
   chunk activations instead of bytes), sort_microbatches (dpp:breadth-first/depth-first/greedy:
   largest first). budget_bytes=None (or 'auto'): `default_budget_bytes(graph, rank)` = what 1F1B
-  (interleaved for V>1) holds at most on that rank, counted at max_act_bytes per forward;
+  (interleaved for V>1; ZB-V on the v placement) holds at most on that rank, counted at
+  max_act_bytes per forward;
   'provisioned' (`PROVISIONED_BUDGET`): `provisioned_budget_bytes(graph)` = what it holds at most
   on its fullest rank (rank 0), the same count on every rank; an int: that many bytes.
   `parse_memory_budget(text)` reads a budget as users write it ('auto', 'provisioned', '2GiB',

@@ -139,12 +139,12 @@ class Placement:
     # --- neighbours -----------------------------------------------------------------------------
     def previous_stage(self, stage: int) -> int | None:
         """The stage whose forward output `stage` reads (None for the first stage)."""
-        self.location(stage)
+        self.location(stage)  # a stage outside the pipeline is a ValueError
         return stage - 1 if stage > self.first_stage else None
 
     def next_stage(self, stage: int) -> int | None:
         """The stage that reads `stage`'s forward output (None for the last stage)."""
-        self.location(stage)
+        self.location(stage)  # a stage outside the pipeline is a ValueError
         return stage + 1 if stage < self.last_stage else None
 
     def previous_on_same_rank(self, stage: int) -> bool:
