@@ -4,10 +4,14 @@ a V placement."""
 from __future__ import annotations
 
 import pytest
+from _sched_util import check_timeline
 
-from megatron_dpp.pipeline import Phase, ReadyTracker, Task, TaskGraph
+from megatron_dpp.pipeline import (SCHEDULE_NAMES, V_PLACEMENT_SCHEDULES, Phase, ReadyTracker, Task,
+                                   TaskGraph, make_scheduler, static_orders)
 from megatron_dpp.pipeline.placement import (Placement, from_stage_ranks, interleaved,
                                              parse_placement, v_shape)
+from megatron_dpp.sim import simulate
+from megatron_dpp.sim.models import CommModel, DurationModel
 
 
 def test_interleaved_is_megatrons_chunk_times_p_plus_rank():
@@ -138,11 +142,6 @@ def test_v_ready_rule_rank_zero_starts_and_ends_the_pipeline():
 
 # --- the V placement in the simulator --------------------------------------------------------------
 
-from megatron_dpp.pipeline import (SCHEDULE_NAMES, V_PLACEMENT_SCHEDULES, make_scheduler,  # noqa: E402
-                                   static_orders)
-from megatron_dpp.sim import simulate  # noqa: E402
-from megatron_dpp.sim.models import CommModel, DurationModel  # noqa: E402
-
 # Megatron's orders assume the interleaved placement (1f1b also one chunk per rank).
 INTERLEAVED_ONLY = {"1f1b", "interleaved-1f1b", "1f1b-sorted"}
 
@@ -161,10 +160,13 @@ def test_every_policy_runs_a_v_graph_to_the_end_or_refuses_it_in_one_line(P, M, 
                     make_scheduler(name, graph, 0)
                 assert "\n" not in str(refused.value)
                 continue
-            result = simulate(graph, name, DurationModel(jitter_sigma=0.0 if equal else 0.3),
-                              CommModel(latency=0.1), seed=1)
-            assert len(result.timeline) == P * len(graph.phases) * 2 * M, name
+            comm = CommModel(latency=0.1)
+            result = simulate(graph, name, DurationModel(jitter_sigma=0.0 if equal else 0.3), comm,
+                              seed=1)
+            check_timeline(graph, result, comm)  # every task once, every dependency respected
             assert result.makespan >= result.pipeline_bound - 1e-9, name
+            if name.startswith("dpp:"):
+                assert all(peak <= budget for peak, budget in zip(result.peak_bytes, result.budget_bytes))
 
 
 def test_megatrons_orders_refuse_a_v_graph_and_zbv_an_interleaved_one():
@@ -249,3 +251,41 @@ def test_the_turn_of_the_v_costs_no_transfer():
     assert span[(1, "B0.1")] == (6.0, 7.0)
     assert span[(1, "B0.0")] == (7.0, 8.0)  # the turn again: no hop
     assert span[(0, "B0.0")] == (9.0, 10.0)
+
+
+# --- the runtime's gradient-sync order -------------------------------------------------------------
+
+class _ChunkSync:
+    def __init__(self, chunk, log):
+        self.chunk, self.log = chunk, log
+
+    def no_sync(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def start_grad_sync(self, *_):
+        self.log.append(self.chunk)
+
+    def parameters(self):
+        return iter(())
+
+
+def test_grad_sync_launches_in_the_placements_deepest_first_order():
+    import argparse
+
+    from megatron_dpp.runtime.grad_sync import GradSync
+
+    log = []
+    chunks = [_ChunkSync(c, log) for c in range(2)]
+    config = argparse.Namespace(no_sync_func=[c.no_sync for c in chunks],
+                                grad_sync_func=[c.start_grad_sync for c in chunks])
+    order = v_shape(4).chunks_deepest_first(0)
+    assert order == (1, 0)
+    sync = GradSync(config, chunks, forward_only=False, launch_order=order)
+    sync.disable()
+    sync.after_weight_grad(0, True)  # chunk 0's last W first: it waits for the deeper chunk 1
+    assert log == []
+    sync.after_weight_grad(1, True)
+    assert log == [1, 0]
+    with pytest.raises(ValueError, match="must order the 2 chunks"):
+        GradSync(config, chunks, forward_only=False, launch_order=(0, 0))
