@@ -3,11 +3,16 @@ any placement from the rank of each stage, their text form, and the task graph a
 a V placement."""
 from __future__ import annotations
 
+import os
+
 import pytest
 from _sched_util import check_timeline
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from megatron_dpp.pipeline import (SCHEDULE_NAMES, V_PLACEMENT_SCHEDULES, Phase, ReadyTracker, Task,
-                                   TaskGraph, make_scheduler, static_orders)
+from megatron_dpp.pipeline import (DYNAMIC_SCHEDULES, SCHEDULE_NAMES, V_PLACEMENT_SCHEDULES, Phase,
+                                   ReadyTracker, Task, TaskGraph, default_budget_bytes,
+                                   make_scheduler, static_orders)
 from megatron_dpp.pipeline.placement import (Placement, from_stage_ranks, interleaved,
                                              parse_placement, v_shape)
 from megatron_dpp.sim import simulate
@@ -289,3 +294,54 @@ def test_grad_sync_launches_in_the_placements_deepest_first_order():
     assert log == [1, 0]
     with pytest.raises(ValueError, match="must order the 2 chunks"):
         GradSync(config, chunks, forward_only=False, launch_order=(0, 0))
+
+
+# --- random pipelines on the V placement -----------------------------------------------------------
+
+# SCHED_PROPERTY_EXAMPLES=N: N random cases per property, as in tests/test_sched_properties.py.
+V_SETTINGS = settings(max_examples=int(os.environ.get("SCHED_PROPERTY_EXAMPLES", "30")), deadline=None,
+                      suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def v_pipelines(draw, equal_sizes=False, split=None):
+    P = draw(st.integers(2, 6))
+    M = draw(st.integers(1, 32))
+    sizes = [100] * M if equal_sizes else draw(st.lists(st.integers(1, 400), min_size=M, max_size=M))
+    headroom = 0 if equal_sizes else draw(st.integers(0, 400))
+    split = draw(st.booleans()) if split is None else split
+    graph = TaskGraph(P, 2, M, sizes, max_act_bytes=max(sizes) + headroom, split_backward=split,
+                      placement=v_shape(P))
+    model = DurationModel(jitter_sigma=draw(st.sampled_from([0.0, 0.3])),
+                          backward_ratio=draw(st.sampled_from([1.0, 2.0, 3.0])),
+                          rank_speed=draw(st.lists(st.floats(0.5, 2.0), min_size=P, max_size=P)))
+    comm = CommModel(latency=draw(st.sampled_from([0.0, 5.0])))
+    return graph, model, comm, draw(st.integers(0, 2**16))
+
+
+@pytest.mark.timeout(240)
+@V_SETTINGS
+@given(case=v_pipelines(), policy=st.sampled_from(DYNAMIC_SCHEDULES + ("gpipe", "zb-v")), data=st.data())
+def test_v_graphs_finish_with_every_dependency_and_budget_kept(case, policy, data):
+    graph, model, comm, seed = case
+    minimum = graph.V * graph.max_act_bytes
+    explicit = policy.startswith("dpp:") and policy != "dpp:adaptive"
+    budget = data.draw(st.one_of(st.none(), st.integers(minimum, 3 * minimum)), label="budget") \
+        if explicit else None
+    result = simulate(graph, policy, model, comm, seed=seed, budget_bytes=budget)
+    check_timeline(graph, result, comm)
+    if policy != "gpipe":
+        for rank in range(graph.P):
+            expected = default_budget_bytes(graph, rank) if budget is None else budget
+            assert result.budget_bytes[rank] == expected
+            assert result.peak_bytes[rank] <= expected
+
+
+@pytest.mark.timeout(240)
+@V_SETTINGS
+@given(case=v_pipelines(equal_sizes=True, split=False))
+def test_adaptive_on_v_graphs_with_equal_microbatches_is_zbv(case):
+    graph, model, comm, seed = case
+    zbv = simulate(graph, "zb-v", model, comm, seed=seed)
+    adaptive = simulate(graph, "dpp:adaptive", model, comm, seed=seed)
+    assert adaptive.makespan == pytest.approx(zbv.makespan)
