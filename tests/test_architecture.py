@@ -182,3 +182,57 @@ def test_no_model_is_named_outside_the_models_package():
                     and node.value.lower() in MODEL_NAMES:
                 offenders.append(f"megatron_dpp/{relative}:{node.lineno} {node.value!r}")
     assert not offenders, "model names outside megatron_dpp/models/: " + ", ".join(offenders)
+
+
+# Only pipeline/placement.py computes where a stage is: the rest asks a Placement (its stage,
+# location, first and last stage). Each pattern is matched against every comparison and
+# arithmetic expression of the code (ast.unparse: comments and docstrings never match).
+PLACEMENT_MODULE = PACKAGE / "pipeline" / "placement.py"
+PLACEMENT_CHECKED = ("pipeline", "runtime", "sim", "training/observe")
+STAGE_ARITHMETIC = [
+    re.compile(r"\b(chunk|c) \* (\w+\.)*P\b"),  # chunk * P (+ rank): the interleaved stage
+    re.compile(r"\* (\w+\.)*P \+"),
+    re.compile(r"% (\w+\.)*P\b"),  # stage % P, stage // P: the interleaved location
+    re.compile(r"// (\w+\.)*P\b"),
+    re.compile(r"== (\w+\.)*(P|pp_size) - 1\b"),  # rank == P - 1: the last stage's rank
+    re.compile(r"== (\w+\.)*V - 1\b"),  # chunk == V - 1: the last stage's chunk
+    re.compile(r"\b(rank|pp_rank) == 0\b"),  # rank == 0: the first stage's rank
+    re.compile(r"\b(P|num_stages) - 1 - (\w+\.)*(rank|r)\b"),  # the V's way back up
+]
+
+
+def _stage_arithmetic(source: str, filename: str = "<source>") -> list[str]:
+    """Every comparison or arithmetic expression of `source` that computes a stage position."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        if isinstance(node, (ast.Compare, ast.BinOp)):
+            text = ast.unparse(node)
+            if any(pattern.search(text) for pattern in STAGE_ARITHMETIC):
+                found.append(f"{filename}:{node.lineno} {text}")
+    return found
+
+
+def test_nothing_but_the_placement_computes_stage_positions():
+    offenders = []
+    for package in PLACEMENT_CHECKED:
+        for path in sorted((PACKAGE / package).rglob("*.py")):
+            if path != PLACEMENT_MODULE:
+                offenders += _stage_arithmetic(path.read_text(), str(path.relative_to(PACKAGE.parent)))
+    assert not offenders, "ask pipeline/placement.py instead: " + "; ".join(offenders)
+
+
+@pytest.mark.parametrize("planted", [
+    "stage = chunk * self.P + rank",
+    "rank, chunk = stage % graph.P, stage // graph.P",
+    "last = self.rank == self.graph.P - 1 and chunk == self.V - 1",
+    "first = layout.pp_rank == 0",
+    "is_last = layout.pp_rank == layout.pp_size - 1",
+    "way_back = 2 * P - 1 - rank",
+])
+def test_planted_stage_arithmetic_is_found(planted):
+    assert _stage_arithmetic(planted)
+
+
+def test_other_arithmetic_is_not_stage_arithmetic():
+    assert not _stage_arithmetic('num_stages = P * V\nwarmup = 2 * (P - rank - 1)\n'
+                                 'text = "chunk * P + rank"  # rank == P - 1\n')

@@ -6,9 +6,14 @@ Interface (stable names):
 
 - `Phase` (IntEnum: F, B, W) and `Task(phase, microbatch, chunk)`, a hashable tuple that prints
   and parses back: `str(Task(Phase.F, 3, 1)) == "F3.1"`, `Task.parse("F3.1")`.
-  `chunk` is the LOCAL model chunk on the rank (0..V-1); its virtual stage is chunk*P + rank.
+  `chunk` is the LOCAL model chunk on the rank (0..V-1); the graph's Placement says which
+  virtual stage it is (interleaved: chunk*P + rank).
   `microbatch` is always the index into the global batch as the data iterator yields it.
-- `TaskGraph(P, V, M, sizes, act_bytes, max_act_bytes=None, split_backward=False)`: sizes[m] =
+- `Placement` (placement.py): which rank holds each virtual stage, as data; `interleaved(P, V)`
+  (Megatron's, the default), `v_shape(P)` (ZB-V's), `from_stage_ranks(ranks)`; `stage(rank,
+  chunk)`, `location(stage)`, `first_stage`, `last_stage`, neighbours. Nothing else computes
+  stage positions.
+- `TaskGraph(P, V, M, sizes, act_bytes, max_act_bytes=None, split_backward=False, placement=None)`: sizes[m] =
   relative work of microbatch m; act_bytes[m] = bytes one forward of m holds on ONE chunk until
   its backward ends; max_act_bytes = the largest a batch can contain (default: this batch's
   largest). split_backward: each backward is B (input gradient, sent on) plus a local W (weight
@@ -20,12 +25,16 @@ Interface (stable names):
 - `make_scheduler(name, graph, rank, budget_bytes=None, **opts) -> RankScheduler`, names in
   `SCHEDULE_NAMES` (registry.py, the only place they are spelled): gpipe, 1f1b (V=1),
   interleaved-1f1b (V>1), 1f1b-sorted (Megatron's order over dpp:adaptive's size-sorted microbatch
-  order), dpp:adaptive (`DEFAULT_POLICY`), dpp:breadth-first, dpp:depth-first, dpp:greedy.
+  order), dpp:adaptive (`DEFAULT_POLICY`), dpp:breadth-first, dpp:depth-first, dpp:greedy; on
+  the v placement also zb-v (`V_PLACEMENT_SCHEDULES`, ZB-V's order; the runtime runs the
+  interleaved placement only). `check_policy_placement(name, placement)` refuses, in one line, a
+  policy whose order assumes another placement.
   Options: microbatch_group_size_per_vp_stage (interleaved group size, default P; also sets
   dpp:adaptive's spine and the V>1 default budget), max_inflight (dpp:*: admit by a count of held
   chunk activations instead of bytes), sort_microbatches (dpp:breadth-first/depth-first/greedy:
   largest first). budget_bytes=None (or 'auto'): `default_budget_bytes(graph, rank)` = what 1F1B
-  (interleaved for V>1) holds at most on that rank, counted at max_act_bytes per forward;
+  (interleaved for V>1; ZB-V on the v placement) holds at most on that rank, counted at
+  max_act_bytes per forward;
   'provisioned' (`PROVISIONED_BUDGET`): `provisioned_budget_bytes(graph)` = what it holds at most
   on its fullest rank (rank 0), the same count on every rank; an int: that many bytes.
   `parse_memory_budget(text)` reads a budget as users write it ('auto', 'provisioned', '2GiB',
@@ -58,6 +67,7 @@ from megatron_dpp.pipeline.budget import (
     provisioned_inflight_forwards,
 )
 from megatron_dpp.pipeline.graph import TaskGraph
+from megatron_dpp.pipeline.placement import Placement, from_stage_ranks, interleaved, parse_placement, v_shape
 from megatron_dpp.pipeline.ready import ReadyTracker
 from megatron_dpp.pipeline.run_log import RanTask, RunLog
 from megatron_dpp.pipeline.registry import (
@@ -65,7 +75,9 @@ from megatron_dpp.pipeline.registry import (
     DYNAMIC_SCHEDULES,
     SCHEDULE_NAMES,
     STATIC_SCHEDULES,
+    V_PLACEMENT_SCHEDULES,
     check_policy_layout,
+    check_policy_placement,
     make_scheduler,
     size_sorted_order,
 )
@@ -80,6 +92,7 @@ __all__ = [
     "MemoryBudget",
     "PROVISIONED_BUDGET",
     "PairedReceiveScheduler",
+    "Placement",
     "Phase",
     "RanTask",
     "RankScheduler",
@@ -92,14 +105,20 @@ __all__ = [
     "TaskGraph",
     "budget_bytes_for",
     "check_memory_budget",
+    "V_PLACEMENT_SCHEDULES",
     "check_policy_layout",
+    "check_policy_placement",
     "default_budget_bytes",
     "format_tasks",
+    "from_stage_ranks",
+    "interleaved",
     "make_scheduler",
     "megatron_inflight_forwards",
     "parse_memory_budget",
+    "parse_placement",
     "parse_tasks",
     "provisioned_budget_bytes",
     "provisioned_inflight_forwards",
     "size_sorted_order",
+    "v_shape",
 ]

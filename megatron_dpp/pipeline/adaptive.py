@@ -1,15 +1,16 @@
 """dpp:adaptive — Megatron's order over size-sorted microbatches as a spine, plus safe dynamic
 deviations from it under a byte budget.
 
-The spine is 1F1B (V=1) or interleaved 1F1B (V>1) over the microbatches in `microbatch_order`
-(largest first, with a few small ones first for V=1; see `adaptive_microbatch_order`). A rank
+The spine is 1F1B (V=1) or interleaved 1F1B (V>1), ZB-V's order on the v placement, over the
+microbatches in `microbatch_order` (largest first, with a few small ones first for V=1; see
+`adaptive_microbatch_order`). A rank
 runs the spine's next task whenever it is ready. When it is not, it runs the earliest later spine
 FORWARD that is ready and SAFE: after running it now, finishing the rest of the spine in order
 would never hold more than the envelope, which is the budget or less (see __init__). Backwards
 never run early: that delays the forward the spine waits for, and measured slower under jitter.
 
-Deadlock-freedom: the spines of all ranks together are deadlock-free (Megatron's orders), and the
-safety check keeps "finish the spine in order" feasible on every rank, so the earliest unfinished
+Deadlock-freedom: the spines of all ranks together are deadlock-free (Megatron's orders, ZB-V's),
+and the safety check keeps "finish the spine in order" feasible on every rank, so the earliest unfinished
 spine task of the whole pipeline is always ready and fits; a rank never idles while its spine's
 next task is ready.
 
@@ -35,6 +36,7 @@ from typing import Collection, Sequence
 
 from megatron_dpp.pipeline import static_orders
 from megatron_dpp.pipeline.graph import TaskGraph
+from megatron_dpp.pipeline.placement import V_SHAPE
 from megatron_dpp.pipeline.scheduler import RankScheduler
 from megatron_dpp.pipeline.task import Phase, Task
 
@@ -97,8 +99,11 @@ def spine_order(
     graph: TaskGraph, rank: int, order: Sequence[int], group: int | None, warmup_cap: int | None
 ) -> list[Task]:
     """1F1B (V=1, warmup capped at `warmup_cap`) or interleaved 1F1B with group size `group`,
-    which must come from spine_group_size, over `order`."""
+    which must come from spine_group_size, over `order`; on the v placement ZB-V's order without
+    its W tasks (which the scheduler queues, as for every spine)."""
     P, V, M = graph.P, graph.V, graph.M
+    if graph.placement.name == V_SHAPE:
+        return static_orders.zbv_order(P, rank, M, order, graph.task_table, weight_grads=False)
     if V == 1:
         warmup = static_orders.one_f_one_b_warmup(P, rank, M)
         if warmup_cap is not None:

@@ -16,6 +16,7 @@ from typing import Optional, Union
 from megatron_dpp.pipeline import static_orders
 from megatron_dpp.pipeline.adaptive import spine_group_size
 from megatron_dpp.pipeline.graph import TaskGraph
+from megatron_dpp.pipeline.placement import INTERLEAVED, V_SHAPE
 
 AUTO_BUDGET = "auto"
 PROVISIONED_BUDGET = "provisioned"
@@ -52,8 +53,18 @@ def minimum_budget_bytes(num_model_chunks: int, max_act_bytes: int) -> int:
 
 
 def megatron_inflight_forwards(graph: TaskGraph, rank: int, group_size: int | None = None) -> int:
-    """Forward activations Megatron's schedule (1F1B, interleaved for V>1) holds at most on `rank`."""
+    """Forward activations the reference order of the graph's placement holds at most on `rank`:
+    Megatron's schedule (1F1B, interleaved for V>1) on the interleaved placement, ZB-V's on the v
+    placement (its W tasks holding activations with split backwards). Other placements have no
+    reference order: their budgets are byte counts."""
     P, V, M = graph.P, graph.V, graph.M
+    placement = graph.placement
+    if placement.name == V_SHAPE:
+        order = static_orders.zbv_order(P, rank, M, range(M), graph.task_table, graph.split_backward)
+        return static_orders.peak_inflight_forwards(order)
+    if placement.name != INTERLEAVED:
+        raise ValueError(f"memory budget: placement {placement} has no reference order to size "
+                         "'auto' or 'provisioned' by; give a byte count")
     if V == 1:
         warmup, total = static_orders.one_f_one_b_warmup(P, rank, M), M
     else:
@@ -65,17 +76,18 @@ def megatron_inflight_forwards(graph: TaskGraph, rank: int, group_size: int | No
 
 
 def default_budget_bytes(graph: TaskGraph, rank: int, group_size: int | None = None) -> int:
-    """What 1F1B (interleaved 1F1B for V>1) needs in the worst case on `rank`: its in-flight forward
-    count times the activation bytes of the largest microbatch a batch can contain. Never below
-    V * max_act_bytes, the least any dynamic policy needs to guarantee progress."""
+    """What 1F1B (interleaved 1F1B for V>1, ZB-V on the v placement) needs in the worst case on
+    `rank`: its in-flight forward count times the activation bytes of the largest microbatch a
+    batch can contain. Never below V * max_act_bytes, the least any dynamic policy needs to
+    guarantee progress."""
     count = max(megatron_inflight_forwards(graph, rank, group_size), graph.V)
     return count * graph.max_act_bytes
 
 
 def provisioned_inflight_forwards(graph: TaskGraph, group_size: int | None = None) -> int:
-    """The chunk activations Megatron's schedule holds at most on its fullest rank (1F1B: rank 0
-    with min(P, M); interleaved: rank 0 with 2(P-1) + (V-1)G + 1), never below V: what
-    `provisioned` lets every rank hold."""
+    """The chunk activations Megatron's schedule (ZB-V's on the v placement) holds at most on its
+    fullest rank (1F1B: rank 0 with min(P, M); interleaved: rank 0 with 2(P-1) + (V-1)G + 1),
+    never below V: what `provisioned` lets every rank hold."""
     return max(max(megatron_inflight_forwards(graph, rank, group_size), graph.V)
                for rank in range(graph.P))
 
@@ -85,7 +97,8 @@ def provisioned_budget_bytes(graph: TaskGraph, group_size: int | None = None) ->
     the largest microbatch's bytes (graph.max_act_bytes, which with split backwards includes what
     the W store keeps, as for default_budget_bytes). Every device of a pipeline has the same
     memory, and Megatron's schedule needs this on its first rank, so the headroom it leaves on the
-    later ranks is free. At least default_budget_bytes on every rank, equal to it on rank 0."""
+    later ranks is free. At least default_budget_bytes on every rank, equal to it on the fullest
+    (rank 0 for Megatron's schedule)."""
     return provisioned_inflight_forwards(graph, group_size) * graph.max_act_bytes
 
 

@@ -1,13 +1,15 @@
 """The schedule IR: tasks of a pipeline-parallel step and the dependencies between them.
 
-P pipeline ranks hold V model chunks each; chunk c on rank r is virtual stage c*P + r (Megatron's
-layout), so a microbatch's forward visits ranks 0..P-1 with chunk 0, then 0..P-1 with chunk 1, ...
-and its backward runs the same path in reverse.
+P pipeline ranks hold V model chunks each; a Placement (pipeline/placement.py) says which virtual
+stage each chunk is. A microbatch's forward visits the stages 0, 1, ..., S-1 and its backward runs
+the same path in reverse. The default is Megatron's interleaved placement (chunk c on rank r is
+stage c*P + r): the forward visits ranks 0..P-1 with chunk 0, then 0..P-1 with chunk 1, ...
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+from megatron_dpp.pipeline.placement import INTERLEAVED, Placement, interleaved
 from megatron_dpp.pipeline.task import Phase, Task
 
 
@@ -23,6 +25,8 @@ class TaskGraph:
         and W (weight gradient, local, after B). Activations are then held until W ends, since
         W still needs the layer inputs. The simulator and the runtime (--dpp-split-backward,
         megatron_dpp.runtime) execute such graphs.
+    placement: which virtual stage each (rank, chunk) is (default: interleaved(P, V)); it must
+        have P ranks and V chunks per rank.
     """
 
     def __init__(
@@ -34,6 +38,7 @@ class TaskGraph:
         act_bytes: Sequence[int] | None = None,
         max_act_bytes: int | None = None,
         split_backward: bool = False,
+        placement: Placement | None = None,
     ):
         if P < 1 or V < 1 or M < 1:
             raise ValueError(f"TaskGraph needs P, V, M >= 1, got P={P} V={V} M={M}")
@@ -57,6 +62,12 @@ class TaskGraph:
                 f"TaskGraph: max_act_bytes={max_act_bytes} is below this batch's largest "
                 f"act_bytes={largest}"
             )
+        if placement is None:
+            placement = interleaved(P, V)
+        if (placement.P, placement.V) != (P, V):
+            raise ValueError(f"TaskGraph: placement {placement} has P={placement.P}, V={placement.V}, "
+                             f"the graph P={P}, V={V}")
+        self.placement = placement
         self.P, self.V, self.M = P, V, M
         self.sizes = sizes
         self.act_bytes = act_bytes
@@ -69,11 +80,11 @@ class TaskGraph:
 
     # --- layout -------------------------------------------------------------------------------
     def virtual_stage(self, rank: int, chunk: int) -> int:
-        return chunk * self.P + rank
+        return self.placement.stage(rank, chunk)
 
     def stage_location(self, stage: int) -> tuple[int, int]:
         """(rank, chunk) that holds virtual stage `stage`."""
-        return stage % self.P, stage // self.P
+        return self.placement.location(stage)
 
     # --- tasks and edges ----------------------------------------------------------------------
     @property
@@ -104,9 +115,10 @@ class TaskGraph:
         for W, whose only dependency is its own B on this rank."""
         if task.phase == Phase.W:
             return None
-        stage = self.virtual_stage(rank, task.chunk)
-        other = stage - 1 if task.phase == Phase.F else stage + 1
-        if other < 0 or other >= self.num_stages:
+        stage = self.placement.stage(rank, task.chunk)
+        placement = self.placement
+        other = placement.previous_stage(stage) if task.phase == Phase.F else placement.next_stage(stage)
+        if other is None:
             return None
         src_rank, src_chunk = self.stage_location(other)
         return src_rank, Task(task.phase, task.microbatch, src_chunk)
@@ -116,13 +128,15 @@ class TaskGraph:
         stage's B. None at the ends of the pipeline, and for W (it only updates weight grads)."""
         if task.phase == Phase.W:
             return None
-        stage = self.virtual_stage(rank, task.chunk)
-        other = stage + 1 if task.phase == Phase.F else stage - 1
-        if other < 0 or other >= self.num_stages:
+        stage = self.placement.stage(rank, task.chunk)
+        placement = self.placement
+        other = placement.next_stage(stage) if task.phase == Phase.F else placement.previous_stage(stage)
+        if other is None:
             return None
         dst_rank, dst_chunk = self.stage_location(other)
         return dst_rank, Task(task.phase, task.microbatch, dst_chunk)
 
     def __repr__(self) -> str:
         split = ", split_backward=True" if self.split_backward else ""
-        return f"TaskGraph(P={self.P}, V={self.V}, M={self.M}{split})"
+        placement = "" if self.placement.name == INTERLEAVED else f", placement={self.placement}"
+        return f"TaskGraph(P={self.P}, V={self.V}, M={self.M}{split}{placement})"

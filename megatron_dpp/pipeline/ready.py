@@ -1,7 +1,7 @@
 """The one ready rule: which of a rank's tasks may run now. The simulator and the runtime both keep
 one ReadyTracker per rank and tell it what happened; policies read its `ready` set.
 
-- F(m,c) is ready when its input has arrived, or it is virtual stage 0 (it reads data), and it has
+- F(m,c) is ready when its input has arrived, or it is the first virtual stage (it reads data), and it has
   not started.
 - B(m,c) is ready when F(m,c) finished on this rank and its output gradient has arrived, or it is
   the last virtual stage (the loss makes the gradient), and it has not started.
@@ -35,11 +35,13 @@ class ReadyTracker:
         # Gradients that arrived before their forward finished here. A real pipeline cannot do that
         # (the gradient depends on this forward's output); the rule holds without relying on it.
         self._early_gradients: set[Task] = set()
+        placement = graph.placement
         # The chunk of the last virtual stage, if this rank holds it: its backwards need no message.
-        self._loss_chunk = graph.V - 1 if rank == graph.P - 1 else None
+        self._loss_chunk = placement.local_chunk(rank, placement.last_stage)
         self._split = graph.split_backward and not forward_only
-        if rank == 0:
-            self.ready.update(self._table[_F][0])  # virtual stage 0 reads its input from data
+        first_chunk = placement.local_chunk(rank, placement.first_stage)
+        if first_chunk is not None:
+            self.ready.update(self._table[_F][first_chunk])  # the first stage reads data
 
     def needs_input(self, task: Task) -> bool:
         """Does `task` wait for a message from another stage? (Otherwise the rule above makes it

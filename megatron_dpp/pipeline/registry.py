@@ -3,6 +3,11 @@ accepts, and `make_scheduler` (name -> a rank's RankScheduler).
 
 Names are spelled here and nowhere else in megatron_dpp: the flags, the runtime, the simulator and
 the benchmarks read them from this module.
+
+SCHEDULE_NAMES are the policies of the interleaved placement, the one the runtime runs (the
+choices of --dpp-policy); V_PLACEMENT_SCHEDULES are orders for the v placement
+(placement.v_shape), which the pure core and the simulator run. `check_policy_placement` says
+which policy runs on which placement.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from megatron_dpp.pipeline.adaptive import (
 from megatron_dpp.pipeline.budget import (MemoryBudget, budget_bytes_for, is_explicit_budget,
                                           minimum_budget_bytes)
 from megatron_dpp.pipeline.graph import TaskGraph
+from megatron_dpp.pipeline.placement import INTERLEAVED, V_SHAPE, Placement
 from megatron_dpp.pipeline.rule_based import BreadthFirstScheduler, DepthFirstScheduler, GreedyScheduler
 from megatron_dpp.pipeline.scheduler import RankScheduler, StaticOrderScheduler
 
@@ -29,12 +35,16 @@ ADAPTIVE = "dpp:adaptive"
 BREADTH_FIRST = "dpp:breadth-first"
 DEPTH_FIRST = "dpp:depth-first"
 GREEDY = "dpp:greedy"
+ZB_V = "zb-v"
 
 DEFAULT_POLICY = ADAPTIVE
 
 STATIC_SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED_1F1B, ONE_F_ONE_B_SORTED)
 DYNAMIC_SCHEDULES = (ADAPTIVE, BREADTH_FIRST, DEPTH_FIRST, GREEDY)
 SCHEDULE_NAMES = STATIC_SCHEDULES + DYNAMIC_SCHEDULES
+V_PLACEMENT_SCHEDULES = (ZB_V,)
+# Megatron's orders, which assume its interleaved placement.
+_INTERLEAVED_ORDERS = (ONE_F_ONE_B, INTERLEAVED_1F1B, ONE_F_ONE_B_SORTED)
 
 # What make_scheduler reports in `scheduler.strategy` when dpp:adaptive cannot use its spines.
 ADAPTIVE_FALLBACK_STRATEGY = (
@@ -44,8 +54,11 @@ ADAPTIVE_FALLBACK_STRATEGY = (
 
 def check_policy_layout(name: str, V: int) -> None:
     """Raise ValueError (one line, with the fix) when policy `name` cannot run V chunks per rank."""
-    if name not in SCHEDULE_NAMES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    if name not in SCHEDULE_NAMES + V_PLACEMENT_SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)} "
+                         f"(on the v placement also {', '.join(V_PLACEMENT_SCHEDULES)})")
+    if name == ZB_V and V != 2:
+        raise ValueError(f"{name} runs two model chunks per rank (the v placement), got V={V}")
     if name == INTERLEAVED_1F1B and V < 2:
         raise ValueError(f"{name} interleaves model chunks and needs virtual stages (V >= 2), got "
                          f"V={V}; add virtual stages or use {ONE_F_ONE_B}")
@@ -54,8 +67,27 @@ def check_policy_layout(name: str, V: int) -> None:
                          "with virtual stages")
 
 
+def check_policy_placement(name: str, placement: Placement) -> None:
+    """Raise ValueError (one line, with the fix) when policy `name` has no deadlock-free order on
+    `placement`. Megatron's orders assume its interleaved placement and ZB-V's the v placement;
+    dpp:adaptive follows one of those as its spine; gpipe and the rule-based dpp:* policies run
+    on any placement."""
+    if name in _INTERLEAVED_ORDERS and placement.name != INTERLEAVED:
+        raise ValueError(f"{name} is Megatron's order for the interleaved placement, got placement "
+                         f"{placement}; use {GPIPE}, {ADAPTIVE} or {ZB_V} (v placement)")
+    if name == ZB_V and placement.name != V_SHAPE:
+        raise ValueError(f"{name} is ZB-V's order for the v placement (placement.v_shape(P)), got "
+                         f"placement {placement}; use {INTERLEAVED_1F1B} or {ADAPTIVE}")
+    if name == ADAPTIVE and placement.name not in (INTERLEAVED, V_SHAPE):
+        raise ValueError(f"{name} follows Megatron's or ZB-V's order and placement {placement} has "
+                         f"neither; use {GPIPE}, {GREEDY}, {BREADTH_FIRST} or {DEPTH_FIRST}")
+
+
 def _static(name: str, graph: TaskGraph, rank: int, budget: int, order: list[int], group: int | None):
     P, V, M = graph.P, graph.V, graph.M
+    if name == ZB_V:  # it places its own W tasks
+        tasks = static_orders.zbv_order(P, rank, M, order, graph.task_table, graph.split_backward)
+        return StaticOrderScheduler(name, graph, rank, budget, order, tasks)
     if name == GPIPE:
         tasks = static_orders.gpipe_order(M, V, order, graph.task_table)
     elif V > 1:  # interleaved-1f1b, or 1f1b-sorted over virtual stages
@@ -124,7 +156,8 @@ _RULE_BASED = {
 def make_scheduler(
     name: str, graph: TaskGraph, rank: int, budget_bytes: MemoryBudget = None, **opts
 ) -> RankScheduler:
-    """Build rank `rank`'s scheduler for schedule `name` (see SCHEDULE_NAMES).
+    """Build rank `rank`'s scheduler for schedule `name` (see SCHEDULE_NAMES; on the v placement
+    also V_PLACEMENT_SCHEDULES; check_policy_placement says which runs on the graph's placement).
 
     budget_bytes: None or 'auto' means default_budget_bytes(graph, rank), 'provisioned'
     provisioned_budget_bytes(graph) (budget.py), an int that many bytes. Options:
@@ -140,10 +173,11 @@ def make_scheduler(
     that is not the policy's usual way (dpp:adaptive's fallback).
     """
     check_policy_layout(name, graph.V)
+    check_policy_placement(name, graph.placement)
     opts = dict(opts)
     group = opts.pop("microbatch_group_size_per_vp_stage", None)
     budget = budget_bytes_for(budget_bytes, graph, rank, group)
-    if name in STATIC_SCHEDULES:
+    if name in STATIC_SCHEDULES + V_PLACEMENT_SCHEDULES:
         # 1f1b-sorted uses exactly dpp:adaptive's order, so the two differ only by dynamic dispatch.
         if name == ONE_F_ONE_B_SORTED:
             order = adaptive_microbatch_order(graph.sizes, graph.P, graph.V, graph.split_backward)

@@ -122,10 +122,11 @@ class PairedReceiveScheduler(StaticOrderScheduler):
     def __init__(self, scheduler: StaticOrderScheduler):
         super().__init__(scheduler.name, scheduler.graph, scheduler.rank, scheduler.budget_bytes,
                          scheduler.microbatch_order, scheduler.order)
-        last_stage_here = self.rank == self.graph.P - 1
+        placement = self.graph.placement
+        loss_chunk = placement.local_chunk(self.rank, placement.last_stage)  # None: not here
         self._gate: dict[Task, Task] = {}
         for task, following in zip(self.order, self.order[1:]):
-            local_input = last_stage_here and following.chunk == self.graph.V - 1
+            local_input = following.chunk == loss_chunk
             if task.phase == Phase.F and following.phase == Phase.B and not local_input:
                 self._gate[task] = following
 

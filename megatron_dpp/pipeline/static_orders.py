@@ -1,4 +1,4 @@
-"""Static schedules as plain per-rank task lists: GPipe, 1F1B, Megatron's interleaved 1F1B.
+"""Static schedules as plain per-rank task lists: GPipe, 1F1B, Megatron's interleaved 1F1B, ZB-V.
 
 Each function takes `order`, the microbatch processing order (a permutation of range(M)), so the
 same Megatron order can run over reordered microbatches (`1f1b-sorted`). The lists reproduce
@@ -137,3 +137,59 @@ def peak_inflight_forwards(tasks: Sequence[Task]) -> int:
         elif task.phase == release:
             held -= 1
     return peak
+
+
+def zbv_order(P: int, rank: int, M: int, order: Sequence[int], table: TaskTable,
+              weight_grads: bool) -> list[Task]:
+    """ZB-V's order on `rank` of the V placement (placement.v_shape(P): chunk 0 is stage `rank`,
+    chunk 1 is stage 2P-1-rank), the order of torch's ScheduleZBVZeroBubble (arXiv 2401.10241,
+    section 6), over the microbatches in `order`.
+
+    Warmup: 2(P-rank)-1 chunk-0 forwards; `rank` pairs (chunk-1 F, chunk-0 F); P-rank triples of
+    chunk 1 (F, B, W). Steady state: (F, B, W) on chunk 0 then on chunk 1 until every forward ran.
+    Cooldown: `rank` pairs of B (chunk 0, chunk 1), P-rank pairs (chunk-0 B, chunk-0 W), then the
+    remaining W tasks, chunk 1's first. The shape is built for at least 2P-1 microbatches and the
+    tasks of the ones beyond M dropped, as torch does. With weight_grads=False (fused backwards)
+    the W tasks are left out and each B is the whole backward: W tasks gate no other rank, so the
+    order keeps its shape and stays deadlock-free."""
+    F, B = table[Phase.F], table[Phase.B]
+    W = table[Phase.W] if weight_grads else None
+    span = max(2 * P - 1, M)
+    tasks: list[Task] = []
+    done = {(phase, chunk): 0 for phase in (Phase.F, Phase.B, Phase.W) for chunk in (0, 1)}
+
+    def run(phase: Phase, chunk: int) -> None:
+        """Append the next `phase` task of `chunk` (the k-th one runs order[k]), if k < M."""
+        k = done[(phase, chunk)]
+        done[(phase, chunk)] = k + 1
+        if k >= M or (phase == Phase.W and W is None):
+            return
+        tasks.append((F if phase == Phase.F else B if phase == Phase.B else W)[chunk][order[k]])
+
+    for _ in range(2 * (P - rank) - 1):
+        run(Phase.F, 0)
+    for _ in range(rank):
+        run(Phase.F, 1)
+        run(Phase.F, 0)
+    for _ in range(P - rank):
+        run(Phase.F, 1)
+        run(Phase.B, 1)
+        run(Phase.W, 1)
+    while done[(Phase.F, 1)] < done[(Phase.F, 0)] or done[(Phase.F, 0)] < span:
+        if done[(Phase.F, 0)] < span:
+            run(Phase.F, 0)
+        run(Phase.B, 0)
+        run(Phase.W, 0)
+        run(Phase.F, 1)
+        run(Phase.B, 1)
+        run(Phase.W, 1)
+    for _ in range(rank):
+        run(Phase.B, 0)
+        run(Phase.B, 1)
+    for _ in range(P - rank):
+        run(Phase.B, 0)
+        run(Phase.W, 0)
+    for chunk in (1, 0):
+        while done[(Phase.W, chunk)] < done[(Phase.B, chunk)]:
+            run(Phase.W, chunk)
+    return tasks

@@ -46,6 +46,7 @@ from megatron_dpp.mcore.schedules import (ForwardBackwardFunc, schedule_epilogue
 from megatron_dpp.pipeline import (Phase, RanTask, ReadyTracker, RunLog, Task, TaskGraph,
                                    make_scheduler)
 from megatron_dpp.pipeline.budget import largest_microbatch_bytes
+from megatron_dpp.pipeline.placement import Placement, interleaved
 from megatron_dpp.runtime.batch import GlobalBatch
 from megatron_dpp.runtime.config import DPPConfig
 from megatron_dpp.runtime.grad_sync import GradSync
@@ -217,7 +218,8 @@ class ForwardBackwardDPP(ForwardBackwardFunc):
                                                 pg_collection.cp.size())
         _check_supported(config, layout.cp_size, kwargs["adjust_tensor_shapes_fn"], len(models),
                          iterators)
-        is_last_pipeline_rank = layout.pp_rank == layout.pp_size - 1
+        placement = runtime_placement(layout.pp_size, len(models))
+        is_last_pipeline_rank = placement.local_chunk(layout.pp_rank, placement.last_stage) is not None
 
         embedding_module = schedule_prologue(config, models, forward_only, is_last_pipeline_rank)
 
@@ -287,6 +289,7 @@ class IterationRunner:
         self.V = len(models)
         self.P = layout.pp_size
         self.rank = layout.pp_rank
+        self.placement = runtime_placement(self.P, self.V)
         self.forward_only = forward_only
         self.collect_non_loss_data = collect_non_loss_data
         self.first_val_step = first_val_step
@@ -318,7 +321,7 @@ class IterationRunner:
             graph_options = self.split_backward.graph_options
         self.graph = TaskGraph(self.P, self.V, self.M, sizes, act_bytes,
                                max_act_bytes=max(largest_possible, max(act_bytes)),
-                               **graph_options)
+                               placement=self.placement, **graph_options)
         self.channel = DecisionChannel(self.transport, layout.tp_ranks, layout.global_rank,
                                        partial(decision_tag, self.iteration))
         options = {}
@@ -350,7 +353,8 @@ class IterationRunner:
         self.outgoing: Optional[tuple] = None  # (task, output) handed to `send`, posted after the task
         self.saved: Dict[tuple, tuple] = {}  # (microbatch, chunk) -> (input, output) until backward
         self.outputs_by_microbatch: Dict[int, list] = {}
-        self.grad_sync = GradSync(config, models, forward_only)
+        self.grad_sync = GradSync(config, models, forward_only,
+                                  launch_order=self.placement.chunks_deepest_first(self.rank))
         self.handlers = make_handlers(self)
         if self.split_backward is not None:
             self.split_backward.register_handlers(self, self.handlers)
@@ -360,10 +364,10 @@ class IterationRunner:
     def _local_sizes(self) -> Optional[List[int]]:
         """Sizes from the ranks that read data: the first and the last virtual stage."""
         work = self.session.microbatch_work
-        if self.rank == 0 and self.batch.has_source(0):
-            return [work(item) for item in self.batch.items(0)]
-        if self.rank == self.P - 1 and self.batch.has_source(self.V - 1):
-            return [work(item) for item in self.batch.items(self.V - 1)]
+        for stage in (self.placement.first_stage, self.placement.last_stage):
+            chunk = self.placement.local_chunk(self.rank, stage)
+            if chunk is not None and self.batch.has_source(chunk):
+                return [work(item) for item in self.batch.items(chunk)]
         return None
 
     def _post_receives(self):
@@ -560,7 +564,7 @@ class IterationRunner:
 
     # ---- what handlers call -------------------------------------------------------------------
     def is_last_virtual_stage(self, chunk: int) -> bool:
-        return self.rank == self.P - 1 and chunk == self.V - 1
+        return self.placement.stage(self.rank, chunk) == self.placement.last_stage
 
     def take_input(self, task: Task) -> Optional[torch.Tensor]:
         """The message `task` reads (None where it reads data or the loss), handed over once."""
@@ -651,6 +655,12 @@ class IterationRunner:
 
     def _fail(self, reason: str, lost_peer: bool = False):
         raise DPPFailure(reason, self._state_lines(), lost_peer)
+
+
+def runtime_placement(P: int, V: int) -> Placement:
+    """The placement the runtime runs: Megatron's interleaved one, the only one Megatron-Core
+    builds its model chunks for (chunk c of pipeline rank r holds the layers of stage c*P + r)."""
+    return interleaved(P, V)
 
 
 def _nbytes(tensor: Optional[torch.Tensor]) -> int:

@@ -87,6 +87,7 @@ class TaskDurations:
     def __init__(self, graph: TaskGraph, flat: list[float]):
         self._V, self._M = graph.V, graph.M
         self._P = graph.P
+        self._placement = graph.placement
         self._phases = len(graph.phases)
         self.flat = flat
 
@@ -102,23 +103,36 @@ class TaskDurations:
 
     def pipeline_bound(self, delays: Sequence[float]) -> float:
         """A makespan lower bound that counts fill and drain: rank r cannot start before some
-        microbatch's chunk-0 forward crossed ranks 0..r-1, works at least its total, and after its
-        last task some microbatch's chunk-0 backward must still cross ranks r-1..0.
+        microbatch's forward crossed the stages before its first stage s (stages 0..s-1; on the
+        interleaved and v placements chunk 0 of ranks 0..r-1), works at least its total, and
+        after its last task some microbatch's backward must still cross stages s-1..0. A hop
+        between two stages costs the message delay where they are on different ranks.
 
         With split backwards only B crosses ranks, and W tasks can run during that last crossing:
         rank r's F and B work must end before it, and all its work before the end. The crossing
-        then ends with rank 0 computing that microbatch's chunk-0 W."""
+        then ends with the first stage computing that microbatch's W."""
         times = np.asarray(self.flat).reshape(self._P, self._phases, self._V, self._M)
         hop = np.asarray(delays, dtype=float)  # per microbatch, one rank-to-rank message
         work = times.reshape(self._P, -1).sum(axis=1)
         crossing_work = times[:, :2].reshape(self._P, -1).sum(axis=1)  # F and B: equals work unsplit
-        forward_path = np.cumsum(times[:, 0, 0, :] + hop, axis=0)  # [r] = through ranks 0..r
-        backward_path = np.cumsum(times[:, 1, 0, :] + hop, axis=0)
+        placement = self._placement
+        first_stages = [placement.stage(r, 0) for r in range(self._P)]
+        crossed = range(max(first_stages))  # the stages some rank waits to be crossed
+        located = [placement.location(s) for s in crossed]
+        hops = np.array([0.0 if placement.next_on_same_rank(s) else 1.0 for s in crossed]).reshape(-1, 1)
+        forward_path = np.cumsum(np.array([times[r, 0, c, :] for r, c in located]).reshape(-1, self._M)
+                                 + hops * hop, axis=0)  # [s] = through stages 0..s
+        backward_path = np.cumsum(np.array([times[r, 1, c, :] for r, c in located]).reshape(-1, self._M)
+                                  + hops * hop, axis=0)
         if self._phases == 3:
-            backward_path = backward_path + times[0, 2, 0, :]
-        best = work[0]
-        for r in range(1, self._P):
-            fill, drain = forward_path[r - 1].min(), backward_path[r - 1].min()
+            first_rank, first_chunk = placement.location(placement.first_stage)
+            backward_path = backward_path + times[first_rank, 2, first_chunk, :]
+        best = 0.0
+        for r, s in enumerate(first_stages):
+            if s == placement.first_stage:
+                best = max(best, work[r])
+                continue
+            fill, drain = forward_path[s - 1].min(), backward_path[s - 1].min()
             best = max(best, fill + max(crossing_work[r] + drain, work[r]))
         return float(best)
 
@@ -127,7 +141,8 @@ class TaskDurations:
 class CommModel:
     """A message takes latency + bytes / bandwidth; its bytes are the microbatch's act_bytes.
 
-    Messages do not contend; a message between two chunks of the same rank (P=1) is free."""
+    Messages do not contend; a message between two chunks of the same rank (P=1, or stages P-1
+    and P of the v placement) is free."""
 
     latency: float = 0.0
     bandwidth: float = math.inf  # bytes per time unit

@@ -193,6 +193,6 @@ def simulate(
         peak_bytes=[s.peak_bytes for s in schedulers],
         budget_bytes=[s.budget_bytes for s in schedulers],
         lower_bound=max(durations.rank_work(r) for r in range(P)),
-        pipeline_bound=durations.pipeline_bound([0.0 if P == 1 else d for d in delays]),
+        pipeline_bound=durations.pipeline_bound(delays),
         timeline=timeline,
     )

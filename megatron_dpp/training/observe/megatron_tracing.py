@@ -55,8 +55,11 @@ class MegatronTaskOrder:
             table = [(m, 0) for m in range(graph.M)]
         else:
             table = get_schedule_table(graph.M, graph.V, group_size)
+        # Megatron's backwards visit its k-th forward's chunks in reverse stage order (its
+        # get_model_chunk_id(forward=False)): the c-th chunk deepest first.
+        deepest_first = graph.placement.chunks_deepest_first(rank)
         steps = {Phase.F: [Task(Phase.F, m, c) for m, c in table],
-                 Phase.B: [Task(Phase.B, m, graph.V - 1 - c) for m, c in table]}
+                 Phase.B: [Task(Phase.B, m, deepest_first[c]) for m, c in table]}
         self.tasks = {
             "steps": steps,
             "sends": {phase: [t for t in tasks if graph.output_target(rank, t) is not None]
