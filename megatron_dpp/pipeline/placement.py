@@ -52,7 +52,7 @@ class Placement:
     name: str = dataclasses.field(init=False, repr=False)
     """'interleaved' or 'v' when stage_ranks is that placement, else 'custom'."""
 
-    _stages: tuple[tuple[int, ...], ...] = dataclasses.field(init=False, repr=False, compare=False)
+    _stages_of_rank: tuple[tuple[int, ...], ...] = dataclasses.field(init=False, repr=False, compare=False)
     _locations: tuple[tuple[int, int], ...] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -81,7 +81,7 @@ class Placement:
         set_field(self, "P", P)
         set_field(self, "V", V)
         set_field(self, "name", name)
-        set_field(self, "_stages", tuple(tuple(stages) for stages in held))
+        set_field(self, "_stages_of_rank", tuple(tuple(stages) for stages in held))
         set_field(self, "_locations", tuple(locations))
 
     # --- the ends of the pipeline ---------------------------------------------------------------
@@ -111,7 +111,7 @@ class Placement:
         """The virtual stage of `rank`'s local `chunk`."""
         if not (0 <= rank < self.P and 0 <= chunk < self.V):
             raise ValueError(f"placement {self}: no chunk {chunk} on rank {rank} (P={self.P}, V={self.V})")
-        return self._stages[rank][chunk]
+        return self._stages_of_rank[rank][chunk]
 
     def location(self, stage: int) -> tuple[int, int]:
         """(rank, local chunk) that holds virtual stage `stage`."""
@@ -128,7 +128,7 @@ class Placement:
         """The stages `rank` holds, in stage order: stages_of(rank)[c] is its chunk c."""
         if not 0 <= rank < self.P:
             raise ValueError(f"placement {self}: no rank {rank} (P={self.P})")
-        return self._stages[rank]
+        return self._stages_of_rank[rank]
 
     def chunks_deepest_first(self, rank: int) -> tuple[int, ...]:
         """`rank`'s chunks in the order their backwards finish: the deepest stage first (the
