@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_dpp.one_write import say
+
 FAILURE_DIR_ENV = "DPP_FAILURE_DIR"
 
 
@@ -52,7 +54,7 @@ def say_failure(line: str, exit_code: int, printed: bool = True) -> None:
     """Print `line` to stderr (unless another rank prints the same line: printed=False) and
     record it for the launcher; the caller then ends with `exit_code`."""
     if printed:
-        print(line, file=sys.stderr, flush=True)
+        say(line)
     record_failure(line, exit_code)
 
 

@@ -65,6 +65,7 @@ from typing import Callable, MutableMapping, Optional, Sequence
 
 from megatron_dpp.comm.job_key import JOB_KEY_ENV, MAC_BYTES, DatagramSeal, key_check
 from megatron_dpp.comm.nodes import NODE_RANK_VARIABLE, NUM_NODES_VARIABLE, this_node_rank
+from megatron_dpp.one_write import say
 
 DEFAULT_INTERVAL_S = 1.0
 DEFAULT_TIMEOUT_S = 15.0
@@ -706,7 +707,7 @@ def protection_line(key: Optional[bytes], store_host: str) -> str:
 
 
 def _print_helper_failure(reason: str) -> None:
-    print(reason, file=sys.stderr, flush=True)
+    say(reason)
 
 
 def _read_peers(store, prefix: str, rank: int, world_size: int,

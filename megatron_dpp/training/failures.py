@@ -22,6 +22,7 @@ from megatron_dpp.comm.heartbeat import (HEARTBEAT_OFF, HeartbeatError, Heartbea
                                          protection_line, start_heartbeat)
 from megatron_dpp.comm.job_key import job_key
 from megatron_dpp.exit_codes import BAD_INPUT, FAILED, LOST_PEER
+from megatron_dpp.one_write import say
 from megatron_dpp.runtime.watchdog import report_and_exit
 
 # Messages of torch.distributed backends whose peer process or link went away.
@@ -100,10 +101,10 @@ def start_peer_heartbeat(args: argparse.Namespace) -> Optional[HeartbeatProcess]
             rendezvous_timeout_s=60.0 * args.distributed_timeout_minutes,
             on_helper_failed=exit_for_failed_heartbeat, key=key)
     except HeartbeatError as error:
-        print(f"megatron_dpp: error: {error}", file=sys.stderr, flush=True)
+        say(f"megatron_dpp: error: {error}")
         raise SystemExit(BAD_INPUT if isinstance(error, JobKeyMismatch) else FAILED) from None
     if dist.get_rank() == 0:
-        print(protection_line(key, os.environ.get("MASTER_ADDR", "")), flush=True)
+        say(protection_line(key, os.environ.get("MASTER_ADDR", "")), sys.stdout)
     return heartbeat
 
 

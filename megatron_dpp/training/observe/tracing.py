@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_dpp.comm.nodes import this_node_rank
+from megatron_dpp.one_write import say
 from megatron_dpp.pipeline.registry import ONE_F_ONE_B
 from megatron_dpp.trace.clock import ClockAlignment, OffsetSample
 from megatron_dpp.trace.device_clock import DeviceClock
@@ -116,7 +116,7 @@ def trace_write_warning(path: str, error: OSError) -> str:
 
 
 def _warn(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    say(line)
 
 
 def _node_metadata() -> dict:
