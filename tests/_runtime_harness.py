@@ -26,6 +26,7 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron_dpp.comm.memory_transport import MemoryHub
 from megatron_dpp.models.weight_grad import WeightGradStash, active_deferral
 from megatron_dpp.models.weight_grad.functions import DeferredLinearFunction, open_site, proxy
+from megatron_dpp.pipeline.placement import INTERLEAVED, named_placement
 from megatron_dpp.runtime.config import DPPConfig
 from megatron_dpp.runtime.executor import DPPSession, IterationRecord, IterationRunner
 from megatron_dpp.runtime.layout import RankLayout
@@ -112,11 +113,13 @@ def run_pipeline(P: int, V: int, sizes: List[int], policy: str, *, tp: int = 1,
                  timeout_s: float = 10.0, forward_only: bool = False, join_s: float = 30.0,
                  rank_fn: Optional[Callable[[int, IterationRunner], None]] = None,
                  hub: Optional[MemoryHub] = None, device: str = "cpu",
-                 sync_debug_mode: Optional[str] = None) -> PipelineResult:
+                 sync_debug_mode: Optional[str] = None,
+                 placement: str = INTERLEAVED) -> PipelineResult:
     """One global batch of len(sizes) microbatches (sizes = tokens) on P ranks x V chunks, each
     stage held by `tp` ranks (global rank = stage * tp + i) that follow their group's first rank's
     decisions (the toy chunks compute the whole layer on every one of them).
 
+    `placement` (--dpp-stage-placement's names): which stage each rank's chunk c is.
     `rank_fn(rank, runner)` runs instead of `runner.run()` when given (to stop a rank, say).
     Errors of each rank's thread are collected in `errors`, not raised."""
     M = len(sizes)
@@ -125,7 +128,9 @@ def run_pipeline(P: int, V: int, sizes: List[int], policy: str, *, tp: int = 1,
     items = [{**item, "x": item["x"].to(device)}
              for item in (microbatch(m, tokens) for m, tokens in enumerate(sizes))]
     # Every rank's chunks, built here: moving weights to a GPU synchronizes, the ranks must not.
-    models_of = {rank: [ToyChunk(c * P + divmod(rank, tp)[0], config).to(device) for c in range(V)]
+    stages = named_placement(placement, P, V)
+    models_of = {rank: [ToyChunk(stages.stage(divmod(rank, tp)[0], c), config).to(device)
+                        for c in range(V)]
                  for rank in range(P * tp)}
     result = PipelineResult(hub=hub)
     lock = threading.Lock()
@@ -136,7 +141,7 @@ def run_pipeline(P: int, V: int, sizes: List[int], policy: str, *, tp: int = 1,
             models = models_of[rank]
             session = DPPSession(
                 config=DPPConfig(policy=policy, memory_budget_bytes=budget_bytes, timeout_s=timeout_s,
-                                 split_backward=split_backward),
+                                 split_backward=split_backward, placement=placement),
                 transport=hub.transport(rank), microbatch_work=microbatch_work,
                 activation_bytes_fn=lambda _cfg, s, _mbs, _V, _P: [t * BYTES_PER_TOKEN for t in s],
                 weight_grad_bytes_fn=weight_grad_bytes,
@@ -158,8 +163,8 @@ def run_pipeline(P: int, V: int, sizes: List[int], policy: str, *, tp: int = 1,
                 result.stashes[rank] = session.stash
                 for c, model in enumerate(models):
                     if model.linear.weight.grad is not None and tp_index == 0:
-                        result.grads[c * P + stage] = model.linear.weight.grad.clone()
-                if rank == (P - 1) * tp:
+                        result.grads[stages.stage(stage, c)] = model.linear.weight.grad.clone()
+                if rank == stages.location(stages.last_stage)[0] * tp:
                     result.losses = [entry["loss"] for entry in store]  # floats after the join
         except BaseException as error:  # reported to the test
             with lock:

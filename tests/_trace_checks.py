@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megatron_dpp.pipeline import Task, TaskGraph
+from megatron_dpp.pipeline import Task, TaskGraph, parse_placement
 
 # Half a gloo round trip bounds the alignment error; even on a loaded machine it is far below this.
 MAX_ALIGNMENT_ERROR_US = 50_000
@@ -44,7 +44,9 @@ def check_messages(traces: dict[int, dict], chunks: int, microbatches: int) -> N
     both ranks' alignment errors."""
     pipeline_rank = {rank: trace["otherData"]["pipeline_rank"] for rank, trace in traces.items()}
     pipeline_size = 1 + max(pipeline_rank.values())
-    graph = TaskGraph(pipeline_size, chunks, microbatches)
+    placement = parse_placement(next(iter(traces.values()))["otherData"]["placement"])
+    assert (placement.P, placement.V) == (pipeline_size, chunks), placement
+    graph = TaskGraph(pipeline_size, chunks, microbatches, placement=placement)
     error = {rank: trace["otherData"]["clock_alignment"]["error_us"]
              for rank, trace in traces.items()}
     sends, receives = {}, []

@@ -42,6 +42,10 @@ LAYOUTS = {
     "pp2_dp2": (PP2, 4, []),  # 4 processes / pp 2: two data-parallel pipelines
     "pp2_vpp2_split": (PP2 + VPP2, 2, SPLIT),
     "tp2_pp2_split": (PP2 + ["--tensor-model-parallel-size", "2"], 4, SPLIT),
+    # The v placement (rank 0: embedding, pooler, both heads and the tied copies' sum) against
+    # Megatron's interleaved run of the same stages.
+    "pp2_v": (PP2 + VPP2, 2, ["--dpp-stage-placement", "v"]),
+    "pp2_v_split": (PP2 + VPP2, 2, ["--dpp-stage-placement", "v"] + SPLIT),
 }
 
 

@@ -124,9 +124,13 @@ def _chunk(model: str, first: bool, last: bool, monkeypatch):
     from megatron_dpp.models.bert import BertShape, build_bert_chunks
     from megatron_dpp.models.gpt import GPTShape, build_gpt_chunks
 
-    with monkeypatch.context() as patch:  # models/init.py asks parallel_state the position
-        patch.setattr(parallel_state, "is_pipeline_first_stage", lambda *a, **k: first)
-        patch.setattr(parallel_state, "is_pipeline_last_stage", lambda *a, **k: last)
+    # models/init.py asks parallel_state the pipeline's size and this rank's place in it: one
+    # rank is both ends, the first or last of two, or the middle of three.
+    size, rank = {(True, True): (1, 0), (True, False): (2, 0), (False, True): (2, 1),
+                  (False, False): (3, 1)}[(first, last)]
+    with monkeypatch.context() as patch:
+        patch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: size)
+        patch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: rank)
         if model == "bert":
             (chunk,) = build_bert_chunks(_config(), BertShape(128, 16, True), seed=3)
         else:

@@ -29,6 +29,7 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 PP4 = ["--pipeline-model-parallel-size", "4"]
 EIGHT_LAYERS = ["--num-layers", "8"]
 VPP2 = ["--num-virtual-stages-per-pipeline-rank", "2"]
+V = VPP2 + ["--dpp-stage-placement", "v"]  # ZB-V's placement: stages 0..P-1 down, P..2P-1 back
 
 # name -> (Megatron reference run, DPP layout flags, processes)
 REFERENCES = {
@@ -59,6 +60,16 @@ LAYOUTS = {
                 "--account-for-loss-in-pipeline-split"], 3),
     "pp2_vpp2_uneven": ("pp4_vpp2", PP2 + EIGHT_LAYERS + VPP2
                         + ["--decoder-last-pipeline-num-layers", "6"], 2),
+    # The v placement: rank 0 holds the embedding and the loss, the tied embedding's copies are
+    # summed there; the same model as the interleaved layouts, so the same references.
+    "pp2_v": ("pp2", PP2 + V, 2),
+    "pp2_v_zbv": ("pp2", PP2 + V + ["--dpp-policy", "zb-v"], 2),
+    "pp4_v": ("pp4_vpp2", PP4 + EIGHT_LAYERS + V, 4),
+    "dp2_pp2_v": ("pp2", PP2 + V, 4),
+    "tp2_pp2_v": ("tp2_pp2", REFERENCES["tp2_pp2"][0] + V, 4),
+    # Et|tt|t|L on the v: stage 2 (layer 4) on rank 1, stage 3 (the loss alone) on rank 0.
+    "pp2_v_layout": ("pp2", PP2 + ["--pipeline-model-parallel-layout", "Et|tt|t|L",
+                                   "--dpp-stage-placement", "v"], 2),
 }
 
 _reference_cache = {}
@@ -92,7 +103,7 @@ def test_dpp_matches_megatron(layout):
 
 # GPU kernels (cuBLAS split-K, atomics in embedding backward) need not add in one fixed order.
 GPU_REL_TOL = 1e-4
-GPU_LAYOUTS = ["pp2", "pp2_vpp2", "dp2_pp2", "pp4"]
+GPU_LAYOUTS = ["pp2", "pp2_vpp2", "dp2_pp2", "pp4", "pp2_v"]
 
 
 @pytest.mark.slow

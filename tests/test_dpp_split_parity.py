@@ -22,7 +22,8 @@ RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
 # numbers do not change with recompute, so pp2's reference serves.
 SPLIT_ONLY_LAYOUTS = {"pp2_recompute_full": ("pp2", LAYOUTS["pp2"][1] + RECOMPUTE, 2)}
 SPLIT_LAYOUTS = ["pp2", "pp4", "pp2_vpp2", "dp2_pp2", "dp2_pp2_overlap_grad_reduce", "tp2_pp2",
-                 "varlen_pp2", "pp4_vpp2", *SPLIT_ONLY_LAYOUTS]
+                 "varlen_pp2", "pp4_vpp2", "pp2_v", "pp2_v_zbv", "pp4_v", "dp2_pp2_v", "tp2_pp2_v",
+                 *SPLIT_ONLY_LAYOUTS]
 
 
 def _check_trace(trace_dir: Path) -> None:

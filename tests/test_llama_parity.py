@@ -2,7 +2,8 @@
 data: --use-dpp equals Megatron's own schedule (1F1B, interleaved 1F1B with virtual stages) within
 1e-5 relative in lm loss and grad norm at every iteration, at pp=2, pp=2 x vpp=2, tp=2 x pp=2 and
 pp=2 with the split backward (--dpp-split-backward: deferred weight gradients, RMSNorm's
-included), fp32 on CPU.
+included), and on the v placement (--dpp-stage-placement v) at pp=2 (fused, split, zb-v),
+tp=2 x pp=2 and pp=4, fp32 on CPU.
 
 As in tests/test_dpp_parity.py, pp=2 and pp=2 x vpp=2 split the same 4-layer model and Megatron
 gives them equal losses, so they share one Megatron 1F1B run; tp=2 x pp=2 has its own."""
@@ -20,15 +21,23 @@ DPP = ["--use-dpp", "--dpp-timeout", "60", "--p2p-transport", "shm"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 TP2_PP2 = PP2 + ["--tensor-model-parallel-size", "2"]
 VPP2 = ["--num-virtual-stages-per-pipeline-rank", "2"]
+V = VPP2 + ["--dpp-stage-placement", "v"]  # ZB-V's placement (Llama's embeddings are untied)
+EIGHT_LAYERS = ["--num-layers", "8"]
 
 # name -> (Megatron reference, DPP flags, processes)
-REFERENCES = {"pp2": (PP2, 2), "tp2_pp2": (TP2_PP2, 4)}
+REFERENCES = {"pp2": (PP2, 2), "tp2_pp2": (TP2_PP2, 4), "pp2_8_layers": (PP2 + EIGHT_LAYERS, 2)}
 LAYOUTS = {
     "pp2": ("pp2", PP2, 2),
     "pp2_vpp2": ("pp2", PP2 + VPP2, 2),
     # SwiGLU's fc1 is split over tp with partition stride 2 (gate and up shards).
     "tp2_pp2": ("tp2_pp2", TP2_PP2, 4),
     "pp2_split_backward": ("pp2", PP2 + ["--dpp-split-backward"], 2),
+    "pp2_v": ("pp2", PP2 + V, 2),
+    "pp2_v_split_backward": ("pp2", PP2 + V + ["--dpp-split-backward"], 2),
+    "pp2_v_zbv_split_backward": ("pp2", PP2 + V + ["--dpp-policy", "zb-v",
+                                                   "--dpp-split-backward"], 2),
+    "tp2_pp2_v": ("tp2_pp2", TP2_PP2 + V, 4),
+    "pp4_v": ("pp2_8_layers", ["--pipeline-model-parallel-size", "4"] + EIGHT_LAYERS + V, 4),
 }
 
 _reference_cache = {}

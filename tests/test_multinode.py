@@ -131,6 +131,10 @@ CASES = [
     ("pp4_vpp2_varlen_dpp", dict(PP="4", VPP="2", NPROC="2", USE_DPP="1", RECIPE="gpt3_tiny"),
      ["--num-layers", "8", "--variable-seq-lengths"],
      dict(PP="4", VPP="2", NPROC="4", USE_DPP="1", RECIPE="gpt3_tiny")),
+    # The v placement across the nodes: stages 0, 3 on the master, 1, 2 (the turn) on the worker;
+    # against the v on one node, which tests/test_dpp_parity.py holds to Megatron's 1F1B.
+    ("pp2_v_dpp", dict(PP="2", VPP="2", NPROC="1", USE_DPP="1"), ["--dpp-stage-placement", "v"],
+     dict(PP="2", VPP="2", NPROC="2", USE_DPP="1")),
 ]
 
 
@@ -145,7 +149,7 @@ def test_two_nodes_match_single_node(tmp_path, name, layout, extra, single_layou
     traces_dir = tmp_path / "traces"
     logs = _run_two_nodes(tmp_path, layout, [*extra, "--trace", "--trace-dir", str(traces_dir)],
                           timeout=280)
-    # The last pipeline stage logs the loss; it runs on the worker node (node 1).
+    # The last pipeline stage logs the loss: on the worker node (node 1), on the master for the v.
     losses, norms = parse_log(logs[1] + logs[0])
     _assert_close(f"{name} lm loss", losses[:len(want_losses)], want_losses)
     _assert_close(f"{name} grad norm", norms[:len(want_norms)], want_norms)

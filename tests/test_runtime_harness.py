@@ -37,6 +37,21 @@ def test_every_policy_computes_the_unpipelined_gradients(P, V, policies):
         _assert_matches_reference(run_pipeline(P, V, sizes, policy), P, V, sizes)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("P", [2, 3, 4])
+@pytest.mark.parametrize("split_backward", [False, True], ids=["fused", "split"])
+def test_the_v_placement_computes_the_unpipelined_gradients_handing_the_turn_over(P, split_backward):
+    # Per microbatch the forward crosses 2P-1 stage boundaries and so does the backward; the one
+    # at the V's turn (stages P-1 and P, both on rank P-1) is handed over on the rank, not sent.
+    for policy in ("dpp:adaptive", "zb-v", "gpipe", "dpp:greedy"):
+        result = run_pipeline(P, 2, SIZES, policy, split_backward=split_backward, placement="v")
+        _assert_matches_reference(result, P, 2, SIZES)
+        assert result.hub.delivered == 2 * (2 * P - 2) * len(SIZES), policy
+    interleaved = run_pipeline(P, 2, SIZES[:6] if P == 3 else SIZES, "dpp:adaptive",
+                               split_backward=split_backward)
+    assert interleaved.hub.delivered == 2 * (2 * P - 1) * len(SIZES[:6] if P == 3 else SIZES)
+
+
 @pytest.mark.timeout(30)
 def test_tensor_parallel_followers_run_the_leaders_decisions():
     result = run_pipeline(2, 2, SIZES, "dpp:adaptive", tp=2)

@@ -58,6 +58,7 @@ class MemoryHub:
             collections.deque)  # (src, dst, tag) -> receive handles
         self._lost: set[int] = set()
         self._alive = 0  # received tensors not yet freed
+        self.delivered = 0  # messages sent, over the hub's life
 
     def transport(self, rank: int) -> "MemoryTransport":
         return MemoryTransport(self, rank)
@@ -79,6 +80,7 @@ class MemoryHub:
     def deliver(self, src: int, dst: int, tag: int, tensor: torch.Tensor) -> None:
         with self.cond:
             self._alive += 1
+            self.delivered += 1
             weakref.finalize(tensor, self._freed)
             posted = self._posted.get((src, dst, tag))
             if posted:

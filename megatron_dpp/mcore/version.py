@@ -20,6 +20,11 @@ SUPPORTED_VERSIONS = ("0.16.1",)
 # (module, qualified name) -> where our code relies on it, and how. Private names, methods we
 # override, and module globals we rebind or patch.
 SEAMS: dict[tuple[str, str], str] = {
+    ("megatron.core.parallel_state", "_MPU_PIPELINE_MODEL_PARALLEL_RANK"):
+        "mcore/stage_view.py reads and restores it around building a chunk of another placement",
+    ("megatron.core.process_groups_config", "ProcessGroupCollection.use_mpu_process_groups"):
+        "mcore/stage_view.py rebinds it while a chunk of another placement is built (BertModel's "
+        "TransformerBlock takes its groups from it)",
     ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator._communicate"):
         "mcore/p2p.py overrides it: Megatron's schedules over comm/megatron_p2p.py's Transport",
     ("megatron.core.distributed", "DistributedDataParallel._make_backward_post_hook"):
@@ -93,6 +98,13 @@ SEAMS: dict[tuple[str, str], str] = {
 # (module, qualified name) -> sha1[:12] of its source (inspect.getsource) in megatron-core 0.16.1:
 # the upstream code ours copies, near-copies or overrides (docs/mcore_internals.md says which).
 FINGERPRINTS: dict[tuple[str, str], str] = {
+    # mcore/stage_view.py: where a chunk's builder reads its pipeline rank.
+    ("megatron.core.transformer.transformer_layer", "get_transformer_layer_offset"): "6da3d4b93b71",
+    ("megatron.core.transformer.transformer_block", "get_num_layers_to_build"): "de04e2e37bd5",
+    ("megatron.core.transformer.pipeline_parallel_layer_layout",
+     "PipelineParallelLayerLayout.get_layer_offset"): "f6100864cc93",
+    ("megatron.core.transformer.pipeline_parallel_layer_layout",
+     "PipelineParallelLayerLayout.get_num_layers_to_build"): "3e0adf0ab05f",
     ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator._communicate"):
         "fbdfa3f9f80b",
     ("megatron.core.distributed.distributed_data_parallel",

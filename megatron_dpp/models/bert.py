@@ -22,11 +22,12 @@ from megatron_dpp import kernels
 from megatron_dpp.data.bert_datasets import build_bert_datasets
 from megatron_dpp.mcore.direct_layer import with_direct_classes
 from megatron_dpp.models.bert_mask import LocalMaskBertModel
-from megatron_dpp.models.init import build_model_chunks, stacked_model_global_name
+from megatron_dpp.models.init import build_model_chunks, stacked_model_global_name, stage_placement
 from megatron_dpp.models.memory_model import chunk_activation_bytes
 from megatron_dpp.models.sdpa_attention import with_core_attention
 from megatron_dpp.models import families
 from megatron_dpp.models.spec import ModelSpec
+from megatron_dpp.pipeline.placement import INTERLEAVED
 
 # Sentence-order prediction has two classes; Megatron-LM gives the token-type embedding two rows
 # when the binary head is on, none otherwise.
@@ -60,9 +61,11 @@ def bert_layer_spec(attention: Optional[str] = None) -> ModuleSpec:
 
 def build_bert_chunks(config: TransformerConfig, shape: BertShape, seed: int,
                       deferred_weight_grads: bool = False,
-                      attention: Optional[str] = None) -> list[BertModel]:
+                      attention: Optional[str] = None,
+                      placement: str = INTERLEAVED) -> list[BertModel]:
     """The model chunks of this pipeline rank (one per virtual stage), initialized layout-free;
-    attention: the core attention megatron_dpp.kernels chose (None: this machine's default).
+    attention: the core attention megatron_dpp.kernels chose (None: this machine's default);
+    placement: which stage each chunk is (--dpp-stage-placement, models/init.py).
     Embeddings and the masked-LM output layer share their weight, as in Megatron-LM.
 
     deferred_weight_grads (--dpp-split-backward): DeferredBertModel over Megatron-Core's local
@@ -77,7 +80,7 @@ def build_bert_chunks(config: TransformerConfig, shape: BertShape, seed: int,
 
         model_class = DeferredBertModel
     return build_model_chunks(
-        model_class, spec, config, seed, _global_name,
+        model_class, spec, config, seed, _global_name, placement=placement,
         num_tokentypes=SENTENCE_ORDER_CLASSES if shape.binary_head else 0,
         vocab_size=shape.padded_vocab_size,
         max_sequence_length=shape.max_position_embeddings,
@@ -93,7 +96,8 @@ def _build_chunks_from_args(args: argparse.Namespace, config: TransformerConfig,
                       binary_head=args.bert_binary_head)
     return build_bert_chunks(config, shape, seed,
                              deferred_weight_grads=getattr(args, "dpp_split_backward", False),
-                             attention=kernels.core_attention_from_args(args).module)
+                             attention=kernels.core_attention_from_args(args).module,
+                             placement=stage_placement(args))
 
 
 _LAYERS_PREFIX = "encoder.layers."

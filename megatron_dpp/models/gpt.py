@@ -18,11 +18,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_dpp import kernels
 from megatron_dpp.data.datasets import build_train_valid_test_datasets
 from megatron_dpp.mcore.direct_layer import with_direct_classes
-from megatron_dpp.models.init import build_model_chunks, stacked_model_global_name
+from megatron_dpp.models.init import build_model_chunks, stacked_model_global_name, stage_placement
 from megatron_dpp.models.memory_model import chunk_activation_bytes
 from megatron_dpp.models.sdpa_attention import with_core_attention
 from megatron_dpp.models import families
 from megatron_dpp.models.spec import ModelSpec
+from megatron_dpp.pipeline.placement import INTERLEAVED
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,11 @@ def architecture_config_fields(args: argparse.Namespace) -> dict:
 
 def build_gpt_chunks(config: TransformerConfig, shape: GPTShape, seed: int,
                      deferred_weight_grads: bool = False,
-                     attention: Optional[str] = None) -> list[GPTModel]:
+                     attention: Optional[str] = None,
+                     placement: str = INTERLEAVED) -> list[GPTModel]:
     """The model chunks of this pipeline rank (one per virtual stage), initialized layout-free;
-    attention: the core attention megatron_dpp.kernels chose (None: this machine's default).
+    attention: the core attention megatron_dpp.kernels chose (None: this machine's default);
+    placement: which stage each chunk is (--dpp-stage-placement, models/init.py).
 
     deferred_weight_grads (--dpp-split-backward): DeferredGPTModel over Megatron-Core's local
     layer spec (never Transformer Engine's; kernels chooses no Transformer Engine attention with
@@ -105,7 +108,7 @@ def build_gpt_chunks(config: TransformerConfig, shape: GPTShape, seed: int,
                   "rope_scaling": shape.rope_scaling,
                   "rope_scaling_factor": shape.rope_scaling_factor}
     return build_model_chunks(
-        model_class, spec, config, seed, gpt_global_parameter_name,
+        model_class, spec, config, seed, gpt_global_parameter_name, placement=placement,
         vocab_size=shape.padded_vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         share_embeddings_and_output_weights=not shape.untie_embeddings_and_output_weights,
@@ -130,7 +133,8 @@ def build_chunks_from_args(args: argparse.Namespace, config: TransformerConfig,
     """The chunks of GPT and of the models that are GPT with a preset of its flags (Llama)."""
     return build_gpt_chunks(config, gpt_shape_from_args(args), seed,
                             deferred_weight_grads=getattr(args, "dpp_split_backward", False),
-                            attention=kernels.core_attention_from_args(args).module)
+                            attention=kernels.core_attention_from_args(args).module,
+                            placement=stage_placement(args))
 
 
 _LAYERS_PREFIX = "decoder.layers."

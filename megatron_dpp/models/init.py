@@ -9,6 +9,7 @@ from a chunk-local parameter name to its global name (ModelSpec.global_parameter
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from typing import Callable
@@ -16,6 +17,9 @@ from typing import Callable
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer import TransformerConfig
+
+from megatron_dpp.mcore.stage_view import building_as_pipeline_rank
+from megatron_dpp.pipeline.placement import INTERLEAVED, interleaved, named_placement
 
 # Megatron scales the init of the layers that write into the residual stream by 1/sqrt(2L).
 _SCALED_INIT = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
@@ -79,26 +83,49 @@ def stacked_model_global_name(layers, layers_prefix: str, shares_embedding: bool
     return local_name
 
 
+def stage_placement(args) -> str:
+    """The placement the job's chunks are built for: --dpp-stage-placement; Megatron-Core's
+    interleaved one for the tools that build a model without the training flags (the converters,
+    the search's measurements)."""
+    return getattr(args, "dpp_stage_placement", INTERLEAVED)
+
+
 def build_model_chunks(model_class: type, layer_spec, config: TransformerConfig, seed: int,
                        global_name: Callable[[torch.nn.Module, str], str],
-                       **model_arguments) -> list[torch.nn.Module]:
+                       placement: str = INTERLEAVED, **model_arguments) -> list[torch.nn.Module]:
     """This pipeline rank's chunks of `model_class` (GPTModel, BertModel or a subclass), one per
     virtual stage, each with its share of `layer_spec`'s layers and initialized layout-free;
     `model_arguments`: the rest of the model's constructor (vocabulary, positions, tying).
+    `placement` (pipeline/placement.py's PLACEMENT_NAMES, --dpp-stage-placement): which stage each
+    chunk is; chunk c is the placement's stage s, with the layers Megatron-Core gives stage s
+    (so uneven splits and layout strings count stages the same way on every placement), the
+    embedding where s is the first stage and the output layer and loss where it is the last.
     config.perform_initialization False (Megatron-Core's switch): no initialization at all, for
     a caller that fills every parameter itself (the Hugging Face converter, the export)."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    layout = named_placement(placement, pp_size, vpp or 1)
+    # Megatron-Core builds the layers of the stage its own placement puts at (rank, vp_stage).
+    megatron_layout = interleaved(pp_size, vpp or 1)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []
-    for vp_stage in range(vpp or 1):
-        stage = vp_stage if vpp else None
-        model = model_class(
-            config=config,
-            transformer_layer_spec=layer_spec,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            vp_stage=stage,
-            **model_arguments,
-        )
+    for chunk in range(vpp or 1):
+        stage = layout.stage(rank, chunk)
+        megatron_rank, vp_stage = megatron_layout.location(stage)
+        with contextlib.ExitStack() as building:
+            where = {}
+            if megatron_rank != rank:
+                where["pg_collection"] = building.enter_context(
+                    building_as_pipeline_rank(megatron_rank))
+            model = model_class(
+                config=config,
+                transformer_layer_spec=layer_spec,
+                pre_process=stage == layout.first_stage,
+                post_process=stage == layout.last_stage,
+                vp_stage=vp_stage if vpp else None,
+                **where,
+                **model_arguments,
+            )
         if config.perform_initialization:
             initialize_layout_independent(model, config, seed, global_name)
         chunks.append(model)

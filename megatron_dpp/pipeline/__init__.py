@@ -26,8 +26,8 @@ Interface (stable names):
   `SCHEDULE_NAMES` (registry.py, the only place they are spelled): gpipe, 1f1b (V=1),
   interleaved-1f1b (V>1), 1f1b-sorted (Megatron's order over dpp:adaptive's size-sorted microbatch
   order), dpp:adaptive (`DEFAULT_POLICY`), dpp:breadth-first, dpp:depth-first, dpp:greedy; on
-  the v placement also zb-v (`V_PLACEMENT_SCHEDULES`, ZB-V's order; the runtime runs the
-  interleaved placement only). `check_policy_placement(name, placement)` refuses, in one line, a
+  the v placement also zb-v (`V_PLACEMENT_SCHEDULES`, ZB-V's order; the runtime runs both named
+  placements, `PLACEMENT_NAMES`, --dpp-stage-placement). `check_policy_placement(name, placement)` refuses, in one line, a
   policy whose order assumes another placement.
   Options: microbatch_group_size_per_vp_stage (interleaved group size, default P; also sets
   dpp:adaptive's spine and the V>1 default budget), max_inflight (dpp:*: admit by a count of held

@@ -25,6 +25,8 @@ import dataclasses
 INTERLEAVED = "interleaved"
 V_SHAPE = "v"
 CUSTOM = "custom"
+# The placements the runtime builds models for, by name (--dpp-stage-placement).
+PLACEMENT_NAMES = (INTERLEAVED, V_SHAPE)
 
 
 def _interleaved_ranks(P: int, V: int) -> tuple[int, ...]:
@@ -179,6 +181,17 @@ def v_shape(P: int) -> Placement:
     if P < 1:
         raise ValueError(f"v placement needs P >= 1, got P={P}")
     return Placement(_v_ranks(P))
+
+
+def named_placement(name: str, P: int, V: int) -> Placement:
+    """The placement PLACEMENT_NAMES calls `name` for P ranks of V chunks each."""
+    if name == INTERLEAVED:
+        return interleaved(P, V)
+    if name == V_SHAPE:
+        if V != 2:
+            raise ValueError(f"the v placement holds two model chunks per rank, got V={V}")
+        return v_shape(P)
+    raise ValueError(f"unknown stage placement {name!r}; choose one of {', '.join(PLACEMENT_NAMES)}")
 
 
 def from_stage_ranks(stage_ranks) -> Placement:

@@ -1,11 +1,12 @@
 """Configuration of the DPP runtime (--use-dpp, --dpp-policy, --dpp-memory-budget, --dpp-timeout,
---dpp-split-backward)."""
+--dpp-split-backward, --dpp-stage-placement)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from megatron_dpp.exit_codes import STALLED
 from megatron_dpp.pipeline import DEFAULT_POLICY, MemoryBudget, check_memory_budget
+from megatron_dpp.pipeline.placement import INTERLEAVED, PLACEMENT_NAMES
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,11 @@ class DPPConfig:
     """--dpp-split-backward: every backward is B (input gradient) and W (weight gradients); the
     model chunks must be built with deferrable weight gradients (models.weight_grad)."""
 
+    placement: str = INTERLEAVED
+    """Which rank holds each virtual stage (pipeline/placement.py's PLACEMENT_NAMES): 'interleaved',
+    Megatron-Core's (chunk c of rank r is stage c*P + r), or 'v', ZB-V's (two chunks a rank, chunk 1
+    of rank r is stage 2P-1-r); the model chunks must be built for it (models/init.py)."""
+
     timeout_exit_code: int = STALLED
     """Exit status of a rank that made no progress for timeout_s, or whose transport failed
     (megatron_dpp.exit_codes)."""
@@ -36,3 +42,6 @@ class DPPConfig:
         if self.timeout_s <= 0:
             raise ValueError(f"DPP timeout must be positive, got {self.timeout_s}")
         check_memory_budget(self.memory_budget_bytes, what="DPP memory budget")
+        if self.placement not in PLACEMENT_NAMES:
+            raise ValueError(f"unknown stage placement {self.placement!r}; choose one of "
+                             f"{', '.join(PLACEMENT_NAMES)}")

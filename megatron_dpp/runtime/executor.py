@@ -46,7 +46,7 @@ from megatron_dpp.mcore.schedules import (ForwardBackwardFunc, schedule_epilogue
 from megatron_dpp.pipeline import (Phase, RanTask, ReadyTracker, RunLog, Task, TaskGraph,
                                    make_scheduler)
 from megatron_dpp.pipeline.budget import largest_microbatch_bytes
-from megatron_dpp.pipeline.placement import Placement, interleaved
+from megatron_dpp.pipeline.placement import Placement, named_placement
 from megatron_dpp.runtime.batch import GlobalBatch
 from megatron_dpp.runtime.config import DPPConfig
 from megatron_dpp.runtime.grad_sync import GradSync
@@ -218,7 +218,7 @@ class ForwardBackwardDPP(ForwardBackwardFunc):
                                                 pg_collection.cp.size())
         _check_supported(config, layout.cp_size, kwargs["adjust_tensor_shapes_fn"], len(models),
                          iterators)
-        placement = runtime_placement(layout.pp_size, len(models))
+        placement = runtime_placement(layout.pp_size, len(models), session.config.placement)
         is_last_pipeline_rank = placement.local_chunk(layout.pp_rank, placement.last_stage) is not None
 
         embedding_module = schedule_prologue(config, models, forward_only, is_last_pipeline_rank)
@@ -289,7 +289,7 @@ class IterationRunner:
         self.V = len(models)
         self.P = layout.pp_size
         self.rank = layout.pp_rank
-        self.placement = runtime_placement(self.P, self.V)
+        self.placement = runtime_placement(self.P, self.V, self.dpp.placement)
         self.forward_only = forward_only
         self.collect_non_loss_data = collect_non_loss_data
         self.first_val_step = first_val_step
@@ -373,7 +373,7 @@ class IterationRunner:
     def _post_receives(self):
         for task in self.tasks:
             source = self.graph.input_source(self.rank, task)
-            if source is None:
+            if source is None or source[0] == self.rank:  # none, or handed over on this rank
                 continue
             peer = self.layout.pp_ranks[source[0]]
             tag = message_tag(self.iteration, source[1])
@@ -588,6 +588,9 @@ class IterationRunner:
         task, tensor = self.outgoing
         self.outgoing = None
         target = self.graph.output_target(self.rank, task)
+        if target[0] == self.rank:
+            self._hand_over(target[1], tensor)
+            return
         peer, tag = self.layout.pp_ranks[target[0]], message_tag(self.iteration, task)
         posted = time.perf_counter()  # before isend: the peer may take the message in at once
         self.pending_sends.append(self.transport.isend(tensor, peer, tag))
@@ -595,6 +598,15 @@ class IterationRunner:
             self.recorder.message(f"send {task}", posted,
                                   {"peer": peer, "tag": tag, "bytes": _nbytes(tensor)})
             self.recorder.wait(posted, time.perf_counter(), f"{POSTING_SEND} {task}")
+
+    def _hand_over(self, task: Task, tensor: torch.Tensor) -> None:
+        """The next stage is on this rank (the v placement's turn, stages P-1 and P): the output
+        is its input as it is, no transport and no copy. `send` detached it, so the next stage's
+        F starts a graph of its own at it (requires_grad on a leaf), as after a receive, and its
+        B's input gradient is the previous stage's output gradient. A trace shows no message for
+        it: its messages are the transport's."""
+        self.arrived[task] = tensor
+        self.tracker.input_arrived(task)
 
     def _reap_sends(self):
         while self.pending_sends:
@@ -657,10 +669,10 @@ class IterationRunner:
         raise DPPFailure(reason, self._state_lines(), lost_peer)
 
 
-def runtime_placement(P: int, V: int) -> Placement:
-    """The placement the runtime runs: Megatron's interleaved one, the only one Megatron-Core
-    builds its model chunks for (chunk c of pipeline rank r holds the layers of stage c*P + r)."""
-    return interleaved(P, V)
+def runtime_placement(P: int, V: int, name: str) -> Placement:
+    """The placement the runtime runs (DPPConfig.placement): the models' chunks were built for it
+    (models/init.py builds chunk c of rank r as the stage the placement puts there)."""
+    return named_placement(name, P, V)
 
 
 def _nbytes(tensor: Optional[torch.Tensor]) -> int:

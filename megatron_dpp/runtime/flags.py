@@ -1,5 +1,6 @@
 """The dynamic pipeline parallelism flags (--use-dpp, --dpp-policy, --dpp-memory-budget,
---dpp-timeout, --dpp-split-backward; --help's "dynamic pipeline parallelism" group) and their
+--dpp-timeout, --dpp-split-backward, --dpp-stage-placement; --help's "dynamic pipeline
+parallelism" group) and their
 checks. The policies, budgets and their parsers live in megatron_dpp.pipeline, the runtime's
 defaults in runtime/config.py (DPPConfig); megatron_dpp.arguments composes this module.
 
@@ -13,19 +14,34 @@ from typing import Optional
 
 from megatron_dpp.flag_errors import ArgsError, require
 from megatron_dpp.kernels import TRANSFORMER_ENGINE_BACKENDS
+from megatron_dpp.pipeline.placement import INTERLEAVED
 
 
 def add_dpp_args(parser: argparse.ArgumentParser) -> None:
-    from megatron_dpp.pipeline import AUTO_BUDGET, DEFAULT_POLICY, PROVISIONED_BUDGET, SCHEDULE_NAMES
+    from megatron_dpp.pipeline import (AUTO_BUDGET, DEFAULT_POLICY, PROVISIONED_BUDGET,
+                                       SCHEDULE_NAMES, V_PLACEMENT_SCHEDULES)
+    from megatron_dpp.pipeline.placement import INTERLEAVED, PLACEMENT_NAMES
     from megatron_dpp.runtime.config import DPPConfig
 
     group = parser.add_argument_group("dynamic pipeline parallelism")
     group.add_argument("--use-dpp", action="store_true",
                        help="Run the pipeline with the dynamic scheduler (forward_backward_dpp) instead "
                             "of Megatron's fixed 1F1B / interleaved order.")
-    group.add_argument("--dpp-policy", type=str, default=DEFAULT_POLICY, choices=SCHEDULE_NAMES,
+    group.add_argument("--dpp-policy", type=str, default=DEFAULT_POLICY,
+                       choices=SCHEDULE_NAMES + V_PLACEMENT_SCHEDULES,
                        help="Scheduling policy of --use-dpp (the static orders run through the same "
-                            "runtime, for comparison).")
+                            "runtime, for comparison; zb-v is the Zero Bubble paper's ZB-V order, "
+                            "torch's ScheduleZBVZeroBubble, on --dpp-stage-placement v).")
+    group.add_argument("--dpp-stage-placement", type=str, default=INTERLEAVED,
+                       choices=PLACEMENT_NAMES,
+                       help="Which pipeline rank holds each model chunk under --use-dpp. "
+                            "'interleaved' (default): Megatron-Core's, chunk c of rank r is stage "
+                            "c*P+r (torch's 'loop' style). 'v': ZB-V's and DualPipeV's (torch's "
+                            "'v' style), two chunks a rank, chunk 0 on ranks 0..P-1 and chunk 1 "
+                            "back on ranks P-1..0, so the last stage's backward starts on the rank "
+                            "that ran its forward and rank 0 holds the embedding and the loss; "
+                            "needs two virtual stages a rank (--num-virtual-stages-per-pipeline-"
+                            "rank 2).")
     group.add_argument("--dpp-memory-budget", type=str, default=AUTO_BUDGET,
                        help=f"Activation bytes a pipeline rank may hold, counted for full-length "
                             f"microbatches. '{AUTO_BUDGET}' (default): as many microbatches as Megatron's "
@@ -69,6 +85,10 @@ def validate_dpp_args(args: argparse.Namespace, minimum_budget_bytes: Optional[i
         require(not getattr(args, "dpp_split_backward", False),
                 "--dpp-split-backward splits the backward of the DPP runtime; add --use-dpp or "
                 "drop --dpp-split-backward")
+        require(args.dpp_stage_placement == INTERLEAVED,
+                f"--dpp-stage-placement {args.dpp_stage_placement} is run by the DPP runtime "
+                f"(Megatron's schedules run its interleaved placement); add --use-dpp or drop "
+                f"--dpp-stage-placement")
         return
     require(args.pipeline_model_parallel_size >= 2,
             "--use-dpp schedules a pipeline; set --pipeline-model-parallel-size 2 or more, or drop "
@@ -77,6 +97,7 @@ def validate_dpp_args(args: argparse.Namespace, minimum_budget_bytes: Optional[i
         check_policy_layout(args.dpp_policy, args.parallel.chunks_per_rank)
     except ValueError as error:
         raise ArgsError(f"--dpp-policy {error}") from None
+    _validate_placement(args)
     _validate_split_backward(args)
     _validate_budget_minimum(args, minimum_budget_bytes)
 
@@ -101,6 +122,38 @@ def _validate_budget_minimum(args: argparse.Namespace, minimum: Optional[int]) -
             f"microbatch, --seq-length x --micro-batch-size, on each of the "
             f"{args.parallel.chunks_per_rank} model chunks of a rank{stash}); "
             f"give at least {minimum}, 'auto' or 'provisioned'")
+
+
+def _validate_placement(args: argparse.Namespace) -> None:
+    """--dpp-stage-placement (with --use-dpp): the v placement's two chunks a rank, a policy with
+    an order on it, and the tied embedding's two copies summed on rank 0 before the
+    data-parallel reduction (finalize_model_grads), which --overlap-grad-reduce starts earlier."""
+    from megatron_dpp.pipeline import check_policy_placement
+    from megatron_dpp.pipeline.placement import V_SHAPE, named_placement
+
+    chunks = args.parallel.chunks_per_rank
+    if args.dpp_stage_placement == V_SHAPE:
+        require(chunks == 2,
+                f"--dpp-stage-placement v holds two model chunks per rank, got {chunks}; add "
+                f"--num-virtual-stages-per-pipeline-rank 2")
+        require(not (args.overlap_grad_reduce and args.parallel.data_parallel_size > 1
+                     and not getattr(args, "untie_embeddings_and_output_weights", False)),
+                "--dpp-stage-placement v sums the tied embedding's two copies on rank 0 before the "
+                "data-parallel reduction, which --overlap-grad-reduce starts during the backward; "
+                "drop --overlap-grad-reduce or add --untie-embeddings-and-output-weights")
+        require(not getattr(args, "calculate_per_token_loss", False),
+                "--dpp-stage-placement v computes the loss on pipeline rank 0, and "
+                "--calculate-per-token-loss takes the token count from the last pipeline rank "
+                "(Megatron-Core's finalize_model_grads); drop one of them")
+        require(args.save is None and args.load is None,
+                "--dpp-stage-placement v does not save or load checkpoints yet (resharding its "
+                "chunks by global layer number is not built); drop --save/--load or the flag")
+    try:
+        check_policy_placement(args.dpp_policy,
+                               named_placement(args.dpp_stage_placement,
+                                               args.pipeline_model_parallel_size, chunks))
+    except ValueError as error:
+        raise ArgsError(f"--dpp-policy {error}") from None
 
 
 def _validate_split_backward(args: argparse.Namespace) -> None:

@@ -127,7 +127,8 @@ def _build_dpp(args: argparse.Namespace, spec: ModelSpec, run_directory: Optiona
 
     config = DPPConfig(policy=args.dpp_policy, memory_budget_bytes=args.dpp_memory_budget_bytes,
                        timeout_s=args.dpp_timeout,
-                       split_backward=getattr(args, "dpp_split_backward", False))
+                       split_backward=getattr(args, "dpp_split_backward", False),
+                       placement=args.dpp_stage_placement)
     transport = make_transport_from_args(args, peers=dpp_peers())
     trace = None
     if args.trace:

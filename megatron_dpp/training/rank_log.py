@@ -7,10 +7,12 @@ from datetime import datetime
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_dpp.training.stage_placement import holds_the_loss
+
 
 def is_logging_rank() -> bool:
     """The rank that holds the loss and prints: last pipeline stage, first tp and dp rank."""
-    return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    return (holds_the_loss()
             and parallel_state.get_tensor_model_parallel_rank() == 0
             and parallel_state.get_data_parallel_rank() == 0)
 

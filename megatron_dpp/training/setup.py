@@ -41,6 +41,8 @@ from megatron_dpp.training.config import (
 from megatron_dpp.training.observe.step_tracing import StepTracer
 from megatron_dpp.training.observe.timers import attach_timers, timers_from_args
 from megatron_dpp.training.rank_log import log, log_rank0
+from megatron_dpp.training.stage_placement import embedding_ranks_for, job_placement, use_stage_placement
+from megatron_dpp.training.tied_embeddings import finalize_with_local_tie
 
 
 def setup_node_network(args: argparse.Namespace) -> bool:
@@ -59,10 +61,14 @@ def setup_node_network(args: argparse.Namespace) -> bool:
 def initialize_distributed(args: argparse.Namespace, platform: Platform) -> None:
     dist.init_process_group(backend=args.parallel.distributed_backend,
                             timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    use_stage_placement(args.dpp_stage_placement)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.parallel.virtual_pipeline_model_parallel_size,
+        get_embedding_ranks=embedding_ranks_for(
+            args.dpp_stage_placement, args.parallel.chunks_per_rank,
+            tied=not getattr(args, "untie_embeddings_and_output_weights", False)),
     )
 
 
@@ -114,7 +120,8 @@ def build_model_and_optimizer(args, platform: Platform, seed: int, spec: ModelSp
     set_torch_adam_implementation(optimizer, fused=kernels.torch_fused_adam(args.optimizer))
     install_sgd_state_init(optimizer)  # --optimizer sgd: what a torch_dist load calls
     set_sync_funcs(config, model, args)
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = finalize_with_local_tie(
+        finalize_model_grads, job_placement(), parallel_state.get_pipeline_model_parallel_rank())
     config.grad_scale_func = optimizer.scale_loss
     return config, model, optimizer
 

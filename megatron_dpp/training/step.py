@@ -54,6 +54,7 @@ from megatron_dpp.training.observe.tracing import agree_run_directory
 from megatron_dpp.training.observe.wandb_log import WandbInitError
 from megatron_dpp.training.pipeline import build_forward_backward, close_forward_backward
 from megatron_dpp.training.rank_log import is_logging_rank, log, log_rank0
+from megatron_dpp.training.stage_placement import holds_the_loss
 from megatron_dpp.training.setup import (
     build_model_and_optimizer,
     nvtx_around_gradient_sync,
@@ -88,7 +89,7 @@ class ReducedLosses:
 def reduce_losses_on_device(losses_reduced: list[dict],
                             device: torch.device) -> ReducedLosses | None:
     """reduce_losses without reading the result (no host-device synchronization)."""
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    if not holds_the_loss():
         return None
     names = [LM_LOSS] + sorted({name for entry in losses_reduced for name in entry} - {LM_LOSS})
     total = torch.zeros(len(names), 2, dtype=torch.float64, device=device)
@@ -202,7 +203,7 @@ class Trainer:
         self.state.consumed_samples += batch
         self.last_global_batch_size = batch
         self.watch("the loss all-reduce over the data-parallel group")
-        with self.in_collective(LOSS_ALL_REDUCE, parallel_state.is_pipeline_last_stage(ignore_virtual=True)):
+        with self.in_collective(LOSS_ALL_REDUCE, holds_the_loss()):
             reduced = reduce_losses_on_device(losses, self.platform.device)
         self.unwatch()
         if self.profiler is not None:

@@ -27,6 +27,7 @@ from megatron.core import parallel_state
 
 from megatron_dpp.comm.nodes import this_node_rank
 from megatron_dpp.one_write import say
+from megatron_dpp.pipeline.placement import INTERLEAVED, named_placement
 from megatron_dpp.pipeline.registry import ONE_F_ONE_B
 from megatron_dpp.trace.clock import ClockAlignment, OffsetSample
 from megatron_dpp.trace.device_clock import DeviceClock
@@ -178,7 +179,12 @@ def start_trace(args: argparse.Namespace, directory: str) -> RunTrace:
     recorder = TraceRecorder(rank, f"rank {rank} (pp {pp}, tp {tp}, dp {dp})", device_clock)
     metadata = {"run": os.path.basename(directory), "rank": rank, "world_size": dist.get_world_size(),
                 "pipeline_rank": pp, "tensor_rank": tp, "data_rank": dp,
-                "schedule": schedule_name(args), "policy": policy_label(args), **_node_metadata()}
+                "schedule": schedule_name(args), "policy": policy_label(args),
+                "placement": str(named_placement(
+                    getattr(args, "dpp_stage_placement", INTERLEAVED),
+                    parallel_state.get_pipeline_model_parallel_world_size(),
+                    parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)),
+                **_node_metadata()}
     if int(os.environ.get("LOCAL_RANK", rank)) == 0:  # one line per node
         ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         warning = trace_space_warning(directory, ranks_here, estimated_trace_bytes(args))
