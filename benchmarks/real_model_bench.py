@@ -1,10 +1,12 @@
-"""The real GPT at pp=2 over variable-length data: Megatron-Core's 1F1B against the DPP runtime's
-policies, paired batch by batch.
+"""The real GPT at pp=2, over variable-length samples (--data varlen) or Megatron's packed
+windows (--data packed): Megatron-Core's 1F1B against the DPP runtime's policies, paired batch by
+batch.
 
 Variants: Megatron's 1F1B (the reference, over the same shm_tensor transport), 1f1b-sorted and
 dpp:adaptive (the runtime with fused backwards) and dpp:adaptive+W (the same with
---dpp-split-backward). Every rank runs on a core of its own (benchmarks/pinned_rank.py;
-OMP_NUM_THREADS=1). Two parts:
+--dpp-split-backward); on the v placement (--dpp-stage-placement v, two chunks a rank, ending in
+/v) zb-v (ZB-V's order) and dpp:adaptive, fused and split. Every rank runs on a core of its own
+(benchmarks/pinned_rank.py; OMP_NUM_THREADS=1). Two parts:
 
 1. One process per rank (benchmarks/schedules_in_one_process.py): every variant's forward-backward
    runs on the same batch, one after the other (order rotating from batch to batch), for --batches
@@ -13,7 +15,8 @@ OMP_NUM_THREADS=1). Two parts:
    dpp:adaptive / 1f1b-sorted; and for the runtime's variants the compute time both ranks spent in
    their tasks, so dpp:adaptive+W / dpp:adaptive of it is what the split itself costs. The variants
    of one batch run seconds apart, so the machine's changes of speed (on shared cores they last
-   longer than a training run) fall on all of them alike: this is the figure to quote.
+   longer than a training run) fall on all of them alike: this is the figure to quote. The v
+   variants build other model chunks (two a rank) and so run in part 2 only.
 2. Training runs (--training-rounds, 0 to skip): every variant trains the same model with the same
    seed and data, so iteration i of every run sees the same samples; one run of each per round,
    order rotating; each run's time / the reference's for the same round and iteration (pairs of
@@ -55,6 +58,8 @@ from trace_analysis.load import find_run_directory, load_run  # noqa: E402
 from trace_analysis.timeline import run_timeline  # noqa: E402
 
 REFERENCE = "megatron-1f1b"
+V_PLACEMENT = ["--use-dpp", "--num-virtual-stages-per-pipeline-rank", "2",
+               "--dpp-stage-placement", "v"]
 # name -> extra flags. Megatron's 1F1B goes over the same transport as DPP (--p2p-transport auto:
 # shm_tensor between the two ranks), so the variants differ in the schedule alone.
 VARIANTS: Dict[str, List[str]] = {
@@ -63,7 +68,20 @@ VARIANTS: Dict[str, List[str]] = {
     "dpp:adaptive": ["--use-dpp", "--dpp-policy", "dpp:adaptive"],
     # Every backward split into B and W (docs/dpp_runtime.md, "Split backwards").
     "dpp:adaptive+W": ["--use-dpp", "--dpp-policy", "dpp:adaptive", "--dpp-split-backward"],
+    # The v placement (docs/scheduling.md, "Running the v placement"): 4 stages of one layer each.
+    "zb-v/v": [*V_PLACEMENT, "--dpp-policy", "zb-v"],
+    "zb-v+W/v": [*V_PLACEMENT, "--dpp-policy", "zb-v", "--dpp-split-backward"],
+    "dpp:adaptive/v": [*V_PLACEMENT, "--dpp-policy", "dpp:adaptive"],
+    "dpp:adaptive+W/v": [*V_PLACEMENT, "--dpp-policy", "dpp:adaptive", "--dpp-split-backward"],
 }
+DEFAULT_VARIANTS = [REFERENCE, "1f1b-sorted", "dpp:adaptive", "dpp:adaptive+W", "zb-v+W/v",
+                    "dpp:adaptive+W/v"]
+# Part 1 shares one model between its variants: those that build other chunks run in part 2 only.
+OTHER_CHUNKS_FLAG = "--num-virtual-stages-per-pipeline-rank"
+
+
+def one_process_variants(variants: List[str]) -> List[str]:
+    return [name for name in variants if OTHER_CHUNKS_FLAG not in VARIANTS[name]]
 
 
 ONE_PROCESS_ENTRY = (os.path.join(REPO, "benchmarks", "schedules_in_one_process.py"),)
@@ -83,7 +101,8 @@ def gpt_flags(args: argparse.Namespace, trace_dir: Optional[str] = None,
             "--micro-batch-size", "1", "--global-batch-size", str(args.microbatches),
             "--train-iters", str(train_iters or args.iters), "--lr", "1e-3", "--hidden-dropout", "0",
             "--attention-dropout", "0", "--seed", "1234", "--log-interval", "1", "--eval-iters", "0",
-            "--pipeline-model-parallel-size", "2", "--variable-seq-lengths",
+            "--pipeline-model-parallel-size", "2",
+            *(["--variable-seq-lengths"] if args.data == "varlen" else []),
             *(["--trace", "--trace-dir", trace_dir] if trace_dir else [])]
 
 
@@ -106,7 +125,7 @@ def run_one_process(args: argparse.Namespace) -> dict:
     """Part 1: every variant on the same batches in one process per rank; the raw result of
     schedules_in_one_process.py."""
     flags = gpt_flags(args, train_iters=args.batches)
-    variants = {name: VARIANTS[name] for name in args.variants}
+    variants = {name: VARIANTS[name] for name in one_process_variants(args.variants)}
     _times, output = run_gpt_with_output(
         flags, 0, args.timeout * 2, "one-process", entry=ONE_PROCESS_ENTRY,
         extra_env={"VARIANTS": json.dumps(variants), "BATCHES": str(args.batches)})
@@ -162,8 +181,13 @@ def trace_stats(trace_dir: str, skip: int) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
-                        help=f"Variants to run; {REFERENCE} (the reference) is always among them.")
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
+                        help=f"Variants to run (default {' '.join(DEFAULT_VARIANTS)}); {REFERENCE} "
+                             f"(the reference) is always among them.")
+    parser.add_argument("--data", choices=("varlen", "packed"), default="varlen",
+                        help="varlen (default): one document per sample, up to --seq-length tokens "
+                             "(--variable-seq-lengths); packed: Megatron's GPT dataset, windows of "
+                             "exactly --seq-length tokens.")
     parser.add_argument("--batches", type=int, default=30,
                         help="Part 1: batches every variant runs on, in one process (default 30).")
     parser.add_argument("--batch-skip", type=int, default=2,
@@ -187,7 +211,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="Smoke run: 3 batches (skip 1) in one process, 1 round of 3 training "
                              "iterations (skip 1), 4 microbatches of up to 64 tokens, hidden size "
-                             "64, 2 layers.")
+                             "64, 4 layers.")
     parser.add_argument("--json", type=str, default=None,
                         help="Write the settings, every run's iteration times and trace figures, and "
                              "the summary here.")
@@ -195,7 +219,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick:
         args.rounds, args.iters, args.skip, args.microbatches = min(args.rounds, 1), 3, 1, 4
         args.batches, args.batch_skip = 3, 1
-        args.seq_length, args.hidden_size, args.attention_heads, args.num_layers = 64, 64, 4, 2
+        args.seq_length, args.hidden_size, args.attention_heads, args.num_layers = 64, 64, 4, 4
     if REFERENCE not in args.variants:
         args.variants = [REFERENCE, *args.variants]
     if min(args.iters, args.microbatches, args.batches) < 1 or args.rounds < 0 or args.seq_length < 8:
@@ -205,6 +229,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--batch-skip must be in [0, --batches {args.batches})")
     if not 0 <= args.skip < args.iters:
         parser.error(f"--skip must be in [0, --iters {args.iters})")
+    if any(OTHER_CHUNKS_FLAG in VARIANTS[name] for name in args.variants) and args.num_layers % 4:
+        parser.error("the /v variants split --num-layers over 4 stages (2 ranks x 2 chunks): give "
+                     "a multiple of 4")
     if args.num_layers % 2 or args.hidden_size % args.attention_heads:
         parser.error("--num-layers must be even (2 stages) and --hidden-size divisible by "
                      "--attention-heads")
@@ -217,13 +244,14 @@ def main(argv=None) -> int:
     times: Dict[str, List[List[float]]] = {name: [] for name in args.variants}
     stats: Dict[str, List[dict]] = {name: [] for name in args.variants}
     started = time.time()
-    print(f"real GPT pp=2, variable lengths (hidden {args.hidden_size}, {args.num_layers} layers, "
+    lengths = "variable lengths" if args.data == "varlen" else "packed windows"
+    print(f"real GPT pp=2, {lengths} (hidden {args.hidden_size}, {args.num_layers} layers, "
           f"{args.microbatches} microbatches of up to {args.seq_length} tokens), one core per rank")
     one_process = run_one_process(args)
     one_summary = summarize_one_process(one_process, args.batch_skip)
     print(f"part 1, one process: every variant on the same {args.batches} batches (first "
           f"{args.batch_skip} left out), same weights")
-    for name in args.variants:
+    for name in one_process_variants(args.variants):
         row = one_summary[name]
         compute = ""
         if "compute_ms" in row:
@@ -278,7 +306,8 @@ def main(argv=None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         settings = {key: getattr(args, key) for key in
-                    ("variants", "batches", "batch_skip", "rounds", "iters", "skip", "microbatches",
+                    ("variants", "data", "batches", "batch_skip", "rounds", "iters", "skip",
+                     "microbatches",
                      "seq_length", "hidden_size", "attention_heads", "num_layers", "quick")}
         with open(args.json, "w") as f:
             json.dump({"settings": settings, "reference": REFERENCE,

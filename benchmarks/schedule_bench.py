@@ -35,10 +35,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SCENARIOS = ("uniform", "varlen", "straggler")
 TORCH_SCHEDULES = {1: "torch:Schedule1F1B", 2: "torch:ScheduleInterleaved1F1B"}
-# Rows of the DPP runtime with split backwards (--dpp-split-backward) end in SPLIT_SUFFIX, and rows
-# under a --dpp-memory-budget mode other than auto in "@<mode>", as in benchmarks/schedule_sim.py.
+# Rows of the DPP runtime with split backwards (--dpp-split-backward) end in SPLIT_SUFFIX, rows on
+# the v placement (--dpp-stage-placement v) in V_SUFFIX, and rows under a --dpp-memory-budget mode
+# other than auto in "@<mode>", as in benchmarks/schedule_sim.py.
 SPLIT_SUFFIX = "+W"
+V_SUFFIX = "/v"
 SPLIT_SCHEDULES = ("dpp:adaptive+W", "dpp:adaptive+W@provisioned")
+# The v placement's rows (V=2): ZB-V's own order and dpp:adaptive on it, fused and split.
+V_PLACEMENT_ROWS = ("zb-v/v", "zb-v+W/v", "dpp:adaptive/v", "dpp:adaptive+W/v")
+# The zero-bubble issue's target: the best v row / Megatron's 1F1B (V=1), uniform sizes, every rank
+# holding at most what 1F1B holds on its first rank. Beside it ZB-V's bound: the simulator's time
+# for zb-v+W/v over 1f1b's on the sampled durations with no overhead (0.868 at P=4, M=16 when
+# F = B = W per chunk).
+V_TARGET = 0.89
+ZBV_BOUND_ROW = "zb-v+W/v"
 # The weight-gradient issue's targets: the best dpp:adaptive+W row / Megatron's, per (scenario, V).
 SPLIT_TARGETS = {("uniform", 1): 0.92, ("uniform", 2): 0.95, ("varlen", 1): 0.70, ("varlen", 2): 0.80}
 PREDICTION_TOLERANCE = 0.10  # |measured - predicted| / predicted the simulator should stay within
@@ -47,10 +57,18 @@ PREDICTION_TOLERANCE = 0.10  # |measured - predicted| / predicted the simulator 
 def parse_schedule(label: str):
     """A row's schedule label -> (schedule name, split backwards?, budget mode or None)."""
     name, _, budget = label.partition("@")
+    name = name.removesuffix(V_SUFFIX)
     split = name.endswith(SPLIT_SUFFIX)
     if split:
         name = name[:-len(SPLIT_SUFFIX)]
     return name, split, (budget or None)
+
+
+def placement_of(label: str) -> str:
+    """A row's stage placement (pipeline/placement.py's PLACEMENT_NAMES)."""
+    from megatron_dpp.pipeline.placement import INTERLEAVED, V_SHAPE
+
+    return V_SHAPE if label.partition("@")[0].endswith(V_SUFFIX) else INTERLEAVED
 
 
 @dataclass(frozen=True)
@@ -87,13 +105,15 @@ class Scenario:
     def act_bytes(self, sizes: List[int]) -> List[int]:
         return [s * self.bytes_per_token for s in sizes]
 
-    def graph(self, split_backward: bool = False):
+    def graph(self, split_backward: bool = False, placement: str = "interleaved"):
         from megatron_dpp.pipeline import TaskGraph
+        from megatron_dpp.pipeline.placement import named_placement
 
         sizes = self.sizes()
         return TaskGraph(self.P, self.V, self.M, sizes, self.act_bytes(sizes),
                          max_act_bytes=self.max_tokens * self.bytes_per_token,
-                         split_backward=split_backward)
+                         split_backward=split_backward,
+                         placement=named_placement(placement, self.P, self.V))
 
     def duration_model(self, forward_overhead: float = 0.0, backward_overhead: float = 0.0):
         from megatron_dpp.sim import DurationModel
@@ -144,7 +164,8 @@ def _build_runner(schedule: str, scenario: Scenario, model, transport, stash):
     # With split backwards a timed stage holds the activation itself until W (the simulator's
     # split graph), so the stash adds no bytes of its own to the budget's count.
     return make_forward_backward_dpp(
-        DPPConfig(policy=policy, timeout_s=120.0, split_backward=split, memory_budget_bytes=budget),
+        DPPConfig(policy=policy, timeout_s=120.0, split_backward=split, memory_budget_bytes=budget,
+                  placement=placement_of(schedule)),
         transport, microbatch_work,
         activation_bytes_fn=lambda _config, sizes, _mbs, _V, _P: scenario.act_bytes(list(sizes)),
         stash=stash if split else None,
@@ -277,7 +298,9 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
     P, V, M = scenario.P, scenario.V, scenario.M
     graph = scenario.graph()
     split_graph = scenario.graph(split_backward=True)
-    graph_of = {False: graph, True: split_graph}
+    # (split backwards?, placement) -> the task graph of a row
+    graph_of = {(split, placement): scenario.graph(split, placement)
+                for split in (False, True) for placement in {placement_of(s) for s in schedules}}
     sizes = [int(s) for s in graph.sizes]
     durations = scenario.duration_model().sample(graph, np.random.default_rng(scenario.seed))
     # The same draws with every backward divided into B and W (DurationModel.weight_grad_fraction).
@@ -294,7 +317,7 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
         _name, split, mode = parse_schedule(schedule)
         if executor_of(schedule) != "dpp":
             return default_budget_bytes(graph, rank)
-        return budget_bytes_for(mode, graph_of[split], rank)
+        return budget_bytes_for(mode, graph_of[(split, placement_of(schedule))], rank)
 
     # Per phase, the measured cost of each DPP-runtime task beyond its requested sleep (ms), and the
     # DPP runtime's setup before the first task (agreeing on sizes, building the schedule).
@@ -358,6 +381,7 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
                 "scenario": scenario.name, "P": P, "V": V, "M": M, "schedule": schedule,
                 "executor": executor_of(schedule), "time": statistics.median(times[schedule]),
                 "split_backward": parse_schedule(schedule)[1],
+                "placement": placement_of(schedule),
                 "peak_activation": max(peaks[schedule]),
                 "budget": max(per_rank[schedule] for per_rank in budgets),
                 "within_budget": not over_budget[schedule],
@@ -388,7 +412,7 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
     calibrated = scenario.duration_model(max(0.0, forward_ms), max(0.0, backward_ms))
     for row in rows:
         name, split, budget = parse_schedule(row["schedule"])
-        row_graph = graph_of[split]
+        row_graph = graph_of[(split, placement_of(row["schedule"]))]
         sim_name = {"torch:Schedule1F1B": "1f1b",
                     "torch:ScheduleInterleaved1F1B": "interleaved-1f1b"}.get(name, name)
         # Megatron's interleaved loop receives a forward's and a backward's inputs together: the
@@ -503,6 +527,8 @@ def schedules_for(V: int, include_torch: bool, scenario: str) -> List[str]:
     from megatron_dpp.pipeline import DYNAMIC_SCHEDULES
 
     names = [megatron, "1f1b-sorted", *DYNAMIC_SCHEDULES, *SPLIT_SCHEDULES]
+    if V == 2:
+        names += V_PLACEMENT_ROWS
     # torch.distributed.pipelining splits one batch tensor into equal microbatches: uniform sizes only.
     if include_torch and scenario != "varlen":
         names.append(TORCH_SCHEDULES[min(V, 2)])
@@ -522,10 +548,44 @@ def target_lines(rows: List[dict], reference: Dict[tuple, float]) -> List[str]:
         best = min(candidates, key=lambda row: row["time"])
         lines.append(f"# target {scenario} V={V}: best adaptive+W {best['time'] / ref:.3f} x Megatron "
                      f"({best['schedule']}), target <= {target}")
+    lines.extend(v_target_lines(rows, reference))
     errors = [(row["time"] - row["predicted_time"]) / row["predicted_time"] for row in rows]
     within = sum(abs(error) <= PREDICTION_TOLERANCE for error in errors)
     lines.append(f"# simulator prediction within {PREDICTION_TOLERANCE:.0%} of the measurement: "
                  f"{within} of {len(rows)} rows (largest error {max(errors, key=abs):+.1%})")
+    return lines
+
+
+def v_memory_ratio(row: dict, one_f_one_b: dict) -> float:
+    """The row's fullest rank against what Megatron's 1F1B (V=1) holds on its first rank, in the
+    same unit: a chunk of V per rank holds 1/V of a rank's layers, so its activation is 1/V of a
+    V=1 stage's (the scenarios count activation bytes per chunk)."""
+    return (row["peak_activation"] / row["V"]) / one_f_one_b["megatron_budget"]
+
+
+def v_target_lines(rows: List[dict], reference: Dict[tuple, float]) -> List[str]:
+    """The zero-bubble target per scenario with v rows: the best v row / Megatron's 1F1B at V=1,
+    among rows whose fullest rank holds at most what 1F1B holds on its first rank, beside ZB-V's
+    bound. Reports; does not judge."""
+    lines = []
+    for scenario in sorted({row["scenario"] for row in rows if row.get("placement") == "v"}):
+        one_f_one_b = [row for row in rows if row["scenario"] == scenario and row["V"] == 1
+                       and row["schedule"] == "1f1b"]
+        if not one_f_one_b:
+            continue
+        ref = one_f_one_b[0]
+        v_rows = [row for row in rows if row["scenario"] == scenario and row.get("placement") == "v"]
+        fitting = [row for row in v_rows if v_memory_ratio(row, ref) <= 1.0 and row["within_budget"]]
+        for row in v_rows:
+            lines.append(f"# {scenario} {row['schedule']}: {row['time'] / ref['time']:.3f} x Megatron "
+                         f"1F1B (V=1), memory {v_memory_ratio(row, ref):.2f} x 1F1B's first rank")
+        bounds = [row["predicted_time_no_overhead"] / ref["predicted_time_no_overhead"]
+                  for row in v_rows if row["schedule"] == ZBV_BOUND_ROW]
+        bound = f"; ZB-V's zero-overhead bound {bounds[0]:.3f}" if bounds else ""
+        if fitting:
+            best = min(fitting, key=lambda row: row["time"])
+            lines.append(f"# target {scenario} v placement: best {best['time'] / ref['time']:.3f} x "
+                         f"Megatron 1F1B ({best['schedule']}), target <= {V_TARGET}{bound}")
     return lines
 
 

@@ -437,3 +437,19 @@ def test_real_traced_runs_aggregate_and_compare(tmp_path):
         result = aggregate("--benchmark_dir", damaged)
         assert expected in _error(result), (case, result.stderr)
         assert result.stdout == "", (case, result.stdout)
+
+
+@pytest.mark.timeout(600)
+def test_a_traced_v_placement_run_aggregates_and_replays_on_its_placement(tmp_path):
+    """The v placement's traces say so (otherData.placement); the critical path follows its
+    stages (a dependency graph of the interleaved placement would have the turn's tasks run before
+    their inputs, which aggregate refuses) and the replay tries the policies of that placement."""
+    run_dir = _traced_run(tmp_path, "v", ["--use-dpp", "--num-virtual-stages-per-pipeline-rank", "2",
+                                          "--dpp-stage-placement", "v", "--dpp-split-backward"])
+    placements = {json.loads((run_dir / f"benchmark-rank{rank}.json").read_text())
+                  ["otherData"]["placement"] for rank in range(2)}
+    assert placements == {"v:2"}
+    result = aggregate_command("--benchmark_dir", run_dir, "--iterations", "0:", "--replay")
+    assert result.returncode == 0, result.stderr
+    assert "every send matched to its receive" in result.stdout
+    assert "zb-v" in result.stdout and "interleaved-1f1b" not in result.stdout, result.stdout

@@ -30,12 +30,15 @@ def test_quick_benchmark_writes_every_row(tmp_path):
         for name in (megatron, "1f1b-sorted", "dpp:adaptive", "dpp:breadth-first", "dpp:depth-first",
                      "dpp:greedy", "dpp:adaptive+W", "dpp:adaptive+W@provisioned"):
             assert (V, name) in schedules, (V, name, sorted(schedules))
+    for name in ("zb-v/v", "zb-v+W/v", "dpp:adaptive/v", "dpp:adaptive+W/v"):  # the v placement
+        assert (2, name) in schedules, (name, sorted(schedules))
     for row in rows:
         assert KEYS <= set(row), row
         assert row["time"] > 0 and row["predicted_time"] >= row["lower_bound"] > 0, row
         if row["schedule"].startswith("dpp:"):
             assert row["within_budget"] and row["peak_activation"] <= row["budget"], row
-            if "@" not in row["schedule"]:  # auto: what Megatron's schedule needs
+            # auto: what Megatron's schedule needs (on the v: ZB-V's order)
+            if "@" not in row["schedule"] and row["placement"] == "interleaved":
                 assert row["budget"] == row["megatron_budget"], row
         # The measured per-task overhead of the runtime only ever adds to the prediction.
         assert row["task_overhead_ms"]["forward"] > 0 and row["task_overhead_ms"]["backward"] > 0, row

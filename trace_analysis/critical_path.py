@@ -2,8 +2,8 @@
 
 A task depends on
   - its input: F(m) on virtual stage s on F(m) on stage s-1, B(m) on stage s on B(m) on s+1
-    (stage s lies on pipeline rank s % P, chunk s // P, within the same tensor- and data-parallel
-    ranks), W(m) on its own B(m);
+    (where the run's placement puts stage s: otherData.placement, within the same tensor- and
+    data-parallel ranks), W(m) on its own B(m);
   - its activations: B(m) on stage s on F(m) on stage s;
   - the rank's order: the task the rank ran just before it (a rank runs one task at a time).
 An input from another rank is there from the moment its task posted it (the `send` instant, at or
@@ -53,7 +53,7 @@ def _send_offsets(run: RunTimeline, iteration: int) -> Dict[Tuple[int, str], flo
 
 def _dependencies(run: RunTimeline, iteration: int) -> Tuple[List[TaskSpan], List[List[int]]]:
     """The iteration's tasks and, for each, the tasks it depends on (indices)."""
-    P = run.pipeline_size
+    placement = run.placement()
     tasks: List[TaskSpan] = []
     index: Dict[_Key, int] = {}
     place = {}
@@ -64,20 +64,22 @@ def _dependencies(run: RunTimeline, iteration: int) -> Tuple[List[TaskSpan], Lis
             tasks.append(task)
     if not tasks:
         raise TraceInputError(f"iteration {iteration} has no tasks")
-    stages = P * (max(task.chunk for task in tasks) + 1)
     predecessors: List[List[int]] = [[] for _ in tasks]
     previous_on_rank: Dict[int, int] = {}
     for i in sorted(range(len(tasks)), key=lambda i: tasks[i].start):
         task = tasks[i]
         tp, dp, pp = place[task.rank]
-        stage = task.chunk * P + pp
+        stage = placement.stage(pp, task.chunk)
+        previous, following = placement.previous_stage(stage), placement.next_stage(stage)
         wanted = []
-        if task.phase == "F" and stage > 0:
-            wanted.append((tp, dp, (stage - 1) % P, "F", task.microbatch, (stage - 1) // P))
+        if task.phase == "F" and previous is not None:
+            wanted.append((tp, dp, *placement.location(previous)[:1], "F", task.microbatch,
+                           placement.location(previous)[1]))
         if task.phase == "B":
             wanted.append((tp, dp, pp, "F", task.microbatch, task.chunk))
-            if stage + 1 < stages:
-                wanted.append((tp, dp, (stage + 1) % P, "B", task.microbatch, (stage + 1) // P))
+            if following is not None:
+                wanted.append((tp, dp, placement.location(following)[0], "B", task.microbatch,
+                               placement.location(following)[1]))
         if task.phase == "W":
             wanted.append((tp, dp, pp, "B", task.microbatch, task.chunk))
         predecessors[i] = [index[key] for key in wanted if key in index]

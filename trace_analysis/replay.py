@@ -17,7 +17,9 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from megatron_dpp.pipeline import SCHEDULE_NAMES, TaskGraph, check_policy_layout, make_scheduler
+from megatron_dpp.pipeline import (SCHEDULE_NAMES, V_PLACEMENT_SCHEDULES, TaskGraph,
+                                   check_policy_layout, check_policy_placement, make_scheduler)
+from megatron_dpp.pipeline.placement import Placement
 from megatron_dpp.pipeline import megatron_inflight_forwards
 from megatron_dpp.pipeline.registry import INTERLEAVED_1F1B, ONE_F_ONE_B
 from megatron_dpp.sim import SimulationDeadlock, TaskDurations, simulate
@@ -112,7 +114,8 @@ class _Memory:
     note: str
 
 
-def _memory(pipeline: List[RankTimeline], per_rank: List[List[TaskSpan]], V: int, M: int) -> _Memory:
+def _memory(pipeline: List[RankTimeline], per_rank: List[List[TaskSpan]], V: int, M: int,
+            placement: Placement) -> _Memory:
     act: Dict[int, int] = {}
     for rank, tasks in zip(pipeline, per_rank):
         for m, nbytes in _activation_bytes(rank, tasks).items():
@@ -125,7 +128,8 @@ def _memory(pipeline: List[RankTimeline], per_rank: List[List[TaskSpan]], V: int
     # Default budgets are a rank's in-flight forward count (at least V) times the largest possible
     # microbatch's bytes: where every rank's budget divides into the same such size, that is it.
     P = len(pipeline)
-    counts = [max(megatron_inflight_forwards(TaskGraph(P, V, M), p), V) for p in range(P)]
+    counts = [max(megatron_inflight_forwards(TaskGraph(P, V, M, placement=placement), p), V)
+              for p in range(P)]
     per_forward = {budget / count for budget, count in zip(budgets, counts)}
     largest = per_forward.pop() if len(per_forward) == 1 else 0.0
     if largest.is_integer() and largest >= max(act_bytes):
@@ -139,8 +143,8 @@ def _memory(pipeline: List[RankTimeline], per_rank: List[List[TaskSpan]], V: int
                                           "rank and are not the defaults: the defaults")
 
 
-def _iteration_model(pipeline: List[RankTimeline],
-                     iteration: int) -> Tuple[TaskGraph, MeasuredDurations, _Memory]:
+def _iteration_model(pipeline: List[RankTimeline], iteration: int,
+                     placement: Placement) -> Tuple[TaskGraph, MeasuredDurations, _Memory]:
     """The simulator's graph of one iteration, its measured durations and its memory model."""
     per_rank = [rank.tasks_of(iteration) for rank in pipeline]
     everything = [task for tasks in per_rank for task in tasks]
@@ -150,17 +154,19 @@ def _iteration_model(pipeline: List[RankTimeline],
     tokens = {task.microbatch: task.tokens for task in everything if task.tokens}
     sizes = [float(tokens.get(m, 1)) for m in range(M)]
     durations = _measured_durations(per_rank, V, M, 3 if split else 2, iteration)
-    memory = _memory(pipeline, per_rank, V, M)
+    memory = _memory(pipeline, per_rank, V, M, placement)
     graph = TaskGraph(len(pipeline), V, M, sizes, memory.act_bytes, max_act_bytes=memory.max_act_bytes,
-                      split_backward=split)
+                      split_backward=split, placement=placement)
     return graph, durations, memory
 
 
-def _policies(V: int) -> List[str]:
+def _policies(graph: TaskGraph) -> List[str]:
+    """The policies with an order on the run's chunks and placement."""
     usable = []
-    for name in SCHEDULE_NAMES:
+    for name in SCHEDULE_NAMES + V_PLACEMENT_SCHEDULES:
         try:
-            check_policy_layout(name, V)
+            check_policy_layout(name, graph.V)
+            check_policy_placement(name, graph.placement)
         except ValueError:
             continue
         usable.append(name)
@@ -179,9 +185,9 @@ def replay(run: RunTimeline, iterations: List[int]) -> Replay:
     pipeline = replayed_pipeline(run)
     result: Optional[Replay] = None
     for iteration in iterations:
-        graph, durations, memory = _iteration_model(pipeline, iteration)
+        graph, durations, memory = _iteration_model(pipeline, iteration, run.placement())
         if result is None:
-            result = Replay([], [], [PolicyReplay(name) for name in _policies(graph.V)], [])
+            result = Replay([], [], [PolicyReplay(name) for name in _policies(graph)], [])
         if memory.note not in result.notes:
             result.notes.append(memory.note)
         start, end = window(run, iteration, pipeline)

@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
+from megatron_dpp.pipeline.placement import Placement, interleaved, parse_placement
 from megatron_dpp.pipeline.task import Task
 from megatron_dpp.trace.recorder import STEP_CATEGORY
 from trace_analysis.load import RankTrace, RunTraces, TraceInputError
@@ -101,6 +102,16 @@ class RunTimeline:
     policy: str  # otherData.policy: the DPP policy, or "megatron 1f1b" for Megatron's own schedule
     schedule: Optional[str]  # otherData.schedule: "dpp", "1f1b" or "interleaved" (None in older traces)
     ranks: List[RankTimeline]
+    # otherData.placement (pipeline/placement.py's text form: 'interleaved:2x1', 'v:4'); None in
+    # traces written before it was recorded, which were all Megatron's interleaved placement.
+    placement_text: Optional[str] = None
+
+    def placement(self) -> Placement:
+        """Which rank held each virtual stage."""
+        if self.placement_text is not None:
+            return parse_placement(self.placement_text)
+        chunks = 1 + max((task.chunk for rank in self.ranks for task in rank.tasks), default=0)
+        return interleaved(self.pipeline_size, chunks)
 
     @property
     def pipeline_size(self) -> int:
@@ -162,9 +173,14 @@ def _add_event(timeline: RankTimeline, event: Dict) -> None:
 def run_timeline(run: RunTraces) -> RunTimeline:
     policies = {trace.metadata.get("policy") for trace in run.ranks} - {None}
     schedules = {trace.metadata.get("schedule") for trace in run.ranks} - {None}
+    placements = {trace.metadata.get("placement") for trace in run.ranks} - {None}
+    if len(placements) > 1:
+        raise TraceInputError(f"{run.name}: the ranks name different placements: "
+                              f"{', '.join(sorted(placements))}")
     timeline = RunTimeline(run.name, ", ".join(sorted(policies)) or "unknown",
                            schedules.pop() if len(schedules) == 1 else None,
-                           [rank_timeline(trace) for trace in run.ranks])
+                           [rank_timeline(trace) for trace in run.ranks],
+                           placements.pop() if placements else None)
     check_complete(run, timeline)
     return timeline
 
