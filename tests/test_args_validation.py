@@ -117,6 +117,27 @@ BAD_FLAGS = {
                           "--num-virtual-stages-per-pipeline-rank", "2",
                           "--dpp-stage-placement", "v", "--save", "/tmp"], 2,
                          "--dpp-stage-placement v does not save or load checkpoints yet"),
+    "dpp_schedule_without_use_dpp": (["--pipeline-model-parallel-size", "2", "--dpp-schedule",
+                                      "/nonexistent.csv"], 2,
+                                     "--dpp-schedule runs a schedule in the DPP runtime; add "
+                                     "--use-dpp"),
+    "dpp_schedule_missing": (["--pipeline-model-parallel-size", "2", "--use-dpp",
+                              "--dpp-schedule", "/nonexistent/zbv.csv"], 2,
+                             "--dpp-schedule /nonexistent/zbv.csv: cannot read it"),
+    "dpp_schedule_other_placement": (["--pipeline-model-parallel-size", "2", "--use-dpp",
+                                      "--num-virtual-stages-per-pipeline-rank", "2",
+                                      "--dpp-schedule", "{zbv}"], 2,
+                                     "its placement is v:2, the run's interleaved:2x2"),
+    "dpp_schedule_other_microbatches": (["--pipeline-model-parallel-size", "2", "--use-dpp",
+                                         "--num-virtual-stages-per-pipeline-rank", "2",
+                                         "--dpp-stage-placement", "v", "--dpp-split-backward",
+                                         "--global-batch-size", "4", "--dpp-schedule", "{zbv}"], 2,
+                                        "it runs 8 microbatches, the run 4 per iteration"),
+    "dpp_schedule_split_backward": (["--pipeline-model-parallel-size", "2", "--use-dpp",
+                                     "--num-virtual-stages-per-pipeline-rank", "2",
+                                     "--dpp-stage-placement", "v", "--dpp-schedule", "{zbv}"], 2,
+                                    "its backwards are split (I and W cells), the run's are not "
+                                    "(add --dpp-split-backward)"),
     "trace_dir_under_a_file": (["--pipeline-model-parallel-size", "2", "--trace", "--trace-dir",
                                 "/dev/null/traces"], 2,
                                "--trace-dir /dev/null/traces: cannot create it in /dev/null"),
@@ -326,11 +347,24 @@ def _assert_one_line_exit_2(code, out, err, expected):
     assert out == ""
 
 
+ZBV_FILE = "{zbv}"  # in a case's flags: torch's own ZB-V schedule file, P=2, M=8
+
+
+@pytest.fixture(scope="module")
+def zbv_file(tmp_path_factory):
+    from test_schedule_csv import _torch_zbv_csv
+
+    path = tmp_path_factory.mktemp("schedules") / "zbv.csv"
+    _torch_zbv_csv(str(path), 2, 8)
+    return str(path)
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("case", list(BAD_FLAGS))
-def test_bad_flag_is_one_line_exit_2(case, monkeypatch, capsys):
+def test_bad_flag_is_one_line_exit_2(case, monkeypatch, capsys, zbv_file):
     _skip_gpu_only_case_on_a_gpu(case)
     extra, world_size, expected = BAD_FLAGS[case]
+    extra = [zbv_file if flag == ZBV_FILE else flag for flag in extra]
     code, out, err = validate_in_process([*data_args(), *TINY, *extra], monkeypatch, capsys,
                                          world_size, ENV.get(case))
     _assert_one_line_exit_2(code, out, err, expected)

@@ -3,11 +3,14 @@
   python profiling/aggregate.py --benchmark_dir benchmark/20261124-153000-pp2-dpp
   python profiling/aggregate.py --benchmark_dir benchmark/RUN_A --compare benchmark/RUN_B
   python profiling/aggregate.py --benchmark_dir benchmark/RUN --iterations 2:6 --replay
+  python profiling/aggregate.py --benchmark_dir benchmark/RUN --order-csv
 
 Writes, next to the rank files: RUN-aggregated.json (all ranks, one process each, flow arrows from
 every send to its receive: open it in Perfetto), RUN-timeline.png and RUN-bubble.png; with
 --compare, RUN-vs-OTHER-timeline.png and RUN-vs-OTHER-iterations.png too (OTHER gets its own
-aggregated file and plots in its directory). Prints, over the chosen iterations, per rank and in
+aggregated file and plots in its directory); with --order-csv, RUN-order-iteration<I>.csv per chosen
+iteration: the order each pipeline rank ran its tasks in, in torch's schedule CSV, which
+`--dpp-schedule FILE` runs again. Prints, over the chosen iterations, per rank and in
 total: busy time, idle time by reason (input wait: no task was ready; held back: the policy or the
 memory budget kept ready tasks back; tp decision: a tensor-parallel follower waited for its
 leader; send posting: the transport's isend of a task's output; collective: a blocking collective
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trace_analysis import plots, report  # noqa: E402
 from trace_analysis.analysis import IterationTime, has_step_parts, iteration_time, mean_step_times  # noqa: E402
 from trace_analysis.critical_path import CriticalPath, critical_path  # noqa: E402
+from trace_analysis.executed_order import write_executed_orders  # noqa: E402
 from trace_analysis.iterations import IterationRange, parse_iteration_range, select_iterations  # noqa: E402
 from trace_analysis.load import RunTraces, TraceInputError, clock_note, find_run_directory, load_run  # noqa: E402
 from trace_analysis.merge import write_aggregated  # noqa: E402
@@ -62,6 +66,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="run each iteration's measured task durations through the simulator under "
                              "every policy and print what each would have taken, next to the measured "
                              "time: the policy's choices versus the machine's noise")
+    parser.add_argument("--order-csv", action="store_true",
+                        help="write each chosen iteration's executed order (one row per pipeline "
+                             "rank, cells such as 0F0, 3I1, 3W1, 5B2: torch's schedule CSV with "
+                             "global stages) to RUN-order-iteration<I>.csv beside the rank files; "
+                             "--dpp-schedule FILE runs it again")
     return parser.parse_args(argv)
 
 
@@ -153,6 +162,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print_replay(analysis)
         if args.compare:
             written += compare(*analyses)
+        orders = []
+        if args.order_csv:
+            for analysis in analyses:
+                orders += write_executed_orders(
+                    analysis.run, [it.iteration for it in analysis.iterations],
+                    analysis.traces.directory)
     except TraceInputError as error:
         print(f"{PROG}: {error}", file=sys.stderr)
         return 2
@@ -161,6 +176,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     print()
     print("plots: " + ", ".join(str(path) for path in written))
+    if orders:
+        print("executed orders (torch's schedule CSV): " + ", ".join(str(path) for path in orders))
     return 0
 
 

@@ -4,10 +4,10 @@ accepts, and `make_scheduler` (name -> a rank's RankScheduler).
 Names are spelled here and nowhere else in megatron_dpp: the flags, the runtime, the simulator and
 the benchmarks read them from this module.
 
-SCHEDULE_NAMES are the policies of the interleaved placement, the one the runtime runs (the
-choices of --dpp-policy); V_PLACEMENT_SCHEDULES are orders for the v placement
-(placement.v_shape), which the pure core and the simulator run. `check_policy_placement` says
-which policy runs on which placement.
+SCHEDULE_NAMES are the policies of the interleaved placement; V_PLACEMENT_SCHEDULES are orders for
+the v placement (placement.v_shape); both are --dpp-policy's choices. `check_policy_placement` says
+which policy runs on which placement. A schedule file (schedule_csv.py, --dpp-schedule) is a
+static order of its own, with no name here.
 """
 from __future__ import annotations
 

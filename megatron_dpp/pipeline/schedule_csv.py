@@ -19,6 +19,7 @@ from typing import Sequence
 
 from megatron_dpp.pipeline.graph import TaskGraph
 from megatron_dpp.pipeline.placement import Placement, from_stage_ranks
+from megatron_dpp.pipeline.scheduler import StaticOrderScheduler
 from megatron_dpp.pipeline.task import Phase, Task
 
 _CELL = re.compile(r"(\d+)([FIWB])(\d+)")
@@ -45,6 +46,32 @@ class ScheduleFile:
         """The TaskGraph these orders run on (options: sizes, act_bytes, max_act_bytes)."""
         return TaskGraph(self.placement.P, self.placement.V, self.num_microbatches,
                          split_backward=self.split_backward, placement=self.placement, **options)
+
+    def mismatch(self, P: int, V: int, M: int, split_backward: bool,
+                 placement: Placement) -> str | None:
+        """What of a run's pipeline the file does not fit, in words; None where it fits."""
+        if (self.placement.P, self.placement.V) != (P, V):
+            return (f"its stages are {self.placement.P} ranks x {self.placement.V} chunks, the run "
+                    f"has {P} x {V}")
+        if self.placement != placement:
+            return f"its placement is {self.placement}, the run's {placement}"
+        if self.num_microbatches != M:
+            return f"it runs {self.num_microbatches} microbatches, the run {M} per iteration"
+        if self.split_backward != split_backward:
+            return ("its backwards are split (I and W cells)" if self.split_backward else
+                    "its backwards are full (B cells)") + (
+                ", the run's are not (add --dpp-split-backward)" if self.split_backward
+                else ", the run's are split (drop --dpp-split-backward)")
+        return None
+
+    def scheduler(self, graph: TaskGraph, rank: int, budget_bytes: int,
+                  name: str = "schedule file") -> StaticOrderScheduler:
+        """Rank `rank`'s scheduler: its row, as listed (ValueError where the graph does not fit)."""
+        problem = self.mismatch(graph.P, graph.V, graph.M, graph.split_backward, graph.placement)
+        if problem is not None:
+            raise ValueError(f"{name}: {problem}")
+        return StaticOrderScheduler(name, graph, rank, budget_bytes, list(range(graph.M)),
+                                    self.orders[rank])
 
 
 def format_schedule_csv(graph: TaskGraph, orders: Sequence[Sequence[Task]]) -> str:

@@ -1,12 +1,14 @@
 """Configuration of the DPP runtime (--use-dpp, --dpp-policy, --dpp-memory-budget, --dpp-timeout,
---dpp-split-backward, --dpp-stage-placement)."""
+--dpp-split-backward, --dpp-stage-placement, --dpp-schedule)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from megatron_dpp.exit_codes import STALLED
 from megatron_dpp.pipeline import DEFAULT_POLICY, MemoryBudget, check_memory_budget
 from megatron_dpp.pipeline.placement import INTERLEAVED, PLACEMENT_NAMES
+from megatron_dpp.pipeline.schedule_csv import ScheduleFile
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,10 @@ class DPPConfig:
     """Which rank holds each virtual stage (pipeline/placement.py's PLACEMENT_NAMES): 'interleaved',
     Megatron-Core's (chunk c of rank r is stage c*P + r), or 'v', ZB-V's (two chunks a rank, chunk 1
     of rank r is stage 2P-1-r); the model chunks must be built for it (models/init.py)."""
+
+    schedule: Optional[ScheduleFile] = None
+    """--dpp-schedule FILE: every rank runs its row of this schedule (pipeline/schedule_csv.py)
+    in place of `policy`'s order; it must fit the run's pipeline (ScheduleFile.mismatch)."""
 
     timeout_exit_code: int = STALLED
     """Exit status of a rank that made no progress for timeout_s, or whose transport failed

@@ -45,7 +45,7 @@ from megatron_dpp.mcore.schedules import (ForwardBackwardFunc, schedule_epilogue
                                           schedule_prologue, unsupported_schedule_feature)
 from megatron_dpp.pipeline import (Phase, RanTask, ReadyTracker, RunLog, Task, TaskGraph,
                                    make_scheduler)
-from megatron_dpp.pipeline.budget import largest_microbatch_bytes
+from megatron_dpp.pipeline.budget import budget_bytes_for, largest_microbatch_bytes
 from megatron_dpp.pipeline.placement import Placement, named_placement
 from megatron_dpp.runtime.batch import GlobalBatch
 from megatron_dpp.runtime.config import DPPConfig
@@ -331,8 +331,13 @@ class IterationRunner:
             # dpp:adaptive's spine).
             options["microbatch_group_size_per_vp_stage"] = getattr(
                 config, "microbatch_group_size_per_vp_stage", None)
-        self.scheduler = make_scheduler(self.dpp.policy, self.graph, self.rank,
-                                        budget_bytes=self.dpp.memory_budget_bytes, **options)
+        if self.dpp.schedule is not None and not forward_only:  # --dpp-schedule's row
+            self.scheduler = self.dpp.schedule.scheduler(
+                self.graph, self.rank,
+                budget_bytes_for(self.dpp.memory_budget_bytes, self.graph, self.rank))
+        else:
+            self.scheduler = make_scheduler(self.dpp.policy, self.graph, self.rank,
+                                            budget_bytes=self.dpp.memory_budget_bytes, **options)
         self.record = IterationRecord(microbatch_order=list(self.scheduler.microbatch_order),
                                       sizes=sizes, policy=self.scheduler.name,
                                       strategy=self.scheduler.strategy,

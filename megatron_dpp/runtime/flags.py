@@ -1,6 +1,6 @@
 """The dynamic pipeline parallelism flags (--use-dpp, --dpp-policy, --dpp-memory-budget,
---dpp-timeout, --dpp-split-backward, --dpp-stage-placement; --help's "dynamic pipeline
-parallelism" group) and their
+--dpp-timeout, --dpp-split-backward, --dpp-stage-placement, --dpp-schedule; --help's "dynamic
+pipeline parallelism" group) and their
 checks. The policies, budgets and their parsers live in megatron_dpp.pipeline, the runtime's
 defaults in runtime/config.py (DPPConfig); megatron_dpp.arguments composes this module.
 
@@ -42,6 +42,16 @@ def add_dpp_args(parser: argparse.ArgumentParser) -> None:
                             "that ran its forward and rank 0 holds the embedding and the loss; "
                             "needs two virtual stages a rank (--num-virtual-stages-per-pipeline-"
                             "rank 2).")
+    group.add_argument("--dpp-schedule", type=str, default=None, metavar="FILE",
+                       help="Run the per-rank orders of FILE, a schedule in torch's CSV action "
+                            "format (torch.distributed.pipelining's _dump_csv, compute-only: one "
+                            "row per pipeline rank, cells such as 0F0, 3I1, 3W1, 5B2 with global "
+                            "stage ids; profiling/aggregate.py --order-csv writes a traced run's), "
+                            "in place of --dpp-policy's order, in training; evaluation runs each "
+                            "forward when it is ready. The file must fit the run: its rows are "
+                            "the pipeline ranks, its stages' rows the --dpp-stage-placement, I/W "
+                            "cells --dpp-split-backward, and it covers the iteration's "
+                            "microbatches (global batch / micro-batch x data-parallel size).")
     group.add_argument("--dpp-memory-budget", type=str, default=AUTO_BUDGET,
                        help=f"Activation bytes a pipeline rank may hold, counted for full-length "
                             f"microbatches. '{AUTO_BUDGET}' (default): as many microbatches as Megatron's "
@@ -89,6 +99,9 @@ def validate_dpp_args(args: argparse.Namespace, minimum_budget_bytes: Optional[i
                 f"--dpp-stage-placement {args.dpp_stage_placement} is run by the DPP runtime "
                 f"(Megatron's schedules run its interleaved placement); add --use-dpp or drop "
                 f"--dpp-stage-placement")
+        require(args.dpp_schedule is None,
+                "--dpp-schedule runs a schedule in the DPP runtime; add --use-dpp or drop "
+                "--dpp-schedule")
         return
     require(args.pipeline_model_parallel_size >= 2,
             "--use-dpp schedules a pipeline; set --pipeline-model-parallel-size 2 or more, or drop "
@@ -98,6 +111,7 @@ def validate_dpp_args(args: argparse.Namespace, minimum_budget_bytes: Optional[i
     except ValueError as error:
         raise ArgsError(f"--dpp-policy {error}") from None
     _validate_placement(args)
+    _validate_schedule_file(args)
     _validate_split_backward(args)
     _validate_budget_minimum(args, minimum_budget_bytes)
 
@@ -154,6 +168,37 @@ def _validate_placement(args: argparse.Namespace) -> None:
                                                args.pipeline_model_parallel_size, chunks))
     except ValueError as error:
         raise ArgsError(f"--dpp-policy {error}") from None
+
+
+def schedule_file_problem(args: argparse.Namespace) -> Optional[str]:
+    """--dpp-schedule FILE against the run: the file's one-line problem, or None where it reads
+    and fits (the rows its ranks, the placement, split backwards, the microbatches)."""
+    from megatron_dpp.pipeline.placement import named_placement
+    from megatron_dpp.pipeline.schedule_csv import read_schedule_csv
+
+    try:
+        schedule = read_schedule_csv(args.dpp_schedule)
+    except OSError as error:
+        return f"cannot read it: {error.strerror or error}"
+    except (ValueError, UnicodeDecodeError) as error:
+        return str(error)
+    chunks = args.parallel.chunks_per_rank
+    return schedule.mismatch(args.pipeline_model_parallel_size, chunks, args.num_microbatches,
+                             bool(getattr(args, "dpp_split_backward", False)),
+                             named_placement(args.dpp_stage_placement,
+                                             args.pipeline_model_parallel_size, chunks))
+
+
+def _validate_schedule_file(args: argparse.Namespace) -> None:
+    """--dpp-schedule (with --use-dpp): the file reads and fits; a batch ramp-up would change the
+    microbatch count the file covers."""
+    if args.dpp_schedule is None:
+        return
+    require(getattr(args, "rampup_batch_size", None) is None,
+            "--dpp-schedule fixes the microbatches of an iteration, which --rampup-batch-size "
+            "changes; drop one of them")
+    problem = schedule_file_problem(args)
+    require(problem is None, f"--dpp-schedule {args.dpp_schedule}: {problem}")
 
 
 def _validate_split_backward(args: argparse.Namespace) -> None:

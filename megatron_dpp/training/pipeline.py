@@ -122,13 +122,16 @@ def _build_dpp(args: argparse.Namespace, spec: ModelSpec, run_directory: Optiona
     how much work each microbatch is (the policy's sizes) and how many activation bytes it keeps
     (the memory budget's). --nvtx: an NVTX range per task."""
     from megatron_dpp.comm import make_transport_from_args
+    from megatron_dpp.pipeline.schedule_csv import read_schedule_csv
     from megatron_dpp.runtime.config import DPPConfig
     from megatron_dpp.runtime.executor import dpp_peers, make_forward_backward_dpp
 
     config = DPPConfig(policy=args.dpp_policy, memory_budget_bytes=args.dpp_memory_budget_bytes,
                        timeout_s=args.dpp_timeout,
                        split_backward=getattr(args, "dpp_split_backward", False),
-                       placement=args.dpp_stage_placement)
+                       placement=args.dpp_stage_placement,
+                       schedule=(read_schedule_csv(args.dpp_schedule)
+                                 if args.dpp_schedule is not None else None))
     transport = make_transport_from_args(args, peers=dpp_peers())
     trace = None
     if args.trace:

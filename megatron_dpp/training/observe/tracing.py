@@ -51,7 +51,11 @@ def schedule_name(args: argparse.Namespace) -> str:
 def policy_label(args: argparse.Namespace) -> str:
     """otherData.policy and each iteration mark's: the DPP policy, or `megatron <schedule>`."""
     schedule = schedule_name(args)
-    return args.dpp_policy if schedule == DPP_SCHEDULE else f"megatron {schedule}"
+    if schedule != DPP_SCHEDULE:
+        return f"megatron {schedule}"
+    if getattr(args, "dpp_schedule", None) is not None:
+        return f"schedule file {os.path.basename(args.dpp_schedule)}"
+    return args.dpp_policy
 
 
 def run_name(args: argparse.Namespace, started: float) -> str:
