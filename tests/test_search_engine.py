@@ -14,7 +14,7 @@ import pytest
 from megatron_dpp.pipeline import DYNAMIC_SCHEDULES
 from megatron_dpp.pipeline.placement import INTERLEAVED, V_SHAPE
 from megatron_dpp.pipeline.registry import ADAPTIVE, ZB_V
-from megatron_dpp.search import cli, cost, engine, space, strategy
+from megatron_dpp.search import cli, cost, engine, galvatron_strategy, space, strategy
 from megatron_dpp.search.errors import SearchInputError
 from megatron_dpp.search.hardware import HardwareProfile, load_hardware
 from megatron_dpp.search.lengths import microbatch_lengths, parse_distribution
@@ -424,6 +424,10 @@ def test_the_search_proposes_the_v_where_it_is_fastest_with_its_flags(monkeypatc
     assert args.dpp_stage_placement == V_SHAPE
     assert strategy.validate_strategy(json.loads(json.dumps(content))) == content
     assert "(v placement)" in cli.format_table(result, searched.shape.num_layers)
+    assert "the v stage placement" in galvatron_strategy.inexpressible(best.layout)
+    content["schedule"]["placement"] = "w"
+    with pytest.raises(SearchInputError, match="schedule placement 'w' is not one of"):
+        strategy.validate_strategy(content)
     del content["schedule"]["placement"]  # a strategy written before placements reads as interleaved
     strategy.validate_strategy(content)
 

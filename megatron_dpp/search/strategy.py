@@ -39,6 +39,7 @@ from megatron_dpp.exit_codes import BAD_INPUT
 from megatron_dpp.models.families import MODEL_FAMILIES
 from megatron_dpp.parallel.split import LAST_FLAG
 from megatron_dpp.one_line_errors import OneLineErrorParser
+from megatron_dpp.pipeline.placement import INTERLEAVED, PLACEMENT_NAMES
 from megatron_dpp.search.errors import SearchInputError
 
 if TYPE_CHECKING:  # only for annotations: --print must not import numpy or the simulator
@@ -59,7 +60,7 @@ _LAYOUT_KEYS = {"tensor_model_parallel_size": int, "pipeline_model_parallel_size
 # Keys a strategy may leave out (written by later versions of the search), with their default.
 _OPTIONAL_LAYOUT_KEYS = {"decoder_last_pipeline_num_layers": (int, 0)}
 _SCHEDULE_KEYS = {"name": str, "use_dpp": bool, "split_backward": bool}
-_OPTIONAL_SCHEDULE_KEYS = {"placement": (str, "interleaved")}
+_OPTIONAL_SCHEDULE_KEYS = {"placement": (str, INTERLEAVED)}
 _PREDICTED_KEYS = {"iteration_ms": (int, float), "memory_bytes_per_rank": int,
                    "activation_peak_bytes": int, "bubble_fraction": (int, float)}
 _SOURCES_KEYS = {"hardware": str, "model": str, "seq_lengths": (str, type(None))}
@@ -104,7 +105,7 @@ def megatron_flags(problem: "Problem", cost: "LayoutCost") -> list[str]:
         flags.append("--variable-seq-lengths")
     if layout.use_dpp:
         flags += ["--use-dpp", "--dpp-policy", layout.schedule]
-        if layout.placement != _OPTIONAL_SCHEDULE_KEYS["placement"][1]:
+        if layout.placement != INTERLEAVED:
             flags += ["--dpp-stage-placement", layout.placement]
         if layout.split_backward:
             flags.append("--dpp-split-backward")
@@ -178,6 +179,9 @@ def validate_strategy(content: Any, where: str = "strategy") -> dict:
     schedule = content["schedule"]
     _check_keys(f"{where}: schedule", schedule,
                 {key: kind for key, (kind, _) in _OPTIONAL_SCHEDULE_KEYS.items() if key in schedule})
+    if schedule.get("placement", INTERLEAVED) not in PLACEMENT_NAMES:
+        raise SearchInputError(f"{where}: schedule placement {schedule['placement']!r} is not one of "
+                               f"{PLACEMENT_NAMES}")
     if content["model"]["model"] not in MODEL_FAMILIES:
         raise SearchInputError(f"{where}: model {content['model']['model']!r} is not one of "
                                f"{tuple(MODEL_FAMILIES)}")
