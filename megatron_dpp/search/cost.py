@@ -42,6 +42,15 @@ Variable sequence lengths: each microbatch is padded to its longest sequence (le
 size in the TaskGraph is its forward time over a full-length one's (the attention term makes it
 superlinear in the length) and its act_bytes are its own length's.
 
+Stage placement (space.Layout.placement; everything asks the layout's Placement): on the v
+(--dpp-stage-placement v) the TaskGraph carries it, so the simulator runs ZB-V's order (or
+dpp:adaptive's spine on it) and sends no message between stages P-1 and P (both on rank P-1); the
+activation bound is ZB-V's in-flight count; rank 0 holds the first and the last stage (embedding,
+output layer with its own copy of a tied weight, logits, both stages' extra work) and the other
+ranks their layers only; the tied embedding needs no all-reduce between stages, and with DP > 1
+and tied embeddings the reductions start after the pipeline (no --overlap-grad-reduce, which the
+runtime refuses there).
+
 Data-parallel gradient sync (DP > 1; the strategy turns on --overlap-grad-reduce): each chunk's
 gradients are all-reduced (with the distributed optimizer reduce-scattered, half the bus volume)
 over the DP group (its ranks are TP apart in Megatron's rank order: priced as contiguous with
