@@ -1,7 +1,8 @@
 """At scale, by simulation: Megatron's pipeline schedules against dpp:adaptive (with and without
-split backwards, W) for GPT-3 13B and 175B on the 8xH100-nvlink-ib400 preset, priced by the
-strategy search's cost model (megatron_dpp/search/cost.py) and run through the simulator
-(megatron_dpp/sim), the same schedulers the runtime runs.
+split backwards, W), and on ZB-V's v placement zb-v and dpp:adaptive, for GPT-3 13B and 175B on the
+8xH100-nvlink-ib400 preset, priced by the strategy search's cost model
+(megatron_dpp/search/cost.py) and run through the simulator (megatron_dpp/sim), the same schedulers
+the runtime runs.
 
 Per row group (model, pp, vpp, length distribution), one layout: micro-batch 1, M = 4 x pp
 microbatches per iteration (--microbatches-per-stage), DP 1, the model's TP (below), selective
@@ -9,7 +10,12 @@ recompute, sequence parallelism off (--dpp-split-backward refuses it, so every s
 runs the same layout). Schedules: Megatron's order (1f1b; interleaved-1f1b where vpp > 1),
 dpp:adaptive, dpp:adaptive+W, all at the 'auto' memory budget (rank r holds at most what Megatron's
 order holds there, counted at full-length microbatches; with W each microbatch also counts what its
-W keeps from B to W).
+W keeps from B to W). Where vpp is 2 (two chunks a rank divide the layers) the group also runs the
+same layout on the v placement (--dpp-stage-placement v): zb-v, zb-v+W (ZB-V's order, fused or
+split backwards), dpp:adaptive/v and dpp:adaptive+W/v, at the 'auto' budget of the v (what ZB-V's
+order holds on the rank); their ratios are to the group's Megatron row (interleaved-1f1b). On the
+v rank 0 holds the embedding, the output layer and the loss (no tied-embedding all-reduce between
+stages), and the turn at rank pp-1 sends no message.
 
 Task times: the cost model without a model profile: each layer's forward FLOPs
 (memory_model.layer_forward_flops, the attention's s^2 term included) at the preset's nominal bf16
@@ -17,7 +23,8 @@ rate, backward 2x plus the recomputed attention, two tensor-parallel all-reduces
 stage's output layer (2 x tokens x hidden x vocab, 3x with its backward) as its rank speed; a
 split backward's W is half the backward compute. A microbatch of length l takes its own layer
 time at l. Messages: one per microbatch and hop, micro-batch x length x hidden bf16 values per
-tensor-parallel rank, at the slowest hop of the pipeline (the simulator prices every hop alike):
+tensor-parallel rank, at the slowest hop of the pipeline (the simulator prices every hop alike; the
+v's hops, r to r+1 and back, cross the same links as the interleaved's, so it has the same slowest):
 on one node the CUDA IPC figures measured for shm_tensor on one H100 (../shared/gpu/README.md),
 between nodes the preset's InfiniBand figures.
 
@@ -51,6 +58,7 @@ import time
 
 import numpy as np
 
+from megatron_dpp.pipeline.placement import INTERLEAVED, V_SHAPE
 from megatron_dpp.search import cost, memory_model
 from megatron_dpp.search.hardware import GB, H100_NODE, HardwareProfile, load_hardware
 from megatron_dpp.search.lengths import LengthDistribution, parse_distribution
@@ -105,9 +113,14 @@ IPC_LATENCY_US = 260.0
 IPC_64MIB_US = 502.0
 MIB = 1 << 20
 
-# Schedules of a row group: (name shown, registry policy or None for Megatron's, split backward).
-SCHEDULES = (("megatron", None, False), ("dpp:adaptive", "dpp:adaptive", False),
-             ("dpp:adaptive+W", "dpp:adaptive", True))
+# Schedules of a row group: (name shown, registry policy or None for Megatron's, split backward,
+# stage placement).
+SCHEDULES = (("megatron", None, False, INTERLEAVED), ("dpp:adaptive", "dpp:adaptive", False, INTERLEAVED),
+             ("dpp:adaptive+W", "dpp:adaptive", True, INTERLEAVED))
+# With two chunks a rank: the same layout on the v placement (named so that the placement shows).
+V_SCHEDULES = (("zb-v", "zb-v", False, V_SHAPE), ("zb-v+W", "zb-v", True, V_SHAPE),
+               ("dpp:adaptive/v", "dpp:adaptive", False, V_SHAPE),
+               ("dpp:adaptive+W/v", "dpp:adaptive", True, V_SHAPE))
 
 # --- the pp=2 CPU overlap: benchmarks/real_model_bench.py's model --------------------------------
 CPU_SHAPE = dict(num_layers=4, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072,
@@ -120,8 +133,9 @@ CPU_FORWARD_COMPUTE_MS = 538.0
 # docs/search.md ("Predictions against measured runs"): p2p (shm_tensor) latency 0.027 ms;
 # README.md: shm_tensor 1 MiB messages 18.0 GB/s.
 CPU_P2P_LATENCY_MS, CPU_P2P_GBPS = 0.027, 18.0
-CPU_SCHEDULES = (("1f1b", "1f1b", False), ("1f1b-sorted", "1f1b-sorted", False),
-                 ("dpp:adaptive", "dpp:adaptive", False), ("dpp:adaptive+W", "dpp:adaptive", True))
+CPU_SCHEDULES = (("1f1b", "1f1b", False, INTERLEAVED), ("1f1b-sorted", "1f1b-sorted", False, INTERLEAVED),
+                 ("dpp:adaptive", "dpp:adaptive", False, INTERLEAVED),
+                 ("dpp:adaptive+W", "dpp:adaptive", True, INTERLEAVED))
 # Measured, docs/results.md "The real model" (commands there): part 1 (one process, paired by
 # batch, median time / Megatron 1F1B, runs 1 and 2) and part 2 (training runs: median ratio, bubble).
 CPU_MEASURED = {
@@ -257,10 +271,11 @@ def gpt_shape(seq_length: int, **fields) -> memory_model.ModelShape:
     return memory_model.ModelShape(**{**defaults, **fields})
 
 
-def layout_for(tp: int, pp: int, vpp: int, microbatches: int, recompute: str, policy, split) -> Layout:
+def layout_for(tp: int, pp: int, vpp: int, microbatches: int, recompute: str, policy, split,
+               placement: str = INTERLEAVED) -> Layout:
     return Layout(tp=tp, pp=pp, vpp=vpp, dp=1, micro_batch_size=1, num_microbatches=microbatches,
                   recompute=recompute, distributed_optimizer=False, sequence_parallel=False,
-                  schedule=policy or megatron_schedule(vpp), split_backward=split)
+                  schedule=policy or megatron_schedule(vpp), split_backward=split, placement=placement)
 
 
 def price_batch(problem, seed, hop, layouts: dict, embedding_sync: bool) -> dict:
@@ -274,19 +289,19 @@ def price_group(problem, tp, pp, vpp, microbatches, recompute, hop, seeds, sched
                 embedding_sync: bool = True) -> list[dict]:
     """One row per schedule: time, ratio to the first schedule (Megatron's), bubble, memory,
     averaged over the sampled batches (ratios per batch, then averaged)."""
-    layouts = {name: layout_for(tp, pp, vpp, microbatches, recompute, policy, split)
-               for name, policy, split in schedules}
+    layouts = {name: layout_for(tp, pp, vpp, microbatches, recompute, policy, split, placement)
+               for name, policy, split, placement in schedules}
     batches = [price_batch(problem, seed, hop, layouts, embedding_sync) for seed in seeds]
     reference = schedules[0][0]
     rows = []
-    for name, _policy, _split in schedules:
+    for name, *_ in schedules:
         times = [batch[name][0].time_ms for batch in batches]
         pipelines = [batch[name][0].pipeline_ms for batch in batches]
         ratios = [batch[name][0].time_ms / batch[reference][0].time_ms for batch in batches]
         bounds = [batch[name][1].pipeline_bound / batch[reference][0].pipeline_ms for batch in batches]
         priced, simulated = batches[0][name]
         rows.append({
-            "schedule": name, "layout": priced.layout.describe(),
+            "schedule": name, "placement": priced.layout.placement, "layout": priced.layout.describe(),
             "time_ms": statistics.fmean(times), "pipeline_ms": statistics.fmean(pipelines),
             "pipeline_bound_ms": statistics.fmean(batch[name][1].pipeline_bound for batch in batches),
             "ratio": statistics.fmean(ratios),
@@ -296,6 +311,7 @@ def price_group(problem, tp, pp, vpp, microbatches, recompute, hop, seeds, sched
             "memory_gb": priced.memory_bytes / GB,
             "fits_memory": priced.memory_bytes <= problem.memory_budget_bytes,
             "budget_rank0_gb": simulated.budget_bytes[0] / GB,
+            "budget_by_rank_gb": [budget / GB for budget in simulated.budget_bytes],
             "peak_over_budget": max(max(batch[name][1].peak_bytes[r] / batch[name][1].budget_bytes[r]
                                         for r in range(pp)) for batch in batches),
             "batches": len(batches),
@@ -388,8 +404,9 @@ def project_scale(args, distributions: dict) -> tuple[list[dict], list[dict], li
                     problem = cost.Problem(shape, microbatches, hardware, GPU_MEMORY_BYTES,
                                            lengths=distribution)
                     seeds = [0] if distribution is None else list(range(args.batches))
+                    schedules = SCHEDULES + (V_SCHEDULES if vpp == 2 else ())
                     for row in price_group(problem, case.tp, pp, vpp, microbatches, RECOMPUTE, hop,
-                                           seeds, SCHEDULES):
+                                           seeds, schedules):
                         rows.append({"model": model_name, "pp": pp, "vpp": vpp, "tp": case.tp,
                                      "distribution": dist_name, **row})
                     print(f"  priced {model_name} pp {pp} vpp {vpp} {dist_name}", file=sys.stderr)
@@ -462,12 +479,14 @@ def assumptions(args, distributions: dict, groups: list[dict], skipped: list[str
                                 f"{args.ipc_latency_us:g} us and {args.ipc_64mib_us:g} us at 64 MiB)",
                      "inter_node": f"preset InfiniBand: {two_nodes.p2p_latency(2):g} ms + bytes at "
                                    f"{two_nodes.p2p_bandwidth(2):g} GB/s per GPU (the preset has no latency)",
-                     "rule": "one message per microbatch and hop; the simulator prices every hop at "
+                     "rule": "one message per microbatch and hop between two ranks (none at the v's "
+                             "turn on rank pp-1); the simulator prices every hop at "
                              "the pipeline's slowest (it has one cost for all hops); Megatron's "
                              "schedules go over the same transport as dpp (as benchmarks/"
                              "real_model_bench.py runs them), not NCCL"},
         "memory_budget": "'auto': rank r holds at most Megatron's in-flight count at full length "
-                         "(pipeline/budget.py); +W counts each microbatch's W stash too",
+                         "(ZB-V's on the v placement; pipeline/budget.py); +W counts each "
+                         "microbatch's W stash too",
         "distributions": {name: line for name, (_d, line) in distributions.items()},
         "batches": args.batches,
         "groups": groups,
@@ -491,18 +510,22 @@ def format_rows(rows: list[dict]) -> str:
 def format_wide(rows: list[dict]) -> str:
     """One line per row group: Megatron's time and bubble, each dpp variant's ratio and bubble."""
     lines = ["| model | pp | vpp | distribution | Megatron ms | Megatron bubble | adaptive | bubble | "
-             "adaptive+W | bubble | pipeline bound+W | GB Megatron / +W |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "adaptive+W | bubble | pipeline bound+W | GB Megatron / +W | zb-v+W | adaptive+W/v | "
+             "GB +W/v |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keyed = {}
     for r in rows:
         keyed.setdefault((r["model"], r["pp"], r["vpp"], r["distribution"]), {})[r["schedule"]] = r
     for (model, pp, vpp, dist), group in keyed.items():
         mega, fused, split = group["megatron"], group["dpp:adaptive"], group["dpp:adaptive+W"]
         fit = lambda r: f"{r['memory_gb']:.0f}{'' if r['fits_memory'] else '!'}"
+        v_cells = "| - | - | - |"  # no v rows: two chunks a rank do not divide the stage's layers
+        if "zb-v+W" in group:
+            zbv, v_split = group["zb-v+W"], group["dpp:adaptive+W/v"]
+            v_cells = f"| {zbv['ratio']:.3f} | **{v_split['ratio']:.3f}** | {fit(v_split)} |"
         lines.append(f"| {model} | {pp} | {vpp} | {dist} | {mega['time_ms']:.1f} | {mega['bubble']:.3f} | "
                      f"**{fused['ratio']:.3f}** | {fused['bubble']:.3f} | **{split['ratio']:.3f}** | "
                      f"{split['bubble']:.3f} | {split['pipeline_bound_ratio']:.3f} | "
-                     f"{fit(mega)} / {fit(split)} |")
+                     f"{fit(mega)} / {fit(split)} {v_cells}")
     return "\n".join(lines)
 
 

@@ -6,7 +6,10 @@ The bounds, and why they hold:
   ratio is 1; dpp:adaptive+W finishes no later than Megatron's order with each W after its B
   (same property test), which finishes no later than the fused order when tasks cost no overhead
   (the same order, every input gradient sent no later);
-- no schedule beats the simulator's pipeline bound, and no dynamic policy exceeds its budget.
+- no schedule beats the simulator's pipeline bound, and no dynamic policy exceeds its budget;
+- on the v placement (groups of two chunks a rank) the same holds against ZB-V's order: at equal
+  lengths dpp:adaptive/v runs it (its spine), and zb-v, a static order, keeps to the budget sized
+  by itself.
 """
 import json
 import os
@@ -18,6 +21,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "scale_projection.py")
 SCHEDULES = ("megatron", "dpp:adaptive", "dpp:adaptive+W")
+V_SCHEDULES = ("zb-v", "zb-v+W", "dpp:adaptive/v", "dpp:adaptive+W/v")
 EPSILON = 1e-9
 
 
@@ -51,9 +55,30 @@ def test_every_group_has_every_schedule(result):
     # --quick: 13B at pp 4, vpp 1 and 2, three distributions.
     expected = {(vpp, name) for vpp in (1, 2) for name in ("uniform", "sample", "longtail")}
     assert {(key[2], key[3]) for key in keyed} == expected
-    for group in keyed.values():
-        assert tuple(group) == SCHEDULES
+    for key, group in keyed.items():
+        assert tuple(group) == SCHEDULES + (V_SCHEDULES if key[2] == 2 else ())
         assert group["megatron"]["ratio"] == 1.0
+
+
+def test_v_rows_are_priced_within_their_memory(result):
+    """Groups of two chunks a rank carry the v rows, on the v placement, each within 80 GB and
+    within its own budget on every rank (zb-v too: the 'auto' budget of the v is its order's)."""
+    facts = result["assumptions"]
+    v_groups = [group for key, group in groups(result["rows"]).items() if key[2] == 2]
+    assert len(v_groups) == 3  # --quick: 13B pp 4, three distributions
+    for group in v_groups:
+        for name in V_SCHEDULES:
+            row = group[name]
+            assert row["placement"] == "v" and row["layout"].endswith("/v"), row
+            assert row["fits_memory"] and row["memory_gb"] <= facts["gpu_memory_gb"], row
+            assert row["peak_over_budget"] <= 1.0 + EPSILON, row
+            assert len(row["budget_by_rank_gb"]) == row["pp"] and min(row["budget_by_rank_gb"]) > 0
+        for name in SCHEDULES:
+            assert group[name]["placement"] == "interleaved"
+        # Split backwards hold each W's stash; the policy does not change the layout's memory.
+        assert group["zb-v+W"]["memory_gb"] > group["zb-v"]["memory_gb"]
+        assert group["dpp:adaptive/v"]["memory_gb"] == group["zb-v"]["memory_gb"]
+        assert group["dpp:adaptive+W/v"]["memory_gb"] == group["zb-v+W"]["memory_gb"]
 
 
 def test_figures_are_sane(result):
@@ -73,6 +98,9 @@ def test_dpp_never_worse_with_equal_lengths(result):
         if key[3] == "uniform":
             assert group["dpp:adaptive"]["ratio"] == pytest.approx(1.0, abs=EPSILON), key
             assert group["dpp:adaptive+W"]["ratio"] <= 1.0 + EPSILON, key
+            if "zb-v" in group:  # dpp:adaptive/v follows ZB-V's order
+                assert group["dpp:adaptive/v"]["time_ms"] == pytest.approx(group["zb-v"]["time_ms"],
+                                                                           rel=EPSILON), key
 
 
 def test_split_backward_holds_more_memory(result):

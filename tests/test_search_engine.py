@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -13,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from megatron_dpp.pipeline import DYNAMIC_SCHEDULES
-from megatron_dpp.search import cli, cost, engine, space, strategy
+from megatron_dpp.pipeline.placement import INTERLEAVED, V_SHAPE
+from megatron_dpp.pipeline.registry import ADAPTIVE, ZB_V
+from megatron_dpp.search import cli, cost, engine, galvatron_strategy, space, strategy
 from megatron_dpp.search.errors import SearchInputError
 from megatron_dpp.search.hardware import HardwareProfile, load_hardware
 from megatron_dpp.search.lengths import microbatch_lengths, parse_distribution
@@ -119,6 +120,8 @@ def _layout(**changes) -> space.Layout:
     {"schedule": DYNAMIC_SCHEDULES[0], "split_backward": True},
     {"vpp": 2, "schedule": DYNAMIC_SCHEDULES[0], "split_backward": True},
     {"last_stage_layers": 5}, {"pp": 2, "last_stage_layers": 3, "schedule": DYNAMIC_SCHEDULES[0]},
+    {"vpp": 2, "schedule": ZB_V, "placement": V_SHAPE},
+    {"vpp": 2, "schedule": ADAPTIVE, "split_backward": True, "placement": V_SHAPE},
 ])
 def test_closed_form_bound_is_the_simulators_pipeline_bound(changes):
     pricer = cost.Pricer(problem(hardware=flat_hardware(4, 100.0, 0.5)))
@@ -337,6 +340,108 @@ def test_gpt3_175b_on_1024_gpus_quick_check():
     # Above the ideal: all FLOPs at the preset's peak over 1024 GPUs.
     ideal_ms = 96 * 1536 * 3 * cost.memory_model.layer_forward_flops(shape, 1) / 1024 / 989.4e12 * 1e3
     assert best.time_ms > ideal_ms
+
+
+# --- the v placement -----------------------------------------------------------------------------
+def test_v_layouts_join_the_space_where_the_runtime_runs_them():
+    """Two chunks a rank, PP >= 2, zb-v or dpp:adaptive, fused or split backward (not split with
+    sequence parallelism); every other layout keeps the interleaved placement."""
+    inputs = space.SpaceInputs(num_layers=8, num_attention_heads=16, ffn_hidden_size=1024,
+                               global_batch_size=16, num_nodes=1, gpus_per_node=4)
+    layouts = list(space.enumerate_layouts(inputs))
+    v = [layout for layout in layouts if layout.placement == V_SHAPE]
+    assert {(layout.pp, layout.vpp) for layout in v} == {(2, 2), (4, 2)}
+    assert {(layout.schedule, layout.split_backward) for layout in v} == {
+        (ZB_V, False), (ZB_V, True), (ADAPTIVE, False), (ADAPTIVE, True)}
+    assert all(layout.use_dpp for layout in v)
+    assert not any(layout.split_backward and layout.sequence_parallel for layout in v)
+    interleaved = [dataclasses.replace(layout, placement=INTERLEAVED) for layout in v
+                   if layout.schedule == ADAPTIVE]
+    assert set(interleaved) <= set(layouts)  # the same layout on Megatron's placement stays
+
+
+def test_the_v_sends_one_message_fewer_each_way_and_syncs_no_embedding():
+    """pp 4, two chunks a rank, uniform lengths, split backwards, DP 1, the budget far above
+    both: the v's turn at rank P-1 stays on its rank (6 messages a microbatch each way, not 7)
+    and its tied embedding's two copies are both on rank 0 (no all-reduce between stages), so
+    with a costly message latency it is the faster of the two by construction."""
+    hardware = dataclasses.replace(flat_hardware(4, 1.0, 100.0), p2p_latency_ms={2: 2.0, 4: 2.0})
+    pricer = cost.Pricer(problem(hardware=hardware))
+    interleaved = _layout(vpp=2, schedule=ADAPTIVE, split_backward=True)
+    v = dataclasses.replace(interleaved, placement=V_SHAPE)
+    assert (pricer.messages_per_microbatch(interleaved), pricer.messages_per_microbatch(v)) == (7, 6)
+    assert pricer.embedding_sync_ms(interleaved) > 0.0 and pricer.embedding_sync_ms(v) == 0.0
+    priced = {layout.placement: pricer.price(layout, pricer.estimate(layout)) for layout in (interleaved, v)}
+    assert priced[V_SHAPE].messages_per_microbatch == 6
+    # At least one latency less on the critical path each way, and no embedding all-reduce.
+    assert priced[V_SHAPE].time_ms < priced[INTERLEAVED].time_ms - pricer.embedding_sync_ms(interleaved)
+    # Its memory: rank 0 holds the embedding, the output layer and ZB-V's in-flight chunks.
+    first, others = pricer.inflight(v)
+    assert (first, others) == (8, 8)  # ZB-V holds 2P chunk activations on every rank
+    assert priced[V_SHAPE].memory_bytes == pricer.memory_bytes(v)
+    assert pricer.rank_parameters(v)[0] > pricer.rank_parameters(interleaved)[0]
+    assert pricer.rank_parameters(v)[1] < pricer.rank_parameters(interleaved)[1]
+
+
+def test_an_interleaved_price_is_what_it_was_before_the_v_placement():
+    """Fixed cases priced before the search knew placements (commit f8d106f): unchanged."""
+    pricer = cost.Pricer(problem())
+    layout = _layout(vpp=2, schedule=ADAPTIVE, split_backward=True)
+    priced = pricer.price(layout, pricer.estimate(layout))
+    assert (priced.time_ms, priced.memory_bytes) == (pytest.approx(297.2314501119993, rel=1e-12), 2577784832)
+    assert priced.time_lower_ms == pytest.approx(291.56284825600005, rel=1e-12)
+    synced = cost.Pricer(problem(hardware=flat_hardware(4, 50.0, 20.0)))
+    layout = _layout(pp=2, vpp=2, dp=2, num_microbatches=8, distributed_optimizer=True,
+                     schedule=space.megatron_schedule(2))
+    priced = synced.price(layout, synced.estimate(layout))
+    assert (priced.time_ms, priced.memory_bytes) == (pytest.approx(287.04638156799984, rel=1e-12), 2260054016)
+
+
+def test_the_search_proposes_the_v_where_it_is_fastest_with_its_flags(monkeypatch):
+    """Costly messages: the best layout is a v one; its command line is the runtime's flags for
+    it (two virtual stages, --use-dpp, --dpp-stage-placement v, the policy, split backwards) and
+    passes the runtime's DPP flag check; tied embeddings with DP > 1 drop --overlap-grad-reduce,
+    which the v refuses, and the cost model prices that sync exposed."""
+    from megatron_dpp import arguments
+
+    hardware = dataclasses.replace(flat_hardware(4, 1.0, 100.0), p2p_latency_ms={2: 2.0, 4: 2.0})
+    searched = problem(hardware=hardware)
+    result = engine.search(searched, top_k=3)
+    best = result.best[0]
+    assert best.layout.placement == V_SHAPE and best.layout.vpp == 2
+    content = strategy.build_strategy(searched, best, "test figures")
+    assert content["schedule"]["placement"] == V_SHAPE
+    flags = content["megatron_flags"]
+    assert flags[flags.index("--num-virtual-stages-per-pipeline-rank") + 1] == "2"
+    assert flags[flags.index("--dpp-stage-placement") + 1] == V_SHAPE and "--use-dpp" in flags
+    assert flags[flags.index("--dpp-policy") + 1] == best.layout.schedule
+    assert ("--dpp-split-backward" in flags) == best.layout.split_backward
+    assert ("--overlap-grad-reduce" in flags) == (best.layout.dp > 1 and not cost.Pricer(searched).tied())
+    args = arguments.build_parser().parse_args(flags)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    arguments.derive_parallel_layout(args)
+    arguments.validate_dpp_args(args)
+    assert args.dpp_stage_placement == V_SHAPE
+    assert strategy.validate_strategy(json.loads(json.dumps(content))) == content
+    assert "(v placement)" in cli.format_table(result, searched.shape.num_layers)
+    assert "the v stage placement" in galvatron_strategy.inexpressible(best.layout)
+    content["schedule"]["placement"] = "w"
+    with pytest.raises(SearchInputError, match="schedule placement 'w' is not one of"):
+        strategy.validate_strategy(content)
+    del content["schedule"]["placement"]  # a strategy written before placements reads as interleaved
+    strategy.validate_strategy(content)
+
+
+def test_the_v_with_tied_embeddings_and_data_parallelism_reduces_after_the_pipeline():
+    """No --overlap-grad-reduce there: the gradient sync starts after the rank's last task, so it
+    is exposed whole, never less than with the reductions overlapped."""
+    pricer = cost.Pricer(problem(hardware=flat_hardware(4, 1.0, 100.0)))
+    v = _layout(pp=2, vpp=2, dp=2, num_microbatches=8, schedule=ADAPTIVE, placement=V_SHAPE)
+    assert pricer.tied() and not pricer.overlaps_grad_reduce(v)
+    assert pricer.overlaps_grad_reduce(dataclasses.replace(v, placement=INTERLEAVED))
+    priced = pricer.price(v, pricer.estimate(v))
+    chunks, gathers = pricer.sync_ms(v)
+    assert priced.grad_sync_exposed_ms >= sum(chunks[0]) + gathers[0] - 1e-9
 
 
 # --- the CLI and the strategy file ------------------------------------------------------------

@@ -209,7 +209,7 @@ def format_table(result: SearchResult, num_layers: int) -> str:
     rows = [header, "|" + "---|" * 13]
     for index, cost in enumerate(result.best, 1):
         layout = cost.layout
-        schedule = layout.schedule + (" +split-backward" if layout.split_backward else "")
+        schedule = layout.schedule_label()
         stages = str(layout.pp)
         if layout.last_stage_layers:
             stages += f" ({','.join(str(count) for count in layout.rank_layers(num_layers))})"

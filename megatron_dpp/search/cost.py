@@ -42,6 +42,15 @@ Variable sequence lengths: each microbatch is padded to its longest sequence (le
 size in the TaskGraph is its forward time over a full-length one's (the attention term makes it
 superlinear in the length) and its act_bytes are its own length's.
 
+Stage placement (space.Layout.placement; everything asks the layout's Placement): on the v
+(--dpp-stage-placement v) the TaskGraph carries it, so the simulator runs ZB-V's order (or
+dpp:adaptive's spine on it) and sends no message between stages P-1 and P (both on rank P-1); the
+activation bound is ZB-V's in-flight count; rank 0 holds the first and the last stage (embedding,
+output layer with its own copy of a tied weight, logits, both stages' extra work) and the other
+ranks their layers only; the tied embedding needs no all-reduce between stages, and with DP > 1
+and tied embeddings the reductions start after the pipeline (no --overlap-grad-reduce, which the
+runtime refuses there).
+
 Data-parallel gradient sync (DP > 1; the strategy turns on --overlap-grad-reduce): each chunk's
 gradients are all-reduced (with the distributed optimizer reduce-scattered, half the bus volume)
 over the DP group (its ranks are TP apart in Megatron's rank order: priced as contiguous with
@@ -64,6 +73,7 @@ from typing import Optional
 
 from megatron_dpp.models.families import MODEL_FAMILIES
 from megatron_dpp.pipeline import Phase, TaskGraph, megatron_inflight_forwards
+from megatron_dpp.pipeline.placement import INTERLEAVED
 from megatron_dpp.search import memory_model
 from megatron_dpp.search.hardware import HardwareProfile
 from megatron_dpp.search.lengths import LengthDistribution, microbatch_lengths
@@ -141,6 +151,7 @@ class LayoutCost:
     bubble_fraction: float  # 1 - mean rank work / pipeline_ms
     simulated_microbatches: int  # microbatches simulated (all of them, or the long extrapolation run)
     time_lower_ms: float  # the estimate's bound, for the pruning's record
+    messages_per_microbatch: int = 0  # each way (Pricer.messages_per_microbatch)
 
 
 class Pricer:
@@ -243,7 +254,8 @@ class Pricer:
 
     def rank_parameters(self, layout: Layout) -> tuple[int, int]:
         """Parameters of (the first, the last) pipeline rank (one TP shard). One stage holds a
-        tied output weight once; the last of several keeps its own copy (memory_model)."""
+        tied output weight once; the last of several keeps its own copy (memory_model), on its
+        rank: the last rank, or on the v the first (which then holds both copies)."""
         shape, tp = self.problem.shape, layout.tp
         per_layer = memory_model.layer_parameter_count(shape, tp)
         first_layers, last_layers = self.rank_layers(layout)
@@ -251,7 +263,43 @@ class Pricer:
         if layout.pp == 1:
             shared = shape.padded_vocab_size // tp * shape.hidden_size if self.tied() else 0
             return (first_layers * per_layer + embedding + output - shared,) * 2
+        if self.loss_on_first_rank(layout):
+            return first_layers * per_layer + embedding + output, last_layers * per_layer
         return first_layers * per_layer + embedding, last_layers * per_layer + output
+
+    @staticmethod
+    def end_ranks(layout: Layout) -> tuple[int, int]:
+        """The ranks of the first stage (the embedding) and of the last stage (the loss)."""
+        placement = layout.stage_placement()
+        return (placement.location(placement.first_stage)[0],
+                placement.location(placement.last_stage)[0])
+
+    def loss_on_first_rank(self, layout: Layout) -> bool:
+        """Are the first and the last stage on one rank (one stage, or the v placement)?"""
+        first, last = self.end_ranks(layout)
+        return first == last
+
+    def kind_ranks(self, layout: Layout) -> tuple[int, tuple[int, ...]]:
+        """The ranks the two rank kinds of rank_parameters stand for: the first stage's rank,
+        and the last stage's, or where that is the first's too (the v) every other rank (they
+        all hold just their layers)."""
+        first, last = self.end_ranks(layout)
+        if first != last or layout.pp == 1:
+            return first, (last,)
+        return first, tuple(rank for rank in range(layout.pp) if rank != first)
+
+    @staticmethod
+    def messages_per_microbatch(layout: Layout) -> int:
+        """Point-to-point messages one microbatch's forward sends (its backward as many back):
+        one per hop between neighbouring stages on different ranks."""
+        placement = layout.stage_placement()
+        return sum(1 for stage in range(placement.last_stage) if not placement.next_on_same_rank(stage))
+
+    def overlaps_grad_reduce(self, layout: Layout) -> bool:
+        """Does the layout run --overlap-grad-reduce (DP > 1)? Not the v with tied embeddings:
+        it sums the two copies on rank 0 before the data-parallel reduction, which the runtime's
+        flag check refuses to start during the backward (runtime/flags.py)."""
+        return layout.dp > 1 and not (self.loss_on_first_rank(layout) and layout.pp > 1 and self.tied())
 
     def tied(self) -> bool:
         """Output weights tied to the word embedding (some models always tie them)."""
@@ -261,8 +309,9 @@ class Pricer:
     def embedding_sync_ms(self, layout: Layout) -> float:
         """Tied weights on several stages: after the data-parallel sync, Megatron all-reduces the
         word embedding's gradient between the first and the last stage (finalize_model_grads),
-        exposed; the two are far apart in the rank order (Galvatron's non-contiguous pair)."""
-        if layout.pp == 1 or not self.tied():
+        exposed; the two are far apart in the rank order (Galvatron's non-contiguous pair). On
+        one rank (one stage, or the v) the copies are summed in place: no message."""
+        if self.loss_on_first_rank(layout) or not self.tied():
             return 0.0
         shape = self.problem.shape
         count = shape.padded_vocab_size // layout.tp * shape.hidden_size
@@ -289,7 +338,7 @@ class Pricer:
     def state_bytes(self, layout: Layout) -> tuple[int, int]:
         """Model states of (the first, the last) pipeline rank."""
         key = (layout.tp, layout.pp, layout.dp, layout.distributed_optimizer,
-               layout.last_stage_layers)
+               layout.last_stage_layers, layout.placement)
         if key not in self._states:
             dtype = self.problem.shape.dtype
             self._states[key] = tuple(
@@ -298,13 +347,18 @@ class Pricer:
         return self._states[key]
 
     def inflight(self, layout: Layout) -> tuple[int, int]:
-        """Chunk activations the schedule bounds (first rank, last rank): Megatron's in-flight
-        count, at least V (pipeline.default_budget_bytes)."""
-        key = (layout.pp, layout.vpp, layout.num_microbatches)
+        """Chunk activations the schedule bounds (the two rank kinds of kind_ranks, the most of
+        the second's ranks): the in-flight count of the placement's reference order (Megatron's,
+        ZB-V's on the v), at least V (pipeline.default_budget_bytes)."""
+        key = (layout.pp, layout.vpp, layout.num_microbatches, layout.placement,
+               layout.split_backward and layout.placement != INTERLEAVED)
         if key not in self._counts:
-            graph = TaskGraph(layout.pp, layout.vpp, layout.num_microbatches)
-            self._counts[key] = tuple(max(megatron_inflight_forwards(graph, rank), layout.vpp)
-                                      for rank in (0, layout.pp - 1))
+            graph = TaskGraph(layout.pp, layout.vpp, layout.num_microbatches,
+                              split_backward=key[-1], placement=layout.stage_placement())
+            first, others = self.kind_ranks(layout)
+            self._counts[key] = tuple(max(max(megatron_inflight_forwards(graph, rank) for rank in ranks),
+                                          layout.vpp)
+                                      for ranks in ((first,), others))
         return self._counts[key]
 
     def chunk_activation_bytes(self, layout: Layout, length: int, layers: Optional[int] = None) -> int:
@@ -320,8 +374,8 @@ class Pricer:
         return layers * per_layer
 
     def memory_bytes(self, layout: Layout) -> int:
-        """The fullest rank's bytes (the first or the last: the middle ones hold no more
-        activations than the first and no embedding)."""
+        """The fullest rank's bytes (the two rank kinds of kind_ranks: on the interleaved
+        placement the middle ones hold no more activations than the first and no embedding)."""
         shape, mbs, tp, sp = self.problem.shape, layout.micro_batch_size, layout.tp, layout.sequence_parallel
         first_states, last_states = self.state_bytes(layout)
         first_count, last_count = self.inflight(layout)
@@ -333,10 +387,10 @@ class Pricer:
         embedding = memory_model.embedding_activation_bytes(shape, mbs, tp, sp) * math.ceil(first_count / layout.vpp)
         output = memory_model.output_activation_bytes(shape, mbs, tp, sp)
         first = first_states + first_count * first_chunk + embedding + transient
-        last = last_states + last_count * last_chunk + output + transient
-        if layout.pp == 1:
-            return first + output
-        return max(first, last)
+        last = last_states + last_count * last_chunk + transient
+        if self.loss_on_first_rank(layout):  # one stage, or the v: the logits on the first rank
+            return max(first + output, last)
+        return max(first, last + output)
 
     # --- time ---------------------------------------------------------------------------------
     def lengths(self, layout: Layout) -> list[int]:
@@ -351,7 +405,7 @@ class Pricer:
         microbatch / that of a full-length one)."""
         key = (layout.tp, layout.pp, layout.micro_batch_size, layout.num_microbatches,
                layout.sequence_parallel, layout.recompute, layout.split_backward,
-               layout.last_stage_layers)
+               layout.last_stage_layers, layout.placement)
         if key not in self._durations:
             self._durations[key] = self._duration_model(layout)
         return self._durations[key]
@@ -365,11 +419,13 @@ class Pricer:
         forward = per_rank * full.forward_ms
         layers_work = forward + per_rank * full.backward_ms
         # Each rank's layers over the first's, and the first and the last stage's extra work
-        # spread over their tasks, as the simulator's rank speed (with one stage both are on it).
+        # spread over their tasks, as the simulator's rank speed (with one stage, or on the v,
+        # both are on one rank).
         first, last = self.stage_extras_ms(layout.micro_batch_size, shape.seq_length, layout.tp)
+        first_rank, last_rank = self.end_ranks(layout)
         speed = [layers / per_rank for layers in rank_layers]
-        speed[0] += first / layers_work
-        speed[-1] += last / layers_work
+        speed[first_rank] += first / layers_work
+        speed[last_rank] += last / layers_work
         size_of = {length: self.layer(layout.micro_batch_size, length, layout.tp, layout.sequence_parallel,
                                       layout.recompute).forward_ms / full.forward_ms
                    for length in set(self.lengths(layout))}
@@ -452,12 +508,16 @@ class Pricer:
         crossing_overheads = tasks * (model.forward_overhead + model.backward_overhead)
         speed = model.rank_speed
         work = [(forward + backward) * total * speed[r] + overheads for r in range(P)]
+        placement = layout.stage_placement()
         best, fill, drain = work[0], 0.0, 0.0
         if w:  # the crossing ends with rank 0's chunk-0 W of that microbatch
             drain = backward * w / V * smallest * speed[0] + model.backward_overhead
         for r in range(1, P):
-            fill += forward / V * smallest * speed[r - 1] + model.forward_overhead + hop
-            drain += backward * (1 - w) / V * smallest * speed[r - 1] + model.backward_overhead + hop
+            # Chunk 0 of rank r-1 hands to chunk 0 of rank r (both placements), by message
+            # unless the two stages share a rank.
+            message = 0.0 if placement.next_on_same_rank(placement.stage(r - 1, 0)) else hop
+            fill += forward / V * smallest * speed[r - 1] + model.forward_overhead + message
+            drain += backward * (1 - w) / V * smallest * speed[r - 1] + model.backward_overhead + message
             crossing = (forward + backward * (1 - w)) * total * speed[r] + crossing_overheads
             best = max(best, fill + max(crossing + drain, work[r]))
         return best
@@ -468,7 +528,8 @@ class Pricer:
         dp, tp, V = layout.dp, layout.tp, layout.vpp
         if dp == 1:
             return [[0.0] * V, [0.0] * V], [0.0, 0.0]
-        key = (dp, tp, layout.pp, V, layout.distributed_optimizer, layout.last_stage_layers)
+        key = (dp, tp, layout.pp, V, layout.distributed_optimizer, layout.last_stage_layers,
+               layout.placement)
         if key not in self._syncs:
             self._syncs[key] = self._sync_ms(layout)
         return self._syncs[key]
@@ -486,21 +547,36 @@ class Pricer:
         for kind, (total, layers) in enumerate(zip(self.rank_parameters(layout),
                                                    self.rank_layers(layout))):
             layer_params = layers // V * per_layer
-            params = [layer_params] * V
-            # The embedding sits in the first rank's chunk 0, the output layer in the last's V-1.
-            params[0 if kind == 0 else V - 1] += total - V * layer_params
+            params = [a + b for a, b in zip([layer_params] * V,
+                                            self._chunk_extras(layout, kind, total - V * layer_params))]
             chunks.append([reduce_share * hardware.allreduce_ms(count * GRAD_BYTES, dp, contiguous)
                            for count in params])
             gathers.append(0.5 * hardware.allreduce_ms(sum(params) * self.problem.dtype_bytes, dp, contiguous)
                            if layout.distributed_optimizer else 0.0)
         return chunks, gathers
 
+    def _chunk_extras(self, layout: Layout, kind: int, extra: int) -> list[int]:
+        """A rank kind's parameters besides its layers (`extra`) per chunk: the embedding in the
+        first stage's chunk, the output layer in the last stage's; on the v rank 0 holds both."""
+        placement = layout.stage_placement()
+        rank = self.kind_ranks(layout)[0] if kind == 0 else self.kind_ranks(layout)[1][0]
+        first_chunk = placement.local_chunk(rank, placement.first_stage)
+        last_chunk = placement.local_chunk(rank, placement.last_stage)
+        chunks = [0] * layout.vpp
+        if first_chunk is not None and last_chunk is not None and first_chunk != last_chunk:
+            output = self._extra_parameters(layout.tp)[1]
+            chunks[first_chunk], chunks[last_chunk] = extra - output, output
+        elif extra:
+            chunks[first_chunk if first_chunk is not None else last_chunk] = extra
+        return chunks
+
     def estimate(self, layout: Layout) -> Estimate:
         # Memory and the pipeline bound do not depend on which schedule runs the tasks (only on
         # whether backwards are split): the layouts that differ only in it share them.
         key = (layout.tp, layout.pp, layout.vpp, layout.dp, layout.micro_batch_size,
                layout.num_microbatches, layout.recompute, layout.distributed_optimizer,
-               layout.sequence_parallel, layout.split_backward, layout.last_stage_layers)
+               layout.sequence_parallel, layout.split_backward, layout.last_stage_layers,
+               layout.placement)
         shared = self._estimates.get(key)
         if shared is None:
             shared = self._estimates[key] = (self.memory_bytes(layout),
@@ -521,14 +597,14 @@ class Pricer:
         act = [self.chunk_activation_bytes(layout, length) for length in lengths]
         graph = TaskGraph(layout.pp, layout.vpp, count, sizes[:count], act,
                           max_act_bytes=self.chunk_activation_bytes(layout, self.problem.shape.seq_length),
-                          split_backward=layout.split_backward)
+                          split_backward=layout.split_backward, placement=layout.stage_placement())
         return graph, model
 
     def simulate(self, layout: Layout, count: int) -> SimResult:
         graph, model = self.graph(layout, count)
         comm = self.comm_model(layout)
         key = (layout.pp, layout.vpp, count, layout.schedule, layout.split_backward, model, comm,
-               tuple(graph.sizes), tuple(graph.act_bytes), graph.max_act_bytes)
+               tuple(graph.sizes), tuple(graph.act_bytes), graph.max_act_bytes, layout.placement)
         if key not in self._sims:
             self.simulations += 1
             self._sims[key] = simulate(graph, layout.schedule, model, comm)
@@ -577,7 +653,8 @@ class Pricer:
             optimizer_ms=optimizer,
             memory_bytes=estimate.memory_bytes, activation_peak_bytes=self.activation_peak(layout, result),
             bubble_fraction=max(0.0, 1.0 - mean_work / pipeline),
-            simulated_microbatches=M if counts is None else counts[0], time_lower_ms=estimate.time_lower_ms)
+            simulated_microbatches=M if counts is None else counts[0], time_lower_ms=estimate.time_lower_ms,
+            messages_per_microbatch=self.messages_per_microbatch(layout))
 
     def activation_peak(self, layout: Layout, result: SimResult) -> int:
         """The simulated peak of activation bytes, fullest rank. The simulator sizes every rank's
@@ -604,13 +681,17 @@ class Pricer:
 
     def _sync_tail(self, layout: Layout, result: SimResult) -> float:
         """How long the iteration runs past the pipeline's makespan for the gradient sync (see the
-        module docstring), over the first and the last rank (the ones with the most parameters)."""
+        module docstring), over the ranks of the two rank kinds (the ones with the most
+        parameters)."""
         if layout.dp == 1:
             return 0.0
         chunks, gathers = self.sync_ms(layout)
-        V, P = layout.vpp, layout.pp
+        V = layout.vpp
         release = Phase.W if layout.split_backward else Phase.B
-        ranks = {0: 0, P - 1: 1}  # rank -> its kind in sync_ms
+        first_rank, other_ranks = self.kind_ranks(layout)
+        ranks = {rank: 1 for rank in other_ranks}
+        ranks[first_rank] = 0  # rank -> its kind in sync_ms
+        during_backward = self.overlaps_grad_reduce(layout)
         last_task = {rank: [(0.0, 0.0)] * V for rank in ranks}  # (start, end) of the last release
         busy = {rank: [] for rank in ranks}
         end = {rank: 0.0 for rank in ranks}
@@ -626,7 +707,8 @@ class Pricer:
         for rank, kind in ranks.items():
             clock, ready, windows = 0.0, 0.0, []
             for chunk in reversed(range(V)):  # V-1 first; a chunk waits for every later one
-                first, last = last_task[rank][chunk]
+                # Without --overlap-grad-reduce finalize_model_grads reduces after the rank's pipeline.
+                first, last = last_task[rank][chunk] if during_backward else (end[rank], end[rank])
                 buckets = self.bucket_count(layout, kind) if chunk == 0 else 1
                 for bucket in range(buckets):  # bucket k's layers are done k+1 buckets into the task
                     ready = max(ready, last - (last - first) * (buckets - 1 - bucket) / buckets)

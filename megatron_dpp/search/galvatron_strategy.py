@@ -36,6 +36,7 @@ import json
 import pathlib
 from typing import Any, Optional
 
+from megatron_dpp.pipeline.placement import INTERLEAVED
 from megatron_dpp.pipeline.registry import ONE_F_ONE_B
 from megatron_dpp.pipeline import registry
 from megatron_dpp.search.errors import SearchInputError
@@ -212,6 +213,8 @@ def inexpressible(layout: Layout) -> list[str]:
     reasons = []
     if layout.vpp > 1:
         reasons.append(f"{layout.vpp} virtual stages per rank")
+    if layout.placement != INTERLEAVED:
+        reasons.append(f"the {layout.placement} stage placement")
     if layout.schedule != ONE_F_ONE_B:
         reasons.append(f"schedule {layout.schedule}")
     if layout.split_backward:

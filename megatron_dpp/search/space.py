@@ -23,6 +23,9 @@ Rules (each one the repo's own flag check, megatron_dpp/arguments.py, or Megatro
 - Schedules: Megatron's own order (1F1B, interleaved 1F1B for VPP > 1), and with PP >= 2 every
   dynamic policy of --use-dpp, each with and without --dpp-split-backward (split backwards hold
   activations until W; they exclude sequence parallelism, as the flag check does).
+- Stage placements: Megatron's interleaved one for every schedule; with PP >= 2 and VPP 2 also
+  ZB-V's v (--dpp-stage-placement v, runtime/flags.py) under the policies that have an order on it
+  (V_PLACEMENT_POLICIES: zb-v and dpp:adaptive), with and without split backwards.
 """
 from __future__ import annotations
 
@@ -33,9 +36,12 @@ from typing import Iterator
 from megatron_dpp.flag_errors import ArgsError
 from megatron_dpp.parallel.split import PipelineSplit
 from megatron_dpp.pipeline import DYNAMIC_SCHEDULES
-from megatron_dpp.pipeline.registry import INTERLEAVED_1F1B, ONE_F_ONE_B
+from megatron_dpp.pipeline.placement import INTERLEAVED, V_SHAPE, Placement, named_placement
+from megatron_dpp.pipeline.registry import ADAPTIVE, INTERLEAVED_1F1B, ONE_F_ONE_B, ZB_V
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
+# The --use-dpp policies the search runs on the v placement (check_policy_placement accepts them).
+V_PLACEMENT_POLICIES = (ZB_V, ADAPTIVE)
 
 
 def megatron_schedule(vpp: int) -> str:
@@ -61,10 +67,21 @@ class Layout:
     # Layers of the last pipeline stage (Megatron-LM's --decoder-last-pipeline-num-layers; the
     # other stages share the rest evenly); 0: an even split.
     last_stage_layers: int = 0
+    placement: str = INTERLEAVED  # --dpp-stage-placement (placement.PLACEMENT_NAMES)
 
     @property
     def use_dpp(self) -> bool:
-        return self.schedule in DYNAMIC_SCHEDULES
+        return self.schedule in DYNAMIC_SCHEDULES or self.placement != INTERLEAVED
+
+    def stage_placement(self) -> Placement:
+        """Which rank holds each virtual stage."""
+        return _placement(self.placement, self.pp, self.vpp)
+
+    def schedule_label(self) -> str:
+        """The schedule as the search's table names it: policy, split backwards, placement."""
+        split = " +split-backward" if self.split_backward else ""
+        placed = f" ({self.placement} placement)" if self.placement != INTERLEAVED else ""
+        return f"{self.schedule}{split}{placed}"
 
     def rank_layers(self, num_layers: int) -> list[int]:
         """Transformer layers of each pipeline rank (all its chunks)."""
@@ -75,7 +92,8 @@ class Layout:
         return (f"TP{self.tp} PP{self.pp} VPP{self.vpp} DP{self.dp} mbs{self.micro_batch_size} "
                 f"recompute={self.recompute} dist-opt={int(self.distributed_optimizer)} "
                 f"SP={int(self.sequence_parallel)}{split} "
-                f"{self.schedule}{'+W' if self.split_backward else ''}")
+                f"{self.schedule}{'+W' if self.split_backward else ''}"
+                f"{'/' + self.placement if self.placement != INTERLEAVED else ''}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +111,11 @@ class SpaceInputs:
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.gpus_per_node
+
+
+@functools.lru_cache(maxsize=None)
+def _placement(name: str, pp: int, vpp: int) -> Placement:
+    return named_placement(name, pp, vpp)
 
 
 def pipeline_split(num_layers: int, pp: int, last_stage_layers: int) -> PipelineSplit:
@@ -129,15 +152,21 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def schedules_for(pp: int, vpp: int, sequence_parallel: bool) -> Iterator[tuple[str, bool]]:
-    """(schedule, split_backward) pairs valid for a layout."""
-    yield megatron_schedule(vpp), False
+def schedules_for(pp: int, vpp: int, sequence_parallel: bool) -> Iterator[tuple[str, bool, str]]:
+    """(schedule, split_backward, placement) triples valid for a layout."""
+    yield megatron_schedule(vpp), False, INTERLEAVED
     if pp < 2:
         return
     for policy in DYNAMIC_SCHEDULES:
-        yield policy, False
+        yield policy, False, INTERLEAVED
         if not sequence_parallel:
-            yield policy, True
+            yield policy, True, INTERLEAVED
+    if vpp != 2:  # the v holds two chunks a rank
+        return
+    for policy in V_PLACEMENT_POLICIES:
+        yield policy, False, V_SHAPE
+        if not sequence_parallel:
+            yield policy, True, V_SHAPE
 
 
 def parallel_sizes(inputs: SpaceInputs) -> Iterator[tuple[int, int, int]]:
@@ -176,6 +205,6 @@ def enumerate_layouts(inputs: SpaceInputs) -> Iterator[Layout]:
                     for recompute in RECOMPUTE_CHOICES:
                         for dist_opt in ((False, True) if dp > 1 and inputs.on_gpus else (False,)):
                             for sp in ((False, True) if tp > 1 and inputs.on_gpus else (False,)):
-                                for schedule, split in schedules_for(pp, vpp, sp):
+                                for schedule, split, placed in schedules_for(pp, vpp, sp):
                                     yield Layout(tp, pp, vpp, dp, mbs, m, recompute, dist_opt, sp,
-                                                 schedule, split, last)
+                                                 schedule, split, last, placed)

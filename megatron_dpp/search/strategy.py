@@ -15,7 +15,8 @@ Format (version STRATEGY_VERSION), one JSON object:
                      "decoder_last_pipeline_num_layers" (optional: the last stage's layers of an
                      uneven split, 0 or absent: even)}
   schedule          {"name": a schedule of megatron_dpp.pipeline, "use_dpp": bool,
-                     "split_backward": bool}
+                     "split_backward": bool, "placement" (optional: --dpp-stage-placement,
+                     "interleaved" or "v"; absent: interleaved)}
   megatron_flags    the trainer's flags for this strategy, one argv token per list entry
   predicted         {"iteration_ms", "memory_bytes_per_rank" (fullest rank),
                      "activation_peak_bytes" (simulated), "bubble_fraction"}
@@ -38,6 +39,7 @@ from megatron_dpp.exit_codes import BAD_INPUT
 from megatron_dpp.models.families import MODEL_FAMILIES
 from megatron_dpp.parallel.split import LAST_FLAG
 from megatron_dpp.one_line_errors import OneLineErrorParser
+from megatron_dpp.pipeline.placement import INTERLEAVED, PLACEMENT_NAMES
 from megatron_dpp.search.errors import SearchInputError
 
 if TYPE_CHECKING:  # only for annotations: --print must not import numpy or the simulator
@@ -58,6 +60,7 @@ _LAYOUT_KEYS = {"tensor_model_parallel_size": int, "pipeline_model_parallel_size
 # Keys a strategy may leave out (written by later versions of the search), with their default.
 _OPTIONAL_LAYOUT_KEYS = {"decoder_last_pipeline_num_layers": (int, 0)}
 _SCHEDULE_KEYS = {"name": str, "use_dpp": bool, "split_backward": bool}
+_OPTIONAL_SCHEDULE_KEYS = {"placement": (str, INTERLEAVED)}
 _PREDICTED_KEYS = {"iteration_ms": (int, float), "memory_bytes_per_rank": int,
                    "activation_peak_bytes": int, "bubble_fraction": (int, float)}
 _SOURCES_KEYS = {"hardware": str, "model": str, "seq_lengths": (str, type(None))}
@@ -86,7 +89,7 @@ def megatron_flags(problem: "Problem", cost: "LayoutCost") -> list[str]:
         flags.append("--sequence-parallel")
     if layout.distributed_optimizer:
         flags.append("--use-distributed-optimizer")
-    if layout.dp > 1:
+    if _overlaps_grad_reduce(problem, layout):
         flags.append("--overlap-grad-reduce")  # cost.py prices the reductions overlapped
     if layout.recompute == "selective":
         flags += ["--recompute-granularity", "selective"]
@@ -102,9 +105,18 @@ def megatron_flags(problem: "Problem", cost: "LayoutCost") -> list[str]:
         flags.append("--variable-seq-lengths")
     if layout.use_dpp:
         flags += ["--use-dpp", "--dpp-policy", layout.schedule]
+        if layout.placement != INTERLEAVED:
+            flags += ["--dpp-stage-placement", layout.placement]
         if layout.split_backward:
             flags.append("--dpp-split-backward")
     return [str(token) for token in flags]
+
+
+def _overlaps_grad_reduce(problem: "Problem", layout) -> bool:
+    """The cost model's rule (cost.Pricer.overlaps_grad_reduce), imported here only when a
+    strategy is built: --print must not load the simulator."""
+    from megatron_dpp.search.cost import Pricer
+    return Pricer(problem).overlaps_grad_reduce(layout)
 
 
 def build_strategy(problem: "Problem", cost: "LayoutCost", model_source: str) -> dict:
@@ -129,7 +141,7 @@ def build_strategy(problem: "Problem", cost: "LayoutCost", model_source: str) ->
                    "sequence_parallel": layout.sequence_parallel,
                    "decoder_last_pipeline_num_layers": layout.last_stage_layers},
         "schedule": {"name": layout.schedule, "use_dpp": layout.use_dpp,
-                     "split_backward": layout.split_backward},
+                     "split_backward": layout.split_backward, "placement": layout.placement},
         "megatron_flags": megatron_flags(problem, cost),
         "predicted": {"iteration_ms": round(cost.time_ms, 3), "memory_bytes_per_rank": cost.memory_bytes,
                       "activation_peak_bytes": cost.activation_peak_bytes,
@@ -164,6 +176,12 @@ def validate_strategy(content: Any, where: str = "strategy") -> dict:
     layout = content["layout"]
     _check_keys(f"{where}: layout", layout,
                 {key: kind for key, (kind, _) in _OPTIONAL_LAYOUT_KEYS.items() if key in layout})
+    schedule = content["schedule"]
+    _check_keys(f"{where}: schedule", schedule,
+                {key: kind for key, (kind, _) in _OPTIONAL_SCHEDULE_KEYS.items() if key in schedule})
+    if schedule.get("placement", INTERLEAVED) not in PLACEMENT_NAMES:
+        raise SearchInputError(f"{where}: schedule placement {schedule['placement']!r} is not one of "
+                               f"{PLACEMENT_NAMES}")
     if content["model"]["model"] not in MODEL_FAMILIES:
         raise SearchInputError(f"{where}: model {content['model']['model']!r} is not one of "
                                f"{tuple(MODEL_FAMILIES)}")
