@@ -113,10 +113,6 @@ BAD_FLAGS = {
                                     "--num-virtual-stages-per-pipeline-rank", "2",
                                     "--dpp-stage-placement", "v", "--calculate-per-token-loss"], 2,
                                    "--dpp-stage-placement v computes the loss on pipeline rank 0"),
-    "placement_v_save": (["--pipeline-model-parallel-size", "2", "--use-dpp",
-                          "--num-virtual-stages-per-pipeline-rank", "2",
-                          "--dpp-stage-placement", "v", "--save", "/tmp"], 2,
-                         "--dpp-stage-placement v does not save or load checkpoints yet"),
     "dpp_schedule_without_use_dpp": (["--pipeline-model-parallel-size", "2", "--dpp-schedule",
                                       "/nonexistent.csv"], 2,
                                      "--dpp-schedule runs a schedule in the DPP runtime; add "
@@ -138,6 +134,12 @@ BAD_FLAGS = {
                                      "--dpp-stage-placement", "v", "--dpp-schedule", "{zbv}"], 2,
                                     "its backwards are split (I and W cells), the run's are not "
                                     "(add --dpp-split-backward)"),
+    "placement_v_save_distributed_optimizer_tied_dp2": (
+        ["--pipeline-model-parallel-size", "2", "--use-dpp",
+         "--num-virtual-stages-per-pipeline-rank", "2", "--dpp-stage-placement", "v",
+         "--use-distributed-optimizer", "--save", "/tmp"], 4,
+        "--dpp-stage-placement v does not save or load checkpoints of the distributed optimizer "
+        "with tied embeddings at data-parallel size 2"),
     "trace_dir_under_a_file": (["--pipeline-model-parallel-size", "2", "--trace", "--trace-dir",
                                 "/dev/null/traces"], 2,
                                "--trace-dir /dev/null/traces: cannot create it in /dev/null"),

@@ -225,5 +225,6 @@ def test_old_format_loads_at_its_layout_and_is_refused_at_another(tmp_path, unin
         [*SCHEDULE, *PP2, "--decoder-last-pipeline-num-layers", "1", "--train-iters", "6",
          "--load", save], nproc=2)
     line = _one_error(out)
-    assert ("layers per pipeline rank even, this run is world 2, tp 1, pp 2, vpp None, layers "
-            "per pipeline rank 3 | 1") in line, line
+    assert ("layers per pipeline rank even, stage placement interleaved, this run is world 2, "
+            "tp 1, pp 2, vpp None, layers per pipeline rank 3 | 1, stage placement "
+            "interleaved") in line, line

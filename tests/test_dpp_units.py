@@ -143,7 +143,7 @@ def _dpp_args(virtual_pipeline_model_parallel_size=None, **overrides):
     from megatron_dpp.parallel.layout import ParallelLayout
 
     values = dict(use_dpp=True, dpp_policy="dpp:adaptive", dpp_memory_budget="auto", dpp_timeout=30.0,
-                  dpp_stage_placement="interleaved",
+                  dpp_stage_placement="interleaved", dpp_schedule=None,
                   pipeline_model_parallel_size=2, context_parallel_size=1,
                   parallel=ParallelLayout(
                       virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size))

@@ -23,7 +23,7 @@ def _rank(rank, store_path, placement, layout, results):
     from megatron.core.transformer import TransformerConfig
 
     from megatron_dpp.models.gpt import GPTShape, build_gpt_chunks
-    from megatron_dpp.training.stage_placement import embedding_ranks_for
+    from megatron_dpp.stage_placement import embedding_ranks_for
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     parallel_state.initialize_model_parallel(

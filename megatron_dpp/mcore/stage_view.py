@@ -12,10 +12,12 @@ another rank (the v placement: stage 2P-1-r is chunk 1 of rank r); that chunk is
 chunk (rank, virtual stage) where Megatron-Core's placement has stage s, built under
 `building_as_pipeline_rank(rank)`: a collection whose pipeline group says its rank is that rank
 (also what use_mpu_process_groups returns meanwhile), and parallel_state's pipeline rank set to
-it, until the chunk is built. Only the building reads
-that rank: the chunk's collectives run over its tensor-
-parallel group, and the pipeline's messages are the DPP runtime's. tests/test_stage_view.py checks
-that a chunk built so has the layers, layer numbers and ends of its stage.
+it, until the chunk is built. Only the building reads that rank: the chunk's collectives run
+over its tensor-parallel group, and the pipeline's messages are the DPP runtime's.
+tests/test_stage_placement_model.py checks that a chunk built so has the layers, layer numbers and
+ends of its stage. Its sharded state dict
+(a checkpoint's) is built under `reading_as_pipeline_rank(rank)`, parallel_state's pipeline rank
+set to that rank: with a layout string Megatron-Core takes the chunk's layer offset from there.
 """
 from __future__ import annotations
 
@@ -57,13 +59,27 @@ def building_as_pipeline_rank(rank: int) -> Iterator[ProcessGroupCollection]:
     ends."""
     collection = copy.copy(ProcessGroupCollection.use_mpu_process_groups())
     collection.pp = PipelineGroupAsRank(collection.pp, rank)
-    saved = parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK  # None: asked of the group
     saved_default = ProcessGroupCollection.__dict__["use_mpu_process_groups"]
-    parallel_state.set_pipeline_model_parallel_rank(rank)
     ProcessGroupCollection.use_mpu_process_groups = classmethod(
         lambda cls, required_pgs=None: collection)
     try:
-        yield collection
+        with reading_as_pipeline_rank(rank):
+            yield collection
     finally:
         ProcessGroupCollection.use_mpu_process_groups = saved_default
+
+
+@contextlib.contextmanager
+def reading_as_pipeline_rank(rank: int) -> Iterator[None]:
+    """parallel_state's pipeline rank set to `rank` until the block ends, however it ends: for
+    what Megatron-Core computes from a built chunk of another placement's stage and asks
+    parallel_state for, not the chunk's collection. Its sharded state dict
+    (TransformerBlock.sharded_state_dict) takes each layer's local index from the layer offset,
+    which a layout string (PipelineParallelLayerLayout.get_layer_offset) reads from
+    parallel_state; the checkpoint's own RNG and pipeline keys stay per real rank, outside it."""
+    saved = parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK  # None: asked of the group
+    parallel_state.set_pipeline_model_parallel_rank(rank)
+    try:
+        yield
+    finally:
         parallel_state.set_pipeline_model_parallel_rank(saved)

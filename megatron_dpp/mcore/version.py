@@ -21,7 +21,8 @@ SUPPORTED_VERSIONS = ("0.16.1",)
 # override, and module globals we rebind or patch.
 SEAMS: dict[tuple[str, str], str] = {
     ("megatron.core.parallel_state", "_MPU_PIPELINE_MODEL_PARALLEL_RANK"):
-        "mcore/stage_view.py reads and restores it around building a chunk of another placement",
+        "mcore/stage_view.py reads and restores it around building a chunk of another placement, "
+        "and around its sharded state dict (a checkpoint's)",
     ("megatron.core.process_groups_config", "ProcessGroupCollection.use_mpu_process_groups"):
         "mcore/stage_view.py rebinds it while a chunk of another placement is built (BertModel's "
         "TransformerBlock takes its groups from it)",
@@ -105,6 +106,13 @@ FINGERPRINTS: dict[tuple[str, str], str] = {
      "PipelineParallelLayerLayout.get_layer_offset"): "f6100864cc93",
     ("megatron.core.transformer.pipeline_parallel_layer_layout",
      "PipelineParallelLayerLayout.get_num_layers_to_build"): "3e0adf0ab05f",
+    # training/checkpoint/torch_dist.py over mcore/stage_view.py: a chunk's sharded state dict
+    # takes its layers' local indices from the offset (the collection's pipeline rank, a layout
+    # string's parallel_state rank), and the tied output layer's key and replica id.
+    ("megatron.core.transformer.transformer_block", "TransformerBlock.sharded_state_dict"):
+        "ce2f6516ee88",
+    ("megatron.core.models.common.language_module.language_module",
+     "LanguageModule.tie_embeddings_and_output_weights_state_dict"): "0953861f159b",
     ("megatron.core.pipeline_parallel.p2p_communication", "P2PCommunicator._communicate"):
         "fbdfa3f9f80b",
     ("megatron.core.distributed.distributed_data_parallel",

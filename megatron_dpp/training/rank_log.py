@@ -7,7 +7,7 @@ from datetime import datetime
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_dpp.training.stage_placement import holds_the_loss
+from megatron_dpp.stage_placement import holds_the_loss
 
 
 def is_logging_rank() -> bool:

@@ -41,7 +41,7 @@ from megatron_dpp.training.config import (
 from megatron_dpp.training.observe.step_tracing import StepTracer
 from megatron_dpp.training.observe.timers import attach_timers, timers_from_args
 from megatron_dpp.training.rank_log import log, log_rank0
-from megatron_dpp.training.stage_placement import embedding_ranks_for, job_placement, use_stage_placement
+from megatron_dpp.stage_placement import embedding_ranks_for, job_placement, use_stage_placement
 from megatron_dpp.training.tied_embeddings import finalize_with_local_tie
 
 

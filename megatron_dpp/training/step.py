@@ -54,7 +54,7 @@ from megatron_dpp.training.observe.tracing import agree_run_directory
 from megatron_dpp.training.observe.wandb_log import WandbInitError
 from megatron_dpp.training.pipeline import build_forward_backward, close_forward_backward
 from megatron_dpp.training.rank_log import is_logging_rank, log, log_rank0
-from megatron_dpp.training.stage_placement import holds_the_loss
+from megatron_dpp.stage_placement import holds_the_loss
 from megatron_dpp.training.setup import (
     build_model_and_optimizer,
     nvtx_around_gradient_sync,

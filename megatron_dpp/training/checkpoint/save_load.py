@@ -9,7 +9,8 @@ SAVE/latest_checkpointed_iteration.txt:
   or without --use-dpp.
 - torch: this project's earlier per-rank files, iter_NNNNNNN/rank_RRRRR.pt (one per global rank:
   its model chunks, optimizer state including a distributed optimizer's shard, LR scheduler, RNG
-  states, iteration, consumed samples). Resumes only at the layout that saved it; at another one
+  states, iteration, consumed samples). Resumes only at the layout that saved it (stage placement
+  included: a rank's chunks are other stages on another one); at another one
   the load is refused in one line saying how to convert it (resume once at its layout with
   --save: the default format is torch_dist).
 
@@ -43,6 +44,7 @@ from megatron.core import parallel_state
 
 from megatron_dpp.mcore import distributed_optimizer
 from megatron_dpp.parallel.split import PipelineSplit
+from megatron_dpp.pipeline.placement import INTERLEAVED
 from megatron_dpp.training.checkpoint import scheduler_state
 from megatron_dpp.training.checkpoint.flags import (
     CHECKPOINT_FORMATS,
@@ -72,6 +74,7 @@ from megatron_dpp.training.checkpoint.integrity import (
     unverified_warning,
     write_manifest,
 )
+from megatron_dpp.stage_placement import job_placement_name
 from megatron_dpp.training.checkpoint.torch_dist import (
     OLD_FORMAT_CONVERTER,
     CheckpointLoadError,
@@ -113,9 +116,9 @@ class CheckpointToLoad:
 
 
 def _layout(model_chunks) -> dict[str, int | str | None]:
-    """What the per-rank format must find again to load: the parallel sizes and, when a flag made
-    it uneven, the pipeline split (absent for the default even split, as in files saved before
-    the split flags)."""
+    """What the per-rank format must find again to load: the parallel sizes, when a flag made
+    it uneven the pipeline split (absent for the default even split, as in files saved before
+    the split flags), and a stage placement other than the interleaved one."""
     layout = {
         "world_size": dist.get_world_size(),
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
@@ -126,6 +129,10 @@ def _layout(model_chunks) -> dict[str, int | str | None]:
     split = PipelineSplit.from_config(model_chunks[0].config)
     if not split.is_default:
         layout["pipeline_split"] = split.describe()
+    # A rank's chunks are other stages on another placement; absent for the interleaved one, as
+    # in files saved before --dpp-stage-placement.
+    if job_placement_name() != INTERLEAVED:
+        layout["stage_placement"] = job_placement_name()
     return layout
 
 
@@ -582,4 +589,5 @@ def _short(layout: dict) -> str:
     return (f"world {layout['world_size']}, tp {layout['tensor_model_parallel_size']}, pp "
             f"{layout['pipeline_model_parallel_size']}, vpp "
             f"{layout['virtual_pipeline_model_parallel_size']}, layers per pipeline rank "
-            f"{layout.get('pipeline_split', 'even')}")
+            f"{layout.get('pipeline_split', 'even')}, stage placement "
+            f"{layout.get('stage_placement', INTERLEAVED)}")

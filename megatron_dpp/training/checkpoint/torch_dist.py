@@ -10,7 +10,10 @@ Megatron-LM's loader reads it.
 Every tensor is stored under its global name and shape (a GPTModel/BertModel chunk's sharded state
 dict carries its global layer offsets), so a checkpoint saved at one tensor/pipeline/virtual-pipeline
 layout loads at another, with or without --use-dpp (DPP runs the same chunks). The RNG states are
-per (pipeline, tensor) rank and are restored only at the layout that saved them.
+per (pipeline, tensor) rank and are restored only at the layout that saved them (its tensor and
+pipeline sizes and its stage placement). The model's keys `model0`, `model1`... are a rank's local
+chunks, which are other stages on another placement (--dpp-stage-placement v); the tensors in them
+carry their global names, so a checkpoint of one placement loads at the other.
 
 Saves are atomic and checksummed, as in both formats (save_load.py's save transaction): this
 module writes the files into SAVE/iter_NNNNNNN.saving/; the transaction records their checksums
@@ -32,8 +35,11 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron_dpp.mcore import distributed_optimizer
 from megatron_dpp.mcore.checkpoint_writer import in_process_write_results
 from megatron_dpp.parallel.layout import flags_and_layout
+from megatron_dpp.pipeline.placement import INTERLEAVED
 from megatron_dpp.training.checkpoint import scheduler_state
 from megatron_dpp.training.checkpoint.flags import TRACKER_FILE, LoadScope
+from megatron_dpp.stage_placement import (as_megatron_builds_chunk, job_placement,
+                                                   job_placement_name)
 from megatron_dpp.training.checkpoint.integrity import (MANIFEST_FILE, SAVED_WITH_CHECKSUMS,
                                                         missing_manifest)
 
@@ -114,6 +120,7 @@ def _layout() -> dict:
         "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
         "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+        "stage_placement": job_placement_name(),
     }
 
 
@@ -231,8 +238,15 @@ def unwrap(chunk):
 
 
 def _model_state_dict(model_chunks, metadata: dict) -> dict:
-    return {_model_key(i, len(model_chunks)): unwrap(chunk).sharded_state_dict(metadata=metadata)
-            for i, chunk in enumerate(model_chunks)}
+    """`model0`, `model1`... per local chunk, whichever stages they are (the tensors inside carry
+    the global names). A chunk of another placement's stage is read as the rank Megatron-Core's
+    placement gives that stage (its layer offsets with a layout string)."""
+    state = {}
+    for i, chunk in enumerate(model_chunks):
+        with as_megatron_builds_chunk(i):
+            state[_model_key(i, len(model_chunks))] = unwrap(chunk).sharded_state_dict(
+                metadata=metadata)
+    return state
 
 
 def _args_for_checkpoint(args: argparse.Namespace | None, consumed_samples: int,
@@ -299,10 +313,11 @@ def prepare_dist_checkpoint(iteration: int, consumed_samples: int, model_chunks,
                         with_optimizer=not model_only,
                         consumed_valid_samples=consumed_valid_samples)
     state[SAVED_WITH_CHECKSUMS] = MANIFEST_FILE
+    tied_copies_share_a_rank = _tied_copies_share_a_rank(model_chunks)
 
     def write(directory: str) -> None:
         strategy = get_default_save_sharded_strategy("torch_dist")
-        if parallel_state.get_data_parallel_world_size() > 1:
+        if parallel_state.get_data_parallel_world_size() > 1 and not tied_copies_share_a_rank:
             # Data-parallel replicas split the writing, as Megatron-LM's
             # --ckpt-fully-parallel-save (its default).
             strategy = FullyParallelSaveStrategyWrapper(
@@ -312,6 +327,19 @@ def prepare_dist_checkpoint(iteration: int, consumed_samples: int, model_chunks,
                                     preprocess_common_before_consistancy_check=_no_rank_differences)
 
     return _main_replica_bytes(state), write
+
+
+def _tied_copies_share_a_rank(model_chunks) -> bool:
+    """Both copies of a tied word embedding on one rank (the v placement's rank 0), the same on
+    every rank. Their tensors share the embedding's key, the output layer's as a replica; the
+    fully parallel save makes every tensor of a key that a rank is to write its main replica, two
+    of them there, and Megatron-Core's check of the save refuses that. Each data-parallel group's
+    first rank then writes the replicas, as at one data-parallel rank."""
+    tied = any(getattr(unwrap(chunk), "share_embeddings_and_output_weights", False)
+               for chunk in model_chunks)
+    placement = job_placement()
+    holders = [placement.location(stage)[0] for stage in placement.embedding_stages(tied)]
+    return len(set(holders)) < len(holders)
 
 
 def _main_replica_bytes(state: dict) -> int:
@@ -545,7 +573,11 @@ def _schedule_in_samples(common: dict) -> bool:
 
 
 def _same_model_parallel(saved: dict) -> bool:
+    """The saving run's tensor and pipeline sizes and stage placement (a pipeline rank's RNG
+    streams serve the stages it holds); a checkpoint saved before the placement was recorded is
+    of the interleaved one."""
     here = _layout()
     keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
-    return bool(saved) and all(saved.get(k) == here[k] for k in keys)
+    return bool(saved) and all(saved.get(k) == here[k] for k in keys) and \
+        saved.get("stage_placement", INTERLEAVED) == here["stage_placement"]
 
