@@ -93,6 +93,14 @@ def dpp_minimum_budget_bytes(args: argparse.Namespace) -> Optional[int]:
     return None if largest is None else minimum_budget_bytes(args.parallel.chunks_per_rank, largest)
 
 
+def validate_shared_gpu_memory(args: argparse.Namespace) -> None:
+    """With ranks sharing a GPU (the launcher's --ranks-per-gpu): they must fit its memory."""
+    from megatron_dpp.shared_gpu_memory import shared_gpu_memory_error
+
+    problem = shared_gpu_memory_error(args)
+    require(problem is None, problem)
+
+
 def validate_dpp_args(args: argparse.Namespace) -> None:
     """The DPP runtime's flags, an explicit budget against the model's minimum."""
     dpp_flags.validate_dpp_args(args, dpp_minimum_budget_bytes(args))
@@ -133,6 +141,7 @@ VALIDATORS: list[Callable[[argparse.Namespace], None]] = [
     validate_data_args,
     validate_transport_args,
     validate_dpp_args,
+    validate_shared_gpu_memory,
     validate_trace_args,
     validate_profile_args,
     validate_cuda_graph_args,

@@ -11,6 +11,13 @@ recorded (a lost peer). A rank stopped by a signal when the job ends is killed a
 (megatron_dpp.stopped_ranks), not after torchrun's 30 s. The folder, torchrun's log folder inside
 it, is removed when the launcher ends: a job leaves nothing in TMPDIR.
 
+`--ranks-per-gpu N`, before torchrun's flags (the run scripts' RANKS_PER_GPU=N): N ranks share each
+GPU (megatron_dpp.shared_gpu): the launcher starts a private MPS control daemon, gives the ranks
+its directories, their SM share and N, says so in its first line, and stops the daemon however
+the job ends (normal end, a failing rank, SIGINT/SIGTERM to the launcher). Refused in one line,
+exit 2, before anything starts, where N does not divide the node's ranks or
+`nvidia-cuda-mps-control` is not on PATH.
+
 A job of one node gets its rendezvous store, gloo's and NCCL's sockets on 127.0.0.1
 (megatron_dpp.loopback_store) and, where the environment holds none, a fresh job key
 (DPP_JOB_KEY, megatron_dpp.comm.job_key) that authenticates its heartbeats.
@@ -30,6 +37,7 @@ from megatron_dpp.exit_codes import BAD_INPUT
 from megatron_dpp.loopback_store import (LoopbackStore, StoreBindError, loopback_port_wanted,
                                          sockets_on_loopback)
 from megatron_dpp.rank_failure import FAILURE_DIR_ENV, all_failures, first_failure
+from megatron_dpp.shared_gpu import MpsDaemon, MpsError, layout_error
 from megatron_dpp.stopped_ranks import StoppedRankWatch
 
 PROG = "megatron_dpp.rank_launcher"
@@ -71,22 +79,80 @@ def _failure_line(error, folder: str) -> tuple[str, int]:
             f"{failure.exitcode}; its output above says why"), failure.exitcode or 1
 
 
+def split_ranks_per_gpu(argv: Sequence[str]) -> tuple[Optional[int], list[str]]:
+    """(N of a leading `--ranks-per-gpu N`, or None; torchrun's words). ValueError for a bad N."""
+    words = list(argv)
+    if not words or words[0].split("=", 1)[0] != "--ranks-per-gpu":
+        return None, words
+    if "=" in words[0]:
+        value, rest = words[0].split("=", 1)[1], words[1:]
+    elif len(words) >= 2:
+        value, rest = words[1], words[2:]
+    else:
+        raise ValueError("--ranks-per-gpu needs a number (the ranks that share one GPU)")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--ranks-per-gpu {value}: expected a positive whole number")
+    return int(value), rest
+
+
+class _Stopped(BaseException):
+    """SIGINT/SIGTERM to the launcher outside torchrun's own handlers (which raise
+    SignalException): unwinds the `with` blocks, so that the MPS daemon is stopped."""
+
+    def __init__(self, number: int):
+        super().__init__(number)
+        self.number = number
+
+
+def _raise_stopped(number, _frame):
+    raise _Stopped(number)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        per_gpu, words = split_ranks_per_gpu(sys.argv[1:] if argv is None else argv)
+    except ValueError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        return BAD_INPUT
     from torch.distributed import run as torchrun
 
-    args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
-    with contextlib.ExitStack() as job:
-        port = loopback_port_wanted(args)
-        if port is not None:  # one node: nothing of the job listens beyond this machine
-            try:
-                job.enter_context(LoopbackStore(port)).use_in(args)
-            except StoreBindError as error:
-                print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
-                return BAD_INPUT
-            if "--multi-node" not in args.training_script_args:  # else --node-ips chooses
-                sockets_on_loopback(os.environ)  # gloo's and NCCL's; the ranks inherit them
-            os.environ.setdefault(JOB_KEY_ENV, new_job_key())
-        return _run(torchrun, args)
+    args = torchrun.parse_args(words)
+    if per_gpu is not None:
+        problem = (layout_error(per_gpu, int(args.nproc_per_node), None)
+                   if str(args.nproc_per_node).isdigit() else
+                   f"--ranks-per-gpu needs a number of processes per node (--nproc-per-node "
+                   f"{args.nproc_per_node})")
+        if problem is not None:
+            print(f"{PROG}: error: {problem}", file=sys.stderr, flush=True)
+            return BAD_INPUT
+    previous = {number: signal.signal(number, _raise_stopped)
+                for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with contextlib.ExitStack() as job:
+            if per_gpu is not None:
+                try:
+                    daemon = job.enter_context(MpsDaemon(per_gpu))
+                except MpsError as error:
+                    print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+                    return BAD_INPUT
+                os.environ.update(daemon.environment)  # the ranks inherit them
+                print(f"{PROG}: {daemon.banner(int(args.nproc_per_node))}", flush=True)
+            port = loopback_port_wanted(args)
+            if port is not None:  # one node: nothing of the job listens beyond this machine
+                try:
+                    job.enter_context(LoopbackStore(port)).use_in(args)
+                except StoreBindError as error:
+                    print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+                    return BAD_INPUT
+                if "--multi-node" not in args.training_script_args:  # else --node-ips chooses
+                    sockets_on_loopback(os.environ)  # gloo's and NCCL's; the ranks inherit them
+                os.environ.setdefault(JOB_KEY_ENV, new_job_key())
+            return _run(torchrun, args)
+    except _Stopped as stop:  # before torchrun started the ranks, or after they ended
+        return 128 + stop.number
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def _run(torchrun, args) -> int:

@@ -7,7 +7,7 @@
 #   launch_set_model MODEL     gpt | bert | llama: its entry point, recipes and sample data
 #   launch_parse_args "$@"     --dry-run (anywhere) -> DRY_RUN=1; --strategy FILE -> STRATEGY_FILE;
 #                              the other arguments -> EXTRA_ARGS
-#   launch_check_layout_env    USE_DPP, PP, TP, VPP, NPROC as given (before any slow setup)
+#   launch_check_layout_env    USE_DPP, PP, TP, VPP, NPROC, RANKS_PER_GPU as given (before any slow setup)
 #   launch_check_nodes ROLE    single | master | worker | slurm: NNODES, NODE_RANK, MASTER_ADDR,
 #                              MASTER_PORT, NODE_IPS (slurm: after setting NNODES and NODE_IPS)
 #   launch_prepare             Python environment, GPU-dependent defaults, recipe, data; the user's
@@ -258,7 +258,7 @@ launch_check_layout_env() {
     launch_fail "USE_DPP=$USE_DPP; set it to 1 (dynamic pipeline schedule) or 0 (Megatron's)"
   fi
   local name
-  for name in PP TP VPP NPROC; do
+  for name in PP TP VPP NPROC RANKS_PER_GPU; do
     if [ -n "${!name:-}" ]; then
       launch_require_int "$name" 1 "" "a positive whole number"
     fi
@@ -359,6 +359,22 @@ launch_check_nodes() {
   launch_require_int MASTER_PORT 1 65535 "a TCP port (1..65535), free on the master"
 }
 
+# launch_check_ranks_per_gpu GPUS: RANKS_PER_GPU=N (N ranks on each GPU, under a private MPS
+# daemon that megatron_dpp.rank_launcher starts: megatron_dpp/shared_gpu.py) where it can work.
+launch_check_ranks_per_gpu() {
+  local gpus="$1"
+  [ "$RANKS_PER_GPU" -gt 1 ] || return 0
+  if [ "$gpus" -eq 0 ]; then
+    launch_fail "RANKS_PER_GPU=$RANKS_PER_GPU shares GPUs between ranks; this machine has none (unset it: CPU ranks share the cores)"
+  fi
+  if ! command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+    launch_fail "RANKS_PER_GPU=$RANKS_PER_GPU needs NVIDIA's MPS: nvidia-cuda-mps-control is not on PATH"
+  fi
+  if [ "$TP" -gt 1 ]; then
+    launch_fail "RANKS_PER_GPU=$RANKS_PER_GPU with TP=$TP: the tensor-parallel all-reduces of every layer would go over gloo through the host; use TP=1"
+  fi
+}
+
 launch_prepare() {
   if [ ! -x "$PY" ]; then
     bash "$REPO_ROOT/run_scripts/setup_env.sh"
@@ -380,6 +396,10 @@ launch_prepare() {
     gpus=0
   fi
   TP="${TP:-1}"
+  RANKS_PER_GPU="${RANKS_PER_GPU:-1}"
+  RANKS_PER_GPU="$((10#$RANKS_PER_GPU))"
+  launch_check_ranks_per_gpu "$gpus"
+  local slots=$((gpus * RANKS_PER_GPU))  # the ranks this node's GPUs take
   VPP="${VPP:-1}"
   if [ -n "${RECIPE:-}" ]; then RECIPE_ASKED_FOR=1; else RECIPE_ASKED_FOR=0; fi
   # The user's own model (a shape, no RECIPE): Megatron-LM's layout, PP=1, unless PP or the user's
@@ -396,17 +416,33 @@ launch_prepare() {
     RECIPE="${RECIPE:-$GPU_RECIPE}"
     # A pipeline whenever the GPUs hold two stages, so that --use-dpp has a schedule to run.
     if [ -z "${PP:-}" ]; then
-      if [ "$gpus" -ge "$((2 * TP))" ]; then PP=2; else PP=1; fi
+      if [ "$slots" -ge "$((2 * TP))" ]; then PP=2; else PP=1; fi
     fi
     if [ -z "${NPROC:-}" ]; then
       group=$((PP * TP))
-      NPROC=$((gpus / group * group))
+      NPROC=$((slots / group * group))
       if [ "$NPROC" -eq 0 ]; then
+        if [ "$RANKS_PER_GPU" -gt 1 ]; then
+          launch_fail "PP=$PP x TP=$TP needs $group ranks; $gpus GPUs at RANKS_PER_GPU=$RANKS_PER_GPU take $slots (lower PP or TP, raise RANKS_PER_GPU, or set NPROC)"
+        fi
         launch_fail "PP=$PP x TP=$TP needs $group GPUs; this machine has $gpus (lower PP or TP, or set NPROC)"
       fi
-      if [ "$NPROC" -ne "$gpus" ]; then
-        echo "$LAUNCH_NAME: NPROC=$NPROC: $NPROC of the $gpus GPUs, a multiple of PP x TP = $group"
+      if [ "$NPROC" -ne "$slots" ]; then
+        if [ "$RANKS_PER_GPU" -gt 1 ]; then
+          echo "$LAUNCH_NAME: NPROC=$NPROC: $NPROC of the $slots ranks $gpus GPUs take at RANKS_PER_GPU=$RANKS_PER_GPU, a multiple of PP x TP = $group"
+        else
+          echo "$LAUNCH_NAME: NPROC=$NPROC: $NPROC of the $gpus GPUs, a multiple of PP x TP = $group"
+        fi
       fi
+    fi
+    if [ "$RANKS_PER_GPU" -gt 1 ]; then
+      if [ $((NPROC % RANKS_PER_GPU)) -ne 0 ]; then
+        launch_fail "RANKS_PER_GPU=$RANKS_PER_GPU does not divide NPROC=$NPROC, the node's ranks; give a multiple of $RANKS_PER_GPU"
+      fi
+      if [ $((NPROC / RANKS_PER_GPU)) -gt "$gpus" ]; then
+        launch_fail "NPROC=$NPROC at RANKS_PER_GPU=$RANKS_PER_GPU needs $((NPROC / RANKS_PER_GPU)) GPUs; this machine has $gpus"
+      fi
+      GPU_MEMORY_BYTES="$("$PY" -c 'import torch; print(torch.cuda.get_device_properties(0).total_memory)')"
     fi
   else
     NPROC="${NPROC:-2}"; PP="${PP:-2}"; RECIPE="${RECIPE:-$CPU_RECIPE}"
@@ -465,7 +501,11 @@ launch_precheck() {
   # check also finds this node's --node-ips address among this machine's.
   local node=()
   if [ -n "${1:-}" ] && [ "$DRY_RUN" = 0 ]; then node=(GROUP_RANK="$1"); fi
-  (cd "$REPO_ROOT" && env "${node[@]}" WORLD_SIZE="$((NNODES * NPROC))" LOCAL_WORLD_SIZE="$NPROC" \
+  local shared=()
+  if [ "$RANKS_PER_GPU" -gt 1 ]; then  # the ranks' backend and the GPU's memory (shared_gpu_memory.py)
+    shared=(DPP_RANKS_PER_GPU="$RANKS_PER_GPU" DPP_GPU_MEMORY_BYTES="$GPU_MEMORY_BYTES")
+  fi
+  (cd "$REPO_ROOT" && env "${node[@]}" "${shared[@]}" WORLD_SIZE="$((NNODES * NPROC))" LOCAL_WORLD_SIZE="$NPROC" \
      GROUP_WORLD_SIZE="$NNODES" RANK=0 "$PY" -m megatron_dpp.arguments "$LAUNCH_MODEL" "${ALL_FLAGS[@]}")
 }
 
@@ -482,7 +522,9 @@ launch_torchrun_command() {
     # Static rendezvous: every node names the master and its own rank.
     rendezvous=(--node-rank "$node_rank" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
   fi
-  TORCHRUN=("$PY" -m megatron_dpp.rank_launcher --nnodes "$NNODES" "${rendezvous[@]}"
+  local shared=()
+  if [ "$RANKS_PER_GPU" -gt 1 ]; then shared=(--ranks-per-gpu "$RANKS_PER_GPU"); fi
+  TORCHRUN=("$PY" -m megatron_dpp.rank_launcher "${shared[@]}" --nnodes "$NNODES" "${rendezvous[@]}"
             --nproc-per-node "$NPROC" -m "$ENTRY_MODULE" "${ENTRY_ARGS[@]}" "${ALL_FLAGS[@]}")
 }
 
@@ -520,6 +562,9 @@ launch_print_provenance() {
 launch_describe() {
   local node_rank="$1" schedule recipe_words="recipe $RECIPE"
   schedule="$(launch_schedule_state)"
+  if [ "$RANKS_PER_GPU" -gt 1 ]; then
+    schedule+=", RANKS_PER_GPU=$RANKS_PER_GPU ($RANKS_PER_GPU ranks on each GPU under MPS, gloo collectives)"
+  fi
   if [ "$RECIPE_APPLIED" = 0 ]; then recipe_words="no recipe (your model shape)"; fi
   if [ "$LAUNCH_ROLE" = single ]; then
     echo "$LAUNCH_NAME: $NPROC processes, TP=$TP PP=$PP VPP=$VPP, $schedule, $recipe_words${STRATEGY_FILE:+, strategy $STRATEGY_FILE}"

@@ -17,6 +17,12 @@
 #   MASTER_PORT   rendezvous port (default: a free one)
 #   USE_DPP       1 (default): dynamic pipeline schedule (--use-dpp) whenever PP >= 2; 0: Megatron's
 #                 fixed 1F1B / interleaved schedule
+#   RANKS_PER_GPU N ranks on each GPU (default 1): rank r runs on GPU r // N, the launcher starts
+#                 a private NVIDIA MPS daemon (stopped when the job ends) and gives each rank
+#                 100 // N percent of the SMs; the collectives go over gloo. Defaults then count
+#                 N ranks per GPU (e.g. one GPU, RANKS_PER_GPU=2: PP=2). Refused without a GPU,
+#                 without nvidia-cuda-mps-control, with TP>1, where N does not divide NPROC, or
+#                 where the ranks on one GPU exceed its memory by models/memory_model.py
 # Extra arguments are passed to megatron_dpp.pretrain_gpt: Megatron-LM's flags, which replace
 # the recipe's and the launcher's of the same choice (megatron_dpp/launcher_flags.py).
 # --strategy FILE (among them): the model shape, batch, layout and schedule of a strategy JSON

@@ -21,6 +21,7 @@ from megatron_dpp.flag_errors import (ArgsError, add_refused_flags, add_stated_f
 from megatron_dpp.kernels import TRANSFORMER_ENGINE, core_attention_from_args
 from megatron_dpp.parallel import megatron_lm_flags
 from megatron_dpp.parallel.layout import ParallelLayout
+from megatron_dpp.shared_gpu import ranks_per_gpu, shared_gpu_backend
 from megatron_dpp.parallel.split import (EMBEDDING_FLAG, FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG,
                                          LOSS_FLAG, PipelineSplit, layout_layers)
 
@@ -331,7 +332,16 @@ def validate_parallel_args(args: argparse.Namespace) -> ParallelLayout:
     require(te_layers or not sequence_parallel,
             "--sequence-parallel needs Transformer Engine layers on a GPU (Megatron-Core's local "
             "LayerNorm does not support it); remove it or install transformer-engine")
-    backend = args.distributed_backend or ("nccl" if cuda else "gloo")
+    per_gpu = ranks_per_gpu()
+    require(per_gpu == 1 or args.distributed_backend != "nccl",
+            f"--distributed-backend nccl: the launcher puts {per_gpu} ranks on each GPU "
+            f"(--ranks-per-gpu), and NCCL refuses two ranks on one device; remove it (gloo runs "
+            f"the collectives)")
+    require(per_gpu == 1 or not args.use_distributed_optimizer,
+            f"--use-distributed-optimizer with {per_gpu} ranks per GPU (--ranks-per-gpu): its "
+            f"reduce-scatter and all-gather of CUDA buffers would go over gloo, whose CUDA "
+            f"collectives this runtime has not run; remove one")
+    backend = shared_gpu_backend(args.distributed_backend, cuda, per_gpu)
     require(cuda or backend != "nccl",
             "--distributed-backend nccl needs CUDA GPUs; use gloo (the default on CPU)")
     require(cuda or args.empty_unused_memory_level == 0,

@@ -45,7 +45,8 @@ class ParallelLayout:
     Megatron-LM."""
 
     distributed_backend: str = "gloo"
-    """torch.distributed's backend: --distributed-backend, or nccl with CUDA and gloo without."""
+    """torch.distributed's backend: --distributed-backend, or nccl with CUDA and one rank per GPU,
+    gloo without CUDA or with ranks sharing a GPU (shared_gpu.shared_gpu_backend)."""
 
     @property
     def chunks_per_rank(self) -> int:

@@ -13,6 +13,8 @@ from typing import Any, Iterator, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dpp.comm.collectives import collective_device
+
 
 class MicrobatchFeed:
     """The iterator forward_step_func gets for one microbatch: yields that microbatch's item once."""
@@ -86,7 +88,7 @@ def agree_on_sizes(local_sizes: Optional[List[int]], num_microbatches: int,
         sizes += torch.tensor(local_sizes, dtype=torch.int64)
     for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
-            on_device = sizes.to(_collective_device(group))
+            on_device = sizes.to(collective_device(group, sizes.device))
             dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=group)
             sizes = on_device.cpu()
     agreed = [int(s) for s in sizes.tolist()]
@@ -94,10 +96,3 @@ def agree_on_sizes(local_sizes: Optional[List[int]], num_microbatches: int,
         # Nobody read data (a model whose stages all take inputs from elsewhere): equal sizes.
         return [1] * num_microbatches
     return agreed
-
-
-def _collective_device(group: dist.ProcessGroup) -> torch.device:
-    # NCCL reduces only CUDA tensors; gloo takes CPU tensors.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_dpp.comm import collectives
 from megatron_dpp.comm.router import RouteError
 from megatron_dpp.exit_codes import BAD_INPUT, FAILED
 from megatron_dpp.mcore.cudagraphs import eager_layers
@@ -97,7 +98,8 @@ def reduce_losses_on_device(losses_reduced: list[dict],
         for index, name in enumerate(names):
             if name in entry:
                 total[index] += entry[name].to(device=device, dtype=torch.float64)
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    # Under gloo on CUDA ranks (ranks sharing a GPU) staged through the host (comm/collectives.py).
+    collectives.all_reduce(total, group=parallel_state.get_data_parallel_group())
     return ReducedLosses(names, total)
 
 

@@ -17,9 +17,10 @@ parameters): every rank calls it at the same iterations.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+from megatron_dpp.comm import collectives
 
 
 def _squared_norm(tensors: list, device) -> torch.Tensor:
@@ -48,8 +49,8 @@ def params_l2_norm(model: list, bf16: bool, sharded_main_params: bool, device) -
     squared = _squared_norm(whole, device)
     if bf16 and sharded_main_params:
         parts = _squared_norm(sharded, device)
-        dist.all_reduce(parts, group=parallel_state.get_data_parallel_group(
+        collectives.all_reduce(parts, group=parallel_state.get_data_parallel_group(
             with_context_parallel=True))
         squared += parts
-    dist.all_reduce(squared, group=parallel_state.get_model_parallel_group())
+    collectives.all_reduce(squared, group=parallel_state.get_model_parallel_group())
     return float(squared.sqrt())

@@ -196,13 +196,13 @@ class Timers:
         """Collective over every rank (all call it with the same names): each rank's timers in
         names, read and reset, in seconds divided by normalizer (the iterations they cover)."""
         import torch
-        import torch.distributed as dist
+
+        from megatron_dpp.comm import collectives
 
         local = [self.timers[name].read(reset=True) / normalizer if name in self.timers else 0.0
                  for name in names]
         mine = torch.tensor(local, dtype=torch.float64, device=self.device)
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, mine)
+        everyone = collectives.all_gather(mine)  # staged through the host under gloo on CUDA
         per_rank = [row.tolist() for row in everyone]
         ran = [column for column in range(len(names))
                if any(row[column] > 0.0 for row in per_rank)]
