@@ -39,7 +39,9 @@ def test_help_explains_every_flag():
     assert result.returncode == 0
     for flag in ("--output-dir", "--train-iters", "--gpt-global-batch-size",
                  "--bert-global-batch-size", "--anchor-steps", "--step-timeout", "--skip-tests",
-                 "--skip-mps", "--whole-suite", "--test-workers", "--help"):
+                 "--skip-mps", "--whole-suite", "--test-workers", "--pipeline", "--pipeline-layers",
+                 "--pipeline-hidden-size", "--pipeline-seq-length", "--pipeline-iters",
+                 "--pipeline-v-policy", "--dry-run", "--help"):
         assert flag in result.stdout
 
 
@@ -55,6 +57,11 @@ def test_help_explains_every_flag():
     (["--test-workers", "0"], "--test-workers 0: expected a positive whole number"),
     (["--skip-tests", "--whole-suite"], "--skip-tests leaves the tests out"),
     (["--skip-tests", "--test-workers", "4"], "--skip-tests leaves the tests out"),
+    (["--dry-run"], "--dry-run prints the pipeline runs; add --pipeline"),
+    (["--pipeline", "--pipeline-layers", "12"], "--pipeline-layers 12: expected a multiple of 8"),
+    (["--pipeline", "--pipeline-hidden-size", "100"], "expected a multiple of 64 (heads of 64)"),
+    (["--pipeline", "--pipeline-iters", "5"], "--pipeline-iters 5: expected at least 6"),
+    (["--pipeline", "--pipeline-v-policy", "a b"], "expected a --dpp-policy name"),
 ])
 def test_bad_flags_are_one_line_exit_2(args, message):
     result = _script(*args)
