@@ -137,3 +137,32 @@ def test_report_table_from_real_pipeline_logs(tmp_path):
     assert f"{100 * dpp['bubble']:.1f}%" in row and "103 203" in row
     assert any(line.startswith("pp2-packed-v ") and "FAIL (1)" in line for line in lines)
     assert lines[-1] == "failed steps: pipeline/pp2-packed-v"
+
+
+SESSION = str(REPO_ROOT / "run_scripts" / "gpu_session.sh")
+
+
+@pytest.mark.timeout(60)
+def test_session_help_names_every_flag_and_what_comes_back():
+    result = subprocess.run(["bash", SESSION, "--help"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0
+    for word in ("--deadline", "--test-workers", "--suite-cores", "--pipeline-cores",
+                 "--pipeline-layers", "session.txt", "pipeline.txt", "pipeline.json", "tests.txt",
+                 "setup.txt", "logs.tar.gz"):
+        assert word in result.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,message", [
+    ([], "usage: bash run_scripts/gpu_session.sh OUT_DIR [flags]"),
+    (["OUT", "--deadline", "0"], "--deadline 0: expected a positive whole number"),
+    (["OUT", "--suite-cores", "a"], "--suite-cores a: expected a CPU list"),
+    (["OUT", "--bogus", "1"], "unknown argument --bogus"),
+    (["OUT", "--deadline"], "--deadline needs a value"),
+])
+def test_session_bad_flags_are_one_line_exit_2(tmp_path, args, message):
+    result = subprocess.run(["bash", SESSION, *args], capture_output=True, text=True, timeout=30,
+                            cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and message in result.stderr
+    assert not (tmp_path / "OUT").exists()

@@ -1,8 +1,7 @@
 """Our collectives on device tensors, on whatever backend the job runs.
 
-NCCL takes CUDA tensors only, gloo CPU tensors (and CUDA tensors for some operations only: its
-send/recv, reduce and reduce-scatter are CPU only, and which others take CUDA depends on the
-build). With ranks sharing a GPU (megatron_dpp.shared_gpu) the job runs gloo on CUDA ranks, so
+NCCL takes CUDA tensors only, gloo CPU tensors (and CUDA tensors for some operations only: not
+for send/recv, and which others take them depends on torch's version). With ranks sharing a GPU (megatron_dpp.shared_gpu) the job runs gloo on CUDA ranks, so
 every collective of ours goes through here: a CUDA tensor under gloo is staged through the host
 (copied to the CPU, reduced or gathered there, copied back), the same route for every operation.
 A group of one rank runs nothing at all (a pipeline on one GPU has a data-parallel group of one).

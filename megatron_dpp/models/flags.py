@@ -300,8 +300,9 @@ def deterministic_mode_obstacle(args: argparse.Namespace) -> Optional[str]:
     if args.cross_entropy_loss_fusion:
         return ("--deterministic-mode: the fused cross entropy is not deterministic; remove "
                 "--cross-entropy-loss-fusion")
-    uses_nccl = (args.distributed_backend == "nccl" if args.distributed_backend is not None
-                 else cuda_available())
+    from megatron_dpp.shared_gpu import ranks_per_gpu, shared_gpu_backend
+
+    uses_nccl = shared_gpu_backend(args.distributed_backend, cuda_available(), ranks_per_gpu()) == "nccl"
     if uses_nccl and os.environ.get("NCCL_ALGO") not in DETERMINISTIC_NCCL_ALGOS:
         return (f"--deterministic-mode needs NCCL_ALGO set to one of "
                 f"{', '.join(DETERMINISTIC_NCCL_ALGOS)} (NCCL's all-reduce otherwise picks its "
