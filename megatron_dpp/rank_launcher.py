@@ -37,7 +37,7 @@ from megatron_dpp.exit_codes import BAD_INPUT
 from megatron_dpp.loopback_store import (LoopbackStore, StoreBindError, loopback_port_wanted,
                                          sockets_on_loopback)
 from megatron_dpp.rank_failure import FAILURE_DIR_ENV, all_failures, first_failure
-from megatron_dpp.shared_gpu import MpsDaemon, MpsError, layout_error
+from megatron_dpp.shared_gpu import MpsDaemon, MpsError, Stopped, layout_error, raise_stopped
 from megatron_dpp.stopped_ranks import StoppedRankWatch
 
 PROG = "megatron_dpp.rank_launcher"
@@ -95,19 +95,6 @@ def split_ranks_per_gpu(argv: Sequence[str]) -> tuple[Optional[int], list[str]]:
     return int(value), rest
 
 
-class _Stopped(BaseException):
-    """SIGINT/SIGTERM to the launcher outside torchrun's own handlers (which raise
-    SignalException): unwinds the `with` blocks, so that the MPS daemon is stopped."""
-
-    def __init__(self, number: int):
-        super().__init__(number)
-        self.number = number
-
-
-def _raise_stopped(number, _frame):
-    raise _Stopped(number)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         per_gpu, words = split_ranks_per_gpu(sys.argv[1:] if argv is None else argv)
@@ -125,7 +112,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if problem is not None:
             print(f"{PROG}: error: {problem}", file=sys.stderr, flush=True)
             return BAD_INPUT
-    previous = {number: signal.signal(number, _raise_stopped)
+    previous = {number: signal.signal(number, raise_stopped)
                 for number in (signal.SIGINT, signal.SIGTERM)}
     try:
         with contextlib.ExitStack() as job:
@@ -148,7 +135,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     sockets_on_loopback(os.environ)  # gloo's and NCCL's; the ranks inherit them
                 os.environ.setdefault(JOB_KEY_ENV, new_job_key())
             return _run(torchrun, args)
-    except _Stopped as stop:  # before torchrun started the ranks, or after they ended
+    except Stopped as stop:  # before torchrun started the ranks, or after they ended
         return 128 + stop.number
     finally:
         for number, handler in previous.items():

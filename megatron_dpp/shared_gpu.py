@@ -142,3 +142,76 @@ class MpsDaemon:
                 f"(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); collectives over gloo (NCCL refuses two "
                 f"ranks on one device), CUDA tensors staged through the host where gloo lacks "
                 f"the operation")
+
+
+CHILD_STOP_TIMEOUT_S = 10.0
+"""How long a command stopped by a signal has to end before it is killed."""
+
+
+class Stopped(BaseException):
+    """SIGINT/SIGTERM to a process holding the daemon (the launcher, run_under_daemon), raised by
+    raise_stopped: unwinds its `with` blocks, so that the daemon is stopped."""
+
+    def __init__(self, number: int):
+        super().__init__(number)
+        self.number = number
+
+
+def raise_stopped(number, _frame):
+    raise Stopped(number)
+
+
+def run_under_daemon(per_gpu: int, command: list[str]) -> int:
+    """COMMAND with a private daemon's environment (as the launcher gives its ranks); its exit
+    status, 128 + N when SIGINT/SIGTERM (signal N) stopped it. The daemon is stopped either way."""
+    import signal
+    import sys
+
+    previous = {number: signal.signal(number, raise_stopped)
+                for number in (signal.SIGINT, signal.SIGTERM)}
+    child = None
+    try:
+        with MpsDaemon(per_gpu) as daemon:
+            try:
+                child = subprocess.Popen(command, env={**os.environ, **daemon.environment})
+                return child.wait()  # bounded by whoever runs us (gpu_check.sh's step timeout)
+            except Stopped as stop:
+                if child is not None and child.poll() is None:
+                    child.send_signal(stop.number)
+                    try:
+                        child.wait(timeout=CHILD_STOP_TIMEOUT_S)
+                    except subprocess.TimeoutExpired:
+                        child.kill()
+                        child.wait(timeout=CHILD_STOP_TIMEOUT_S)
+                return 128 + stop.number
+    except MpsError as error:
+        print(f"megatron_dpp.shared_gpu: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    except Stopped as stop:  # while the daemon started or stopped
+        return 128 + stop.number
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m megatron_dpp.shared_gpu --ranks-per-gpu N -- COMMAND...`: COMMAND under a
+    private MPS daemon (gpu_check.sh's transport check), each of its processes with 100 // N
+    percent of the SMs."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_dpp.shared_gpu",
+                                     description=main.__doc__)
+    parser.add_argument("--ranks-per-gpu", type=int, required=True, metavar="N",
+                        help="the processes that share the GPU (their SM share: 100 // N)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.ranks_per_gpu < 1 or not command:
+        parser.error("expected --ranks-per-gpu N (N >= 1) and -- COMMAND...")
+    return run_under_daemon(args.ranks_per_gpu, command)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

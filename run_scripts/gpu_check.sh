@@ -5,8 +5,9 @@
 #   transport  benchmarks/transport_bench.py --device cuda --json (CUDA IPC one-way times against a
 #              device copy; NCCL on 2+ GPUs)
 #   transport-mps  the same under NVIDIA's Multi-Process Service, where nvidia-cuda-mps-control is
-#              on PATH: the two processes then share the GPU without switching between them. The
-#              script starts a private MPS daemon (its own pipe and log directories) and stops it.
+#              on PATH: the two processes then share the GPU without switching between them, each
+#              with half the SMs. A private MPS daemon (its own pipe and log directories) runs for
+#              the step (python -m megatron_dpp.shared_gpu, as RANKS_PER_GPU=2 runs ranks).
 #   attention-shapes  benchmarks/sdpa_shapes.py --device cuda --json: SDPA forward+backward per
 #              backend at one repeated sequence length against a new length each call, the shapes
 #              --variable-seq-lengths makes (cuDNN's attention builds a graph for every new shape)
@@ -224,18 +225,13 @@ STEPS="$OUTPUT_DIR/steps.tsv"
 cd "$REPO_ROOT"
 
 # step NAME LOG COMMAND...: runs COMMAND with its output in OUTPUT_DIR/LOG, at most STEP_TIMEOUT
-# seconds (then TERM, KILL 10 s later: exit status 124 or 137); records its exit status. A shell
-# function here (transport_under_mps) applies the limit itself, to what it starts.
+# seconds (then TERM, KILL 10 s later: exit status 124 or 137); records its exit status.
 step() {
   local name="$1" log="$2" started status=0
   shift 2
   echo "$NAME: $name ... (log: $OUTPUT_DIR/$log)"
   started=$SECONDS
-  if declare -F "$1" >/dev/null; then
-    "$@" >"$OUTPUT_DIR/$log" 2>&1 || status=$?
-  else
-    timeout --kill-after=10 "$STEP_TIMEOUT" "$@" >"$OUTPUT_DIR/$log" 2>&1 || status=$?
-  fi
+  timeout --kill-after=10 "$STEP_TIMEOUT" "$@" >"$OUTPUT_DIR/$log" 2>&1 || status=$?
   printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$log" "$((SECONDS - started))" >>"$STEPS"
 }
 
@@ -273,26 +269,13 @@ fi
 tests_step
 step transport transport.log "$PY" benchmarks/transport_bench.py --device cuda \
   --json "$OUTPUT_DIR/transport_cuda.json"
-# transport_under_mps JSON: the transport benchmark with a private MPS daemon running (a short
-# directory under /tmp: the daemon's socket path must stay under 108 characters), stopped after,
-# also when the benchmark ran out of time.
-# A subshell, so that the MPS variables stay out of the later steps.
-transport_under_mps() (
-  local dir status=0
-  dir="$(mktemp -d /tmp/dpp_mps.XXXXXX)"
-  export CUDA_MPS_PIPE_DIRECTORY="$dir/pipe" CUDA_MPS_LOG_DIRECTORY="$dir/log"
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d || { echo "nvidia-cuda-mps-control -d failed"; return 1; }
-  timeout --kill-after=10 "$STEP_TIMEOUT" "$PY" benchmarks/transport_bench.py --device cuda \
-    --json "$1" || status=$?
-  echo quit | nvidia-cuda-mps-control || status=1
-  cat "$CUDA_MPS_LOG_DIRECTORY"/control.log 2>/dev/null | tail -5
-  rm -rf "$dir"
-  return "$status"
-)
 if [ "$RUN_MPS" = 1 ]; then
   if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
-    step transport-mps transport_mps.log transport_under_mps "$OUTPUT_DIR/transport_cuda_mps.json"
+    # Under a private MPS daemon, as RANKS_PER_GPU=2 runs ranks (megatron_dpp.shared_gpu: its
+    # directories under a fresh /tmp/dpp_mps.*, each process with 50% of the SMs, the daemon
+    # stopped after, also when the step's timeout stops the benchmark).
+    step transport-mps transport_mps.log "$PY" -m megatron_dpp.shared_gpu --ranks-per-gpu 2 -- \
+      "$PY" benchmarks/transport_bench.py --device cuda --json "$OUTPUT_DIR/transport_cuda_mps.json"
   else
     echo "$NAME: transport-mps left out: nvidia-cuda-mps-control is not on PATH"
   fi

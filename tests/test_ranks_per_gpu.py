@@ -367,3 +367,43 @@ def test_ranks_per_gpu_beyond_the_gpus_memory_is_refused(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
     assert "2 ranks per GPU need at least" in result.stderr and "the GPU has 0.0 GiB" in result.stderr
     assert "node 0:" not in result.stdout
+
+
+# ---- python -m megatron_dpp.shared_gpu: a command under the daemon (gpu_check.sh's transport) ---
+
+_SHOW_ENV = ("import os, sys; print(os.environ['CUDA_MPS_PIPE_DIRECTORY'], "
+             "os.environ['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE']); sys.exit(int(sys.argv[1]))")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("status", [0, 5])
+def test_a_command_under_the_daemon_gets_its_environment_and_exit_status(tmp_path, status):
+    result = subprocess.run([sys.executable, "-m", "megatron_dpp.shared_gpu", "--ranks-per-gpu",
+                             "2", "--", sys.executable, "-c", _SHOW_ENV, str(status)],
+                            capture_output=True, text=True, timeout=50,
+                            env=_launcher_env(tmp_path), cwd=REPO_ROOT)
+    assert result.returncode == status, result.stderr
+    directory = _assert_daemon_started_and_stopped(tmp_path)
+    assert result.stdout.split() == [directory + "/pipe", "50"]
+
+
+@pytest.mark.timeout(60)
+def test_a_command_stopped_by_sigterm_stops_the_daemon(tmp_path):
+    ready = tmp_path / "ready"
+    sleeper = f"import pathlib, time; pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"
+    wrapper = subprocess.Popen([sys.executable, "-m", "megatron_dpp.shared_gpu", "--ranks-per-gpu",
+                                "2", "--", sys.executable, "-c", sleeper],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=_launcher_env(tmp_path), cwd=REPO_ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert time.monotonic() < deadline, "the command did not start within 30 s"
+            time.sleep(0.1)
+        wrapper.send_signal(signal.SIGTERM)
+        out, err = wrapper.communicate(timeout=30)
+    finally:
+        if wrapper.poll() is None:
+            os.killpg(wrapper.pid, signal.SIGKILL)
+    assert wrapper.returncode == 128 + signal.SIGTERM, out + err
+    _assert_daemon_started_and_stopped(tmp_path)
