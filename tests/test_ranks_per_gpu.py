@@ -66,12 +66,26 @@ def _calls(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
+def _path_without_control(path: list[str]) -> list[str]:
+    """PATH without the directories holding a real control program; skips the test where such a
+    directory also holds what the test runs (bash, env: a GPU machine's /usr/bin)."""
+    kept = []
+    for directory in path:
+        if not (Path(directory) / shared_gpu.MPS_CONTROL).exists():
+            kept.append(directory)
+        elif any((Path(directory) / tool).exists() for tool in ("bash", "env")):
+            pytest.skip(f"{shared_gpu.MPS_CONTROL} is in {directory} beside bash: it cannot be "
+                        f"left off PATH")
+    return kept
+
+
 def _launcher_env(tmp_path: Path, with_control: bool = True, **extra: str) -> dict:
     env = _env()
-    path = [p for p in env.get("PATH", "").split(os.pathsep)
-            if not (Path(p) / shared_gpu.MPS_CONTROL).exists()]
-    if with_control:
+    path = env.get("PATH", "").split(os.pathsep)
+    if with_control:  # the stand-in first: it answers, not a real one further on
         path.insert(0, str(_standin_bin(tmp_path)))
+    else:
+        path = _path_without_control(path)
     env.update(PATH=os.pathsep.join(path), MPS_STANDIN_LOG=str(tmp_path / "mps.log"), **extra)
     for name in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY",
                  "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", shared_gpu.RANKS_PER_GPU_ENV):
