@@ -21,9 +21,9 @@ from megatron_dpp.flag_errors import (ArgsError, add_refused_flags, add_stated_f
 from megatron_dpp.kernels import TRANSFORMER_ENGINE, core_attention_from_args
 from megatron_dpp.parallel import megatron_lm_flags
 from megatron_dpp.parallel.layout import ParallelLayout
-from megatron_dpp.shared_gpu import ranks_per_gpu, shared_gpu_backend
 from megatron_dpp.parallel.split import (EMBEDDING_FLAG, FIRST_FLAG, LAST_FLAG, LAYOUT_FLAG,
                                          LOSS_FLAG, PipelineSplit, layout_layers)
+from megatron_dpp.shared_gpu import ranks_per_gpu, shared_gpu_backend
 
 _TP_COMM_OVERLAP = ("Transformer Engine's userbuffer overlap of tensor-parallel communication with "
                     "GEMMs, which this runtime does not set up (Megatron-LM's initialize_ub step)")
