@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from typing import Mapping, Optional
 
 RANKS_PER_GPU_ENV = "DPP_RANKS_PER_GPU"
@@ -24,6 +25,10 @@ RANKS_PER_GPU_ENV = "DPP_RANKS_PER_GPU"
 MPS_CONTROL = "nvidia-cuda-mps-control"
 CONTROL_TIMEOUT_S = 30.0
 """How long one call of the control program may take (start, or quit)."""
+QUIT_TIMEOUT_S = 10.0
+"""How long the daemon may take to end after `quit`."""
+PID_FILE = "nvidia-cuda-mps-control.pid"
+"""Where the control daemon writes its process id, in its pipe directory."""
 
 
 def ranks_per_gpu(environ: Mapping[str, str] = os.environ) -> int:
@@ -77,6 +82,15 @@ def rank_environment(directory: str, per_gpu: int) -> dict[str, str]:
             RANKS_PER_GPU_ENV: str(per_gpu)}
 
 
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 class MpsError(RuntimeError):
     """The control daemon could not be started (or the control program is missing)."""
 
@@ -108,11 +122,36 @@ class MpsDaemon:
 
     def __exit__(self, *_exc) -> None:
         try:
+            pid = self._daemon_pid()
             self._control([], "quit\n", "stop the daemon")
+            if pid is not None:
+                self._wait_for_exit(pid)
         except MpsError as error:  # the job's own outcome stands; say why the daemon may linger
             print(f"megatron_dpp: warning: {error}", flush=True)
         finally:
             self._remove()
+
+    def _daemon_pid(self) -> Optional[int]:
+        """The control daemon's process id from its pid file in the pipe directory (None where
+        it wrote none)."""
+        path = os.path.join(self.environment["CUDA_MPS_PIPE_DIRECTORY"], PID_FILE)
+        try:
+            with open(path) as file:
+                return int(file.read().strip())
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _wait_for_exit(pid: int) -> None:
+        """`quit` returns before the daemon (and its server) has gone; the next job's daemon on the
+        same GPU must not meet this one, so wait for it, at most QUIT_TIMEOUT_S."""
+        deadline = time.monotonic() + QUIT_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if not _running(pid):
+                return
+            time.sleep(0.05)
+        raise MpsError(f"the MPS control daemon (pid {pid}) was still running "
+                       f"{QUIT_TIMEOUT_S:.0f} s after quit")
 
     def _control(self, args: list[str], stdin: Optional[str], what: str) -> None:
         env = {**os.environ, **self.environment}

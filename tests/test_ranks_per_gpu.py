@@ -25,18 +25,33 @@ from megatron_dpp import shared_gpu
 SCRIPT = REPO_ROOT / "run_scripts" / "run_single_gpt.sh"
 
 # A stand-in for NVIDIA's control program: each call appends one JSON line (its arguments, what it
-# read on stdin for a quit, the pipe directory and whether it exists), and exits with
-# $MPS_STANDIN_STATUS for -d (0 unless set).
+# read on stdin for a quit, the pipe directory and whether it exists). -d starts a "daemon" (a
+# detached sleeper) and writes its pid where NVIDIA's daemon writes its own, unless
+# $MPS_STANDIN_STATUS makes it fail; a quit ends that daemon half a second later, as the real one
+# ends after quit returns.
 _STANDIN = """#!/usr/bin/env python3
-import json, os, sys
+import json, os, subprocess, sys
 args = sys.argv[1:]
 stdin = "" if args == ["-d"] else sys.stdin.read()
 pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "")
+pid_file = os.path.join(pipe, "nvidia-cuda-mps-control.pid")
+quiet = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+             start_new_session=True)
+status = int(os.environ.get("MPS_STANDIN_STATUS", "0")) if args == ["-d"] else 0
+pid = None
+if args == ["-d"] and status == 0:
+    pid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], **quiet).pid
+    with open(pid_file, "w") as f:
+        f.write(str(pid))
+if stdin == "quit\\n" and os.path.exists(pid_file):
+    pid = int(open(pid_file).read())
+    subprocess.Popen([sys.executable, "-c", "import os, time; time.sleep(0.5); os.kill(%d, 15)" % pid],
+                     **quiet)
 with open(os.environ["MPS_STANDIN_LOG"], "a") as log:
-    log.write(json.dumps({"args": args, "stdin": stdin, "pipe": pipe,
+    log.write(json.dumps({"args": args, "stdin": stdin, "pipe": pipe, "daemon": pid,
                           "pipe_exists": os.path.isdir(pipe),
                           "log_dir": os.environ.get("CUDA_MPS_LOG_DIRECTORY", "")}) + "\\n")
-sys.exit(int(os.environ.get("MPS_STANDIN_STATUS", "0")) if args == ["-d"] else 0)
+sys.exit(status)
 """
 
 # A rank: writes its environment's share of the job, then ends as MODE says.
@@ -220,6 +235,8 @@ def _assert_daemon_started_and_stopped(tmp_path: Path) -> str:
     start, stop = calls
     assert start["pipe_exists"] and stop["pipe_exists"]  # made before the start, kept to the quit
     assert stop["stdin"] == "quit\n" and stop["pipe"] == start["pipe"]
+    assert start["daemon"] is not None and stop["daemon"] == start["daemon"]
+    assert not shared_gpu._running(start["daemon"])  # waited for: gone when the launcher ends
     directory = os.path.dirname(start["pipe"])
     assert directory.startswith("/tmp/dpp_mps.") and start["log_dir"] == directory + "/log"
     assert not os.path.exists(directory)  # removed
