@@ -67,6 +67,7 @@ def preload() -> None:
     import megatron.core.datasets.helpers  # noqa: F401
     import tokenizers  # noqa: F401
     import megatron_dpp.runtime.executor  # noqa: F401
+    import megatron_dpp.shared_gpu_memory  # noqa: F401  (the flag check's, --ranks-per-gpu)
     import shm_tensor.context  # noqa: F401
     gc.collect()
     gc.freeze()
