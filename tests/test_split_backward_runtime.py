@@ -247,7 +247,8 @@ def _dpp_args(sequence_parallel=False, **overrides):
     from megatron_dpp.parallel.layout import ParallelLayout
 
     values = dict(use_dpp=True, dpp_policy="dpp:adaptive", dpp_memory_budget="auto",
-                  dpp_timeout=30.0, pipeline_model_parallel_size=2, context_parallel_size=1,
+                  dpp_timeout=30.0, dpp_stage_placement="interleaved", dpp_schedule=None,
+                  pipeline_model_parallel_size=2, context_parallel_size=1,
                   dpp_split_backward=True, use_flash_attn=False, attention_backend="auto",
                   parallel=ParallelLayout(sequence_parallel=sequence_parallel))
     values.update(overrides)
