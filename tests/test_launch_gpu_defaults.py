@@ -13,27 +13,36 @@ import pytest
 from _train_util import REPO_ROOT, _env, ensure_sample_data
 
 SCRIPT = REPO_ROOT / "run_scripts" / "run_single_gpt.sh"
-LAYOUT_VARIABLES = ("PP", "TP", "VPP", "NPROC", "USE_DPP", "RECIPE", "DATA_ARGS", "MASTER_PORT")
+LAYOUT_VARIABLES = ("PP", "TP", "VPP", "NPROC", "USE_DPP", "RECIPE", "DATA_ARGS", "MASTER_PORT",
+                    "RANKS_PER_GPU")
 
 
-def _venv_with_gpus(tmp_path, gpus: int) -> str:
+def _venv_with_gpus(tmp_path, gpus: int, memory: int | None = None) -> str:
+    """A DPP_VENV whose python answers the launcher's GPU-count query with `gpus` (and, given
+    `memory`, its GPU-memory query with that many bytes) and runs everything else for real."""
     venv = tmp_path / f"venv-{gpus}-gpus"
     (venv / "bin").mkdir(parents=True, exist_ok=True)
     python = venv / "bin" / "python"
+    memory_answer = ("" if memory is None else
+                     f'if [ "$1" = -c ] && [[ "$2" == *total_memory* ]]; then echo {memory}; exit 0; fi\n')
     python.write_text("#!/usr/bin/env bash\n"
                       f'if [ "$1" = -c ] && [[ "$2" == *torch.cuda.device_count* ]]; then echo {gpus}; exit 0; fi\n'
+                      + memory_answer +
                       f'exec {shlex.quote(sys.executable)} "$@"\n')
     python.chmod(0o755)
     return str(venv)
 
 
-def _dry_run(tmp_path, gpus: int, **variables: str) -> subprocess.CompletedProcess:
-    env = _env()
+def _dry_run(tmp_path, gpus: int, env: dict | None = None, memory: int | None = None,
+             **variables: str) -> subprocess.CompletedProcess:
+    """run_single_gpt.sh --dry-run on a machine standing in `gpus` GPUs (env: the environment to
+    start from, default the tests'; memory: the GPU memory it reports)."""
+    env = dict(_env() if env is None else env)
     for name in LAYOUT_VARIABLES:
         env.pop(name, None)
     # The launcher asks Python for the GPU count only where NVIDIA device nodes exist.
     (tmp_path / "nvidia0").touch()
-    env.update(DPP_VENV=_venv_with_gpus(tmp_path, gpus), DATA_DIR=str(ensure_sample_data()),
+    env.update(DPP_VENV=_venv_with_gpus(tmp_path, gpus, memory), DATA_DIR=str(ensure_sample_data()),
                DPP_NVIDIA_DEVICE_NODES=str(tmp_path / "nvidia[0-9]*"), RECIPE="gpt3_tiny",
                **variables)
     return subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, cwd=tmp_path,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -19,10 +18,11 @@ import pytest
 import torch
 
 from _train_util import REPO_ROOT, _env, ensure_sample_data
+from test_launch_gpu_defaults import _command
+from test_launch_gpu_defaults import _dry_run as launch_dry_run
 
 from megatron_dpp import shared_gpu
 
-SCRIPT = REPO_ROOT / "run_scripts" / "run_single_gpt.sh"
 
 # A stand-in for NVIDIA's control program: each call appends one JSON line (its arguments, what it
 # read on stdin for a quit, the pipe directory and whether it exists). -d starts a "daemon" (a
@@ -322,36 +322,11 @@ def test_the_launcher_refuses_in_one_line_before_anything_starts(tmp_path, with_
 
 # ---- the run scripts' RANKS_PER_GPU (--dry-run on a machine standing in N GPUs) ---------------
 
-def _venv_with_gpus(tmp_path: Path, gpus: int, memory: int) -> str:
-    venv = tmp_path / f"venv-{gpus}-gpus"
-    (venv / "bin").mkdir(parents=True, exist_ok=True)
-    python = venv / "bin" / "python"
-    python.write_text(
-        "#!/usr/bin/env bash\n"
-        f'if [ "$1" = -c ] && [[ "$2" == *torch.cuda.device_count* ]]; then echo {gpus}; exit 0; fi\n'
-        f'if [ "$1" = -c ] && [[ "$2" == *total_memory* ]]; then echo {memory}; exit 0; fi\n'
-        f'exec {shlex.quote(sys.executable)} "$@"\n')
-    python.chmod(0o755)
-    return str(venv)
-
-
 def _dry_run(tmp_path: Path, gpus: int, memory: int = 141 << 30, with_control: bool = True,
              **variables: str) -> subprocess.CompletedProcess:
-    env = _launcher_env(tmp_path, with_control)
-    for name in ("PP", "TP", "VPP", "NPROC", "USE_DPP", "RECIPE", "DATA_ARGS", "MASTER_PORT",
-                 "RANKS_PER_GPU"):
-        env.pop(name, None)
-    (tmp_path / "nvidia0").touch()
-    env.update(DPP_VENV=_venv_with_gpus(tmp_path, gpus, memory), DATA_DIR=str(ensure_sample_data()),
-               DPP_NVIDIA_DEVICE_NODES=str(tmp_path / "nvidia[0-9]*"), RECIPE="gpt3_tiny",
-               **variables)
-    return subprocess.run(["bash", str(SCRIPT), "--dry-run"], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=100, start_new_session=True)
-
-
-def _command(stdout: str) -> list[str]:
-    (line,) = [line for line in stdout.splitlines() if line.startswith("node 0: ")]
-    return shlex.split(line[len("node 0: "):])
+    """test_launch_gpu_defaults' dry run, with the stand-in MPS control program on PATH or not."""
+    return launch_dry_run(tmp_path, gpus, env=_launcher_env(tmp_path, with_control), memory=memory,
+                          **variables)
 
 
 @pytest.mark.timeout(120)
