@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from _train_util import REPO_ROOT, TINY_GPT_ARGS, _env, run_training
-from test_ranks_per_gpu import _launcher_env, _venv_with_gpus
+from test_launch_gpu_defaults import _venv_with_gpus
+from test_ranks_per_gpu import _launcher_env
 
 from megatron_dpp.exit_codes import OK
 
