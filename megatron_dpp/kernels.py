@@ -115,11 +115,20 @@ class CoreAttentionChoice:
 
 def core_attention(backend: str = "auto", use_flash_attn: bool = False,
                    split_backward: bool = False,
-                   transformer_impl: Optional[str] = None) -> CoreAttentionChoice:
+                   transformer_impl: Optional[str] = None,
+                   packed_sequences: bool = False) -> CoreAttentionChoice:
     """The core attention for --attention-backend `backend`, --use-flash-attn and
     --transformer-impl (all validated by megatron_dpp.arguments). --dpp-split-backward and
     --transformer-impl local build Megatron-Core's local layers, never Transformer Engine's: the
-    attention is then ours on a GPU."""
+    attention is then ours on a GPU. packed_sequences (--dataloader-inter-document-masking): only
+    our core attention runs documents apart here (models/flags.py refuses the backends that cannot;
+    Transformer Engine's THD attention is not set up here), so auto picks it."""
+    if packed_sequences and use_flash_attn and flash_attn_available():
+        return CoreAttentionChoice(FLASH_ATTN, "--use-flash-attn with "
+                                   "--dataloader-inter-document-masking (flash_attn_varlen_func)")
+    if packed_sequences:
+        return CoreAttentionChoice(SDPA, "--dataloader-inter-document-masking: per-document "
+                                   "attention (see the per-document attention line)")
     te = transformer_engine_available() and not split_backward and transformer_impl != "local"
     if backend in TRANSFORMER_ENGINE_BACKENDS:
         return CoreAttentionChoice(TRANSFORMER_ENGINE, f"--attention-backend {backend}", backend)
@@ -159,7 +168,51 @@ def core_attention(backend: str = "auto", use_flash_attn: bool = False,
 def core_attention_from_args(args: argparse.Namespace) -> CoreAttentionChoice:
     return core_attention(args.attention_backend, args.use_flash_attn,
                           getattr(args, "dpp_split_backward", False),
-                          getattr(args, "transformer_impl", None))
+                          getattr(args, "transformer_impl", None),
+                          bool(getattr(args, "dataloader_inter_document_masking", False)))
+
+
+def packed_attention_obstacle(args: argparse.Namespace) -> Optional[str]:
+    """Why --dataloader-inter-document-masking cannot run with the attention flags (the one-line
+    error models/flags.py gives), or None: only our core attention (torch SDPA per document,
+    torch varlen_attn, flash-attn's varlen kernel) runs the documents of a packed row apart."""
+    flag = "--dataloader-inter-document-masking"
+    if args.attention_backend not in ("auto", SDPA):
+        return (f"{flag} needs a core attention that takes packed documents (THD): "
+                f"--attention-backend {args.attention_backend} "
+                + ("(Megatron-Core's local DotProductAttention) cannot"
+                   if args.attention_backend == LOCAL
+                   else "is Transformer Engine's, whose THD attention is not set up here")
+                + "; use --attention-backend auto or sdpa")
+    if getattr(args, "transformer_impl", None) == "transformer_engine":
+        return (f"{flag} runs our per-document core attention in Megatron-Core's local layers; "
+                f"Transformer Engine's THD attention is not set up here: use --transformer-impl "
+                f"local")
+    return None
+
+
+# torch's variable-length (packed) flash attention, torch 2.10+ on a GPU.
+TORCH_VARLEN_MODULE = "torch.nn.attention.varlen"
+
+
+def packed_attention(args: argparse.Namespace) -> Choice:
+    """Which kernel runs the documents of a packed row (--dataloader-inter-document-masking) apart,
+    as SdpaCoreAttention picks it per call (models/sdpa_attention.py, packed_kernel)."""
+    feature = "per-document attention"
+    if not getattr(args, "dataloader_inter_document_masking", False):
+        return Choice(feature, False, "--dataloader-inter-document-masking not given: causal "
+                      "attention over each whole sample")
+    per_document = "torch scaled_dot_product_attention once per document (causal inside it)"
+    if not cuda_available():
+        return Choice(feature, True, f"CPU: {per_document}")
+    kernels = []
+    if core_attention_from_args(args).module == FLASH_ATTN:
+        kernels.append("flash-attn's flash_attn_varlen_func (fp16/bf16)")
+    if module_importable(TORCH_VARLEN_MODULE):
+        kernels.append("torch varlen_attn (fp16/bf16, no attention dropout)")
+    if not kernels:
+        return Choice(feature, True, f"{TORCH_VARLEN_MODULE} not in this torch: {per_document}")
+    return Choice(feature, True, f"{' or '.join(kernels)}; otherwise {per_document}")
 
 
 @dataclass(frozen=True)
@@ -177,6 +230,7 @@ class KernelChoices:
     fused_optimizer: Choice
     cuda_graphs: Choice
     cross_entropy_fusion: Choice
+    packed_attention: Choice
 
     def lines(self) -> list[str]:
         return [self.attention.line(), self.transformer_engine_layers.line(),
@@ -184,7 +238,7 @@ class KernelChoices:
                 self.bias_dropout_fusion.line(), self.rope_fusion.line(),
                 self.gradient_accumulation_fusion.line(), self.persist_layer_norm.line(),
                 self.fused_optimizer.line(), self.cuda_graphs.line(),
-                self.cross_entropy_fusion.line()]
+                self.cross_entropy_fusion.line(), self.packed_attention.line()]
 
 
 def _transformer_engine_layers(attention: CoreAttentionChoice) -> Choice:
@@ -319,6 +373,10 @@ def cuda_graph_obstacle(args: argparse.Namespace) -> Optional[str]:
         return (f"{flag} does not graph recomputed layers (Megatron-Core supports recomputation "
                 f"only with whole-iteration graphs); drop --recompute-activations / "
                 f"--recompute-granularity or the graphs")
+    if getattr(args, "dataloader_inter_document_masking", False):
+        return (f"{flag} replays graphs captured for one set of document boundaries; "
+                f"--dataloader-inter-document-masking changes them every micro-batch: drop one "
+                f"of them")
     if getattr(args, "variable_seq_lengths", False):
         return (f"{flag} replays graphs captured for one shape; --variable-seq-lengths changes the "
                 f"shape every micro-batch: drop one of them")
@@ -400,6 +458,7 @@ def kernel_choices(args: argparse.Namespace) -> KernelChoices:
         fused_optimizer=_fused_optimizer(args),
         cuda_graphs=cuda_graphs(args),
         cross_entropy_fusion=_cross_entropy_fusion(args),
+        packed_attention=packed_attention(args),
     )
 
 

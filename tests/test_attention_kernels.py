@@ -340,7 +340,7 @@ def test_kernel_lines_are_printed_once_each(monkeypatch):
     kernels.log_kernel_choices(args, lines.append)
     kernels.log_kernel_choices(args, lines.append)
     features = [line.split(":")[1].strip().rsplit(" ", 1)[0] for line in lines]
-    assert len(lines) == 11 and all(line.startswith("kernels: ") for line in lines), lines
+    assert len(lines) == 12 and all(line.startswith("kernels: ") for line in lines), lines
     assert len(set(features)) == len(features), features
     assert any(line.startswith("kernels: masked softmax fusion off: ") for line in lines)
 

@@ -288,6 +288,19 @@ def _document_dataset_class():
     return DocumentPerSampleGPTDataset
 
 
+def _with_document_boundaries_class(dataset_class):
+    """dataset_class whose samples carry their documents' boundaries (data/documents.py), for
+    --dataloader-inter-document-masking. The subclass keeps the class name (the index cache's
+    key): the samples' windows are the same."""
+    from megatron_dpp.data.documents import with_document_boundaries
+
+    def __getitem__(self, idx):
+        return with_document_boundaries(dataset_class.__getitem__(self, idx),
+                                        self.config.tokenizer.eod)
+
+    return type(dataset_class.__name__, (dataset_class,), {"__getitem__": __getitem__})
+
+
 def gpt_dataset_config(args, tokenizer):
     """GPTDatasetConfig from the parsed flags."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
@@ -331,6 +344,8 @@ def build_train_valid_test_datasets(args, tokenizer,
     dataset_class = _document_dataset_class() if variable else _guarded_gpt_dataset_class()
     if mock:
         dataset_class = _mock_dataset_class(dataset_class)
+    if getattr(args, "dataloader_inter_document_masking", False):
+        dataset_class = _with_document_boundaries_class(dataset_class)
     builder = BlendedMegatronDatasetBuilder(dataset_class, num_samples, lambda: True, config)
     prefixes = [prefix for source in sources for prefix in source.prefixes]
     with index_cache_lock(prefixes, config.path_to_cache,

@@ -157,6 +157,15 @@ def add_data_args(parser: argparse.ArgumentParser,
     group.add_argument("--reset-attention-mask", action="store_true",
                        help="Block attention across end-of-document tokens (makes the data loader "
                             "build an explicit attention mask).")
+    group.add_argument("--dataloader-inter-document-masking", action="store_true",
+                       help="Attention stays inside each document of a packed sample (GPT and "
+                            "Llama, as Megatron-LM's flag): each sample carries its documents' "
+                            "boundaries (a document ends with its end-of-document token), "
+                            "position ids restart per document, and a micro-batch runs as one "
+                            "packed row (Megatron-Core's THD format, PackedSeqParams). Cost: the "
+                            "sum of the squared document lengths, no dense mask. Needs the SDPA "
+                            "or flash-attn core attention (auto picks SDPA); not with "
+                            "--reset-attention-mask (that one builds a dense mask).")
     group.add_argument("--eod-mask-loss", action="store_true",
                        help="Exclude end-of-document tokens from the loss.")
     group.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
@@ -335,6 +344,10 @@ def validate_data_args(args: argparse.Namespace,
         require(args.create_attention_mask_in_dataloader or not args.reset_attention_mask,
                 "--reset-attention-mask needs the attention mask the data loader builds, which "
                 "--no-create-attention-mask-in-dataloader turns off: remove one of the two")
+        require(not (args.dataloader_inter_document_masking and args.reset_attention_mask),
+                "--dataloader-inter-document-masking keeps attention inside each document "
+                "without a mask, --reset-attention-mask builds the dense mask for the same: give "
+                "one of the two")
         if args.variable_seq_lengths:
             require(not (args.reset_position_ids or args.reset_attention_mask),
                     "--variable-seq-lengths puts one document per sample, so --reset-position-ids "

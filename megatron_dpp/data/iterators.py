@@ -73,17 +73,25 @@ def collate_bert_samples(samples: Sequence[dict],
 
 def collate_samples(samples: Sequence[Dict[str, Optional[torch.Tensor]]],
                     pad_token: int = 0,
-                    trim_padding: bool = False) -> Dict[str, Optional[torch.Tensor]]:
+                    trim_padding: bool = False,
+                    fold_documents: bool = False) -> Dict[str, Optional[torch.Tensor]]:
     """Stack samples into a [micro_batch, length] batch, padding to the longest sample.
 
     Padding goes on the right with loss_mask 0, so under a causal mask it changes neither the
     loss nor the real tokens' outputs. attention_mask is None unless the dataset made one.
     BERT's samples (a "text" key, already padded to seq_length) go to collate_bert_samples, which
     cuts their padding with trim_padding (GPT's variable-length samples come unpadded).
+
+    Samples that carry their documents' boundaries ("cu_seqlens", data/documents.py) give the
+    batch "cu_seqlens", the boundaries of the rows laid end to end (int32; a row's padding is its
+    own last segment, its positions from 0), and "max_seqlen", the longest segment.
+    fold_documents (--dataloader-inter-document-masking): the micro-batch becomes that one row,
+    [1, micro_batch * length], Megatron-Core's THD layout (one packed sequence per micro-batch).
     """
     if "text" in samples[0]:
         return collate_bert_samples(samples, trim_padding)
     longest = max(sample["tokens"].numel() for sample in samples)
+    has_boundaries = "cu_seqlens" in samples[0]
     batch: Dict[str, Optional[torch.Tensor]] = {}
     for key in BATCH_KEYS:
         rows = []
@@ -92,7 +100,8 @@ def collate_samples(samples: Sequence[Dict[str, Optional[torch.Tensor]]],
             missing = longest - value.numel()
             if missing:
                 if key == "position_ids":
-                    tail = torch.arange(value.numel(), longest, dtype=value.dtype)
+                    start = 0 if has_boundaries else value.numel()  # a segment of its own
+                    tail = torch.arange(start, start + missing, dtype=value.dtype)
                 elif key == "loss_mask":
                     tail = torch.zeros(missing, dtype=value.dtype)
                 else:
@@ -102,7 +111,29 @@ def collate_samples(samples: Sequence[Dict[str, Optional[torch.Tensor]]],
         batch[key] = torch.stack(rows)
     masks = [sample.get("attention_mask") for sample in samples]
     batch["attention_mask"] = None if any(m is None for m in masks) else torch.stack(masks)
+    if has_boundaries:
+        cu_seqlens = row_boundaries_end_to_end([sample["cu_seqlens"] for sample in samples],
+                                               longest)
+        batch["cu_seqlens"] = cu_seqlens
+        batch["max_seqlen"] = int(cu_seqlens.diff().max())
+    if fold_documents:
+        if not has_boundaries:
+            raise ValueError("collate_samples: fold_documents needs samples with cu_seqlens")
+        for key in BATCH_KEYS:
+            batch[key] = batch[key].reshape(1, -1)
     return batch
+
+
+def row_boundaries_end_to_end(boundaries: Sequence[torch.Tensor], row_length: int) -> torch.Tensor:
+    """int32 boundaries of rows of row_length laid end to end, from each row's own (its padding
+    past its last boundary a segment of its own)."""
+    parts = [torch.zeros(1, dtype=torch.int32)]
+    for row, cu_seqlens in enumerate(boundaries):
+        ends = cu_seqlens[1:].to(torch.int32)
+        if int(ends[-1]) < row_length:
+            ends = torch.cat([ends, torch.tensor([row_length], dtype=torch.int32)])
+        parts.append(ends + row * row_length)
+    return torch.cat(parts)
 
 
 def _data_parallel_position() -> Tuple[int, int]:
@@ -118,9 +149,10 @@ def _data_parallel_position() -> Tuple[int, int]:
 def build_data_loader(dataset, consumed_samples: int, micro_batch_size: int,
                       data_parallel_rank: int, data_parallel_size: int, num_workers: int = 0,
                       pad_token: int = 0,
-                      trim_padding: bool = False) -> torch.utils.data.DataLoader:
+                      trim_padding: bool = False,
+                      fold_documents: bool = False) -> torch.utils.data.DataLoader:
     """A DataLoader over `dataset` that starts at consumed_samples (see PretrainingSampler);
-    trim_padding: see collate_samples. Batches stay in pageable memory: pinning them (as
+    trim_padding, fold_documents: see collate_samples. Batches stay in pageable memory: pinning them (as
     Megatron-LM's loader does) made GPT-125m on one H200 slower, 450 and 553 ms per iteration
     against 370 ms pageable on the same machine (docs/gpu.md), since this loop is bound by the
     host, and pinning adds host work per micro-batch that the copies it makes asynchronous do not
@@ -130,7 +162,7 @@ def build_data_loader(dataset, consumed_samples: int, micro_batch_size: int,
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers,
         collate_fn=functools.partial(collate_samples, pad_token=pad_token,
-                                     trim_padding=trim_padding),
+                                     trim_padding=trim_padding, fold_documents=fold_documents),
         persistent_workers=num_workers > 0,
         # Each iterator draws its workers' base seed from this generator. From torch's default
         # one, it would take a draw from the stream CPU ranks' dropout uses, and a resumed run
@@ -151,7 +183,8 @@ def build_data_iterators(args, train_ds, valid_ds, test_ds,
     absent): pass iteration x global_batch_size when resuming. The data-parallel rank and size
     default to Megatron's parallel state. valid and test cycle (evaluation restarts them), train
     does not: it holds exactly the samples the run asked for. With args.variable_seq_lengths
-    every micro-batch is as long as its longest sample (see collate_samples).
+    every micro-batch is as long as its longest sample; with
+    args.dataloader_inter_document_masking each is one packed row (see collate_samples).
     """
     if data_parallel_rank is None or data_parallel_size is None:
         data_parallel_rank, data_parallel_size = _data_parallel_position()
@@ -161,10 +194,12 @@ def build_data_iterators(args, train_ds, valid_ds, test_ds,
         consumed_valid_samples = getattr(args, "consumed_valid_samples", 0) or 0
     num_workers = getattr(args, "num_workers", 0)
     trim_padding = bool(getattr(args, "variable_seq_lengths", False))
+    fold_documents = bool(getattr(args, "dataloader_inter_document_masking", False))
 
     def loader(dataset, consumed):
         return build_data_loader(dataset, consumed, args.micro_batch_size, data_parallel_rank,
-                                 data_parallel_size, num_workers, pad_token, trim_padding)
+                                 data_parallel_size, num_workers, pad_token, trim_padding,
+                                 fold_documents)
 
     train_iter = iter(loader(train_ds, consumed_train_samples)) if train_ds is not None else None
     valid_iter = (_cycle(loader(valid_ds, consumed_valid_samples % len(valid_ds)))

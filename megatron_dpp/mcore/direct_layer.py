@@ -17,10 +17,11 @@ on), bias-dropout-add. One difference: our direct linears (mcore.direct_linear) 
 their GEMM, where Megatron adds three of the four after the product. Same numbers to rounding:
 tests/test_direct_layer.py checks GPT, BERT and Llama layers, training with dropout and
 evaluation, against Megatron's forward to 1e-6 (bit for bit at its sizes here), dropout drawing
-the same masks. Anything else runs Megatron's forward: an inference context, cross attention, packed
-sequences, precomputed rotary cos/sin, recomputed norms, MLP or core attention, offloading, an
+the same masks. Anything else runs Megatron's forward: an inference context, cross attention,
+precomputed rotary cos/sin, recomputed norms, MLP or core attention, offloading, an
 output gate, fused QKV RoPE, per-layer no-RoPE, test mode, MoE or any other attention or MLP
-class, Transformer Engine's activation, fewer query groups than tensor-parallel ranks.
+class, Transformer Engine's activation, fewer query groups than tensor-parallel ranks. Packed
+sequences (PackedSeqParams, THD) run the dense path as Megatron's SelfAttention runs them.
 
 Around the forward, the calls Megatron makes that find nothing to do are shortened where they
 can be (docs/gpu.md, "The optimizer step, the gradient hooks and the layer's calls"): without CUDA
@@ -54,7 +55,8 @@ __all__ = ["DirectTransformerLayer", "with_direct_layer", "with_direct_classes",
 # sequence_len_offset is read only with an inference context). Any other argument that is not
 # None sends the call to Megatron's forward.
 _DENSE_PATH_ARGUMENTS = frozenset({"hidden_states", "attention_mask", "rotary_pos_emb",
-                                   "attention_bias", "padding_mask", "sequence_len_offset"})
+                                   "attention_bias", "padding_mask", "sequence_len_offset",
+                                   "packed_seq_params"})
 
 
 def _dense_path_only(layer: TransformerLayer) -> bool:
@@ -147,7 +149,8 @@ class DirectTransformerLayer(TransformerLayer):
         normed = self.input_layernorm(hidden_states)
         attention_output = self._self_attention(normed, kwargs.get("attention_mask"),
                                                 kwargs.get("rotary_pos_emb"),
-                                                kwargs.get("attention_bias"))
+                                                kwargs.get("attention_bias"),
+                                                kwargs.get("packed_seq_params"))
         hidden_states = self._bias_dropout_add(self.self_attn_bda, attention_output, residual)
         residual = hidden_states
         normed = self.pre_mlp_layernorm(hidden_states)
@@ -169,9 +172,12 @@ class DirectTransformerLayer(TransformerLayer):
             return bda(self.training, self.config.bias_dropout_fusion)(
                 output_and_bias, residual, self.hidden_dropout)
 
-    def _self_attention(self, normed, attention_mask, rotary_pos_emb, attention_bias):
+    def _self_attention(self, normed, attention_mask, rotary_pos_emb, attention_bias,
+                        packed_seq_params=None):
         """SelfAttention.forward (with get_query_key_value_tensors) on the dense path:
-        (output, bias) of the output projection."""
+        (output, bias) of the output projection. packed_seq_params in the thd format (packed
+        documents, one row): as Megatron, q/k/v lose the batch dimension of 1, the rotary
+        embedding restarts at each document (cu_seqlens) and the core attention gets them."""
         attention = self.self_attention
         config = self.config
         mixed_qkv, _ = self._linear(attention.linear_qkv, normed)
@@ -192,6 +198,17 @@ class DirectTransformerLayer(TransformerLayer):
             query = attention.q_layernorm(query)
         if self.norms_k:
             key = attention.k_layernorm(key)
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if thd:  # [t, 1, heads, hn] -> [t, heads, hn]
+            query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+        cu_seqlens_q = cu_seqlens_kv = None
+        if thd:  # Megatron's choice: the padded boundaries where given
+            cu_seqlens_q = (packed_seq_params.cu_seqlens_q_padded
+                            if packed_seq_params.cu_seqlens_q_padded is not None
+                            else packed_seq_params.cu_seqlens_q)
+            cu_seqlens_kv = (packed_seq_params.cu_seqlens_kv_padded
+                             if packed_seq_params.cu_seqlens_kv_padded is not None
+                             else packed_seq_params.cu_seqlens_kv)
         if rotary_pos_emb is not None:
             if not isinstance(rotary_pos_emb, tuple):
                 rotary_pos_emb = (rotary_pos_emb,) * 2
@@ -200,15 +217,17 @@ class DirectTransformerLayer(TransformerLayer):
             cp_group = attention.pg_collection.cp
             if query_embedding is not None:
                 query = megatron_attention.apply_rotary_pos_emb(
-                    query, query_embedding, config=config, cu_seqlens=None, mscale=mscale,
-                    cp_group=cp_group)
+                    query, query_embedding, config=config, cu_seqlens=cu_seqlens_q,
+                    mscale=mscale, cp_group=cp_group)
             if key_embedding is not None:
                 key = megatron_attention.apply_rotary_pos_emb(
-                    key, key_embedding, config=config, cu_seqlens=None, mscale=mscale,
-                    cp_group=cp_group)
+                    key, key_embedding, config=config, cu_seqlens=cu_seqlens_kv,
+                    mscale=mscale, cp_group=cp_group)
         core_output = attention.core_attention(
             query, key, value, attention_mask, attn_mask_type=attention.attn_mask_type,
-            attention_bias=attention_bias, packed_seq_params=None)
+            attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        if thd:  # (t, np, hn) or (t, np * hn) -> (t, 1, h), as Megatron's Attention
+            core_output = core_output.reshape(core_output.size(0), 1, -1)
         return self._linear(attention.linear_proj, core_output)
 
     def _mlp(self, normed):

@@ -492,6 +492,8 @@ def _validate_bert_args(args: argparse.Namespace) -> None:
         ("--reset-position-ids", getattr(args, "reset_position_ids", False)),
         ("--reset-attention-mask", getattr(args, "reset_attention_mask", False)),
         ("--eod-mask-loss", getattr(args, "eod_mask_loss", False)),
+        ("--dataloader-inter-document-masking",
+         getattr(args, "dataloader_inter_document_masking", False)),
         ("--no-create-attention-mask-in-dataloader",
          not getattr(args, "create_attention_mask_in_dataloader", True)),
         ("--no-mmap-bin-files", not getattr(args, "mmap_bin_files", True))))

@@ -19,6 +19,7 @@ from megatron_dpp.kernels import (
     ATTENTION_BACKENDS,
     TRANSFORMER_ENGINE_BACKENDS,
     cuda_graph_obstacle,
+    packed_attention_obstacle,
     transformer_engine_available,
 )
 from megatron_dpp.models.families import add_architecture_shape_args, add_rope_scaling_args
@@ -281,6 +282,9 @@ def validate_model_args(args: argparse.Namespace) -> None:
         require(args.attention_backend in ("auto", "flash"),
                 f"--use-flash-attn asks for flash attention and --attention-backend "
                 f"{args.attention_backend} for another; drop one of them")
+    if getattr(args, "dataloader_inter_document_masking", False):
+        obstacle = packed_attention_obstacle(args)
+        require(obstacle is None, obstacle or "")
     obstacle = deterministic_mode_obstacle(args) if args.deterministic_mode else None
     require(obstacle is None, obstacle or "")
     if args.attention_backend in TRANSFORMER_ENGINE_BACKENDS:

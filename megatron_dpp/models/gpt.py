@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -160,8 +161,20 @@ def gpt_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": report}
 
 
-def gpt_forward_step(data_iterator, model, device: torch.device):
-    """Reads exactly one micro-batch; ranks that need no tokens or labels still consume one."""
+def packed_seq_params_of(batch: dict, device: torch.device) -> PackedSeqParams:
+    """Megatron-Core's THD parameters of a folded micro-batch (data/iterators.py's collate with
+    --dataloader-inter-document-masking: one row, its documents ending at "cu_seqlens"): self-
+    attention, so the query and key boundaries are the same."""
+    cu_seqlens = batch["cu_seqlens"].to(device, dtype=torch.int32, non_blocking=True)
+    max_seqlen = int(batch["max_seqlen"])
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+
+
+def gpt_forward_step(data_iterator, model, device: torch.device,
+                     inter_document_masking: bool = False):
+    """Reads exactly one micro-batch; ranks that need no tokens or labels still consume one (and
+    every stage needs the document boundaries with inter_document_masking)."""
     batch = next(data_iterator)
     tokens = batch["tokens"].to(device, non_blocking=True)
     position_ids = batch["position_ids"].to(device, non_blocking=True)
@@ -170,13 +183,15 @@ def gpt_forward_step(data_iterator, model, device: torch.device):
     attention_mask = batch.get("attention_mask")
     if attention_mask is not None:
         attention_mask = attention_mask.to(device, non_blocking=True)
-    output = model(tokens, position_ids, attention_mask, labels=labels)
+    packed = packed_seq_params_of(batch, device) if inter_document_masking else None
+    output = model(tokens, position_ids, attention_mask, labels=labels, packed_seq_params=packed)
     return output, partial(gpt_loss, loss_mask)
 
 
 def make_gpt_forward_step(args: argparse.Namespace, device: torch.device):
     """forward_step_func(data_iterator, model) for Megatron's schedules, tensors moved to device."""
-    return partial(gpt_forward_step, device=device)
+    return partial(gpt_forward_step, device=device, inter_document_masking=bool(
+        getattr(args, "dataloader_inter_document_masking", False)))
 
 
 def gpt_microbatch_work(item: Any) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -40,6 +41,11 @@ class SdpaCoreAttention(MegatronModule):
 
     use_flash_attn (--use-flash-attn where flash-attn is installed): flash_attn.flash_attn_func
     for attention without a mask in fp16/bf16; a mask (BERT's padding) or fp32 goes through SDPA.
+
+    packed_seq_params (--dataloader-inter-document-masking): Megatron's THD format, query
+    [t, np, hn] and key/value [t, ng, hn] of one packed row whose documents end at cu_seqlens;
+    each token attends causally inside its own document only -> [t, np*hn]. `packed_kernel`
+    says which kernel runs it.
     """
 
     def __init__(
@@ -95,11 +101,11 @@ class SdpaCoreAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None:
-            raise ValueError("SdpaCoreAttention does not support packed sequences")
         if attention_bias is not None:
             raise ValueError("SdpaCoreAttention does not support an attention bias")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, attention_mask, mask_type, packed_seq_params)
         # As Megatron's softmax: a given mask is the mask; none with the causal type is causal.
         causal = attention_mask is None and mask_type == AttnMaskType.causal and query.size(0) > 1
         dropout_p = self.dropout_p if self.training else 0.0
@@ -118,6 +124,60 @@ class SdpaCoreAttention(MegatronModule):
             context = self._sdpa(query, key, value, attention_mask, causal, dropout_p)
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _packed(self, query, key, value, attention_mask, mask_type: AttnMaskType,
+                params: PackedSeqParams) -> torch.Tensor:
+        """Causal attention inside each document of a THD row (see the class docstring)."""
+        if params.qkv_format != "thd":
+            raise ValueError(f"SdpaCoreAttention takes packed sequences in the thd format, not "
+                             f"{params.qkv_format!r}")
+        if attention_mask is not None or mask_type != AttnMaskType.causal:
+            raise ValueError("SdpaCoreAttention runs packed documents causally, without a mask")
+        if params.cu_seqlens_q_padded is not None or params.cu_seqlens_kv_padded is not None:
+            raise ValueError("SdpaCoreAttention does not take padded packed boundaries "
+                             "(cu_seqlens_*_padded: context parallelism's)")
+        dropout_p = self.dropout_p if self.training else 0.0
+        groups_per_head = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        rng = (model_parallel_rng(query.device)
+               if dropout_p > 0.0 and not self.config.sequence_parallel else contextlib.nullcontext())
+        kernel = packed_kernel(query, dropout_p, self.flash_attn_func is not None)
+        cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
+        with rng:
+            if kernel == PACKED_FLASH_ATTN:
+                context = _flash_attn_varlen_func()(
+                    query, key, value, cu_q, cu_kv, params.max_seqlen_q, params.max_seqlen_kv,
+                    dropout_p=dropout_p, softmax_scale=self.softmax_scale, causal=True)
+            elif kernel == PACKED_TORCH_VARLEN:
+                from torch.nn.attention.varlen import varlen_attn
+
+                # window (-1, 0): every earlier key of the document, no later one (causal).
+                context = varlen_attn(query, key, value, cu_q, cu_kv, params.max_seqlen_q,
+                                      params.max_seqlen_kv, scale=self.softmax_scale,
+                                      window_size=(-1, 0), enable_gqa=groups_per_head > 1)
+            else:
+                context = self._sdpa_per_document(query, key, value, cu_q, cu_kv,
+                                                  groups_per_head, dropout_p)
+        return context.reshape(query.size(0), self.hidden_size_per_partition)
+
+    def _sdpa_per_document(self, query, key, value, cu_q, cu_kv, groups_per_head: int,
+                           dropout_p: float) -> torch.Tensor:
+        """SDPA once per document: [t, heads, hn] rows cu[i]:cu[i+1] -> [t, np, hn]."""
+        if not torch.equal(cu_q, cu_kv):
+            raise ValueError("SdpaCoreAttention's per-document attention needs the same query "
+                             "and key boundaries (self-attention)")
+        bounds = cu_q.tolist()  # host values: the CPU path (and a GPU's fp32 or dropout case)
+        outputs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            # [len, heads, hn] -> [1, heads, len, hn]
+            q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+            if groups_per_head > 1:  # grouped-query attention, as _sdpa
+                k = k.repeat_interleave(groups_per_head, dim=1)
+                v = v.repeat_interleave(groups_per_head, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p,
+                                                 is_causal=end - start > 1,
+                                                 scale=self.softmax_scale)
+            outputs.append(out.squeeze(0).transpose(0, 1))
+        return torch.cat(outputs, dim=0)
 
     def _use_flash_attn(self, query: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> bool:
         return (self.flash_attn_func is not None and attention_mask is None
@@ -149,6 +209,35 @@ def _flash_attn_func():
     from flash_attn import flash_attn_func
 
     return flash_attn_func
+
+
+def _flash_attn_varlen_func():
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
+
+
+# The kernels that run a packed row's documents apart (kernels.packed_attention logs the rule).
+PACKED_FLASH_ATTN = "flash_attn_varlen_func"
+PACKED_TORCH_VARLEN = "torch varlen_attn"
+PACKED_SDPA_PER_DOCUMENT = "torch SDPA per document"
+
+
+def packed_kernel(query: torch.Tensor, dropout_p: float, use_flash_attn: bool) -> str:
+    """The kernel for a THD row: on a GPU in fp16/bf16, flash-attn's varlen kernel with
+    --use-flash-attn (flash-attn installed), else torch's varlen_attn without attention dropout
+    (it has none); otherwise (the CPU, fp32, dropout without flash-attn) SDPA per document."""
+    half = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+    if half and use_flash_attn:
+        return PACKED_FLASH_ATTN
+    if half and dropout_p == 0.0 and _torch_varlen_available():
+        return PACKED_TORCH_VARLEN
+    return PACKED_SDPA_PER_DOCUMENT
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_varlen_available() -> bool:
+    return kernels.module_importable(kernels.TORCH_VARLEN_MODULE)
 
 
 def with_core_attention(layer_spec: ModuleSpec, attention: str) -> ModuleSpec:

@@ -166,14 +166,19 @@ class Trainer:
         if self.timers is not None and self.timers.log_level >= 2 and not forward_only:
             data_iterators = [None if source is None else TimedIterator(source, self.timers)
                               for source in data_iterators]
+        seq_length, micro_batch_size = self.train.seq_length, self.train.micro_batch_size
+        if getattr(self.args, "dataloader_inter_document_masking", False):
+            # Each micro-batch is one packed row (data/iterators.py, THD): the stages pass
+            # [seq_length * micro_batch_size, 1, hidden] activations, as in Megatron-LM.
+            seq_length, micro_batch_size = seq_length * micro_batch_size, 1
         return self.forward_backward(
             forward_step_func=self.forward_step,
             data_iterator=_as_schedule_input(data_iterators),
             model=self.model,
             num_microbatches=num_microbatches,
-            seq_length=self.train.seq_length,
-            micro_batch_size=self.train.micro_batch_size,
-            decoder_seq_length=self.train.seq_length,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            decoder_seq_length=seq_length,
             forward_only=forward_only,
         )
 
