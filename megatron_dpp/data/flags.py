@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional, Sequence
 from megatron_dpp.data.tokenizer import (DEFAULT_TIKTOKEN_NUM_SPECIAL_TOKENS,
                                          DEFAULT_TIKTOKEN_VOCAB_SIZE, DEFAULT_TOKENIZER_TYPE,
                                          SUPPORTED_TOKENIZER_TYPES, TIKTOKEN_PATTERNS,
-                                         TIKTOKEN_SPECIAL_TOKENS, check_padded_vocab_size,
+                                         TIKTOKEN_SPECIAL_TOKENS, WORDPIECE_LOWER_CASE,
+                                         check_padded_vocab_size,
                                          check_tokenizer_args,
                                          check_tokenizer_files, check_vocab_size)
 from megatron_dpp.data import megatron_lm_flags
@@ -304,9 +305,13 @@ def _check_sequence_packing(args: argparse.Namespace) -> None:
     cannot go with it."""
     if not args.use_sequence_packing:
         return
-    require(getattr(args, "model", None) != "bert",
-            "--use-sequence-packing packs GPT and Llama documents; BERT's samples are Megatron-"
-            "Core's packed sentence pairs: remove it")
+    # The WordPiece tokenizers are BERT's alone (the model's check chose one): the data package
+    # names no model.
+    tokenizer_type = args.tokenizer_type or DEFAULT_TOKENIZER_TYPE
+    require(tokenizer_type not in WORDPIECE_LOWER_CASE,
+            "--use-sequence-packing packs GPT and Llama documents; BERT's samples "
+            f"(--tokenizer-type {tokenizer_type}) are Megatron-Core's packed sentence pairs: "
+            "remove it")
     require(not args.variable_seq_lengths,
             "--use-sequence-packing packs several documents into each --seq-length sample, "
             "--variable-seq-lengths puts one document in each: give one of the two")
