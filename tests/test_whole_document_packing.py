@@ -8,8 +8,9 @@
   cut to the window when longer (the build log counts them); no window is longer than
   --seq-length; two builds give the same windows, a third loads the cached index; resuming at
   consumed_samples continues the stream; blends, per-split paths and --mock-data pack too.
-- Training: pp=1, pp=2 (Megatron's 1F1B) and pp=2 --use-dpp give the same loss per iteration
-  (1e-5), and the flags that cannot go with it stop in one line.
+- Training: GPT at pp=1, pp=2 (Megatron's 1F1B) and pp=2 --use-dpp gives the same loss per
+  iteration (1e-5), Llama at pp=2 --use-dpp that of 1F1B; the flags that cannot go with it stop
+  in one line.
 """
 import re
 import shutil
@@ -213,6 +214,21 @@ def test_training_pp1_pp2_and_dpp_agree():
     for name in ("pp2", "pp2_dpp"):
         assert runs[name] == pytest.approx(runs["pp1"], rel=1e-5), runs
     assert runs["pp1"][-1] < runs["pp1"][0]
+
+
+@pytest.mark.timeout(600)
+def test_llama_trains_packed_dpp_equal_to_1f1b():
+    from test_llama_parity import ENTRY, TINY_LLAMA_ARGS
+
+    runs = {}
+    for name, extra in (("pp2", ["--p2p-transport", "torch"]), ("pp2_dpp", ["--use-dpp"])):
+        rc, losses, _norms, out = run_training(
+            [*TRAIN, "--pipeline-model-parallel-size", "2", *extra], nproc=2, timeout=280,
+            base_args=TINY_LLAMA_ARGS, entry=ENTRY)
+        assert rc == 0, out[-3000:]
+        assert "[data] sequence packing, train split of" in out and len(losses) == 3, out[-3000:]
+        runs[name] = losses
+    assert runs["pp2_dpp"] == pytest.approx(runs["pp2"], rel=1e-5), runs
 
 
 @pytest.mark.parametrize("argv, model, message", [
