@@ -1,16 +1,18 @@
 """Train/valid/test GPT datasets on Megatron-Core's BlendedMegatronDatasetBuilder.
 
-Two modes:
+Three modes:
 - fixed length (default): Megatron's GPTDataset, samples of exactly --seq-length tokens cut from
   the concatenated documents;
 - variable length (--variable-seq-lengths): one sample is one document (one sequence of the
   indexed dataset, as preprocess_data writes them), truncated to --seq-length tokens, so
-  microbatches have different lengths.
-Either reads the indexed dataset of --data-path (split by --split), or each split's own with
+  microbatches have different lengths;
+- packed (--use-sequence-packing): one sample is a window of --seq-length tokens holding whole
+  documents, padded (packed_dataset.py; packing.py says how they are packed).
+Each reads the indexed dataset of --data-path (split by --split), or each split's own with
 --train-data-path / --valid-data-path / --test-data-path (Megatron-Core's blend_per_split), or
 with --mock-data Megatron-Core's generated documents (MockGPTLowLevelDataset).
 
-Both guard against GPTDataset's endless loop on a split with no tokens: asking samples of such a
+Each guards against GPTDataset's endless loop on a split with no tokens: asking samples of such a
 split is a DataInputError with a one-line message, raised on every rank before any rank builds.
 
 The checks (parse_data_path ... check_splits_have_data) need neither torch nor Megatron-Core: the
@@ -341,7 +343,14 @@ def build_train_valid_test_datasets(args, tokenizer,
         check_splits_have_data(source, num_samples, variable)
 
     config = gpt_dataset_config(args, tokenizer)
-    dataset_class = _document_dataset_class() if variable else _guarded_gpt_dataset_class()
+    if getattr(args, "use_sequence_packing", False):
+        from megatron_dpp.data.packed_dataset import packed_dataset_class
+
+        dataset_class = packed_dataset_class()
+    elif variable:
+        dataset_class = _document_dataset_class()
+    else:
+        dataset_class = _guarded_gpt_dataset_class()
     if mock:
         dataset_class = _mock_dataset_class(dataset_class)
     if getattr(args, "dataloader_inter_document_masking", False):

@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional, Sequence
 from megatron_dpp.data.tokenizer import (DEFAULT_TIKTOKEN_NUM_SPECIAL_TOKENS,
                                          DEFAULT_TIKTOKEN_VOCAB_SIZE, DEFAULT_TOKENIZER_TYPE,
                                          SUPPORTED_TOKENIZER_TYPES, TIKTOKEN_PATTERNS,
-                                         TIKTOKEN_SPECIAL_TOKENS, check_padded_vocab_size,
+                                         TIKTOKEN_SPECIAL_TOKENS, WORDPIECE_LOWER_CASE,
+                                         check_padded_vocab_size,
                                          check_tokenizer_args,
                                          check_tokenizer_files, check_vocab_size)
 from megatron_dpp.data import megatron_lm_flags
@@ -152,6 +153,15 @@ def add_data_args(parser: argparse.ArgumentParser,
                             "truncated to --seq-length, padded to the longest within a "
                             "micro-batch. BERT: each micro-batch cut to its longest sample "
                             "(BERT's padding is masked, so the losses are unchanged).")
+    group.add_argument("--use-sequence-packing", action="store_true",
+                       help="GPT and Llama: pack whole documents into samples of --seq-length "
+                            "tokens, none split across two samples (a document longer than "
+                            "--seq-length is cut to it; the build log says how many), padding "
+                            "the rest of a sample with loss mask 0. Position ids restart at each "
+                            "document; attention still crosses documents (Megatron's default). "
+                            "Named after Megatron-LM's --rl-use-sequence-packing, which packs "
+                            "whole sequences the same way; Megatron-LM has no flag for it on "
+                            "--data-path data.")
     group.add_argument("--reset-position-ids", action="store_true",
                        help="Restart position ids after each end-of-document token.")
     group.add_argument("--reset-attention-mask", action="store_true",
@@ -299,6 +309,29 @@ def _check_a_split_to_evaluate(args: argparse.Namespace) -> None:
                 f"and the test split no documents; give one of them a share")
 
 
+def _check_sequence_packing(args: argparse.Namespace) -> None:
+    """--use-sequence-packing builds its own GPT/Llama samples: the flags that make other ones
+    cannot go with it."""
+    if not args.use_sequence_packing:
+        return
+    # The WordPiece tokenizers are BERT's alone (the model's check chose one): the data package
+    # names no model.
+    tokenizer_type = args.tokenizer_type or DEFAULT_TOKENIZER_TYPE
+    require(tokenizer_type not in WORDPIECE_LOWER_CASE,
+            "--use-sequence-packing packs GPT and Llama documents; BERT's samples "
+            f"(--tokenizer-type {tokenizer_type}) are Megatron-Core's packed sentence pairs: "
+            "remove it")
+    require(not args.variable_seq_lengths,
+            "--use-sequence-packing packs several documents into each --seq-length sample, "
+            "--variable-seq-lengths puts one document in each: give one of the two")
+    require(not args.reset_position_ids,
+            "--use-sequence-packing restarts the position ids at each document already: remove "
+            "--reset-position-ids")
+    require(not args.reset_attention_mask,
+            "--reset-attention-mask masks attention at end-of-document tokens; a packed sample "
+            "carries its documents' boundaries (cu_seqlens) instead and no mask: remove it")
+
+
 def validate_data_args(args: argparse.Namespace,
                        check_model_data: Optional[ModelDataCheck] = None) -> None:
     """check_model_data: the model's own check that the data gives the samples each split
@@ -352,6 +385,7 @@ def validate_data_args(args: argparse.Namespace,
             require(not (args.reset_position_ids or args.reset_attention_mask),
                     "--variable-seq-lengths puts one document per sample, so --reset-position-ids "
                     "and --reset-attention-mask do not apply; remove them")
+        _check_sequence_packing(args)
         # Generated documents have tokens in every split (MockGPTDataset's 100000 of them).
         if check_model_data is not None and not args.mock_data:
             check_model_data(args, sources, samples_per_split(args))
