@@ -11,9 +11,21 @@ held. --trace also keeps every DPP repeat's executed task order per rank and rep
 simulator, which separates what a dynamic policy's run-time decisions cost from timing noise. Stages sleep for their durations (benchmarks/
 timed_stage.py), so the numbers measure the schedule, not the CPU.
 
+Packed long-context scenarios (packed8k, packed32k; V=1, not in the default list): windows of 8k or
+32k tokens packed whole from lognormal documents (mean 2048, CV 1.5; megatron_dpp.sim's
+PackedLongContext), each microbatch item carrying its documents' cu_seqlens as packed data does.
+Every window holds the same tokens (activation bytes) but its work is W + c * sum of s_i^2 with c
+the causal attention's cost per token pair of a hidden-4096 GPT layer (1/(12h)); the runtime
+prices each item with the model's own work function (models/gpt.py gpt_microbatch_work). Rows:
+Megatron's 1F1B, 1F1B+W (its order with split backwards, through the DPP runtime), dpp:adaptive
+and dpp:adaptive+W, each DPP row at the default budget and at 1.25x (PACKED_BUDGET); each row's
+peak per rank is reported against 1F1B's fullest rank (W's stash counted: a split row's timed
+stage holds its activation until W).
+
     python benchmarks/schedule_bench.py --json runs/schedule_bench.json
     python benchmarks/schedule_bench.py --quick
     python benchmarks/schedule_bench.py --scenarios varlen -V 1 --trace --json runs/varlen_trace.json
+    python benchmarks/schedule_bench.py --scenarios packed8k packed32k -V 1 -P 4 --json runs/packed.json
 """
 from __future__ import annotations
 
@@ -34,6 +46,15 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SCENARIOS = ("uniform", "varlen", "straggler")
+# Packed long-context scenarios (V=1): name -> window tokens.
+PACKED_SCENARIOS = {"packed8k": 8192, "packed32k": 32768}
+PACKED_HIDDEN = 4096  # the layer whose attention prices a pack (the issue's h)
+PACKED_BUDGET = "1.25x"  # --dpp-memory-budget's relative form: 1.25 x 1F1B's fullest rank
+PACKED_SCHEDULES = ("1f1b", "1f1b+W", "dpp:adaptive", "dpp:adaptive+W",
+                    f"dpp:adaptive@{PACKED_BUDGET}", f"dpp:adaptive+W@{PACKED_BUDGET}")
+# The issue's target: packed 32k, P=4, M=16, the best DPP row / Megatron's 1F1B, every rank
+# within 1.25 x 1F1B's fullest-rank memory.
+PACKED_TARGET = ("packed32k", 4, 16, 0.85, 1.25)
 TORCH_SCHEDULES = {1: "torch:Schedule1F1B", 2: "torch:ScheduleInterleaved1F1B"}
 # Rows of the DPP runtime with split backwards (--dpp-split-backward) end in SPLIT_SUFFIX, rows on
 # the v placement (--dpp-stage-placement v) in V_SUFFIX, and rows under a --dpp-memory-budget mode
@@ -90,11 +111,34 @@ class Scenario:
         return f"{self.name}/V{self.V}"
 
     @property
+    def packed(self) -> bool:
+        return self.name in PACKED_SCENARIOS
+
+    @property
     def max_tokens(self) -> int:
         # The longest sample a batch may contain: what fixed schedules must provision memory for.
+        if self.packed:
+            return PACKED_SCENARIOS[self.name]
         return 3 * self.mean_tokens if self.name == "varlen" else self.mean_tokens
 
-    def sizes(self) -> List[int]:
+    def workload(self):
+        """The packed scenario's windows (megatron_dpp.sim.PackedLongContext), priced with the
+        attention of a hidden-PACKED_HIDDEN GPT layer by the models' FLOP count."""
+        from megatron_dpp.models.memory_model import (causal_attention_work_per_token_pair,
+                                                      model_shape)
+        from megatron_dpp.sim import PackedLongContext
+
+        shape = model_shape("gpt", 1, PACKED_HIDDEN, PACKED_HIDDEN // 128, 1, 1)
+        return PackedLongContext(PACKED_SCENARIOS[self.name],
+                                 causal_attention_work_per_token_pair(shape))
+
+    def packs(self):
+        return self.workload().packs(self.M, np.random.default_rng(self.seed))
+
+    def tokens(self) -> List[int]:
+        """Each microbatch's tokens (what its activation bytes count)."""
+        if self.packed:
+            return [self.max_tokens] * self.M
         if self.name != "varlen":
             return [self.mean_tokens] * self.M
         rng = np.random.default_rng(self.seed)
@@ -102,26 +146,46 @@ class Scenario:
         draws = rng.lognormal(math.log(self.mean_tokens) - sigma ** 2 / 2, sigma, self.M)
         return [int(min(self.max_tokens, max(1, round(x)))) for x in draws]
 
-    def act_bytes(self, sizes: List[int]) -> List[int]:
-        return [s * self.bytes_per_token for s in sizes]
+    def sizes(self) -> List[int]:
+        """Each microbatch's work (the task graph's sizes): its tokens, or a pack's work."""
+        if self.packed:
+            return self.workload().work(self.packs())
+        return self.tokens()
+
+    def act_bytes(self, tokens: List[int]) -> List[int]:
+        return [s * self.bytes_per_token for s in tokens]
 
     def graph(self, split_backward: bool = False, placement: str = "interleaved"):
         from megatron_dpp.pipeline import TaskGraph
         from megatron_dpp.pipeline.placement import named_placement
 
-        sizes = self.sizes()
-        return TaskGraph(self.P, self.V, self.M, sizes, self.act_bytes(sizes),
+        return TaskGraph(self.P, self.V, self.M, self.sizes(), self.act_bytes(self.tokens()),
                          max_act_bytes=self.max_tokens * self.bytes_per_token,
                          split_backward=split_backward,
                          placement=named_placement(placement, self.P, self.V))
 
+    def items(self) -> List[dict]:
+        """What the first stage's data iterator yields: each microbatch's tokens and index, and
+        for packs its documents' boundaries (cu_seqlens, the packed data's contract)."""
+        import torch
+
+        from timed_stage import microbatch_item
+
+        items = [microbatch_item(m, tokens) for m, tokens in enumerate(self.tokens())]
+        if self.packed:
+            for item, pack in zip(items, self.packs()):
+                item["cu_seqlens"] = torch.tensor([0, *np.cumsum(pack.segments)], dtype=torch.int32)
+        return items
+
     def duration_model(self, forward_overhead: float = 0.0, backward_overhead: float = 0.0):
         from megatron_dpp.sim import DurationModel
 
+        # A forward of the mean microbatch takes forward_ms (packs: the mean window's work).
+        mean_work = statistics.fmean(self.sizes()) if self.packed else self.mean_tokens
         return DurationModel(
             forward_overhead=forward_overhead,
             backward_overhead=backward_overhead,
-            linear=self.forward_ms / self.mean_tokens,
+            linear=self.forward_ms / mean_work,
             backward_ratio=2.0,
             straggler_prob=self.straggler_prob if self.name == "straggler" else 0.0,
             straggler_factor=self.straggler_factor if self.name == "straggler" else 1.0,
@@ -135,17 +199,18 @@ class Scenario:
 def _build_runner(schedule: str, scenario: Scenario, model, transport, stash):
     """A callable(forward_step_func, data_iterator, model, num_microbatches, seq_length, ...).
     Split rows defer their W work into `stash` (timed_stage.TimedStash)."""
+    from functools import partial
+
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from timed_stage import microbatch_work
 
+    from megatron_dpp.models.gpt import gpt_microbatch_work
     from megatron_dpp.runtime.config import DPPConfig
     from megatron_dpp.runtime.executor import make_forward_backward_dpp
 
     if schedule in ("1f1b", "interleaved-1f1b"):
-        from functools import partial
-
         from megatron.core.pipeline_parallel.schedules import (
             forward_backward_pipelining_with_interleaving,
             forward_backward_pipelining_without_interleaving,
@@ -161,15 +226,27 @@ def _build_runner(schedule: str, scenario: Scenario, model, transport, stash):
         return partial(megatron_schedule, p2p_communicator=communicator,
                        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     policy, split, budget = parse_schedule(schedule)
+    # Packs: the runtime prices each item as training does (GPT's work function at the
+    # scenario's c, from the item's cu_seqlens); their activation bytes count tokens only.
+    work = (partial(gpt_microbatch_work, scenario.workload().per_token_pair) if scenario.packed
+            else microbatch_work)
     # With split backwards a timed stage holds the activation itself until W (the simulator's
     # split graph), so the stash adds no bytes of its own to the budget's count.
     return make_forward_backward_dpp(
-        DPPConfig(policy=policy, timeout_s=120.0, split_backward=split, memory_budget_bytes=budget,
-                  placement=placement_of(schedule)),
-        transport, microbatch_work,
-        activation_bytes_fn=lambda _config, sizes, _mbs, _V, _P: scenario.act_bytes(list(sizes)),
+        DPPConfig(policy=policy, timeout_s=120.0, split_backward=split,
+                  memory_budget_bytes=budget_value(budget), placement=placement_of(schedule)),
+        transport, work,
+        activation_bytes_fn=lambda _config, tokens, _mbs, _V, _P: scenario.act_bytes(list(tokens)),
+        microbatch_tokens=microbatch_work,
         stash=stash if split else None,
         weight_grad_bytes_fn=(lambda _models, sizes, _dtype: [0] * len(sizes)) if split else None)
+
+
+def budget_value(mode):
+    """A row's budget mode ("provisioned", "1.25x", None: auto) as --dpp-memory-budget parses it."""
+    from megatron_dpp.pipeline import parse_memory_budget
+
+    return None if mode is None else parse_memory_budget(mode)
 
 
 def _torch_pipelining_runner(schedule: str, scenario: Scenario, model, sizes: List[int]):
@@ -292,7 +369,7 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
     from megatron_dpp.pipeline import Phase
     from megatron_dpp.pipeline.budget import budget_bytes_for, default_budget_bytes
     from megatron_dpp.sim import CommModel, simulate
-    from timed_stage import (ActivationMeter, TimedStage, TimedStash, data_iterator, forward_step,
+    from timed_stage import (ActivationMeter, TimedStage, TimedStash, forward_step,
                              timed_stage_config)
 
     P, V, M = scenario.P, scenario.V, scenario.M
@@ -301,7 +378,7 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
     # (split backwards?, placement) -> the task graph of a row
     graph_of = {(split, placement): scenario.graph(split, placement)
                 for split in (False, True) for placement in {placement_of(s) for s in schedules}}
-    sizes = [int(s) for s in graph.sizes]
+    sizes = scenario.tokens()  # torch's pipelining splits a batch of equal tokens
     durations = scenario.duration_model().sample(graph, np.random.default_rng(scenario.seed))
     # The same draws with every backward divided into B and W (DurationModel.weight_grad_fraction).
     split_durations = scenario.duration_model().sample(split_graph, np.random.default_rng(scenario.seed))
@@ -317,7 +394,7 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
         _name, split, mode = parse_schedule(schedule)
         if executor_of(schedule) != "dpp":
             return default_budget_bytes(graph, rank)
-        return budget_bytes_for(mode, graph_of[(split, placement_of(schedule))], rank)
+        return budget_bytes_for(budget_value(mode), graph_of[(split, placement_of(schedule))], rank)
 
     # Per phase, the measured cost of each DPP-runtime task beyond its requested sleep (ms), and the
     # DPP runtime's setup before the first task (agreeing on sizes, building the schedule).
@@ -332,7 +409,8 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
             fb = _build_runner(schedule, scenario, model, transport, stash)
 
             def run(fb=fb):
-                iterators = [data_iterator(sizes) if (rank == 0 and c == 0) else None for c in range(V)]
+                iterators = [iter(scenario.items()) if (rank == 0 and c == 0) else None
+                             for c in range(V)]
                 fb(forward_step_func=forward_step,
                    data_iterator=iterators if V > 1 else iterators[0],
                    model=model if V > 1 else model[0],
@@ -341,6 +419,7 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
         runs[schedule] = (run, fb)
     times = {schedule: [] for schedule in schedules}
     peaks = {schedule: [] for schedule in schedules}
+    rank_peaks = {schedule: [0] * P for schedule in schedules}  # per rank, over the repeats
     over_budget = {schedule: False for schedule in schedules}  # any rank above its budget
     timelines = {schedule: [] for schedule in schedules}
     # Rounds: every schedule runs once per round, so a burst of load from other jobs (seconds long)
@@ -355,10 +434,15 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
             measured = torch.tensor([time.perf_counter() - start, float(meter.peak),
                                      float(meter.peak > row_budget(schedule))], dtype=torch.float64)
             dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+            per_rank = torch.zeros(P, dtype=torch.float64)
+            per_rank[rank] = float(meter.peak)
+            dist.all_reduce(per_rank, op=dist.ReduceOp.SUM)
             if repeat < warmup:
                 continue
             times[schedule].append(measured[0].item() * 1e3)
             peaks[schedule].append(int(measured[1].item()))
+            rank_peaks[schedule] = [max(a, int(b)) for a, b in zip(rank_peaks[schedule],
+                                                                  per_rank.tolist())]
             over_budget[schedule] |= measured[2].item() > 0
             record = getattr(fb, "last_record", None)
             if record is not None:
@@ -383,6 +467,7 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
                 "split_backward": parse_schedule(schedule)[1],
                 "placement": placement_of(schedule),
                 "peak_activation": max(peaks[schedule]),
+                "peak_activation_per_rank": rank_peaks[schedule],
                 "budget": max(per_rank[schedule] for per_rank in budgets),
                 "within_budget": not over_budget[schedule],
                 "megatron_budget": max(default_budget_bytes(graph, r) for r in range(P)),
@@ -419,7 +504,7 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
         # simulator runs its order with that pairing (PairedReceiveScheduler) to predict that loop.
         sim_schedule = (paired_receive_factory(sim_name) if row["executor"] == "megatron" and V > 1
                         else sim_name)
-        options = {"budget_bytes": budget} if isinstance(sim_schedule, str) else {}
+        options = {"budget_bytes": budget_value(budget)} if isinstance(sim_schedule, str) else {}
         plain = simulate(row_graph, sim_schedule, scenario.duration_model(), CommModel(),
                          seed=scenario.seed, **options)
         with_overhead = simulate(row_graph, sim_schedule, calibrated, CommModel(),
@@ -433,6 +518,7 @@ def _run_schedules(rank: int, scenario: Scenario, schedules: List[str], warmup: 
             "setup_ms": setup_ms,
             "oversleep_ms": oversleep_ms,
             "lower_bound": plain.lower_bound,
+            "pipeline_bound": plain.pipeline_bound,
         })
         if "timelines" in row:
             row["simulated_timeline"] = simulated_timeline(with_overhead, P)
@@ -523,6 +609,8 @@ def run_pipeline_ranks(worker, worker_args: tuple, P: int, timeout_s: float, nam
 
 
 def schedules_for(V: int, include_torch: bool, scenario: str) -> List[str]:
+    if scenario in PACKED_SCENARIOS:
+        return list(PACKED_SCHEDULES)
     megatron = "1f1b" if V == 1 else "interleaved-1f1b"
     from megatron_dpp.pipeline import DYNAMIC_SCHEDULES
 
@@ -589,6 +677,42 @@ def v_target_lines(rows: List[dict], reference: Dict[tuple, float]) -> List[str]
     return lines
 
 
+def packed_lines(rows: List[dict]) -> List[str]:
+    """Packed scenarios: each row against Megatron's 1F1B (measured, and the simulator's figure
+    with its bound), its peak per rank against 1F1B's fullest rank, and the issue's target line
+    (PACKED_TARGET). Reports; does not judge."""
+    lines = []
+    scenario, target_P, target_M, target, memory = PACKED_TARGET
+    for key in sorted({(row["scenario"], row["P"], row["M"]) for row in rows
+                       if row["scenario"] in PACKED_SCENARIOS}):
+        group = [row for row in rows if (row["scenario"], row["P"], row["M"]) == key]
+        reference = [row for row in group if row["schedule"] == "1f1b"]
+        if not reference:
+            continue
+        ref = reference[0]
+        fullest = ref["megatron_budget"]  # 1F1B's fullest rank: P full windows
+        for row in group:
+            spread = [t / ref["time"] for t in row["times"]]
+            memory_ratios = [peak / fullest for peak in row["peak_activation_per_rank"]]
+            row["memory_vs_1f1b_fullest"] = memory_ratios
+            lines.append(
+                f"# {key[0]} P={key[1]} M={key[2]} {row['schedule']:<24} measured "
+                f"{row['time'] / ref['time']:.3f} x 1F1B (repeats {min(spread):.3f}-{max(spread):.3f}), "
+                f"simulator {row['predicted_time_no_overhead'] / ref['predicted_time_no_overhead']:.3f}, "
+                f"bound {row['pipeline_bound'] / ref['predicted_time_no_overhead']:.3f}; memory per "
+                f"rank x 1F1B's fullest: {' '.join(f'{r:.2f}' for r in memory_ratios)}")
+        if key == (scenario, target_P, target_M):
+            fitting = [row for row in group if row["executor"] == "dpp"
+                       and row["schedule"].startswith("dpp:")
+                       and max(row["memory_vs_1f1b_fullest"]) <= memory]
+            if fitting:
+                best = min(fitting, key=lambda row: row["time"])
+                lines.append(f"# target {scenario} P={target_P} M={target_M}: best DPP "
+                             f"{best['time'] / ref['time']:.3f} x Megatron 1F1B ({best['schedule']}), "
+                             f"every rank within {memory} x 1F1B's fullest; target <= {target}")
+    return lines
+
+
 def format_table(rows: List[dict]) -> str:
     """pred0/err0: the simulator on the sampled durations alone; pred/err: plus the measured
     per-task overhead and setup of the DPP runtime (task_overhead_ms, setup_ms: the same for every
@@ -624,6 +748,7 @@ def format_table(rows: List[dict]) -> str:
                      f"{late['forward']:.2f} ms, backward {late['backward']:.2f} ms, W "
                      f"{late['weight_grad']:.2f} ms; setup before the first task {setup:.1f} ms")
     lines.extend(target_lines(rows, reference))
+    lines.extend(packed_lines(rows))
     for row in rows:
         repeats = " ".join(f"{t:.0f}" for t in row["times"])
         lines.append(f"# {row['scenario']} V={row['V']} {row['schedule']}: repeats {repeats} ms")
@@ -694,7 +819,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pipeline-size", "-P", type=int, default=4)
     parser.add_argument("--virtual-stages", "-V", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--microbatches", "-M", type=int, default=16)
-    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS),
+                        choices=(*SCENARIOS, *PACKED_SCENARIOS),
+                        help="packed8k and packed32k (packed long-context windows) run at V=1 only.")
     parser.add_argument("--schedules", nargs="+", default=None,
                         help="Subset of schedules (default: Megatron's, 1f1b-sorted, every DPP policy, "
                              "torch pipelining where it fits)")
@@ -751,7 +878,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     scenarios, schedules_of = [], {}
     for name in args.scenarios:
-        for V in args.virtual_stages:
+        for V in ([1] if name in PACKED_SCENARIOS else args.virtual_stages):
             scenario = Scenario(name=name, P=args.pipeline_size, V=V, M=args.microbatches,
                                 mean_tokens=args.mean_tokens, forward_ms=args.forward_ms, cv=args.cv,
                                 straggler_prob=args.straggler_prob,

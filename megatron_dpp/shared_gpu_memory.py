@@ -23,11 +23,11 @@ GPU_MEMORY_ENV = "DPP_GPU_MEMORY_BYTES"
 
 def first_gpu_bytes(args: argparse.Namespace, per_gpu: int) -> int:
     """The lower bound above, in bytes, for the ranks on the first GPU."""
-    from megatron_dpp.models.flags import _activation_config, largest_microbatch_activation_bytes
+    from megatron_dpp.models.flags import activation_config, largest_microbatch_activation_bytes
     from megatron_dpp.models.memory_model import (ModelShape, config_architecture, config_dtype,
                                                   layer_parameter_count, model_state_bytes)
 
-    config = _activation_config(args)
+    config = activation_config(args)
     shape = ModelShape(model=args.model, num_layers=args.num_layers, hidden_size=args.hidden_size,
                        num_attention_heads=args.num_attention_heads,
                        ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length,

@@ -148,7 +148,7 @@ def run_pipeline(P: int, V: int, sizes: List[int], policy: str, *, tp: int = 1,
                 stash=WeightGradStash() if split_backward else None)
             layout = RankLayout(pp_rank=stage, pp_ranks=[s * tp + tp_index for s in range(P)],
                                 tp_ranks=[stage * tp + i for i in range(tp)], global_rank=rank,
-                                agree_sizes=lambda _local, _count: list(sizes))
+                                agree_sizes=lambda _local, _count: list(sizes) * 2)  # work, tokens
             runner = IterationRunner(
                 session=session, layout=layout, config=config, models=models,
                 iterators=[iter(items) for _ in range(V)], forward_step_func=forward_step,

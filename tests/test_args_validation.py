@@ -185,8 +185,13 @@ BAD_FLAGS = {
                                                 "microbatch, --seq-length x --micro-batch-size, on "
                                                 "each of the 2 model chunks of a rank)"),
     "memory_budget_not_a_size": (["--dpp-memory-budget", "lots"], 1,
-                                 "--dpp-memory-budget 'lots': expected 'auto', 'provisioned' or a "
-                                 "byte count"),
+                                 "--dpp-memory-budget 'lots': expected 'auto', 'provisioned', a "
+                                 "multiple of 1F1B's fullest rank such as 1.25x, or a byte count"),
+    # A multiple of 1F1B's fullest-rank memory below 1x (a dynamic policy's minimum may be less,
+    # but 'less than 1F1B' is a byte count's job).
+    "memory_budget_relative_below_one": (["--dpp-memory-budget", "0.8x"], 1,
+                                         "--dpp-memory-budget '0.8x': a multiple of 1F1B's "
+                                         "fullest-rank memory must be at least 1x"),
     "memory_budget_zero": (["--dpp-memory-budget", "0"], 1,
                            "--dpp-memory-budget '0': the budget must be positive"),
     # Paths: checked before launch, not when training first writes or reads them.
@@ -399,6 +404,7 @@ GOOD_FLAGS = {
     "memory_budget_at_minimum": (["--use-dpp", "--dpp-memory-budget", "993280"], {}),
     "memory_budget_static_order": (["--use-dpp", "--dpp-policy", "1f1b", "--dpp-memory-budget",
                                     "10"], {}),
+    "memory_budget_relative": (["--use-dpp", "--dpp-memory-budget", "1.25x"], {}),
     "save_and_trace_dir_to_make": (["--save", "/tmp/megatron-dpp-test-never-made/ckpt", "--trace",
                                     "--trace-dir", "/tmp/megatron-dpp-test-never-made/traces"], {}),
     "multi_node_on_one_node_local_address": (["--multi-node", "--node-ips", "127.0.0.1"],

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_dpp.models import memory_model as mm
-from megatron_dpp.pipeline import Phase, Task, parse_memory_budget
+from megatron_dpp.pipeline import Phase, RelativeBudget, Task, parse_memory_budget
 from megatron_dpp.runtime.batch import GlobalBatch, agree_on_sizes
 from megatron_dpp.runtime.config import DPPConfig
 from megatron_dpp.runtime.tensor_parallel import DecisionChannel
@@ -15,19 +15,20 @@ from megatron_dpp.runtime.tensor_parallel import DecisionChannel
 @pytest.mark.parametrize("text,expected", [
     ("auto", None), ("AUTO", None), ("1024", 1024), ("2KiB", 2048), ("1.5GB", 1_500_000_000),
     ("3MiB", 3 * 2**20), ("provisioned", "provisioned"), (" Provisioned ", "provisioned"),
+    ("1.25x", RelativeBudget(1.25)), ("1X", RelativeBudget(1.0)),
 ])
 def test_memory_budget_parses_bytes_and_auto(text, expected):
     assert parse_memory_budget(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "lots", "-5", "0", "12XB", "GiB"])
+@pytest.mark.parametrize("text", ["", "lots", "-5", "0", "12XB", "GiB", "x", "0.9x", "infx", "nanx"])
 def test_memory_budget_rejects_nonsense_with_a_hint(text):
     with pytest.raises(ValueError, match="--dpp-memory-budget"):
         parse_memory_budget(text, what="--dpp-memory-budget")
 
 
 def test_config_takes_every_budget_value_and_refuses_others():
-    for budget in (None, "auto", "provisioned", 2**30):
+    for budget in (None, "auto", "provisioned", RelativeBudget(1.25), 2**30):
         assert DPPConfig(memory_budget_bytes=budget).memory_budget_bytes == budget
     for budget in (0, -1, "lots"):
         with pytest.raises(ValueError, match="DPP memory budget"):
@@ -65,12 +66,12 @@ def test_global_batch_reports_a_short_iterator():
         batch.items(0)
 
 
-def test_microbatch_work_counts_tokens():
-    from megatron_dpp.models.gpt import gpt_microbatch_work as microbatch_work
+def test_microbatch_tokens_counts_tokens():
+    from megatron_dpp.models.gpt import gpt_microbatch_tokens as microbatch_tokens
 
-    assert microbatch_work({"tokens": torch.zeros(2, 7)}) == 14
-    assert microbatch_work({"labels": torch.zeros(3)}) == 1
-    assert microbatch_work(torch.zeros(5, 3)) == 15
+    assert microbatch_tokens({"tokens": torch.zeros(2, 7)}) == 14
+    assert microbatch_tokens({"labels": torch.zeros(3)}) == 1
+    assert microbatch_tokens(torch.zeros(5, 3)) == 15
 
 
 def test_sizes_without_any_collective_group_are_local():

@@ -157,7 +157,9 @@ def make_bert_forward_step(args: argparse.Namespace, device: torch.device):
 
 
 def bert_microbatch_work(item: Any) -> int:
-    """Relative work of one microbatch: its token count (text.numel()); 1 without tokens."""
+    """Relative work of one microbatch: its token count (text.numel()); 1 without tokens. BERT's
+    samples are whole padded sequences of one length per batch, so tokens order its microbatches
+    as their FLOPs do; its activation bytes count the same tokens."""
     if isinstance(item, dict) and isinstance(item.get("text"), torch.Tensor):
         return int(item["text"].numel())
     return 1
@@ -190,7 +192,8 @@ BERT_SPEC = ModelSpec(
     family=families.BERT,
     build_chunks=_build_chunks_from_args,
     make_forward_step=make_bert_forward_step,
-    microbatch_work=bert_microbatch_work,
+    microbatch_work=lambda config: bert_microbatch_work,
+    microbatch_tokens=bert_microbatch_work,
     build_datasets=build_bert_datasets,
     # BERT's own Megatron-Core modules that call torch.cuda; the platform patches them on CPU.
     cpu_patched_modules=(

@@ -322,7 +322,7 @@ def validate_cuda_graph_args(args: argparse.Namespace) -> None:
     require(obstacle is None, obstacle)
 
 
-def _activation_config(args: argparse.Namespace) -> argparse.Namespace:
+def activation_config(args: argparse.Namespace) -> argparse.Namespace:
     """The TransformerConfig fields models/memory_model.py's chunk_activation_bytes reads, from the
     validated flags: the runtime passes it the TransformerConfig models/transformer_config.py
     builds from the same flags (tests/test_args_validation.py holds the two to the same bytes)."""
@@ -368,5 +368,5 @@ def largest_microbatch_activation_bytes(args: argparse.Namespace) -> Optional[in
     if not (isinstance(args.micro_batch_size, int) and args.micro_batch_size > 0):
         return None
     return largest_microbatch_bytes(
-        partial(chunk_activation_bytes, args.model), _activation_config(args), args.seq_length,
+        partial(chunk_activation_bytes, args.model), activation_config(args), args.seq_length,
         args.micro_batch_size, args.parallel.chunks_per_rank, args.pipeline_model_parallel_size)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -20,11 +20,13 @@ from megatron_dpp import kernels
 from megatron_dpp.data.datasets import build_train_valid_test_datasets
 from megatron_dpp.mcore.direct_layer import with_direct_classes
 from megatron_dpp.models.init import build_model_chunks, stacked_model_global_name, stage_placement
-from megatron_dpp.models.memory_model import chunk_activation_bytes
+from megatron_dpp.models.memory_model import (causal_attention_work_per_token_pair,
+                                              chunk_activation_bytes, config_layer_shape)
 from megatron_dpp.models.sdpa_attention import with_core_attention
 from megatron_dpp.models import families
 from megatron_dpp.models.spec import ModelSpec
 from megatron_dpp.pipeline.placement import INTERLEAVED
+from megatron_dpp.pipeline.work import segments_work
 
 
 @dataclass(frozen=True)
@@ -194,8 +196,9 @@ def make_gpt_forward_step(args: argparse.Namespace, device: torch.device):
         getattr(args, "dataloader_inter_document_masking", False)))
 
 
-def gpt_microbatch_work(item: Any) -> int:
-    """Relative work of one microbatch: its token count (tokens.numel()); 1 without tokens."""
+def gpt_microbatch_tokens(item: Any) -> int:
+    """Tokens of one microbatch (tokens.numel()); 1 without tokens. What its activation bytes
+    count (SDPA's and flash attention's memory grows with the tokens, not their squares)."""
     if isinstance(item, dict):
         tokens = item.get("tokens")
         if isinstance(tokens, torch.Tensor):
@@ -204,6 +207,38 @@ def gpt_microbatch_work(item: Any) -> int:
     if isinstance(item, torch.Tensor):
         return int(item.numel())
     return 1
+
+
+def segment_lengths(item: Any) -> list[int]:
+    """The lengths of the attention's segments in one microbatch: cu_seqlens.diff() where the item
+    carries the document boundaries ("cu_seqlens", per sample [b, n+1] or folded into one row
+    [n+1], the data contract of packed samples), else one segment per sample row of its tokens."""
+    if isinstance(item, dict) and isinstance(item.get("cu_seqlens"), torch.Tensor):
+        return [int(s) for s in item["cu_seqlens"].long().diff(dim=-1).flatten().tolist()]
+    tokens = item.get("tokens") if isinstance(item, dict) else item
+    if not isinstance(tokens, torch.Tensor) or tokens.numel() == 0:
+        return []
+    if tokens.dim() < 2:
+        return [int(tokens.numel())]
+    return [int(tokens.shape[-1])] * (tokens.numel() // tokens.shape[-1])
+
+
+def gpt_microbatch_work(per_token_pair: float, item: Any) -> int:
+    """Relative work of one microbatch, in tokens: W + c * sum of s_i^2 over its segments
+    (segment_lengths: documents masked apart, or sample rows), W its tokens and c the causal
+    attention's FLOPs per token pair over the dense part's per token
+    (memory_model.causal_attention_work_per_token_pair; 1/(12h) for GPT's f = 4h). So two packs
+    of equal tokens differ: one long document costs more than many short ones. 1 without
+    tokens."""
+    lengths = segment_lengths(item)
+    return max(1, segments_work(lengths, per_token_pair)) if lengths else 1
+
+
+def make_gpt_microbatch_work(model: str, config: Any) -> Callable[[Any], int]:
+    """ModelSpec.microbatch_work of GPT and Llama (`model`): config (a TransformerConfig, or the
+    flags' models/flags.py activation_config) -> gpt_microbatch_work with that shape's c."""
+    per_token_pair = causal_attention_work_per_token_pair(config_layer_shape(model, config))
+    return partial(gpt_microbatch_work, per_token_pair)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,7 +271,8 @@ GPT_SPEC = ModelSpec(
     family=families.GPT,
     build_chunks=build_chunks_from_args,
     make_forward_step=make_gpt_forward_step,
-    microbatch_work=gpt_microbatch_work,
+    microbatch_work=partial(make_gpt_microbatch_work, "gpt"),
+    microbatch_tokens=gpt_microbatch_tokens,
     build_datasets=build_train_valid_test_datasets,
     # GPT's own Megatron-Core modules that call torch.cuda; the platform patches them on CPU
     # (the rotary embedding's buffers go to torch.cuda.current_device()).

@@ -25,10 +25,11 @@ from megatron_dpp.models.gpt import (
     build_chunks_from_args,
     gpt_global_parameter_name,
     gpt_layer_spec,
-    gpt_microbatch_work,
+    gpt_microbatch_tokens,
     gpt_sample_layer_inputs,
     gpt_sample_model_inputs,
     make_gpt_forward_step,
+    make_gpt_microbatch_work,
 )
 from megatron_dpp.models.memory_model import chunk_activation_bytes
 from megatron_dpp.models.spec import ModelSpec
@@ -56,7 +57,8 @@ LLAMA_SPEC = ModelSpec(
     family=families.LLAMA,
     build_chunks=build_llama_chunks,
     make_forward_step=make_gpt_forward_step,
-    microbatch_work=gpt_microbatch_work,
+    microbatch_work=partial(make_gpt_microbatch_work, "llama"),
+    microbatch_tokens=gpt_microbatch_tokens,
     build_datasets=build_train_valid_test_datasets,
     cpu_patched_modules=GPT_SPEC.cpu_patched_modules,  # the rotary embedding's among them
     global_parameter_name=gpt_global_parameter_name,

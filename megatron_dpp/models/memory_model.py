@@ -42,7 +42,8 @@ from megatron_dpp.one_line_errors import InputError
 __all__ = [
     "BERT_TOKEN_TYPES", "ELEMENT_BYTES", "FP32_BYTES", "INDEX_BYTES", "MASK_BYTES", "MODELS",
     "RECOMPUTE_MODES", "CHECKPOINT_MASK_TYPE_BYTES", "InputError", "ModelShape",
-    "chunk_activation_bytes", "config_dtype",
+    "CAUSAL_ATTENTION_SHARE", "causal_attention_work_per_token_pair", "chunk_activation_bytes",
+    "config_dtype", "config_layer_shape", "layer_flop_terms",
     "embedding_activation_bytes", "embedding_parameter_count", "layer_activation_bytes",
     "layer_forward_flops", "layer_parameter_count", "layers_activation_bytes", "model_shape",
     "model_state_bytes", "output_activation_bytes", "output_parameter_count", "recompute_layers",
@@ -479,6 +480,31 @@ def layer_forward_flops(shape: ModelShape, micro_batch: int) -> float:
                  + 4 * b * s * s * query)
 
 
+CAUSAL_ATTENTION_SHARE = 0.5
+"""The share of the s x s scores a causal attention computes: its kernels (flash attention, SDPA's
+causal path) skip the masked upper triangle, and --log-throughput counts it so (Megatron-LM's
+causal half, training/observe/throughput.py)."""
+
+
+def layer_flop_terms(shape: ModelShape) -> tuple[float, float]:
+    """(per token, per token pair): one layer's forward FLOPs of a sample of s tokens are
+    per_token * s + per_token_pair * s^2 (layer_forward_flops: the projections and the MLP grow
+    with s, the scores and the context with s^2, counted over the full s x s)."""
+    one = layer_forward_flops(dataclasses.replace(shape, seq_length=1), 1)
+    two = layer_forward_flops(dataclasses.replace(shape, seq_length=2), 1)
+    per_token_pair = (two - 2 * one) / 2  # f(2) - 2 f(1) = 2 q for f(s) = l s + q s^2
+    return one - per_token_pair, per_token_pair
+
+
+def causal_attention_work_per_token_pair(shape: ModelShape) -> float:
+    """c of a causal model's work W + c * sum of s_i^2 (in tokens: the dense part's FLOPs per
+    token are one unit): CAUSAL_ATTENTION_SHARE * per_token_pair / per_token of layer_flop_terms.
+    A backward costs the same multiple of its forward in both parts, so the forward's ratio prices
+    the whole microbatch (pipeline/work.py's segments_work). GPT's f = 4h, one query group per head: (1/2 * 4h) / 24h^2 = 1/(12h)."""
+    per_token, per_token_pair = layer_flop_terms(shape)
+    return CAUSAL_ATTENTION_SHARE * per_token_pair / per_token
+
+
 # ----------------------------------------------------------------------------------------------
 # the DPP runtime's estimate (ModelSpec.activation_bytes), read from a Megatron TransformerConfig
 # ----------------------------------------------------------------------------------------------
@@ -542,6 +568,20 @@ def layers_activation_bytes(shape: ModelShape, micro_batch: int, modes: dict[str
     return total
 
 
+def config_layer_shape(model: str, config: Any) -> ModelShape:
+    """The ModelShape of one layer of a Megatron TransformerConfig (or the flags' stand-in,
+    models/flags.py's activation_config) at one token: a layer's bytes and FLOPs read neither the
+    vocabulary nor the position table, so those are placeholders."""
+    return ModelShape(model=model, num_layers=config.num_layers, hidden_size=config.hidden_size,
+                      num_attention_heads=config.num_attention_heads,
+                      ffn_hidden_size=config.ffn_hidden_size, seq_length=1, padded_vocab_size=1,
+                      max_position_embeddings=1, dtype=config_dtype(config),
+                      hidden_dropout=config.hidden_dropout,
+                      attention_dropout=config.attention_dropout,
+                      num_query_groups=getattr(config, "num_query_groups", None),
+                      **config_architecture(config))
+
+
 def chunk_activation_bytes(model: str, config: Any, sizes: Sequence[int], micro_batch_size: int,
                            num_model_chunks: int, pipeline_size: int) -> List[int]:
     """Bytes one forward of each micro-batch keeps on one model chunk until its backward, on one
@@ -556,15 +596,7 @@ def chunk_activation_bytes(model: str, config: Any, sizes: Sequence[int], micro_
     modes = recompute_layers(config, layers)
     tp = getattr(config, "tensor_model_parallel_size", 1) or 1
     sp = bool(getattr(config, "sequence_parallel", False))
-    # The layers' bytes read neither the vocabulary nor the position table: placeholders.
-    base = ModelShape(model=model, num_layers=config.num_layers, hidden_size=config.hidden_size,
-                      num_attention_heads=config.num_attention_heads,
-                      ffn_hidden_size=config.ffn_hidden_size, seq_length=1, padded_vocab_size=1,
-                      max_position_embeddings=1, dtype=config_dtype(config),
-                      hidden_dropout=config.hidden_dropout,
-                      attention_dropout=config.attention_dropout,
-                      num_query_groups=getattr(config, "num_query_groups", None),
-                      **config_architecture(config))
+    base = config_layer_shape(model, config)
     by_length: dict[int, int] = {}
     estimates = []
     for tokens in sizes:

@@ -33,9 +33,16 @@ class ModelSpec:
     function reports each loss as a [sum, count] tensor under its name, "lm loss" among them (the
     training loop logs each name's sum / count over the global batch)."""
 
-    microbatch_work: Callable[[Any], int]
-    """Relative work of one micro-batch item as the data iterator yields it (the runtime balances
-    and orders micro-batches by it); 1 when the item carries nothing to measure."""
+    microbatch_work: Callable[[Any], Callable[[Any], int]]
+    """config (the model's TransformerConfig, or the flags' models/flags.py activation_config) ->
+    the relative work of one micro-batch item as the data iterator yields it, in tokens (the
+    runtime balances and orders micro-batches by it): GPT's and Llama's count each document's
+    causal attention beside its tokens (models/gpt.py gpt_microbatch_work); 1 when the item
+    carries nothing to measure."""
+
+    microbatch_tokens: Callable[[Any], int]
+    """Tokens of one micro-batch item: what activation_bytes counts (memory grows with the
+    tokens, work faster), kept apart from microbatch_work everywhere."""
 
     build_datasets: Callable[[argparse.Namespace, Any], tuple]
     """(args, tokenizer) -> (train, valid, test) datasets; a split with no share is None."""
@@ -49,8 +56,8 @@ class ModelSpec:
     layout-independent init (megatron_dpp.models.init) seeds each parameter by this name."""
 
     activation_bytes: Callable[[TransformerConfig, Sequence[int], int, int, int], list[int]]
-    """(config, micro-batch sizes as microbatch_work counts them, micro-batch size, model chunks
-    per rank, pipeline size) -> the bytes one forward of each micro-batch keeps on one model chunk
+    """(config, micro-batch token counts as microbatch_tokens counts them, micro-batch size, model
+    chunks per rank, pipeline size) -> the bytes one forward of each micro-batch keeps on one model chunk
     until its backward, on one tensor-parallel rank: what the DPP runtime's memory budget admits
     against. The search's analytical model (models/memory_model.py's chunk_activation_bytes)."""
 

@@ -37,8 +37,9 @@ Interface (stable names):
   max_act_bytes per forward;
   'provisioned' (`PROVISIONED_BUDGET`): `provisioned_budget_bytes(graph)` = what it holds at most
   on its fullest rank (rank 0), the same count on every rank; an int: that many bytes.
-  `parse_memory_budget(text)` reads a budget as users write it ('auto', 'provisioned', '2GiB',
-  '1073741824').
+  `RelativeBudget(k)` ('1.25x'): k times the provisioned budget on every rank, k >= 1.
+  `parse_memory_budget(text)` reads a budget as users write it ('auto', 'provisioned', '1.25x',
+  '2GiB', '1073741824').
 - `RankScheduler`: `name` (the policy chosen), `strategy` (None, or how it runs when that is not
   the policy's usual way), `microbatch_order` (same list on every rank: a pure function of sizes,
   P, V, M and the policy), `next_task(ready) -> Task | None` (None: wait for an arrival; a static
@@ -58,6 +59,7 @@ from megatron_dpp.pipeline.budget import (
     BUDGET_MODES,
     PROVISIONED_BUDGET,
     MemoryBudget,
+    RelativeBudget,
     budget_bytes_for,
     check_memory_budget,
     default_budget_bytes,
@@ -91,6 +93,7 @@ __all__ = [
     "DYNAMIC_SCHEDULES",
     "MemoryBudget",
     "PROVISIONED_BUDGET",
+    "RelativeBudget",
     "PairedReceiveScheduler",
     "Placement",
     "Phase",

@@ -1,17 +1,23 @@
 """Activation-memory budgets: the default one (what Megatron's schedule needs on the rank), the
-provisioned one (what it needs on its fullest rank, given to every rank), the parser of the
-`--dpp-memory-budget` text and the check of a budget value. The one place any of them is defined.
+provisioned one (what it needs on its fullest rank, given to every rank), the relative one (a
+multiple of the provisioned one), the parser of the `--dpp-memory-budget` text and the check of a
+budget value. The one place any of them is defined.
 
 A budget value (`MemoryBudget`) is what the flag's text parses to and what `make_scheduler`,
 `simulate` and the runtime's `DPPConfig.memory_budget_bytes` take:
   None (or 'auto')      default_budget_bytes on each rank;
   'provisioned'         provisioned_budget_bytes on each rank;
+  RelativeBudget(k)     ('1.25x') k times provisioned_budget_bytes on every rank, k >= 1: the
+                        fullest rank's 1F1B activation memory (with split backwards, what W keeps
+                        counted in each microbatch's bytes) times k;
   a positive int        that many bytes on every rank.
 """
 from __future__ import annotations
 
+import math
 import numbers
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Union
 
 from megatron_dpp.pipeline import static_orders
 from megatron_dpp.pipeline.adaptive import spine_group_size
@@ -22,8 +28,32 @@ AUTO_BUDGET = "auto"
 PROVISIONED_BUDGET = "provisioned"
 BUDGET_MODES = (AUTO_BUDGET, PROVISIONED_BUDGET)
 
-# None ('auto'), 'auto', 'provisioned', or a byte count.
-MemoryBudget = Union[int, str, None]
+RELATIVE_SUFFIX = "x"  # '1.25x': a multiple of the provisioned budget
+MINIMUM_MULTIPLIER = 1.0
+
+
+@dataclass(frozen=True)
+class RelativeBudget:
+    """`multiplier` times the provisioned budget (Megatron's 1F1B on its fullest rank) on every
+    rank. At least 1: the provisioned budget is never below the least a dynamic policy needs
+    (V largest microbatches), so no multiple of 1 or more is; for less memory than 1F1B's, give
+    a byte count."""
+
+    multiplier: float
+
+    def __post_init__(self):
+        if not (isinstance(self.multiplier, numbers.Real) and math.isfinite(self.multiplier)
+                and self.multiplier >= MINIMUM_MULTIPLIER):
+            raise ValueError(f"a relative memory budget must be at least {MINIMUM_MULTIPLIER:g}"
+                             f"{RELATIVE_SUFFIX} (the fullest rank's 1F1B memory), got "
+                             f"{self.multiplier!r}")
+
+    def __str__(self) -> str:
+        return f"{self.multiplier:g}{RELATIVE_SUFFIX}"
+
+
+# None ('auto'), 'auto', 'provisioned', a RelativeBudget, or a byte count.
+MemoryBudget = Union[int, str, RelativeBudget, None]
 
 # Units accepted after the number, e.g. "512MiB", "2GB".
 _BYTE_UNITS = {
@@ -103,25 +133,28 @@ def provisioned_budget_bytes(graph: TaskGraph, group_size: int | None = None) ->
 
 
 def _check_kind(budget: MemoryBudget, what: str) -> None:
-    if budget is None or (budget in BUDGET_MODES if isinstance(budget, str) else
-                          isinstance(budget, numbers.Real) and not isinstance(budget, bool)):
+    if budget is None or isinstance(budget, RelativeBudget) or (
+            budget in BUDGET_MODES if isinstance(budget, str) else
+            isinstance(budget, numbers.Real) and not isinstance(budget, bool)):
         return
-    raise ValueError(f"{what} {budget!r}: expected None, {', '.join(map(repr, BUDGET_MODES))} "
-                     "or a byte count")
+    raise ValueError(f"{what} {budget!r}: expected None, {', '.join(map(repr, BUDGET_MODES))}, "
+                     "a RelativeBudget or a byte count")
 
 
 def check_memory_budget(budget: MemoryBudget, what: str = "memory budget") -> None:
-    """Raise ValueError unless `budget` is a MemoryBudget: None, 'auto', 'provisioned' or a
-    positive byte count. (make_scheduler accepts any byte count and reports one below what the
-    policy needs with that minimum.)"""
+    """Raise ValueError unless `budget` is a MemoryBudget: None, 'auto', 'provisioned', a
+    RelativeBudget (at least 1x, which its constructor checks) or a positive byte count.
+    (make_scheduler accepts any byte count and reports one below what the policy needs with that
+    minimum.)"""
     _check_kind(budget, what)
-    if not (budget is None or isinstance(budget, str)) and budget <= 0:
+    if is_explicit_budget(budget) and budget <= 0:
         raise ValueError(f"{what} must be positive, got {budget}")
 
 
 def is_explicit_budget(budget: MemoryBudget) -> bool:
-    """A byte count given by the user (not derived from Megatron's schedule)."""
-    return budget is not None and not isinstance(budget, str)
+    """A byte count given by the user (not derived from Megatron's schedule, as 'auto',
+    'provisioned' and a RelativeBudget are)."""
+    return budget is not None and not isinstance(budget, (str, RelativeBudget))
 
 
 def budget_bytes_for(budget: MemoryBudget, graph: TaskGraph, rank: int,
@@ -132,13 +165,17 @@ def budget_bytes_for(budget: MemoryBudget, graph: TaskGraph, rank: int,
         return default_budget_bytes(graph, rank, group_size)
     if budget == PROVISIONED_BUDGET:
         return provisioned_budget_bytes(graph, group_size)
+    if isinstance(budget, RelativeBudget):
+        return int(budget.multiplier * provisioned_budget_bytes(graph, group_size))
     return int(budget)
 
 
-def parse_memory_budget(text: str, what: str = "memory budget") -> Optional[Union[int, str]]:
+def parse_memory_budget(text: str, what: str = "memory budget") -> MemoryBudget:
     """'auto' -> None (default_budget_bytes on each rank); 'provisioned' -> PROVISIONED_BUDGET
-    (provisioned_budget_bytes on each rank); otherwise a positive byte count, from a number with
-    an optional unit (B, kB, MB, GB, KiB, MiB, GiB; case-insensitive).
+    (provisioned_budget_bytes on each rank); a number followed by 'x' such as '1.25x' ->
+    RelativeBudget (that multiple of provisioned_budget_bytes on every rank, at least 1x);
+    otherwise a positive byte count, from a number with an optional unit (B, kB, MB, GB, KiB,
+    MiB, GiB; case-insensitive).
 
     Raises ValueError with a message that starts with `what` (e.g. the flag's name) and says what
     is accepted."""
@@ -147,8 +184,18 @@ def parse_memory_budget(text: str, what: str = "memory budget") -> Optional[Unio
         return None
     if value == PROVISIONED_BUDGET:
         return PROVISIONED_BUDGET
-    expected = (f"{what} {text!r}: expected '{AUTO_BUDGET}', '{PROVISIONED_BUDGET}' or a byte "
-                "count such as 1073741824 or 1GiB")
+    expected = (f"{what} {text!r}: expected '{AUTO_BUDGET}', '{PROVISIONED_BUDGET}', a multiple "
+                "of 1F1B's fullest rank such as 1.25x, or a byte count such as 1073741824 or 1GiB")
+    if value.endswith(RELATIVE_SUFFIX):
+        try:
+            multiplier = float(value[:-len(RELATIVE_SUFFIX)])
+        except ValueError:
+            raise ValueError(expected) from None
+        if not (math.isfinite(multiplier) and multiplier >= MINIMUM_MULTIPLIER):
+            raise ValueError(f"{what} {text!r}: a multiple of 1F1B's fullest-rank memory must be "
+                             f"at least {MINIMUM_MULTIPLIER:g}{RELATIVE_SUFFIX}; for less, give a "
+                             "byte count")
+        return RelativeBudget(multiplier)
     number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = value[len(number):]
     if unit not in _BYTE_UNITS or not number:

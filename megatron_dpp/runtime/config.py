@@ -22,7 +22,8 @@ class DPPConfig:
     """Activation bytes a rank may hold (megatron_dpp.pipeline.budget): None: the policy's default
     (what 1F1B needs in the worst case on that rank, default_budget_bytes); 'provisioned'
     (PROVISIONED_BUDGET): what it needs on its fullest rank, on every rank
-    (provisioned_budget_bytes); an int: that many bytes."""
+    (provisioned_budget_bytes); a RelativeBudget: a multiple (>= 1) of that, on every rank; an
+    int: that many bytes."""
 
     timeout_s: float = 300.0
     """Seconds without progress after which the rank reports its state and the job exits."""

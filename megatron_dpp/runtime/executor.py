@@ -25,6 +25,9 @@ is IterationRecord.split_backward. Without the flag the loop runs F and B exactl
 
 Activation bytes per microbatch come from the caller too (activation_bytes_fn: training passes the
 model's ModelSpec.activation_bytes, the search's analytical model), so the runtime knows no model.
+Work and memory are apart: the policy orders by each microbatch's work (microbatch_work: GPT's
+counts each document's attention beside its tokens), the budget admits by the activation bytes of
+its tokens (microbatch_tokens; without one, the work is the token count).
 """
 from __future__ import annotations
 
@@ -58,10 +61,11 @@ from megatron_dpp.runtime.tensor_parallel import DecisionChannel
 from megatron_dpp.runtime.watchdog import ProgressDeadline, report_and_exit
 from megatron_dpp.trace.recorder import POSTING_SEND, TraceRecorder
 
-# (model_config, sizes, micro_batch_size, num_model_chunks, pipeline_size) -> bytes one forward of
-# each microbatch keeps on one chunk until its backward (ModelSpec.activation_bytes)
+# (model_config, token counts, micro_batch_size, num_model_chunks, pipeline_size) -> bytes one
+# forward of each microbatch keeps on one chunk until its backward (ModelSpec.activation_bytes)
 ActivationBytesFn = Callable[[Any, Sequence[int], int, int, int], List[int]]
-# One microbatch item, as the data iterator yields it -> its relative work (ModelSpec.microbatch_work)
+# One microbatch item, as the data iterator yields it -> its relative work (ModelSpec.microbatch_work
+# bound to the model's config), or its tokens (ModelSpec.microbatch_tokens)
 MicrobatchWorkFn = Callable[[Any], int]
 
 
@@ -84,7 +88,8 @@ class IterationRecord:
     """What one call did on this rank: for benchmarks and tests."""
 
     microbatch_order: List[int]
-    sizes: List[int]
+    sizes: List[int]  # each microbatch's work (the task graph's sizes)
+    tokens: List[int] = field(default_factory=list)  # each microbatch's tokens (its act_bytes')
     policy: str = ""
     # How the policy ran when that is not its usual way (RankScheduler.strategy), else None.
     strategy: Optional[str] = None
@@ -137,6 +142,8 @@ class DPPSession:
     transport: Any
     microbatch_work: MicrobatchWorkFn
     activation_bytes_fn: ActivationBytesFn
+    # What activation_bytes_fn counts; None: the work is the token count (microbatch_work's).
+    microbatch_tokens: Optional[MicrobatchWorkFn] = None
     recorder: Optional[TraceRecorder] = None  # --trace: what each iteration did, per rank
     nvtx: bool = False  # --nvtx: an NVTX range named like the task around each task's step
     # Split backwards (DPPConfig.split_backward): the model side, given by the caller
@@ -170,14 +177,18 @@ def make_forward_backward_dpp(config: DPPConfig, transport: Any, microbatch_work
                               recorder: Optional[TraceRecorder] = None, nvtx: bool = False,
                               stash: Any = None,
                               weight_grad_bytes_fn: Optional[WeightGradBytesFn] = None,
-                              trace: Any = None) -> "ForwardBackwardDPP":
+                              trace: Any = None,
+                              microbatch_tokens: Optional[MicrobatchWorkFn] = None
+                              ) -> "ForwardBackwardDPP":
     """Megatron's forward_backward_func bound to a new DPP session (ForwardBackwardDPP).
     With a recorder, every iteration's tasks, waits, messages and memory go into it; `trace` is
     what close() writes first (training/tracing.py's RunTrace, whose recorder that is). With
     config.split_backward, `stash` and `weight_grad_bytes_fn` are the model side of the split
-    (DPPSession), which runtime/split_backward.py's SplitBackward drives."""
+    (DPPSession), which runtime/split_backward.py's SplitBackward drives. `microbatch_tokens`: each
+    microbatch's tokens, what activation_bytes_fn counts (None: microbatch_work is the tokens)."""
     session = DPPSession(config=config, transport=transport, microbatch_work=microbatch_work,
-                         activation_bytes_fn=activation_bytes_fn, recorder=recorder, nvtx=nvtx,
+                         activation_bytes_fn=activation_bytes_fn,
+                         microbatch_tokens=microbatch_tokens, recorder=recorder, nvtx=nvtx,
                          stash=stash, weight_grad_bytes_fn=weight_grad_bytes_fn)
     return ForwardBackwardDPP(session, trace=trace)
 
@@ -299,7 +310,10 @@ class IterationRunner:
         self.deadline = ProgressDeadline(self.dpp.timeout_s)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
-        sizes = layout.agree_sizes(self._local_sizes(), self.M)
+        # One agreement for both: each microbatch's work (the policy's sizes) and its tokens
+        # (what its activation bytes count).
+        agreed = layout.agree_sizes(self._local_sizes(), 2 * self.M)
+        sizes, tokens = agreed[:self.M], agreed[self.M:]
         # Budgets are provisioned for the largest microbatch any batch can hold (a full sequence),
         # as Megatron's fixed schedules must be, not for the largest of this batch.
         largest_size = seq_length * micro_batch_size
@@ -307,9 +321,9 @@ class IterationRunner:
         # by this one name. The loop uses it through the task graph, the handler table, and the
         # hooks `end_iteration`, `state_lines` and `memory_counters`.
         self.split_backward = SplitBackward.for_iteration(session, models, config, forward_only,
-                                                   sizes, largest_size)
+                                                   tokens, largest_size)
 
-        act_bytes = session.activation_bytes_fn(config, sizes, micro_batch_size, self.V, self.P)
+        act_bytes = session.activation_bytes_fn(config, tokens, micro_batch_size, self.V, self.P)
         # The same computation as the flag check's minimum budget (runtime/flags.py).
         largest_possible = largest_microbatch_bytes(session.activation_bytes_fn, config, seq_length,
                                                     micro_batch_size, self.V, self.P)
@@ -339,7 +353,7 @@ class IterationRunner:
             self.scheduler = make_scheduler(self.dpp.policy, self.graph, self.rank,
                                             budget_bytes=self.dpp.memory_budget_bytes, **options)
         self.record = IterationRecord(microbatch_order=list(self.scheduler.microbatch_order),
-                                      sizes=sizes, policy=self.scheduler.name,
+                                      sizes=sizes, tokens=tokens, policy=self.scheduler.name,
                                       strategy=self.scheduler.strategy,
                                       budget_bytes=self.scheduler.budget_bytes,
                                       log=self.scheduler.log,
@@ -367,12 +381,15 @@ class IterationRunner:
 
     # ---- setup ------------------------------------------------------------------------------
     def _local_sizes(self) -> Optional[List[int]]:
-        """Sizes from the ranks that read data: the first and the last virtual stage."""
+        """From the ranks that read data (the first and the last virtual stage): each microbatch's
+        work, then each one's tokens (2M values)."""
         work = self.session.microbatch_work
+        tokens = self.session.microbatch_tokens or work
         for stage in (self.placement.first_stage, self.placement.last_stage):
             chunk = self.placement.local_chunk(self.rank, stage)
             if chunk is not None and self.batch.has_source(chunk):
-                return [work(item) for item in self.batch.items(chunk)]
+                items = self.batch.items(chunk)
+                return [work(item) for item in items] + [tokens(item) for item in items]
         return None
 
     def _post_receives(self):
@@ -632,7 +649,7 @@ class IterationRunner:
         self.recorder.task(str(task), task.phase.label, ran.started, ran.ended,
                            {"iteration": self.iteration, "microbatch": m, "chunk": task.chunk,
                             "virtual_stage": self.graph.virtual_stage(self.rank, task.chunk),
-                            "tokens": int(self.graph.sizes[m])}, device_span=device_span)
+                            "tokens": int(self.record.tokens[m])}, device_span=device_span)
         if with_memory:
             extra = {} if self.split_backward is None else self.split_backward.memory_counters()
             self.recorder.memory(ran.ended, self.scheduler.held_bytes,

@@ -61,7 +61,9 @@ def add_dpp_args(parser: argparse.ArgumentParser) -> None:
                             "G the group size, default P), on every rank: the devices of a pipeline "
                             "have the same memory, so the later ranks' headroom is free and a "
                             "policy may run further ahead there; use it when the first rank's "
-                            "memory is what you provision anyway. Or a byte count such as "
+                            "memory is what you provision anyway. A multiple such as 1.25x: "
+                            "that many times 'provisioned' on every rank (at least 1x; for less "
+                            "memory than 1F1B's fullest rank give bytes). Or a byte count such as "
                             "2147483648 or 2GiB, on every rank. With --dpp-split-backward each "
                             "microbatch also counts what its W keeps from B to W.")
     group.add_argument("--dpp-timeout", type=float, default=DPPConfig.timeout_s,
@@ -135,7 +137,7 @@ def _validate_budget_minimum(args: argparse.Namespace, minimum: Optional[int]) -
             f"{minimum} bytes of --dpp-policy {args.dpp_policy} on these flags (one full-length "
             f"microbatch, --seq-length x --micro-batch-size, on each of the "
             f"{args.parallel.chunks_per_rank} model chunks of a rank{stash}); "
-            f"give at least {minimum}, 'auto' or 'provisioned'")
+            f"give at least {minimum}, 'auto', 'provisioned' or a multiple such as 1.25x")
 
 
 def _validate_placement(args: argparse.Namespace) -> None:

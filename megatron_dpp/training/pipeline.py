@@ -63,7 +63,7 @@ def _build_megatron_over_transport(args: argparse.Namespace, spec: ModelSpec,
         tracer = MegatronScheduleTracer(
             None if trace is None else trace.recorder,
             parallel_state.get_pipeline_model_parallel_rank(),
-            parallel_state.get_pipeline_model_parallel_world_size(), spec.microbatch_work,
+            parallel_state.get_pipeline_model_parallel_world_size(), spec.microbatch_tokens,
             policy_label(args), nvtx=args.nvtx)
     return MegatronOverTransport(get_forward_backward_func(), transport, args.p2p_timeout,
                                  trace=trace, tracer=tracer)
@@ -144,6 +144,12 @@ def _build_dpp(args: argparse.Namespace, spec: ModelSpec, run_directory: Optiona
 
         # The chunks' deferred layers store their weight-gradient work into this stash at B.
         split = {"stash": WeightGradStash(), "weight_grad_bytes_fn": megatron_weight_grad_bytes}
+    from megatron_dpp.models.flags import activation_config
+
+    # The policy's work per microbatch counts each document's attention at the model's shape;
+    # the budget counts the activation bytes of its tokens.
+    microbatch_work = spec.microbatch_work(activation_config(args))
     return make_forward_backward_dpp(
-        config, transport, spec.microbatch_work, spec.activation_bytes,
-        recorder=None if trace is None else trace.recorder, nvtx=args.nvtx, trace=trace, **split)
+        config, transport, microbatch_work, spec.activation_bytes,
+        recorder=None if trace is None else trace.recorder, nvtx=args.nvtx, trace=trace,
+        microbatch_tokens=spec.microbatch_tokens, **split)

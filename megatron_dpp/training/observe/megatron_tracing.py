@@ -23,8 +23,8 @@ How the schedule is hooked (no Megatron function is wrapped, patched or copied):
   schedule may take it in later.
 - Device time. On a GPU the recorder's DeviceClock (trace/device_clock.py) brackets each step's
   compute with CUDA events, so its span is device time, as for the DPP runtime's tasks.
-- Tokens. Each chunk's data iterator is wrapped to note the work (ModelSpec.microbatch_work) of each
-  item drawn: the forward of microbatch m on chunk c draws that chunk's m-th item. A stage whose
+- Tokens. Each chunk's data iterator is wrapped to note the tokens (ModelSpec.microbatch_tokens) of
+  each item drawn: the forward of microbatch m on chunk c draws that chunk's m-th item. A stage whose
   forward step reads no data records no tokens.
 """
 from __future__ import annotations
