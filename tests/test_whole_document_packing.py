@@ -231,6 +231,26 @@ def test_llama_trains_packed_dpp_equal_to_1f1b():
     assert runs["pp2_dpp"] == pytest.approx(runs["pp2"], rel=1e-5), runs
 
 
+@pytest.mark.timeout(600)
+def test_packed_and_masked_dpp_equals_1f1b_and_masking_changes_the_loss():
+    """Whole documents packed and masked apart (--dataloader-inter-document-masking uses the
+    packing's own boundaries): --use-dpp equals Megatron's 1F1B at pp=2; the masking changes what
+    is trained (attention no longer crosses the packed documents)."""
+    masked = ["--dataloader-inter-document-masking"]
+    runs = {}
+    for name, extra in (("pp2_masked", [*masked, "--p2p-transport", "torch"]),
+                        ("pp2_dpp_masked", [*masked, "--use-dpp"]),
+                        ("pp2_dpp", ["--use-dpp"])):
+        rc, losses, _norms, out = run_training(
+            [*TRAIN, "--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", *extra],
+            nproc=2, timeout=280)
+        assert rc == 0, out[-3000:]
+        assert len(losses) == 3, out[-3000:]
+        runs[name] = losses
+    assert runs["pp2_dpp_masked"] == pytest.approx(runs["pp2_masked"], rel=1e-5), runs
+    assert runs["pp2_dpp_masked"] != pytest.approx(runs["pp2_dpp"], rel=1e-4), runs
+
+
 @pytest.mark.parametrize("argv, model, message", [
     (["--variable-seq-lengths"], "gpt",
      "--use-sequence-packing packs several documents into each --seq-length sample, "

@@ -29,7 +29,11 @@ def positions_within_documents(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 def with_document_boundaries(sample: dict, eod: int) -> dict:
-    """A GPT sample with its "cu_seqlens" and position ids restarted per document."""
+    """A GPT sample with its "cu_seqlens" and position ids restarted per document. A sample that
+    knows its documents already (--use-sequence-packing's, whose padding is the EOD id too) keeps
+    its own boundaries."""
+    if "cu_seqlens" in sample:
+        return sample
     cu_seqlens = document_boundaries(sample["tokens"], eod)
     return {**sample, "cu_seqlens": cu_seqlens,
             "position_ids": positions_within_documents(cu_seqlens)}

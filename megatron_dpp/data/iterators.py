@@ -82,16 +82,20 @@ def collate_samples(samples: Sequence[Dict[str, Optional[torch.Tensor]]],
     BERT's samples (a "text" key, already padded to seq_length) go to collate_bert_samples, which
     cuts their padding with trim_padding (GPT's variable-length samples come unpadded).
 
-    Samples that carry their documents' boundaries ("cu_seqlens", data/documents.py) give the
-    batch "cu_seqlens", the boundaries of the rows laid end to end (int32; a row's padding is its
-    own last segment, its positions from 0), and "max_seqlen", the longest segment.
-    fold_documents (--dataloader-inter-document-masking): the micro-batch becomes that one row,
+    fold_documents (--dataloader-inter-document-masking): samples carry their documents'
+    boundaries ("cu_seqlens", data/documents.py); the batch gets "cu_seqlens", the boundaries of
+    the rows laid end to end (int32; a row's padding is its own last segment, its positions from
+    0), and "max_seqlen", the longest segment, and the micro-batch becomes that one row,
     [1, micro_batch * length], Megatron-Core's THD layout (one packed sequence per micro-batch).
+    Without it, boundaries a sample carries (--use-sequence-packing's) are dropped: attention
+    crosses the documents of a row, as Megatron's default.
     """
     if "text" in samples[0]:
         return collate_bert_samples(samples, trim_padding)
     longest = max(sample["tokens"].numel() for sample in samples)
-    has_boundaries = "cu_seqlens" in samples[0]
+    # Boundaries matter only where attention keeps to them: without the fold, attention spans
+    # each row (Megatron's default), and so does the work the runtime prices (models/gpt.py).
+    has_boundaries = fold_documents and "cu_seqlens" in samples[0]
     batch: Dict[str, Optional[torch.Tensor]] = {}
     for key in BATCH_KEYS:
         rows = []
@@ -117,7 +121,7 @@ def collate_samples(samples: Sequence[Dict[str, Optional[torch.Tensor]]],
         batch["cu_seqlens"] = cu_seqlens
         batch["max_seqlen"] = int(cu_seqlens.diff().max())
     if fold_documents:
-        if not has_boundaries:
+        if "cu_seqlens" not in samples[0]:
             raise ValueError("collate_samples: fold_documents needs samples with cu_seqlens")
         for key in BATCH_KEYS:
             batch[key] = batch[key].reshape(1, -1)
