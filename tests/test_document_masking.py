@@ -29,6 +29,7 @@ from _gpu import gpu_env
 from _one_rank import one_rank_megatron
 from _train_util import (PYTHON, REPO_ROOT, TINY_GPT_ARGS, assert_losses_close, data_args,
                          flag_error, run_training)
+from test_attention_kernels import _config as _attention_config
 from megatron_dpp.data.documents import (document_boundaries, positions_within_documents,
                                          with_document_boundaries)
 from megatron_dpp.data.iterators import collate_samples
@@ -36,7 +37,7 @@ from megatron_dpp.models.gpt import GPT_SPEC
 
 EOD = 127
 VOCAB = 128
-HEADS, HEAD_DIM = 4, 8
+HEADS, HEAD_DIM = 4, 8  # test_attention_kernels' _config's (its shapes)
 REL_TOL = 1e-5
 
 
@@ -101,15 +102,6 @@ def test_collate_without_the_flag_is_unchanged():
 # ----------------------------------------------------------------------------------------------
 # core attention
 # ----------------------------------------------------------------------------------------------
-def _attention_config(**overrides):
-    from megatron.core.transformer import TransformerConfig
-
-    settings = dict(num_layers=2, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
-                    use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                    bias_activation_fusion=False, bias_dropout_fusion=False,
-                    masked_softmax_fusion=False, gradient_accumulation_fusion=False)
-    settings.update(overrides)
-    return TransformerConfig(**settings)
 
 
 def _block_causal_allowed(cu: list[int]) -> torch.Tensor:
