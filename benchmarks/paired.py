@@ -24,6 +24,8 @@ SAMPLE = os.path.join(REPO, "data", "sample")
 PINNED_ENTRY = (os.path.join(REPO, "benchmarks", "pinned_rank.py"),)
 RECORDING_TIME_ENTRY = (os.path.join(REPO, "benchmarks", "recording_time_rank.py"),)
 ELAPSED_RE = re.compile(r" iteration\s+(\d+)/.*\| elapsed time per iteration \(ms\): ([0-9.]+)")
+# The loss's tokens per second of an iteration (training/loop.py): padding and masked tokens left out.
+TOKENS_RE = re.compile(r" iteration\s+(\d+)/.*\| tokens/s: ([0-9.]+)")
 
 
 def ensure_sample_data(timeout: float) -> None:
@@ -33,8 +35,10 @@ def ensure_sample_data(timeout: float) -> None:
                        stdout=subprocess.DEVNULL)
 
 
-def sample_data_args() -> List[str]:
-    return ["--data-path", os.path.join(SAMPLE, "sample_text_document"),
+def sample_data_args(data_prefix: Optional[str] = None) -> List[str]:
+    """The data flags of the sample corpus, or of another dataset made with its tokenizer
+    (`data_prefix`, e.g. long_tailed_corpus.py's)."""
+    return ["--data-path", data_prefix or os.path.join(SAMPLE, "sample_text_document"),
             "--vocab-file", os.path.join(SAMPLE, "vocab.json"),
             "--merge-file", os.path.join(SAMPLE, "merges.txt"), "--split", "98,2,0"]
 
@@ -72,6 +76,15 @@ def run_gpt_with_output(flags: Sequence[str], iterations: int, timeout: float, w
         raise RuntimeError(f"the {what} run: expected iterations 1..{iterations} in the log, got "
                            f"{sorted(times)}")
     return [times[i] for i in range(1, iterations + 1)], output
+
+
+def tokens_per_s(output: str, iterations: int) -> List[float]:
+    """The tokens/s of iterations 1..`iterations` in a run's log, in order."""
+    rates = {int(m.group(1)): float(m.group(2)) for m in TOKENS_RE.finditer(output)}
+    if sorted(rates) != list(range(1, iterations + 1)):
+        raise RuntimeError(f"expected tokens/s of iterations 1..{iterations} in the log, got "
+                           f"{sorted(rates)}")
+    return [rates[i] for i in range(1, iterations + 1)]
 
 
 def median_interval(values: List[float], z: float = 1.96) -> tuple:

@@ -1,11 +1,17 @@
-"""The real GPT at pp=2, over variable-length samples (--data varlen) or Megatron's packed
-windows (--data packed): Megatron-Core's 1F1B against the DPP runtime's policies, paired batch by
-batch.
+"""The real GPT at pp=2: Megatron-Core's 1F1B against the DPP runtime's policies, paired batch by
+batch, on one corpus (--corpus: the sample corpus, or long-tailed, a synthetic corpus of lognormal
+document lengths, benchmarks/long_tailed_corpus.py) laid out as --data says: variable-length
+samples, one document each (varlen, --variable-seq-lengths); Megatron's packed windows (packed,
+attention crosses documents); the same windows with per-document attention (masked,
+--dataloader-inter-document-masking); or whole documents packed without a cut, per-document
+attention (whole-masked, + --use-sequence-packing).
 
 Variants: Megatron's 1F1B (the reference, over the same shm_tensor transport), 1f1b-sorted and
 dpp:adaptive (the runtime with fused backwards) and dpp:adaptive+W (the same with
 --dpp-split-backward); on the v placement (--dpp-stage-placement v, two chunks a rank, ending in
-/v) zb-v (ZB-V's order) and dpp:adaptive, fused and split. Every rank runs on a core of its own
+/v) zb-v (ZB-V's order) and dpp:adaptive, fused and split; and the same documents unpacked (one a
+microbatch, ending in /unpacked: Megatron's 1F1B, dpp:adaptive fused and split), to set what packing
+gains beside what the schedules gain (tokens/s; part 2 only). Every rank runs on a core of its own
 (benchmarks/pinned_rank.py; OMP_NUM_THREADS=1). Two parts:
 
 1. One process per rank (benchmarks/schedules_in_one_process.py): every variant's forward-backward
@@ -22,7 +28,8 @@ dpp:adaptive (the runtime with fused backwards) and dpp:adaptive+W (the same wit
    order rotating; each run's time / the reference's for the same round and iteration (pairs of
    separate runs are only as close as the machine's speed from one run to the next, see
    docs/tracing.md, Overhead). Every run is traced (--trace costs under 1%, docs/tracing.md), and
-   from the traces it also reports per variant: the median forward time per rank (the default model is
+   every run's tokens/s (the tokens its loss counts: padding excluded, as the log's tokens/s) gives the tokens/s
+ratio to the reference per round; from the traces it also reports per variant: the median forward time per rank (the default model is
 sized so that a microbatch's forward takes about 20 ms or more on one core: the benchmark then
 measures schedules, not Python overhead), the runtime's per-task overhead (the time in the
 pipeline's window that is neither compute nor a wait for a reason outside the runtime: the
@@ -46,8 +53,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from long_tailed_corpus import write_corpus
 from paired import (PINNED_ENTRY, REPO, describe, ensure_sample_data, median_interval, paired_ratios,
-                    run_gpt, run_gpt_with_output, sample_data_args)
+                    run_gpt_with_output, sample_data_args, tokens_per_s)
 from schedules_in_one_process import RESULT_PREFIX
 
 sys.path.insert(0, REPO)  # trace_analysis/ (megatron_dpp is installed)
@@ -73,7 +81,26 @@ VARIANTS: Dict[str, List[str]] = {
     "zb-v+W/v": [*V_PLACEMENT, "--dpp-policy", "zb-v", "--dpp-split-backward"],
     "dpp:adaptive/v": [*V_PLACEMENT, "--dpp-policy", "dpp:adaptive"],
     "dpp:adaptive+W/v": [*V_PLACEMENT, "--dpp-policy", "dpp:adaptive", "--dpp-split-backward"],
+    # The same documents unpacked, one a microbatch (--variable-seq-lengths), whatever --data is:
+    # what packing itself gains, beside the schedules (tokens/s).
+    "megatron-1f1b/unpacked": [],
+    "dpp:adaptive/unpacked": ["--use-dpp", "--dpp-policy", "dpp:adaptive"],
+    "dpp:adaptive+W/unpacked": ["--use-dpp", "--dpp-policy", "dpp:adaptive", "--dpp-split-backward"],
 }
+UNPACKED_SUFFIX = "/unpacked"
+# --data: how documents become samples. Megatron's windows cut documents at window boundaries;
+# whole-document packing (--use-sequence-packing) keeps each whole and pads the window.
+DATA_FLAGS: Dict[str, List[str]] = {
+    "varlen": ["--variable-seq-lengths"],
+    "packed": [],
+    "masked": ["--dataloader-inter-document-masking"],
+    "whole-masked": ["--use-sequence-packing", "--dataloader-inter-document-masking"],
+}
+DATA_WORDS = {"varlen": "variable lengths", "packed": "packed windows",
+              "masked": "packed windows, per-document attention",
+              "whole-masked": "whole documents packed, per-document attention"}
+CORPORA = ("sample", "long-tailed")
+LONG_TAILED = dict(documents=4000, mean=512.0, cv=1.5, longest=8192, seed=1234)  # long_tailed_corpus.py's defaults
 DEFAULT_VARIANTS = [REFERENCE, "1f1b-sorted", "dpp:adaptive", "dpp:adaptive+W", "zb-v+W/v",
                     "dpp:adaptive+W/v"]
 # Part 1 shares one model between its variants: those that build other chunks run in part 2 only.
@@ -81,7 +108,10 @@ OTHER_CHUNKS_FLAG = "--num-virtual-stages-per-pipeline-rank"
 
 
 def one_process_variants(variants: List[str]) -> List[str]:
-    return [name for name in variants if OTHER_CHUNKS_FLAG not in VARIANTS[name]]
+    """Those that share part 1's model and batches: not the v ones (other chunks), not the
+    unpacked ones (other batches)."""
+    return [name for name in variants
+            if OTHER_CHUNKS_FLAG not in VARIANTS[name] and not name.endswith(UNPACKED_SUFFIX)]
 
 
 ONE_PROCESS_ENTRY = (os.path.join(REPO, "benchmarks", "schedules_in_one_process.py"),)
@@ -90,10 +120,12 @@ SORTED = "1f1b-sorted"
 
 
 def gpt_flags(args: argparse.Namespace, trace_dir: Optional[str] = None,
-              train_iters: Optional[int] = None) -> List[str]:
-    """pretrain_gpt's flags; traced into `trace_dir` if given; --train-iters: `train_iters`, else
-    --iters (it also sizes the data loader: one batch per iteration)."""
-    return [*sample_data_args(),
+              train_iters: Optional[int] = None, variant: Optional[str] = None) -> List[str]:
+    """pretrain_gpt's flags for `variant` (its data: --data's, or unpacked for the /unpacked
+    ones); traced into `trace_dir` if given; --train-iters: `train_iters`, else --iters (it also
+    sizes the data loader: one batch per iteration)."""
+    unpacked = variant is not None and variant.endswith(UNPACKED_SUFFIX)
+    return [*sample_data_args(args.data_prefix),
             "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
             "--num-attention-heads", str(args.attention_heads),
             "--ffn-hidden-size", str(4 * args.hidden_size),
@@ -102,8 +134,9 @@ def gpt_flags(args: argparse.Namespace, trace_dir: Optional[str] = None,
             "--train-iters", str(train_iters or args.iters), "--lr", "1e-3", "--hidden-dropout", "0",
             "--attention-dropout", "0", "--seed", "1234", "--log-interval", "1", "--eval-iters", "0",
             "--pipeline-model-parallel-size", "2",
-            *(["--variable-seq-lengths"] if args.data == "varlen" else []),
-            *(["--trace", "--trace-dir", trace_dir] if trace_dir else [])]
+            *DATA_FLAGS["varlen" if unpacked else args.data],
+            *(["--trace", "--trace-dir", trace_dir] if trace_dir else []),
+            *(VARIANTS[variant] if variant else [])]
 
 
 def ratio_summary(mine: List[float], theirs: List[float]) -> dict:
@@ -158,6 +191,24 @@ def summarize_one_process(result: dict, skip: int) -> dict:
     return summary
 
 
+def run_tokens_per_s(run_ms: List[float], run_rates: List[float], skip: int) -> float:
+    """A run's tokens/s over its iterations after the first `skip`: their tokens / their time."""
+    tokens = sum(ms * rate / 1000.0 for ms, rate in zip(run_ms[skip:], run_rates[skip:]))
+    return tokens / (sum(run_ms[skip:]) / 1000.0)
+
+
+def tokens_summary(times: List[List[float]], rates: List[List[float]], reference_times,
+                   reference_rates, skip: int) -> dict:
+    """Tokens/s (the loss's tokens: padding left out): the median over runs, and each round's
+    ratio to the reference's run of that round (runs of other data are paired by round, not by
+    iteration: their iterations hold other tokens)."""
+    mine = [run_tokens_per_s(t, r, skip) for t, r in zip(times, rates)]
+    theirs = [run_tokens_per_s(t, r, skip) for t, r in zip(reference_times, reference_rates)]
+    ratios = [a / b for a, b in zip(mine, theirs)]
+    return {"tokens_per_s": statistics.median(mine), "tokens_ratio": statistics.median(ratios),
+            "tokens_ratio_range": [min(ratios), max(ratios)], "tokens_ratios": ratios}
+
+
 def trace_stats(trace_dir: str, skip: int) -> dict:
     """From one run's traces, over its iterations after the first `skip`: the median forward per
     rank, the per-task overhead and measured time / critical path."""
@@ -184,10 +235,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
                         help=f"Variants to run (default {' '.join(DEFAULT_VARIANTS)}); {REFERENCE} "
                              f"(the reference) is always among them.")
-    parser.add_argument("--data", choices=("varlen", "packed"), default="varlen",
+    parser.add_argument("--data", choices=list(DATA_FLAGS), default="varlen",
                         help="varlen (default): one document per sample, up to --seq-length tokens "
                              "(--variable-seq-lengths); packed: Megatron's GPT dataset, windows of "
-                             "exactly --seq-length tokens.")
+                             "exactly --seq-length tokens, attention across documents; masked: the "
+                             "same windows with --dataloader-inter-document-masking (attention inside "
+                             "each document); whole-masked: --use-sequence-packing (whole documents, "
+                             "padded windows) with the masking. The /unpacked variants run varlen "
+                             "whatever this is.")
+    parser.add_argument("--corpus", choices=CORPORA, default="sample",
+                        help="sample (default): the sample corpus (short documents: median 51 "
+                             "tokens); long-tailed: benchmarks/long_tailed_corpus.py's (lognormal "
+                             "lengths, mean 512, cv 1.5, same tokenizer), made on first use.")
     parser.add_argument("--batches", type=int, default=30,
                         help="Part 1: batches every variant runs on, in one process (default 30).")
     parser.add_argument("--batch-skip", type=int, default=2,
@@ -232,6 +291,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if any(OTHER_CHUNKS_FLAG in VARIANTS[name] for name in args.variants) and args.num_layers % 4:
         parser.error("the /v variants split --num-layers over 4 stages (2 ranks x 2 chunks): give "
                      "a multiple of 4")
+    if args.data == "varlen" and any(name.endswith(UNPACKED_SUFFIX) for name in args.variants):
+        parser.error("the /unpacked variants are there to compare with packed data: give --data "
+                     "packed, masked or whole-masked")
     if args.num_layers % 2 or args.hidden_size % args.attention_heads:
         parser.error("--num-layers must be even (2 stages) and --hidden-size divisible by "
                      "--attention-heads")
@@ -241,12 +303,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     ensure_sample_data(args.timeout)
+    args.data_prefix = (write_corpus(os.path.join(REPO, "data", "long_tailed"), **LONG_TAILED)
+                        if args.corpus == "long-tailed" else None)
     times: Dict[str, List[List[float]]] = {name: [] for name in args.variants}
+    rates: Dict[str, List[List[float]]] = {name: [] for name in args.variants}
     stats: Dict[str, List[dict]] = {name: [] for name in args.variants}
     started = time.time()
-    lengths = "variable lengths" if args.data == "varlen" else "packed windows"
-    print(f"real GPT pp=2, {lengths} (hidden {args.hidden_size}, {args.num_layers} layers, "
-          f"{args.microbatches} microbatches of up to {args.seq_length} tokens), one core per rank")
+    print(f"real GPT pp=2, {DATA_WORDS[args.data]} of the {args.corpus} corpus (hidden "
+          f"{args.hidden_size}, {args.num_layers} layers, {args.microbatches} microbatches of up to "
+          f"{args.seq_length} tokens), one core per rank")
     one_process = run_one_process(args)
     one_summary = summarize_one_process(one_process, args.batch_skip)
     print(f"part 1, one process: every variant on the same {args.batches} batches (first "
@@ -271,8 +336,11 @@ def main(argv=None) -> int:
             order = args.variants[shift:] + args.variants[:shift]
             for name in order:
                 trace_dir = os.path.join(scratch, f"{name.replace(':', '-')}-round{round_index}")
-                times[name].append(run_gpt([*gpt_flags(args, trace_dir), *VARIANTS[name]], args.iters,
-                                           args.timeout, name, entry=PINNED_ENTRY))
+                run_times, output = run_gpt_with_output(gpt_flags(args, trace_dir, variant=name),
+                                                        args.iters, args.timeout, name,
+                                                        entry=PINNED_ENTRY)
+                times[name].append(run_times)
+                rates[name].append(tokens_per_s(output, args.iters))
                 stats[name].append(trace_stats(trace_dir, args.skip))
             print(f"round {round_index + 1}/{args.rounds} ({', '.join(order)}): median ms "
                   + ", ".join(f"{name} {statistics.median(times[name][-1][args.skip:]):.1f}"
@@ -294,25 +362,30 @@ def main(argv=None) -> int:
             "per_task_send_posting_ms": statistics.median(run["per_task_send_posting_ms"] for run in runs),
             "time_over_critical_path": statistics.median(run["time_over_critical_path"] for run in runs),
             "bubble": statistics.median(run["bubble"] for run in runs),
+            **tokens_summary(times[name], rates[name], times[REFERENCE], rates[REFERENCE], args.skip),
         }
         row = summary[name]
         print(f"  {name:14s} median {row['median_ms']:.1f} ms/iteration; forward (median) rank 0 "
               f"{row['forward_ms'][0]:.1f} ms, rank 1 {row['forward_ms'][1]:.1f} ms; per-task overhead "
               f"{row['per_task_overhead_ms']:.2f} ms (send posting {row['per_task_send_posting_ms']:.2f}); "
               f"time / critical path {row['time_over_critical_path']:.2f}; bubble {100 * row['bubble']:.1f}%")
-        if name != REFERENCE:
+        low, high = row["tokens_ratio_range"]
+        print(f"  {'':14s} {row['tokens_per_s']:.1f} tokens/s; / {REFERENCE}'s: "
+              f"{row['tokens_ratio']:.3f} (rounds {low:.3f}-{high:.3f})")
+        if name != REFERENCE and not name.endswith(UNPACKED_SUFFIX):
             print(f"  {'':14s} / {REFERENCE}: {describe(row['ratio_to_reference'])}")
     print(f"({time.time() - started:.0f} s)")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         settings = {key: getattr(args, key) for key in
-                    ("variants", "data", "batches", "batch_skip", "rounds", "iters", "skip",
+                    ("variants", "data", "corpus", "batches", "batch_skip", "rounds", "iters", "skip",
                      "microbatches",
                      "seq_length", "hidden_size", "attention_heads", "num_layers", "quick")}
         with open(args.json, "w") as f:
             json.dump({"settings": settings, "reference": REFERENCE,
                        "one_process": {"summary": one_summary, **one_process},
-                       "summary": summary, "times_ms": times, "trace_stats": stats}, f, indent=1)
+                       "summary": summary, "times_ms": times, "tokens_per_s": rates,
+                       "trace_stats": stats}, f, indent=1)
     return 0
 
 

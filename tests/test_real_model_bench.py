@@ -8,6 +8,7 @@ The targets are the benchmark's to report, not a test's to assert (timings on sh
 noisy)."""
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -21,7 +22,12 @@ from _train_util import REPO_ROOT, _env, ensure_sample_data
 def test_quick_benchmark_writes_paired_ratios_and_trace_figures(tmp_path):
     ensure_sample_data()
     out = tmp_path / "real_model.json"
+    # Packed windows with per-document attention of the long-tailed corpus, and beside them the
+    # same documents unpacked (part 2 only: other batches).
+    variants = ["megatron-1f1b", "1f1b-sorted", "dpp:adaptive", "dpp:adaptive+W", "zb-v+W/v",
+                "dpp:adaptive+W/v", "dpp:adaptive+W/unpacked"]
     command = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "real_model_bench.py"), "--quick",
+               "--data", "masked", "--corpus", "long-tailed", "--variants", *variants,
                "--json", str(out), "--timeout", "240"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=580, env=_env(),
                             cwd=REPO_ROOT)
@@ -29,9 +35,9 @@ def test_quick_benchmark_writes_paired_ratios_and_trace_figures(tmp_path):
     report = json.loads(out.read_text())
     settings = report["settings"]
     assert settings["quick"] is True and report["reference"] == "megatron-1f1b"
-    assert settings["variants"] == ["megatron-1f1b", "1f1b-sorted", "dpp:adaptive", "dpp:adaptive+W",
-                                    "zb-v+W/v", "dpp:adaptive+W/v"]
-    # The v variants build two chunks a rank: part 2 (training runs) only.
+    assert (settings["variants"], settings["data"], settings["corpus"]) == (variants, "masked",
+                                                                           "long-tailed")
+    # The v variants build two chunks a rank, the unpacked one other batches: part 2 only.
     names = settings["variants"][:4]
     one = report["one_process"]
     assert sorted(one["times_ms"]) == sorted(names)
@@ -70,4 +76,40 @@ def test_quick_benchmark_writes_paired_ratios_and_trace_figures(tmp_path):
         assert row["time_over_critical_path"] >= 0.99, row
         assert 0 <= row["bubble"] < 1, row
         assert len(report["trace_stats"][name]) == rounds
+        # Tokens/s from each iteration's log line; the ratio is by round (other data, other tokens).
+        assert all(len(run) == iters and all(r > 0 for r in run) for run in report["tokens_per_s"][name])
+        assert row["tokens_per_s"] > 0 and len(row["tokens_ratios"]) == rounds
+        if name == "megatron-1f1b":
+            assert row["tokens_ratio"] == 1.0
+    # Packed windows hold more tokens than one document a microbatch.
+    per_iteration = {name: statistics.median(ms * rate / 1000.0 for run_ms, run_rates in
+                                             zip(report["times_ms"][name], report["tokens_per_s"][name])
+                                             for ms, rate in zip(run_ms, run_rates))
+                     for name in ("megatron-1f1b", "dpp:adaptive+W/unpacked")}
+    assert per_iteration["megatron-1f1b"] > per_iteration["dpp:adaptive+W/unpacked"], per_iteration
     assert "/ megatron-1f1b: median" in result.stdout
+
+
+def test_the_long_tailed_corpus_is_lognormal_documents_ending_in_eod(tmp_path):
+    """long_tailed_corpus.py: drawn lengths have the asked mean and spread, the dataset holds them
+    (+1 for the EOD token, the sample vocabulary's <|endoftext|>), and the same settings give the
+    same bytes."""
+    ensure_sample_data()
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    import numpy as np
+    from long_tailed_corpus import EOD_TOKEN, SAMPLE_VOCAB, lognormal_lengths, write_corpus
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    many = lognormal_lengths(200_000, mean=512, cv=1.5, longest=10**9, seed=1)
+    assert abs(many.mean() / 512 - 1) < 0.03 and abs(many.std() / many.mean() / 1.5 - 1) < 0.1
+    assert lognormal_lengths(50, 512, 1.5, 300, 7).max() == 300  # clipped
+    settings = dict(documents=40, mean=64.0, cv=1.5, longest=256, seed=3)
+    prefix = write_corpus(str(tmp_path / "a"), **settings)
+    dataset = IndexedDataset(prefix)
+    eod = json.load(open(SAMPLE_VOCAB))[EOD_TOKEN]
+    expected = lognormal_lengths(40, 64.0, 1.5, 256, 3) + 1
+    assert list(dataset.sequence_lengths) == list(expected)
+    assert all(dataset[i][-1] == eod and eod not in dataset[i][:-1] for i in range(len(dataset)))
+    again = write_corpus(str(tmp_path / "b"), **settings)
+    assert open(prefix + ".bin", "rb").read() == open(again + ".bin", "rb").read()
+    assert np.unique(np.concatenate([dataset[i] for i in range(len(dataset))])).size > 100  # real text
