@@ -13,7 +13,6 @@ excerpt), or with --json one JSON object: {"rows": [...], "max_relative_error": 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path

@@ -11,7 +11,9 @@ dpp:adaptive (the runtime with fused backwards) and dpp:adaptive+W (the same wit
 --dpp-split-backward); on the v placement (--dpp-stage-placement v, two chunks a rank, ending in
 /v) zb-v (ZB-V's order) and dpp:adaptive, fused and split; and the same documents unpacked (one a
 microbatch, ending in /unpacked: Megatron's 1F1B, dpp:adaptive fused and split), to set what packing
-gains beside what the schedules gain (tokens/s; part 2 only). Every rank runs on a core of its own
+gains beside what the schedules gain (tokens/s; part 2 only); with --data masked, Megatron's 1F1B
+on the same windows with attention across documents (megatron-1f1b/unmasked): what the masking
+gains. Every rank runs on a core of its own
 (benchmarks/pinned_rank.py; OMP_NUM_THREADS=1). Two parts:
 
 1. One process per rank (benchmarks/schedules_in_one_process.py): every variant's forward-backward
@@ -86,8 +88,14 @@ VARIANTS: Dict[str, List[str]] = {
     "megatron-1f1b/unpacked": [],
     "dpp:adaptive/unpacked": ["--use-dpp", "--dpp-policy", "dpp:adaptive"],
     "dpp:adaptive+W/unpacked": ["--use-dpp", "--dpp-policy", "dpp:adaptive", "--dpp-split-backward"],
+    # The same windows with attention across documents (--data masked only): what the masking
+    # itself gains.
+    "megatron-1f1b/unmasked": [],
 }
 UNPACKED_SUFFIX = "/unpacked"
+UNMASKED_SUFFIX = "/unmasked"
+# A variant ending in one of these runs this --data whatever --data is.
+SUFFIX_DATA = {UNPACKED_SUFFIX: "varlen", UNMASKED_SUFFIX: "packed"}
 # --data: how documents become samples. Megatron's windows cut documents at window boundaries;
 # whole-document packing (--use-sequence-packing) keeps each whole and pads the window.
 DATA_FLAGS: Dict[str, List[str]] = {
@@ -109,9 +117,14 @@ OTHER_CHUNKS_FLAG = "--num-virtual-stages-per-pipeline-rank"
 
 def one_process_variants(variants: List[str]) -> List[str]:
     """Those that share part 1's model and batches: not the v ones (other chunks), not the
-    unpacked ones (other batches)."""
+    unpacked or unmasked ones (other batches)."""
     return [name for name in variants
-            if OTHER_CHUNKS_FLAG not in VARIANTS[name] and not name.endswith(UNPACKED_SUFFIX)]
+            if OTHER_CHUNKS_FLAG not in VARIANTS[name] and variant_data(name) is None]
+
+
+def variant_data(name: str) -> Optional[str]:
+    """The --data a variant runs whatever --data is (its suffix's), or None."""
+    return next((data for suffix, data in SUFFIX_DATA.items() if name.endswith(suffix)), None)
 
 
 ONE_PROCESS_ENTRY = (os.path.join(REPO, "benchmarks", "schedules_in_one_process.py"),)
@@ -121,10 +134,11 @@ SORTED = "1f1b-sorted"
 
 def gpt_flags(args: argparse.Namespace, trace_dir: Optional[str] = None,
               train_iters: Optional[int] = None, variant: Optional[str] = None) -> List[str]:
-    """pretrain_gpt's flags for `variant` (its data: --data's, or unpacked for the /unpacked
-    ones); traced into `trace_dir` if given; --train-iters: `train_iters`, else --iters (it also
+    """pretrain_gpt's flags for `variant` (its data: --data's, or its suffix's: unpacked for the
+    /unpacked ones, attention across documents for the /unmasked ones); traced into `trace_dir`
+    if given; --train-iters: `train_iters`, else --iters (it also
     sizes the data loader: one batch per iteration)."""
-    unpacked = variant is not None and variant.endswith(UNPACKED_SUFFIX)
+    data = (variant_data(variant) if variant else None) or args.data
     return [*sample_data_args(args.data_prefix),
             "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
             "--num-attention-heads", str(args.attention_heads),
@@ -134,7 +148,7 @@ def gpt_flags(args: argparse.Namespace, trace_dir: Optional[str] = None,
             "--train-iters", str(train_iters or args.iters), "--lr", "1e-3", "--hidden-dropout", "0",
             "--attention-dropout", "0", "--seed", "1234", "--log-interval", "1", "--eval-iters", "0",
             "--pipeline-model-parallel-size", "2",
-            *DATA_FLAGS["varlen" if unpacked else args.data],
+            *DATA_FLAGS[data],
             *(["--trace", "--trace-dir", trace_dir] if trace_dir else []),
             *(VARIANTS[variant] if variant else [])]
 
@@ -241,7 +255,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "exactly --seq-length tokens, attention across documents; masked: the "
                              "same windows with --dataloader-inter-document-masking (attention inside "
                              "each document); whole-masked: --use-sequence-packing (whole documents, "
-                             "padded windows) with the masking. The /unpacked variants run varlen "
+                             "padded windows) with the masking. The /unpacked variants run varlen, "
+                             "the /unmasked one packed, "
                              "whatever this is.")
     parser.add_argument("--corpus", choices=CORPORA, default="sample",
                         help="sample (default): the sample corpus (short documents: median 51 "
@@ -294,6 +309,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.data == "varlen" and any(name.endswith(UNPACKED_SUFFIX) for name in args.variants):
         parser.error("the /unpacked variants are there to compare with packed data: give --data "
                      "packed, masked or whole-masked")
+    if args.data != "masked" and any(name.endswith(UNMASKED_SUFFIX) for name in args.variants):
+        parser.error("the /unmasked variants are --data masked's windows without the masking: "
+                     "give --data masked")
     if args.num_layers % 2 or args.hidden_size % args.attention_heads:
         parser.error("--num-layers must be even (2 stages) and --hidden-size divisible by "
                      "--attention-heads")

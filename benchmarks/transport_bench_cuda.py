@@ -35,7 +35,6 @@ import json
 import mmap
 import os
 import statistics
-import sys
 import time
 from typing import Optional
 

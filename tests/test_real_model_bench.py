@@ -25,7 +25,7 @@ def test_quick_benchmark_writes_paired_ratios_and_trace_figures(tmp_path):
     # Packed windows with per-document attention of the long-tailed corpus, and beside them the
     # same documents unpacked (part 2 only: other batches).
     variants = ["megatron-1f1b", "1f1b-sorted", "dpp:adaptive", "dpp:adaptive+W", "zb-v+W/v",
-                "dpp:adaptive+W/v", "dpp:adaptive+W/unpacked"]
+                "dpp:adaptive+W/v", "dpp:adaptive+W/unpacked", "megatron-1f1b/unmasked"]
     command = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "real_model_bench.py"), "--quick",
                "--data", "masked", "--corpus", "long-tailed", "--variants", *variants,
                "--json", str(out), "--timeout", "240"]
@@ -87,6 +87,13 @@ def test_quick_benchmark_writes_paired_ratios_and_trace_figures(tmp_path):
                                              for ms, rate in zip(run_ms, run_rates))
                      for name in ("megatron-1f1b", "dpp:adaptive+W/unpacked")}
     assert per_iteration["megatron-1f1b"] > per_iteration["dpp:adaptive+W/unpacked"], per_iteration
+    # The unmasked run trains on the same windows: the same tokens an iteration (the log's
+    # tokens/s has one decimal, the times are the same run's).
+    unmasked = statistics.median(ms * rate / 1000.0 for run_ms, run_rates in
+                                 zip(report["times_ms"]["megatron-1f1b/unmasked"],
+                                     report["tokens_per_s"]["megatron-1f1b/unmasked"])
+                                 for ms, rate in zip(run_ms, run_rates))
+    assert abs(unmasked / per_iteration["megatron-1f1b"] - 1) < 0.01, (unmasked, per_iteration)
     assert "/ megatron-1f1b: median" in result.stdout
 
 
@@ -113,3 +120,21 @@ def test_the_long_tailed_corpus_is_lognormal_documents_ending_in_eod(tmp_path):
     again = write_corpus(str(tmp_path / "b"), **settings)
     assert open(prefix + ".bin", "rb").read() == open(again + ".bin", "rb").read()
     assert np.unique(np.concatenate([dataset[i] for i in range(len(dataset))])).size > 100  # real text
+
+
+def test_suffixed_variants_run_their_own_data_whatever_data_is():
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    import real_model_bench as bench
+
+    args = bench.parse_args(["--data", "masked", "--variants", "megatron-1f1b",
+                             "megatron-1f1b/unmasked", "dpp:adaptive/unpacked"])
+    args.data_prefix = None
+    masking, varlen = "--dataloader-inter-document-masking", "--variable-seq-lengths"
+    assert masking in bench.gpt_flags(args, variant="megatron-1f1b")
+    unmasked = bench.gpt_flags(args, variant="megatron-1f1b/unmasked")
+    assert masking not in unmasked and varlen not in unmasked
+    unpacked = bench.gpt_flags(args, variant="dpp:adaptive/unpacked")
+    assert varlen in unpacked and masking not in unpacked and "--use-dpp" in unpacked
+    assert bench.one_process_variants(args.variants) == ["megatron-1f1b"]
+    with pytest.raises(SystemExit):  # /unmasked compares with masked windows only
+        bench.parse_args(["--data", "packed", "--variants", "megatron-1f1b/unmasked"])
