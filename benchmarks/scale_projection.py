@@ -38,8 +38,8 @@ DOCUMENT_CV), attention per document: the search's --packed-document-distributio
 (cost.py: each window's size is its forward, the linear part plus the attention of its documents'
 sum of s_i^2, over a full window's; act_bytes the window's). Their memory is the fullest rank's at
 the window; a layout over 80 GB is priced and its row says so (GB column "no", "fits_memory":
-false). Variable and packed distributions run --batches sampled batches (seeds 0..N-1); every
-schedule of one batch sees the same lengths; ratios are per batch, then averaged.
+false). Variable distributions run --batches sampled batches, packed ones --packed-batches (seeds
+0..N-1); every schedule of one batch sees the same lengths; ratios are per batch, then averaged.
 
 The pp=2 overlap: the same projection of the CPU model of benchmarks/real_model_bench.py (hidden
 768, 4 layers, 12 heads, FFN 3072, fp32, the sample tokenizer's vocabulary, samples of up to 512
@@ -450,7 +450,8 @@ def project_scale(args, distributions: dict) -> tuple[list[dict], list[dict], li
                         seq = SEQ_LENGTH
                         problem = cost.Problem(shape, microbatches, hardware, GPU_MEMORY_BYTES,
                                                lengths=distribution)
-                    seeds = [0] if distribution is None else list(range(args.batches))
+                    count = args.packed_batches if isinstance(distribution, PackedData) else args.batches
+                    seeds = [0] if distribution is None else list(range(count))
                     schedules = SCHEDULES + (V_SCHEDULES if vpp == 2 else ())
                     for row in price_group(problem, case.tp, pp, vpp, microbatches, RECOMPUTE, hops[seq],
                                            seeds, schedules):
@@ -536,6 +537,7 @@ def assumptions(args, distributions: dict, groups: list[dict], skipped: list[str
                          "microbatch's W stash too",
         "distributions": {name: line for name, (_d, line) in distributions.items()},
         "batches": args.batches,
+        "packed_batches": args.packed_batches,
         "groups": groups,
         "skipped": skipped,
         "memory_by_tp": tp_memory,
@@ -584,8 +586,9 @@ def format_assumptions(facts: dict) -> str:
              f"  messages between nodes: {facts['messages']['inter_node']}",
              f"  messages: {facts['messages']['rule']}", f"  memory budget: {facts['memory_budget']}"]
     lines += [f"  lengths {name}: {line}" for name, line in facts["distributions"].items()]
-    lines.append(f"  variable-length and packed groups: mean over {facts['batches']} sampled batches (seeds "
-                 f"0..{facts['batches'] - 1}); ratio range in parentheses")
+    lines.append(f"  variable-length groups: mean over {facts['batches']} sampled batches (seeds "
+                 f"0..{facts['batches'] - 1}), packed groups over {facts['packed_batches']} (seeds "
+                 f"0..{facts['packed_batches'] - 1}); ratio range in parentheses")
     lines += [f"  skipped: {line}" for line in facts["skipped"]]
     lines.append("  fullest rank's GB, Megatron 1F1B / dpp:adaptive+W, vpp 1, by TP (why each model's TP):")
     lines += [f"    {line}" for line in facts["memory_by_tp"]]
@@ -638,8 +641,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"8192 and 32768 tokens packed from {PACKED_SPEC} documents, attention "
                              "per document).")
     parser.add_argument("--batches", type=int, default=32,
-                        help="Sampled batches per variable-length or packed group, seeds 0..N-1 "
-                             "(default 32).")
+                        help="Sampled batches per variable-length group, seeds 0..N-1 (default 32).")
+    parser.add_argument("--packed-batches", type=int, default=8,
+                        help="Sampled batches per packed group, seeds 0..N-1 (default 8: each batch "
+                             "holds 4 x pp windows of many documents).")
     parser.add_argument("--microbatches-per-stage", type=int, default=4,
                         help="Microbatches per iteration = this x pp (default 4).")
     parser.add_argument("--ipc-latency-us", type=float, default=IPC_LATENCY_US,
@@ -660,19 +665,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-cpu-overlap", action="store_true", help="Leave out the pp=2 CPU overlap.")
     parser.add_argument("--quick", action="store_true",
                         help="For tests: 13B at pp 4 only (vpp 1 and 2), 2 batches per variable "
-                             "distribution, 4 CPU batches; seconds.")
+                             "or packed distribution, 4 CPU batches; seconds.")
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                         help="Write every figure as JSON to PATH; without PATH print the JSON on "
                              "stdout instead of the tables.")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.pp, args.batches, args.cpu_batches = ["13B"], [4], 2, 4
+        args.packed_batches = 2
     if args.ipc_64mib_us <= args.ipc_latency_us or args.ipc_latency_us < 0:
         parser.error("--ipc-64mib-us must exceed --ipc-latency-us >= 0")
     if not 0.0 < args.matmul_efficiency <= 1.0:
         parser.error("--matmul-efficiency must lie in (0, 1]")
-    if min(args.pp) < 2 or args.batches < 1 or args.cpu_batches < 1 or args.microbatches_per_stage < 1:
-        parser.error("--pp values >= 2, --batches, --cpu-batches, --microbatches-per-stage >= 1")
+    if (min(args.pp) < 2 or args.batches < 1 or args.packed_batches < 1 or args.cpu_batches < 1
+            or args.microbatches_per_stage < 1):
+        parser.error("--pp values >= 2, --batches, --packed-batches, --cpu-batches, "
+                     "--microbatches-per-stage >= 1")
     return args
 
 

@@ -174,7 +174,8 @@ def test_identical_inputs_give_identical_outputs(quick_output):
 def test_help_explains_every_flag():
     done = run_script("--help")
     assert done.returncode == 0
-    for flag in ("--models", "--pp", "--distributions", "--batches", "--microbatches-per-stage",
+    for flag in ("--models", "--pp", "--distributions", "--batches", "--packed-batches",
+                 "--microbatches-per-stage",
                  "--ipc-latency-us", "--ipc-64mib-us", "--matmul-efficiency", "--sample-data",
                  "--cpu-batches", "--no-cpu-overlap", "--quick", "--json"):
         assert flag in done.stdout
