@@ -84,9 +84,9 @@ def build_parser() -> OneLineErrorParser:
                             "file:PATH (whitespace-separated lengths measured on the data); lengths "
                             "are clipped to --seq-length.")
     model.add_argument(PACKED_FLAG, type=str, default=None, metavar="SPEC",
-                       help="Packed data with per-document attention (the trainer's "
-                            "--dataloader-inter-document-masking; Megatron-LM's search has no such "
-                            "flag): every microbatch is full --seq-length windows cut from a stream "
+                       help="Packed data with per-document attention, as the trainer runs it "
+                            "with --dataloader-inter-document-masking (this search's own flag; "
+                            "Megatron-LM has none for it): every microbatch is full --seq-length windows cut from a stream "
                             "of documents of this length distribution (the grammar of "
                             "--seq-length-distribution; a document runs on over window "
                             "boundaries), attention inside each document, so a window of long "
