@@ -46,7 +46,7 @@ The pp=2 overlap: the same projection of the CPU model of benchmarks/real_model_
 tokens, micro-batch 1, global batch 8), beside the ratios that benchmark measured (quoted from
 docs/results.md, "The real model").
 
-    python benchmarks/scale_projection.py                       # the full table, ~TIME s here
+    python benchmarks/scale_projection.py                       # the full table, ~95 s here (2 cores)
     python benchmarks/scale_projection.py --json runs/scale_projection.json
     python benchmarks/scale_projection.py --quick --json        # seconds; JSON on stdout
 """
