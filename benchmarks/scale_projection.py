@@ -31,15 +31,22 @@ between nodes the preset's InfiniBand figures.
 Length distributions: uniform (every sample full length), sample (the sample corpus's document
 lengths as the runtime cuts them at --seq-length 512, the pp=2 CPU benchmark's setting, scaled by
 seq/512: the same distribution relative to the longest sample), longtail (lognormal, mean 512,
-CV 1.0, clipped to 1..2048). Variable distributions run --batches sampled batches (seeds 0..N-1);
-every schedule of one batch sees the same lengths; ratios are per batch, then averaged.
+CV 1.0, clipped to 1..2048). Packed long context (issue 60): packed8k and packed32k, windows of
+8192 and 32768 tokens (the layout's --seq-length, messages and memory at that length) cut from one
+stream of lognormal documents, mean 2048, CV 1.5 (megatron_dpp/sim/workloads.py's DOCUMENT_MEAN,
+DOCUMENT_CV), attention per document: the search's --packed-document-distribution pricing
+(cost.py: each window's size is its forward, the linear part plus the attention of its documents'
+sum of s_i^2, over a full window's; act_bytes the window's). Their memory is the fullest rank's at
+the window; a layout over 80 GB is priced and its row says so (GB column "no", "fits_memory":
+false). Variable distributions run --batches sampled batches, packed ones --packed-batches (seeds
+0..N-1); every schedule of one batch sees the same lengths; ratios are per batch, then averaged.
 
 The pp=2 overlap: the same projection of the CPU model of benchmarks/real_model_bench.py (hidden
 768, 4 layers, 12 heads, FFN 3072, fp32, the sample tokenizer's vocabulary, samples of up to 512
 tokens, micro-batch 1, global batch 8), beside the ratios that benchmark measured (quoted from
 docs/results.md, "The real model").
 
-    python benchmarks/scale_projection.py                       # the full table, ~20 s here
+    python benchmarks/scale_projection.py                       # the full table, ~95 s here (2 cores)
     python benchmarks/scale_projection.py --json runs/scale_projection.json
     python benchmarks/scale_projection.py --quick --json        # seconds; JSON on stdout
 """
@@ -61,9 +68,10 @@ import numpy as np
 from megatron_dpp.pipeline.placement import INTERLEAVED, V_SHAPE
 from megatron_dpp.search import cost, memory_model
 from megatron_dpp.search.hardware import GB, H100_NODE, HardwareProfile, load_hardware
-from megatron_dpp.search.lengths import LengthDistribution, parse_distribution
+from megatron_dpp.search.lengths import LengthDistribution, microbatch_documents, parse_distribution
 from megatron_dpp.search.space import Layout, megatron_schedule
 from megatron_dpp.sim import CommModel
+from megatron_dpp.sim.workloads import DOCUMENT_CV, DOCUMENT_MEAN
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_PREFIX = os.path.join(REPO, "data", "sample", "sample_text_document")
@@ -102,8 +110,12 @@ MODELS = {
 }
 TP_CHOICES = (1, 2, 4, 8)  # tensor parallelism stays inside a node of 8
 PIPELINE_SIZES = (4, 8, 16)
-DISTRIBUTIONS = ("uniform", "sample", "longtail")
+DISTRIBUTIONS = ("uniform", "sample", "longtail", "packed8k", "packed32k")
 LONGTAIL_SPEC = "lognormal:512:1.0"
+# Packed long context: name -> window (the layout's --seq-length); documents lognormal with the
+# simulator's packed-workload defaults (sim/workloads.py), attention per document.
+PACKED_WINDOWS = {"packed8k": 8192, "packed32k": 32768}
+PACKED_SPEC = f"lognormal:{DOCUMENT_MEAN:g}:{DOCUMENT_CV:g}"
 SAMPLE_CUT = 512  # the pp=2 CPU benchmark's --seq-length (benchmarks/real_model_bench.py)
 
 # shm_tensor's CUDA IPC one-way times on one H100 (../shared/gpu/README.md): 260-356 us from 4 KiB
@@ -182,11 +194,27 @@ def sample_lengths(prefix: str, cut: int, seq_length: int) -> tuple[int, ...]:
     return tuple(int(round(t * seq_length / cut)) for t in tokens)
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedData:
+    """Full windows of `window` tokens packed from `documents`, attention per document."""
+
+    window: int
+    documents: LengthDistribution
+
+
 def make_distributions(names, sample_prefix: str, seq_length: int) -> dict:
-    """name -> (LengthDistribution or None for uniform, one line describing it)."""
+    """name -> (LengthDistribution, PackedData, or None for uniform; one line describing it)."""
     made = {}
     for name in names:
-        if name == "uniform":
+        if name in PACKED_WINDOWS:
+            window = PACKED_WINDOWS[name]
+            made[name] = (PackedData(window, parse_distribution(PACKED_SPEC)),
+                          f"windows of {window} tokens cut from one stream of {PACKED_SPEC} documents "
+                          f"(mean {DOCUMENT_MEAN:g}, CV {DOCUMENT_CV:g}: sim/workloads.py's "
+                          f"DOCUMENT_MEAN, DOCUMENT_CV), attention per document (the search's "
+                          f"--packed-document-distribution); --seq-length, messages and memory at "
+                          f"{window}")
+        elif name == "uniform":
             made[name] = (None, f"every sample {seq_length} tokens")
         elif name == "sample":
             ensure_sample_data(sample_prefix)
@@ -243,6 +271,11 @@ class ProjectionPricer(cost.Pricer):
     def embedding_sync_ms(self, layout: Layout) -> float:
         """The tied embedding's all-reduce after the pipeline, or 0 where it is left out."""
         return super().embedding_sync_ms(layout) if self.embedding_sync else 0.0
+
+    def documents(self, layout: Layout) -> list[tuple[int, ...]]:
+        """Packed data: each microbatch's document pieces, drawn with this seed."""
+        return microbatch_documents(self.problem.packed, layout.num_microbatches, layout.micro_batch_size,
+                                    self.problem.shape.seq_length, seed=self.batch_seed)
 
     def lengths(self, layout: Layout) -> list[int]:
         """Padded length of each microbatch: the longest of its samples, drawn with this seed."""
@@ -390,25 +423,40 @@ def project_scale(args, distributions: dict) -> tuple[list[dict], list[dict], li
                 continue
             gpus = pp * case.tp
             hardware = gpu_hardware(gpus, args.matmul_efficiency)
-            message = SEQ_LENGTH * case.hidden_size * 2  # micro-batch 1, bf16, per TP rank (no SP)
             microbatches = args.microbatches_per_stage * pp
             vpps = [1] + [v for v in [virtual_size(case.num_layers // pp)] if v]
+            # The sequence lengths of the groups: 2048 and each packed window asked for.
+            seqs = [SEQ_LENGTH] if any(d is None or isinstance(d, LengthDistribution)
+                                       for d, _line in distributions.values()) else []
+            seqs += [d.window for d, _line in distributions.values() if isinstance(d, PackedData)]
             for vpp in vpps:
-                hop = slowest_hop(message, pipeline_hops(pp, vpp, case.tp), ipc, network)
-                groups.append({"model": model_name, "pp": pp, "vpp": vpp, "tp": case.tp,
-                               "gpus": gpus, "microbatches": microbatches, "message_mb": message / MIB,
-                               "hop": hop, "task_times": task_times(
-                                   cost.Problem(shape, microbatches, hardware, GPU_MEMORY_BYTES),
-                                   case.tp, pp, RECOMPUTE)})
+                hops = {}
+                for seq in seqs:
+                    message = seq * case.hidden_size * 2  # micro-batch 1, bf16, per TP rank (no SP)
+                    hops[seq] = slowest_hop(message, pipeline_hops(pp, vpp, case.tp), ipc, network)
+                    at_seq = dataclasses.replace(shape, seq_length=seq, max_position_embeddings=seq)
+                    groups.append({"model": model_name, "pp": pp, "vpp": vpp, "tp": case.tp,
+                                   "seq_length": seq, "gpus": gpus, "microbatches": microbatches,
+                                   "message_mb": message / MIB, "hop": hops[seq], "task_times": task_times(
+                                       cost.Problem(at_seq, microbatches, hardware, GPU_MEMORY_BYTES),
+                                       case.tp, pp, RECOMPUTE)})
                 for dist_name, (distribution, _line) in distributions.items():
-                    problem = cost.Problem(shape, microbatches, hardware, GPU_MEMORY_BYTES,
-                                           lengths=distribution)
-                    seeds = [0] if distribution is None else list(range(args.batches))
+                    if isinstance(distribution, PackedData):
+                        seq = distribution.window
+                        at_seq = dataclasses.replace(shape, seq_length=seq, max_position_embeddings=seq)
+                        problem = cost.Problem(at_seq, microbatches, hardware, GPU_MEMORY_BYTES,
+                                               packed=distribution.documents)
+                    else:
+                        seq = SEQ_LENGTH
+                        problem = cost.Problem(shape, microbatches, hardware, GPU_MEMORY_BYTES,
+                                               lengths=distribution)
+                    count = args.packed_batches if isinstance(distribution, PackedData) else args.batches
+                    seeds = [0] if distribution is None else list(range(count))
                     schedules = SCHEDULES + (V_SCHEDULES if vpp == 2 else ())
-                    for row in price_group(problem, case.tp, pp, vpp, microbatches, RECOMPUTE, hop,
+                    for row in price_group(problem, case.tp, pp, vpp, microbatches, RECOMPUTE, hops[seq],
                                            seeds, schedules):
                         rows.append({"model": model_name, "pp": pp, "vpp": vpp, "tp": case.tp,
-                                     "distribution": dist_name, **row})
+                                     "distribution": dist_name, "seq_length": seq, **row})
                     print(f"  priced {model_name} pp {pp} vpp {vpp} {dist_name}", file=sys.stderr)
     return rows, groups, skipped, tp_memory
 
@@ -489,6 +537,7 @@ def assumptions(args, distributions: dict, groups: list[dict], skipped: list[str
                          "microbatch's W stash too",
         "distributions": {name: line for name, (_d, line) in distributions.items()},
         "batches": args.batches,
+        "packed_batches": args.packed_batches,
         "groups": groups,
         "skipped": skipped,
         "memory_by_tp": tp_memory,
@@ -538,15 +587,18 @@ def format_assumptions(facts: dict) -> str:
              f"  messages: {facts['messages']['rule']}", f"  memory budget: {facts['memory_budget']}"]
     lines += [f"  lengths {name}: {line}" for name, line in facts["distributions"].items()]
     lines.append(f"  variable-length groups: mean over {facts['batches']} sampled batches (seeds "
-                 f"0..{facts['batches'] - 1}); ratio range in parentheses")
+                 f"0..{facts['batches'] - 1}), packed groups over {facts['packed_batches']} (seeds "
+                 f"0..{facts['packed_batches'] - 1}); ratio range in parentheses")
     lines += [f"  skipped: {line}" for line in facts["skipped"]]
     lines.append("  fullest rank's GB, Megatron 1F1B / dpp:adaptive+W, vpp 1, by TP (why each model's TP):")
     lines += [f"    {line}" for line in facts["memory_by_tp"]]
-    lines.append("  per group (full length, micro-batch 1): layer F / B / W ms, stage F / B ms, last "
+    lines.append("  per group and sequence length (full length, micro-batch 1): layer F / B / W ms, "
+                 "stage F / B ms, last "
                  "stage's output layer F+B ms, layer activations MB (+W stash MB), message MB, hop")
     for g in facts["groups"]:
         t, hop = g["task_times"], g["hop"]
-        lines.append(f"    {g['model']} TP {g['tp']} pp {g['pp']} vpp {g['vpp']} ({g['gpus']} GPUs, "
+        lines.append(f"    {g['model']} TP {g['tp']} pp {g['pp']} vpp {g['vpp']} seq {g['seq_length']} "
+                     f"({g['gpus']} GPUs, "
                      f"M {g['microbatches']}): {t['layer_forward_ms']:.3f} / {t['layer_backward_ms']:.3f} / "
                      f"{t['layer_weight_grad_ms']:.3f}, {t['stage_forward_ms']:.2f} / "
                      f"{t['stage_backward_ms']:.2f}, {t['last_stage_output_layer_ms']:.2f}, "
@@ -585,9 +637,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS),
                         help="Length distributions (default all): uniform (full length), sample (the "
                              "sample corpus's, cut at 512 and scaled to 2048), longtail "
-                             f"({LONGTAIL_SPEC}, clipped at 2048).")
+                             f"({LONGTAIL_SPEC}, clipped at 2048), packed8k and packed32k (windows of "
+                             f"8192 and 32768 tokens packed from {PACKED_SPEC} documents, attention "
+                             "per document).")
     parser.add_argument("--batches", type=int, default=32,
                         help="Sampled batches per variable-length group, seeds 0..N-1 (default 32).")
+    parser.add_argument("--packed-batches", type=int, default=8,
+                        help="Sampled batches per packed group, seeds 0..N-1 (default 8: each batch "
+                             "holds 4 x pp windows of many documents).")
     parser.add_argument("--microbatches-per-stage", type=int, default=4,
                         help="Microbatches per iteration = this x pp (default 4).")
     parser.add_argument("--ipc-latency-us", type=float, default=IPC_LATENCY_US,
@@ -608,19 +665,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-cpu-overlap", action="store_true", help="Leave out the pp=2 CPU overlap.")
     parser.add_argument("--quick", action="store_true",
                         help="For tests: 13B at pp 4 only (vpp 1 and 2), 2 batches per variable "
-                             "distribution, 4 CPU batches; seconds.")
+                             "or packed distribution, 4 CPU batches; seconds.")
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                         help="Write every figure as JSON to PATH; without PATH print the JSON on "
                              "stdout instead of the tables.")
     args = parser.parse_args(argv)
     if args.quick:
         args.models, args.pp, args.batches, args.cpu_batches = ["13B"], [4], 2, 4
+        args.packed_batches = 2
     if args.ipc_64mib_us <= args.ipc_latency_us or args.ipc_latency_us < 0:
         parser.error("--ipc-64mib-us must exceed --ipc-latency-us >= 0")
     if not 0.0 < args.matmul_efficiency <= 1.0:
         parser.error("--matmul-efficiency must lie in (0, 1]")
-    if min(args.pp) < 2 or args.batches < 1 or args.cpu_batches < 1 or args.microbatches_per_stage < 1:
-        parser.error("--pp values >= 2, --batches, --cpu-batches, --microbatches-per-stage >= 1")
+    if (min(args.pp) < 2 or args.batches < 1 or args.packed_batches < 1 or args.cpu_batches < 1
+            or args.microbatches_per_stage < 1):
+        parser.error("--pp values >= 2, --batches, --packed-batches, --cpu-batches, "
+                     "--microbatches-per-stage >= 1")
     return args
 
 

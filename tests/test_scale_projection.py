@@ -9,7 +9,9 @@ The bounds, and why they hold:
 - no schedule beats the simulator's pipeline bound, and no dynamic policy exceeds its budget;
 - on the v placement (groups of two chunks a rank) the same holds against ZB-V's order: at equal
   lengths dpp:adaptive/v runs it (its spine), and zb-v, a static order, keeps to the budget sized
-  by itself.
+  by itself;
+- packed windows (packed8k, packed32k) hold their window's tokens whatever their documents: the
+  memory of a layout grows with the window, and a layout over 80 GB is priced and says so.
 """
 import json
 import os
@@ -22,6 +24,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "benchmarks", "scale_projection.py")
 SCHEDULES = ("megatron", "dpp:adaptive", "dpp:adaptive+W")
 V_SCHEDULES = ("zb-v", "zb-v+W", "dpp:adaptive/v", "dpp:adaptive+W/v")
+DISTRIBUTIONS = ("uniform", "sample", "longtail", "packed8k", "packed32k")
+PACKED = {"packed8k": 8192, "packed32k": 32768}
 EPSILON = 1e-9
 
 
@@ -52,8 +56,8 @@ def groups(rows: list[dict]) -> dict:
 
 def test_every_group_has_every_schedule(result):
     keyed = groups(result["rows"])
-    # --quick: 13B at pp 4, vpp 1 and 2, three distributions.
-    expected = {(vpp, name) for vpp in (1, 2) for name in ("uniform", "sample", "longtail")}
+    # --quick: 13B at pp 4, vpp 1 and 2, every distribution.
+    expected = {(vpp, name) for vpp in (1, 2) for name in DISTRIBUTIONS}
     assert {(key[2], key[3]) for key in keyed} == expected
     for key, group in keyed.items():
         assert tuple(group) == SCHEDULES + (V_SCHEDULES if key[2] == 2 else ())
@@ -61,16 +65,18 @@ def test_every_group_has_every_schedule(result):
 
 
 def test_v_rows_are_priced_within_their_memory(result):
-    """Groups of two chunks a rank carry the v rows, on the v placement, each within 80 GB and
-    within its own budget on every rank (zb-v too: the 'auto' budget of the v is its order's)."""
+    """Groups of two chunks a rank carry the v rows, on the v placement, each within 80 GB (at
+    2048 tokens) and within its own budget on every rank (zb-v too: the 'auto' budget of the v is
+    its order's)."""
     facts = result["assumptions"]
-    v_groups = [group for key, group in groups(result["rows"]).items() if key[2] == 2]
-    assert len(v_groups) == 3  # --quick: 13B pp 4, three distributions
-    for group in v_groups:
+    v_groups = {key: group for key, group in groups(result["rows"]).items() if key[2] == 2}
+    assert len(v_groups) == len(DISTRIBUTIONS)  # --quick: 13B pp 4, every distribution
+    for key, group in v_groups.items():
         for name in V_SCHEDULES:
             row = group[name]
             assert row["placement"] == "v" and row["layout"].endswith("/v"), row
-            assert row["fits_memory"] and row["memory_gb"] <= facts["gpu_memory_gb"], row
+            if key[3] not in PACKED:
+                assert row["fits_memory"] and row["memory_gb"] <= facts["gpu_memory_gb"], row
             assert row["peak_over_budget"] <= 1.0 + EPSILON, row
             assert len(row["budget_by_rank_gb"]) == row["pp"] and min(row["budget_by_rank_gb"]) > 0
         for name in SCHEDULES:
@@ -115,7 +121,8 @@ def test_assumptions_are_stated(result):
     on_node = facts["messages"]["on_node"]
     assert "CUDA IPC" in on_node and "../shared/gpu/README.md" in on_node
     assert "InfiniBand" in facts["messages"]["inter_node"]
-    assert set(facts["distributions"]) == {"uniform", "sample", "longtail"}
+    assert set(facts["distributions"]) == set(DISTRIBUTIONS)
+    assert "lognormal:2048:1.5" in facts["distributions"]["packed32k"]
     assert facts["memory_budget"].startswith("'auto'")
     assert facts["memory_by_tp"]
     for group in facts["groups"]:
@@ -123,6 +130,29 @@ def test_assumptions_are_stated(result):
         assert 0 < times["layer_weight_grad_ms"] < times["layer_backward_ms"]
         assert times["layer_forward_ms"] > 0 and group["hop"]["ms"] > 0
     assert result["command"].startswith("python benchmarks/scale_projection.py")
+
+
+def test_packed_rows_are_priced_at_their_window(result):
+    """Packed rows run at their window: memory grows with it; 13B at 32768 tokens does not fit
+    80 GB, and its rows are there and say so (the table's GB column too)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import scale_projection
+
+    keyed = groups(result["rows"])
+    seqs = {group["seq_length"] for group in result["assumptions"]["groups"]}
+    assert seqs == {2048, *PACKED.values()}
+    for (model, pp, vpp, dist), group in keyed.items():
+        for row in group.values():
+            assert row["seq_length"] == PACKED.get(dist, 2048), row
+        if dist in PACKED:
+            smaller = keyed[(model, pp, vpp, "uniform" if dist == "packed8k" else "packed8k")]
+            for name, row in group.items():
+                assert row["memory_gb"] > smaller[name]["memory_gb"], (dist, name)
+                assert row["time_ms"] > smaller[name]["time_ms"], (dist, name)
+    over = [row for row in result["rows"] if row["distribution"] == "packed32k"]
+    assert over and not any(row["fits_memory"] for row in over)
+    table = scale_projection.format_rows(over)
+    assert table.count("(no) |") == len(over)
 
 
 def test_cpu_overlap_beside_its_measurement(result):
@@ -144,7 +174,8 @@ def test_identical_inputs_give_identical_outputs(quick_output):
 def test_help_explains_every_flag():
     done = run_script("--help")
     assert done.returncode == 0
-    for flag in ("--models", "--pp", "--distributions", "--batches", "--microbatches-per-stage",
+    for flag in ("--models", "--pp", "--distributions", "--batches", "--packed-batches",
+                 "--microbatches-per-stage",
                  "--ipc-latency-us", "--ipc-64mib-us", "--matmul-efficiency", "--sample-data",
                  "--cpu-batches", "--no-cpu-overlap", "--quick", "--json"):
         assert flag in done.stdout

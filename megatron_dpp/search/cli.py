@@ -26,7 +26,7 @@ from megatron_dpp.search.cost import LayoutCost, Pricer, Problem
 from megatron_dpp.search.engine import Progress, SearchResult, search, space_inputs
 from megatron_dpp.search.errors import SearchInputError
 from megatron_dpp.search.hardware import PRESETS, load_hardware, with_matmul_rates
-from megatron_dpp.search.lengths import parse_distribution
+from megatron_dpp.search.lengths import PACKED_FLAG, parse_distribution
 from megatron_dpp.search.model_profile import read_model_profile_dir
 from megatron_dpp.exit_codes import BAD_INPUT
 from megatron_dpp.models.families import (DEFAULT_MODEL, MODEL_FAMILIES, add_architecture_shape_args,
@@ -83,6 +83,15 @@ def build_parser() -> OneLineErrorParser:
                        help="With --variable-seq-lengths: uniform:MIN:MAX, lognormal:MEAN:CV or "
                             "file:PATH (whitespace-separated lengths measured on the data); lengths "
                             "are clipped to --seq-length.")
+    model.add_argument(PACKED_FLAG, type=str, default=None, metavar="SPEC",
+                       help="Packed data with per-document attention, as the trainer runs it "
+                            "with --dataloader-inter-document-masking (this search's own flag; "
+                            "Megatron-LM has none for it): every microbatch is full --seq-length windows cut from a stream "
+                            "of documents of this length distribution (the grammar of "
+                            "--seq-length-distribution; a document runs on over window "
+                            "boundaries), attention inside each document, so a window of long "
+                            "documents costs more than one of short ones. Not with "
+                            "--variable-seq-lengths; GPT and Llama.")
     cluster = parser.add_argument_group("cluster and search")
     cluster.add_argument("--num-nodes", type=int, required=True, help="Nodes of the job.")
     cluster.add_argument("--num-gpus-per-node", type=int, required=True,
@@ -155,6 +164,14 @@ def _check(args) -> None:
     if args.cpu and (args.bf16 or args.fp16):
         raise SearchInputError(f"--{'bf16' if args.bf16 else 'fp16'} with --cpu: the search prices "
                                f"CPU runs in fp32 only; drop one")
+    if args.packed_document_distribution is not None:
+        if args.variable_seq_lengths or args.seq_length_distribution is not None:
+            given = "--variable-seq-lengths" if args.variable_seq_lengths else "--seq-length-distribution"
+            raise SearchInputError(f"{PACKED_FLAG} and {given} exclude each other: packed microbatches "
+                                   f"are full --seq-length windows; give one")
+        if args.model == "bert":
+            raise SearchInputError(f"{PACKED_FLAG} with --model bert: BERT's samples are packed "
+                                   f"sentences without per-document attention (GPT and Llama only)")
     if args.variable_seq_lengths != (args.seq_length_distribution is not None):
         raise SearchInputError("--variable-seq-lengths and --seq-length-distribution go together: "
                                "give both or neither")
@@ -196,9 +213,18 @@ def load_problem(args) -> tuple[Problem, str, str]:
                                    f"layers, not --model {args.model}")
         source = profile.source
     lengths = parse_distribution(args.seq_length_distribution) if args.variable_seq_lengths else None
+    packed = (parse_distribution(args.packed_document_distribution, PACKED_FLAG)
+              if args.packed_document_distribution is not None else None)
     return Problem(shape=shape, global_batch_size=args.global_batch_size, hardware=hardware,
                    memory_budget_bytes=int(args.memory_budget_gb * GB), model_profile=profile,
-                   lengths=lengths, on_gpus=not args.cpu), source, rates
+                   lengths=lengths, packed=packed, on_gpus=not args.cpu), source, rates
+
+
+def packed_line(problem: Problem) -> str:
+    """What the report says of packed data (--packed-document-distribution)."""
+    return (f"packed documents: {problem.packed.spec}, in full windows of {problem.shape.seq_length} "
+            f"tokens, attention per document (--dataloader-inter-document-masking; one sampled "
+            f"batch per micro-batch size)")
 
 
 def format_table(result: SearchResult, num_layers: int) -> str:
@@ -289,6 +315,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(rates)
     if problem.lengths is not None:
         print(f"sequence lengths: {problem.lengths.spec} (one sampled batch per micro-batch size)")
+    if problem.packed is not None:
+        print(packed_line(problem))
     print(f"searched {result.layouts} layouts in {result.seconds:.2f} s: {result.dominated} dominated "
           f"(sequence parallelism off), {result.over_memory} over the memory budget, "
           f"{result.recompute_dominated} beaten by less recompute, {result.bound_pruned} pruned by the "
@@ -334,6 +362,8 @@ def _print_converted(args, problem: Problem, model_source: str, rates: str, cost
     print(f"hardware figures: {problem.hardware.source}")
     print(f"model figures: {model_source}")
     print(rates)
+    if problem.packed is not None:
+        print(packed_line(problem))
     fits = "fits" if cost.memory_bytes <= problem.memory_budget_bytes else "does NOT fit"
     print(f"converted from Galvatron's strategy {args.galvatron_config}: {cost.layout.describe()}; "
           f"{cost.time_ms:.1f} ms per iteration, {cost.memory_bytes / GB:.2f} GB per GPU ({fits} "

@@ -41,6 +41,15 @@ collective and message costs the hardware profile's latency (alpha) plus bytes /
 Variable sequence lengths: each microbatch is padded to its longest sequence (lengths.py); its
 size in the TaskGraph is its forward time over a full-length one's (the attention term makes it
 superlinear in the length) and its act_bytes are its own length's.
+Packed documents (--packed-document-distribution; lengths.microbatch_documents): every microbatch is
+micro-batch full windows of --seq-length tokens, attention per document
+(--dataloader-inter-document-masking), so its forward time is the full window's less the part of
+its attention the document boundaries cut off: the window's forward minus its attention compute
+(the part of the layer's FLOPs quadratic in the length, `LayerFigures.attention_ms`) times
+1 - sum of s_i^2 / (micro-batch x seq_length^2) over its document pieces s_i; its size in the
+TaskGraph is that over the full window's forward, and its act_bytes are the window's (a function of
+the tokens). The backward scales as its forward (pipeline/work.py's segments_work prices the
+runtime's microbatches the same way).
 
 Stage placement (space.Layout.placement; everything asks the layout's Placement): on the v
 (--dpp-stage-placement v) the TaskGraph carries it, so the simulator runs ZB-V's order (or
@@ -75,8 +84,9 @@ from megatron_dpp.models.families import MODEL_FAMILIES
 from megatron_dpp.pipeline import Phase, TaskGraph, megatron_inflight_forwards
 from megatron_dpp.pipeline.placement import INTERLEAVED
 from megatron_dpp.search import memory_model
+from megatron_dpp.search.errors import SearchInputError
 from megatron_dpp.search.hardware import HardwareProfile
-from megatron_dpp.search.lengths import LengthDistribution, microbatch_lengths
+from megatron_dpp.search.lengths import LengthDistribution, microbatch_documents, microbatch_lengths
 from megatron_dpp.search.model_profile import CHUNK_PARTS, MB, STAGE_EXTRA_PARTS, ModelProfile
 from megatron_dpp.search.space import Layout
 from megatron_dpp.sim import CommModel, DurationModel, SimResult, simulate
@@ -110,11 +120,24 @@ class Problem:
     memory_budget_bytes: int  # per GPU
     model_profile: Optional[ModelProfile] = None  # measured layer times; None: analytical
     lengths: Optional[LengthDistribution] = None  # --variable-seq-lengths; None: all seq_length
+    # --packed-document-distribution: full windows packed from these documents, attention per
+    # document; None: no packing (excludes `lengths`).
+    packed: Optional[LengthDistribution] = None
     on_gpus: bool = True  # False: the job runs on CPU processes (space.SpaceInputs.on_gpus)
+
+    def __post_init__(self):
+        if self.lengths is not None and self.packed is not None:
+            raise SearchInputError("variable sequence lengths and packed documents exclude each "
+                                   "other: a packed microbatch is full windows")
 
     @property
     def dtype_bytes(self) -> int:
         return memory_model.ELEMENT_BYTES[self.shape.dtype]
+
+    @property
+    def unequal_microbatches(self) -> bool:
+        """Do the microbatches of a batch differ in size (variable lengths or packed documents)?"""
+        return self.lengths is not None or self.packed is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +149,7 @@ class LayerFigures:
     weight_grad_ms: float  # the part of backward_ms that a split backward's W runs
     activation_bytes: int  # kept for the backward (memory_model.layer_activation_bytes)
     weight_grad_bytes: int  # kept from B to W with split backwards: the linears' output gradients
+    attention_ms: float = 0.0  # the part of forward_ms's compute quadratic in the length (core attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +188,7 @@ class Pricer:
         self._states: dict = {}
         self._counts: dict = {}
         self._lengths: dict = {}
+        self._documents: dict = {}
         self._durations: dict = {}
         self._syncs: dict = {}
         self._sims: dict = {}
@@ -202,7 +227,8 @@ class Pricer:
         else:
             forward = problem.hardware.matmul_ms(flops / tp, shape.dtype)
             backward = BACKWARD_FLOPS_RATIO * forward
-        recomputed = {"none": 0.0, "selective": attention_share * forward, "full": forward + tp_comm}
+        attention = attention_share * forward
+        recomputed = {"none": 0.0, "selective": attention, "full": forward + tp_comm}
         kept_for_w = micro_batch * length * (5 * shape.hidden_size + shape.ffn_hidden_size) // tp
         activation = self._profiled_activation(micro_batch, length, tp, sp, recompute)
         if activation is None:
@@ -213,6 +239,7 @@ class Pricer:
             weight_grad_ms=backward / 2.0,
             activation_bytes=activation,
             weight_grad_bytes=kept_for_w * problem.dtype_bytes,
+            attention_ms=attention,
         )
 
     def _measured_at_tp(self, tp: int, sp: bool, part: str, micro_batch: int,
@@ -400,6 +427,23 @@ class Pricer:
                                                     layout.micro_batch_size, self.problem.shape.seq_length)
         return self._lengths[key]
 
+    def documents(self, layout: Layout) -> list[tuple[int, ...]]:
+        """--packed-document-distribution: each microbatch's document pieces (its attention
+        segments; lengths.microbatch_documents, one seeded batch per micro-batch size and count)."""
+        key = (layout.num_microbatches, layout.micro_batch_size)
+        if key not in self._documents:
+            self._documents[key] = microbatch_documents(self.problem.packed, layout.num_microbatches,
+                                                        layout.micro_batch_size,
+                                                        self.problem.shape.seq_length)
+        return self._documents[key]
+
+    @staticmethod
+    def packed_size(full: LayerFigures, segments, micro_batch: int, window: int) -> float:
+        """A packed microbatch's forward over a full window's (module docstring): the window's
+        forward less the attention the document boundaries cut off."""
+        pairs = math.fsum(float(s) * s for s in segments) / (micro_batch * float(window) ** 2)
+        return 1.0 - full.attention_ms * (1.0 - pairs) / full.forward_ms
+
     def durations(self, layout: Layout) -> tuple[DurationModel, list[float]]:
         """The simulator's duration model (in ms) and the microbatch sizes (forward time of a
         microbatch / that of a full-length one)."""
@@ -426,10 +470,14 @@ class Pricer:
         speed = [layers / per_rank for layers in rank_layers]
         speed[first_rank] += first / layers_work
         speed[last_rank] += last / layers_work
-        size_of = {length: self.layer(layout.micro_batch_size, length, layout.tp, layout.sequence_parallel,
-                                      layout.recompute).forward_ms / full.forward_ms
-                   for length in set(self.lengths(layout))}
-        sizes = [size_of[length] for length in self.lengths(layout)]
+        if self.problem.packed is not None:
+            sizes = [self.packed_size(full, segments, layout.micro_batch_size, shape.seq_length)
+                     for segments in self.documents(layout)]
+        else:
+            size_of = {length: self.layer(layout.micro_batch_size, length, layout.tp,
+                                          layout.sequence_parallel, layout.recompute).forward_ms
+                       / full.forward_ms for length in set(self.lengths(layout))}
+            sizes = [size_of[length] for length in self.lengths(layout)]
         overhead = self.task_overhead_ms(layout.micro_batch_size, shape.seq_length, layout.tp,
                                          layout.sequence_parallel)
         model = DurationModel(
@@ -615,7 +663,7 @@ class Pricer:
         all M. Multiples of P (interleaved orders need them); uniform batches reach their steady
         state within a few P, variable ones need more microbatches to average their sizes."""
         P, M = layout.pp, layout.num_microbatches
-        periods, minimum = (SIM_VARIABLE_PERIODS, SIM_VARIABLE_MIN) if self.problem.lengths else (
+        periods, minimum = (SIM_VARIABLE_PERIODS, SIM_VARIABLE_MIN) if self.problem.unequal_microbatches else (
             SIM_UNIFORM_PERIODS, SIM_UNIFORM_MIN)
         long_count = max(periods * P, -(-minimum // P) * P)
         if not self.extrapolate or M <= long_count + P:

@@ -21,7 +21,9 @@ Format (version STRATEGY_VERSION), one JSON object:
   predicted         {"iteration_ms", "memory_bytes_per_rank" (fullest rank),
                      "activation_peak_bytes" (simulated), "bubble_fraction"}
   sources           {"hardware": HardwareProfile.source, "model": the layer figures' source,
-                     "seq_lengths": the --seq-length-distribution or null}
+                     "seq_lengths": the --seq-length-distribution or null, "packed_documents"
+                     (optional: the --packed-document-distribution, full windows with attention
+                     per document, or null)}
 
     python -m megatron_dpp.search.strategy FILE --print flags|nproc_per_node|num_nodes|model
 
@@ -59,6 +61,7 @@ _LAYOUT_KEYS = {"tensor_model_parallel_size": int, "pipeline_model_parallel_size
                 "recompute": str, "distributed_optimizer": bool, "sequence_parallel": bool}
 # Keys a strategy may leave out (written by later versions of the search), with their default.
 _OPTIONAL_LAYOUT_KEYS = {"decoder_last_pipeline_num_layers": (int, 0)}
+_OPTIONAL_SOURCES_KEYS = {"packed_documents": (str, type(None))}
 _SCHEDULE_KEYS = {"name": str, "use_dpp": bool, "split_backward": bool}
 _OPTIONAL_SCHEDULE_KEYS = {"placement": (str, INTERLEAVED)}
 _PREDICTED_KEYS = {"iteration_ms": (int, float), "memory_bytes_per_rank": int,
@@ -103,6 +106,8 @@ def megatron_flags(problem: "Problem", cost: "LayoutCost") -> list[str]:
         flags.append(f"--{shape.dtype}")
     if problem.lengths is not None:
         flags.append("--variable-seq-lengths")
+    if problem.packed is not None:
+        flags.append("--dataloader-inter-document-masking")  # cost.py prices attention per document
     if layout.use_dpp:
         flags += ["--use-dpp", "--dpp-policy", layout.schedule]
         if layout.placement != INTERLEAVED:
@@ -147,7 +152,8 @@ def build_strategy(problem: "Problem", cost: "LayoutCost", model_source: str) ->
                       "activation_peak_bytes": cost.activation_peak_bytes,
                       "bubble_fraction": round(cost.bubble_fraction, 4)},
         "sources": {"hardware": hardware.source, "model": model_source,
-                    "seq_lengths": problem.lengths.spec if problem.lengths is not None else None},
+                    "seq_lengths": problem.lengths.spec if problem.lengths is not None else None,
+                    "packed_documents": problem.packed.spec if problem.packed is not None else None},
     }
 
 
@@ -176,6 +182,9 @@ def validate_strategy(content: Any, where: str = "strategy") -> dict:
     layout = content["layout"]
     _check_keys(f"{where}: layout", layout,
                 {key: kind for key, (kind, _) in _OPTIONAL_LAYOUT_KEYS.items() if key in layout})
+    sources = content["sources"]
+    _check_keys(f"{where}: sources", sources,
+                {key: kind for key, kind in _OPTIONAL_SOURCES_KEYS.items() if key in sources})
     schedule = content["schedule"]
     _check_keys(f"{where}: schedule", schedule,
                 {key: kind for key, (kind, _) in _OPTIONAL_SCHEDULE_KEYS.items() if key in schedule})
