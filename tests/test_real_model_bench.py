@@ -81,12 +81,13 @@ def test_quick_benchmark_writes_paired_ratios_and_trace_figures(tmp_path):
         assert row["tokens_per_s"] > 0 and len(row["tokens_ratios"]) == rounds
         if name == "megatron-1f1b":
             assert row["tokens_ratio"] == 1.0
-    # Packed windows hold more tokens than one document a microbatch.
     per_iteration = {name: statistics.median(ms * rate / 1000.0 for run_ms, run_rates in
                                              zip(report["times_ms"][name], report["tokens_per_s"][name])
                                              for ms, rate in zip(run_ms, run_rates))
                      for name in ("megatron-1f1b", "dpp:adaptive+W/unpacked")}
-    assert per_iteration["megatron-1f1b"] > per_iteration["dpp:adaptive+W/unpacked"], per_iteration
+    # A window holds --seq-length tokens, an unpacked sample at most that (here, at 64 tokens, most
+    # documents are longer: about as many); the log's tokens/s has one decimal.
+    assert per_iteration["megatron-1f1b"] >= 0.999 * per_iteration["dpp:adaptive+W/unpacked"], per_iteration
     # The unmasked run trains on the same windows: the same tokens an iteration (the log's
     # tokens/s has one decimal, the times are the same run's).
     unmasked = statistics.median(ms * rate / 1000.0 for run_ms, run_rates in

@@ -199,6 +199,10 @@ class ModelFamily:
     """True when the output layer always has its own weight (Llama's), with or without
     --untie-embeddings-and-output-weights."""
 
+    document_masking: bool = True
+    """Whether --dataloader-inter-document-masking applies: attention per document inside a packed
+    window (GPT's and Llama's token windows; BERT's packed sentences have no documents to mask)."""
+
     add_shape_args: Callable[[Any], None] = _no_flags
     """Adds the flags of its model-specific shape (BERT's --bert-no-binary-head) to a parser or
     argument group: the trainer's, the search's and the profiler's take the same ones."""
@@ -528,6 +532,7 @@ BERT = ModelFamily(
                                            f"{' or '.join(WORDPIECE_TOKENIZERS)} and a WordPiece "
                                            f"--vocab-file"),
     always_tied_output=True,
+    document_masking=False,
     architecture=BERT_ARCHITECTURE,
     check_data=_check_packed_sentences,
     add_shape_args=_add_bert_shape_args,

@@ -169,9 +169,10 @@ def _check(args) -> None:
             given = "--variable-seq-lengths" if args.variable_seq_lengths else "--seq-length-distribution"
             raise SearchInputError(f"{PACKED_FLAG} and {given} exclude each other: packed microbatches "
                                    f"are full --seq-length windows; give one")
-        if args.model == "bert":
-            raise SearchInputError(f"{PACKED_FLAG} with --model bert: BERT's samples are packed "
-                                   f"sentences without per-document attention (GPT and Llama only)")
+        if not MODEL_FAMILIES[args.model].document_masking:
+            masked = ", ".join(name for name, f in sorted(MODEL_FAMILIES.items()) if f.document_masking)
+            raise SearchInputError(f"{PACKED_FLAG} with --model {args.model}: its samples have no "
+                                   f"per-document attention (models that have it: {masked})")
     if args.variable_seq_lengths != (args.seq_length_distribution is not None):
         raise SearchInputError("--variable-seq-lengths and --seq-length-distribution go together: "
                                "give both or neither")
