@@ -139,7 +139,7 @@ def _problem_stub(num_layers: int):
                                                   num_attention_heads=8, ffn_hidden_size=256,
                                                   seq_length=128, padded_vocab_size=512,
                                                   max_position_embeddings=128),
-                                 global_batch_size=16, lengths=None)
+                                 global_batch_size=16, lengths=None, packed=None)
 
 
 def _cost_stub(layout: Layout):
