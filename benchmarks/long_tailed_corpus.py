@@ -31,6 +31,10 @@ SAMPLE_VOCAB = os.path.join(REPO, "data", "sample", "vocab.json")
 PREFIX_NAME = "long_tailed_text_document"
 SETTINGS_NAME = "long_tailed_settings.json"  # what the dataset beside it was made with
 EOD_TOKEN = "<|endoftext|>"  # GPT2BPETokenizer's end of document (the sample vocabulary has it)
+DEFAULT_OUTPUT_DIR = os.path.join(REPO, "data", "long_tailed")
+DEFAULT_PREFIX = os.path.join(DEFAULT_OUTPUT_DIR, PREFIX_NAME)
+# The corpus's settings (write_corpus's keywords): this script's defaults, and the benchmarks'.
+DEFAULTS = dict(documents=4000, mean=512.0, cv=1.5, longest=8192, seed=1234)
 
 
 def lognormal_lengths(count: int, mean: float, cv: float, longest: int, seed: int) -> np.ndarray:
@@ -89,16 +93,18 @@ def write_corpus(output_dir: str, documents: int, mean: float, cv: float, longes
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output-dir", default=os.path.join(REPO, "data", "long_tailed"),
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR,
                         help="Where the dataset goes (default data/long_tailed).")
-    parser.add_argument("--documents", type=int, default=4000, help="Documents (default 4000).")
-    parser.add_argument("--mean", type=float, default=512.0,
-                        help="Mean document length in tokens (default 512).")
-    parser.add_argument("--cv", type=float, default=1.5,
-                        help="Coefficient of variation of the lengths (default 1.5).")
-    parser.add_argument("--longest", type=int, default=8192,
-                        help="Lengths are clipped to this many tokens (default 8192).")
-    parser.add_argument("--seed", type=int, default=1234, help="Seed of the lengths (default 1234).")
+    parser.add_argument("--documents", type=int, default=DEFAULTS["documents"],
+                        help="Documents (default %(default)s).")
+    parser.add_argument("--mean", type=float, default=DEFAULTS["mean"],
+                        help="Mean document length in tokens (default %(default)s).")
+    parser.add_argument("--cv", type=float, default=DEFAULTS["cv"],
+                        help="Coefficient of variation of the lengths (default %(default)s).")
+    parser.add_argument("--longest", type=int, default=DEFAULTS["longest"],
+                        help="Lengths are clipped to this many tokens (default %(default)s).")
+    parser.add_argument("--seed", type=int, default=DEFAULTS["seed"],
+                        help="Seed of the lengths (default %(default)s).")
     args = parser.parse_args(argv)
     if args.documents < 1 or args.mean < 1 or args.cv <= 0 or args.longest < 1:
         parser.error("--documents, --mean and --longest must be at least 1, --cv above 0")

@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from long_tailed_corpus import write_corpus
+import long_tailed_corpus
 from paired import (PINNED_ENTRY, REPO, describe, ensure_sample_data, median_interval, paired_ratios,
                     run_gpt_with_output, sample_data_args, tokens_per_s)
 from schedules_in_one_process import RESULT_PREFIX
@@ -108,7 +108,6 @@ DATA_WORDS = {"varlen": "variable lengths", "packed": "packed windows",
               "masked": "packed windows, per-document attention",
               "whole-masked": "whole documents packed, per-document attention"}
 CORPORA = ("sample", "long-tailed")
-LONG_TAILED = dict(documents=4000, mean=512.0, cv=1.5, longest=8192, seed=1234)  # long_tailed_corpus.py's defaults
 DEFAULT_VARIANTS = [REFERENCE, "1f1b-sorted", "dpp:adaptive", "dpp:adaptive+W", "zb-v+W/v",
                     "dpp:adaptive+W/v"]
 # Part 1 shares one model between its variants: those that build other chunks run in part 2 only.
@@ -321,7 +320,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     ensure_sample_data(args.timeout)
-    args.data_prefix = (write_corpus(os.path.join(REPO, "data", "long_tailed"), **LONG_TAILED)
+    args.data_prefix = (long_tailed_corpus.write_corpus(long_tailed_corpus.DEFAULT_OUTPUT_DIR,
+                                                       **long_tailed_corpus.DEFAULTS)
                         if args.corpus == "long-tailed" else None)
     times: Dict[str, List[List[float]]] = {name: [] for name in args.variants}
     rates: Dict[str, List[List[float]]] = {name: [] for name in args.variants}

@@ -34,11 +34,10 @@ from megatron_dpp.pipeline.work import segments_work
 from megatron_dpp.sim import DurationModel, simulate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from paired import REPO  # noqa: E402
+import long_tailed_corpus  # noqa: E402
 from scale_projection import read_document_lengths  # noqa: E402
 
-PREFIXES = {"sample": os.path.join(REPO, "data", "sample", "sample_text_document"),
-            "long-tailed": os.path.join(REPO, "data", "long_tailed", "long_tailed_text_document")}
+PREFIXES = {"sample": long_tailed_corpus.SAMPLE_PREFIX, "long-tailed": long_tailed_corpus.DEFAULT_PREFIX}
 PER_DOCUMENT_ATTENTION = ("masked", "whole-masked")
 REFERENCE = "1f1b"
 SCHEDULES = ((REFERENCE, False), ("dpp:adaptive", False), (REFERENCE, True), ("dpp:adaptive", True))
