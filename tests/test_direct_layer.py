@@ -293,20 +293,29 @@ def test_megatrons_mlp_forward_runs_where_its_fusion_is_on(megatron, monkeypatch
     assert fused.runs_directly and not fused.mlp_inline
 
 
-def test_the_local_specs_name_the_direct_layer(megatron):
+def test_the_local_specs_name_the_direct_layer_also_under_a_split_backward(megatron):
+    """A split backward's spec keeps the direct layer; its linears are the deferred ones, which
+    are direct linears (so the layer adds the biases in the GEMMs there too)."""
     import dataclasses
 
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
     from megatron_dpp.mcore.direct_layer import DirectTransformerLayer
-    from megatron_dpp.models.weight_grad import deferred_layer_spec
+    from megatron_dpp.mcore.direct_linear import DIRECT_CLASSES
+    from megatron_dpp.models.weight_grad import (DeferredColumnParallelLinear,
+                                                 DeferredRowParallelLinear, deferred_layer_spec)
 
     for model in ("gpt", "bert", "llama"):
         for attention in ("sdpa", "local"):
             spec = _spec(model, attention)
             assert spec.module is DirectTransformerLayer, model
             deferred = deferred_layer_spec(spec)
-            assert dataclasses.is_dataclass(deferred) and deferred.module is TransformerLayer
+            assert dataclasses.is_dataclass(deferred) and deferred.module is DirectTransformerLayer
+            attention_spec = deferred.submodules.self_attention.submodules
+            mlp_spec = deferred.submodules.mlp.submodules
+            linears = (attention_spec.linear_qkv, attention_spec.linear_proj,
+                       mlp_spec.linear_fc1, mlp_spec.linear_fc2)
+            assert all(cls in (DeferredColumnParallelLinear, DeferredRowParallelLinear)
+                       for cls in linears), (model, linears)
+            assert all(issubclass(cls, tuple(DIRECT_CLASSES.values())) for cls in linears)
 
 
 def test_real_qk_norms_run_and_match_megatrons_forward(megatron):

@@ -47,16 +47,25 @@ def _config(**overrides):
 CHUNKS = {"first": (True, False), "last": (False, True), "whole": (True, True)}
 
 
-def _pair(kind: str, seed: int = 0):
-    """(Megatron's GPTModel, DeferredGPTModel) with the same weights."""
-    from megatron.core.models.gpt import GPTModel
+def _layer_spec(spec: str):
+    """Megatron-Core's local layer spec, or ours as training builds it (models.gpt's: the direct
+    layer and linears of mcore/, torch SDPA)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_dpp.models.gpt import gpt_layer_spec
+
+    return get_gpt_layer_local_spec() if spec == "megatron" else gpt_layer_spec("sdpa")
+
+
+def _pair(kind: str, seed: int = 0, spec: str = "megatron"):
+    """(GPTModel, DeferredGPTModel) with the same weights, both of the layer spec `spec`."""
+    from megatron.core.models.gpt import GPTModel
 
     from megatron_dpp.models.weight_grad import DeferredGPTModel
 
     pre, post = CHUNKS[kind]
     config = _config()
-    arguments = dict(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+    arguments = dict(config=config, transformer_layer_spec=_layer_spec(spec),
                      vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=pre,
                      post_process=post, share_embeddings_and_output_weights=True,
                      position_embedding_type="learned_absolute")
@@ -136,11 +145,16 @@ def test_without_deferral_the_layers_are_megatrons(megatron, kind):
 # ----------------------------------------------------------------------------------------------
 # (b) + (c): split backward, microbatches interleaved out of order
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["megatron", "direct"])
 @pytest.mark.parametrize("kind", sorted(CHUNKS))
-def test_deferred_weight_gradients_per_microbatch_in_any_order(megatron, kind):
+def test_deferred_weight_gradients_per_microbatch_in_any_order(megatron, kind, spec):
+    from megatron_dpp.mcore.direct_layer import DirectTransformerLayer
     from megatron_dpp.models.weight_grad import WeightGradStash
 
-    reference, deferred = _pair(kind)
+    reference, deferred = _pair(kind, spec=spec)
+    if spec == "direct":  # the split's forward is the fused one's: biases in the GEMMs
+        assert all(type(layer) is DirectTransformerLayer and layer.bias_in_products
+                   for layer in deferred.decoder.layers)
     # Megatron's fused backward, one microbatch at a time: each one's own gradients.
     per_microbatch, input_grads = {}, {}
     for m in range(3):

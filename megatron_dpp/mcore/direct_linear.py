@@ -41,12 +41,17 @@ def _one_rank_without_communication(layer) -> bool:
             and not config.defer_embedding_wgrad_compute)
 
 
+def bias_goes_in_product(layer, bias_in_product: bool) -> bool:
+    """Whether the direct product adds the layer's bias (else it is returned, skip_bias_add)."""
+    return not (layer.skip_bias_add and not bias_in_product)
+
+
 def _multiply(layer, input_: torch.Tensor, bias_in_product: bool):
     """(output, bias) as Megatron's forward returns them on one rank: the bias returned for the
     caller to add (skip_bias_add) unless the caller asks for it in the product, else added in
     the product: `torch.nn.functional.linear`, one GEMM with the bias in its epilogue (addmm),
     where Megatron's function launches a product and then an addition."""
-    if layer.skip_bias_add and not bias_in_product:
+    if not bias_goes_in_product(layer, bias_in_product):
         return torch.matmul(input_, layer.weight.t()), layer.bias
     return torch.nn.functional.linear(input_, layer.weight, layer.bias), None
 
@@ -59,12 +64,16 @@ class DirectColumnParallelLinear(ColumnParallelLinear):
         super().__init__(*args, **kwargs)
         self.multiplies_directly = _one_rank_without_communication(self)
 
+    def multiplies_this_call(self, weight=None) -> bool:
+        """Whether a forward with `weight` is the direct product (else Megatron's forward)."""
+        return (self.multiplies_directly and weight is None and self.weight is not None
+                and self.config._cpu_offloading_context is None)
+
     def forward(self, input_, weight=None, runtime_gather_output=None, *,
                 bias_in_product: bool = False):
         """Megatron's forward; `bias_in_product` asks a skip_bias_add layer for its bias added
         in the product where it multiplies directly (the bias it returns is then None)."""
-        if (not self.multiplies_directly or weight is not None or self.weight is None
-                or self.config._cpu_offloading_context is not None):
+        if not self.multiplies_this_call(weight):
             return super().forward(input_, weight=weight,
                                    runtime_gather_output=runtime_gather_output)
         return _multiply(self, input_, bias_in_product)
@@ -78,9 +87,13 @@ class DirectRowParallelLinear(RowParallelLinear):
         super().__init__(*args, **kwargs)
         self.multiplies_directly = _one_rank_without_communication(self)
 
+    def multiplies_this_call(self, weight=None) -> bool:
+        """Whether a forward is the direct product (else Megatron's forward)."""
+        return self.multiplies_directly and self.config._cpu_offloading_context is None
+
     def forward(self, input_, *, bias_in_product: bool = False):
         """As DirectColumnParallelLinear.forward."""
-        if not self.multiplies_directly or self.config._cpu_offloading_context is not None:
+        if not self.multiplies_this_call():
             return super().forward(input_)
         return _multiply(self, input_, bias_in_product)
 

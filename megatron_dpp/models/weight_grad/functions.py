@@ -59,13 +59,20 @@ def _linear_wgrad(total_input, grad_output, has_bias: bool):
 
 class DeferredLinearFunction(torch.autograd.Function):
     """Megatron's linear (no sequence parallelism, no gradient-accumulation fusion) with a split
-    backward: B = grad_output @ W (all-reduced over tp when `allreduce_dgrad`), W = stored."""
+    backward: B = grad_output @ W (all-reduced over tp when `allreduce_dgrad`), W = stored.
+
+    `bias_in_product`: the bias is added in the GEMM (torch.nn.functional.linear, one addmm), as
+    our direct linears add it (mcore.direct_linear); otherwise after the product, as Megatron's
+    function does."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, site: _Site, allreduce_dgrad: bool, tp_group):
+    def forward(ctx, input, weight, bias, site: _Site, allreduce_dgrad: bool, tp_group,
+                bias_in_product: bool = False):
         ctx.save_for_backward(input, weight)
         ctx.site, ctx.has_bias = site, bias is not None
         ctx.allreduce_dgrad, ctx.tp_group = allreduce_dgrad, tp_group
+        if bias_in_product:
+            return F.linear(input, weight, bias)
         output = torch.matmul(input, weight.t())
         if bias is not None:
             output = output + bias
@@ -83,7 +90,7 @@ class DeferredLinearFunction(torch.autograd.Function):
                        lambda x, g: _linear_wgrad(x, g, has_bias))
         if handle is not None:
             handle.wait()
-        return grad_input, None, None, None, None, None
+        return grad_input, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,11 +1,17 @@
 """Megatron-Core's local layers with deferrable weight gradients.
 
-Each class subclasses the layer Megatron builds (ColumnParallelLinear, RowParallelLinear, torch's
-LayerNorm as WrappedTorchNorm makes it, VocabParallelEmbedding, torch.nn.Embedding) and adds
-behaviour only: no state, no __init__ of its own except the layer norm's, which takes
-WrappedTorchNorm's arguments. Outside `WeightGradStash.defer(key)` (or under no_grad) every
-forward is the parent's, so the classes can be used always. Inside it, the parameters' gradients
-go to the stash and reach the parameters at W.
+Each class subclasses the layer Megatron builds (ColumnParallelLinear, RowParallelLinear through
+our direct linears of mcore.direct_linear, torch's LayerNorm as WrappedTorchNorm makes it,
+VocabParallelEmbedding, torch.nn.Embedding) and adds behaviour only: no state, no __init__ of its
+own except the layer norm's, which takes WrappedTorchNorm's arguments. Outside
+`WeightGradStash.defer(key)` (or under no_grad) every forward is the parent's, so the classes can
+be used always. Inside it, the parameters' gradients go to the stash and reach the parameters at W.
+
+The linears are the direct linears' subclasses, so a split backward's layers compute what the fused
+backward's compute, kernel by kernel: where a direct linear multiplies directly (one tensor-parallel
+rank, nothing else to do) the deferred one runs the same product, the bias in the GEMM where the
+direct layer asks for it (mcore.direct_layer's bias_in_product), and elsewhere Megatron's forward
+through the linear-call seam.
 """
 from __future__ import annotations
 
@@ -21,6 +27,11 @@ from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_para
 from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
+from megatron_dpp.mcore.direct_linear import (
+    DirectColumnParallelLinear,
+    DirectRowParallelLinear,
+    bias_goes_in_product,
+)
 from megatron_dpp.mcore.linear_call import LinearCallSeam
 from megatron_dpp.models.weight_grad.functions import (
     DeferredEmbeddingFunction,
@@ -61,7 +72,13 @@ def _tap_if_deferring(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 class _DeferredLinear(LinearCallSeam):
     """Takes the linear call (mcore/linear_call.py) inside a deferral, for a trainable weight:
-    the weight's (and a trainable bias's) gradient then goes to the stash."""
+    the weight's (and a trainable bias's) gradient then goes to the stash. The direct product
+    (`_deferred_product`) is taken here too, where the direct linear multiplies itself."""
+
+    # A linear whose class is changed in place (GPT's output layer, built outside the spec: see
+    # model.adopt_deferred_embedding_and_output) never ran the direct linear's __init__: it keeps
+    # Megatron's forward, as it had before.
+    multiplies_directly = False
 
     def takes_linear_call(self, weight) -> bool:
         return active_deferral() is not None and _trainable_leaf(weight)
@@ -86,23 +103,49 @@ class _DeferredLinear(LinearCallSeam):
         return DeferredLinearFunction.apply(arguments["input"], proxy(weight), bias_input, site,
                                             allreduce_dgrad, tp_group)
 
+    def _deferred_product(self, input_, bias_in_product: bool):
+        """(output, bias) of the direct linear's product (mcore.direct_linear's _multiply) with the
+        weight gradient deferred, or None outside a deferral (the direct forward runs then)."""
+        deferral = active_deferral()
+        if deferral is None or not _trainable_leaf(self.weight):
+            return None
+        in_product = bias_goes_in_product(self, bias_in_product)
+        bias = self.bias if in_product else None
+        trainable_bias = bias if _trainable_leaf(bias) else None
+        site = open_site(deferral[0], deferral[1], self.weight, trainable_bias)
+        bias_input = proxy(bias) if trainable_bias is not None else bias
+        output = DeferredLinearFunction.apply(input_, proxy(self.weight), bias_input, site, False,
+                                              None, True)
+        return output, (None if in_product else _tap_if_deferring(self.bias))
 
-class DeferredColumnParallelLinear(_DeferredLinear, ColumnParallelLinear):
+
+class DeferredColumnParallelLinear(_DeferredLinear, DirectColumnParallelLinear):
     """ColumnParallelLinear (also GPT's output layer) with a deferrable weight gradient."""
 
-    def forward(self, input_, weight=None, runtime_gather_output=None):
+    def forward(self, input_, weight=None, runtime_gather_output=None, *,
+                bias_in_product: bool = False):
+        if self.multiplies_this_call(weight):
+            deferred = self._deferred_product(input_, bias_in_product)
+            if deferred is not None:
+                return deferred
         output, output_bias = super().forward(input_, weight=weight,
-                                              runtime_gather_output=runtime_gather_output)
+                                              runtime_gather_output=runtime_gather_output,
+                                              bias_in_product=bias_in_product)
         return output, _tap_if_deferring(output_bias)
 
 
-class DeferredRowParallelLinear(_DeferredLinear, RowParallelLinear):
-    """RowParallelLinear with a deferrable weight gradient. Its bias, when not skip_bias_add, is
-    added inside Megatron's forward, after the tp reduction: that gradient stays at B (GPT's
-    layers all use skip_bias_add, so their row biases are deferred through the caller)."""
+class DeferredRowParallelLinear(_DeferredLinear, DirectRowParallelLinear):
+    """RowParallelLinear with a deferrable weight gradient. Its bias, when not skip_bias_add and
+    not in the direct product, is added inside Megatron's forward, after the tp reduction: that
+    gradient stays at B (GPT's layers all use skip_bias_add, so their row biases are deferred
+    through the caller or in the product)."""
 
-    def forward(self, input_):
-        output, output_bias = super().forward(input_)
+    def forward(self, input_, *, bias_in_product: bool = False):
+        if self.multiplies_this_call():
+            deferred = self._deferred_product(input_, bias_in_product)
+            if deferred is not None:
+                return deferred
+        output, output_bias = super().forward(input_, bias_in_product=bias_in_product)
         return output, _tap_if_deferring(output_bias)
 
 
