@@ -49,7 +49,7 @@ def test_quick_benchmark_writes_every_row(tmp_path):
 
 
 def _check_trace(row):
-    P, V, M = row["P"], row["V"], row["M"]
+    V, M = row["V"], row["M"]
     phases = (0, 1, 2) if row["split_backward"] else (0, 1)
     assert row["split_backward"] == ("+W" in row["schedule"]), row["schedule"]
     assert len(row["timelines"]) == len(row["times"]) == len(row["replayed_times"]), row["schedule"]

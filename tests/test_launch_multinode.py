@@ -14,7 +14,6 @@ import time
 
 import pytest
 
-from _ports import free_local_port
 from _train_util import PYTHON, REPO_ROOT, TINY_GPT_ARGS, _env, data_args, ensure_sample_data
 from megatron_dpp.comm.nodes import (
     NodeNetworkError,

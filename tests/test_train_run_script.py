@@ -1,6 +1,5 @@
 """run_scripts/run_single_gpt.sh from another directory: env sizes, passthrough flags, falling loss,
 and a bad flag stopped (one line, exit 2) before torchrun starts."""
-import os
 import subprocess
 
 import pytest

@@ -196,7 +196,7 @@ class IterationProfiler:
         elif not self.sync_sites:
             out.append("synchronizing calls: none seen (torch's sync debug mode)")
         else:
-            out.append(f"synchronizing calls (torch's sync debug mode), per profiled iteration:")
+            out.append("synchronizing calls (torch's sync debug mode), per profiled iteration:")
             for (site, message), count in self.sync_sites.most_common():
                 out.append(f"  {count / max(1, self.profiled):g} x {site}: {message}")
                 out.append("    " + self.sync_stacks[(site, message)].replace("\n", "\n    "))

@@ -273,7 +273,7 @@ class ModelFamily:
                       if family.accepts(name, given, args)]
             _require(False, f"{flag(given)} is not {self.name}'s architecture here ("
                      + (f"--model {' or '.join(having)} has it" if having else "no model here has it")
-                     + f"); remove it")
+                     + "); remove it")
         if args.position_embedding_type != "rope":
             # Megatron-LM reads them only for rotary embeddings; here a flag must do something.
             rotary = [name for name in ROTARY_FLAGS if name in given_names]

@@ -197,7 +197,7 @@ class WeightGradHandler:
 
     def run(self, task: Task) -> None:
         runner = self.runner
-        m, c = task.microbatch, task.chunk
+        c = task.chunk
         self.weight_grads_left[c] -= 1
         is_last_of_chunk = self.weight_grads_left[c] == 0
         runner.grad_sync.before_weight_grad(c, is_last_of_chunk)
