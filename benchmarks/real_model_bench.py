@@ -78,6 +78,12 @@ VARIANTS: Dict[str, List[str]] = {
     "dpp:adaptive": ["--use-dpp", "--dpp-policy", "dpp:adaptive"],
     # Every backward split into B and W (docs/dpp_runtime.md, "Split backwards").
     "dpp:adaptive+W": ["--use-dpp", "--dpp-policy", "dpp:adaptive", "--dpp-split-backward"],
+    # The same under a memory budget of 1.25 x 1F1B's fullest rank on every rank
+    # (--dpp-memory-budget 1.25x): what memory headroom itself gains.
+    "dpp:adaptive@1.25x": ["--use-dpp", "--dpp-policy", "dpp:adaptive", "--dpp-memory-budget",
+                           "1.25x"],
+    "dpp:adaptive+W@1.25x": ["--use-dpp", "--dpp-policy", "dpp:adaptive", "--dpp-split-backward",
+                             "--dpp-memory-budget", "1.25x"],
     # The v placement (docs/scheduling.md, "Running the v placement"): 4 stages of one layer each.
     "zb-v/v": [*V_PLACEMENT, "--dpp-policy", "zb-v"],
     "zb-v+W/v": [*V_PLACEMENT, "--dpp-policy", "zb-v", "--dpp-split-backward"],

@@ -24,8 +24,9 @@ def test_quick_benchmark_writes_paired_ratios_and_trace_figures(tmp_path):
     out = tmp_path / "real_model.json"
     # Packed windows with per-document attention of the long-tailed corpus, and beside them the
     # same documents unpacked (part 2 only: other batches).
+    # One v variant (the v's split and order): the others build the same chunks.
     variants = ["megatron-1f1b", "1f1b-sorted", "dpp:adaptive", "dpp:adaptive+W", "zb-v+W/v",
-                "dpp:adaptive+W/v", "dpp:adaptive+W/unpacked", "megatron-1f1b/unmasked"]
+                "dpp:adaptive+W/unpacked", "megatron-1f1b/unmasked"]
     command = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "real_model_bench.py"), "--quick",
                "--data", "masked", "--corpus", "long-tailed", "--variants", *variants,
                "--json", str(out), "--timeout", "240"]
@@ -139,3 +140,25 @@ def test_suffixed_variants_run_their_own_data_whatever_data_is():
     assert bench.one_process_variants(args.variants) == ["megatron-1f1b"]
     with pytest.raises(SystemExit):  # /unmasked compares with masked windows only
         bench.parse_args(["--data", "packed", "--variants", "megatron-1f1b/unmasked"])
+
+
+def test_every_variant_is_a_command_line_the_trainer_accepts(monkeypatch):
+    """Each variant's flags, on the benchmark's own model and data flags, pass the trainer's flag
+    check (the budget variants' --dpp-memory-budget 1.25x among them)."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    import real_model_bench as bench
+
+    from megatron_dpp.arguments import parse_args
+
+    ensure_sample_data()
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the benchmark's two ranks
+    args = bench.parse_args(["--data", "masked", "--quick"])
+    args.data_prefix = None
+    for name in bench.VARIANTS:
+        data = bench.variant_data(name)
+        if data is not None:
+            args.data = "masked" if data == "packed" else "packed"
+        parsed = parse_args(bench.gpt_flags(args, variant=name), prog="real_model_bench")
+        assert parsed.use_dpp == ("--use-dpp" in bench.VARIANTS[name]), name
+        if "1.25x" in name:
+            assert parsed.dpp_memory_budget is not None, name
