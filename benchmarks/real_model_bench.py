@@ -8,7 +8,7 @@ attention (whole-masked, + --use-sequence-packing).
 
 Variants: Megatron's 1F1B (the reference, over the same shm_tensor transport), 1f1b-sorted and
 dpp:adaptive (the runtime with fused backwards) and dpp:adaptive+W (the same with
---dpp-split-backward); on the v placement (--dpp-stage-placement v, two chunks a rank, ending in
+--dpp-split-backward), each also under --dpp-memory-budget 1.25x (ending in @1.25x); on the v placement (--dpp-stage-placement v, two chunks a rank, ending in
 /v) zb-v (ZB-V's order) and dpp:adaptive, fused and split; and the same documents unpacked (one a
 microbatch, ending in /unpacked: Megatron's 1F1B, dpp:adaptive fused and split), to set what packing
 gains beside what the schedules gain (tokens/s; part 2 only); with --data masked, Megatron's 1F1B
