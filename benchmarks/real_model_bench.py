@@ -33,9 +33,10 @@ gains. Every rank runs on a core of its own
    every run's tokens/s (the tokens its loss counts: padding excluded, as the log's tokens/s) gives the tokens/s
 ratio to the reference per round; from the traces it also reports per variant: the median forward time per rank (the default model is
 sized so that a microbatch's forward takes about 20 ms or more on one core: the benchmark then
-measures schedules, not Python overhead), the runtime's per-task overhead (the time in the
-pipeline's window that is neither compute nor a wait for a reason outside the runtime: the
-transport's send posting and the loop between tasks, per task), and measured time / critical path.
+measures schedules, not Python overhead), the runtime's per-task overhead (the time between a
+rank's first and last task that is neither compute nor a wait for a reason outside the runtime:
+the transport's send posting and the loop between tasks, per task; a rank's fill and drain are
+bubble), and measured time / critical path.
 This script reports; it does not judge.
 
     python benchmarks/real_model_bench.py --json runs/real_model.json   # about 15 minutes here
@@ -62,7 +63,7 @@ from schedules_in_one_process import RESULT_PREFIX
 
 sys.path.insert(0, REPO)  # trace_analysis/ (megatron_dpp is installed)
 
-from trace_analysis.analysis import OTHER, POSTING, iteration_time  # noqa: E402
+from trace_analysis.analysis import OTHER, POSTING, iteration_time, rank_time, window  # noqa: E402
 from trace_analysis.critical_path import critical_path  # noqa: E402
 from trace_analysis.load import find_run_directory, load_run  # noqa: E402
 from trace_analysis.timeline import run_timeline  # noqa: E402
@@ -237,8 +238,12 @@ def trace_stats(trace_dir: str, skip: int) -> dict:
     times = [iteration_time(run, i) for i in chosen]
     paths = [critical_path(run, i) for i in chosen]
     tasks = sum(len(rank.tasks_of(i)) for rank in run.ranks for i in chosen)
-    overhead_us = sum(r.idle[POSTING] + r.idle[OTHER] for it in times for r in it.ranks)
-    posting_us = sum(r.idle[POSTING] for it in times for r in it.ranks)
+    # Per task, over each rank's own span (its first task's start to its last task's end): before
+    # and after it a rank is in the pipeline's fill or drain, or already in the step's collectives,
+    # outside the runtime's loop: bubble, not a cost of its tasks.
+    own = [rank_time(rank, i, *window(run, i, [rank])) for rank in run.ranks for i in chosen]
+    overhead_us = sum(r.idle[POSTING] + r.idle[OTHER] for r in own)
+    posting_us = sum(r.idle[POSTING] for r in own)
     return {
         "forward_ms": [statistics.median(t.duration for t in rank.tasks if t.phase == "F"
                                          and t.iteration in chosen) / 1000.0 for rank in run.ranks],

@@ -162,3 +162,39 @@ def test_every_variant_is_a_command_line_the_trainer_accepts(monkeypatch):
         assert parsed.use_dpp == ("--use-dpp" in bench.VARIANTS[name]), name
         if "1.25x" in name:
             assert parsed.dpp_memory_budget is not None, name
+
+
+def test_per_task_overhead_leaves_out_a_ranks_fill_and_drain(tmp_path):
+    """Two ranks, one iteration: rank 0 runs F0 (0-10 ms) and B0 (30-50 ms), nothing recorded in
+    between (20 ms of its own loop); rank 1 runs F0 (12-20) and B0 (20-28) and is then outside
+    the runtime until the window ends at 50 ms. Only rank 0's 20 ms count: 5 ms over 4 tasks (the
+    whole window's uncovered time, 20 + 12 + 22 ms, would say 13.5)."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    import real_model_bench as bench
+
+    from megatron_dpp.trace import chrome
+    from megatron_dpp.trace.recorder import TraceRecorder
+
+    run = tmp_path / "run-pp2-dpp"
+    run.mkdir()
+    schedule = {0: [("F0.0", 0, 10), ("B0.0", 30, 50)], 1: [("F0.0", 12, 20), ("B0.0", 20, 28)]}
+    for rank, tasks in schedule.items():
+        recorder = TraceRecorder(rank, f"rank {rank} (pp {rank}, tp 0, dp 0)")
+        recorder.mark("iteration 0", 0.0, {"forward_only": False, "policy": "dpp:adaptive"})
+        for name, start, end in tasks:
+            recorder.task(name, "forward" if name[0] == "F" else "backward", start / 1e3, end / 1e3,
+                          {"iteration": 0, "microbatch": 0, "chunk": 0, "virtual_stage": rank,
+                           "tokens": 100})
+        sent = ("F0.0", 10) if rank == 0 else ("B0.0", 28)
+        got = ("B0.0", 28) if rank == 0 else ("F0.0", 10)
+        recorder.message(f"send {sent[0]}", sent[1] / 1e3,
+                         {"peer": 1 - rank, "tag": int(sent[0][0] == "B"), "bytes": 64})
+        recorder.message(f"recv {got[0]}", got[1] / 1e3,
+                         {"peer": 1 - rank, "tag": int(got[0][0] == "B"), "bytes": 64})
+        chrome.write_trace(str(run / f"benchmark-rank{rank}.json"), recorder.events,
+                           {"run": "run-pp2-dpp", "rank": rank, "world_size": 2,
+                            "pipeline_rank": rank, "tensor_rank": 0, "data_rank": 0,
+                            "policy": "dpp:adaptive"})
+    stats = bench.trace_stats(str(tmp_path), skip=0)
+    assert stats["per_task_overhead_ms"] == pytest.approx(5.0, abs=1e-6), stats
+    assert stats["per_task_send_posting_ms"] == 0
