@@ -1,12 +1,15 @@
 """Shared pytest setup: every test process and every rank it starts uses one thread, and runs on the
 CPU (an empty CUDA_VISIBLE_DEVICES); GPU tests, marked `gpu` or `gpu(N)`, get the GPUs back through
-_gpu.gpu_env() and are skipped here when the machine has fewer than N (default 1)."""
+_gpu.gpu_env() and are skipped here when the machine has fewer than N (default 1). Under
+pytest-xdist a test marked `alone` runs while no other test does (_alone.py)."""
 import os
 
 import pytest
 
+import _alone
 import _gpu
 import _hardware_profile
+from _alone import pytest_runtest_protocol  # noqa: F401  (a hook: `alone` tests under xdist)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -14,6 +17,7 @@ _gpu.pin_to_cpu()
 
 
 def pytest_configure(config):
+    _alone.configure(config)
     config.addinivalue_line(
         "markers", "gpu(count=1): needs `count` CUDA GPUs (its GPU work runs in subprocesses with "
                    "_gpu.gpu_env()); skipped with fewer; `pytest -m gpu` runs only these")

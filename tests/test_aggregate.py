@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from megatron_dpp.trace import chrome  # noqa: E402
 from megatron_dpp.trace.recorder import (GRADIENT_SYNC, IN_COLLECTIVE, OPTIMIZER_STEP,  # noqa: E402
                                          POSTING_SEND, TraceRecorder)
-from trace_analysis.analysis import (COLLECTIVE, HELD_BACK, INPUT, OTHER, POSTING,  # noqa: E402
+from trace_analysis.analysis import (COLLECTIVE, DRAIN, FILL, HELD_BACK, INPUT, OTHER, POSTING,  # noqa: E402
                                TENSOR_PARALLEL, iteration_time, mean_step_times)
 from trace_analysis.critical_path import critical_path  # noqa: E402
 from trace_analysis.load import load_run  # noqa: E402
@@ -138,7 +138,9 @@ def test_synthetic_run_busy_idle_bubble_and_critical_path(tmp_path):
     assert rank0.idle[OTHER] == pytest.approx(1_000, abs=1e-3)
     assert rank1.idle[INPUT] == pytest.approx(10_000)
     assert rank1.idle[COLLECTIVE] == pytest.approx(17_000, abs=1e-3)  # 70..72 and 75..90
-    assert rank1.idle[OTHER] == pytest.approx(3_000, abs=1e-3)
+    # 72..75, after rank 1's last task (70) and recorded by nothing: the drain, not `other`.
+    assert rank1.idle[DRAIN] == pytest.approx(3_000, abs=1e-3) and rank1.idle[OTHER] == pytest.approx(0, abs=1e-3)
+    assert rank0.idle[FILL] == rank0.idle[DRAIN] == rank1.idle[FILL] == 0  # input waits cover rank 1's fill
     assert rank0.idle[COLLECTIVE] == 0  # its collectives come after the window
     assert rank0.idle[TENSOR_PARALLEL] == rank1.idle[TENSOR_PARALLEL] == 0
     assert it.bubble == pytest.approx(64 / 180)
@@ -184,11 +186,11 @@ def test_synthetic_run_table_plots_and_compare(tmp_path):
     out = result.stdout
     assert f"{tmp_path / 'a'} holds one run: taking run-a" in out
     lines = out.splitlines()
-    # busy, input wait, held back, tp decision, send posting, collective, other, bubble: summed over
-    # iteration 1, both ranks
+    # busy, input wait, held back, tp decision, send posting, collective, fill, drain, other, bubble:
+    # summed over iteration 1, both ranks
     totals = [line.split() for line in lines if line.startswith("total")]
-    assert totals[0] == ["total", "116.0", "29.0", "10.0", "0.0", "4.0", "17.0", "4.0", "35.6%"]
-    assert totals[1] == ["total", "174.0", "43.5", "15.0", "0.0", "6.0", "25.5", "6.0", "35.6%"]
+    assert totals[0] == ["total", "116.0", "29.0", "10.0", "0.0", "4.0", "17.0", "0.0", "3.0", "1.0", "35.6%"]
+    assert totals[1] == ["total", "174.0", "43.5", "15.0", "0.0", "6.0", "25.5", "0.0", "4.5", "1.5", "35.6%"]
     # The training step per rank: step, tasks, gradient sync, optimizer step, other collectives, rest.
     steps = [line.split()[-6:] for line in lines if line.startswith("rank 1 (pp 1")]
     assert ["110.0", "58.0", "25.0", "8.0", "7.0", "12.0"] in steps, out

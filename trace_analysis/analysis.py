@@ -4,8 +4,9 @@ An iteration's window runs from the first task start on any rank to the last tas
 the pipeline's part of the step (the optimizer step and logging between iterations lie outside).
 A rank's idle time is the window minus its task time, so the fill before its first task and the
 drain after its last count as bubble. Idle is split by the recorded waits' reasons, clipped to the
-window; `other` is waits with another reason plus the time no wait covers (the runtime's loop,
-decisions between tasks). Posting a task's output send (the transport's isend, after the task's
+window. What no wait of a known reason covers is `fill` before the rank's first task of the
+iteration, `drain` after its last (the pipeline's shape: another rank is still computing), and
+`other` between them (the runtime's loop, decisions between tasks, waits of another reason). Posting a task's output send (the transport's isend, after the task's
 span) is its own group: with the shm transport it can take tens of milliseconds. So is waiting in a
 blocking collective inside the window (a last stage's part of the embedding-gradient all-reduce
 while the first stage still runs its backwards, say).
@@ -22,10 +23,10 @@ from megatron_dpp.trace.recorder import GRADIENT_SYNC, IN_COLLECTIVE, OPTIMIZER_
 from trace_analysis.load import TraceInputError
 from trace_analysis.timeline import RankTimeline, RunTimeline
 
-INPUT, HELD_BACK, TENSOR_PARALLEL, POSTING, COLLECTIVE, OTHER = (
-    "input wait", "held back", "tp decision", "send posting", "collective", "other")
-IDLE_GROUPS = (INPUT, HELD_BACK, TENSOR_PARALLEL, POSTING, COLLECTIVE, OTHER)
-KNOWN_GROUPS = IDLE_GROUPS[:-1]
+INPUT, HELD_BACK, TENSOR_PARALLEL, POSTING, COLLECTIVE, FILL, DRAIN, OTHER = (
+    "input wait", "held back", "tp decision", "send posting", "collective", "fill", "drain", "other")
+IDLE_GROUPS = (INPUT, HELD_BACK, TENSOR_PARALLEL, POSTING, COLLECTIVE, FILL, DRAIN, OTHER)
+KNOWN_GROUPS = IDLE_GROUPS[:5]  # the groups of recorded waits' reasons
 
 
 def reason_group(reason: str) -> str:
@@ -91,15 +92,32 @@ def window(run: RunTimeline, iteration: int, ranks: Sequence[RankTimeline] = ())
     return min(task.start for task in tasks), max(task.end for task in tasks)
 
 
+def _uncovered(start: float, end: float, waits: Sequence[Tuple[float, float]]) -> float:
+    """Time in [start, end] that none of the (sorted, disjoint) `waits` covers."""
+    covered = sum(max(0.0, min(w_end, end) - max(w_start, start)) for w_start, w_end in waits)
+    return max(0.0, end - start - covered)
+
+
 def rank_time(rank: RankTimeline, iteration: int, start: float, end: float) -> RankTime:
-    time = RankTime(window=end - start, busy=sum(task.duration for task in rank.tasks_of(iteration)))
+    tasks = rank.tasks_of(iteration)
+    time = RankTime(window=end - start, busy=sum(task.duration for task in tasks))
+    known_waits = []
     for wait in rank.waits:
         overlap = min(wait.end, end) - max(wait.start, start)
         if overlap > 0:
-            time.idle[reason_group(wait.reason)] += overlap
-    # Whatever idle time no wait of a known reason covers is `other`; rounding may make it -0.
+            group = reason_group(wait.reason)
+            time.idle[group] += overlap
+            if group != OTHER:
+                known_waits.append((wait.start, wait.end))
+    # Idle time that no wait of a known reason covers: fill before the rank's first task, drain
+    # after its last, `other` between (rounding may make it -0).
+    if tasks:
+        known_waits.sort()
+        first, last = min(task.start for task in tasks), max(task.end for task in tasks)
+        time.idle[FILL] = _uncovered(start, max(start, first), known_waits)
+        time.idle[DRAIN] = _uncovered(min(end, last), end, known_waits)
     known = sum(time.idle[group] for group in KNOWN_GROUPS)
-    time.idle[OTHER] = max(0.0, time.idle_total - known)
+    time.idle[OTHER] = max(0.0, time.idle_total - known - time.idle[FILL] - time.idle[DRAIN])
     return time
 
 
