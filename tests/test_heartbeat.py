@@ -31,7 +31,7 @@ from _train_util import (ITERATION_RE, REPO_ROOT, TINY_GPT_ARGS, _env, data_args
 from megatron_dpp.comm.heartbeat import (_BEAT, DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, INBOUND,
                                          LOOPBACK, OUTBOUND, Heartbeat, HeartbeatError,
                                          PeerAddress, bind_udp, check_heartbeat_settings,
-                                         encode_packet, heartbeat_host, start_heartbeat)
+                                         LostPeer, encode_packet, heartbeat_host, start_heartbeat)
 from megatron_dpp.exit_codes import LOST_PEER
 
 INTERVAL_S = 0.1
@@ -638,3 +638,32 @@ def test_a_frozen_rank_is_named_and_ends_the_job(extra, within_s):
     assert re.search(rf"^\[dpp rank 0\] lost rank 1 \(node 0, 127\.0\.0\.1\): no heartbeat from it "
                      rf"for [\d.]+ s \(inbound\); its process \(pid {stopped} on node 0\) is "
                      rf"stopped or frozen [^\n]*$", report, re.MULTILINE), report
+
+
+def test_a_silent_peer_whose_process_has_exited_is_said_to_have_exited():
+    """On this node the report looks the peer's process up: a process killed (gone, or a zombie
+    its parent has not reaped yet) has exited; it is not called stopped or frozen."""
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while _state(zombie.pid) != "Z":  # exited, not reaped: wait() below reaps it
+        assert time.monotonic() < deadline, "the child did not exit"
+        time.sleep(0.01)
+    try:
+        lines = {}
+        for label, pid in (("zombie", zombie.pid), ("alive", os.getpid())):
+            peer = PeerAddress(1, LOOPBACK, 1, "node 0", pid, 1001)
+            lines[label] = LostPeer(peer, INBOUND, 16.0, 12, None, 1.0, 15.0).state_lines()[0]
+    finally:
+        zombie.wait(timeout=10)
+    gone = LostPeer(PeerAddress(1, LOOPBACK, 1, "node 0", zombie.pid, 1001), INBOUND, 16.0, 12,
+                    None, 1.0, 15.0).state_lines()[0]
+    exited = (f"its process (pid {zombie.pid} on node 0) has exited (killed, or ended without "
+              f"saying goodbye); the launcher's report says how")
+    assert lines["zombie"] == gone == exited
+    assert lines["alive"] == (f"its process (pid {os.getpid()} on node 0) is stopped or frozen "
+                              f"(SIGSTOP, a debugger, or native code holding Python's GIL)")
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]

@@ -224,6 +224,22 @@ def bind_udp(host: str) -> socket.socket:
 # ----------------------------------------------------------------------------------------------
 # what a lost peer looks like
 # ----------------------------------------------------------------------------------------------
+def _process_alive(pid: int) -> bool:
+    """Whether process `pid` of this node still runs (a zombie, dead but not yet reaped by its
+    parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc here: it exists, as far as we can tell
+        return True
+
+
 @dataclass(frozen=True)
 class LostPeer:
     """A peer declared lost, and which direction of the link went silent."""
@@ -264,8 +280,12 @@ class LostPeer:
                      f"drop UDP (to {peer.host}:{peer.port}); --heartbeat-timeout 0 turns "
                      f"heartbeats off"]
         elif ipaddress.ip_address(peer.host).is_loopback:  # on this node: no link to lose
-            lines = [f"{process} is stopped or frozen (SIGSTOP, a debugger, or native code "
-                     f"holding Python's GIL)"]
+            if not _process_alive(peer.pid):
+                lines = [f"{process} has exited (killed, or ended without saying goodbye); the "
+                         f"launcher's report says how"]
+            else:
+                lines = [f"{process} is stopped or frozen (SIGSTOP, a debugger, or native code "
+                         f"holding Python's GIL)"]
         else:
             lines = [f"{process} is stopped or frozen, {peer.node} hangs, or the link to "
                      f"{peer.host} is down"]
