@@ -134,12 +134,6 @@ BAD_FLAGS = {
                                      "--dpp-stage-placement", "v", "--dpp-schedule", "{zbv}"], 2,
                                     "its backwards are split (I and W cells), the run's are not "
                                     "(add --dpp-split-backward)"),
-    "placement_v_save_distributed_optimizer_tied_dp2": (
-        ["--pipeline-model-parallel-size", "2", "--use-dpp",
-         "--num-virtual-stages-per-pipeline-rank", "2", "--dpp-stage-placement", "v",
-         "--use-distributed-optimizer", "--save", "/tmp"], 4,
-        "--dpp-stage-placement v does not save or load checkpoints of the distributed optimizer "
-        "with tied embeddings at data-parallel size 2"),
     "trace_dir_under_a_file": (["--pipeline-model-parallel-size", "2", "--trace", "--trace-dir",
                                 "/dev/null/traces"], 2,
                                "--trace-dir /dev/null/traces: cannot create it in /dev/null"),

@@ -60,7 +60,8 @@ SEAMS: dict[tuple[str, str], str] = {
      "LanguageModule.setup_embeddings_and_output_layer"):
         "mcore/cpu_patches.py wraps it on CPU (weight.data.cuda())",
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.get_parameter_state_dp_zero"):
-        "mcore/cpu_patches.py wraps it on CPU (send_tensor.cuda())",
+        "mcore/cpu_patches.py wraps it on CPU (send_tensor.cuda()); mcore/distributed_optimizer.py "
+        "wraps it (buckets counted with their padding)",
     ("megatron.core.optimizer.distrib_optimizer",
      "DistributedOptimizer.load_parameter_state_from_fully_reshardable"):
         "mcore/distributed_optimizer.py rebinds it (torch Adam's state keys)",
@@ -153,6 +154,14 @@ FINGERPRINTS: dict[tuple[str, str], str] = {
     ("megatron.core.pipeline_parallel.schedules", "get_schedule_table"): "e74d4fd68823",
     ("megatron.core.optimizer.distrib_optimizer",
      "DistributedOptimizer.load_parameter_state_from_fully_reshardable"): "d024c9557054",
+    # mcore/distributed_optimizer.py's aligned_state_gather: the gather drops the padding after
+    # each bucket, the cut counts it (bucket offsets from _ParamAndGradBuffer.__init__).
+    ("megatron.core.optimizer.distrib_optimizer",
+     "DistributedOptimizer.get_parameter_state_dp_zero"): "04de4adba4de",
+    ("megatron.core.optimizer.distrib_optimizer",
+     "DistributedOptimizer.sharded_param_state_fully_reshardable"): "a84c594d68c6",
+    ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBuffer.__init__"):
+        "4e7d59584138",
     ("megatron.core.optimizer.distrib_optimizer",
      "DistributedOptimizer.load_parameter_state_from_dp_reshardable"): "e6892335cf59",
     ("megatron.core.optimizer.distrib_optimizer",

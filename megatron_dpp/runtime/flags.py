@@ -143,8 +143,7 @@ def _validate_budget_minimum(args: argparse.Namespace, minimum: Optional[int]) -
 def _validate_placement(args: argparse.Namespace) -> None:
     """--dpp-stage-placement (with --use-dpp): the v placement's two chunks a rank, a policy with
     an order on it, and the tied embedding's two copies summed on rank 0 before the
-    data-parallel reduction (finalize_model_grads), which --overlap-grad-reduce starts earlier;
-    checkpoints, except the distributed optimizer's with those two copies at dp > 1."""
+    data-parallel reduction (finalize_model_grads), which --overlap-grad-reduce starts earlier."""
     from megatron_dpp.pipeline import check_policy_placement
     from megatron_dpp.pipeline.placement import V_SHAPE, named_placement
 
@@ -162,15 +161,6 @@ def _validate_placement(args: argparse.Namespace) -> None:
                 "--dpp-stage-placement v computes the loss on pipeline rank 0, and "
                 "--calculate-per-token-loss takes the token count from the last pipeline rank "
                 "(Megatron-Core's finalize_model_grads); drop one of them")
-        dp = args.parallel.data_parallel_size
-        require(not ((args.save is not None or args.load is not None) and dp > 1
-                     and args.use_distributed_optimizer
-                     and not getattr(args, "untie_embeddings_and_output_weights", False)),
-                f"--dpp-stage-placement v does not save or load checkpoints of the distributed "
-                f"optimizer with tied embeddings at data-parallel size {dp} (both copies of the "
-                f"embedding, on rank 0, share one checkpoint key, and its data-parallel state "
-                f"does not come back whole); add --untie-embeddings-and-output-weights, or drop "
-                f"--use-distributed-optimizer or --save/--load")
     try:
         check_policy_placement(args.dpp_policy,
                                named_placement(args.dpp_stage_placement,

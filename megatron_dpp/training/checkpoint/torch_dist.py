@@ -274,6 +274,7 @@ def _state_dict(iteration: int, consumed_samples: int, args, model_chunks, optim
              "megatron_dpp_layout": _layout()}
     state.update(_model_state_dict(model_chunks, metadata))
     if with_optimizer:
+        distributed_optimizer.aligned_state_gather(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
                                                           metadata=metadata)
         state["opt_param_scheduler"] = scheduler.state_dict()
