@@ -1,6 +1,7 @@
 """Tests marked `alone` run with no other test running, when pytest-xdist runs the suite in several
-workers (run_tests.sh: two). Such a test checks how the CPU is shared between its own processes
-(who runs first after a wake-up), which another worker's ranks on the same cores would change.
+workers (run_tests.sh: two). Such a test checks timing that another worker's ranks on the same
+cores would change: how the CPU is shared between its own processes (who runs first after a
+wake-up), or a deadline of a fraction of a second.
 
 A readers-writer lock over the workers, two flock()ed files in the session's shared temporary
 directory: every test holds the room shared; an `alone` test holds it exclusively. The turnstile in
@@ -59,7 +60,7 @@ _lock: _Lock | None = None
 def configure(config) -> None:
     config.addinivalue_line(
         "markers", f"{MARKER}: runs while no other test runs (under pytest-xdist's workers): it "
-                   f"checks how the CPU is shared between its own processes")
+                   f"checks timing that another worker's load would change")
 
 
 @pytest.hookimpl(hookwrapper=True)

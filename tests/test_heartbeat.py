@@ -92,6 +92,7 @@ def test_beating_peers_are_never_lost_and_a_bye_is_honoured():
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.alone  # sub-second deadlines: another worker's ranks on these cores would stretch them
 def test_a_silent_peer_is_named_inbound_within_the_timeout():
     with heartbeats() as (beats, lost):
         time.sleep(2 * INTERVAL_S)
@@ -363,6 +364,7 @@ def _engines(count: int, options: dict, interval_s: float = INTERVAL_S,
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.alone  # sub-second deadlines: another worker's ranks on these cores would stretch them
 def test_a_stopped_training_process_stops_the_beats_and_the_judging():
     """While `alive` says the training process is stopped, its heartbeat sends nothing (its peer
     names it) and counts no silence (its silent peer is not named)."""
@@ -382,6 +384,7 @@ def test_a_stopped_training_process_stops_the_beats_and_the_judging():
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.alone  # sub-second deadlines: another worker's ranks on these cores would stretch them
 def test_the_first_beat_goes_at_its_phase():
     beats, _lost = _engines(2, {0: {"first_beat_s": 0.6}, 1: {"first_beat_s": 0.0}},
                             interval_s=0.6, timeout_s=2.4)
@@ -511,6 +514,7 @@ def test_the_helper_starts_without_torch():
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
+@pytest.mark.alone  # sub-second deadlines: another worker's ranks on these cores would stretch them
 def test_a_healthy_run_with_a_tight_timeout_loses_nobody(tmp_path):
     """Model building, iterations, checkpoint saves and the ranks' exits at different moments
     (the first to finish says bye) never look like a lost peer, even with a 1 s timeout."""
