@@ -41,7 +41,11 @@ class _Lock:
     def enter(self, alone: bool, test: str) -> None:
         self._take(self.turnstile, fcntl.LOCK_EX, "the turnstile (another worker's alone test)", test)
         if alone:  # keeps the turnstile until it is done: no test starts meanwhile
-            self._take(self.room, fcntl.LOCK_EX, "the other workers' tests to end", test)
+            try:
+                self._take(self.room, fcntl.LOCK_EX, "the other workers' tests to end", test)
+            except BaseException:
+                fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+                raise
         else:
             try:
                 self._take(self.room, fcntl.LOCK_SH, "an alone test to end", test)
