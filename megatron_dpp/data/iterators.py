@@ -5,7 +5,9 @@ data-parallel size, and hands each data-parallel rank its own micro_batch_size s
 at consumed_samples = iteration x global_batch_size continues the exact stream an uninterrupted run
 would have seen, and the data-parallel ranks together see each sample once.
 """
+import atexit
 import functools
+import weakref
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
@@ -175,6 +177,36 @@ def build_data_loader(dataset, consumed_samples: int, micro_batch_size: int,
         generator=torch.Generator())
 
 
+# Loaders and iterators whose worker processes are to be stopped at exit (see _stop_workers).
+_WITH_WORKERS: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _stop_workers() -> None:
+    """At exit, before multiprocessing's own exit handler (registered earlier, so it runs later):
+    stop the worker processes of every loader still alive, as deleting it would. That handler
+    SIGTERMs daemonic children, torch's DataLoader workers among them, and a worker killed so
+    leaves its temporary directory behind (/tmp/pymp-*, with the socket through which it shared
+    its batches' memory). Stopped by their loader, they exit cleanly and remove it."""
+    for owner in list(_WITH_WORKERS):
+        iterator = getattr(owner, "_iterator", owner)  # a DataLoader's persistent iterator
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
+_stop_registered = False
+
+
+def _stopped_at_exit(owner):
+    """`owner` (a DataLoader, or its iterator) with workers: stopped by _stop_workers at exit."""
+    global _stop_registered
+    if not _stop_registered:
+        atexit.register(_stop_workers)
+        _stop_registered = True
+    _WITH_WORKERS.add(owner)
+    return owner
+
+
 def build_data_iterators(args, train_ds, valid_ds, test_ds,
                          consumed_train_samples: Optional[int] = None,
                          consumed_valid_samples: Optional[int] = None,
@@ -201,11 +233,14 @@ def build_data_iterators(args, train_ds, valid_ds, test_ds,
     fold_documents = bool(getattr(args, "dataloader_inter_document_masking", False))
 
     def loader(dataset, consumed):
-        return build_data_loader(dataset, consumed, args.micro_batch_size, data_parallel_rank,
-                                 data_parallel_size, num_workers, pad_token, trim_padding,
-                                 fold_documents)
+        built = build_data_loader(dataset, consumed, args.micro_batch_size, data_parallel_rank,
+                                  data_parallel_size, num_workers, pad_token, trim_padding,
+                                  fold_documents)
+        return _stopped_at_exit(built) if num_workers > 0 else built
 
     train_iter = iter(loader(train_ds, consumed_train_samples)) if train_ds is not None else None
+    if num_workers > 0 and train_iter is not None:
+        _stopped_at_exit(train_iter)  # its loader may be gone: the iterator holds the workers
     valid_iter = (_cycle(loader(valid_ds, consumed_valid_samples % len(valid_ds)))
                   if valid_ds is not None and len(valid_ds) > 0 else None)
     test_iter = _cycle(loader(test_ds, 0)) if test_ds is not None and len(test_ds) > 0 else None
