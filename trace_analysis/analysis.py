@@ -6,7 +6,8 @@ A rank's idle time is the window minus its task time, so the fill before its fir
 drain after its last count as bubble. Idle is split by the recorded waits' reasons, clipped to the
 window. What no wait of a known reason covers is `fill` before the rank's first task of the
 iteration, `drain` after its last (the pipeline's shape: another rank is still computing), and
-`other` between them (the runtime's loop, decisions between tasks, waits of another reason). Posting a task's output send (the transport's isend, after the task's
+`other` between them (the runtime's loop, decisions between tasks, waits of another reason).
+Posting a task's output send (the transport's isend, after the task's
 span) is its own group: with the shm transport it can take tens of milliseconds. So is waiting in a
 blocking collective inside the window (a last stage's part of the embedding-gradient all-reduce
 while the first stage still runs its backwards, say).
@@ -93,7 +94,7 @@ def window(run: RunTimeline, iteration: int, ranks: Sequence[RankTimeline] = ())
 
 
 def _uncovered(start: float, end: float, waits: Sequence[Tuple[float, float]]) -> float:
-    """Time in [start, end] that none of the (sorted, disjoint) `waits` covers."""
+    """Time in [start, end] that none of the (disjoint) `waits` covers."""
     covered = sum(max(0.0, min(w_end, end) - max(w_start, start)) for w_start, w_end in waits)
     return max(0.0, end - start - covered)
 
@@ -112,7 +113,6 @@ def rank_time(rank: RankTimeline, iteration: int, start: float, end: float) -> R
     # Idle time that no wait of a known reason covers: fill before the rank's first task, drain
     # after its last, `other` between (rounding may make it -0).
     if tasks:
-        known_waits.sort()
         first, last = min(task.start for task in tasks), max(task.end for task in tasks)
         time.idle[FILL] = _uncovered(start, max(start, first), known_waits)
         time.idle[DRAIN] = _uncovered(min(end, last), end, known_waits)

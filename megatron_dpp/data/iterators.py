@@ -194,15 +194,11 @@ def _stop_workers() -> None:
             shutdown()
 
 
-_stop_registered = False
+atexit.register(_stop_workers)  # after torch's import registered multiprocessing's handler
 
 
 def _stopped_at_exit(owner):
     """`owner` (a DataLoader, or its iterator) with workers: stopped by _stop_workers at exit."""
-    global _stop_registered
-    if not _stop_registered:
-        atexit.register(_stop_workers)
-        _stop_registered = True
     _WITH_WORKERS.add(owner)
     return owner
 

@@ -39,14 +39,19 @@ import functools
 import torch
 
 
-def _torch_adam_distributed_optimizers(optimizer) -> list:
-    """The distributed optimizers among `optimizer`'s (or a chain's) that wrap torch's Adam."""
-    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+def _distributed_optimizers(optimizer) -> list:
+    """The distributed optimizers among `optimizer`'s (or a chain's)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    if HAVE_APEX_OR_TE:
-        return []
     return [sub for sub in getattr(optimizer, "chained_optimizers", [optimizer])
             if isinstance(sub, DistributedOptimizer)]
+
+
+def _torch_adam_distributed_optimizers(optimizer) -> list:
+    """The distributed optimizers among `optimizer`'s (or a chain's) that wrap torch's Adam."""
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+
+    return [] if HAVE_APEX_OR_TE else _distributed_optimizers(optimizer)
 
 
 def _setting_aside_adam_steps(load_param_state):
@@ -62,13 +67,6 @@ def _setting_aside_adam_steps(load_param_state):
 
     load.sets_aside_adam_steps = True
     return load
-
-
-def _distributed_optimizers(optimizer) -> list:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    return [sub for sub in getattr(optimizer, "chained_optimizers", [optimizer])
-            if isinstance(sub, DistributedOptimizer)]
 
 
 def _with_padded_buckets(get_state):
