@@ -46,8 +46,6 @@ def _scenario(args):
 
 def _worker(rank: int, args, port: int, results) -> None:
     try:
-        if args.pin:
-            os.sched_setaffinity(0, {rank % os.cpu_count()})
         import time
 
         import numpy as np
@@ -59,7 +57,7 @@ def _worker(rank: int, args, port: int, results) -> None:
             forward_step, timed_stage_config
 
         P = args.pipeline_size
-        transport = start_pipeline_rank(rank, P, port)
+        transport = start_pipeline_rank(rank, P, port, pin=args.pin)
         scenario = _scenario(args)
         graph, split_graph = scenario.graph(), scenario.graph(split_backward=True)
         sizes = [int(s) for s in graph.sizes]

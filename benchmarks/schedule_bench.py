@@ -294,8 +294,18 @@ def _torch_pipelining_runner(schedule: str, scenario: Scenario, model, sizes: Li
     return run
 
 
-def start_pipeline_rank(rank: int, P: int, port: int):
-    """This process as pipeline rank `rank` of P (gloo, tp=1): its shm_tensor transport."""
+def pin_to_core(rank: int) -> None:
+    """Run on the (rank mod cores)-th core this process may use: on 2 cores, neighbouring ranks
+    (every message's two ends) run on different cores, and no rank migrates mid-task."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
+def start_pipeline_rank(rank: int, P: int, port: int, pin: bool = True):
+    """This process as pipeline rank `rank` of P (gloo, tp=1): its shm_tensor transport; with
+    `pin`, pinned to a core (pin_to_core). Its timed stages' sleeps end on time (precise_sleeps)."""
+    if pin:
+        pin_to_core(rank)  # first, so that every thread the imports below start inherits it
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(P), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
@@ -303,9 +313,12 @@ def start_pipeline_rank(rank: int, P: int, port: int):
     from megatron.core import parallel_state
 
     from megatron_dpp.comm import make_transport
+    from timed_stage import precise_sleeps
+
     from megatron_dpp.platform import setup_platform
 
     torch.set_num_threads(1)
+    precise_sleeps()
     setup_platform()
     dist.init_process_group("gloo", rank=rank, world_size=P)
     # Megatron's schedules are called directly (not via get_forward_backward_func) and read the
@@ -325,9 +338,9 @@ def end_pipeline_rank(transport) -> None:
 
 
 def _worker(rank: int, scenarios: List[Scenario], schedules_of: Dict[str, List[str]], warmup: int,
-            repeats: int, trace: bool, port: int, results_queue) -> None:
+            repeats: int, trace: bool, pin: bool, port: int, results_queue) -> None:
     try:
-        transport = start_pipeline_rank(rank, scenarios[0].P, port)
+        transport = start_pipeline_rank(rank, scenarios[0].P, port, pin)
         rows = []
         for scenario in scenarios:
             rows.extend(_run_schedules(rank, scenario, schedules_of[scenario.key], warmup, repeats,
@@ -571,9 +584,10 @@ def _free_port() -> int:
 
 
 def run_scenarios(scenarios: List[Scenario], schedules_of: Dict[str, List[str]], warmup: int,
-                  repeats: int, timeout_s: float, trace: bool = False) -> List[dict]:
-    """Start P processes, run every scenario's schedules, return rank 0's rows; raise on failure."""
-    return run_pipeline_ranks(_worker, (scenarios, schedules_of, warmup, repeats, trace),
+                  repeats: int, timeout_s: float, trace: bool = False, pin: bool = True) -> List[dict]:
+    """Start P processes (pinned to cores unless `pin` is False), run every scenario's
+    schedules, return rank 0's rows; raise on failure."""
+    return run_pipeline_ranks(_worker, (scenarios, schedules_of, warmup, repeats, trace, pin),
                               scenarios[0].P, timeout_s, "schedule_bench")
 
 
@@ -606,6 +620,19 @@ def run_pipeline_ranks(worker, worker_args: tuple, P: int, timeout_s: float, nam
     if status != "ok":
         raise RuntimeError(f"{name} failed: {payload}")
     return payload
+
+
+def schedule_fits(label: str, V: int) -> bool:
+    """Whether a row's schedule runs at V model chunks per rank: Megatron's 1F1B and torch's
+    Schedule1F1B at V=1, the interleaved ones at V > 1, the v placement at V=2; the rest anywhere."""
+    name = label.partition("@")[0]
+    if name in ("1f1b", "torch:Schedule1F1B"):
+        return V == 1
+    if name in ("interleaved-1f1b", "torch:ScheduleInterleaved1F1B"):
+        return V > 1
+    if name.endswith(V_SUFFIX):
+        return V == 2
+    return True
 
 
 def schedules_for(V: int, include_torch: bool, scenario: str) -> List[str]:
@@ -839,6 +866,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     # Five: a median of five repeats stays put when two of them catch a burst of load from other
     # jobs, which on shared cores adds 5-70% to single repeats of any schedule.
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-pin", dest="pin", action="store_false",
+                        help="Do not pin rank r to core r mod cores (the default pins, so that "
+                             "neighbouring ranks run on different cores and none migrates).")
     parser.add_argument("--no-torch-pipelining", action="store_true",
                         help="Skip torch.distributed.pipelining's schedules.")
     parser.add_argument("--timeout", type=float, default=1800.0,
@@ -871,6 +901,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     for V in args.virtual_stages:
         if V < 1 or (V > 1 and args.microbatches % args.pipeline_size):
             parser.error(f"V={V}: need V >= 1, and M a multiple of P for interleaving")
+    if args.schedules:
+        # Packed scenarios run at V=1 only (as main builds them).
+        chunk_counts = {1 if name in PACKED_SCENARIOS else V
+                        for name in args.scenarios for V in args.virtual_stages}
+        unfit = [label for label in args.schedules
+                 if not any(schedule_fits(label, V) for V in chunk_counts)]
+        if unfit:
+            parser.error(f"--schedules {' '.join(unfit)}: fit none of the runs' chunk counts "
+                         f"(-V {' '.join(map(str, sorted(chunk_counts)))}; the v placement needs "
+                         f"-V 2, Megatron's interleaved schedule V > 1, its 1f1b V=1)")
     return args
 
 
@@ -885,13 +925,17 @@ def main(argv=None) -> int:
                                 straggler_factor=args.straggler_factor,
                                 bytes_per_token=args.bytes_per_token, seed=args.seed)
             scenarios.append(scenario)
-            schedules_of[scenario.key] = args.schedules or schedules_for(V, not args.no_torch_pipelining,
-                                                                         name)
+            if args.schedules:
+                # Each V runs the listed schedules that fit it (the v rows at V=2 only, ...).
+                schedules_of[scenario.key] = [label for label in args.schedules
+                                              if schedule_fits(label, V)]
+            else:
+                schedules_of[scenario.key] = schedules_for(V, not args.no_torch_pipelining, name)
     started = time.time()
     report = {"results": []}
     if not args.gpt_only:
         report["results"] = run_scenarios(scenarios, schedules_of, args.warmup, args.repeats, args.timeout,
-                                          args.trace)
+                                          args.trace, args.pin)
         print(format_table(report["results"]))
         print(f"# {len(report['results'])} rows in {time.time() - started:.1f} s")
     if args.gpt or args.gpt_only:

@@ -69,3 +69,46 @@ def _check_trace(row):
         # A static order runs the same order whatever the timing: its replay is the prediction.
         for replayed in row["replayed_times"]:
             assert abs(replayed - row["predicted_time"]) < 1e-6, (replayed, row["predicted_time"])
+
+
+def _bench_module():
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    import schedule_bench
+
+    return schedule_bench
+
+
+def test_listed_schedules_run_at_the_chunk_counts_they_fit():
+    """--schedules with -V 1 2: the v rows run at V=2 only, Megatron's 1F1B at V=1, its
+    interleaved schedule at V=2; the rest at both."""
+    bench = _bench_module()
+    fits = {(label, V) for label in ("1f1b", "interleaved-1f1b", "zb-v+W/v", "dpp:adaptive+W/v",
+                                     "dpp:adaptive+W@1.25x", "torch:Schedule1F1B")
+            for V in (1, 2) if bench.schedule_fits(label, V)}
+    assert fits == {("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v+W/v", 2), ("dpp:adaptive+W/v", 2),
+                    ("dpp:adaptive+W@1.25x", 1), ("dpp:adaptive+W@1.25x", 2),
+                    ("torch:Schedule1F1B", 1)}
+
+
+def test_a_listed_schedule_that_fits_no_run_stops_in_one_line():
+    command = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "schedule_bench.py"),
+               "--scenarios", "uniform", "-V", "1", "--schedules", "1f1b", "zb-v+W/v"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=_env(),
+                            cwd=REPO_ROOT)
+    assert result.returncode == 2, result.stdout + result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "--schedules zb-v+W/v: fit none of the runs' chunk counts (-V 1;" in last, last
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_TIMERSLACK is Linux's")
+def test_precise_sleeps_sets_the_timer_slack_of_the_process():
+    """The timed stages' processes ask for a 1 ns timer slack (read back from /proc), so their
+    sleeps end on time rather than up to 50 us late."""
+    script = ("import sys; sys.path.insert(0, 'benchmarks'); from timed_stage import precise_sleeps; "
+              "before = open('/proc/self/timerslack_ns').read().strip(); precise_sleeps(); "
+              "print(before, open('/proc/self/timerslack_ns').read().strip())")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, env=_env(), cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    before, after = result.stdout.split()
+    assert after == "1" and before != "1", (before, after)
