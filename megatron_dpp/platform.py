@@ -3,7 +3,8 @@
 With CUDA: device cuda:LOCAL_RANK and nccl, nothing patched; with N ranks per GPU (the launcher's
 --ranks-per-gpu, megatron_dpp.shared_gpu), device cuda:(LOCAL_RANK // N) and gloo (NCCL refuses two
 ranks of one communicator on one device). Without CUDA: device cpu and gloo, and
-Megatron-Core's modules get the CPU stand-ins of mcore/cpu_patches.py. Call
+Megatron-Core's modules get the CPU stand-ins of mcore/cpu_patches.py, and malloc keeps the memory
+the process frees (megatron_dpp.cpu_memory). Call
 `setup_platform(spec.cpu_patched_modules)` before building any Megatron model.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_dpp.cpu_memory import keep_freed_memory
 from megatron_dpp.mcore.cpu_patches import apply_cpu_patches
 from megatron_dpp.shared_gpu import device_index, ranks_per_gpu
 
@@ -29,7 +31,8 @@ class Platform:
 
 
 def setup_platform(extra_patched_modules: Sequence[str] = ()) -> Platform:
-    """Pick device and backend for this process; on CPU patch Megatron-Core (idempotent).
+    """Pick device and backend for this process; on CPU patch Megatron-Core and keep freed memory
+    (both idempotent).
 
     extra_patched_modules: the model's own Megatron-Core modules to patch on CPU
     (ModelSpec.cpu_patched_modules)."""
@@ -40,4 +43,5 @@ def setup_platform(extra_patched_modules: Sequence[str] = ()) -> Platform:
         return Platform(device=torch.device("cuda", index),
                         backend="nccl" if per_gpu == 1 else "gloo")
     apply_cpu_patches(extra_patched_modules)
+    keep_freed_memory()
     return Platform(device=torch.device("cpu"), backend="gloo")
