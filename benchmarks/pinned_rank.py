@@ -12,13 +12,18 @@ import runpy
 import sys
 
 
+def pin_to_core(index: int) -> None:
+    """Run on the (index mod cores)-th core this process may use; threads started later inherit it."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[index % len(cores)]})
+
+
 def pin_to_own_core() -> None:
     local_rank = os.environ.get("LOCAL_RANK")
     if local_rank is None:
         sys.exit(f"{os.path.basename(sys.argv[0])}: LOCAL_RANK is not set; start it with torchrun "
                  "(python -m torch.distributed.run ... benchmarks/pinned_rank.py FLAGS)")
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[int(local_rank) % len(cores)]})
+    pin_to_core(int(local_rank))
 
 
 def run_pretrain_gpt() -> None:

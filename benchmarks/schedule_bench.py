@@ -294,17 +294,14 @@ def _torch_pipelining_runner(schedule: str, scenario: Scenario, model, sizes: Li
     return run
 
 
-def pin_to_core(rank: int) -> None:
-    """Run on the (rank mod cores)-th core this process may use: on 2 cores, neighbouring ranks
-    (every message's two ends) run on different cores, and no rank migrates mid-task."""
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[rank % len(cores)]})
-
-
 def start_pipeline_rank(rank: int, P: int, port: int, pin: bool = True):
     """This process as pipeline rank `rank` of P (gloo, tp=1): its shm_tensor transport; with
-    `pin`, pinned to a core (pin_to_core). Its timed stages' sleeps end on time (precise_sleeps)."""
+    `pin`, on core rank mod cores (pinned_rank.pin_to_core): on 2 cores neighbouring ranks, every
+    message's two ends, run on different cores, and no rank migrates mid-task. Its timed stages'
+    sleeps end on time (precise_sleeps)."""
     if pin:
+        from pinned_rank import pin_to_core
+
         pin_to_core(rank)  # first, so that every thread the imports below start inherits it
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(P), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -312,9 +309,9 @@ def start_pipeline_rank(rank: int, P: int, port: int, pin: bool = True):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_dpp.comm import make_transport
     from timed_stage import precise_sleeps
 
+    from megatron_dpp.comm import make_transport
     from megatron_dpp.platform import setup_platform
 
     torch.set_num_threads(1)

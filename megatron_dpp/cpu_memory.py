@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from typing import Dict, Optional
+from typing import Optional, Tuple
 
 # malloc.h
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
 
-SETTINGS: Dict[int, int] = {
-    M_TRIM_THRESHOLD: 2 * 1024 ** 3 - 1,  # mallopt takes an int: just under 2 GiB
-    M_TOP_PAD: 256 * 1024 ** 2,
-    M_MMAP_THRESHOLD: 32 * 1024 ** 2,  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
-}
-NAMES = {M_TRIM_THRESHOLD: "M_TRIM_THRESHOLD", M_TOP_PAD: "M_TOP_PAD",
-         M_MMAP_THRESHOLD: "M_MMAP_THRESHOLD"}
+# (name, mallopt option, value)
+SETTINGS: Tuple[Tuple[str, int, int], ...] = (
+    ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, 2 * 1024 ** 3 - 1),  # mallopt takes an int: < 2 GiB
+    ("M_TOP_PAD", M_TOP_PAD, 256 * 1024 ** 2),
+    ("M_MMAP_THRESHOLD", M_MMAP_THRESHOLD, 32 * 1024 ** 2),  # glibc's largest on 64-bit
+)
 
 
 def _glibc_mallopt() -> Optional[ctypes._CFuncPtr]:
@@ -48,7 +47,7 @@ def keep_freed_memory() -> bool:
     mallopt = _glibc_mallopt()
     if mallopt is None:
         return False
-    for option, value in SETTINGS.items():
+    for name, option, value in SETTINGS:
         if mallopt(option, value) != 1:
-            raise OSError(f"mallopt({NAMES[option]}, {value}) refused by glibc")
+            raise OSError(f"mallopt({name}, {value}) refused by glibc")
     return True
