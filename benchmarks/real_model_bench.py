@@ -8,12 +8,14 @@ attention (whole-masked, + --use-sequence-packing).
 
 Variants: Megatron's 1F1B (the reference, over the same shm_tensor transport), 1f1b-sorted and
 dpp:adaptive (the runtime with fused backwards) and dpp:adaptive+W (the same with
---dpp-split-backward), each also under --dpp-memory-budget 1.25x (ending in @1.25x); on the v placement (--dpp-stage-placement v, two chunks a rank, ending in
-/v) zb-v (ZB-V's order) and dpp:adaptive, fused and split; and the same documents unpacked (one a
-microbatch, ending in /unpacked: Megatron's 1F1B, dpp:adaptive fused and split), to set what packing
-gains beside what the schedules gain (tokens/s; part 2 only); with --data masked, Megatron's 1F1B
-on the same windows with attention across documents (megatron-1f1b/unmasked): what the masking
-gains. Every rank runs on a core of its own
+--dpp-split-backward), each also under --dpp-memory-budget 1.25x (ending in @1.25x); on the v
+placement (--dpp-stage-placement v, two chunks a rank, ending in /v) zb-v (ZB-V's order) and
+dpp:adaptive, fused and split; on Megatron's interleaved placement with two chunks a rank (ending
+in /vpp2) Megatron's interleaved 1F1B and dpp:adaptive, fused and split; and the same documents
+unpacked (one a microbatch, ending in /unpacked: Megatron's 1F1B, dpp:adaptive fused and split),
+to set what packing gains beside what the schedules gain (tokens/s; part 2 only); with --data
+masked, Megatron's 1F1B on the same windows with attention across documents
+(megatron-1f1b/unmasked): what the masking gains. Every rank runs on a core of its own
 (benchmarks/pinned_rank.py; OMP_NUM_THREADS=1). Two parts:
 
 1. One process per rank (benchmarks/schedules_in_one_process.py): every variant's forward-backward
@@ -24,7 +26,7 @@ gains. Every rank runs on a core of its own
    their tasks, so dpp:adaptive+W / dpp:adaptive of it is what the split itself costs. The variants
    of one batch run seconds apart, so the machine's changes of speed (on shared cores they last
    longer than a training run) fall on all of them alike: this is the figure to quote. The v
-   variants build other model chunks (two a rank) and so run in part 2 only.
+   and vpp2 variants build other model chunks (two a rank) and so run in part 2 only.
 2. Training runs (--training-rounds, 0 to skip): every variant trains the same model with the same
    seed and data, so iteration i of every run sees the same samples; one run of each per round,
    order rotating; each run's time / the reference's for the same round and iteration (pairs of
@@ -71,6 +73,7 @@ from trace_analysis.timeline import run_timeline  # noqa: E402
 REFERENCE = "megatron-1f1b"
 V_PLACEMENT = ["--use-dpp", "--num-virtual-stages-per-pipeline-rank", "2",
                "--dpp-stage-placement", "v"]
+INTERLEAVED = ["--num-virtual-stages-per-pipeline-rank", "2"]
 # name -> extra flags. Megatron's 1F1B goes over the same transport as DPP (--p2p-transport auto:
 # shm_tensor between the two ranks), so the variants differ in the schedule alone.
 VARIANTS: Dict[str, List[str]] = {
@@ -90,6 +93,12 @@ VARIANTS: Dict[str, List[str]] = {
     "zb-v+W/v": [*V_PLACEMENT, "--dpp-policy", "zb-v", "--dpp-split-backward"],
     "dpp:adaptive/v": [*V_PLACEMENT, "--dpp-policy", "dpp:adaptive"],
     "dpp:adaptive+W/v": [*V_PLACEMENT, "--dpp-policy", "dpp:adaptive", "--dpp-split-backward"],
+    # Megatron's interleaved placement, two chunks a rank (stage = chunk * 2 + rank): Megatron's
+    # interleaved 1F1B, a user's other choice, and dpp:adaptive on it, fused and split.
+    "interleaved-1f1b/vpp2": [*INTERLEAVED],
+    "dpp:adaptive/vpp2": [*INTERLEAVED, "--use-dpp", "--dpp-policy", "dpp:adaptive"],
+    "dpp:adaptive+W/vpp2": [*INTERLEAVED, "--use-dpp", "--dpp-policy", "dpp:adaptive",
+                            "--dpp-split-backward"],
     # The same documents unpacked, one a microbatch (--variable-seq-lengths), whatever --data is:
     # what packing itself gains, beside the schedules (tokens/s).
     "megatron-1f1b/unpacked": [],
@@ -314,8 +323,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 <= args.skip < args.iters:
         parser.error(f"--skip must be in [0, --iters {args.iters})")
     if any(OTHER_CHUNKS_FLAG in VARIANTS[name] for name in args.variants) and args.num_layers % 4:
-        parser.error("the /v variants split --num-layers over 4 stages (2 ranks x 2 chunks): give "
-                     "a multiple of 4")
+        parser.error("the /v and /vpp2 variants split --num-layers over 4 stages (2 ranks x 2 "
+                     "chunks): give a multiple of 4")
     if args.data == "varlen" and any(name.endswith(UNPACKED_SUFFIX) for name in args.variants):
         parser.error("the /unpacked variants are there to compare with packed data: give --data "
                      "packed, masked or whole-masked")

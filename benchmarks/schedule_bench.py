@@ -11,21 +11,24 @@ held. --trace also keeps every DPP repeat's executed task order per rank and rep
 simulator, which separates what a dynamic policy's run-time decisions cost from timing noise. Stages sleep for their durations (benchmarks/
 timed_stage.py), so the numbers measure the schedule, not the CPU.
 
-Packed long-context scenarios (packed8k, packed32k; V=1, not in the default list): windows of 8k or
+Packed long-context scenarios (packed8k, packed32k; not in the default list): windows of 8k or
 32k tokens packed whole from lognormal documents (mean 2048, CV 1.5; megatron_dpp.sim's
 PackedLongContext), each microbatch item carrying its documents' cu_seqlens as packed data does.
 Every window holds the same tokens (activation bytes) but its work is W + c * sum of s_i^2 with c
 the causal attention's cost per token pair of a hidden-4096 GPT layer (1/(12h)); the runtime
 prices each item with the model's own work function (models/gpt.py gpt_microbatch_work). Rows:
 Megatron's 1F1B, 1F1B+W (its order with split backwards, through the DPP runtime), dpp:adaptive
-and dpp:adaptive+W, each DPP row at the default budget and at 1.25x (PACKED_BUDGET); each row's
-peak per rank is reported against 1F1B's fullest rank (W's stash counted: a split row's timed
-stage holds its activation until W).
+and dpp:adaptive+W, each DPP row at the default budget and at 1.25x (PACKED_BUDGET); with -V 2 also
+the v placement with split backwards (ZB-V's order and dpp:adaptive, PACKED_V_SCHEDULES), against
+the same 1F1B (V=1). Each row's peak per rank is reported against 1F1B's fullest rank (W's stash
+counted: a split row's timed stage holds its activation until W).
 
     python benchmarks/schedule_bench.py --json runs/schedule_bench.json
     python benchmarks/schedule_bench.py --quick
     python benchmarks/schedule_bench.py --scenarios varlen -V 1 --trace --json runs/varlen_trace.json
     python benchmarks/schedule_bench.py --scenarios packed8k packed32k -V 1 -P 4 --json runs/packed.json
+    python benchmarks/schedule_bench.py --scenarios packed32k -V 1 2 --schedules 1f1b \
+        dpp:adaptive+W@1.25x zb-v+W/v dpp:adaptive+W/v
 """
 from __future__ import annotations
 
@@ -46,12 +49,14 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SCENARIOS = ("uniform", "varlen", "straggler")
-# Packed long-context scenarios (V=1): name -> window tokens.
+# Packed long-context scenarios: name -> window tokens.
 PACKED_SCENARIOS = {"packed8k": 8192, "packed32k": 32768}
 PACKED_HIDDEN = 4096  # the layer whose attention prices a pack (the issue's h)
 PACKED_BUDGET = "1.25x"  # --dpp-memory-budget's relative form: 1.25 x 1F1B's fullest rank
 PACKED_SCHEDULES = ("1f1b", "1f1b+W", "dpp:adaptive", "dpp:adaptive+W",
                     f"dpp:adaptive@{PACKED_BUDGET}", f"dpp:adaptive+W@{PACKED_BUDGET}")
+# On the v placement (V=2), against the same 1F1B (V=1): ZB-V's order and dpp:adaptive, split.
+PACKED_V_SCHEDULES = ("zb-v+W/v", "dpp:adaptive+W/v")
 # The issue's target: packed 32k, P=4, M=16, the best DPP row / Megatron's 1F1B, every rank
 # within 1.25 x 1F1B's fullest-rank memory.
 PACKED_TARGET = ("packed32k", 4, 16, 0.85, 1.25)
@@ -621,20 +626,31 @@ def run_pipeline_ranks(worker, worker_args: tuple, P: int, timeout_s: float, nam
 
 def schedule_fits(label: str, V: int) -> bool:
     """Whether a row's schedule runs at V model chunks per rank: Megatron's 1F1B and torch's
-    Schedule1F1B at V=1, the interleaved ones at V > 1, the v placement at V=2; the rest anywhere."""
-    name = label.partition("@")[0]
+    Schedule1F1B at V=1 (split or not), the interleaved ones at V > 1, the v placement at V=2;
+    the rest anywhere."""
+    from megatron_dpp.pipeline.placement import V_SHAPE
+
+    if placement_of(label) == V_SHAPE:
+        return V == 2
+    name = parse_schedule(label)[0]
     if name in ("1f1b", "torch:Schedule1F1B"):
         return V == 1
     if name in ("interleaved-1f1b", "torch:ScheduleInterleaved1F1B"):
         return V > 1
-    if name.endswith(V_SUFFIX):
-        return V == 2
     return True
+
+
+def chunk_counts_for(scenario: str, requested: List[int]) -> List[int]:
+    """The V a scenario runs at: the requested ones; for a packed scenario V=1 (its reference,
+    Megatron's 1F1B) and V=2 if requested (the v placement), no other."""
+    if scenario in PACKED_SCENARIOS:
+        return [1] + ([2] if 2 in requested else [])
+    return list(requested)
 
 
 def schedules_for(V: int, include_torch: bool, scenario: str) -> List[str]:
     if scenario in PACKED_SCENARIOS:
-        return list(PACKED_SCHEDULES)
+        return list(PACKED_SCHEDULES if V == 1 else PACKED_V_SCHEDULES)
     megatron = "1f1b" if V == 1 else "interleaved-1f1b"
     from megatron_dpp.pipeline import DYNAMIC_SCHEDULES
 
@@ -680,7 +696,9 @@ def v_target_lines(rows: List[dict], reference: Dict[tuple, float]) -> List[str]
     among rows whose fullest rank holds at most what 1F1B holds on its first rank, beside ZB-V's
     bound. Reports; does not judge."""
     lines = []
-    for scenario in sorted({row["scenario"] for row in rows if row.get("placement") == "v"}):
+    # The packed scenarios' v rows count toward the packed target (packed_lines) instead.
+    for scenario in sorted({row["scenario"] for row in rows if row.get("placement") == "v"
+                            and row["scenario"] not in PACKED_SCENARIOS}):
         one_f_one_b = [row for row in rows if row["scenario"] == scenario and row["V"] == 1
                        and row["schedule"] == "1f1b"]
         if not one_f_one_b:
@@ -717,10 +735,15 @@ def packed_lines(rows: List[dict]) -> List[str]:
         fullest = ref["megatron_budget"]  # 1F1B's fullest rank: P full windows
         for row in group:
             spread = [t / ref["time"] for t in row["times"]]
-            memory_ratios = [peak / fullest for peak in row["peak_activation_per_rank"]]
+            # A chunk holds 1/V of a rank's layers: its activation is 1/V of the counted bytes
+            # (as v_memory_ratio says).
+            memory_ratios = [peak / row["V"] / fullest for peak in row["peak_activation_per_rank"]]
             row["memory_vs_1f1b_fullest"] = memory_ratios
+            # Interleaved rows at V > 1 say so; the v rows' label already does.
+            label = row["schedule"] + (f" V={row['V']}" if row["V"] > 1
+                                       and placement_of(row["schedule"]) != "v" else "")
             lines.append(
-                f"# {key[0]} P={key[1]} M={key[2]} {row['schedule']:<24} measured "
+                f"# {key[0]} P={key[1]} M={key[2]} {label:<28} measured "
                 f"{row['time'] / ref['time']:.3f} x 1F1B (repeats {min(spread):.3f}-{max(spread):.3f}), "
                 f"simulator {row['predicted_time_no_overhead'] / ref['predicted_time_no_overhead']:.3f}, "
                 f"bound {row['pipeline_bound'] / ref['predicted_time_no_overhead']:.3f}; memory per "
@@ -731,8 +754,10 @@ def packed_lines(rows: List[dict]) -> List[str]:
                        and max(row["memory_vs_1f1b_fullest"]) <= memory]
             if fitting:
                 best = min(fitting, key=lambda row: row["time"])
+                where = best["schedule"] + (f", V={best['V']}" if best["V"] > 1
+                                            and placement_of(best["schedule"]) != "v" else "")
                 lines.append(f"# target {scenario} P={target_P} M={target_M}: best DPP "
-                             f"{best['time'] / ref['time']:.3f} x Megatron 1F1B ({best['schedule']}), "
+                             f"{best['time'] / ref['time']:.3f} x Megatron 1F1B ({where}), "
                              f"every rank within {memory} x 1F1B's fullest; target <= {target}")
     return lines
 
@@ -845,7 +870,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--microbatches", "-M", type=int, default=16)
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS),
                         choices=(*SCENARIOS, *PACKED_SCENARIOS),
-                        help="packed8k and packed32k (packed long-context windows) run at V=1 only.")
+                        help="packed8k and packed32k (packed long-context windows) run at V=1, "
+                             "and with -V 2 also on the v placement.")
     parser.add_argument("--schedules", nargs="+", default=None,
                         help="Subset of schedules (default: Megatron's, 1f1b-sorted, every DPP policy, "
                              "torch pipelining where it fits)")
@@ -899,9 +925,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if V < 1 or (V > 1 and args.microbatches % args.pipeline_size):
             parser.error(f"V={V}: need V >= 1, and M a multiple of P for interleaving")
     if args.schedules:
-        # Packed scenarios run at V=1 only (as main builds them).
-        chunk_counts = {1 if name in PACKED_SCENARIOS else V
-                        for name in args.scenarios for V in args.virtual_stages}
+        chunk_counts = {V for name in args.scenarios
+                        for V in chunk_counts_for(name, args.virtual_stages)}
         unfit = [label for label in args.schedules
                  if not any(schedule_fits(label, V) for V in chunk_counts)]
         if unfit:
@@ -915,7 +940,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     scenarios, schedules_of = [], {}
     for name in args.scenarios:
-        for V in ([1] if name in PACKED_SCENARIOS else args.virtual_stages):
+        for V in chunk_counts_for(name, args.virtual_stages):
             scenario = Scenario(name=name, P=args.pipeline_size, V=V, M=args.microbatches,
                                 mean_tokens=args.mean_tokens, forward_ms=args.forward_ms, cv=args.cv,
                                 straggler_prob=args.straggler_prob,

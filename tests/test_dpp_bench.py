@@ -79,15 +79,53 @@ def _bench_module():
 
 
 def test_listed_schedules_run_at_the_chunk_counts_they_fit():
-    """--schedules with -V 1 2: the v rows run at V=2 only, Megatron's 1F1B at V=1, its
-    interleaved schedule at V=2; the rest at both."""
+    """--schedules with -V 1 2: the v rows run at V=2 only, Megatron's 1F1B at V=1 (its order
+    with split backwards too), its interleaved schedule at V=2; the rest at both."""
     bench = _bench_module()
-    fits = {(label, V) for label in ("1f1b", "interleaved-1f1b", "zb-v+W/v", "dpp:adaptive+W/v",
+    fits = {(label, V) for label in ("1f1b", "1f1b+W", "interleaved-1f1b", "zb-v+W/v",
+                                     "dpp:adaptive+W/v",
                                      "dpp:adaptive+W@1.25x", "torch:Schedule1F1B")
             for V in (1, 2) if bench.schedule_fits(label, V)}
-    assert fits == {("1f1b", 1), ("interleaved-1f1b", 2), ("zb-v+W/v", 2), ("dpp:adaptive+W/v", 2),
+    assert fits == {("1f1b", 1), ("1f1b+W", 1), ("interleaved-1f1b", 2), ("zb-v+W/v", 2), ("dpp:adaptive+W/v", 2),
                     ("dpp:adaptive+W@1.25x", 1), ("dpp:adaptive+W@1.25x", 2),
                     ("torch:Schedule1F1B", 1)}
+
+
+def test_packed_scenarios_run_at_v1_and_on_the_v_when_asked():
+    """A packed scenario always runs V=1 (its reference, Megatron's 1F1B) and V=2 only when -V
+    asks for it, with the v placement's split rows there; other scenarios run what -V says."""
+    bench = _bench_module()
+    assert bench.chunk_counts_for("packed32k", [1]) == [1]
+    assert bench.chunk_counts_for("packed32k", [2]) == [1, 2]
+    assert bench.chunk_counts_for("packed8k", [1, 2, 4]) == [1, 2]
+    assert bench.chunk_counts_for("uniform", [2, 4]) == [2, 4]
+    assert bench.schedules_for(1, False, "packed32k") == list(bench.PACKED_SCHEDULES)
+    assert bench.schedules_for(2, False, "packed32k") == ["zb-v+W/v", "dpp:adaptive+W/v"]
+    assert all(bench.placement_of(label) == "v" for label in bench.PACKED_V_SCHEDULES)
+
+
+def test_packed_rows_count_a_chunks_activation_as_its_share_of_the_rank():
+    """A V=2 row's peak per rank is in chunk activations, each half a V=1 stage's: holding 2P of
+    them is 1F1B's fullest rank (P windows), 1.00; the v row is the best DPP row within 1.25x (the
+faster interleaved row at V=2 holds more)."""
+    bench = _bench_module()
+
+    def row(schedule, V, time, peaks):
+        return {"scenario": "packed32k", "P": 4, "M": 16, "V": V, "schedule": schedule,
+                "executor": "megatron" if schedule == "1f1b" else "dpp", "time": time,
+                "times": [time], "predicted_time_no_overhead": time, "pipeline_bound": time,
+                "megatron_budget": 4, "peak_activation_per_rank": peaks}
+
+    rows = [row("1f1b", 1, 100.0, [4, 3, 2, 1]),
+            row("dpp:adaptive+W@1.25x", 1, 87.0, [5, 5, 4, 1]),
+            row("dpp:adaptive+W/v", 2, 85.0, [8, 8, 8, 8]),
+            row("dpp:adaptive+W@1.25x", 2, 80.0, [13, 13, 13, 13])]  # interleaved: 1.62x
+    lines = bench.packed_lines(rows)
+    assert " dpp:adaptive+W@1.25x V=2 " in lines[3], lines[3]
+    assert rows[2]["memory_vs_1f1b_fullest"] == [1.0, 1.0, 1.0, 1.0]
+    assert rows[1]["memory_vs_1f1b_fullest"] == [1.25, 1.25, 1.0, 0.25]
+    assert lines[-1].startswith("# target packed32k P=4 M=16: best DPP 0.850 x Megatron 1F1B "
+                                "(dpp:adaptive+W/v)"), lines[-1]
 
 
 def test_a_listed_schedule_that_fits_no_run_stops_in_one_line():
