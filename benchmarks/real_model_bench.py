@@ -164,8 +164,27 @@ def gpt_flags(args: argparse.Namespace, trace_dir: Optional[str] = None,
             "--attention-dropout", "0", "--seed", "1234", "--log-interval", "1", "--eval-iters", "0",
             "--pipeline-model-parallel-size", "2",
             *DATA_FLAGS[data],
+            *layout_flags(args, variant),
             *(["--trace", "--trace-dir", trace_dir] if trace_dir else []),
-            *(VARIANTS[variant] if variant else [])]
+            *(variant_flags(args, variant) if variant else [])]
+
+
+def layout_flags(args: argparse.Namespace, variant: Optional[str]) -> List[str]:
+    """--pipeline-model-parallel-layout for `variant` (part 1's variants: one chunk a rank):
+    --chunked-layout for those with two chunks a rank, --layout for the rest."""
+    chunked = variant is not None and OTHER_CHUNKS_FLAG in VARIANTS[variant]
+    layout = args.chunked_layout if chunked else args.layout
+    return ["--pipeline-model-parallel-layout", layout] if layout else []
+
+
+def variant_flags(args: argparse.Namespace, variant: str) -> List[str]:
+    """VARIANTS[variant]; under --chunked-layout without the virtual-stage count, which the
+    layout string gives (Megatron-LM refuses both)."""
+    flags = VARIANTS[variant]
+    if args.chunked_layout and OTHER_CHUNKS_FLAG in flags:
+        at = flags.index(OTHER_CHUNKS_FLAG)
+        flags = flags[:at] + flags[at + 2:]
+    return list(flags)
 
 
 def ratio_summary(mine: List[float], theirs: List[float]) -> dict:
@@ -299,6 +318,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--attention-heads", type=int, default=12, help="Attention heads (default 12).")
     parser.add_argument("--num-layers", type=int, default=4,
                         help="Transformer layers, split evenly over the 2 stages (default 4).")
+    parser.add_argument("--layout", default=None,
+                        help="Megatron-LM's --pipeline-model-parallel-layout for the variants with "
+                             "one chunk a rank (2 stages, e.g. 'Ettt|tL': 3 layers and the "
+                             "embedding on rank 0, 1 and the output layer on rank 1); default: "
+                             "the even split.")
+    parser.add_argument("--chunked-layout", default=None,
+                        help="The same for the variants with two chunks a rank (/v, /vpp2): 4 "
+                             "stages in pipeline order, e.g. 'Et|tt|t|L' (on the v, stages 0 and "
+                             "3 are rank 0's); default: one layer a stage.")
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="Seconds one run may take before it is killed (default 900).")
     parser.add_argument("--quick", action="store_true",
@@ -322,19 +350,43 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--batch-skip must be in [0, --batches {args.batches})")
     if not 0 <= args.skip < args.iters:
         parser.error(f"--skip must be in [0, --iters {args.iters})")
-    if any(OTHER_CHUNKS_FLAG in VARIANTS[name] for name in args.variants) and args.num_layers % 4:
+    if (any(OTHER_CHUNKS_FLAG in VARIANTS[name] for name in args.variants) and args.num_layers % 4
+            and not args.chunked_layout):
         parser.error("the /v and /vpp2 variants split --num-layers over 4 stages (2 ranks x 2 "
-                     "chunks): give a multiple of 4")
+                     "chunks): give a multiple of 4, or --chunked-layout")
     if args.data == "varlen" and any(name.endswith(UNPACKED_SUFFIX) for name in args.variants):
         parser.error("the /unpacked variants are there to compare with packed data: give --data "
                      "packed, masked or whole-masked")
     if args.data != "masked" and any(name.endswith(UNMASKED_SUFFIX) for name in args.variants):
         parser.error("the /unmasked variants are --data masked's windows without the masking: "
                      "give --data masked")
-    if args.num_layers % 2 or args.hidden_size % args.attention_heads:
-        parser.error("--num-layers must be even (2 stages) and --hidden-size divisible by "
-                     "--attention-heads")
+    if args.hidden_size % args.attention_heads:
+        parser.error("--hidden-size must be divisible by --attention-heads")
+    for flag, layout, stages in (("--layout", args.layout, 2),
+                                 ("--chunked-layout", args.chunked_layout, 4)):
+        problem = layout_problem(layout, stages, args.num_layers) if layout else None
+        if problem:
+            parser.error(f"{flag} {layout!r}: {problem}")
+    if args.num_layers % 2 and not args.layout:
+        parser.error("--num-layers must be even (2 stages), or give --layout")
     return args
+
+
+def layout_problem(layout: str, stages: int, num_layers: int) -> Optional[str]:
+    """Why `layout` (Megatron-LM's layout string) cannot split num_layers over `stages`, or None."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    try:
+        parsed = PipelineParallelLayerLayout.parse_str_to_list(layout)
+    except Exception as error:  # Megatron's parser raises several kinds on a malformed string
+        return f"not a layout string ({error})"
+    if len(parsed) != stages:
+        return f"{len(parsed)} stages, these variants have {stages}"
+    layers = sum(stage.count(LayerType.decoder) for stage in parsed)
+    if layers != num_layers:
+        return f"{layers} transformer layers, --num-layers is {num_layers}"
+    return None
 
 
 def main(argv=None) -> int:
@@ -350,6 +402,9 @@ def main(argv=None) -> int:
     print(f"real GPT pp=2, {DATA_WORDS[args.data]} of the {args.corpus} corpus (hidden "
           f"{args.hidden_size}, {args.num_layers} layers, {args.microbatches} microbatches of up to "
           f"{args.seq_length} tokens), one core per rank")
+    for flag, layout in (("layout", args.layout), ("chunked layout", args.chunked_layout)):
+        if layout:
+            print(f"{flag} {layout}")
     one_process = run_one_process(args)
     one_summary = summarize_one_process(one_process, args.batch_skip)
     print(f"part 1, one process: every variant on the same {args.batches} batches (first "
@@ -418,7 +473,8 @@ def main(argv=None) -> int:
         settings = {key: getattr(args, key) for key in
                     ("variants", "data", "corpus", "batches", "batch_skip", "rounds", "iters", "skip",
                      "microbatches",
-                     "seq_length", "hidden_size", "attention_heads", "num_layers", "quick")}
+                     "seq_length", "hidden_size", "attention_heads", "num_layers", "layout",
+                     "chunked_layout", "quick")}
         with open(args.json, "w") as f:
             json.dump({"settings": settings, "reference": REFERENCE,
                        "one_process": {"summary": one_summary, **one_process},

@@ -198,3 +198,28 @@ def test_per_task_overhead_leaves_out_a_ranks_fill_and_drain(tmp_path):
     stats = bench.trace_stats(str(tmp_path), skip=0)
     assert stats["per_task_overhead_ms"] == pytest.approx(5.0, abs=1e-6), stats
     assert stats["per_task_send_posting_ms"] == 0
+
+
+def test_layouts_go_to_the_variants_of_their_chunk_count(monkeypatch):
+    """--layout reaches the one-chunk variants (and part 1), --chunked-layout the /v and /vpp2
+    ones; a layout string with the wrong stage or layer count stops in one line."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
+    import real_model_bench as bench
+
+    args = bench.parse_args(["--data", "masked", "--layout", "Ettt|tL",
+                             "--chunked-layout", "Et|tt|t|L"])
+    layout = "--pipeline-model-parallel-layout"
+    assert bench.layout_flags(args, None) == [layout, "Ettt|tL"]
+    assert bench.layout_flags(args, "dpp:adaptive+W") == [layout, "Ettt|tL"]
+    assert bench.layout_flags(args, "dpp:adaptive+W/v") == [layout, "Et|tt|t|L"]
+    assert bench.layout_flags(args, "interleaved-1f1b/vpp2") == [layout, "Et|tt|t|L"]
+    assert bench.layout_flags(bench.parse_args([]), "dpp:adaptive+W/v") == []
+    # The layout string gives the chunk count: Megatron-LM refuses it beside the flag.
+    assert bench.OTHER_CHUNKS_FLAG not in bench.variant_flags(args, "dpp:adaptive+W/v")
+    assert "v" in bench.variant_flags(args, "dpp:adaptive+W/v")
+    assert bench.OTHER_CHUNKS_FLAG in bench.variant_flags(bench.parse_args([]), "zb-v+W/v")
+    assert bench.layout_problem("Ett|ttL", 2, 4) is None
+    assert bench.layout_problem("Et|tt|t|L", 2, 4) == "4 stages, these variants have 2"
+    assert bench.layout_problem("Et|t|t|L", 4, 4) == "3 transformer layers, --num-layers is 4"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--chunked-layout", "Ettt|tL"])
